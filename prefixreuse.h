@@ -88,9 +88,131 @@ typedef struct {
 
 PRDEF const char *pr_status_name(pr_status s);
 
-/* @@PUBLIC io */
 
-/* @@PUBLIC trace */
+/* ---------------------------------------------------------------- 2. Model configuration */
+/* The fields of a Hugging Face LlamaConfig / Qwen3Config that decide the math. */
+typedef struct {
+    char model_type[32];          /* "llama" or "qwen3" */
+    int vocab_size, hidden_size, intermediate_size, num_hidden_layers;
+    int num_attention_heads, num_key_value_heads, head_dim;  /* head_dim defaults to hidden/heads */
+    int max_position_embeddings;
+    double rms_norm_eps, rope_theta;
+    int rope_llama3;              /* 1 when rope_scaling.rope_type (or "type") == "llama3" */
+    double rope_factor, rope_low_freq_factor, rope_high_freq_factor;  /* 0 unless rope_llama3 */
+    int rope_original_max_position;   /* rope_scaling.original_max_position_embeddings */
+    int tie_word_embeddings;
+    int qk_norm;                  /* 1 for model_type "qwen3": per-head RMSNorm on q and k */
+} pr_config;
+
+/* Parse config.json text (len bytes, no terminator needed) and validate it. cfg is written only on
+   success. Unsupported features (other model types, biases, non-SiLU activations, rope types other
+   than llama3, sliding windows, attention dropout) give PR_ERR_UNSUPPORTED. */
+PRDEF pr_status pr_config_parse(pr_config *cfg, const char *json, size_t len, pr_error *err);
+/* path: a folder holding config.json, or the path of a config.json. */
+PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err);
+PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err);
+/* Writes a Hugging Face style config.json that pr_config_parse reads back to the same struct;
+   atomically (temporary file, fsync, rename). */
+PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err);
+
+/* ---------------------------------------------------------------- 4. safetensors */
+typedef enum { PR_DT_F32, PR_DT_F16, PR_DT_BF16, PR_DT_F64 } pr_dtype;
+
+/* One tensor of an opened checkpoint. begin/end are byte offsets into the data buffer of shard
+   `file` (the buffer starts after the 8-byte length and the JSON header). */
+typedef struct {
+    char name[256];
+    pr_dtype dtype;
+    int ndim;
+    int64_t shape[8];
+    uint64_t begin, end;
+    int file;
+} pr_st_tensor;
+
+typedef struct pr_checkpoint pr_checkpoint;
+
+/* path: a .safetensors file; a folder with model.safetensors or model.safetensors.index.json (the
+   single file wins when both exist, as in transformers); or the path of an index .json. Every shard
+   is opened and its header validated and indexed; tensor names must be unique across shards. */
+PRDEF pr_status pr_checkpoint_open(pr_checkpoint **ck, const char *path, pr_error *err);
+PRDEF const pr_st_tensor *pr_checkpoint_find(const pr_checkpoint *ck, const char *name);  /* NULL if absent */
+/* Converts F32/F16/BF16/F64 to pr_real. count must equal the tensor's element count. dst is written
+   only after every check passed; a read error part way (device error, file truncated meanwhile)
+   leaves dst partly written. Opens the shard per call, so concurrent reads are safe. */
+PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *t, pr_real *dst, size_t count, pr_error *err);
+PRDEF int pr_checkpoint_count(const pr_checkpoint *ck);                      /* tensors, sorted by name */
+PRDEF const pr_st_tensor *pr_checkpoint_tensor(const pr_checkpoint *ck, int i);
+PRDEF void pr_checkpoint_close(pr_checkpoint *ck);
+
+/* Scalar conversions used by the reader and writer, for other code that stages 16-bit data:
+   round to nearest even, overflow to inf, NaN stays NaN. */
+PRDEF uint16_t pr_f32_to_bf16(float x);
+PRDEF float pr_bf16_to_f32(uint16_t h);
+PRDEF uint16_t pr_f32_to_f16(float x);
+PRDEF float pr_f16_to_f32(uint16_t h);
+
+/* One tensor to write: shape has ndim (0..4) entries; data holds prod(shape) reals. */
+typedef struct { const char *name; const pr_real *data; int ndim; int64_t shape[4]; } pr_st_entry;
+
+/* Writes one .safetensors file in dtype F32, BF16 or F16 (round to nearest even; NaN stays NaN) or
+   F64. metadata: NULL or a JSON object of string values, stored as "__metadata__". The header is
+   padded with spaces to a multiple of 8. Written to "<path>.tmp.<pid>", then fflush, fsync, rename;
+   the temporary file is removed on failure. */
+PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
+                                     const char *metadata_json_object_or_null, pr_error *err);
+/* Writes a Hugging Face checkpoint folder (created if missing): model.safetensors when all tensor
+   data fits in max_shard_bytes (0 = no limit), else model-00001-of-0000N.safetensors ... and
+   model.safetensors.index.json, written last. Shards are filled in entry order; a tensor larger than
+   the limit gets a shard of its own. Every file is written atomically; a stale single file or index
+   of the other layout is removed so that readers cannot pick it up. */
+PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype,
+                                   uint64_t max_shard_bytes, pr_error *err);
+
+
+/* ---------------------------------------------------------------- 3. GRPO traces
+   One prompt group: a prefix (P tokens) shared by G sampled suffixes (S_i tokens each).
+   The per-token arrays hold the suffixes one after another: token j of suffix i is entry
+   suffix_off[i] + j. old_logp/ref_logp of that token are its log-probabilities under the rollout
+   and reference policies given everything before it; suffix token 0 is predicted from the last
+   prefix position. loss_mask is 1 where the token contributes to the loss.
+   Field rules (pr_trace_parse and pr_group_validate check the same ones):
+     1 <= P, G, S_i <= 2^24;  suffix_off[0] = 0, suffix_off[i+1] = suffix_off[i] + suffix_len[i];
+     every token id in [0, vocab_size);  advantages finite;  log-probs finite and <= 0;
+     ref_logp NULL or fully given;  loss_mask entries 0 or 1. */
+#define PR_TRACE_MAX_COUNT (1 << 24)   /* largest P, G and S_i */
+
+typedef struct {
+    int P;                 /* prefix tokens */
+    int G;                 /* suffixes */
+    int32_t *prefix;       /* (P) */
+    int *suffix_len;       /* (G) */
+    int64_t *suffix_off;   /* (G+1) offsets of each suffix in the flattened per-token arrays */
+    int32_t *tokens;       /* (suffix_off[G]) suffix tokens, suffix after suffix */
+    pr_real *advantage;    /* (G) */
+    pr_real *old_logp;     /* (suffix_off[G]) */
+    pr_real *ref_logp;     /* (suffix_off[G]) or NULL */
+    uint8_t *loss_mask;    /* (suffix_off[G]) */
+} pr_group;
+
+typedef struct {
+    int n_groups;
+    int vocab_size;
+    int has_ref;           /* every group carries ref_logp */
+    pr_group *groups;      /* (n_groups) */
+} pr_trace;
+
+/* Read a trace file (pr_trace_parse on its bytes; messages name the file). */
+PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err);
+/* Parse a trace held in memory. Everything is checked before *trace is written: on failure
+   *trace is untouched and nothing is allocated. On success the whole trace (the groups array
+   and every group's arrays) lives in one allocation that pr_trace_free releases. */
+PRDEF pr_status pr_trace_parse(pr_trace *trace, const void *bytes, size_t len, pr_error *err);
+/* Free what pr_trace_read/pr_trace_parse allocated and zero *trace (NULL or zeroed: no-op).
+   Not for traces whose groups the caller built. */
+PRDEF void pr_trace_free(pr_trace *trace);
+/* Check a group (e.g. one built in memory by the caller) against the field rules above. */
+PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *err);
+
 
 /* ---------------------------------------------------------------- 5. Backend interface */
 /* Where a buffer lives. DEVICE is the compute memory (host RAM for the CPU backend); HOST is
@@ -205,8 +327,9 @@ typedef struct {
    CPU backend), valid only during the call; k/v rows are (P, NKV*HS), post-RoPE. */
 typedef struct {
     void *user;
-    /* Phase A: layer `layer` published its prefix K/V */
-    void (*on_kv_capture)(void *user, int layer, const void *k, const void *v, int P, int kv_dim);
+    /* Phase A: layer `layer` published its prefix K/V. The hook may rewrite them in place (a
+       distributed exchange does): Phase B reads whatever the cache holds when it starts. */
+    void (*on_kv_capture)(void *user, int layer, void *k, void *v, int P, int kv_dim);
     /* Phase B: microbatch `mb` produced these prefix dK/dV for `layer` (about to be added to gK/gV) */
     void (*on_dkv)(void *user, int layer, int mb, const void *dk, const void *dv, int P, int kv_dim);
     /* Phase C: the accumulated gK/gV are injected into `layer`'s prefix backward */
@@ -345,11 +468,2256 @@ static double pr__now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* @@IMPL gemm */
+/* ---------------------------------------------------------------- GEMM */
 
-/* @@IMPL io */
+#ifdef PR_USE_CBLAS
+#include <cblas.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-/* @@IMPL trace */
+/* The obvious triple loop; the yardstick for tests. */
+static void pr__gemm_reference(int ta, int tb, int M, int N, int K,
+                               const pr_real *A, int lda, const pr_real *B, int ldb,
+                               pr_real beta, pr_real *C, int ldc) {
+    int i, j, k;
+    for (i = 0; i < M; i++)
+        for (j = 0; j < N; j++) {
+            pr_real s = 0;
+            for (k = 0; k < K; k++)
+                s += (ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
+                     (tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j]);
+            C[(size_t)i * ldc + j] = beta == 0 ? s : beta * C[(size_t)i * ldc + j] + s;
+        }
+}
+
+#ifndef PR_USE_CBLAS
+
+#if defined(__GNUC__) || defined(__clang__)
+#  define PR__GEMM_VEC 1
+#  ifndef PR__VBYTES
+#    if defined(__AVX512F__)
+#      define PR__VBYTES 64
+#    elif defined(__AVX__)
+#      define PR__VBYTES 32
+#    else
+#      define PR__VBYTES 16
+#    endif
+#  endif
+typedef pr_real pr__vreal __attribute__((vector_size(PR__VBYTES)));
+#  define PR__VLEN (PR__VBYTES / (int)sizeof(pr_real))
+#else
+#  define PR__GEMM_VEC 0
+#  define PR__VLEN (16 / (int)sizeof(pr_real))
+#endif
+
+#define PR__NV 2                       /* vectors per tile row */
+#define PR__NR (PR__NV * PR__VLEN)     /* tile width */
+#ifndef PR__MR                         /* tile height: MR*NV accumulators + NV + 1 registers */
+#  if defined(__AVX512F__) || defined(__aarch64__)
+#    define PR__MR 8                   /* 32 vector registers */
+#  else
+#    define PR__MR 6                   /* 16 vector registers */
+#  endif
+#endif
+#ifndef PR__KC
+#define PR__KC 256                     /* K block: a B panel (KC x NR) stays in L1 */
+#endif
+#ifndef PR__MCX
+#define PR__MCX 192
+#endif
+#define PR__MC (PR__MCX / PR__MR * PR__MR) /* M block: packed A (MC x KC) stays in L2 */
+#ifndef PR__NC
+#define PR__NC 2048                    /* N block: packed B (KC x NC) stays in L3 */
+#endif
+
+/* Pack rows [0,n) x k [0,kc) of op(X) into W-wide panels P[panel][k][0..W), zero-padded.
+   rk=1: element (r,k) is X[r*ld+k];  rk=0: it is X[k*ld+r]. */
+static void pr__gemm_pack(pr_real *P, const pr_real *X, int ld, int rk, int n, int kc, int W) {
+    int p, r, k;
+    for (p = 0; p < n; p += W, P += (size_t)W * kc) {
+        int w = n - p < W ? n - p : W;
+        if (rk) {
+            for (r = 0; r < w; r++) {
+                const pr_real *x = X + (size_t)(p + r) * ld;
+                for (k = 0; k < kc; k++) P[(size_t)k * W + r] = x[k];
+            }
+        } else {
+            for (k = 0; k < kc; k++) {
+                const pr_real *x = X + (size_t)k * ld + p;
+                for (r = 0; r < w; r++) P[(size_t)k * W + r] = x[r];
+            }
+        }
+        for (k = 0; w < W && k < kc; k++)
+            for (r = w; r < W; r++) P[(size_t)k * W + r] = 0;
+    }
+}
+
+/* GCC in ISO mode (-std=c99) defaults to -ffp-contract=off, which would split every
+   multiply-add into two instructions and halve throughput; opt this function back in.
+   Clang fuses "acc += a*b" by default.  Fusing is a per-binary property, so it does
+   not affect determinism across thread counts. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=fast")))
+#endif
+/* Tile c[0..m) x [0..n) (stride ldc) = (acc ? c : 0) + sum_k pa[k] (x) pb[k]. */
+static void pr__gemm_kernel(int kc, const pr_real *pa, const pr_real *pb,
+                            pr_real *c, int ldc, int m, int n, int acc) {
+    pr_real t[PR__MR * PR__NR];
+    int i, j, k;
+#if PR__GEMM_VEC
+    pr__vreal s[PR__MR][PR__NV], bv[PR__NV];
+    for (i = 0; i < PR__MR; i++)
+        for (j = 0; j < PR__NV; j++) s[i][j] = (pr__vreal){0};
+    for (k = 0; k < kc; k++, pa += PR__MR, pb += PR__NR) {
+        for (j = 0; j < PR__NV; j++) memcpy(&bv[j], pb + j * PR__VLEN, sizeof bv[j]);
+#if defined(__GNUC__)
+#pragma GCC unroll 16
+#endif
+        for (i = 0; i < PR__MR; i++)
+            for (j = 0; j < PR__NV; j++) s[i][j] += pa[i] * bv[j];
+    }
+    if (m == PR__MR && n == PR__NR) { /* full tile: stay in vector registers */
+        for (i = 0; i < PR__MR; i++, c += ldc)
+            for (j = 0; j < PR__NV; j++) {
+                pr__vreal v = s[i][j];
+                if (acc) {
+                    pr__vreal old;
+                    memcpy(&old, c + j * PR__VLEN, sizeof old);
+                    v = old + v;
+                }
+                memcpy(c + j * PR__VLEN, &v, sizeof v);
+            }
+        return;
+    }
+    for (i = 0; i < PR__MR; i++)
+        for (j = 0; j < PR__NV; j++) memcpy(t + i * PR__NR + j * PR__VLEN, &s[i][j], sizeof s[i][j]);
+#else
+    for (i = 0; i < PR__MR * PR__NR; i++) t[i] = 0;
+    for (k = 0; k < kc; k++, pa += PR__MR, pb += PR__NR)
+        for (i = 0; i < PR__MR; i++)
+            for (j = 0; j < PR__NR; j++) t[i * PR__NR + j] += pa[i] * pb[j];
+#endif
+    for (i = 0; i < m; i++, c += ldc)
+        for (j = 0; j < n; j++) c[j] = acc ? c[j] + t[i * PR__NR + j] : t[i * PR__NR + j];
+}
+
+/* One thread's share: rows [m0,m1) x cols [n0,n1) of C, with private buffers pa, pb. */
+static void pr__gemm_part(int ta, int tb, int m0, int m1, int n0, int n1, int K,
+                          const pr_real *A, int lda, const pr_real *B, int ldb,
+                          pr_real beta, pr_real *C, int ldc, pr_real *pa, pr_real *pb) {
+    int jc, pc, ic, jr, ir;
+    for (jc = n0; jc < n1; jc += PR__NC) {
+        int nc = n1 - jc < PR__NC ? n1 - jc : PR__NC;
+        for (pc = 0; pc < K; pc += PR__KC) {
+            int kc = K - pc < PR__KC ? K - pc : PR__KC;
+            pr__gemm_pack(pb, tb ? B + (size_t)jc * ldb + pc : B + (size_t)pc * ldb + jc,
+                          ldb, tb, nc, kc, PR__NR);
+            for (ic = m0; ic < m1; ic += PR__MC) {
+                int mc = m1 - ic < PR__MC ? m1 - ic : PR__MC;
+                pr__gemm_pack(pa, ta ? A + (size_t)pc * lda + ic : A + (size_t)ic * lda + pc,
+                              lda, !ta, mc, kc, PR__MR);
+                for (jr = 0; jr < nc; jr += PR__NR)
+                    for (ir = 0; ir < mc; ir += PR__MR)
+                        pr__gemm_kernel(kc, pa + (size_t)ir * kc, pb + (size_t)jr * kc,
+                                        C + (size_t)(ic + ir) * ldc + jc + jr, ldc,
+                                        mc - ir < PR__MR ? mc - ir : PR__MR,
+                                        nc - jr < PR__NR ? nc - jr : PR__NR, pc > 0 || beta != 0);
+            }
+        }
+    }
+}
+#endif /* !PR_USE_CBLAS */
+
+static void pr__gemm(int ta, int tb, int M, int N, int K,
+                     const pr_real *A, int lda, const pr_real *B, int ldb,
+                     pr_real beta, pr_real *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    /* C = beta*C up front unless beta is 0 or 1, so kernels only overwrite or add.
+       With K == 0 that is the whole answer (and BLAS would reject lda < 1 then). */
+    if (K <= 0 || (beta != 0 && beta != 1)) {
+        int i, j;
+        for (i = 0; i < M; i++)
+            for (j = 0; j < N; j++)
+                C[(size_t)i * ldc + j] = beta == 0 ? 0 : beta * C[(size_t)i * ldc + j];
+        if (K <= 0) return;
+        beta = 1;
+    }
+#ifdef PR_USE_CBLAS
+#ifdef PR_DOUBLE
+    cblas_dgemm(
+#else
+    cblas_sgemm(
+#endif
+        CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+        M, N, K, 1, A, lda, B, ldb, beta, C, ldc);
+#else
+    {
+        /* Per-thread buffer sizes, rounded up to whole 64-byte lines so each slice
+           stays aligned for the vector loads. */
+        const size_t line = 64 / sizeof(pr_real);
+        const size_t sa = ((size_t)PR__MC * PR__KC + line - 1) / line * line;
+        const size_t sb = ((size_t)PR__NC * PR__KC + line - 1) / line * line;
+        int nt = 1;
+        char *raw;
+        pr_real *buf;
+#ifdef _OPENMP
+        /* Threads only pay off once each gets a few tiles' work. */
+        if ((double)M * N * K > 1e6) nt = omp_get_max_threads();
+#endif
+        raw = (char *)PR_MALLOC((sa + sb) * nt * sizeof(pr_real) + 64);
+        if (!raw) { /* never abort: fall back to the unpacked loop */
+            pr__gemm_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+            return;
+        }
+        buf = (pr_real *)(raw + (64 - (uintptr_t)raw % 64) % 64);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+        {
+            int t = 0, T = 1;
+            /* Split the wider of M, N into whole tiles, contiguous per thread. */
+            int splitn = (N + PR__NR - 1) / PR__NR >= (M + PR__MR - 1) / PR__MR;
+            int unit = splitn ? PR__NR : PR__MR, len = splitn ? N : M;
+            int tiles = (len + unit - 1) / unit, lo, hi;
+#ifdef _OPENMP
+            t = omp_get_thread_num();
+            T = omp_get_num_threads();
+#endif
+            lo = (int)((long long)tiles * t / T) * unit;
+            hi = (int)((long long)tiles * (t + 1) / T) * unit;
+            if (hi > len) hi = len;
+            if (lo < hi)
+                pr__gemm_part(ta, tb, splitn ? 0 : lo, splitn ? M : hi, splitn ? lo : 0,
+                              splitn ? hi : N, K, A, lda, B, ldb, beta, C, ldc,
+                              buf + (size_t)t * (sa + sb), buf + (size_t)t * (sa + sb) + sa);
+        }
+        PR_FREE(raw);
+    }
+#endif
+}
+
+
+#include <errno.h>
+#include <limits.h>
+#include <locale.h>
+#include <sys/types.h>
+#include <sys/stat.h>
+#if defined(_WIN32)
+#include <direct.h>
+#include <fcntl.h>
+#include <io.h>
+#include <process.h>
+#else
+#include <fcntl.h>
+#include <unistd.h>
+#endif
+
+/* ---------------------------------------------------------------- io: platform */
+/* Strict ISO modes (gcc -std=c99) hide fseeko and fileno even on POSIX systems, so the code below
+   uses only what stays visible there (stat, open, fsync, mkdir, getpid) and falls back to fseek
+   with a long offset, which is 64-bit on every LP64 system, when fseeko is hidden. */
+#if !defined(_WIN32) && ((defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L) || defined(__APPLE__))
+#define PR__HAVE_FSEEKO 1
+#endif
+
+static int pr__io_seek(FILE *f, uint64_t off) {
+#if defined(_WIN32)
+    if (off > (uint64_t)INT64_MAX) return 0;
+    return _fseeki64(f, (__int64)off, SEEK_SET) == 0;
+#elif defined(PR__HAVE_FSEEKO)
+    /* off_t is 32-bit on 32-bit systems built without _FILE_OFFSET_BITS=64 */
+    if (sizeof(off_t) < 8 && off > 0x7fffffffu) return 0;
+    if (off > (uint64_t)INT64_MAX) return 0;
+    return fseeko(f, (off_t)off, SEEK_SET) == 0;
+#else
+    if (off > (uint64_t)LONG_MAX) return 0;
+    return fseek(f, (long)off, SEEK_SET) == 0;
+#endif
+}
+
+/* Returns 1 and fills size/is_dir when path exists. */
+static int pr__io_stat(const char *path, uint64_t *size, int *is_dir) {
+#if defined(_WIN32)
+    struct __stat64 s;
+    if (_stat64(path, &s) != 0) return 0;
+    *is_dir = (s.st_mode & _S_IFDIR) != 0;
+#else
+    struct stat s;
+    if (stat(path, &s) != 0) return 0;
+    *is_dir = S_ISDIR(s.st_mode) ? 1 : 0;
+#endif
+    *size = s.st_size < 0 ? 0 : (uint64_t)s.st_size;
+    return 1;
+}
+
+/* Flush a closed file's data to the disk before it is renamed into place, so that a crash cannot
+   leave a renamed but empty file. fsync through a fresh descriptor: stdio's is hidden in strict ISO
+   mode, and POSIX syncs the file, not the descriptor. */
+static int pr__io_sync_path(const char *path) {
+#if defined(_WIN32)
+    int fd = _open(path, _O_RDWR | _O_BINARY);
+    if (fd < 0) return 0;
+    int ok = _commit(fd) == 0;
+    _close(fd);
+    return ok;
+#else
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    int ok = fsync(fd) == 0;
+    close(fd);
+    return ok;
+#endif
+}
+
+/* Best effort: make a rename durable. Some file systems refuse fsync on folders; that is fine. */
+static void pr__io_sync_dir(const char *dir) {
+#if !defined(_WIN32)
+    int fd = open(dir, O_RDONLY);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        close(fd);
+    }
+#else
+    (void)dir;
+#endif
+}
+
+static int pr__io_rename(const char *from, const char *to) {
+#if defined(_WIN32)
+    remove(to); /* Windows rename does not replace; the window without `to` is the price of C's API */
+#endif
+    return rename(from, to) == 0;
+}
+
+static int pr__io_mkdir(const char *path) {
+#if defined(_WIN32)
+    return _mkdir(path) == 0 || errno == EEXIST;
+#else
+    return mkdir(path, 0777) == 0 || errno == EEXIST;
+#endif
+}
+
+static long pr__io_pid(void) {
+#if defined(_WIN32)
+    return (long)_getpid();
+#else
+    return (long)getpid();
+#endif
+}
+
+/* ---------------------------------------------------------------- io: small helpers */
+static int pr__u64_mul(uint64_t a, uint64_t b, uint64_t *out) {
+    if (a != 0 && b > UINT64_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+static int pr__u64_add(uint64_t a, uint64_t b, uint64_t *out) {
+    if (b > UINT64_MAX - a) return 0;
+    *out = a + b;
+    return 1;
+}
+
+/* "dir/name" in a fresh allocation (NULL when out of memory). */
+static char *pr__path_join(const char *dir, const char *name) {
+    size_t a = strlen(dir), b = strlen(name);
+    int slash = a > 0 && dir[a - 1] != '/' && dir[a - 1] != '\\';
+    if (a > SIZE_MAX - b - 2) return NULL;
+    char *p = (char *)PR_MALLOC(a + b + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, a);
+    if (slash) p[a++] = '/';
+    memcpy(p + a, name, b + 1);
+    return p;
+}
+
+static char *pr__strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = (char *)PR_MALLOC(n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+/* The folder part of a file path ("." when there is none). */
+static char *pr__path_dir(const char *path) {
+    const char *slash = strrchr(path, '/');
+#if defined(_WIN32)
+    const char *bs = strrchr(path, '\\');
+    if (bs && (!slash || bs > slash)) slash = bs;
+#endif
+    if (!slash) return pr__strdup(".");
+    size_t n = slash == path ? 1 : (size_t)(slash - path);
+    char *p = (char *)PR_MALLOC(n + 1);
+    if (!p) return NULL;
+    memcpy(p, path, n);
+    p[n] = 0;
+    return p;
+}
+
+/* A growing byte buffer. Allocation failures latch `failed`, so that writers can append freely and
+   check once at the end. */
+typedef struct {
+    char *p;
+    size_t len, cap;
+    int failed;
+} pr__buf;
+
+static void pr__buf_add(pr__buf *b, const void *data, size_t n) {
+    if (b->failed) return;
+    if (n > SIZE_MAX - b->len - 1) { b->failed = 1; return; }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1) {
+            if (cap > SIZE_MAX / 2) { cap = b->len + n + 1; break; }
+            cap *= 2;
+        }
+        char *q = (char *)PR_REALLOC(b->p, cap);
+        if (!q) { b->failed = 1; return; }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+    b->p[b->len] = 0; /* always a C string, for snprintf-free inspection */
+}
+
+static void pr__buf_str(pr__buf *b, const char *s) { pr__buf_add(b, s, strlen(s)); }
+
+static void pr__buf_u64(pr__buf *b, uint64_t v) {
+    char tmp[24];
+    int i = (int)sizeof tmp;
+    do { tmp[--i] = (char)('0' + v % 10); v /= 10; } while (v);
+    pr__buf_add(b, tmp + i, sizeof tmp - (size_t)i);
+}
+
+static void pr__buf_i64(pr__buf *b, int64_t v) {
+    if (v < 0) {
+        pr__buf_add(b, "-", 1);
+        pr__buf_u64(b, (uint64_t)(-(v + 1)) + 1); /* no overflow at INT64_MIN */
+    } else {
+        pr__buf_u64(b, (uint64_t)v);
+    }
+}
+
+/* A JSON string literal: quotes, backslash and control characters escaped; other bytes as is. */
+static void pr__buf_json_str(pr__buf *b, const char *s, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    pr__buf_add(b, "\"", 1);
+    size_t run = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\') continue;
+        pr__buf_add(b, s + run, i - run);
+        run = i + 1;
+        char esc[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
+        if (c == '"' || c == '\\') { esc[1] = (char)c; pr__buf_add(b, esc, 2); }
+        else if (c == '\n') pr__buf_add(b, "\\n", 2);
+        else if (c == '\t') pr__buf_add(b, "\\t", 2);
+        else if (c == '\r') pr__buf_add(b, "\\r", 2);
+        else pr__buf_add(b, esc, 6);
+    }
+    pr__buf_add(b, s + run, n - run);
+    pr__buf_add(b, "\"", 1);
+}
+
+/* strtod on C-locale text. strtod follows LC_NUMERIC, so in a host program that switched to a
+   locale with a decimal comma, "1.5" would stop at the '.'; retry with the locale's separator. */
+static double pr__strtod_c(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    if (*end == 0) return v;
+    const char *dp = localeconv()->decimal_point;
+    size_t dpn = dp ? strlen(dp) : 0, n = strlen(s);
+    if (dpn == 0 || dpn > 8 || n > 400) return v;
+    char tmp[480];
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '.') { memcpy(tmp + j, dp, dpn); j += dpn; }
+        else tmp[j++] = s[i];
+    }
+    tmp[j] = 0;
+    return strtod(tmp, NULL);
+}
+
+/* The shortest of %.15g/%.16g/%.17g that reads back to exactly v, always with a '.' (never the
+   locale's comma) and with ".0" added to integral values so that Python reads a float back. */
+static void pr__fmt_double(char out[40], double v) {
+    for (int prec = 15; prec <= 17; prec++) {
+        snprintf(out, 40, "%.*g", prec, v);
+        /* %g writes the locale's decimal separator; JSON needs '.' */
+        const char *dp = localeconv()->decimal_point;
+        char *at = dp && dp[0] && strcmp(dp, ".") != 0 ? strstr(out, dp) : NULL;
+        if (at) {
+            size_t k = strlen(dp);
+            *at = '.';
+            memmove(at + 1, at + k, strlen(at + k) + 1);
+        }
+        if (pr__strtod_c(out) == v) break;
+    }
+    if (!strchr(out, '.') && !strchr(out, 'e') && !strchr(out, 'n') && !strchr(out, 'i')) strcat(out, ".0");
+}
+
+/* ---------------------------------------------------------------- io: number formats */
+/* Conversions between float and the 16-bit formats, all round-to-nearest-even, NaN kept NaN. */
+PRDEF float pr_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t pr__f32bits_to_bf16(uint32_t u) {
+    /* NaN: keep sign and top payload, force the quiet bit so that truncation cannot turn it into inf */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1); /* ties to even; carries into the exponent give inf on overflow */
+    return (uint16_t)(u >> 16);
+}
+
+PRDEF uint16_t pr_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return pr__f32bits_to_bf16(u);
+}
+
+PRDEF float pr_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);   /* inf, NaN (payload kept) */
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13); /* rebias 15 -> 127 */
+    else if (!man) u = sign;                                  /* +-0 */
+    else {                                                    /* subnormal: man * 2^-24, normalise */
+        exp = 113;
+        while (!(man & 0x400u)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t pr__f32bits_to_f16(uint32_t u) {
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* quiet NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (a >= 0x38800000u) {                                   /* a normal half (>= 2^-14) */
+        uint32_t r = a - 0x38000000u;                         /* rebias 127 -> 15 */
+        r += 0xfffu + ((r >> 13) & 1);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    uint32_t e = a >> 23;                                     /* below 2^-14: a half subnormal */
+    if (e < 102) return sign;                                 /* below 2^-25: rounds to zero */
+    uint32_t m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e; /* value = m * 2^(e-150), units 2^-24 */
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;          /* q == 0x400 is the smallest normal */
+    return (uint16_t)(sign | q);
+}
+
+PRDEF uint16_t pr_f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return pr__f32bits_to_f16(u);
+}
+
+/* The float bits of a pr_real for a later 16-bit rounding. From double, round to odd: a plain
+   double->float->16-bit rounding rounds twice and can land on the wrong side of a tie
+   (1 + 2^-8 + 2^-30 would become 1 in bf16). Truncating and setting the last bit when inexact
+   keeps enough information for the second rounding to be correct. */
+static uint32_t pr__real_to_f32bits_odd(pr_real x) {
+    float f = (float)x;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    double d = (double)x;
+    if (d == d && (double)f != d) {
+        if (fabs((double)f) > fabs(d)) u -= 1; /* step toward zero: the bits are sign-magnitude */
+        u |= 1;
+    }
+    return u;
+}
+
+static uint32_t pr__get_u32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t pr__get_u64(const unsigned char *p) { return (uint64_t)pr__get_u32(p) | (uint64_t)pr__get_u32(p + 4) << 32; }
+static void pr__put_u16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
+static void pr__put_u32(unsigned char *p, uint32_t v) { pr__put_u16(p, (uint16_t)v); pr__put_u16(p + 2, (uint16_t)(v >> 16)); }
+static void pr__put_u64(unsigned char *p, uint64_t v) { pr__put_u32(p, (uint32_t)v); pr__put_u32(p + 4, (uint32_t)(v >> 32)); }
+
+/* ---------------------------------------------------------------- io: JSON reader */
+/* A parsed document is one allocation: an array of nodes in document order, followed by the
+   decoded strings. A container's children follow it; node->skip (the size of its subtree) jumps
+   to the next sibling. The text is parsed twice, first to count nodes and string bytes, then to fill
+   the exactly sized block, so that no intermediate growth or pointer fixing is needed. */
+enum { PR__JSON_NULL, PR__JSON_FALSE, PR__JSON_TRUE, PR__JSON_NUMBER, PR__JSON_STRING, PR__JSON_ARRAY, PR__JSON_OBJECT };
+#define PR__JSON_MAX_DEPTH 64
+#define PR__JSON_MAX_TEXT ((size_t)0x7fffffff) /* node fields are 32-bit */
+
+typedef struct {
+    unsigned char type;
+    unsigned char is_int; /* a number written without fraction or exponent that fits int64: ival is exact */
+    uint32_t skip;        /* nodes in this subtree, itself included */
+    uint32_t count;       /* arrays and objects: children; strings: bytes (may hold \u0000) */
+    uint32_t offset;      /* byte offset of the value in the text, for messages */
+    uint32_t key_len;
+    const char *key;      /* members of an object: the decoded key (NUL-terminated); else NULL */
+    const char *str;      /* strings: the decoded value (NUL-terminated) */
+    double num;
+    int64_t ival;
+} pr__json;
+
+typedef struct {
+    const unsigned char *s;
+    size_t n, pos, base;  /* base: added to offsets in messages (the text's place in its file) */
+    pr__json *nodes;      /* NULL in the counting pass */
+    size_t n_nodes;
+    char *pool;
+    size_t n_pool;
+    const char *what;
+    pr_error *err;
+} pr__jp;
+
+static pr_status pr__jp_fail(pr__jp *p, size_t at, const char *msg) {
+    if (!p->nodes) /* the filling pass cannot fail where the counting pass did not */
+        pr__fail(p->err, PR_ERR_FORMAT, "%s: bad JSON at byte %zu: %s", p->what, p->base + at, msg);
+    return PR_ERR_FORMAT;
+}
+
+static void pr__jp_ws(pr__jp *p) {
+    while (p->pos < p->n) {
+        unsigned char c = p->s[p->pos];
+        if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
+        p->pos++;
+    }
+}
+
+static int pr__jp_hex4(pr__jp *p, size_t at, uint32_t *out) {
+    if (at + 4 > p->n) return 0;
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned char c = p->s[at + (size_t)i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
+        else return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* At an opening quote. Decodes into the pool (filling pass) or only measures (counting pass).
+   Bytes >= 0x80 pass through unchecked: names are only ever compared byte for byte. */
+static pr_status pr__jp_string(pr__jp *p, const char **out, uint32_t *out_len) {
+    char *dst = p->nodes ? p->pool + p->n_pool : NULL;
+    size_t len = 0, start = p->pos;
+    p->pos++;
+    for (;;) {
+        if (p->pos >= p->n) return pr__jp_fail(p, start, "unterminated string");
+        unsigned char c = p->s[p->pos];
+        if (c == '"') { p->pos++; break; }
+        if (c < 0x20) return pr__jp_fail(p, p->pos, "control character inside a string");
+        if (c != '\\') {
+            if (dst) dst[len] = (char)c;
+            len++;
+            p->pos++;
+            continue;
+        }
+        size_t at = p->pos;
+        if (at + 1 >= p->n) return pr__jp_fail(p, at, "unterminated escape");
+        c = p->s[at + 1];
+        p->pos += 2;
+        unsigned char one;
+        switch (c) {
+        case '"': case '\\': case '/': one = c; break;
+        case 'b': one = '\b'; break;
+        case 'f': one = '\f'; break;
+        case 'n': one = '\n'; break;
+        case 'r': one = '\r'; break;
+        case 't': one = '\t'; break;
+        case 'u': {
+            uint32_t cp, lo;
+            if (!pr__jp_hex4(p, p->pos, &cp)) return pr__jp_fail(p, at, "\\u needs four hex digits");
+            p->pos += 4;
+            if (cp >= 0xdc00 && cp < 0xe000) return pr__jp_fail(p, at, "lone low surrogate");
+            if (cp >= 0xd800 && cp < 0xdc00) { /* a high surrogate needs its low half */
+                if (p->pos + 6 > p->n || p->s[p->pos] != '\\' || p->s[p->pos + 1] != 'u' ||
+                    !pr__jp_hex4(p, p->pos + 2, &lo) || lo < 0xdc00 || lo >= 0xe000)
+                    return pr__jp_fail(p, at, "high surrogate without a low surrogate");
+                p->pos += 6;
+                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            }
+            unsigned char u8[4];
+            size_t k;
+            if (cp < 0x80) { u8[0] = (unsigned char)cp; k = 1; }
+            else if (cp < 0x800) { u8[0] = (unsigned char)(0xc0 | cp >> 6); u8[1] = (unsigned char)(0x80 | (cp & 0x3f)); k = 2; }
+            else if (cp < 0x10000) {
+                u8[0] = (unsigned char)(0xe0 | cp >> 12); u8[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3f));
+                u8[2] = (unsigned char)(0x80 | (cp & 0x3f)); k = 3;
+            } else {
+                u8[0] = (unsigned char)(0xf0 | cp >> 18); u8[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3f));
+                u8[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3f)); u8[3] = (unsigned char)(0x80 | (cp & 0x3f)); k = 4;
+            }
+            /* every encoding is no longer than its escape, so the pool bound (text length) holds */
+            if (dst) memcpy(dst + len, u8, k);
+            len += k;
+            continue;
+        }
+        default: return pr__jp_fail(p, at, "invalid escape");
+        }
+        if (dst) dst[len] = (char)one;
+        len++;
+    }
+    if (dst) dst[len] = 0;
+    p->n_pool += len + 1;
+    *out = dst;
+    *out_len = (uint32_t)len;
+    return PR_OK;
+}
+
+static pr_status pr__jp_number(pr__jp *p, pr__json *node) {
+    size_t start = p->pos, n = p->n;
+    const unsigned char *s = p->s;
+    int is_int = 1;
+    if (s[p->pos] == '-') p->pos++;
+    if (p->pos >= n || s[p->pos] < '0' || s[p->pos] > '9') return pr__jp_fail(p, start, "bad number");
+    if (s[p->pos] == '0') p->pos++;
+    else while (p->pos < n && s[p->pos] >= '0' && s[p->pos] <= '9') p->pos++;
+    if (p->pos < n && s[p->pos] == '.') {
+        is_int = 0;
+        p->pos++;
+        if (p->pos >= n || s[p->pos] < '0' || s[p->pos] > '9') return pr__jp_fail(p, start, "bad number: no digit after '.'");
+        while (p->pos < n && s[p->pos] >= '0' && s[p->pos] <= '9') p->pos++;
+    }
+    if (p->pos < n && (s[p->pos] == 'e' || s[p->pos] == 'E')) {
+        is_int = 0;
+        p->pos++;
+        if (p->pos < n && (s[p->pos] == '+' || s[p->pos] == '-')) p->pos++;
+        if (p->pos >= n || s[p->pos] < '0' || s[p->pos] > '9') return pr__jp_fail(p, start, "bad number: no digit in the exponent");
+        while (p->pos < n && s[p->pos] >= '0' && s[p->pos] <= '9') p->pos++;
+    }
+    size_t len = p->pos - start;
+    if (len > 400) return pr__jp_fail(p, start, "number longer than 400 characters");
+    if (!node) return PR_OK;
+    char buf[408];
+    memcpy(buf, s + start, len);
+    buf[len] = 0;
+    node->num = pr__strtod_c(buf);
+    if (is_int) { /* exact integers: offsets and shapes may pass 2^53 */
+        int neg = buf[0] == '-';
+        uint64_t limit = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX, v = 0;
+        for (const char *c = buf + neg; *c && is_int; c++) {
+            uint64_t d = (uint64_t)(*c - '0');
+            if (v > (limit - d) / 10) is_int = 0;
+            else v = v * 10 + d;
+        }
+        if (is_int) node->ival = neg ? (v == (uint64_t)INT64_MAX + 1 ? INT64_MIN : -(int64_t)v) : (int64_t)v;
+    }
+    node->is_int = (unsigned char)is_int;
+    return PR_OK;
+}
+
+static int pr__jp_lit(pr__jp *p, const char *word) {
+    size_t k = strlen(word);
+    if (p->n - p->pos < k || memcmp(p->s + p->pos, word, k) != 0) return 0;
+    p->pos += k;
+    return 1;
+}
+
+static pr_status pr__jp_value(pr__jp *p, int depth, const char *key, uint32_t key_len) {
+    pr__jp_ws(p);
+    if (p->pos >= p->n) return pr__jp_fail(p, p->pos, "unexpected end of text");
+    size_t idx = p->n_nodes++;
+    pr__json *node = p->nodes ? &p->nodes[idx] : NULL;
+    if (node) {
+        memset(node, 0, sizeof *node);
+        node->offset = (uint32_t)p->pos;
+        node->key = key;
+        node->key_len = key_len;
+    }
+    pr_status st = PR_OK;
+    size_t count = 0, at = p->pos;
+    unsigned char c = p->s[p->pos];
+    unsigned char type;
+    if (c == '{' || c == '[') {
+        unsigned char close = c == '{' ? '}' : ']';
+        type = c == '{' ? PR__JSON_OBJECT : PR__JSON_ARRAY;
+        if (depth >= PR__JSON_MAX_DEPTH) return pr__jp_fail(p, at, "nested deeper than 64 levels");
+        p->pos++;
+        pr__jp_ws(p);
+        if (p->pos < p->n && p->s[p->pos] == close) p->pos++;
+        else for (;;) {
+            const char *k = NULL;
+            uint32_t kn = 0;
+            if (type == PR__JSON_OBJECT) {
+                pr__jp_ws(p);
+                if (p->pos >= p->n || p->s[p->pos] != '"') return pr__jp_fail(p, p->pos, "expected a string key");
+                if ((st = pr__jp_string(p, &k, &kn)) != PR_OK) return st;
+                pr__jp_ws(p);
+                if (p->pos >= p->n || p->s[p->pos] != ':') return pr__jp_fail(p, p->pos, "expected ':' after a key");
+                p->pos++;
+            }
+            if ((st = pr__jp_value(p, depth + 1, k, kn)) != PR_OK) return st;
+            count++;
+            pr__jp_ws(p);
+            if (p->pos < p->n && p->s[p->pos] == ',') { p->pos++; continue; }
+            if (p->pos < p->n && p->s[p->pos] == close) { p->pos++; break; }
+            return pr__jp_fail(p, p->pos, type == PR__JSON_OBJECT ? "expected ',' or '}'" : "expected ',' or ']'");
+        }
+    } else if (c == '"') {
+        const char *s;
+        uint32_t n;
+        type = PR__JSON_STRING;
+        if ((st = pr__jp_string(p, &s, &n)) != PR_OK) return st;
+        if (node) node->str = s;
+        count = n;
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+        type = PR__JSON_NUMBER;
+        if ((st = pr__jp_number(p, node)) != PR_OK) return st;
+    } else if (pr__jp_lit(p, "true")) type = PR__JSON_TRUE;
+    else if (pr__jp_lit(p, "false")) type = PR__JSON_FALSE;
+    else if (pr__jp_lit(p, "null")) type = PR__JSON_NULL;
+    else return pr__jp_fail(p, at, "unexpected character");
+    if (node) {
+        node->type = type;
+        node->count = (uint32_t)count;
+        node->skip = (uint32_t)(p->n_nodes - idx);
+    }
+    return PR_OK;
+}
+
+/* Parses len bytes of text (no terminator needed). `what` names the source in messages; `base` is
+   added to the byte offsets reported. On success *out is one block, freed with PR_FREE. */
+static pr_status pr__json_parse(pr__json **out, const char *text, size_t len, const char *what, size_t base, pr_error *err) {
+    if (len > PR__JSON_MAX_TEXT) return pr__fail(err, PR_ERR_FORMAT, "%s: JSON text of %zu bytes is too large", what, len);
+    pr__jp p;
+    memset(&p, 0, sizeof p);
+    p.s = (const unsigned char *)text;
+    p.n = len;
+    p.base = base;
+    p.what = what;
+    p.err = err;
+    pr_status st = pr__jp_value(&p, 0, NULL, 0);
+    if (st) return st;
+    pr__jp_ws(&p);
+    if (p.pos != p.n) return pr__jp_fail(&p, p.pos, "text after the JSON value");
+    size_t nodes_bytes, total;
+    if (!pr__mul_size(p.n_nodes, sizeof(pr__json), &nodes_bytes) || nodes_bytes > SIZE_MAX - p.n_pool)
+        return pr__fail(err, PR_ERR_NOMEM, "%s: JSON document too large", what);
+    total = nodes_bytes + p.n_pool;
+    pr__json *nodes = (pr__json *)PR_MALLOC(total);
+    if (!nodes) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for a JSON document of %zu bytes", what, len);
+    size_t n_nodes = p.n_nodes;
+    p.nodes = nodes;
+    p.pool = (char *)(nodes + n_nodes);
+    p.n_nodes = p.n_pool = p.pos = 0;
+    st = pr__jp_value(&p, 0, NULL, 0);
+    if (st) { /* cannot happen: same text, same walk; never leak if it did */
+        PR_FREE(nodes);
+        return pr__fail(err, PR_ERR_FORMAT, "%s: JSON reader inconsistency", what);
+    }
+    *out = nodes;
+    return PR_OK;
+}
+
+static const pr__json *pr__json_first(const pr__json *v) {
+    return v && (v->type == PR__JSON_ARRAY || v->type == PR__JSON_OBJECT) && v->count ? v + 1 : NULL;
+}
+static const pr__json *pr__json_next(const pr__json *child) { return child + child->skip; }
+
+/* The member `key` of an object, or NULL. With duplicate keys the last one wins, as in Python's
+   json module that wrote and reads these files in transformers. */
+static const pr__json *pr__json_get(const pr__json *obj, const char *key) {
+    if (!obj || obj->type != PR__JSON_OBJECT) return NULL;
+    size_t n = strlen(key);
+    const pr__json *found = NULL, *c = pr__json_first(obj);
+    for (uint32_t i = 0; i < obj->count; i++, c = pr__json_next(c))
+        if (c->key_len == n && memcmp(c->key, key, n) == 0) found = c;
+    return found;
+}
+
+/* An integral number: exact for integer literals, also accepted as a float with an integral
+   value below 2^53 (e.g. 4096.0) since some writers emit those. */
+static int pr__json_int(const pr__json *v, int64_t *out) {
+    if (!v || v->type != PR__JSON_NUMBER) return 0;
+    if (v->is_int) { *out = v->ival; return 1; }
+    if (fabs(v->num) <= 9007199254740992.0 && v->num == (double)(int64_t)v->num) { *out = (int64_t)v->num; return 1; }
+    return 0;
+}
+
+static const char *pr__json_type_name(const pr__json *v) {
+    static const char *const names[] = {"null", "false", "true", "a number", "a string", "an array", "an object"};
+    return v ? names[v->type] : "missing";
+}
+
+/* ---------------------------------------------------------------- io: configuration */
+static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *err) {
+    if (!memchr(c->model_type, 0, sizeof c->model_type)) return pr__fail(err, PR_ERR_CONFIG, "%s: model_type is not a terminated string", what);
+    int qwen3 = strcmp(c->model_type, "qwen3") == 0;
+    if (!qwen3 && strcmp(c->model_type, "llama") != 0)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not supported (llama, qwen3)", what, c->model_type);
+    struct { const char *name; int v; } pos[] = {
+        {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden_size}, {"intermediate_size", c->intermediate_size},
+        {"num_hidden_layers", c->num_hidden_layers}, {"num_attention_heads", c->num_attention_heads},
+        {"num_key_value_heads", c->num_key_value_heads}, {"head_dim", c->head_dim},
+        {"max_position_embeddings", c->max_position_embeddings}};
+    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+        if (pos[i].v <= 0) return pr__fail(err, PR_ERR_CONFIG, "%s: %s = %d must be positive", what, pos[i].name, pos[i].v);
+    if (c->num_attention_heads % c->num_key_value_heads)
+        return pr__fail(err, PR_ERR_CONFIG, "%s: num_attention_heads %d is not a multiple of num_key_value_heads %d", what,
+                        c->num_attention_heads, c->num_key_value_heads);
+    if (c->head_dim % 2) return pr__fail(err, PR_ERR_CONFIG, "%s: head_dim %d must be even (RoPE rotates pairs)", what, c->head_dim);
+    if (!(c->rms_norm_eps > 0) || !isfinite(c->rms_norm_eps))
+        return pr__fail(err, PR_ERR_CONFIG, "%s: rms_norm_eps %g must be positive and finite", what, c->rms_norm_eps);
+    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
+        return pr__fail(err, PR_ERR_CONFIG, "%s: rope_theta %g must be positive and finite", what, c->rope_theta);
+    if (c->rope_llama3 != 0 && c->rope_llama3 != 1) return pr__fail(err, PR_ERR_CONFIG, "%s: rope_llama3 must be 0 or 1", what);
+    if (c->tie_word_embeddings != 0 && c->tie_word_embeddings != 1) return pr__fail(err, PR_ERR_CONFIG, "%s: tie_word_embeddings must be 0 or 1", what);
+    if (c->qk_norm != qwen3) /* it follows model_type: config.json has no field of its own for it */
+        return pr__fail(err, PR_ERR_CONFIG, "%s: qk_norm must be %d for model_type %s", what, qwen3, c->model_type);
+    if (c->rope_llama3) {
+        if (!(c->rope_factor >= 1) || !isfinite(c->rope_factor))
+            return pr__fail(err, PR_ERR_CONFIG, "%s: rope_scaling factor %g must be at least 1", what, c->rope_factor);
+        if (!(c->rope_low_freq_factor > 0) || !(c->rope_high_freq_factor > c->rope_low_freq_factor) || !isfinite(c->rope_high_freq_factor))
+            return pr__fail(err, PR_ERR_CONFIG, "%s: rope_scaling needs high_freq_factor > low_freq_factor > 0 (got %g, %g)", what,
+                            c->rope_high_freq_factor, c->rope_low_freq_factor);
+        if (c->rope_original_max_position <= 0)
+            return pr__fail(err, PR_ERR_CONFIG, "%s: rope_scaling original_max_position_embeddings %d must be positive", what,
+                            c->rope_original_max_position);
+    }
+    /* Parameter count in 64 bits, with room for parameters, gradients and two AdamW moments in
+       double: the trainer sizes its arena from this without further overflow worries. */
+    uint64_t V = (uint64_t)c->vocab_size, C = (uint64_t)c->hidden_size, F = (uint64_t)c->intermediate_size;
+    uint64_t L = (uint64_t)c->num_hidden_layers, HS = (uint64_t)c->head_dim;
+    uint64_t qdim = (uint64_t)c->num_attention_heads * HS, kvdim = (uint64_t)c->num_key_value_heads * HS;
+    uint64_t emb, layer = 0, t, total;
+    int ok = qdim <= INT_MAX && kvdim <= INT_MAX && pr__u64_mul(V, C, &emb);
+    ok = ok && pr__u64_mul(C, 2 * qdim + 2 * kvdim, &t) && pr__u64_add(layer, t, &layer); /* q, k, v, o */
+    ok = ok && pr__u64_mul(C, 3 * F, &t) && pr__u64_add(layer, t, &layer);                /* gate, up, down */
+    ok = ok && pr__u64_add(layer, 2 * C + (qwen3 ? 2 * HS : 0), &layer);                   /* norms */
+    ok = ok && pr__u64_mul(layer, L, &total) && pr__u64_add(total, emb, &total) && pr__u64_add(total, C, &total);
+    ok = ok && (c->tie_word_embeddings || pr__u64_add(total, emb, &total));
+    if (!ok || total > (uint64_t)INT64_MAX / 32 || total > (uint64_t)(SIZE_MAX / 32))
+        return pr__fail(err, PR_ERR_CONFIG, "%s: the model is too large for this machine's size arithmetic", what);
+    return PR_OK;
+}
+
+PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err) {
+    if (!cfg) return pr__fail(err, PR_ERR_ARG, "pr_config_validate: NULL config");
+    return pr__cfg_check(cfg, "config", err);
+}
+
+/* Field readers: an absent or null optional field takes its default. */
+static pr_status pr__cfg_int(const pr__json *o, const char *key, int required, int def, int *out, const char *what, pr_error *err) {
+    const pr__json *v = pr__json_get(o, key);
+    int64_t i;
+    if (!v || v->type == PR__JSON_NULL) {
+        if (required) return pr__fail(err, PR_ERR_CONFIG, "%s: required field \"%s\" is missing", what, key);
+        *out = def;
+        return PR_OK;
+    }
+    if (!pr__json_int(v, &i)) return pr__fail(err, PR_ERR_CONFIG, "%s: \"%s\" must be an integer, not %s", what, key, pr__json_type_name(v));
+    if (i < INT_MIN || i > INT_MAX) return pr__fail(err, PR_ERR_CONFIG, "%s: \"%s\" = %lld is out of range", what, key, (long long)i);
+    *out = (int)i;
+    return PR_OK;
+}
+
+static pr_status pr__cfg_num(const pr__json *o, const char *key, int required, double def, double *out, const char *what, pr_error *err) {
+    const pr__json *v = pr__json_get(o, key);
+    if (!v || v->type == PR__JSON_NULL) {
+        if (required) return pr__fail(err, PR_ERR_CONFIG, "%s: required field \"%s\" is missing", what, key);
+        *out = def;
+        return PR_OK;
+    }
+    if (v->type != PR__JSON_NUMBER) return pr__fail(err, PR_ERR_CONFIG, "%s: \"%s\" must be a number, not %s", what, key, pr__json_type_name(v));
+    *out = v->num;
+    return PR_OK;
+}
+
+static pr_status pr__cfg_bool(const pr__json *o, const char *key, int def, int *out, const char *what, pr_error *err) {
+    const pr__json *v = pr__json_get(o, key);
+    if (!v || v->type == PR__JSON_NULL) { *out = def; return PR_OK; }
+    if (v->type != PR__JSON_TRUE && v->type != PR__JSON_FALSE)
+        return pr__fail(err, PR_ERR_CONFIG, "%s: \"%s\" must be true or false, not %s", what, key, pr__json_type_name(v));
+    *out = v->type == PR__JSON_TRUE;
+    return PR_OK;
+}
+
+/* An optional string field: NULL when absent or null. */
+static pr_status pr__cfg_str(const pr__json *o, const char *key, const char **out, const char *what, pr_error *err) {
+    const pr__json *v = pr__json_get(o, key);
+    *out = NULL;
+    if (!v || v->type == PR__JSON_NULL) return PR_OK;
+    if (v->type != PR__JSON_STRING) return pr__fail(err, PR_ERR_CONFIG, "%s: \"%s\" must be a string, not %s", what, key, pr__json_type_name(v));
+    *out = v->str;
+    return PR_OK;
+}
+
+/* rope_scaling (transformers 4.x) or rope_parameters (5.x, which also carries rope_theta). */
+static pr_status pr__cfg_rope(pr_config *c, const pr__json *root, const char *what, pr_error *err) {
+    pr_status st;
+    const pr__json *rs = pr__json_get(root, "rope_scaling"), *rp = pr__json_get(root, "rope_parameters");
+    if ((st = pr__cfg_num(root, "rope_theta", 0, 10000.0, &c->rope_theta, what, err))) return st;
+    if (rp && rp->type != PR__JSON_NULL) {
+        if (rp->type != PR__JSON_OBJECT) return pr__fail(err, PR_ERR_CONFIG, "%s: rope_parameters must be an object, not %s", what, pr__json_type_name(rp));
+        if ((st = pr__cfg_num(rp, "rope_theta", 0, c->rope_theta, &c->rope_theta, what, err))) return st;
+    }
+    const pr__json *sc = rs && rs->type != PR__JSON_NULL ? rs : rp && rp->type != PR__JSON_NULL ? rp : NULL;
+    const char *field = sc == rs ? "rope_scaling" : "rope_parameters";
+    if (!sc) return PR_OK;
+    if (sc->type != PR__JSON_OBJECT) return pr__fail(err, PR_ERR_CONFIG, "%s: %s must be an object or null, not %s", what, field, pr__json_type_name(sc));
+    const char *type;
+    if ((st = pr__cfg_str(sc, "rope_type", &type, what, err))) return st;
+    if (!type && (st = pr__cfg_str(sc, "type", &type, what, err))) return st; /* the older spelling */
+    if (!type) return pr__fail(err, PR_ERR_CONFIG, "%s: %s has no rope_type", what, field);
+    if (strcmp(type, "default") == 0) return PR_OK; /* plain RoPE */
+    if (strcmp(type, "llama3") != 0)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: %s rope_type \"%s\" is not supported (only llama3)", what, field, type);
+    c->rope_llama3 = 1;
+    if ((st = pr__cfg_num(sc, "factor", 1, 0, &c->rope_factor, what, err)) ||
+        (st = pr__cfg_num(sc, "low_freq_factor", 1, 0, &c->rope_low_freq_factor, what, err)) ||
+        (st = pr__cfg_num(sc, "high_freq_factor", 1, 0, &c->rope_high_freq_factor, what, err)) ||
+        (st = pr__cfg_int(sc, "original_max_position_embeddings", 1, 0, &c->rope_original_max_position, what, err)))
+        return st;
+    return PR_OK;
+}
+
+static pr_status pr__cfg_from_json(pr_config *out, const pr__json *root, const char *what, pr_error *err) {
+    pr_config c;
+    pr_status st;
+    const char *s;
+    memset(&c, 0, sizeof c);
+    if (root->type != PR__JSON_OBJECT) return pr__fail(err, PR_ERR_CONFIG, "%s: a config must be a JSON object, not %s", what, pr__json_type_name(root));
+    if ((st = pr__cfg_str(root, "model_type", &s, what, err))) return st;
+    if (!s) return pr__fail(err, PR_ERR_CONFIG, "%s: required field \"model_type\" is missing", what);
+    if (strcmp(s, "llama") != 0 && strcmp(s, "qwen3") != 0)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%.64s\" is not supported (llama, qwen3)", what, s);
+    strcpy(c.model_type, s);
+    int qwen3 = strcmp(s, "qwen3") == 0, b;
+    c.qk_norm = qwen3;
+
+    /* Features whose math this library does not implement: refuse rather than train something else. */
+    if ((st = pr__cfg_str(root, "hidden_act", &s, what, err))) return st;
+    if (s && strcmp(s, "silu") != 0) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: hidden_act \"%.64s\" is not supported (only silu)", what, s);
+    static const char *const no_bias[] = {"attention_bias", "mlp_bias", "use_sliding_window"};
+    for (int i = 0; i < 3; i++) {
+        if ((st = pr__cfg_bool(root, no_bias[i], 0, &b, what, err))) return st;
+        if (b) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: %s = true is not supported", what, no_bias[i]);
+    }
+    double drop;
+    if ((st = pr__cfg_num(root, "attention_dropout", 0, 0.0, &drop, what, err))) return st;
+    if (drop != 0) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: attention_dropout %g is not supported (only 0)", what, drop);
+    const pr__json *lt = pr__json_get(root, "layer_types"), *e;
+    if (lt && lt->type == PR__JSON_ARRAY) {
+        e = pr__json_first(lt);
+        for (uint32_t i = 0; i < lt->count; i++, e = pr__json_next(e))
+            if (e->type != PR__JSON_STRING || strcmp(e->str, "full_attention") != 0)
+                return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: layer_types[%u] is not \"full_attention\" (sliding windows are not supported)", what, i);
+    }
+
+    if ((st = pr__cfg_int(root, "vocab_size", 1, 0, &c.vocab_size, what, err)) ||
+        (st = pr__cfg_int(root, "hidden_size", 1, 0, &c.hidden_size, what, err)) ||
+        (st = pr__cfg_int(root, "intermediate_size", 1, 0, &c.intermediate_size, what, err)) ||
+        (st = pr__cfg_int(root, "num_hidden_layers", 1, 0, &c.num_hidden_layers, what, err)) ||
+        (st = pr__cfg_int(root, "num_attention_heads", 1, 0, &c.num_attention_heads, what, err)) ||
+        (st = pr__cfg_int(root, "num_key_value_heads", 0, c.num_attention_heads, &c.num_key_value_heads, what, err)) ||
+        /* transformers' defaults: LlamaConfig 2048 positions, Qwen3Config 32768 */
+        (st = pr__cfg_int(root, "max_position_embeddings", 0, qwen3 ? 32768 : 2048, &c.max_position_embeddings, what, err)) ||
+        (st = pr__cfg_num(root, "rms_norm_eps", 0, 1e-6, &c.rms_norm_eps, what, err)) ||
+        (st = pr__cfg_bool(root, "tie_word_embeddings", 0, &c.tie_word_embeddings, what, err)) ||
+        (st = pr__cfg_rope(&c, root, what, err)))
+        return st;
+    /* head_dim: LlamaConfig falls back to hidden/heads, Qwen3Config to 128 */
+    int def_hd = qwen3 ? 128 : (c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0) ? c.hidden_size / c.num_attention_heads : 0;
+    if ((st = pr__cfg_int(root, "head_dim", 0, def_hd, &c.head_dim, what, err))) return st;
+    if (c.head_dim == 0 && def_hd == 0 && c.num_attention_heads > 0)
+        return pr__fail(err, PR_ERR_CONFIG, "%s: no head_dim and hidden_size %d is not a multiple of num_attention_heads %d", what,
+                        c.hidden_size, c.num_attention_heads);
+    if ((st = pr__cfg_check(&c, what, err))) return st;
+    *out = c;
+    return PR_OK;
+}
+
+static pr_status pr__config_parse_named(pr_config *cfg, const char *json, size_t len, const char *what, pr_error *err) {
+    pr__json *root;
+    pr_status st = pr__json_parse(&root, json, len, what, 0, err);
+    if (st) return st;
+    st = pr__cfg_from_json(cfg, root, what, err);
+    PR_FREE(root);
+    return st;
+}
+
+PRDEF pr_status pr_config_parse(pr_config *cfg, const char *json, size_t len, pr_error *err) {
+    if (!cfg || (!json && len)) return pr__fail(err, PR_ERR_ARG, "pr_config_parse: NULL argument");
+    return pr__config_parse_named(cfg, json ? json : "", len, "config", err);
+}
+
+/* Reads a whole (small) file, refusing more than max bytes. */
+static pr_status pr__read_small_file(const char *path, size_t max, char **out, size_t *out_len, pr_error *err) {
+    uint64_t size;
+    int is_dir;
+    if (!pr__io_stat(path, &size, &is_dir)) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (is_dir) return pr__fail(err, PR_ERR_IO, "%s: is a folder, not a file", path);
+    if (size > max) return pr__fail(err, PR_ERR_FORMAT, "%s: %llu bytes is more than the %zu this reader accepts", path, (unsigned long long)size, max);
+    FILE *f = fopen(path, "rb");
+    if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *buf = (char *)PR_MALLOC((size_t)size + 1);
+    if (!buf) { fclose(f); return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); }
+    size_t got = fread(buf, 1, (size_t)size + 1, f); /* one more than expected: notices growth */
+    int bad = ferror(f);
+    fclose(f);
+    if (bad || got != (size_t)size) {
+        PR_FREE(buf);
+        return pr__fail(err, PR_ERR_IO, "%s: read %zu bytes, expected %llu", path, got, (unsigned long long)size);
+    }
+    buf[got] = 0;
+    *out = buf;
+    *out_len = got;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) {
+    if (!cfg || !path) return pr__fail(err, PR_ERR_ARG, "pr_config_load: NULL argument");
+    uint64_t size;
+    int is_dir = 0;
+    char *file = NULL, *text;
+    size_t len;
+    if (pr__io_stat(path, &size, &is_dir) && is_dir) {
+        file = pr__path_join(path, "config.json");
+        if (!file) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    }
+    const char *name = file ? file : path;
+    pr_status st = pr__read_small_file(name, (size_t)16 << 20, &text, &len, err);
+    if (!st) {
+        st = pr__config_parse_named(cfg, text, len, name, err);
+        PR_FREE(text);
+    }
+    PR_FREE(file);
+    return st;
+}
+
+/* The text of config.json, Hugging Face style. */
+static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *what, pr_error *err) {
+    pr_status st = pr__cfg_check(c, what, err);
+    if (st) return st;
+    int qwen3 = c->qk_norm;
+    char num[40];
+    struct { const char *k; int v; } ints[] = {
+        {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden_size}, {"intermediate_size", c->intermediate_size},
+        {"num_hidden_layers", c->num_hidden_layers}, {"num_attention_heads", c->num_attention_heads},
+        {"num_key_value_heads", c->num_key_value_heads}, {"head_dim", c->head_dim},
+        {"max_position_embeddings", c->max_position_embeddings}};
+    pr__buf_str(b, qwen3 ? "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n"
+                         : "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n");
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        pr__buf_str(b, "  \"");
+        pr__buf_str(b, ints[i].k);
+        pr__buf_str(b, "\": ");
+        pr__buf_i64(b, ints[i].v);
+        pr__buf_str(b, ",\n");
+    }
+    pr__buf_str(b, "  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": ");
+    pr__fmt_double(num, c->rms_norm_eps);
+    pr__buf_str(b, num);
+    pr__buf_str(b, ",\n  \"rope_theta\": ");
+    pr__fmt_double(num, c->rope_theta);
+    pr__buf_str(b, num);
+    if (c->rope_llama3) {
+        pr__buf_str(b, ",\n  \"rope_scaling\": {\n    \"factor\": ");
+        pr__fmt_double(num, c->rope_factor);
+        pr__buf_str(b, num);
+        pr__buf_str(b, ",\n    \"low_freq_factor\": ");
+        pr__fmt_double(num, c->rope_low_freq_factor);
+        pr__buf_str(b, num);
+        pr__buf_str(b, ",\n    \"high_freq_factor\": ");
+        pr__fmt_double(num, c->rope_high_freq_factor);
+        pr__buf_str(b, num);
+        pr__buf_str(b, ",\n    \"original_max_position_embeddings\": ");
+        pr__buf_i64(b, c->rope_original_max_position);
+        pr__buf_str(b, ",\n    \"rope_type\": \"llama3\"\n  }");
+    } else {
+        pr__buf_str(b, ",\n  \"rope_scaling\": null");
+    }
+    pr__buf_str(b, c->tie_word_embeddings ? ",\n  \"tie_word_embeddings\": true" : ",\n  \"tie_word_embeddings\": false");
+    pr__buf_str(b, ",\n  \"attention_bias\": false,\n  \"attention_dropout\": 0.0");
+    pr__buf_str(b, qwen3 ? ",\n  \"use_sliding_window\": false" : ",\n  \"mlp_bias\": false");
+    pr__buf_str(b, ",\n  \"torch_dtype\": \"float32\"\n}\n");
+    if (b->failed) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- io: atomic files */
+/* Every file goes to "<path>.tmp.<pid>" first and is renamed over path only once complete and on
+   disk, so a reader never sees a half-written file and a crash leaves the old one intact. */
+typedef struct {
+    FILE *f;
+    char *tmp;
+    const char *path;
+} pr__atomic;
+
+static pr_status pr__atomic_open(pr__atomic *a, const char *path, pr_error *err) {
+    size_t n = strlen(path);
+    a->path = path;
+    a->f = NULL;
+    a->tmp = n < SIZE_MAX - 32 ? (char *)PR_MALLOC(n + 32) : NULL;
+    if (!a->tmp) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    snprintf(a->tmp, n + 32, "%s.tmp.%ld", path, pr__io_pid());
+    a->f = fopen(a->tmp, "wb");
+    if (!a->f) {
+        pr_status st = pr__fail(err, PR_ERR_IO, "%s: cannot create %s: %s", path, a->tmp, strerror(errno));
+        PR_FREE(a->tmp);
+        a->tmp = NULL;
+        return st;
+    }
+    return PR_OK;
+}
+
+static pr_status pr__atomic_write(pr__atomic *a, const void *p, size_t n, pr_error *err) {
+    if (n && fwrite(p, 1, n, a->f) != n) return pr__fail(err, PR_ERR_IO, "%s: write failed: %s", a->tmp, strerror(errno));
+    return PR_OK;
+}
+
+static void pr__atomic_abort(pr__atomic *a) {
+    if (a->f) fclose(a->f);
+    if (a->tmp) { remove(a->tmp); PR_FREE(a->tmp); }
+    a->f = NULL;
+    a->tmp = NULL;
+}
+
+static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
+    pr_status st = PR_OK;
+    int e = 0;
+    if (fflush(a->f) != 0 || ferror(a->f)) { e = errno; st = PR_ERR_IO; }
+    if (fclose(a->f) != 0 && !st) { e = errno; st = PR_ERR_IO; }
+    a->f = NULL;
+    if (st) pr__fail(err, st, "%s: write failed: %s", a->tmp, strerror(e));
+    else if (!pr__io_sync_path(a->tmp)) st = pr__fail(err, PR_ERR_IO, "%s: fsync failed: %s", a->tmp, strerror(errno));
+    else if (!pr__io_rename(a->tmp, a->path)) st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", a->path, a->tmp, strerror(errno));
+    if (st) { pr__atomic_abort(a); return st; }
+    PR_FREE(a->tmp);
+    a->tmp = NULL;
+    char *dir = pr__path_dir(a->path);
+    if (dir) { pr__io_sync_dir(dir); PR_FREE(dir); }
+    return PR_OK;
+}
+
+static pr_status pr__write_file_atomic(const char *path, const void *data, size_t n, pr_error *err) {
+    pr__atomic a;
+    pr_status st = pr__atomic_open(&a, path, err);
+    if (st) return st;
+    if ((st = pr__atomic_write(&a, data, n, err))) { pr__atomic_abort(&a); return st; }
+    return pr__atomic_commit(&a, err);
+}
+
+PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err) {
+    if (!cfg || !path) return pr__fail(err, PR_ERR_ARG, "pr_config_save: NULL argument");
+    pr__buf b = {NULL, 0, 0, 0};
+    pr_status st = pr__config_json(cfg, &b, path, err);
+    if (!st) st = pr__write_file_atomic(path, b.p, b.len, err);
+    PR_FREE(b.p);
+    return st;
+}
+
+/* ---------------------------------------------------------------- io: safetensors reading */
+/* Every dtype the format defines at 8 bits or more; `ours` < 0: known but not read here. */
+static const struct { const char *name; int bytes; int ours; } pr__st_dtypes[] = {
+    {"F32", 4, PR_DT_F32}, {"F16", 2, PR_DT_F16}, {"BF16", 2, PR_DT_BF16}, {"F64", 8, PR_DT_F64},
+    {"I64", 8, -1}, {"I32", 4, -1}, {"I16", 2, -1}, {"I8", 1, -1}, {"U64", 8, -1}, {"U32", 4, -1},
+    {"U16", 2, -1}, {"U8", 1, -1}, {"BOOL", 1, -1}, {"F8_E4M3", 1, -1}, {"F8_E5M2", 1, -1}, {"F8_E8M0", 1, -1}};
+
+static int pr__dtype_size(pr_dtype d) { return d == PR_DT_F64 ? 8 : d == PR_DT_F32 ? 4 : 2; }
+static const char *pr__dtype_name(pr_dtype d) {
+    return d == PR_DT_F32 ? "F32" : d == PR_DT_F16 ? "F16" : d == PR_DT_BF16 ? "BF16" : d == PR_DT_F64 ? "F64" : "?";
+}
+static int pr__dtype_valid(pr_dtype d) { return d == PR_DT_F32 || d == PR_DT_F16 || d == PR_DT_BF16 || d == PR_DT_F64; }
+
+#define PR__ST_MAX_HEADER 100000000u /* the format's own limit on the header length */
+
+static int pr__st_cmp_name(const void *a, const void *b) {
+    return strcmp(((const pr_st_tensor *)a)->name, ((const pr_st_tensor *)b)->name);
+}
+
+static int pr__st_cmp_range(const void *a, const void *b) {
+    const pr_st_tensor *x = *(const pr_st_tensor *const *)a, *y = *(const pr_st_tensor *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* Element count of a shape; 0 on overflow of uint64 (with *ok cleared). */
+static uint64_t pr__st_numel(const int64_t *shape, int ndim, int *ok) {
+    uint64_t n = 1;
+    *ok = 1;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] < 0 || !pr__u64_mul(n, (uint64_t)shape[d], &n)) { *ok = 0; return 0; }
+    return n;
+}
+
+/* Validates one tensor entry of a header and fills *t. */
+static pr_status pr__st_tensor_from_json(pr_st_tensor *t, const pr__json *m, uint64_t data_size, const char *what, pr_error *err) {
+    const char *name = m->key;
+    const pr__json *dt = pr__json_get(m, "dtype"), *sh = pr__json_get(m, "shape"), *off = pr__json_get(m, "data_offsets"), *e;
+    if (m->key_len >= sizeof t->name) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: tensor name of %u bytes is longer than 255", what, m->key_len);
+    if (strlen(name) != m->key_len) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor name \"%s\" holds a NUL character", what, name);
+    if (m->type != PR__JSON_OBJECT) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s is %s, not an object", what, name, pr__json_type_name(m));
+    if (!dt || dt->type != PR__JSON_STRING) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: \"dtype\" must be a string", what, name);
+    if (!sh || sh->type != PR__JSON_ARRAY) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: \"shape\" must be an array", what, name);
+    if (!off || off->type != PR__JSON_ARRAY || off->count != 2)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: \"data_offsets\" must be an array [begin, end]", what, name);
+    memset(t, 0, sizeof *t);
+    memcpy(t->name, name, m->key_len + 1);
+    size_t k, nd = sizeof pr__st_dtypes / sizeof pr__st_dtypes[0];
+    for (k = 0; k < nd && strcmp(dt->str, pr__st_dtypes[k].name) != 0; k++) {}
+    if (k == nd) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s has unknown dtype \"%.32s\"", what, name, dt->str);
+    if (pr__st_dtypes[k].ours < 0)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s; only F32, F16, BF16 and F64 are read", what, name, dt->str);
+    t->dtype = (pr_dtype)pr__st_dtypes[k].ours;
+    if (sh->count > 8) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: tensor %s has %u dimensions, more than 8", what, name, sh->count);
+    t->ndim = (int)sh->count;
+    e = pr__json_first(sh);
+    for (int d = 0; d < t->ndim; d++, e = pr__json_next(e))
+        if (!pr__json_int(e, &t->shape[d]) || t->shape[d] < 0)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: shape entries must be integers >= 0", what, name);
+    int64_t b, en;
+    e = pr__json_first(off);
+    if (!pr__json_int(e, &b) || !pr__json_int(pr__json_next(e), &en) || b < 0 || en < b)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: data_offsets must be integers 0 <= begin <= end", what, name);
+    t->begin = (uint64_t)b;
+    t->end = (uint64_t)en;
+    if (t->end > data_size)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: data_offsets [%llu, %llu] run past the %llu bytes of data", what, name,
+                        (unsigned long long)t->begin, (unsigned long long)t->end, (unsigned long long)data_size);
+    int ok;
+    uint64_t numel = pr__st_numel(t->shape, t->ndim, &ok), bytes;
+    if (!ok || !pr__u64_mul(numel, (uint64_t)pr__st_dtypes[k].bytes, &bytes))
+        return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: the shape's size overflows", what, name);
+    if (bytes != t->end - t->begin)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: %llu elements of %s need %llu bytes, data_offsets give %llu", what, name,
+                        (unsigned long long)numel, dt->str, (unsigned long long)bytes, (unsigned long long)(t->end - t->begin));
+    return PR_OK;
+}
+
+/* Parses and validates a safetensors JSON header (n bytes) describing data_size bytes of data.
+   On success *out holds *out_n tensors sorted by name (names unique), each with .file = file.
+   The data buffer must be covered exactly, tensor after tensor, as the format requires. */
+static pr_status pr__st_parse_header(pr_st_tensor **out, int *out_n, const char *hdr, size_t n, uint64_t data_size, int file,
+                                     const char *what, pr_error *err) {
+    pr__json *root;
+    pr_status st = pr__json_parse(&root, hdr, n, what, 8, err);
+    if (st) return st;
+    pr_st_tensor *ts = NULL, **order = NULL, t;
+    size_t nt = 0, cap = 0;
+    const pr__json *m;
+    if (root->type != PR__JSON_OBJECT) { st = pr__fail(err, PR_ERR_FORMAT, "%s: the header is %s, not a JSON object", what, pr__json_type_name(root)); goto done; }
+    m = pr__json_first(root);
+    for (uint32_t i = 0; i < root->count; i++, m = pr__json_next(m)) {
+        if (m->key_len == 12 && memcmp(m->key, "__metadata__", 12) == 0) {
+            const pr__json *v = pr__json_first(m);
+            if (m->type != PR__JSON_OBJECT) { st = pr__fail(err, PR_ERR_FORMAT, "%s: __metadata__ must be an object", what); goto done; }
+            for (uint32_t j = 0; j < m->count; j++, v = pr__json_next(v))
+                if (v->type != PR__JSON_STRING) { st = pr__fail(err, PR_ERR_FORMAT, "%s: __metadata__ values must be strings", what); goto done; }
+            continue;
+        }
+        if ((st = pr__st_tensor_from_json(&t, m, data_size, what, err))) goto done;
+        t.file = file;
+        if (nt == cap) { /* grown as entries validate, so memory follows real tensors, not claims */
+            size_t bytes;
+            cap = cap ? 2 * cap : 16;
+            pr_st_tensor *q = pr__mul_size(cap, sizeof *ts, &bytes) ? (pr_st_tensor *)PR_REALLOC(ts, bytes) : NULL;
+            if (!q) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for %zu tensors", what, cap); goto done; }
+            ts = q;
+        }
+        ts[nt++] = t;
+    }
+    if (nt > INT_MAX) { st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: too many tensors", what); goto done; }
+    if (nt > 1) qsort(ts, nt, sizeof *ts, pr__st_cmp_name);
+    for (size_t i = 1; i < nt; i++)
+        if (strcmp(ts[i - 1].name, ts[i].name) == 0) { st = pr__fail(err, PR_ERR_FORMAT, "%s: duplicate tensor name %s", what, ts[i].name); goto done; }
+    /* layout: sorted by offset, each tensor starts where the previous ended, the last ends at the end */
+    order = (pr_st_tensor **)PR_MALLOC(sizeof(pr_st_tensor *) * (nt ? nt : 1));
+    if (!order) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what); goto done; }
+    for (size_t i = 0; i < nt; i++) order[i] = &ts[i];
+    if (nt > 1) qsort(order, nt, sizeof *order, pr__st_cmp_range);
+    uint64_t at = 0;
+    for (size_t i = 0; i < nt; i++) {
+        if (order[i]->begin < at) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensors %s and %s overlap", what, order[i - 1]->name, order[i]->name); goto done; }
+        if (order[i]->begin > at) {
+            st = pr__fail(err, PR_ERR_FORMAT, "%s: %llu unused bytes before tensor %s", what, (unsigned long long)(order[i]->begin - at), order[i]->name);
+            goto done;
+        }
+        at = order[i]->end;
+    }
+    if (at != data_size) { st = pr__fail(err, PR_ERR_FORMAT, "%s: %llu bytes of data after the last tensor", what, (unsigned long long)(data_size - at)); goto done; }
+    if (!ts && !(ts = (pr_st_tensor *)PR_MALLOC(sizeof *ts))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what); goto done; }
+done:
+    PR_FREE(order);
+    PR_FREE(root);
+    if (st) { PR_FREE(ts); return st; }
+    *out = ts;
+    *out_n = (int)nt;
+    return PR_OK;
+}
+
+/* Checks the 8-byte header length against the file size; *hlen on success. */
+static pr_status pr__st_check_prefix(uint64_t *hlen, const unsigned char len8[8], uint64_t file_size, const char *what, pr_error *err) {
+    uint64_t n = pr__get_u64(len8);
+    if (n > file_size - 8)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: header length %llu runs past the end of the %llu-byte file", what,
+                        (unsigned long long)n, (unsigned long long)file_size);
+    if (n > PR__ST_MAX_HEADER) return pr__fail(err, PR_ERR_FORMAT, "%s: header length %llu exceeds the format's limit of 100 MB", what, (unsigned long long)n);
+    if (n < 2) return pr__fail(err, PR_ERR_FORMAT, "%s: header length %llu is too short for a JSON object", what, (unsigned long long)n);
+    *hlen = n;
+    return PR_OK;
+}
+
+/* Opens one .safetensors file and indexes its header. */
+static pr_status pr__st_open_file(const char *path, int file, pr_st_tensor **ts, int *nt, uint64_t *data_start, uint64_t *data_size, pr_error *err) {
+    uint64_t size, hlen = 0;
+    int is_dir;
+    unsigned char len8[8];
+    if (!pr__io_stat(path, &size, &is_dir)) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (is_dir) return pr__fail(err, PR_ERR_IO, "%s: is a folder without model.safetensors or model.safetensors.index.json", path);
+    if (size < 8) return pr__fail(err, PR_ERR_FORMAT, "%s: %llu bytes is too short for a safetensors file", path, (unsigned long long)size);
+    FILE *f = fopen(path, "rb");
+    if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    pr_status st;
+    char *hdr = NULL;
+    if (fread(len8, 1, 8, f) != 8) { st = pr__fail(err, PR_ERR_IO, "%s: cannot read the header length", path); goto done; }
+    if ((st = pr__st_check_prefix(&hlen, len8, size, path, err))) goto done;
+    hdr = (char *)PR_MALLOC((size_t)hlen);
+    if (!hdr) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for a %llu-byte header", path, (unsigned long long)hlen); goto done; }
+    if (fread(hdr, 1, (size_t)hlen, f) != (size_t)hlen) { st = pr__fail(err, PR_ERR_IO, "%s: the file ended inside its header", path); goto done; }
+    st = pr__st_parse_header(ts, nt, hdr, (size_t)hlen, size - 8 - hlen, file, path, err);
+    if (!st) {
+        *data_start = 8 + hlen;
+        *data_size = size - 8 - hlen;
+    }
+done:
+    PR_FREE(hdr);
+    fclose(f);
+    return st;
+}
+
+struct pr_checkpoint {
+    int n_files;
+    char **paths;          /* (n_files) shard paths */
+    uint64_t *data_start;  /* (n_files) file offset of each data buffer: 8 + header length */
+    uint64_t *data_size;   /* (n_files) bytes of each data buffer */
+    int n;
+    pr_st_tensor *tensors; /* (n) sorted by name, unique across shards */
+};
+
+PRDEF void pr_checkpoint_close(pr_checkpoint *ck) {
+    if (!ck) return;
+    for (int i = 0; i < ck->n_files; i++) PR_FREE(ck->paths[i]);
+    PR_FREE(ck->paths);
+    PR_FREE(ck->data_start);
+    PR_FREE(ck->data_size);
+    PR_FREE(ck->tensors);
+    PR_FREE(ck);
+}
+
+static int pr__cmp_str(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+/* A shard name from an index must be a plain file name next to the index. */
+static int pr__st_plain_name(const char *s, size_t n) {
+    if (n == 0 || strlen(s) != n || strcmp(s, ".") == 0 || strcmp(s, "..") == 0) return 0;
+    return !strchr(s, '/') && !strchr(s, '\\');
+}
+
+/* Fills ck->paths from an index's weight_map; *map is the parsed index (kept for the cross-check). */
+static pr_status pr__st_index_files(pr_checkpoint *ck, const pr__json *root, const char *dir, const char *what, pr_error *err) {
+    const pr__json *wm = pr__json_get(root, "weight_map"), *e;
+    if (root->type != PR__JSON_OBJECT || !wm || wm->type != PR__JSON_OBJECT || wm->count == 0)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: an index needs a non-empty object \"weight_map\"", what);
+    const char **names = (const char **)PR_MALLOC(sizeof(char *) * (wm->count ? wm->count : 1));
+    if (!names) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
+    size_t k = 0;
+    pr_status st = PR_OK;
+    e = pr__json_first(wm);
+    for (uint32_t i = 0; i < wm->count; i++, e = pr__json_next(e)) {
+        if (e->type != PR__JSON_STRING || !pr__st_plain_name(e->str, e->count)) {
+            st = pr__fail(err, PR_ERR_FORMAT, "%s: weight_map entry %.255s must name a shard file in the same folder", what, e->key);
+            break;
+        }
+        names[k++] = e->str;
+    }
+    if (!st && k > 1) qsort(names, k, sizeof *names, pr__cmp_str);
+    size_t u = 0;
+    for (size_t i = 0; !st && i < k; i++)
+        if (u == 0 || strcmp(names[u - 1], names[i]) != 0) names[u++] = names[i];
+    if (!st && u > INT_MAX) st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: too many shards", what);
+    if (!st) {
+        ck->paths = (char **)PR_MALLOC(sizeof(char *) * (u ? u : 1));
+        if (!ck->paths) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
+    }
+    for (size_t i = 0; !st && i < u; i++) {
+        ck->paths[i] = pr__path_join(dir, names[i]);
+        if (!ck->paths[i]) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
+        else ck->n_files++;
+    }
+    PR_FREE(names);
+    return st;
+}
+
+/* Opens ck's files (ck->paths set) and merges their tensors. */
+static pr_status pr__st_open_all(pr_checkpoint *ck, pr_error *err) {
+    int nf = ck->n_files;
+    size_t total = 0;
+    pr_status st = PR_OK;
+    pr_st_tensor **per = (pr_st_tensor **)PR_MALLOC(sizeof(pr_st_tensor *) * (size_t)(nf ? nf : 1));
+    int *cnt = (int *)PR_MALLOC(sizeof(int) * (size_t)(nf ? nf : 1));
+    ck->data_start = (uint64_t *)PR_MALLOC(sizeof(uint64_t) * (size_t)(nf ? nf : 1));
+    ck->data_size = (uint64_t *)PR_MALLOC(sizeof(uint64_t) * (size_t)(nf ? nf : 1));
+    if (!per || !cnt || !ck->data_start || !ck->data_size) {
+        PR_FREE(per);
+        PR_FREE(cnt);
+        return pr__fail(err, PR_ERR_NOMEM, "out of memory opening %s", nf ? ck->paths[0] : "a checkpoint");
+    }
+    int opened = 0;
+    for (; opened < nf && !st; opened++) {
+        st = pr__st_open_file(ck->paths[opened], opened, &per[opened], &cnt[opened], &ck->data_start[opened], &ck->data_size[opened], err);
+        if (st) break;
+        total += (size_t)cnt[opened];
+    }
+    if (!st && total > INT_MAX) st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: too many tensors", ck->paths[0]);
+    if (!st) {
+        ck->tensors = (pr_st_tensor *)PR_MALLOC(sizeof(pr_st_tensor) * (total ? total : 1));
+        if (!ck->tensors) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for %zu tensors", total);
+    }
+    if (!st) {
+        size_t at = 0;
+        for (int i = 0; i < nf; i++) {
+            if (cnt[i]) memcpy(ck->tensors + at, per[i], sizeof(pr_st_tensor) * (size_t)cnt[i]);
+            at += (size_t)cnt[i];
+        }
+        ck->n = (int)total;
+        if (total > 1) qsort(ck->tensors, total, sizeof(pr_st_tensor), pr__st_cmp_name);
+        for (size_t i = 1; i < total && !st; i++)
+            if (strcmp(ck->tensors[i - 1].name, ck->tensors[i].name) == 0)
+                st = pr__fail(err, PR_ERR_FORMAT, "tensor %s is in both %s and %s", ck->tensors[i].name,
+                              ck->paths[ck->tensors[i - 1].file], ck->paths[ck->tensors[i].file]);
+    }
+    for (int i = 0; i < opened; i++) PR_FREE(per[i]);
+    PR_FREE(per);
+    PR_FREE(cnt);
+    return st;
+}
+
+static int pr__st_cmp_key(const void *key, const void *t) { return strcmp((const char *)key, ((const pr_st_tensor *)t)->name); }
+
+PRDEF const pr_st_tensor *pr_checkpoint_find(const pr_checkpoint *ck, const char *name) {
+    if (!ck || !name || ck->n == 0) return NULL;
+    return (const pr_st_tensor *)bsearch(name, ck->tensors, (size_t)ck->n, sizeof(pr_st_tensor), pr__st_cmp_key);
+}
+
+/* Every weight_map entry must name a tensor held by the shard it points to. */
+static pr_status pr__st_check_map(const pr_checkpoint *ck, const pr__json *root, const char *dir, const char *what, pr_error *err) {
+    const pr__json *wm = pr__json_get(root, "weight_map"), *e = pr__json_first(wm);
+    for (uint32_t i = 0; i < wm->count; i++, e = pr__json_next(e)) {
+        const pr_st_tensor *t = strlen(e->key) == e->key_len ? pr_checkpoint_find(ck, e->key) : NULL;
+        char *want = t ? pr__path_join(dir, e->str) : NULL;
+        int same = want && strcmp(want, ck->paths[t->file]) == 0;
+        PR_FREE(want);
+        if (!same) return pr__fail(err, PR_ERR_FORMAT, "%s: weight_map puts %.255s in %s, which does not hold it", what, e->key, e->str);
+    }
+    return PR_OK;
+}
+
+static int pr__ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+PRDEF pr_status pr_checkpoint_open(pr_checkpoint **out, const char *path, pr_error *err) {
+    if (!out || !path) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_open: NULL argument");
+    uint64_t size;
+    int is_dir = 0;
+    char *single = NULL, *index = NULL, *dir = NULL, *text = NULL;
+    pr__json *root = NULL;
+    pr_status st = PR_OK;
+    pr_checkpoint *ck = (pr_checkpoint *)PR_MALLOC(sizeof *ck);
+    if (!ck) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    memset(ck, 0, sizeof *ck);
+    if (!pr__io_stat(path, &size, &is_dir)) { PR_FREE(ck); return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno)); }
+    if (is_dir) {
+        single = pr__path_join(path, "model.safetensors");
+        index = pr__path_join(path, "model.safetensors.index.json");
+        if (!single || !index) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); goto done; }
+        if (pr__io_stat(single, &size, &is_dir)) { PR_FREE(index); index = NULL; }
+        else if (!pr__io_stat(index, &size, &is_dir)) {
+            st = pr__fail(err, PR_ERR_IO, "%s: folder has neither model.safetensors nor model.safetensors.index.json", path);
+            goto done;
+        }
+    } else if (pr__ends_with(path, ".json")) {
+        index = pr__strdup(path);
+        if (!index) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); goto done; }
+    } else {
+        single = pr__strdup(path);
+        if (!single) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); goto done; }
+    }
+    if (index) { /* sharded */
+        size_t len;
+        if ((st = pr__read_small_file(index, (size_t)256 << 20, &text, &len, err))) goto done;
+        if ((st = pr__json_parse(&root, text, len, index, 0, err))) goto done;
+        dir = pr__path_dir(index);
+        if (!dir) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", index); goto done; }
+        if ((st = pr__st_index_files(ck, root, dir, index, err))) goto done;
+        if ((st = pr__st_open_all(ck, err))) goto done;
+        st = pr__st_check_map(ck, root, dir, index, err);
+    } else {
+        ck->paths = (char **)PR_MALLOC(sizeof(char *));
+        if (!ck->paths) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); goto done; }
+        ck->paths[0] = single;
+        ck->n_files = 1;
+        single = NULL;
+        st = pr__st_open_all(ck, err);
+    }
+done:
+    PR_FREE(single);
+    PR_FREE(index);
+    PR_FREE(dir);
+    PR_FREE(text);
+    PR_FREE(root);
+    if (st) { pr_checkpoint_close(ck); return st; }
+    *out = ck;
+    return PR_OK;
+}
+
+PRDEF int pr_checkpoint_count(const pr_checkpoint *ck) { return ck ? ck->n : 0; }
+
+PRDEF const pr_st_tensor *pr_checkpoint_tensor(const pr_checkpoint *ck, int i) {
+    return ck && i >= 0 && i < ck->n ? &ck->tensors[i] : NULL;
+}
+
+/* Little-endian bytes of dtype to reals. */
+static void pr__st_convert(pr_real *dst, const unsigned char *src, size_t n, pr_dtype dt) {
+    for (size_t i = 0; i < n; i++) {
+        if (dt == PR_DT_F32) {
+            uint32_t u = pr__get_u32(src + 4 * i);
+            float f;
+            memcpy(&f, &u, 4);
+            dst[i] = (pr_real)f;
+        } else if (dt == PR_DT_BF16) {
+            dst[i] = (pr_real)pr_bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
+        } else if (dt == PR_DT_F16) {
+            dst[i] = (pr_real)pr_f16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
+        } else {
+            uint64_t u = pr__get_u64(src + 8 * i);
+            double d;
+            memcpy(&d, &u, 8);
+            dst[i] = (pr_real)d;
+        }
+    }
+}
+
+PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *t, pr_real *dst, size_t count, pr_error *err) {
+    if (!ck || !t || (!dst && count)) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_read: NULL argument");
+    /* t may be a caller's copy: check it as if it came from a file */
+    if (t->file < 0 || t->file >= ck->n_files || !pr__dtype_valid(t->dtype) || t->ndim < 0 || t->ndim > 8 || !memchr(t->name, 0, sizeof t->name))
+        return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_read: the tensor record does not belong to this checkpoint");
+    const char *path = ck->paths[t->file];
+    int ok;
+    uint64_t numel = pr__st_numel(t->shape, t->ndim, &ok), bytes, end_in_file, size;
+    int es = pr__dtype_size(t->dtype), is_dir;
+    if (!ok || !pr__u64_mul(numel, (uint64_t)es, &bytes) || t->end < t->begin || bytes != t->end - t->begin || t->end > ck->data_size[t->file])
+        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its record is inconsistent", path, t->name);
+    if (numel != (uint64_t)count)
+        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has %llu elements, the buffer holds %zu", path, t->name, (unsigned long long)numel, count);
+    if (count == 0) return PR_OK;
+    end_in_file = ck->data_start[t->file] + t->end;
+    if (!pr__io_stat(path, &size, &is_dir)) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (size < end_in_file) return pr__fail(err, PR_ERR_FORMAT, "%s: the file shrank to %llu bytes since it was opened", path, (unsigned long long)size);
+    FILE *f = fopen(path, "rb");
+    if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    const size_t chunk = (size_t)1 << 20; /* a multiple of every element size */
+    unsigned char *buf = (unsigned char *)PR_MALLOC(chunk);
+    pr_status st = PR_OK;
+    if (!buf) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    else if (!pr__io_seek(f, ck->data_start[t->file] + t->begin))
+        st = pr__fail(err, PR_ERR_IO, "%s: cannot seek to byte %llu of tensor %s", path, (unsigned long long)(ck->data_start[t->file] + t->begin), t->name);
+    for (uint64_t done = 0; !st && done < bytes;) {
+        size_t now = bytes - done < chunk ? (size_t)(bytes - done) : chunk;
+        if (fread(buf, 1, now, f) != now) { st = pr__fail(err, PR_ERR_IO, "%s: read error in tensor %s", path, t->name); break; }
+        pr__st_convert(dst + (size_t)(done / (uint64_t)es), buf, now / (size_t)es, t->dtype);
+        done += now;
+    }
+    PR_FREE(buf);
+    fclose(f);
+    return st;
+}
+
+/* ---------------------------------------------------------------- io: safetensors writing */
+/* Checks entries before anything is written: shapes, sizes, unique names. */
+static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dtype, const char *what, uint64_t *bytes_out, pr_error *err) {
+    if (n < 0 || (n > 0 && !en)) return pr__fail(err, PR_ERR_ARG, "%s: bad entry list (n = %d)", what, n);
+    if (!pr__dtype_valid(dtype)) return pr__fail(err, PR_ERR_ARG, "%s: unknown dtype %d", what, (int)dtype);
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const pr_st_entry *e = &en[i];
+        if (!e->name || !e->name[0] || strlen(e->name) > 255 || strcmp(e->name, "__metadata__") == 0)
+            return pr__fail(err, PR_ERR_ARG, "%s: entry %d needs a name of 1..255 bytes other than __metadata__", what, i);
+        if (e->ndim < 0 || e->ndim > 4) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has ndim %d (0..4)", what, e->name, e->ndim);
+        int ok;
+        uint64_t numel = pr__st_numel(e->shape, e->ndim, &ok), b;
+        if (!ok || !pr__u64_mul(numel, (uint64_t)pr__dtype_size(dtype), &b) || numel > SIZE_MAX || !pr__u64_add(total, b, &total))
+            return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has a negative or overflowing shape", what, e->name);
+        if (numel && !e->data) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has no data", what, e->name);
+        if (bytes_out) bytes_out[i] = b;
+    }
+    if (n > 1) {
+        const char **names = (const char **)PR_MALLOC(sizeof(char *) * (size_t)n);
+        if (!names) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
+        for (int i = 0; i < n; i++) names[i] = en[i].name;
+        qsort(names, (size_t)n, sizeof *names, pr__cmp_str);
+        for (int i = 1; i < n; i++)
+            if (strcmp(names[i - 1], names[i]) == 0) {
+                pr_status st = pr__fail(err, PR_ERR_ARG, "%s: duplicate tensor name %s", what, names[i]);
+                PR_FREE(names);
+                return st;
+            }
+        PR_FREE(names);
+    }
+    return PR_OK;
+}
+
+/* Converts n reals to little-endian dtype bytes. */
+static void pr__st_encode(unsigned char *dst, const pr_real *src, size_t n, pr_dtype dt) {
+    for (size_t i = 0; i < n; i++) {
+        if (dt == PR_DT_F32) {
+            float f = (float)src[i];
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            pr__put_u32(dst + 4 * i, u);
+        } else if (dt == PR_DT_BF16) {
+            pr__put_u16(dst + 2 * i, pr__f32bits_to_bf16(pr__real_to_f32bits_odd(src[i])));
+        } else if (dt == PR_DT_F16) {
+            pr__put_u16(dst + 2 * i, pr__f32bits_to_f16(pr__real_to_f32bits_odd(src[i])));
+        } else {
+            double d = (double)src[i];
+            uint64_t u;
+            memcpy(&u, &d, 8);
+            pr__put_u64(dst + 8 * i, u);
+        }
+    }
+}
+
+/* Writes the file; entries already checked, meta NULL or a parsed object of strings. */
+static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta, pr_error *err) {
+    pr__buf h = {NULL, 0, 0, 0};
+    uint64_t off = 0;
+    int es = pr__dtype_size(dtype);
+    pr__buf_str(&h, "{");
+    if (meta) {
+        const pr__json *v = pr__json_first(meta);
+        pr__buf_str(&h, "\"__metadata__\":{");
+        for (uint32_t i = 0; i < meta->count; i++, v = pr__json_next(v)) {
+            if (i) pr__buf_str(&h, ",");
+            pr__buf_json_str(&h, v->key, v->key_len);
+            pr__buf_str(&h, ":");
+            pr__buf_json_str(&h, v->str, v->count);
+        }
+        pr__buf_str(&h, "}");
+    }
+    for (int i = 0; i < n; i++) {
+        int ok;
+        uint64_t bytes = pr__st_numel(en[i].shape, en[i].ndim, &ok) * (uint64_t)es;
+        if (i || meta) pr__buf_str(&h, ",");
+        pr__buf_json_str(&h, en[i].name, strlen(en[i].name));
+        pr__buf_str(&h, ":{\"dtype\":\"");
+        pr__buf_str(&h, pr__dtype_name(dtype));
+        pr__buf_str(&h, "\",\"shape\":[");
+        for (int d = 0; d < en[i].ndim; d++) {
+            if (d) pr__buf_str(&h, ",");
+            pr__buf_i64(&h, en[i].shape[d]);
+        }
+        pr__buf_str(&h, "],\"data_offsets\":[");
+        pr__buf_u64(&h, off);
+        pr__buf_str(&h, ",");
+        pr__buf_u64(&h, off + bytes);
+        pr__buf_str(&h, "]}");
+        off += bytes;
+    }
+    pr__buf_str(&h, "}");
+    while (!h.failed && h.len % 8) pr__buf_str(&h, " "); /* keeps the data 8-byte aligned for mmap readers */
+    if (h.failed) { PR_FREE(h.p); return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for the header", path); }
+    if (h.len > PR__ST_MAX_HEADER) { PR_FREE(h.p); return pr__fail(err, PR_ERR_ARG, "%s: header of %zu bytes exceeds the format's 100 MB limit", path, h.len); }
+
+    pr__atomic a;
+    pr_status st = pr__atomic_open(&a, path, err);
+    if (st) { PR_FREE(h.p); return st; }
+    const size_t chunk_elems = 1 << 16;
+    unsigned char len8[8], *buf = (unsigned char *)PR_MALLOC(chunk_elems * 8);
+    pr__put_u64(len8, (uint64_t)h.len);
+    if (!buf) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    if (!st) st = pr__atomic_write(&a, len8, 8, err);
+    if (!st) st = pr__atomic_write(&a, h.p, h.len, err);
+    for (int i = 0; i < n && !st; i++) {
+        int ok;
+        size_t numel = (size_t)pr__st_numel(en[i].shape, en[i].ndim, &ok);
+        for (size_t done = 0; done < numel && !st;) {
+            size_t now = numel - done < chunk_elems ? numel - done : chunk_elems;
+            pr__st_encode(buf, en[i].data + done, now, dtype);
+            st = pr__atomic_write(&a, buf, now * (size_t)es, err);
+            done += now;
+        }
+    }
+    PR_FREE(buf);
+    PR_FREE(h.p);
+    if (st) { pr__atomic_abort(&a); return st; }
+    return pr__atomic_commit(&a, err);
+}
+
+/* Parses user metadata: NULL, or a JSON object whose values are all strings (the format's rule). */
+static pr_status pr__st_parse_meta(pr__json **out, const char *meta, const char *path, pr_error *err) {
+    *out = NULL;
+    if (!meta) return PR_OK;
+    pr__json *m;
+    pr_status st = pr__json_parse(&m, meta, strlen(meta), "safetensors metadata", 0, err);
+    if (st == PR_ERR_FORMAT) { /* the caller's argument, not a file, is malformed */
+        if (err) err->status = PR_ERR_ARG;
+        return PR_ERR_ARG;
+    }
+    if (st) return st;
+    const pr__json *v = pr__json_first(m);
+    int ok = m->type == PR__JSON_OBJECT;
+    for (uint32_t i = 0; ok && i < m->count; i++, v = pr__json_next(v)) ok = v->type == PR__JSON_STRING;
+    if (!ok) { PR_FREE(m); return pr__fail(err, PR_ERR_ARG, "%s: metadata must be a JSON object of string values", path); }
+    *out = m;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
+                                     const char *metadata_json_object_or_null, pr_error *err) {
+    if (!path) return pr__fail(err, PR_ERR_ARG, "pr_safetensors_write: NULL path");
+    pr_status st = pr__st_check_entries(entries, n, dtype, path, NULL, err);
+    if (st) return st;
+    pr__json *meta;
+    if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
+    st = pr__st_write(path, entries, n, dtype, meta, err);
+    PR_FREE(meta);
+    return st;
+}
+
+static int pr__st_cmp_entry(const void *a, const void *b) {
+    return strcmp((*(const pr_st_entry *const *)a)->name, (*(const pr_st_entry *const *)b)->name);
+}
+
+/* mkdir -p: create every missing folder of path. */
+static pr_status pr__mkdirs(const char *path, pr_error *err) {
+    char *p = pr__strdup(path);
+    if (!p) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    size_t n = strlen(p);
+    for (size_t i = 1; i <= n; i++) {
+        if (p[i] != '/' && p[i] != '\\' && p[i] != 0) continue;
+        char c = p[i];
+        p[i] = 0;
+        uint64_t size;
+        int is_dir = 0;
+        pr_status st = PR_OK;
+        if (!pr__io_mkdir(p)) st = pr__fail(err, PR_ERR_IO, "%s: cannot create folder %s: %s", path, p, strerror(errno));
+        else if (!pr__io_stat(p, &size, &is_dir) || !is_dir) st = pr__fail(err, PR_ERR_IO, "%s: %s exists and is not a folder", path, p);
+        if (st) { PR_FREE(p); return st; }
+        p[i] = c;
+    }
+    PR_FREE(p);
+    return PR_OK;
+}
+
+/* Removes dir/name if it exists: a file of the other layout that readers might prefer. */
+static pr_status pr__remove_stale(const char *dir, const char *name, pr_error *err) {
+    char *p = pr__path_join(dir, name);
+    uint64_t size;
+    int is_dir;
+    if (!p) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
+    pr_status st = PR_OK;
+    if (pr__io_stat(p, &size, &is_dir) && remove(p) != 0) st = pr__fail(err, PR_ERR_IO, "%s: cannot remove the stale %s: %s", dir, name, strerror(errno));
+    PR_FREE(p);
+    return st;
+}
+
+PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
+    if (!dir || !dir[0]) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_save: NULL or empty folder");
+    uint64_t *bytes = (uint64_t *)PR_MALLOC(sizeof(uint64_t) * (size_t)(n > 0 ? n : 1));
+    int *shard = (int *)PR_MALLOC(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    const pr_st_entry **sorted = NULL;
+    pr__buf ix = {NULL, 0, 0, 0};
+    char *file = NULL;
+    pr__json *meta = NULL;
+    pr_status st = PR_OK;
+    if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, err))) goto done;
+    /* shards in entry order: a new one when the next tensor would pass the limit */
+    int n_shards = 1;
+    uint64_t in_shard = 0, total = 0;
+    for (int i = 0; i < n; i++) {
+        /* in_shard can exceed the limit after an oversized tensor: test before subtracting */
+        if (max_shard_bytes && in_shard > 0 && (in_shard >= max_shard_bytes || bytes[i] > max_shard_bytes - in_shard)) {
+            n_shards++;
+            in_shard = 0;
+        }
+        in_shard += bytes[i];
+        total += bytes[i];
+        shard[i] = n_shards - 1;
+    }
+    if (n_shards > 99999) { st = pr__fail(err, PR_ERR_ARG, "%s: %d shards are more than the 99999 the naming allows", dir, n_shards); goto done; }
+    if ((st = pr__mkdirs(dir, err))) goto done;
+    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
+    if (n_shards == 1) {
+        if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+        if ((st = pr__st_write(file, entries, n, dtype, meta, err))) goto done;
+        st = pr__remove_stale(dir, "model.safetensors.index.json", err);
+        goto done;
+    }
+    char name[64];
+    for (int s = 0, first = 0; s < n_shards; s++) {
+        int last = first;
+        while (last < n && shard[last] == s) last++;
+        snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
+        if (!(file = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, err))) goto done;
+        PR_FREE(file);
+        file = NULL;
+        first = last;
+    }
+    /* the index, names sorted as transformers writes them */
+    sorted = (const pr_st_entry **)PR_MALLOC(sizeof(pr_st_entry *) * (size_t)n);
+    if (!sorted) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    for (int i = 0; i < n; i++) sorted[i] = &entries[i];
+    qsort(sorted, (size_t)n, sizeof *sorted, pr__st_cmp_entry);
+    pr__buf_str(&ix, "{\n  \"metadata\": {\n    \"total_size\": ");
+    pr__buf_u64(&ix, total);
+    pr__buf_str(&ix, "\n  },\n  \"weight_map\": {");
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", shard[sorted[i] - entries] + 1, n_shards);
+        pr__buf_str(&ix, i ? ",\n    " : "\n    ");
+        pr__buf_json_str(&ix, sorted[i]->name, strlen(sorted[i]->name));
+        pr__buf_str(&ix, ": \"");
+        pr__buf_str(&ix, name);
+        pr__buf_str(&ix, "\"");
+    }
+    pr__buf_str(&ix, "\n  }\n}\n");
+    if (ix.failed) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for the index", dir); goto done; }
+    if (!(file = pr__path_join(dir, "model.safetensors.index.json"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    if ((st = pr__write_file_atomic(file, ix.p, ix.len, err))) goto done;
+    st = pr__remove_stale(dir, "model.safetensors", err);
+done:
+    PR_FREE(bytes);
+    PR_FREE(shard);
+    PR_FREE(sorted);
+    PR_FREE(ix.p);
+    PR_FREE(file);
+    PR_FREE(meta);
+    return st;
+}
+
+
+#include <errno.h>
+#include <limits.h>
+
+/* Little-endian readers: the format fixes the byte order, the host's does not matter. */
+static uint32_t pr__le_u32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static int32_t pr__le_i32(const unsigned char *p) {
+    uint32_t u = pr__le_u32(p);
+    return u <= (uint32_t)INT32_MAX ? (int32_t)u : (int32_t)((int64_t)u - 4294967296LL);
+}
+static float pr__le_f32(const unsigned char *p) {   /* IEEE binary32, as the format stores it */
+    uint32_t u = pr__le_u32(p);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+typedef char pr__f32_is_4_bytes[sizeof(float) == 4 ? 1 : -1];
+
+/* The rules for one value, shared by the file reader and pr_group_validate. `where` names the
+   group ("FILE: group 3" or "invalid group"); code is the status to return. */
+static pr_status pr__trace_count(pr_error *err, pr_status code, const char *where, const char *field,
+                                 long long value) {
+    if (value >= 1 && value <= PR_TRACE_MAX_COUNT) return PR_OK;
+    return pr__fail(err, code, "%s: %s = %lld (must be 1..%d)", where, field, value, PR_TRACE_MAX_COUNT);
+}
+
+static pr_status pr__trace_tokens(pr_error *err, pr_status code, const char *where, int suffix,
+                                  const int32_t *t, int64_t n, int vocab_size) {
+    for (int64_t j = 0; j < n; j++)
+        if (t[j] < 0 || t[j] >= vocab_size) {
+            char field[48];
+            if (suffix < 0) snprintf(field, sizeof field, "prefix_tokens[%lld]", (long long)j);
+            else snprintf(field, sizeof field, "suffix %d: tokens[%lld]", suffix, (long long)j);
+            return pr__fail(err, code, "%s: %s = %ld is outside the vocabulary [0, %d)", where, field,
+                            (long)t[j], vocab_size);
+        }
+    return PR_OK;
+}
+
+/* logp: log-probs must also be <= 0 (written so that NaN fails too). */
+static pr_status pr__trace_reals(pr_error *err, pr_status code, const char *where, int suffix,
+                                 const char *name, const pr_real *x, int64_t n, int logp) {
+    for (int64_t j = 0; j < n; j++)
+        if (!isfinite(x[j]) || (logp && !(x[j] <= 0))) {
+            char field[48];
+            if (suffix < 0) snprintf(field, sizeof field, "%s[%lld]", name, (long long)j);
+            else snprintf(field, sizeof field, "suffix %d: %s[%lld]", suffix, name, (long long)j);
+            return pr__fail(err, code, "%s: %s = %g (%s)", where, field, (double)x[j],
+                            logp ? "log-probs must be finite and <= 0" : "must be finite");
+        }
+    return PR_OK;
+}
+
+static pr_status pr__group_check(const pr_group *g, int vocab_size, pr_status code, const char *where,
+                                 pr_error *err) {
+    pr_status st;
+    int i, smax = 0;
+    if (!g) return pr__fail(err, PR_ERR_ARG, "%s: NULL group", where);
+    if (vocab_size < 1) return pr__fail(err, code, "%s: vocab_size = %d (must be >= 1)", where, vocab_size);
+    if ((st = pr__trace_count(err, code, where, "P (prefix length)", g->P)) ||
+        (st = pr__trace_count(err, code, where, "G (number of suffixes)", g->G)))
+        return st;
+    if (!g->prefix || !g->suffix_len || !g->suffix_off || !g->tokens || !g->advantage || !g->old_logp ||
+        !g->loss_mask)
+        return pr__fail(err, code, "%s: NULL array (only ref_logp may be NULL)", where);
+    if (g->suffix_off[0] != 0)
+        return pr__fail(err, code, "%s: suffix_off[0] = %lld (must be 0)", where, (long long)g->suffix_off[0]);
+    for (i = 0; i < g->G; i++) {
+        char field[32];
+        snprintf(field, sizeof field, "suffix_len[%d]", i);
+        if ((st = pr__trace_count(err, code, where, field, g->suffix_len[i]))) return st;
+        if (g->suffix_off[i + 1] != g->suffix_off[i] + g->suffix_len[i])
+            return pr__fail(err, code, "%s: suffix_off[%d] = %lld, expected suffix_off[%d] + suffix_len[%d] = %lld",
+                            where, i + 1, (long long)g->suffix_off[i + 1], i, i,
+                            (long long)(g->suffix_off[i] + g->suffix_len[i]));
+        if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+    }
+    if (g->P > INT_MAX - smax)
+        return pr__fail(err, code, "%s: P %d + longest suffix %d does not fit an int", where, g->P, smax);
+    if ((st = pr__trace_tokens(err, code, where, -1, g->prefix, g->P, vocab_size)) ||
+        (st = pr__trace_reals(err, code, where, -1, "advantage", g->advantage, g->G, 0)))
+        return st;
+    for (i = 0; i < g->G; i++) {
+        const int64_t o = g->suffix_off[i], S = g->suffix_len[i];
+        if ((st = pr__trace_tokens(err, code, where, i, g->tokens + o, S, vocab_size)) ||
+            (st = pr__trace_reals(err, code, where, i, "old_logp", g->old_logp + o, S, 1)) ||
+            (g->ref_logp && (st = pr__trace_reals(err, code, where, i, "ref_logp", g->ref_logp + o, S, 1))))
+            return st;
+        for (int64_t j = 0; j < S; j++)
+            if (g->loss_mask[o + j] > 1)
+                return pr__fail(err, code, "%s: suffix %d: loss_mask[%lld] = %u (must be 0 or 1)", where, i,
+                                (long long)j, (unsigned)g->loss_mask[o + j]);
+    }
+    return PR_OK;
+}
+
+PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *err) {
+    return pr__group_check(g, vocab_size, PR_ERR_ARG, "invalid group", err);
+}
+
+/* Reserve n elements of `elem` bytes at offset *used of the trace block, rounded up to 8 bytes so
+   that every array is aligned for int64_t and double; with a block, return their address in *at.
+   0 if the size overflows. */
+static int pr__trace_take(unsigned char *block, size_t *used, size_t n, size_t elem, void **at) {
+    size_t bytes;
+    if (!pr__mul_size(n, elem, &bytes) || bytes > SIZE_MAX - 7 || (bytes + 7) / 8 * 8 > SIZE_MAX - *used) return 0;
+    if (block) *at = block + *used;
+    *used += (bytes + 7) / 8 * 8;
+    return 1;
+}
+
+/* Walk the groups of a trace whose header has been checked. Two passes over the same code:
+   with block == NULL it checks the structure (counts, limits, sizes against the bytes left) and
+   adds the block size to *used; with the block it carves the arrays from it and fills them. */
+static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char *name, const pr_trace *t,
+                                unsigned char *block, size_t *used, pr_error *err) {
+    const size_t per_tok = 4 + 4 + (t->has_ref ? 4 : 0) + 1;   /* token, old_logp, [ref_logp], mask */
+    size_t pos = 24;
+    pr_group *groups = NULL;
+    void *at[8] = {0};   /* addresses from pr__trace_take (filling pass only) */
+    pr_status st;
+    if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0])) goto too_big;
+    if (block) groups = at[0];
+    for (int gi = 0; gi < t->n_groups; gi++) {
+        char where[320];
+        uint32_t P, G, i;
+        uint64_t need, N = 0;
+        const unsigned char *lens, *p;
+        snprintf(where, sizeof where, "%s: group %d", name, gi);
+        if (len - pos < 8)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: P and G need 8 bytes at offset %zu, %zu left",
+                            where, pos, len - pos);
+        P = pr__le_u32(buf + pos);
+        G = pr__le_u32(buf + pos + 4);
+        pos += 8;
+        if ((st = pr__trace_count(err, PR_ERR_FORMAT, where, "P (prefix length)", P)) ||
+            (st = pr__trace_count(err, PR_ERR_FORMAT, where, "G (number of suffixes)", G)))
+            return st;
+        need = 4 * (uint64_t)P + 8 * (uint64_t)G;   /* prefix_tokens, suffix_len, advantage */
+        if (need > len - pos)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: prefix_tokens[%u], suffix_len[%u] and advantage[%u] "
+                            "need %llu bytes at offset %zu, %zu left", where, P, G, G, (unsigned long long)need,
+                            pos, len - pos);
+        lens = buf + pos + 4 * (size_t)P;
+        for (i = 0; i < G; i++) {
+            char field[32];
+            uint32_t S = pr__le_u32(lens + 4 * (size_t)i);
+            snprintf(field, sizeof field, "suffix_len[%u]", i);
+            if ((st = pr__trace_count(err, PR_ERR_FORMAT, where, field, S))) return st;
+            N += S;
+        }
+        /* P, S_i <= 2^24, so P + max S_i fits an int; pr__group_check says so again. */
+        if (N * per_tok > len - pos - need)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: %llu suffix tokens need %llu bytes at offset %llu, "
+                            "%llu left", where, (unsigned long long)N, (unsigned long long)(N * per_tok),
+                            (unsigned long long)(pos + need), (unsigned long long)(len - pos - need));
+        if (!pr__trace_take(block, used, (size_t)G + 1, sizeof(int64_t), &at[0]) ||   /* suffix_off */
+            !pr__trace_take(block, used, G, sizeof(pr_real), &at[1]) ||                /* advantage */
+            !pr__trace_take(block, used, (size_t)N, sizeof(pr_real), &at[2]) ||        /* old_logp */
+            !pr__trace_take(block, used, t->has_ref ? (size_t)N : 0, sizeof(pr_real), &at[3]) ||
+            !pr__trace_take(block, used, P, sizeof(int32_t), &at[4]) ||                /* prefix */
+            !pr__trace_take(block, used, (size_t)N, sizeof(int32_t), &at[5]) ||        /* tokens */
+            !pr__trace_take(block, used, G, sizeof(int), &at[6]) ||                    /* suffix_len */
+            !pr__trace_take(block, used, (size_t)N, 1, &at[7]))                        /* loss_mask */
+            goto too_big;
+        if (block) {
+            pr_group *g = &groups[gi];
+            g->P = (int)P;
+            g->G = (int)G;
+            g->suffix_off = at[0];
+            g->advantage = at[1];
+            g->old_logp = at[2];
+            g->ref_logp = t->has_ref ? at[3] : NULL;
+            g->prefix = at[4];
+            g->tokens = at[5];
+            g->suffix_len = at[6];
+            g->loss_mask = at[7];
+            p = buf + pos;
+            for (i = 0; i < P; i++) g->prefix[i] = pr__le_i32(p + 4 * (size_t)i);
+            p = lens + 4 * (size_t)G;
+            g->suffix_off[0] = 0;
+            for (i = 0; i < G; i++) {
+                g->suffix_len[i] = (int)pr__le_u32(lens + 4 * (size_t)i);
+                g->suffix_off[i + 1] = g->suffix_off[i] + g->suffix_len[i];
+                g->advantage[i] = (pr_real)pr__le_f32(p + 4 * (size_t)i);
+            }
+            p += 4 * (size_t)G;
+            for (i = 0; i < G; i++) {   /* tokens[S], old_logp[S], ref_logp[S] if flagged, loss_mask[S] */
+                const size_t S = (size_t)g->suffix_len[i], o = (size_t)g->suffix_off[i];
+                size_t j;
+                for (j = 0; j < S; j++) g->tokens[o + j] = pr__le_i32(p + 4 * j);
+                p += 4 * S;
+                for (j = 0; j < S; j++) g->old_logp[o + j] = (pr_real)pr__le_f32(p + 4 * j);
+                p += 4 * S;
+                if (t->has_ref) {
+                    for (j = 0; j < S; j++) g->ref_logp[o + j] = (pr_real)pr__le_f32(p + 4 * j);
+                    p += 4 * S;
+                }
+                memcpy(g->loss_mask + o, p, S);
+                p += S;
+            }
+            if ((st = pr__group_check(g, t->vocab_size, PR_ERR_FORMAT, where, err))) return st;
+        }
+        pos += (size_t)need + (size_t)(N * per_tok);
+    }
+    if (pos != len)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: %zu trailing byte(s) after the last group (at offset %zu)",
+                        name, len - pos, pos);
+    return PR_OK;
+too_big:
+    return pr__fail(err, PR_ERR_NOMEM, "%s: the trace does not fit in memory (size overflow)", name);
+}
+
+static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf, size_t len, const char *name,
+                                       pr_error *err) {
+    static const unsigned char magic[8] = {'P', 'R', 'T', 'R', 'A', 'C', 'E', 0};
+    pr_trace t;
+    uint32_t version, flags, n_groups, vocab;
+    size_t used = 0;
+    unsigned char *block;
+    pr_status st;
+    if (len < 24)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: %zu bytes, too short for the 24-byte trace header", name, len);
+    if (memcmp(buf, magic, 8) != 0)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse trace (bad magic)", name);
+    version = pr__le_u32(buf + 8);
+    flags = pr__le_u32(buf + 12);
+    n_groups = pr__le_u32(buf + 16);
+    vocab = pr__le_u32(buf + 20);
+    if (version != 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: trace format version %u is not supported (this reader "
+                        "knows version 1)", name, version);
+    if (flags & ~1u)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: flags = 0x%x has unknown bits 0x%x (only bit 0, reference "
+                        "log-probs, is defined)", name, flags, flags & ~1u);
+    if (n_groups < 1 || n_groups > INT_MAX)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: n_groups = %u (must be 1..%d)", name, n_groups, INT_MAX);
+    if (vocab < 1 || vocab > INT_MAX)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: vocab_size = %u (must be 1..%d)", name, vocab, INT_MAX);
+    t.n_groups = (int)n_groups;
+    t.vocab_size = (int)vocab;
+    t.has_ref = (int)(flags & 1u);
+    t.groups = NULL;
+    if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, err))) return st;   /* check, size */
+    block = PR_MALLOC(used);
+    if (!block)
+        return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
+    used = 0;
+    if ((st = pr__trace_walk(buf, len, name, &t, block, &used, err))) {             /* fill, check values */
+        PR_FREE(block);
+        return st;
+    }
+    t.groups = (pr_group *)(void *)block;
+    *trace = t;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trace_parse(pr_trace *trace, const void *bytes, size_t len, pr_error *err) {
+    if (!trace || (!bytes && len))
+        return pr__fail(err, PR_ERR_ARG, "pr_trace_parse: NULL %s", trace ? "bytes" : "trace");
+    return pr__trace_parse_named(trace, bytes ? (const unsigned char *)bytes : (const unsigned char *)"", len,
+                                 "<memory>", err);
+}
+
+PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) {
+    FILE *f;
+    unsigned char *buf = NULL;
+    size_t len = 0, cap = 0;
+    pr_status st;
+    if (!trace || !path) return pr__fail(err, PR_ERR_ARG, "pr_trace_read: NULL %s", trace ? "path" : "trace");
+    f = fopen(path, "rb");
+    if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    for (;;) {   /* read to the end, doubling the buffer: no reliance on ftell for the size */
+        size_t got;
+        if (len == cap) {
+            unsigned char *nb;
+            size_t ncap = cap ? cap * 2 : 1 << 16;
+            if (ncap < cap || !(nb = PR_REALLOC(buf, ncap))) {
+                PR_FREE(buf);
+                fclose(f);
+                return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory reading the file (%zu bytes so far)", path, len);
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        got = fread(buf + len, 1, cap - len, f);
+        len += got;
+        if (got == 0) break;
+    }
+    if (ferror(f)) {
+        PR_FREE(buf);
+        fclose(f);
+        return pr__fail(err, PR_ERR_IO, "%s: read error after %zu bytes", path, len);
+    }
+    fclose(f);
+    st = pr__trace_parse_named(trace, buf, len, path, err);
+    PR_FREE(buf);
+    return st;
+}
+
+PRDEF void pr_trace_free(pr_trace *trace) {
+    if (!trace) return;
+    PR_FREE(trace->groups);   /* the groups array heads the one block holding everything */
+    memset(trace, 0, sizeof *trace);
+}
+
 
 /* ---------------------------------------------------------------- CPU backend */
 /* Activations are pr_real; the casts below are the CPU reading of the backend's `void *`. */

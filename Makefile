@@ -1,0 +1,93 @@
+# prefixreuse — `make` builds ./train; `make test` runs every CPU test (last line: N passed, N failed).
+#   make PRECISION=double    every real number in double (exact-equivalence checks)
+#   make BLAS=1              GEMMs through the system CBLAS (Debian: libopenblas-dev)
+#   make OMP=0               without OpenMP
+#   make NATIVE=0            without -march=native
+#   make asan                the test suite under AddressSanitizer + UBSan
+#   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
+#   make fuzz                the trace and safetensors/config parsers under libFuzzer (clang)
+
+CC      ?= cc
+CFLAGS  ?= -O2
+WARN    := -std=c11 -Wall -Wextra
+LDLIBS  := -lm
+PRECISION ?= float
+OMP     ?= 1
+NATIVE  ?= 1
+BLAS    ?= 0
+
+ifeq ($(NATIVE),1)
+  ARCH := $(shell $(CC) -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
+endif
+ifeq ($(OMP),1)
+  OPENMP := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null >/dev/null 2>&1 && echo -fopenmp)
+endif
+ifeq ($(PRECISION),double)
+  DEFS += -DPR_DOUBLE
+else ifneq ($(PRECISION),float)
+  $(error PRECISION must be float or double)
+endif
+ifeq ($(BLAS),1)
+  DEFS += -DPR_USE_CBLAS
+  LDLIBS += -lopenblas
+endif
+
+ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
+HEADER = prefixreuse.h
+
+.PHONY: all test asan bench-gemm fuzz clean info
+
+all: train
+
+info:
+	@echo "cc $(CC); precision $(PRECISION); openmp '$(OPENMP)'; arch '$(ARCH)'; blas $(BLAS)"
+
+train: train.c $(HEADER)
+	$(CC) $(ALL_CFLAGS) -o $@ train.c $(LDLIBS)
+
+# The suite: the core tests in both precisions, the parsers' tests, and ./train --check in both.
+build/%-float: test/%.c $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -o $@ $< -lm
+build/%-double: test/%.c $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE -o $@ $< -lm
+build/train-float: train.c $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -o $@ train.c -lm
+build/train-double: train.c $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE -o $@ train.c -lm
+build:
+	mkdir -p build
+
+TEST_BINS = build/test_core-float build/test_core-double build/test_io-float build/test_io-double \
+            build/test_trace-float build/test_trace-double build/train-float build/train-double
+
+test: $(TEST_BINS)
+	@sh test/run.sh build
+
+SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+asan: | build
+	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan
+	@sh test/run.sh build/asan
+
+build/asan: $(HEADER) test/*.c train.c
+	mkdir -p build/asan
+	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
+	  for t in test_core test_io test_trace; do \
+	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
+	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
+	touch build/asan
+
+bench-gemm: | build
+	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
+	./build/bench_gemm
+
+FUZZ_SECONDS ?= 60
+fuzz: | build
+	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -o build/fuzz_trace test/fuzz_trace.c -lm
+	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
+	mkdir -p build/corpus_trace build/corpus_st
+	cp data/sample.trace build/corpus_trace/
+	./build/fuzz_trace -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
+	./build/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) build/corpus_st test/fuzz_seeds
+
+clean:
+	rm -rf build train

@@ -1,0 +1,653 @@
+/* Tests of the model math and the schedules: finite differences (double build), the independent
+   oracle, baseline vs reuse over many shapes, the gKV hooks, bad input, determinism, checkpoints.
+   Built twice by `make test`: float and double (PR_DOUBLE). */
+#define _POSIX_C_SOURCE 200809L   /* mkdtemp, access */
+#define PREFIXREUSE_IMPLEMENTATION
+#include "../prefixreuse.h"
+#include "harness.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define IS_DOUBLE (sizeof(pr_real) == 8)
+
+/* ------------------------------------------------------------------ fixtures */
+static pr_config small_config(int qk_norm, int tied, int nkv) {
+    pr_config c;
+    memset(&c, 0, sizeof c);
+    strcpy(c.model_type, qk_norm ? "qwen3" : "llama");
+    c.vocab_size = 61;
+    c.hidden_size = 24;
+    c.intermediate_size = 40;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = nkv;
+    c.head_dim = qk_norm ? 8 : 6;
+    c.max_position_embeddings = 128;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 10000;
+    c.rope_llama3 = !qk_norm;
+    c.rope_factor = 8; c.rope_low_freq_factor = 1; c.rope_high_freq_factor = 4; c.rope_original_max_position = 16;
+    c.qk_norm = qk_norm;
+    c.tie_word_embeddings = tied;
+    return c;
+}
+
+static uint64_t rng_state = 42;
+static double urand(void) {
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return (rng_state >> 11) / 9007199254740992.0;
+}
+
+/* Weights large enough that attention and SwiGLU are far from linear, norm weights away from 1. */
+static pr_trainer *make_model(const pr_config *c, uint64_t seed) {
+    pr_trainer *tr;
+    pr_error err;
+    if (pr_trainer_create(&tr, c, pr_backend_cpu(), &err) || pr_trainer_init_params(tr, seed, &err)) {
+        printf("make_model: %s\n", err.message);
+        exit(1);
+    }
+    size_t n = pr_trainer_param_count(tr);
+    pr_real *p = malloc(sizeof(pr_real) * n);
+    pr_trainer_get_params(tr, p, n, &err);
+    rng_state = seed * 2654435761u + 1;
+    for (int t = 0; t < pr_trainer_tensor_count(tr); t++) {
+        const pr_tensor_info *ti = pr_trainer_tensor(tr, t);
+        for (size_t i = 0; i < ti->numel; i++) {
+            pr_real *x = &p[ti->offset + i];
+            *x = ti->ndim == 2 ? *x * 12 : (pr_real)(1 + 0.2 * (urand() - 0.5));
+        }
+    }
+    pr_trainer_set_params(tr, p, n, &err);
+    free(p);
+    return tr;
+}
+
+/* A group owning its arrays. */
+typedef struct {
+    pr_group g;
+    int32_t prefix[512], tokens[4096];
+    int len[64];
+    int64_t off[65];
+    pr_real adv[64], old[4096], ref[4096];
+    uint8_t mask[4096];
+} test_group;
+
+static void make_group(test_group *t, int P, int G, const int *S, int V, uint64_t seed) {
+    memset(t, 0, sizeof *t);
+    rng_state = seed * 7919 + 3;
+    for (int i = 0; i < P; i++) t->prefix[i] = (int32_t)(urand() * V);
+    t->off[0] = 0;
+    for (int i = 0; i < G; i++) {
+        t->len[i] = S[i];
+        t->off[i + 1] = t->off[i] + S[i];
+        t->adv[i] = (pr_real)(2 * urand() - 1);
+    }
+    for (int64_t f = 0; f < t->off[G]; f++) {
+        t->tokens[f] = (int32_t)(urand() * V);
+        t->old[f] = (pr_real)(-log((double)V) + 1.2 * (urand() - 0.5));   /* ratios on both sides of the clip band */
+        t->ref[f] = (pr_real)(t->old[f] - 0.3 * urand());
+        t->mask[f] = urand() > 0.15;
+    }
+    pr_group *g = &t->g;
+    g->P = P; g->G = G; g->prefix = t->prefix; g->suffix_len = t->len; g->suffix_off = t->off; g->tokens = t->tokens;
+    g->advantage = t->adv; g->old_logp = t->old; g->ref_logp = t->ref; g->loss_mask = t->mask;
+}
+
+static pr_real *grads_of(pr_trainer *tr) {
+    size_t n = pr_trainer_param_count(tr);
+    pr_real *g = malloc(sizeof(pr_real) * n);
+    pr_trainer_get_grads(tr, g, n, NULL);
+    return g;
+}
+static pr_real *params_of(pr_trainer *tr) {
+    size_t n = pr_trainer_param_count(tr);
+    pr_real *p = malloc(sizeof(pr_real) * n);
+    pr_trainer_get_params(tr, p, n, NULL);
+    return p;
+}
+
+/* The build's tolerance. Double: normwise per tensor, max|a-b| <= 1e-10 max|b|. Float: the mixed
+   test |a-b| <= atol + rtol |b| per element, atol scaled to the tensor (1e-4 of its largest entry). */
+static int close_tensor(const pr_real *a, const pr_real *b, size_t n, double *worst) {
+    double scale = 0, maxd = 0;
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) if (fabs((double)b[i]) > scale) scale = fabs((double)b[i]);
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > maxd) maxd = d;
+        if (IS_DOUBLE ? !(d <= 1e-10 * scale) : !(d <= 1e-4 * scale + 2e-4 * fabs((double)b[i]))) ok = 0;
+    }
+    *worst = scale > 0 ? maxd / scale : maxd;
+    return ok;
+}
+
+/* Every tensor of two arenas within tolerance; names the first that is not. */
+static int close_arenas(pr_trainer *tr, const pr_real *a, const pr_real *b, const char *what, const char *label) {
+    for (int t = 0; t < pr_trainer_tensor_count(tr); t++) {
+        const pr_tensor_info *ti = pr_trainer_tensor(tr, t);
+        double w;
+        if (!close_tensor(a + ti->offset, b + ti->offset, ti->numel, &w)) {
+            printf("  %s: %s %s differs (max diff / max |ref| = %.3e)\n", label, what, ti->name, w);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ baseline vs reuse */
+static void equivalence_case(const pr_config *c, int P, int G, const int *S, int mb_base, int mb_reuse,
+                             pr_layout layout, pr_loss_norm norm, const char *label) {
+    test_group t;
+    make_group(&t, P, G, S, c->vocab_size, (uint64_t)(P * 131 + G * 17 + mb_reuse));
+    pr_trainer *a = make_model(c, 5), *b = make_model(c, 5);
+    pr_error err;
+    pr_step_opts oa = pr_step_opts_default(), ob;
+    oa.loss.kl_coef = 0.05;
+    oa.loss.norm = norm;
+    ob = oa;
+    oa.schedule = PR_SCHEDULE_BASELINE; oa.microbatch = mb_base;
+    ob.schedule = PR_SCHEDULE_REUSE; ob.microbatch = mb_reuse; ob.layout = layout;
+    pr_step_stats sa, sb;
+    pr_real la[4096], lb[4096];
+    int ok = !pr_trainer_compute_grads(a, &t.g, &oa, &sa, la, &err) && !pr_trainer_compute_grads(b, &t.g, &ob, &sb, lb, &err);
+    CHECK(ok, "%s: %s", label, err.message);
+    if (!ok) { pr_trainer_destroy(a); pr_trainer_destroy(b); return; }
+    double lw;
+    CHECK(close_tensor(&(pr_real){ (pr_real)sb.loss }, &(pr_real){ (pr_real)sa.loss }, 1, &lw) &&
+          (IS_DOUBLE ? fabs(sa.loss - sb.loss) <= 1e-10 * fabs(sa.loss) : 1),
+          "%s: loss %.15g vs %.15g", label, sa.loss, sb.loss);
+    CHECK(close_tensor(lb, la, (size_t)t.off[G], &lw), "%s: log-probs differ (%.3e)", label, lw);
+    pr_real *ga = grads_of(a), *gb = grads_of(b);
+    CHECK(close_arenas(a, gb, ga, "gradient", label), "%s: gradients", label);
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    adam.max_grad_norm = 0.5;   /* clipping active: the norm of both must agree too */
+    ok = !pr_trainer_adamw_step(a, &adam, NULL, &err) && !pr_trainer_adamw_step(b, &adam, NULL, &err);
+    CHECK(ok, "%s: adamw %s", label, err.message);
+    pr_real *pa = params_of(a), *pb = params_of(b);
+    CHECK(close_arenas(a, pb, pa, "parameter", label), "%s: parameters after AdamW", label);
+    free(ga); free(gb); free(pa); free(pb);
+    pr_trainer_destroy(a);
+    pr_trainer_destroy(b);
+}
+
+static void test_equivalence(void) {
+    pr_config cfgs[3] = { small_config(0, 0, 2), small_config(1, 1, 1), small_config(0, 1, 4) };
+    const int S8[8] = { 5, 1, 9, 3, 2, 7, 4, 6 };
+    const int Gs[4] = { 1, 2, 3, 8 };
+    int cases = 0;
+    for (int ci = 0; ci < 3; ci++)
+        for (int gi = 0; gi < 4; gi++) {
+            int G = Gs[gi];
+            int mbs[3] = { 1, 2, G };
+            for (int mi = 0; mi < 3; mi++)
+                for (int lay = 0; lay < 2; lay++) {
+                    char label[160];
+                    int P = 3 + 4 * gi + ci;
+                    snprintf(label, sizeof label, "config %d, P %d, G %d, microbatch %d, %s", ci, P, G, mbs[mi], lay ? "packed" : "padded");
+                    equivalence_case(&cfgs[ci], P, G, S8, mbs[(mi + 1) % 3], mbs[mi], (pr_layout)lay,
+                                     (gi + mi) % 2 ? PR_NORM_SEQ_MEAN_TOKEN_MEAN : PR_NORM_TOKEN_MEAN, label);
+                    cases++;
+                }
+        }
+    /* edges: a one-token prefix, one-token suffixes, one trajectory */
+    const int ones[4] = { 1, 1, 1, 1 }, mixed[3] = { 1, 12, 2 };
+    equivalence_case(&cfgs[0], 1, 3, mixed, 1, 2, PR_LAYOUT_PACKED, PR_NORM_TOKEN_MEAN, "P=1");
+    equivalence_case(&cfgs[1], 6, 4, ones, 4, 1, PR_LAYOUT_PADDED, PR_NORM_TOKEN_MEAN, "S=1 everywhere");
+    equivalence_case(&cfgs[2], 1, 1, ones, 1, 1, PR_LAYOUT_PACKED, PR_NORM_SEQ_MEAN_TOKEN_MEAN, "P=1, S=1, G=1");
+    printf("equivalence: %d shapes x layouts compared on loss, log-probs, gradients, parameters\n", cases + 3);
+}
+
+/* ------------------------------------------------------------------ hooks */
+typedef struct {
+    int captures, dkvs, injects, bad_shape, L, P, kvd;
+    pr_real *sum_k, *sum_v;       /* per layer: running sum of the microbatch dK/dV */
+    int injected_equal;
+    double perturb;               /* finite differences: added to one cached K or V entry */
+    int perturb_layer, perturb_index, perturb_v;
+    pr_real *gk_seen, *gv_seen;   /* the injected cache, per layer */
+} hook_log;
+
+static void on_capture(void *u, int layer, void *k, void *v, int P, int kvd) {
+    hook_log *h = u;
+    h->captures++;
+    if (P != h->P || kvd != h->kvd || layer < 0 || layer >= h->L) h->bad_shape++;
+    if (h->perturb != 0 && layer == h->perturb_layer)
+        ((pr_real *)(h->perturb_v ? v : k))[h->perturb_index] += (pr_real)h->perturb;
+}
+static void on_dkv(void *u, int layer, int mb, const void *dk, const void *dv, int P, int kvd) {
+    hook_log *h = u;
+    (void)mb;
+    h->dkvs++;
+    if (P != h->P || kvd != h->kvd) { h->bad_shape++; return; }
+    for (int i = 0; i < P * kvd; i++) {
+        h->sum_k[(size_t)layer * P * kvd + i] += ((const pr_real *)dk)[i];
+        h->sum_v[(size_t)layer * P * kvd + i] += ((const pr_real *)dv)[i];
+    }
+}
+static void on_inject(void *u, int layer, const void *gk, const void *gv, int P, int kvd) {
+    hook_log *h = u;
+    h->injects++;
+    if (P != h->P || kvd != h->kvd) { h->bad_shape++; return; }
+    size_t n = (size_t)P * kvd, o = (size_t)layer * n;
+    if (memcmp(gk, h->sum_k + o, n * sizeof(pr_real)) || memcmp(gv, h->sum_v + o, n * sizeof(pr_real))) h->injected_equal = 0;
+    memcpy(h->gk_seen + o, gk, n * sizeof(pr_real));
+    memcpy(h->gv_seen + o, gv, n * sizeof(pr_real));
+}
+
+static void hook_log_init(hook_log *h, const pr_config *c, int P) {
+    memset(h, 0, sizeof *h);
+    h->L = c->num_hidden_layers; h->P = P; h->kvd = c->num_key_value_heads * c->head_dim;
+    size_t n = (size_t)h->L * P * h->kvd;
+    h->sum_k = calloc(n, sizeof(pr_real)); h->sum_v = calloc(n, sizeof(pr_real));
+    h->gk_seen = calloc(n, sizeof(pr_real)); h->gv_seen = calloc(n, sizeof(pr_real));
+    h->injected_equal = 1;
+}
+static void hook_log_free(hook_log *h) { free(h->sum_k); free(h->sum_v); free(h->gk_seen); free(h->gv_seen); }
+
+static pr_step_opts hooked_opts(hook_log *h, int mb) {
+    pr_step_opts o = pr_step_opts_default();
+    o.microbatch = mb;
+    o.loss.kl_coef = 0.05;
+    o.hooks.user = h;
+    o.hooks.on_kv_capture = on_capture;
+    o.hooks.on_dkv = on_dkv;
+    o.hooks.on_kv_inject = on_inject;
+    return o;
+}
+
+static void test_hooks(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[5] = { 4, 2, 6, 1, 3 };
+    test_group t;
+    make_group(&t, 9, 5, S, c.vocab_size, 11);
+    pr_trainer *tr = make_model(&c, 3);
+    hook_log h;
+    hook_log_init(&h, &c, 9);
+    pr_step_opts o = hooked_opts(&h, 2);     /* microbatches of 2, 2, 1 */
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "hooked step: %s", err.message);
+    CHECK(h.captures == c.num_hidden_layers, "capture fired %d times, want %d", h.captures, c.num_hidden_layers);
+    CHECK(h.dkvs == 3 * c.num_hidden_layers, "dK/dV hook fired %d times, want %d", h.dkvs, 3 * c.num_hidden_layers);
+    CHECK(h.injects == c.num_hidden_layers, "inject fired %d times, want %d", h.injects, c.num_hidden_layers);
+    CHECK(h.bad_shape == 0, "%d hook calls with unexpected shapes", h.bad_shape);
+    CHECK(h.injected_equal, "the injected gK/gV differ from the sum of the per-microbatch dK/dV");
+    double mx = 0;
+    for (size_t i = 0; i < (size_t)h.L * h.P * h.kvd; i++) mx = fmax(mx, fabs((double)h.gk_seen[i]));
+    CHECK(mx > 0, "the injected gK is all zeros: the suffixes sent nothing to the prefix");
+    /* the baseline has no prefix cache: no hook fires */
+    hook_log_free(&h);
+    hook_log_init(&h, &c, 9);
+    o = hooked_opts(&h, 2);
+    o.schedule = PR_SCHEDULE_BASELINE;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "baseline with hooks: %s", err.message);
+    CHECK(h.captures + h.dkvs + h.injects == 0, "hooks fired under the baseline schedule");
+    hook_log_free(&h);
+
+    /* negative control: the same comparison must see a cache that is off by 1e-3 in one entry */
+    pr_trainer *base = make_model(&c, 3);
+    o = pr_step_opts_default();
+    o.schedule = PR_SCHEDULE_BASELINE;
+    o.loss.kl_coef = 0.05;
+    CHECK(!pr_trainer_compute_grads(base, &t.g, &o, NULL, NULL, &err), "%s", err.message);
+    hook_log_init(&h, &c, 9);
+    o = hooked_opts(&h, 2);
+    h.perturb = 1e-3; h.perturb_layer = 0; h.perturb_index = 5;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "%s", err.message);
+    pr_real *ga = grads_of(base), *gb = grads_of(tr);
+    printf("negative control (expect a reported difference):\n");
+    CHECK(!close_arenas(tr, gb, ga, "gradient", "corrupted cache"), "a corrupted K/V cache went unnoticed by the comparison");
+    free(ga); free(gb);
+    hook_log_free(&h);
+    pr_trainer_destroy(base);
+    pr_trainer_destroy(tr);
+}
+
+/* ------------------------------------------------------------------ finite differences */
+static double loss_at(pr_trainer *tr, const pr_group *g, const pr_step_opts *o) {
+    pr_step_stats st;
+    pr_error err;
+    if (pr_trainer_compute_grads(tr, g, o, &st, NULL, &err)) { printf("loss_at: %s\n", err.message); exit(1); }
+    return st.loss;
+}
+
+/* d(loss)/d(parameter) by central differences on sampled entries of every tensor, and
+   d(loss)/d(cached prefix K/V) against the injected gK/gV (perturbing the cache in the capture hook). */
+static void test_gradcheck(const pr_config *c, const char *label) {
+    const int S[3] = { 5, 2, 4 };
+    test_group t;
+    make_group(&t, 6, 3, S, c->vocab_size, 23);
+    pr_trainer *tr = make_model(c, 9);
+    pr_step_opts o = pr_step_opts_default();
+    o.loss.kl_coef = 0.05;
+    o.microbatch = 2;
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "%s", err.message);
+    size_t n = pr_trainer_param_count(tr);
+    pr_real *g = grads_of(tr), *p = params_of(tr);
+    int checked = 0, bad = 0;
+    for (int ti = 0; ti < pr_trainer_tensor_count(tr); ti++) {
+        const pr_tensor_info *info = pr_trainer_tensor(tr, ti);
+        double scale = 0;
+        size_t arg = 0;
+        for (size_t i = 0; i < info->numel; i++)
+            if (fabs((double)g[info->offset + i]) > scale) { scale = fabs((double)g[info->offset + i]); arg = i; }
+        for (int k = 0; k < 6; k++) {
+            size_t i = k == 0 ? arg : (size_t)(urand() * info->numel), at = info->offset + i;
+            double h = 1e-5 * fmax(1.0, fabs((double)p[at]));
+            pr_real keep = p[at];
+            p[at] = keep + (pr_real)h; pr_trainer_set_params(tr, p, n, NULL);
+            double lp = loss_at(tr, &t.g, &o);
+            p[at] = keep - (pr_real)h; pr_trainer_set_params(tr, p, n, NULL);
+            double lm = loss_at(tr, &t.g, &o);
+            p[at] = keep;
+            double fd = (lp - lm) / (2 * h), an = g[at];
+            checked++;
+            if (!(fabs(fd - an) <= 1e-6 * scale + 1e-6 * fabs(an))) {
+                bad++;
+                printf("  %s: %s[%zu] analytic %.10e finite difference %.10e\n", label, info->name, i, an, fd);
+            }
+        }
+    }
+    pr_trainer_set_params(tr, p, n, NULL);
+    CHECK(bad == 0, "%s: %d of %d sampled parameter gradients disagree with finite differences", label, bad, checked);
+
+    /* prefix K/V adjoints: the loss moves with the cached K/V only through the suffixes */
+    hook_log h;
+    hook_log_init(&h, c, t.g.P);
+    pr_step_opts oh = hooked_opts(&h, 2);
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &oh, NULL, NULL, &err), "%s", err.message);
+    int kbad = 0, kchecked = 0;
+    size_t per_layer = (size_t)h.P * h.kvd;
+    for (int l = 0; l < h.L; l++)
+        for (int which = 0; which < 2; which++)
+            for (int k = 0; k < 5; k++) {
+                hook_log hp;
+                hook_log_init(&hp, c, t.g.P);
+                pr_step_opts op = hooked_opts(&hp, 2);
+                hp.perturb_layer = l; hp.perturb_v = which;
+                hp.perturb_index = (int)(urand() * per_layer);
+                double step = 1e-5;
+                hp.perturb = step;
+                double lp = loss_at(tr, &t.g, &op);
+                hp.perturb = -step;
+                double lm = loss_at(tr, &t.g, &op);
+                double fd = (lp - lm) / (2 * step);
+                double an = (which ? h.gv_seen : h.gk_seen)[(size_t)l * per_layer + hp.perturb_index];
+                double scale = 0;
+                for (size_t i = 0; i < per_layer; i++) scale = fmax(scale, fabs((double)(which ? h.gv_seen : h.gk_seen)[l * per_layer + i]));
+                kchecked++;
+                if (!(fabs(fd - an) <= 1e-6 * scale + 1e-6 * fabs(an))) {
+                    kbad++;
+                    printf("  %s: layer %d %s[%d] gKV %.10e finite difference %.10e\n", label, l, which ? "V" : "K", hp.perturb_index, an, fd);
+                }
+                hook_log_free(&hp);
+            }
+    CHECK(kbad == 0, "%s: %d of %d prefix K/V adjoints disagree with finite differences", label, kbad, kchecked);
+    printf("gradcheck %s: %d parameter entries, %d prefix K/V entries\n", label, checked, kchecked);
+    hook_log_free(&h);
+    free(g); free(p);
+    pr_trainer_destroy(tr);
+}
+
+/* ------------------------------------------------------------------ the independent oracle */
+/* test/ref_*.safetensors hold weights, loss, log-probs and gradients computed by Hugging Face's
+   model code in float64 (test/oracle/oracle.py) for group 0 of data/sample.trace. */
+static void test_oracle(const char *config_dir, const char *ref_path, pr_loss_norm norm) {
+    pr_error err;
+    pr_config c;
+    pr_trace trace;
+    pr_checkpoint *ck;
+    if (pr_config_load(&c, config_dir, &err) || pr_trace_read(&trace, "data/sample.trace", &err)) {
+        CHECK(0, "oracle %s: %s", ref_path, err.message);
+        return;
+    }
+    if (pr_checkpoint_open(&ck, ref_path, &err)) {
+        CHECK(0, "oracle: %s", err.message);
+        pr_trace_free(&trace);
+        return;
+    }
+    const pr_group *g = &trace.groups[0];
+    size_t ntok = (size_t)g->suffix_off[g->G];
+    pr_real ref_loss, *ref_logp = malloc(sizeof(pr_real) * ntok), *logp = malloc(sizeof(pr_real) * ntok);
+    const pr_st_tensor *tl = pr_checkpoint_find(ck, "oracle.loss"), *tp = pr_checkpoint_find(ck, "oracle.logprobs");
+    CHECK(tl && tp && !pr_checkpoint_read(ck, tl, &ref_loss, 1, &err) && !pr_checkpoint_read(ck, tp, ref_logp, ntok, &err),
+          "oracle %s: loss/log-probs missing or wrong size", ref_path);
+    for (int sched = 0; sched < 2; sched++) {
+        pr_trainer *tr;
+        if (pr_trainer_create(&tr, &c, pr_backend_cpu(), &err) || pr_trainer_load(tr, ref_path, &err)) {
+            CHECK(0, "oracle: %s", err.message);
+            break;
+        }
+        pr_step_opts o = pr_step_opts_default();
+        o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+        o.microbatch = sched ? 3 : 2;
+        o.layout = PR_LAYOUT_PACKED;
+        o.loss.eps_low = 0.2; o.loss.eps_high = 0.28; o.loss.kl_coef = 0.04; o.loss.norm = norm;
+        pr_step_stats st;
+        CHECK(!pr_trainer_compute_grads(tr, g, &o, &st, logp, &err), "oracle: %s", err.message);
+        const double tol = IS_DOUBLE ? 1e-10 : 1e-5;
+        CHECK(fabs(st.loss - ref_loss) <= tol * fabs((double)ref_loss), "oracle %s (%s): loss %.12g, oracle %.12g",
+              ref_path, sched ? "reuse" : "baseline", st.loss, (double)ref_loss);
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ntok; i++) { num += pow((double)logp[i] - ref_logp[i], 2); den += pow((double)ref_logp[i], 2); }
+        CHECK(sqrt(num / den) <= tol, "oracle %s: log-probs relative error %.3e", ref_path, sqrt(num / den));
+        pr_real *gr = grads_of(tr);
+        int worst_t = -1;
+        double worst = 0;
+        for (int ti = 0; ti < pr_trainer_tensor_count(tr); ti++) {
+            const pr_tensor_info *info = pr_trainer_tensor(tr, ti);
+            char name[160];
+            snprintf(name, sizeof name, "oracle.grad.%s", info->name);
+            const pr_st_tensor *tg = pr_checkpoint_find(ck, name);
+            pr_real *ref = malloc(sizeof(pr_real) * info->numel);
+            if (!tg || pr_checkpoint_read(ck, tg, ref, info->numel, &err)) {
+                CHECK(0, "oracle %s: %s missing", ref_path, name);
+                free(ref);
+                continue;
+            }
+            num = den = 0;
+            for (size_t i = 0; i < info->numel; i++) {
+                num += pow((double)gr[info->offset + i] - ref[i], 2);
+                den += pow((double)ref[i], 2);
+            }
+            double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+            if (rel > worst) { worst = rel; worst_t = ti; }
+            CHECK(rel <= tol, "oracle %s (%s): %s relative error %.3e", ref_path, sched ? "reuse" : "baseline", info->name, rel);
+            free(ref);
+        }
+        printf("oracle %s (%s): loss %.10f vs %.10f, worst gradient %s at %.2e\n", ref_path, sched ? "reuse" : "baseline",
+               st.loss, (double)ref_loss, worst_t >= 0 ? pr_trainer_tensor(tr, worst_t)->name : "-", worst);
+        free(gr);
+        pr_trainer_destroy(tr);
+    }
+    free(ref_logp);
+    free(logp);
+    pr_checkpoint_close(ck);
+    pr_trace_free(&trace);
+}
+
+/* ------------------------------------------------------------------ bad input */
+static void test_bad_input(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[3] = { 3, 2, 4 };
+    test_group t;
+    make_group(&t, 5, 3, S, c.vocab_size, 31);
+    pr_trainer *tr = make_model(&c, 13);
+    pr_error err;
+    pr_step_opts o = pr_step_opts_default();
+    o.loss.kl_coef = 0.05;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "valid step: %s", err.message);
+    size_t n = pr_trainer_param_count(tr);
+    pr_real *p0 = params_of(tr), *g0 = grads_of(tr);
+
+    struct { const char *what; pr_status want; } cases[] = {
+        { "G = 0", PR_ERR_ARG }, { "P = 0", PR_ERR_ARG }, { "empty suffix", PR_ERR_ARG },
+        { "token id = vocab", PR_ERR_ARG }, { "negative token id", PR_ERR_ARG }, { "prefix token out of range", PR_ERR_ARG },
+        { "over-long sequence", PR_ERR_ARG }, { "negative microbatch", PR_ERR_ARG }, { "unknown layout", PR_ERR_ARG },
+        { "KL without reference log-probs", PR_ERR_ARG }, { "eps_low >= 1", PR_ERR_ARG }, { "NaN advantage", PR_ERR_ARG },
+        { "NULL group", PR_ERR_ARG },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        test_group b = t;
+        /* re-point the copy's arrays at its own storage */
+        pr_group *g = &b.g;
+        g->prefix = b.prefix; g->suffix_len = b.len; g->suffix_off = b.off; g->tokens = b.tokens;
+        g->advantage = b.adv; g->old_logp = b.old; g->ref_logp = b.ref; g->loss_mask = b.mask;
+        pr_step_opts ob = o;
+        switch (k) {
+        case 0: g->G = 0; break;
+        case 1: g->P = 0; break;
+        case 2: b.len[1] = 0; b.off[2] = b.off[1]; b.off[3] = b.off[2] + b.len[2]; break;
+        case 3: b.tokens[2] = c.vocab_size; break;
+        case 4: b.tokens[0] = -1; break;
+        case 5: b.prefix[4] = 1000; break;
+        case 6: b.len[2] = 200; b.off[3] = b.off[2] + 200; break;   /* arrays are long enough */
+        case 7: ob.microbatch = -1; break;
+        case 8: ob.layout = (pr_layout)7; break;
+        case 9: g->ref_logp = NULL; break;
+        case 10: ob.loss.eps_low = 1.5; break;
+        case 11: b.adv[1] = (pr_real)NAN; break;
+        default: break;
+        }
+        memset(&err, 0, sizeof err);
+        pr_status st = pr_trainer_compute_grads(tr, k == 12 ? NULL : g, &ob, NULL, NULL, &err);
+        CHECK(st == cases[k].want && err.message[0], "%s: status %d (%s), want %d", cases[k].what, st, err.message, cases[k].want);
+        pr_real *p1 = params_of(tr), *g1 = grads_of(tr);
+        CHECK(!memcmp(p0, p1, n * sizeof(pr_real)) && !memcmp(g0, g1, n * sizeof(pr_real)),
+              "%s: parameters or gradients changed by a refused call", cases[k].what);
+        free(p1); free(g1);
+    }
+
+    /* a config that does not validate: no trainer, the out-pointer untouched */
+    pr_config badc = c;
+    badc.num_key_value_heads = 3;
+    pr_trainer *sentinel = (pr_trainer *)&badc;
+    CHECK(pr_trainer_create(&sentinel, &badc, pr_backend_cpu(), &err) == PR_ERR_CONFIG && sentinel == (pr_trainer *)&badc,
+          "heads not divisible by KV heads accepted (%s)", err.message);
+    /* wrong buffer sizes */
+    CHECK(pr_trainer_set_params(tr, p0, n - 1, &err) == PR_ERR_ARG, "short parameter buffer accepted");
+    /* a checkpoint of another shape: refused, parameters untouched */
+    char dir[] = "/tmp/prtest_shapeXXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    pr_config other = c;
+    other.intermediate_size = 44;
+    pr_trainer *o2 = make_model(&other, 1);
+    CHECK(!pr_trainer_save(o2, dir, PR_DT_F32, 0, &err), "save: %s", err.message);
+    CHECK(pr_trainer_load(tr, dir, &err) == PR_ERR_FORMAT && strstr(err.message, "mlp"), "mismatched checkpoint accepted: %s", err.message);
+    pr_real *p1 = params_of(tr);
+    CHECK(!memcmp(p0, p1, n * sizeof(pr_real)), "a refused load changed the parameters");
+    CHECK(pr_trainer_load(tr, "/nonexistent/checkpoint", &err) == PR_ERR_IO, "missing checkpoint: %s", err.message);
+    free(p1);
+    pr_trainer_destroy(o2);
+    free(p0); free(g0);
+    pr_trainer_destroy(tr);
+}
+
+/* ------------------------------------------------------------------ determinism and checkpoints */
+static void test_determinism(void) {
+    pr_config c = small_config(1, 0, 2);
+    const int S[4] = { 3, 7, 1, 5 };
+    test_group t;
+    make_group(&t, 10, 4, S, c.vocab_size, 41);
+    pr_trainer *tr = make_model(&c, 17);
+    pr_step_opts o = pr_step_opts_default();
+    o.microbatch = 3;
+    pr_error err;
+    pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err);
+    pr_real *a = grads_of(tr);
+    pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err);
+    pr_real *b = grads_of(tr);
+    CHECK(!memcmp(a, b, sizeof(pr_real) * pr_trainer_param_count(tr)), "two runs of the same step differ");
+    free(a); free(b);
+    pr_trainer_destroy(tr);
+}
+
+static void test_checkpoints(void) {
+    pr_config c = small_config(1, 1, 2);
+    pr_trainer *a = make_model(&c, 21), *b;
+    pr_error err;
+    size_t n = pr_trainer_param_count(a);
+    char dir[] = "/tmp/prtest_ckptXXXXXX", path[700];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    CHECK(pr_trainer_create(&b, &c, pr_backend_cpu(), &err) == PR_OK, "%s", err.message);
+    pr_real *pa = params_of(a), *pb;
+
+    /* fp32, then load: bitwise (double build: fp32 rounding of each weight) */
+    CHECK(!pr_trainer_save(a, dir, PR_DT_F32, 0, &err), "save: %s", err.message);
+    CHECK(!pr_trainer_load(b, dir, &err), "load: %s", err.message);
+    pb = params_of(b);
+    int same = 1;
+    for (size_t i = 0; i < n; i++) if (pb[i] != (pr_real)(float)pa[i]) same = 0;
+    CHECK(same, "fp32 checkpoint round trip changed parameters");
+    free(pb);
+    pr_config back;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    CHECK(!pr_config_load(&back, path, &err) && back.qk_norm == c.qk_norm && back.tie_word_embeddings == 1 &&
+          back.num_key_value_heads == c.num_key_value_heads && back.head_dim == c.head_dim, "config.json round trip: %s", err.message);
+
+    /* bf16: within half a bf16 ulp */
+    CHECK(!pr_trainer_save(a, dir, PR_DT_BF16, 0, &err), "save bf16: %s", err.message);
+    CHECK(!pr_trainer_load(b, dir, &err), "load bf16: %s", err.message);
+    pb = params_of(b);
+    int within = 1;
+    for (size_t i = 0; i < n; i++) if (!(fabs((double)pb[i] - pa[i]) <= fabs((double)pa[i]) * (1.0 / 256))) within = 0;
+    CHECK(within, "bf16 checkpoint round trip off by more than half an ulp");
+    free(pb);
+
+    /* sharded through model.safetensors.index.json */
+    char sdir[600];
+    snprintf(sdir, sizeof sdir, "%s/sharded", dir);
+    CHECK(!pr_trainer_save(a, sdir, PR_DT_F32, 4096, &err), "sharded save: %s", err.message);
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", sdir);
+    CHECK(access(path, F_OK) == 0, "no index file for a sharded save");
+    CHECK(!pr_trainer_load(b, sdir, &err), "sharded load: %s", err.message);
+    pb = params_of(b);
+    same = 1;
+    for (size_t i = 0; i < n; i++) if (pb[i] != (pr_real)(float)pa[i]) same = 0;
+    CHECK(same, "sharded round trip changed parameters");
+    free(pb);
+
+    /* gradients under their parameter names */
+    const int S[2] = { 3, 2 };
+    test_group t;
+    make_group(&t, 4, 2, S, c.vocab_size, 3);
+    pr_step_opts o = pr_step_opts_default();
+    CHECK(!pr_trainer_compute_grads(a, &t.g, &o, NULL, NULL, &err), "%s", err.message);
+    snprintf(path, sizeof path, "%s/grads.safetensors", dir);
+    CHECK(!pr_trainer_save_grads(a, path, &err), "save grads: %s", err.message);
+    pr_checkpoint *ck;
+    pr_real *ga = grads_of(a), *buf = malloc(sizeof(pr_real) * n);
+    CHECK(!pr_checkpoint_open(&ck, path, &err), "open grads: %s", err.message);
+    same = 1;
+    for (int ti = 0; ti < pr_trainer_tensor_count(a); ti++) {
+        const pr_tensor_info *info = pr_trainer_tensor(a, ti);
+        const pr_st_tensor *st = pr_checkpoint_find(ck, info->name);
+        if (!st || pr_checkpoint_read(ck, st, buf, info->numel, &err) || memcmp(buf, ga + info->offset, info->numel * sizeof(pr_real)))
+            same = 0;
+    }
+    CHECK(same, "saved gradients differ from the trainer's");
+    pr_checkpoint_close(ck);
+    free(ga); free(buf); free(pa);
+    pr_trainer_destroy(a);
+    pr_trainer_destroy(b);
+}
+
+int main(void) {
+    printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
+    test_equivalence();
+    test_hooks();
+    test_bad_input();
+    test_determinism();
+    test_checkpoints();
+    if (IS_DOUBLE) {
+        pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1);
+        test_gradcheck(&l, "llama");
+        test_gradcheck(&q, "qwen3");
+    }
+    test_oracle("model/tiny", "test/ref_tiny.safetensors", PR_NORM_TOKEN_MEAN);
+    test_oracle("model/tiny-qwen3", "test/ref_tiny-qwen3.safetensors", PR_NORM_SEQ_MEAN_TOKEN_MEAN);
+    return test_report();
+}

@@ -1,0 +1,392 @@
+/* train — GRPO steps over a trace with the baseline or the prefix-reuse schedule, and the tools
+   that compare the two: --check (equivalence after one AdamW step) and --bench (speed-up against
+   the FLOP-count bound). `./train --help` lists every flag. */
+#define PREFIXREUSE_IMPLEMENTATION
+#include "prefixreuse.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const char *config, *trace, *init, *save, *save_grads;
+    pr_step_opts step;
+    pr_adamw_opts adam;
+    int steps, check, bench, save_bf16;
+    uint64_t seed;
+    int bench_total, bench_reps;
+} options;
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: train [flags]\n"
+        "GRPO steps over a trace of prompt groups (one group per step, cycling through the trace).\n"
+        "With no flags: the tiny preset, data/sample.trace, the reuse schedule.\n"
+        "\n"
+        "model and data\n"
+        "  --config PATH          model folder holding config.json, or a config.json (default model/tiny)\n"
+        "  --trace PATH           GRPO trace (default data/sample.trace; format in data/README.md)\n"
+        "  --init DIR             start from a safetensors checkpoint (file, folder or sharded folder)\n"
+        "  --seed N               seed of the deterministic initialisation when --init is absent (default 1234)\n"
+        "schedule\n"
+        "  --schedule S           baseline | reuse (default reuse)\n"
+        "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
+        "  --layout L             padded | packed: the reuse schedule's Phase-B layout (default padded)\n"
+        "loss and optimizer\n"
+        "  --eps-low X            clip range below 1 (default 0.2)\n"
+        "  --eps-high X           clip range above 1 (default 0.28)\n"
+        "  --kl-coef X            weight of the KL term to the reference log-probs (default 0)\n"
+        "  --loss-norm N          token-mean | seq-mean-token-mean (default token-mean)\n"
+        "  --lr X                 AdamW learning rate (default 1e-3)\n"
+        "  --weight-decay X       AdamW decoupled weight decay on matrices (default 0.01)\n"
+        "  --clip X               global gradient-norm clip, 0 = off (default 1.0)\n"
+        "run\n"
+        "  --steps N              optimizer steps (default 8)\n"
+        "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
+        "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
+        "  --save-grads FILE      write the last step's gradients (Hugging Face names) as safetensors\n"
+        "comparisons\n"
+        "  --check                from the same weights and each group of the trace, run both schedules\n"
+        "                         and one AdamW step; compare gradients and updated parameters with\n"
+        "                         |a-b| <= atol + rtol*|b|; exit 0 only on PASS\n"
+        "  --bench                time baseline and reuse side by side over prefix/suffix splits and\n"
+        "                         group sizes at a fixed total length, against the FLOP-count bound\n"
+        "                         (the GEMM micro-benchmark is `make bench-gemm`)\n"
+        "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
+        "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
+        "  -h, --help             this text\n");
+}
+
+static int parse_double(const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+static int parse_int(const char *s, int *out) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || v < -2147483647L || v > 2147483647L) return 0;
+    *out = (int)v;
+    return 1;
+}
+
+static int parse_args(int argc, char **argv, options *o) {
+    memset(o, 0, sizeof *o);
+    o->config = "model/tiny";
+    o->trace = "data/sample.trace";
+    o->step = pr_step_opts_default();
+    o->adam = pr_adamw_opts_default();
+    o->steps = 8;
+    o->seed = 1234;
+    o->bench_total = 1024;
+    o->bench_reps = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int ok = 1, takes = 1;
+        double d;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
+        else if (!strcmp(a, "--check")) { o->check = 1; takes = 0; }
+        else if (!strcmp(a, "--save-bf16")) { o->save_bf16 = 1; takes = 0; }
+        else if (!strcmp(a, "--bench")) { o->bench = 1; takes = 0; }
+        else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
+        else if (!strcmp(a, "--config")) o->config = v;
+        else if (!strcmp(a, "--trace")) o->trace = v;
+        else if (!strcmp(a, "--init")) o->init = v;
+        else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--save-grads")) o->save_grads = v;
+        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = e != v && !*e; }
+        else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
+        else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
+        else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
+        else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
+        else if (!strcmp(a, "--schedule")) {
+            if (!strcmp(v, "baseline")) o->step.schedule = PR_SCHEDULE_BASELINE;
+            else if (!strcmp(v, "reuse")) o->step.schedule = PR_SCHEDULE_REUSE;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--layout")) {
+            if (!strcmp(v, "padded")) o->step.layout = PR_LAYOUT_PADDED;
+            else if (!strcmp(v, "packed")) o->step.layout = PR_LAYOUT_PACKED;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--loss-norm")) {
+            if (!strcmp(v, "token-mean")) o->step.loss.norm = PR_NORM_TOKEN_MEAN;
+            else if (!strcmp(v, "seq-mean-token-mean")) o->step.loss.norm = PR_NORM_SEQ_MEAN_TOKEN_MEAN;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--eps-low")) { ok = parse_double(v, &d); o->step.loss.eps_low = d; }
+        else if (!strcmp(a, "--eps-high")) { ok = parse_double(v, &d); o->step.loss.eps_high = d; }
+        else if (!strcmp(a, "--kl-coef")) { ok = parse_double(v, &d); o->step.loss.kl_coef = d; }
+        else if (!strcmp(a, "--lr")) { ok = parse_double(v, &d); o->adam.lr = d; }
+        else if (!strcmp(a, "--weight-decay")) { ok = parse_double(v, &d); o->adam.weight_decay = d; }
+        else if (!strcmp(a, "--clip")) { ok = parse_double(v, &d); o->adam.max_grad_norm = d; }
+        else { fprintf(stderr, "train: unknown flag %s (see --help)\n", a); return 0; }
+        if (!ok) { fprintf(stderr, "train: bad value '%s' for %s (see --help)\n", v, a); return 0; }
+        i += takes;
+    }
+    return 1;
+}
+
+static int fail(const pr_error *err) {
+    fprintf(stderr, "train: %s\n", err->message);
+    return 1;
+}
+
+/* A trainer on the CPU backend, initialised from --init or the seed. */
+static int make_trainer(const options *o, const pr_config *cfg, pr_trainer **tr, pr_error *err) {
+    if (pr_trainer_create(tr, cfg, pr_backend_cpu(), err)) return 0;
+    if (o->init ? pr_trainer_load(*tr, o->init, err) : pr_trainer_init_params(*tr, o->seed, err)) {
+        pr_trainer_destroy(*tr);
+        return 0;
+    }
+    return 1;
+}
+
+static long group_tokens(const pr_group *g, pr_schedule s) {
+    long suffix = (long)g->suffix_off[g->G];
+    return s == PR_SCHEDULE_BASELINE ? suffix + (long)g->P * g->G : suffix + g->P;
+}
+
+static int run_training(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    pr_error err;
+    pr_trainer *tr;
+    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
+    printf("model %s: %d layers, hidden %d, %d/%d heads x %d, MLP %d, vocabulary %d, %.2f M parameters (%.1f MiB with gradients and AdamW state)\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, cfg->num_attention_heads, cfg->num_key_value_heads,
+           cfg->head_dim, cfg->intermediate_size, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
+           4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups,
+           o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
+    for (int step = 0; step < o->steps; step++) {
+        const pr_group *g = &trace->groups[step % trace->n_groups];
+        pr_step_stats st;
+        double gnorm;
+        if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) || pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
+            pr_trainer_destroy(tr);
+            return fail(&err);
+        }
+        double total = st.seconds[0] + st.seconds[1] + st.seconds[2];
+        printf("step %3d  group %d (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
+               step, step % trace->n_groups, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
+               1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
+               st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
+    }
+    int rc = 0;
+    if (o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) rc = fail(&err);
+    if (!rc && o->save) {
+        if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
+        else printf("saved %s\n", o->save);
+    }
+    pr_trainer_destroy(tr);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ --check */
+typedef struct { double max_abs, max_rel; long bad; } diff;
+
+/* Mixed test |a-b| <= atol + rtol*|b|, per element. */
+static diff compare(const pr_real *a, const pr_real *b, size_t n, double atol, double rtol) {
+    diff d = { 0, 0, 0 };
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]), r = e / (fabs((double)b[i]) > 1e-300 ? fabs((double)b[i]) : 1e-300);
+        if (e > d.max_abs) d.max_abs = e;
+        if (e > 0 && r > d.max_rel) d.max_rel = r;
+        if (!(e <= atol + rtol * fabs((double)b[i]))) d.bad++;
+    }
+    return d;
+}
+
+static int run_check(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    /* Tolerances from the precision of the build, fixed before any run: a few thousand ulps of
+       accumulated reordering for float, the same reasoning at double's 2^-52. */
+    const double rtol = sizeof(pr_real) == 8 ? 1e-10 : 2e-4;
+    const double atol = sizeof(pr_real) == 8 ? 1e-13 : 1e-6;
+    pr_error err;
+    pr_trainer *base, *reuse;
+    if (!make_trainer(o, cfg, &base, &err)) return fail(&err);
+    if (!make_trainer(o, cfg, &reuse, &err)) { pr_trainer_destroy(base); return fail(&err); }
+    size_t n = pr_trainer_param_count(base);
+    pr_real *init = malloc(sizeof(pr_real) * n), *a = malloc(sizeof(pr_real) * n), *b = malloc(sizeof(pr_real) * n);
+    if (!init || !a || !b) { fprintf(stderr, "train: out of memory\n"); return 1; }
+    pr_trainer_get_params(base, init, n, &err);
+    pr_step_opts ob = o->step, orr = o->step;
+    ob.schedule = PR_SCHEDULE_BASELINE;
+    orr.schedule = PR_SCHEDULE_REUSE;
+    printf("check: baseline (microbatch %d, padded) vs reuse (microbatch %d, %s), %s precision, atol %.1e rtol %.1e\n",
+           o->step.microbatch, o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+           sizeof(pr_real) == 8 ? "double" : "float", atol, rtol);
+    diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 };
+    double worst_loss = 0;
+    int rc = 0;
+    for (int gi = 0; gi < trace->n_groups && !rc; gi++) {
+        const pr_group *g = &trace->groups[gi];
+        pr_step_stats sb, sr;
+        pr_trainer_set_params(base, init, n, &err);
+        pr_trainer_set_params(reuse, init, n, &err);
+        if (pr_trainer_compute_grads(base, g, &ob, &sb, NULL, &err) || pr_trainer_compute_grads(reuse, g, &orr, &sr, NULL, &err)) {
+            rc = fail(&err);
+            break;
+        }
+        pr_trainer_get_grads(base, a, n, &err);
+        pr_trainer_get_grads(reuse, b, n, &err);
+        diff dg = compare(b, a, n, atol, rtol);
+        /* fresh optimizer state on both: one AdamW step from the same start */
+        pr_adamw_opts adam = o->adam;
+        if (pr_trainer_adamw_step(base, &adam, NULL, &err) || pr_trainer_adamw_step(reuse, &adam, NULL, &err)) {
+            rc = fail(&err);
+            break;
+        }
+        pr_trainer_get_params(base, a, n, &err);
+        pr_trainer_get_params(reuse, b, n, &err);
+        diff dp = compare(b, a, n, atol, rtol);
+        double dl = fabs(sb.loss - sr.loss);
+        printf("  group %d (P %3d, G %2d): loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)\n",
+               gi, g->P, g->G, sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad);
+        if (dg.max_abs > worst_g.max_abs) worst_g.max_abs = dg.max_abs;
+        if (dg.max_rel > worst_g.max_rel) worst_g.max_rel = dg.max_rel;
+        if (dp.max_abs > worst_p.max_abs) worst_p.max_abs = dp.max_abs;
+        if (dp.max_rel > worst_p.max_rel) worst_p.max_rel = dp.max_rel;
+        worst_g.bad += dg.bad;
+        worst_p.bad += dp.bad;
+        if (!(dl <= atol + rtol * fabs(sb.loss))) worst_g.bad++;
+        if (dl > worst_loss) worst_loss = dl;
+        /* the next group starts from the same weights and a fresh optimizer */
+        pr_trainer_destroy(base);
+        pr_trainer_destroy(reuse);
+        if (!make_trainer(o, cfg, &base, &err) || !make_trainer(o, cfg, &reuse, &err)) { rc = fail(&err); base = reuse = NULL; }
+    }
+    pr_trainer_destroy(base);
+    pr_trainer_destroy(reuse);
+    free(init); free(a); free(b);
+    if (rc) return rc;
+    int pass = worst_g.bad == 0 && worst_p.bad == 0;
+    printf("check: %s loss |diff| %.2e; gradients max abs %.2e max rel %.2e; parameters after AdamW max abs %.2e max rel %.2e; %ld elements outside atol %.1e + rtol %.1e\n",
+           pass ? "PASS" : "FAIL", worst_loss, worst_g.max_abs, worst_g.max_rel, worst_p.max_abs, worst_p.max_rel,
+           worst_g.bad + worst_p.bad, atol, rtol);
+    return pass ? 0 : 1;
+}
+
+/* ------------------------------------------------------------------ --bench */
+/* A synthetic group: G suffixes of S tokens after a P-token prefix, random tokens and log-probs. */
+typedef struct {
+    pr_group g;
+    int32_t *prefix, *tokens;
+    int *len;
+    int64_t *off;
+    pr_real *adv, *old;
+    uint8_t *mask;
+} synth_group;
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17;
+    return *s;
+}
+
+static int synth(synth_group *sg, int P, int S, int G, int V, uint64_t seed) {
+    memset(sg, 0, sizeof *sg);
+    size_t n = (size_t)S * G;
+    sg->prefix = malloc(sizeof(int32_t) * P); sg->tokens = malloc(sizeof(int32_t) * n);
+    sg->len = malloc(sizeof(int) * G); sg->off = malloc(sizeof(int64_t) * (G + 1));
+    sg->adv = malloc(sizeof(pr_real) * G); sg->old = malloc(sizeof(pr_real) * n); sg->mask = malloc(n);
+    if (!sg->prefix || !sg->tokens || !sg->len || !sg->off || !sg->adv || !sg->old || !sg->mask) return 0;
+    uint64_t s = seed | 1;
+    for (int i = 0; i < P; i++) sg->prefix[i] = (int32_t)(rng_next(&s) % (uint64_t)V);
+    for (size_t i = 0; i < n; i++) {
+        sg->tokens[i] = (int32_t)(rng_next(&s) % (uint64_t)V);
+        sg->old[i] = (pr_real)(-log((double)V) - 0.3 * (double)(rng_next(&s) % 1000) / 1000.0);
+        sg->mask[i] = 1;
+    }
+    for (int i = 0; i < G; i++) { sg->len[i] = S; sg->off[i] = (int64_t)i * S; sg->adv[i] = (pr_real)((i % 2) ? 1 : -1); }
+    sg->off[G] = (int64_t)n;
+    pr_group *g = &sg->g;
+    g->P = P; g->G = G; g->prefix = sg->prefix; g->suffix_len = sg->len; g->suffix_off = sg->off; g->tokens = sg->tokens;
+    g->advantage = sg->adv; g->old_logp = sg->old; g->ref_logp = NULL; g->loss_mask = sg->mask;
+    return 1;
+}
+
+static void synth_free(synth_group *sg) {
+    free(sg->prefix); free(sg->tokens); free(sg->len); free(sg->off); free(sg->adv); free(sg->old); free(sg->mask);
+}
+
+/* Best wall time of reps runs of one schedule on the group. */
+static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, pr_error *err) {
+    *best = INFINITY;
+    for (int r = 0; r < reps; r++) {
+        pr_step_stats st;
+        if (pr_trainer_compute_grads(tr, g, o, &st, NULL, err)) return 0;
+        double t = st.seconds[0] + st.seconds[1] + st.seconds[2];
+        if (t < *best) *best = t;
+    }
+    return 1;
+}
+
+static int run_bench_speed(const options *o, const pr_config *cfg) {
+    const int T = o->bench_total;
+    const double fractions[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };    /* the paper's 2k/10k ... 10k/2k at 12k */
+    const int groups[] = { 4, 8 };
+    pr_error err;
+    pr_trainer *tr;
+    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
+    printf("bench: %s, %d layers, hidden %d, total %d tokens per trajectory, best of %d, %s precision, microbatch %d\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, o->bench_reps,
+           sizeof(pr_real) == 8 ? "double" : "float", o->step.microbatch);
+    printf("%-11s %3s %12s %12s %9s %9s %9s %10s %10s\n", "split P/S", "G", "baseline s", "reuse s", "speedup", "bound",
+           "ratio", "base GF/s", "reuse GF/s");
+    double sum_ratio = 0, heavy_ratio = 0;
+    int cells = 0;
+    for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++)
+        for (size_t gi = 0; gi < sizeof groups / sizeof *groups; gi++) {
+            int P = (int)lround(T * fractions[fi]), S = T - P, G = groups[gi];
+            synth_group sg;
+            if (!synth(&sg, P, S, G, cfg->vocab_size, 77 + fi * 10 + gi)) { fprintf(stderr, "train: out of memory\n"); return 1; }
+            pr_step_opts ob = o->step, orr = o->step;
+            ob.schedule = PR_SCHEDULE_BASELINE;
+            orr.schedule = PR_SCHEDULE_REUSE;
+            double tb, trr;
+            /* one untimed run of each warms the arenas, then the two alternate */
+            if (!time_step(tr, &sg.g, &ob, 1, &tb, &err) || !time_step(tr, &sg.g, &orr, 1, &trr, &err) ||
+                !time_step(tr, &sg.g, &ob, o->bench_reps, &tb, &err) || !time_step(tr, &sg.g, &orr, o->bench_reps, &trr, &err)) {
+                synth_free(&sg);
+                pr_trainer_destroy(tr);
+                return fail(&err);
+            }
+            double fb = pr_step_flops(cfg, &sg.g, PR_SCHEDULE_BASELINE), fr = pr_step_flops(cfg, &sg.g, PR_SCHEDULE_REUSE);
+            double speedup = tb / trr, bound = fb / fr, ratio = speedup / bound;
+            printf("%5d/%-5d %3d %12.3f %12.3f %8.2fx %8.2fx %9.3f %10.2f %10.2f\n", P, S, G, tb, trr, speedup, bound, ratio,
+                   fb / tb / 1e9, fr / trr / 1e9);
+            fflush(stdout);
+            sum_ratio += ratio;
+            cells++;
+            if (fi == sizeof fractions / sizeof *fractions - 1 && G == 8) heavy_ratio = ratio;
+            synth_free(&sg);
+        }
+    pr_trainer_destroy(tr);
+    printf("bench: mean measured/bound %.3f over %d cells; most prefix-heavy split at G=8: %.3f of the bound\n",
+           sum_ratio / cells, cells, heavy_ratio);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    if (!parse_args(argc, argv, &o)) return 2;
+    pr_error err;
+    pr_config cfg;
+    if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
+    if (o.bench) return run_bench_speed(&o, &cfg);
+    pr_trace trace;
+    if (pr_trace_read(&trace, o.trace, &err)) return fail(&err);
+    if (trace.vocab_size > cfg.vocab_size) {
+        fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o.trace, trace.vocab_size, cfg.vocab_size);
+        pr_trace_free(&trace);
+        return 1;
+    }
+    int rc = o.check ? run_check(&o, &cfg, &trace) : run_training(&o, &cfg, &trace);
+    pr_trace_free(&trace);
+    return rc;
+}
