@@ -494,43 +494,47 @@ static void pr__gemm_reference(int ta, int tb, int M, int N, int K,
 
 #ifndef PR_USE_CBLAS
 
+/* Tuning knobs (PR_GEMM_*) may be predefined; changing KC changes result bits. */
 #if defined(__GNUC__) || defined(__clang__)
 #  define PR__GEMM_VEC 1
-#  ifndef PR__VBYTES
+#  ifndef PR_GEMM_VBYTES
 #    if defined(__AVX512F__)
-#      define PR__VBYTES 64
+#      define PR_GEMM_VBYTES 64
 #    elif defined(__AVX__)
-#      define PR__VBYTES 32
+#      define PR_GEMM_VBYTES 32
 #    else
-#      define PR__VBYTES 16
+#      define PR_GEMM_VBYTES 16
 #    endif
 #  endif
-typedef pr_real pr__vreal __attribute__((vector_size(PR__VBYTES)));
-#  define PR__VLEN (PR__VBYTES / (int)sizeof(pr_real))
+typedef pr_real pr__vreal __attribute__((vector_size(PR_GEMM_VBYTES)));
+#  define PR__VLEN (PR_GEMM_VBYTES / (int)sizeof(pr_real))
 #else
 #  define PR__GEMM_VEC 0
 #  define PR__VLEN (16 / (int)sizeof(pr_real))
 #endif
 
-#define PR__NV 2                       /* vectors per tile row */
-#define PR__NR (PR__NV * PR__VLEN)     /* tile width */
-#ifndef PR__MR                         /* tile height: MR*NV accumulators + NV + 1 registers */
+#ifndef PR_GEMM_MR                     /* tile height: MR*NV accumulators + NV + 1 registers */
 #  if defined(__AVX512F__) || defined(__aarch64__)
-#    define PR__MR 8                   /* 32 vector registers */
+#    define PR_GEMM_MR 8               /* 32 vector registers */
 #  else
-#    define PR__MR 6                   /* 16 vector registers */
+#    define PR_GEMM_MR 6               /* 16 vector registers */
 #  endif
 #endif
-#ifndef PR__KC
-#define PR__KC 256                     /* K block: a B panel (KC x NR) stays in L1 */
+#ifndef PR_GEMM_KC
+#define PR_GEMM_KC 256                 /* K block: a B panel (KC x NR) stays in L1 */
 #endif
-#ifndef PR__MCX
-#define PR__MCX 192
+#ifndef PR_GEMM_MC
+#define PR_GEMM_MC 192                 /* M block: packed A (MC x KC) stays in L2 */
 #endif
-#define PR__MC (PR__MCX / PR__MR * PR__MR) /* M block: packed A (MC x KC) stays in L2 */
-#ifndef PR__NC
-#define PR__NC 2048                    /* N block: packed B (KC x NC) stays in L3 */
+#ifndef PR_GEMM_NC
+#define PR_GEMM_NC 2048                /* N block: packed B (KC x NC) stays in L3 */
 #endif
+#define PR__NV 2                       /* vectors per tile row */
+#define PR__NR (PR__NV * PR__VLEN)
+#define PR__MR PR_GEMM_MR
+#define PR__KC PR_GEMM_KC
+#define PR__MC (PR_GEMM_MC / PR__MR * PR__MR) /* whole tiles only */
+#define PR__NC (PR_GEMM_NC / PR__NR * PR__NR)
 
 /* Pack rows [0,n) x k [0,kc) of op(X) into W-wide panels P[panel][k][0..W), zero-padded.
    rk=1: element (r,k) is X[r*ld+k];  rk=0: it is X[k*ld+r]. */
@@ -654,11 +658,14 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
         M, N, K, 1, A, lda, B, ldb, beta, C, ldc);
 #else
     {
-        /* Per-thread buffer sizes, rounded up to whole 64-byte lines so each slice
-           stays aligned for the vector loads. */
+        /* Per-thread buffers no bigger than the problem needs (small calls stay off
+           mmap), rounded up to whole 64-byte lines so every slice stays aligned. */
         const size_t line = 64 / sizeof(pr_real);
-        const size_t sa = ((size_t)PR__MC * PR__KC + line - 1) / line * line;
-        const size_t sb = ((size_t)PR__NC * PR__KC + line - 1) / line * line;
+        const size_t kc = K < PR__KC ? K : PR__KC;
+        const size_t mc = M < PR__MC ? (M + PR__MR - 1) / PR__MR * PR__MR : PR__MC;
+        const size_t nc = N < PR__NC ? (N + PR__NR - 1) / PR__NR * PR__NR : PR__NC;
+        const size_t sa = (mc * kc + line - 1) / line * line;
+        const size_t sb = (nc * kc + line - 1) / line * line;
         int nt = 1;
         char *raw;
         pr_real *buf;
@@ -771,16 +778,23 @@ static int pr__io_sync_path(const char *path) {
 #endif
 }
 
-/* Best effort: make a rename durable. Some file systems refuse fsync on folders; that is fine. */
-static void pr__io_sync_dir(const char *dir) {
+/* Best effort: make the rename of `path` durable by syncing its folder. Some file systems refuse
+   fsync on folders; that is fine. No allocation, so that it cannot fail after the file is in place. */
+static void pr__io_sync_parent(const char *path) {
 #if !defined(_WIN32)
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    size_t n = !slash ? 1 : slash == path ? 1 : (size_t)(slash - path);
+    if (n >= sizeof dir) return;
+    memcpy(dir, slash ? path : ".", n);
+    dir[n] = 0;
     int fd = open(dir, O_RDONLY);
     if (fd >= 0) {
         (void)fsync(fd);
         close(fd);
     }
 #else
-    (void)dir;
+    (void)path;
 #endif
 }
 
@@ -1696,8 +1710,7 @@ static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
     if (st) { pr__atomic_abort(a); return st; }
     PR_FREE(a->tmp);
     a->tmp = NULL;
-    char *dir = pr__path_dir(a->path);
-    if (dir) { pr__io_sync_dir(dir); PR_FREE(dir); }
+    pr__io_sync_parent(a->path);
     return PR_OK;
 }
 
@@ -1857,7 +1870,7 @@ done:
     return PR_OK;
 }
 
-/* Checks the 8-byte header length against the file size; *hlen on success. */
+/* Checks the 8-byte header length against the file size (at least 8); *hlen on success. */
 static pr_status pr__st_check_prefix(uint64_t *hlen, const unsigned char len8[8], uint64_t file_size, const char *what, pr_error *err) {
     uint64_t n = pr__get_u64(len8);
     if (n > file_size - 8)
@@ -2016,6 +2029,7 @@ static pr_status pr__st_check_map(const pr_checkpoint *ck, const pr__json *root,
     for (uint32_t i = 0; i < wm->count; i++, e = pr__json_next(e)) {
         const pr_st_tensor *t = strlen(e->key) == e->key_len ? pr_checkpoint_find(ck, e->key) : NULL;
         char *want = t ? pr__path_join(dir, e->str) : NULL;
+        if (t && !want) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what);
         int same = want && strcmp(want, ck->paths[t->file]) == 0;
         PR_FREE(want);
         if (!same) return pr__fail(err, PR_ERR_FORMAT, "%s: weight_map puts %.255s in %s, which does not hold it", what, e->key, e->str);
@@ -2089,24 +2103,32 @@ PRDEF const pr_st_tensor *pr_checkpoint_tensor(const pr_checkpoint *ck, int i) {
     return ck && i >= 0 && i < ck->n ? &ck->tensors[i] : NULL;
 }
 
-/* Little-endian bytes of dtype to reals. */
+/* Little-endian bytes of dtype to reals (byte by byte, so big-endian hosts read the same values). */
 static void pr__st_convert(pr_real *dst, const unsigned char *src, size_t n, pr_dtype dt) {
-    for (size_t i = 0; i < n; i++) {
-        if (dt == PR_DT_F32) {
+    size_t i;
+    switch (dt) {
+    case PR_DT_F32:
+        for (i = 0; i < n; i++) {
             uint32_t u = pr__get_u32(src + 4 * i);
             float f;
             memcpy(&f, &u, 4);
             dst[i] = (pr_real)f;
-        } else if (dt == PR_DT_BF16) {
-            dst[i] = (pr_real)pr_bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
-        } else if (dt == PR_DT_F16) {
-            dst[i] = (pr_real)pr_f16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
-        } else {
+        }
+        break;
+    case PR_DT_BF16:
+        for (i = 0; i < n; i++) dst[i] = (pr_real)pr_bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
+        break;
+    case PR_DT_F16:
+        for (i = 0; i < n; i++) dst[i] = (pr_real)pr_f16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
+        break;
+    case PR_DT_F64:
+        for (i = 0; i < n; i++) {
             uint64_t u = pr__get_u64(src + 8 * i);
             double d;
             memcpy(&d, &u, 8);
             dst[i] = (pr_real)d;
         }
+        break;
     }
 }
 
@@ -2182,22 +2204,30 @@ static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dty
 
 /* Converts n reals to little-endian dtype bytes. */
 static void pr__st_encode(unsigned char *dst, const pr_real *src, size_t n, pr_dtype dt) {
-    for (size_t i = 0; i < n; i++) {
-        if (dt == PR_DT_F32) {
+    size_t i;
+    switch (dt) {
+    case PR_DT_F32:
+        for (i = 0; i < n; i++) {
             float f = (float)src[i];
             uint32_t u;
             memcpy(&u, &f, 4);
             pr__put_u32(dst + 4 * i, u);
-        } else if (dt == PR_DT_BF16) {
-            pr__put_u16(dst + 2 * i, pr__f32bits_to_bf16(pr__real_to_f32bits_odd(src[i])));
-        } else if (dt == PR_DT_F16) {
-            pr__put_u16(dst + 2 * i, pr__f32bits_to_f16(pr__real_to_f32bits_odd(src[i])));
-        } else {
+        }
+        break;
+    case PR_DT_BF16:
+        for (i = 0; i < n; i++) pr__put_u16(dst + 2 * i, pr__f32bits_to_bf16(pr__real_to_f32bits_odd(src[i])));
+        break;
+    case PR_DT_F16:
+        for (i = 0; i < n; i++) pr__put_u16(dst + 2 * i, pr__f32bits_to_f16(pr__real_to_f32bits_odd(src[i])));
+        break;
+    case PR_DT_F64:
+        for (i = 0; i < n; i++) {
             double d = (double)src[i];
             uint64_t u;
             memcpy(&u, &d, 8);
             pr__put_u64(dst + 8 * i, u);
         }
+        break;
     }
 }
 
@@ -2814,10 +2844,23 @@ static void pr__cpu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout
     (void)be; pr__cpu_rope(dx, lay, heads, HS, inv_freq, -1.0);
 }
 
+/* exp at the build's precision: expf is about twice as fast as exp on the float build's hot loops. */
+#ifdef PR_DOUBLE
+#define PR__EXP(x) exp(x)
+#else
+#define PR__EXP(x) expf(x)
+#endif
+
+/* Eight independent partial sums: the compiler may keep them in one vector register (a single
+   running sum is a dependency chain it must not reorder). The order is fixed, so results do not
+   depend on the caller or the thread. */
 static pr_real pr__dot(const pr_real *a, const pr_real *b, int n) {
-    pr_real s = 0;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+    pr_real part[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, s = 0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) part[k] += a[i + k] * b[i + k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s + (((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])));
 }
 static void pr__axpy(pr_real *y, pr_real a, const pr_real *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
@@ -2860,7 +2903,7 @@ static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, 
                     sum *= c;
                     m = sc;
                 }
-                double pj = exp(sc - m);
+                double pj = PR__EXP((pr_real)(sc - m));
                 sum += pj;
                 pr__axpy(o, (pr_real)pj, PR__KEY(vp, v, j, np, seg0, kvd, hk), HS);
             }
@@ -2903,7 +2946,7 @@ static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, vo
                     for (int j = 0; j < nk; j++) {
                         const pr_real *kj = PR__KEY(kp, k, j, np, seg0, kvd, hk);
                         const pr_real *vj = PR__KEY(vp, v, j, np, seg0, kvd, hk);
-                        double pj = exp(pr__dot(qr, kj, HS) * scale - l);
+                        double pj = PR__EXP((pr_real)(pr__dot(qr, kj, HS) * scale - l));
                         double dsj = pj * (pr__dot(dor, vj, HS) - D) * scale;
                         pr__axpy(PR__KEY(dvp, dv, j, np, seg0, kvd, hk), (pr_real)pj, dor, HS);
                         pr__axpy(PR__KEY(dkp, dk, j, np, seg0, kvd, hk), (pr_real)dsj, qr, HS);
@@ -2920,7 +2963,7 @@ static void pr__cpu_swiglu_fwd(const pr_backend *be, void *h_, const void *gate_
     pr_real *h = PR__R(h_);
     const pr_real *g = PR__CR(gate_), *u = PR__CR(up_);
     for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + exp(-(double)g[i]));
+        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
         h[i] = (pr_real)(g[i] * sg * u[i]);
     }
 }
@@ -2931,7 +2974,7 @@ static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, c
     pr_real *dg = PR__R(dgate_), *du = PR__R(dup_);
     const pr_real *dh = PR__CR(dh_), *g = PR__CR(gate_), *u = PR__CR(up_);
     for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + exp(-(double)g[i]));
+        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
         dg[i] += (pr_real)(dh[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg)));
         du[i] += (pr_real)(dh[i] * g[i] * sg);
     }
@@ -2988,14 +3031,14 @@ static void pr__cpu_loss_head(const pr_backend *be, void *logits_, const pr_head
         pr_real *z = PR__R(logits_) + (size_t)m * V;
         double mx = -INFINITY, sum = 0;
         for (int i = 0; i < V; i++) if (z[i] > mx) mx = z[i];
-        for (int i = 0; i < V; i++) sum += exp(z[i] - mx);
+        for (int i = 0; i < V; i++) sum += PR__EXP((pr_real)(z[i] - mx));
         double lse = mx + log(sum), lp = z[rows->target[m]] - lse, dl;
         double l = pr__grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
                                        rows->advantage[m], opt, &dl);
         double w = rows->weight[m], c = w * dl;
         total += w * l;
         logp[m] = (pr_real)lp;
-        for (int i = 0; i < V; i++) z[i] = (pr_real)(-c * exp(z[i] - lse));
+        for (int i = 0; i < V; i++) z[i] = (pr_real)(-c * PR__EXP((pr_real)(z[i] - lse)));
         z[rows->target[m]] += (pr_real)c;
     }
     *loss += total;

@@ -1,0 +1,501 @@
+/* Tests for the trace reader (parts/trace.h), run from the repository root:
+     gcc -std=c99 -O1 -g -Wall -Wextra [-DPR_DOUBLE] -fsanitize=address,undefined \
+         parts/trace_test.c -o trace_test -lm && ./trace_test [-v] [data/sample.trace]
+   1. data/sample.trace against numbers printed by data/make_sample.py from the arrays it generated
+      (not from the file), and a byte-exact round trip;
+   2. a small file built here, then one broken field at a time: every failure must return an error
+      whose message names the field, leave the caller's pr_trace byte-for-byte as it was, and leak
+      nothing (the allocator below counts live blocks; ASan/valgrind check the rest);
+   3. every truncation of the small file and of the sample, trailing bytes, huge counts;
+   4. pr_group_validate on groups built in memory; failed allocations. */
+#include <stdlib.h>
+#include <stdio.h>
+
+/* Counting allocator with failure injection (test-only state). */
+static long alloc_calls, alloc_fail_at = -1, alloc_live;
+static void *t_malloc(size_t n) {
+    void *p;
+    if (alloc_calls++ == alloc_fail_at) return NULL;
+    p = malloc(n);
+    if (p) alloc_live++;
+    return p;
+}
+static void *t_realloc(void *old, size_t n) {
+    void *p;
+    if (alloc_calls++ == alloc_fail_at) return NULL;
+    p = realloc(old, n);
+    if (p && !old) alloc_live++;
+    return p;
+}
+static void t_free(void *p) {
+    if (p) alloc_live--;
+    free(p);
+}
+#define PR_MALLOC(sz) t_malloc(sz)
+#define PR_REALLOC(p, sz) t_realloc(p, sz)
+#define PR_FREE(p) t_free(p)
+
+#define PREFIXREUSE_IMPLEMENTATION
+#include "../prefixreuse.h"
+
+static int passed, failed, verbose;   /* -v: print every error message the tests provoke */
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (cond) passed++;                                                \
+        else {                                                             \
+            failed++;                                                      \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                    \
+            printf(__VA_ARGS__);                                           \
+            printf("\n");                                                  \
+        }                                                                  \
+    } while (0)
+
+/* ---------------------------------------------------------------- byte buffers */
+typedef struct { unsigned char *b; size_t n, cap; } buf;
+static void put(buf *s, const void *p, size_t n) {
+    if (s->n + n > s->cap) {
+        s->cap = (s->n + n) * 2 + 64;
+        s->b = realloc(s->b, s->cap);
+        if (!s->b) { printf("out of memory\n"); exit(2); }
+    }
+    memcpy(s->b + s->n, p, n);
+    s->n += n;
+}
+static void put_u32(buf *s, uint32_t v) {
+    unsigned char b[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16), (unsigned char)(v >> 24)};
+    put(s, b, 4);
+}
+static void put_f32(buf *s, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    put_u32(s, u);
+}
+static void patch_u32(unsigned char *b, size_t off, uint32_t v) {
+    b[off] = (unsigned char)v; b[off + 1] = (unsigned char)(v >> 8);
+    b[off + 2] = (unsigned char)(v >> 16); b[off + 3] = (unsigned char)(v >> 24);
+}
+static void patch_f32(unsigned char *b, size_t off, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    patch_u32(b, off, u);
+}
+
+/* Serialise a trace back to the format (floats narrow exactly: they came from floats). */
+static buf serialise(const pr_trace *t) {
+    buf s = {0, 0, 0};
+    int k, i;
+    int64_t j;
+    put(&s, "PRTRACE\0", 8);
+    put_u32(&s, 1);
+    put_u32(&s, (uint32_t)t->has_ref);
+    put_u32(&s, (uint32_t)t->n_groups);
+    put_u32(&s, (uint32_t)t->vocab_size);
+    for (k = 0; k < t->n_groups; k++) {
+        const pr_group *g = &t->groups[k];
+        put_u32(&s, (uint32_t)g->P);
+        put_u32(&s, (uint32_t)g->G);
+        for (i = 0; i < g->P; i++) put_u32(&s, (uint32_t)g->prefix[i]);
+        for (i = 0; i < g->G; i++) put_u32(&s, (uint32_t)g->suffix_len[i]);
+        for (i = 0; i < g->G; i++) put_f32(&s, (float)g->advantage[i]);
+        for (i = 0; i < g->G; i++) {
+            int64_t o = g->suffix_off[i], S = g->suffix_len[i];
+            for (j = 0; j < S; j++) put_u32(&s, (uint32_t)g->tokens[o + j]);
+            for (j = 0; j < S; j++) put_f32(&s, (float)g->old_logp[o + j]);
+            if (g->ref_logp)
+                for (j = 0; j < S; j++) put_f32(&s, (float)g->ref_logp[o + j]);
+            put(&s, g->loss_mask + o, (size_t)S);
+        }
+    }
+    return s;
+}
+
+static unsigned char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *b;
+    long n;
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    b = malloc((size_t)n + 1);
+    if (!b || fread(b, 1, (size_t)n, f) != (size_t)n) { fclose(f); free(b); return NULL; }
+    fclose(f);
+    *len = (size_t)n;
+    return b;
+}
+
+/* ---------------------------------------------------------------- 1. the sample file */
+/* From `python data/make_sample.py` (computed from the generated arrays, not from the file):
+   P, G, suffix lengths, FNV-1a 64 of the prefix then suffix tokens, sum_j (j+1)*x_j left to right
+   in double over advantages / old_logp / ref_logp (flattened per group), masked-token count. */
+typedef struct {
+    int P, G, lens[8];
+    uint64_t hash;
+    double adv, old, ref;
+    int masked;
+} expect_group;
+static const expect_group sample_expect[4] = {
+    {96, 8, {7, 32, 7, 1, 13, 17, 4, 38}, 0x25a8566175fe357aULL, 0x1.ceb1024000000p+2, -0x1.35df7b9400000p+15, -0x1.35f24b3d00000p+15, 103},
+    {64, 4, {12, 2, 23, 17}, 0xf099ec7adfc31b9aULL, -0x1.bb676c0000000p+1, -0x1.fceaa3e380000p+12, -0x1.fcabd02700000p+12, 47},
+    {120, 8, {2, 27, 7, 21, 39, 1, 24, 35}, 0x4833beaf9b9ebf29ULL, 0x1.ceb1024000000p+2, -0x1.0a2adc56b8000p+16, -0x1.0a3c64e818000p+16, 143},
+    {48, 6, {5, 8, 20, 25, 37, 11}, 0xf6262c6b3bd3e852ULL, 0x0.0p+0, -0x1.eb2cd28ce0000p+14, -0x1.e8fe42aca0000p+14, 97},
+};
+
+static uint64_t fnv1a(uint64_t h, const int32_t *t, int64_t n) {
+    for (int64_t j = 0; j < n; j++) h = (h ^ (uint64_t)(int64_t)t[j]) * 1099511628211ULL;
+    return h;
+}
+static double wsum(const pr_real *x, int64_t n) {
+    double s = 0;
+    for (int64_t j = 0; j < n; j++) s += (double)(j + 1) * (double)x[j];
+    return s;
+}
+
+static void test_sample(const char *path) {
+    pr_trace t, t2;
+    pr_error err;
+    pr_status st = pr_trace_read(&t, path, &err);
+    CHECK(st == PR_OK, "pr_trace_read(%s): %s", path, st ? err.message : "");
+    if (st) return;
+    CHECK(t.n_groups == 4 && t.vocab_size == 256 && t.has_ref == 1, "sample header: %d groups, vocab %d, has_ref %d",
+          t.n_groups, t.vocab_size, t.has_ref);
+    for (int k = 0; k < t.n_groups && k < 4; k++) {
+        const pr_group *g = &t.groups[k];
+        const expect_group *e = &sample_expect[k];
+        int lens_ok = g->G == e->G, masked = 0;
+        uint64_t h;
+        CHECK(g->P == e->P && g->G == e->G, "group %d: P %d G %d, expected %d %d", k, g->P, g->G, e->P, e->G);
+        if (!lens_ok) continue;
+        for (int i = 0; i < g->G; i++)
+            lens_ok &= g->suffix_len[i] == e->lens[i] && g->suffix_off[i + 1] - g->suffix_off[i] == e->lens[i];
+        CHECK(lens_ok && g->suffix_off[0] == 0, "group %d: suffix lengths/offsets differ", k);
+        int64_t N = g->suffix_off[g->G];
+        h = fnv1a(fnv1a(1469598103934665603ULL, g->prefix, g->P), g->tokens, N);
+        CHECK(h == e->hash, "group %d: token hash %016llx, expected %016llx", k, (unsigned long long)h,
+              (unsigned long long)e->hash);
+        CHECK(wsum(g->advantage, g->G) == e->adv, "group %d: advantage checksum %a, expected %a", k,
+              wsum(g->advantage, g->G), e->adv);
+        CHECK(wsum(g->old_logp, N) == e->old, "group %d: old_logp checksum %a, expected %a", k, wsum(g->old_logp, N), e->old);
+        CHECK(g->ref_logp && wsum(g->ref_logp, N) == e->ref, "group %d: ref_logp checksum differs", k);
+        for (int64_t j = 0; j < N; j++) masked += g->loss_mask[j];
+        CHECK(masked == e->masked, "group %d: %d masked tokens, expected %d", k, masked, e->masked);
+        st = pr_group_validate(g, t.vocab_size, &err);
+        CHECK(st == PR_OK, "group %d: pr_group_validate: %s", k, st ? err.message : "");
+    }
+    {   /* byte-exact round trip, and pr_trace_parse on the same bytes gives the same trace */
+        size_t len = 0;
+        unsigned char *file = read_file(path, &len);
+        buf s = serialise(&t);
+        CHECK(file && s.n == len && memcmp(s.b, file, len) == 0, "sample: re-serialised bytes differ from the file");
+        st = file ? pr_trace_parse(&t2, file, len, &err) : PR_ERR_IO;
+        CHECK(st == PR_OK, "pr_trace_parse(sample): %s", st ? err.message : "");
+        if (st == PR_OK) {
+            buf s2 = serialise(&t2);
+            CHECK(s2.n == s.n && memcmp(s2.b, s.b, s.n) == 0, "parse and read disagree");
+            free(s2.b);
+            pr_trace_free(&t2);
+        }
+        /* every proper prefix of the sample fails */
+        if (file) {
+            size_t bad = 0;
+            for (size_t n = 0; n < len; n++) {
+                unsigned char *cut = malloc(n ? n : 1);
+                memcpy(cut, file, n);
+                memset(&t2, 0x5a, sizeof t2);
+                if (pr_trace_parse(&t2, cut, n, &err) != PR_ERR_FORMAT) bad++;
+                free(cut);
+            }
+            CHECK(bad == 0, "sample: %zu of %zu truncations did not fail with PR_ERR_FORMAT", bad, len);
+        }
+        free(s.b);
+        free(file);
+    }
+    pr_trace_free(&t);
+    CHECK(t.groups == NULL && t.n_groups == 0, "pr_trace_free leaves the trace zeroed");
+    pr_trace_free(&t);   /* twice is harmless */
+    pr_trace_free(NULL);
+}
+
+/* ---------------------------------------------------------------- 2. a small file, broken field by field */
+/* vocab 10; group 0: P=3, G=2, S={1,2}; group 1: P=1, G=1, S={3}. Offsets of every field are kept. */
+typedef struct {
+    buf s;
+    size_t P[2], G[2], prefix[2], len[2], adv[2], tok[2][2], old[2][2], ref[2][2], mask[2][2];
+} small_file;
+
+static small_file make_small(int has_ref) {
+    static const int Ps[2] = {3, 1}, Gs[2] = {2, 1}, Ss[2][2] = {{1, 2}, {3, 0}};
+    small_file f;
+    int k, i, j;
+    memset(&f, 0, sizeof f);
+    put(&f.s, "PRTRACE\0", 8);
+    put_u32(&f.s, 1);
+    put_u32(&f.s, (uint32_t)has_ref);
+    put_u32(&f.s, 2);
+    put_u32(&f.s, 10);
+    for (k = 0; k < 2; k++) {
+        f.P[k] = f.s.n; put_u32(&f.s, (uint32_t)Ps[k]);
+        f.G[k] = f.s.n; put_u32(&f.s, (uint32_t)Gs[k]);
+        f.prefix[k] = f.s.n;
+        for (j = 0; j < Ps[k]; j++) put_u32(&f.s, (uint32_t)(j + 1 + k));
+        f.len[k] = f.s.n;
+        for (i = 0; i < Gs[k]; i++) put_u32(&f.s, (uint32_t)Ss[k][i]);
+        f.adv[k] = f.s.n;
+        for (i = 0; i < Gs[k]; i++) put_f32(&f.s, i ? -0.5f : 0.5f);
+        for (i = 0; i < Gs[k]; i++) {
+            f.tok[k][i] = f.s.n;
+            for (j = 0; j < Ss[k][i]; j++) put_u32(&f.s, (uint32_t)(9 - j));
+            f.old[k][i] = f.s.n;
+            for (j = 0; j < Ss[k][i]; j++) put_f32(&f.s, -1.0f - (float)j);
+            if (has_ref) {
+                f.ref[k][i] = f.s.n;
+                for (j = 0; j < Ss[k][i]; j++) put_f32(&f.s, j ? -2.5f : -0.0f);
+            }
+            f.mask[k][i] = f.s.n;
+            for (j = 0; j < Ss[k][i]; j++) { unsigned char m = (unsigned char)(j != 1); put(&f.s, &m, 1); }
+        }
+    }
+    return f;
+}
+
+/* Parse bytes copied into an exactly-sized block (so ASan sees any over-read) into a trace
+   filled with a sentinel; expect failure `want`, an untouched trace and a message containing `needle`. */
+static void expect_fail(const char *what, const unsigned char *b, size_t n, pr_status want, const char *needle) {
+    pr_trace t, sentinel;
+    pr_error err;
+    unsigned char *copy = malloc(n ? n : 1);
+    long live = alloc_live;
+    pr_status st;
+    memcpy(copy, b, n);
+    memset(&sentinel, 0xa5, sizeof sentinel);
+    t = sentinel;
+    err.status = PR_OK;
+    err.message[0] = 0;
+    st = pr_trace_parse(&t, copy, n, &err);
+    CHECK(st == want, "%s: status %d, expected %d (%s)", what, (int)st, (int)want, err.message);
+    if (verbose && strncmp(what, "truncated to", 12) != 0) printf("  %-36s %s\n", what, err.message);
+    CHECK(memcmp(&t, &sentinel, sizeof t) == 0, "%s: the caller's trace was modified", what);
+    CHECK(alloc_live == live, "%s: %ld blocks leaked", what, alloc_live - live);
+    CHECK(st == PR_OK || (err.status == st && strstr(err.message, "<memory>") && (!needle || strstr(err.message, needle))),
+          "%s: message \"%s\" lacks \"%s\"", what, err.message, needle ? needle : "<memory>");
+    if (st == PR_OK) pr_trace_free(&t);
+    free(copy);
+}
+
+static void test_small(void) {
+    small_file f = make_small(1), nr = make_small(0);
+    pr_trace t;
+    pr_error err;
+    pr_status st;
+    unsigned char *b = malloc(f.s.n + 16);
+    size_t n = f.s.n;
+#define RESET() memcpy(b, f.s.b, n)
+
+    st = pr_trace_parse(&t, f.s.b, n, &err);
+    CHECK(st == PR_OK, "small file: %s", st ? err.message : "");
+    if (st == PR_OK) {
+        const pr_group *g0 = &t.groups[0], *g1 = &t.groups[1];
+        CHECK(t.n_groups == 2 && t.vocab_size == 10 && t.has_ref == 1, "small header");
+        CHECK(g0->P == 3 && g0->G == 2 && g0->prefix[0] == 1 && g0->prefix[2] == 3, "small group 0 prefix");
+        CHECK(g0->suffix_len[0] == 1 && g0->suffix_len[1] == 2 && g0->suffix_off[0] == 0 && g0->suffix_off[1] == 1 &&
+              g0->suffix_off[2] == 3, "small group 0 lengths/offsets");
+        CHECK(g0->tokens[0] == 9 && g0->tokens[1] == 9 && g0->tokens[2] == 8, "small group 0 tokens");
+        CHECK(g0->advantage[0] == 0.5 && g0->advantage[1] == -0.5, "small group 0 advantages");
+        CHECK(g0->old_logp[0] == -1 && g0->old_logp[1] == -1 && g0->old_logp[2] == -2, "small group 0 old_logp");
+        CHECK(g0->ref_logp[0] == 0 && g0->ref_logp[2] == -2.5, "small group 0 ref_logp (-0.0 accepted)");
+        CHECK(g0->loss_mask[0] == 1 && g0->loss_mask[1] == 1 && g0->loss_mask[2] == 0, "small group 0 mask");
+        CHECK(g1->P == 1 && g1->G == 1 && g1->prefix[0] == 2 && g1->suffix_off[1] == 3 && g1->tokens[2] == 7 &&
+              g1->old_logp[2] == -3 && g1->loss_mask[1] == 0, "small group 1");
+        pr_trace_free(&t);
+    }
+    st = pr_trace_parse(&t, nr.s.b, nr.s.n, NULL);
+    CHECK(st == PR_OK && t.has_ref == 0 && t.groups[0].ref_logp == NULL && t.groups[1].ref_logp == NULL &&
+          t.groups[1].old_logp[1] == -2, "file without reference log-probs");
+    if (st == PR_OK) pr_trace_free(&t);
+
+    /* header */
+    RESET(); b[0] = 'X'; expect_fail("bad magic", b, n, PR_ERR_FORMAT, "magic");
+    RESET(); patch_u32(b, 8, 2); expect_fail("version 2", b, n, PR_ERR_UNSUPPORTED, "version 2");
+    RESET(); patch_u32(b, 8, 0); expect_fail("version 0", b, n, PR_ERR_UNSUPPORTED, "version 0");
+    RESET(); patch_u32(b, 12, 3); expect_fail("unknown flag bit 1", b, n, PR_ERR_FORMAT, "flags");
+    RESET(); patch_u32(b, 12, 0x80000001u); expect_fail("unknown flag bit 31", b, n, PR_ERR_FORMAT, "flags");
+    RESET(); patch_u32(b, 12, 0); expect_fail("flag cleared: groups misframed", b, n, PR_ERR_FORMAT, "group 1");
+    RESET(); patch_u32(b, 16, 0); expect_fail("zero groups", b, n, PR_ERR_FORMAT, "n_groups = 0");
+    RESET(); patch_u32(b, 16, 1); expect_fail("one group declared, two present", b, n, PR_ERR_FORMAT, "trailing");
+    RESET(); patch_u32(b, 16, 3); expect_fail("three groups declared", b, n, PR_ERR_FORMAT, "group 2: truncated");
+    RESET(); patch_u32(b, 16, 0x7fffffffu); expect_fail("n_groups 2^31-1", b, n, PR_ERR_FORMAT, "group 2: truncated");
+    RESET(); patch_u32(b, 16, 0x80000000u); expect_fail("n_groups 2^31", b, n, PR_ERR_FORMAT, "n_groups = 2147483648");
+    RESET(); patch_u32(b, 16, 0xffffffffu); expect_fail("n_groups 2^32-1", b, n, PR_ERR_FORMAT, "n_groups");
+    RESET(); patch_u32(b, 20, 0); expect_fail("zero vocab", b, n, PR_ERR_FORMAT, "vocab_size = 0");
+    RESET(); patch_u32(b, 20, 0x80000000u); expect_fail("vocab 2^31", b, n, PR_ERR_FORMAT, "vocab_size");
+    RESET(); patch_u32(b, 20, 9); expect_fail("vocab smaller than a token", b, n, PR_ERR_FORMAT, "group 0: suffix 0: tokens[0] = 9");
+
+    /* counts */
+    RESET(); patch_u32(b, f.P[0], 0); expect_fail("P = 0", b, n, PR_ERR_FORMAT, "group 0: P (prefix length) = 0");
+    RESET(); patch_u32(b, f.P[1], 0); expect_fail("P = 0 in group 1", b, n, PR_ERR_FORMAT, "group 1: P (prefix length) = 0");
+    RESET(); patch_u32(b, f.G[0], 0); expect_fail("G = 0", b, n, PR_ERR_FORMAT, "group 0: G (number of suffixes) = 0");
+    RESET(); patch_u32(b, f.len[0] + 4, 0); expect_fail("S_1 = 0", b, n, PR_ERR_FORMAT, "group 0: suffix_len[1] = 0");
+    RESET(); patch_u32(b, f.len[1], 0); expect_fail("S_0 = 0 in group 1", b, n, PR_ERR_FORMAT, "group 1: suffix_len[0] = 0");
+    RESET(); patch_u32(b, f.P[0], 4); expect_fail("P one too large", b, n, PR_ERR_FORMAT, NULL);
+    RESET(); patch_u32(b, f.G[0], 3); expect_fail("G one too large", b, n, PR_ERR_FORMAT, NULL);
+    RESET(); patch_u32(b, f.len[0], 2); expect_fail("S_0 one too large", b, n, PR_ERR_FORMAT, NULL);
+    RESET(); patch_u32(b, f.len[1], 2); expect_fail("S_0 of the last group one too small", b, n, PR_ERR_FORMAT, NULL);
+    /* huge counts: rejected by the limit, or by the bytes left, before any allocation */
+    RESET(); patch_u32(b, f.P[0], 0x80000000u); expect_fail("P = 2^31", b, n, PR_ERR_FORMAT, "P (prefix length) = 2147483648");
+    RESET(); patch_u32(b, f.P[0], 0xffffffffu); expect_fail("P = 2^32-1", b, n, PR_ERR_FORMAT, "P (prefix length) = 4294967295");
+    RESET(); patch_u32(b, f.P[0], (1u << 24) + 1); expect_fail("P = 2^24+1", b, n, PR_ERR_FORMAT, "16777217 (must be 1..16777216)");
+    RESET(); patch_u32(b, f.P[0], 1u << 24); expect_fail("P = 2^24", b, n, PR_ERR_FORMAT, "truncated");
+    RESET(); patch_u32(b, f.G[0], 0x80000000u); expect_fail("G = 2^31", b, n, PR_ERR_FORMAT, "G (number of suffixes) = 2147483648");
+    RESET(); patch_u32(b, f.G[0], 1u << 24); expect_fail("G = 2^24", b, n, PR_ERR_FORMAT, "truncated");
+    RESET(); patch_u32(b, f.len[0], 0x80000000u); expect_fail("S_0 = 2^31", b, n, PR_ERR_FORMAT, "suffix_len[0] = 2147483648");
+    RESET(); patch_u32(b, f.len[0], 1u << 24); patch_u32(b, f.len[0] + 4, 1u << 24);
+    expect_fail("S_0 = S_1 = 2^24", b, n, PR_ERR_FORMAT, "truncated");
+
+    /* values */
+    RESET(); patch_u32(b, f.prefix[0] + 4, 10); expect_fail("prefix token = vocab", b, n, PR_ERR_FORMAT, "group 0: prefix_tokens[1] = 10");
+    RESET(); patch_u32(b, f.prefix[1], 0xffffffffu); expect_fail("prefix token -1", b, n, PR_ERR_FORMAT, "group 1: prefix_tokens[0] = -1");
+    RESET(); patch_u32(b, f.tok[0][1] + 4, 10); expect_fail("suffix token = vocab", b, n, PR_ERR_FORMAT, "suffix 1: tokens[1] = 10");
+    RESET(); patch_u32(b, f.tok[1][0] + 8, 0x80000000u);
+    expect_fail("suffix token INT32_MIN", b, n, PR_ERR_FORMAT, "group 1: suffix 0: tokens[2] = -2147483648");
+    RESET(); patch_f32(b, f.adv[0] + 4, NAN); expect_fail("NaN advantage", b, n, PR_ERR_FORMAT, "advantage[1]");
+    RESET(); patch_f32(b, f.adv[1], INFINITY); expect_fail("inf advantage", b, n, PR_ERR_FORMAT, "group 1: advantage[0] = inf");
+    RESET(); patch_f32(b, f.adv[0], -INFINITY); expect_fail("-inf advantage", b, n, PR_ERR_FORMAT, "advantage[0] = -inf");
+    RESET(); patch_f32(b, f.old[0][1] + 4, 0.25f); expect_fail("positive old_logp", b, n, PR_ERR_FORMAT, "suffix 1: old_logp[1] = 0.25");
+    RESET(); patch_f32(b, f.old[1][0], 1e-30f); expect_fail("tiny positive old_logp", b, n, PR_ERR_FORMAT, "old_logp[0]");
+    RESET(); patch_f32(b, f.old[0][0], -INFINITY); expect_fail("-inf old_logp", b, n, PR_ERR_FORMAT, "old_logp[0] = -inf");
+    RESET(); patch_f32(b, f.old[0][0], NAN); expect_fail("NaN old_logp", b, n, PR_ERR_FORMAT, "old_logp[0]");
+    RESET(); patch_f32(b, f.ref[1][0] + 8, 2.0f); expect_fail("positive ref_logp", b, n, PR_ERR_FORMAT, "group 1: suffix 0: ref_logp[2] = 2");
+    RESET(); patch_f32(b, f.ref[0][0], NAN); expect_fail("NaN ref_logp", b, n, PR_ERR_FORMAT, "ref_logp[0]");
+    RESET(); b[f.mask[0][1] + 1] = 2; expect_fail("mask value 2", b, n, PR_ERR_FORMAT, "group 0: suffix 1: loss_mask[1] = 2");
+    RESET(); b[f.mask[1][0]] = 255; expect_fail("mask value 255", b, n, PR_ERR_FORMAT, "loss_mask[0] = 255");
+
+    /* truncated at every byte offset; trailing garbage */
+    for (size_t k = 0; k < n; k++) {
+        char what[64];
+        snprintf(what, sizeof what, "truncated to %zu bytes", k);
+        expect_fail(what, f.s.b, k, PR_ERR_FORMAT, k < 24 ? "too short" : "truncated");
+    }
+    RESET(); b[n] = 0; expect_fail("one trailing zero byte", b, n + 1, PR_ERR_FORMAT, "1 trailing byte(s)");
+    RESET(); memset(b + n, 7, 16); expect_fail("16 trailing bytes", b, n + 16, PR_ERR_FORMAT, "16 trailing byte(s)");
+
+    /* arguments */
+    memset(&t, 0x33, sizeof t);
+    CHECK(pr_trace_parse(NULL, f.s.b, n, &err) == PR_ERR_ARG, "NULL trace");
+    CHECK(pr_trace_parse(&t, NULL, 5, &err) == PR_ERR_ARG && strstr(err.message, "NULL"), "NULL bytes");
+    CHECK(pr_trace_parse(&t, NULL, 0, &err) == PR_ERR_FORMAT, "NULL bytes, length 0: too short");
+    CHECK(pr_trace_read(&t, "/nonexistent/dir/x.trace", &err) == PR_ERR_IO && strstr(err.message, "/nonexistent/dir/x.trace"),
+          "missing file: %s", err.message);
+    CHECK(pr_trace_read(&t, NULL, NULL) == PR_ERR_ARG, "NULL path, NULL err");
+    CHECK(t.groups == (void *)t.groups && ((unsigned char *)&t)[0] == 0x33, "failed calls leave the trace alone");
+
+    /* a file whose name appears in read errors */
+    {
+        const char *tmp = "trace_test.tmp.trace";
+        FILE *fp = fopen(tmp, "wb");
+        if (fp) {
+            RESET(); b[f.mask[0][0]] = 3;
+            fwrite(b, 1, n, fp);
+            fclose(fp);
+            st = pr_trace_read(&t, tmp, &err);
+            CHECK(st == PR_ERR_FORMAT && strstr(err.message, "trace_test.tmp.trace: group 0: suffix 0: loss_mask[0] = 3"),
+                  "file errors name the file: %s", err.message);
+            remove(tmp);
+        }
+    }
+
+    /* failed allocations: each one in turn, until the read succeeds */
+    {
+        const char *tmp = "trace_test.tmp.trace";
+        FILE *fp = fopen(tmp, "wb");
+        if (fp) {
+            fwrite(f.s.b, 1, n, fp);
+            fclose(fp);
+            for (long k = 0; k < 10; k++) {
+                pr_trace s;
+                long live = alloc_live;
+                memset(&s, 0x77, sizeof s);
+                t = s;
+                alloc_calls = 0;
+                alloc_fail_at = k;
+                st = pr_trace_read(&t, tmp, &err);
+                alloc_fail_at = -1;
+                if (st == PR_OK) {
+                    CHECK(k == 2, "the read takes 2 allocations, succeeded when failing #%ld", k);
+                    pr_trace_free(&t);
+                    break;
+                }
+                CHECK(st == PR_ERR_NOMEM && memcmp(&t, &s, sizeof t) == 0 && alloc_live == live,
+                      "allocation %ld failing: status %d, trace %s, %ld leaked", k, (int)st,
+                      memcmp(&t, &s, sizeof t) ? "modified" : "untouched", alloc_live - live);
+            }
+            remove(tmp);
+        }
+    }
+#undef RESET
+    free(b);
+    free(f.s.b);
+    free(nr.s.b);
+}
+
+/* ---------------------------------------------------------------- 4. groups built in memory */
+static void expect_invalid(const char *what, const pr_group *g, int vocab, const char *needle) {
+    pr_error err;
+    pr_status st = pr_group_validate(g, vocab, &err);
+    CHECK(st == PR_ERR_ARG && strstr(err.message, needle), "%s: status %d, message \"%s\" (want \"%s\")", what,
+          (int)st, st ? err.message : "", needle);
+    if (verbose) printf("  %-36s %s\n", what, err.message);
+}
+
+static void test_validate(void) {
+    int32_t prefix[2] = {0, 4}, tokens[3] = {1, 2, 3};
+    int lens[2] = {1, 2};
+    int64_t off[3] = {0, 1, 3};
+    pr_real adv[2] = {1, -1}, old[3] = {-1, -2, -3}, ref[3] = {-1, -0.5, 0};
+    uint8_t mask[3] = {1, 0, 1};
+    pr_group ok = {2, 2, prefix, lens, off, tokens, adv, old, ref, mask}, g;
+    pr_error err;
+    pr_status st = pr_group_validate(&ok, 5, &err);
+    CHECK(st == PR_OK, "valid in-memory group: %s", st ? err.message : "");
+    g = ok; g.ref_logp = NULL;
+    CHECK(pr_group_validate(&g, 5, NULL) == PR_OK, "ref_logp may be NULL");
+    CHECK(pr_group_validate(NULL, 5, &err) == PR_ERR_ARG, "NULL group");
+    expect_invalid("vocab 0", &ok, 0, "vocab_size = 0");
+    expect_invalid("token = vocab", &ok, 4, "prefix_tokens[1] = 4");
+    g = ok; g.P = 0; expect_invalid("P = 0", &g, 5, "P (prefix length) = 0");
+    g = ok; g.P = -3; expect_invalid("P < 0", &g, 5, "P (prefix length) = -3");
+    g = ok; g.G = 0; expect_invalid("G = 0", &g, 5, "G (number of suffixes) = 0");
+    g = ok; g.G = PR_TRACE_MAX_COUNT + 1; expect_invalid("G too large", &g, 5, "G (number of suffixes) = 16777217");
+    g = ok; g.tokens = NULL; expect_invalid("NULL tokens", &g, 5, "NULL array");
+    g = ok; g.loss_mask = NULL; expect_invalid("NULL mask", &g, 5, "NULL array");
+    {
+        int bad_lens[2] = {1, 0};
+        int64_t bad_off[3] = {0, 1, 4}, bad_off0[3] = {1, 2, 4};
+        g = ok; g.suffix_len = bad_lens; expect_invalid("S = 0", &g, 5, "suffix_len[1] = 0");
+        g = ok; g.suffix_off = bad_off; expect_invalid("offsets", &g, 5, "suffix_off[2] = 4");
+        g = ok; g.suffix_off = bad_off0; expect_invalid("offset 0", &g, 5, "suffix_off[0] = 1");
+    }
+    {
+        int32_t t2[3] = {1, -1, 3};
+        pr_real a2[2] = {1, (pr_real)NAN}, o2[3] = {-1, (pr_real)INFINITY, -3}, r2[3] = {-1, -1, (pr_real)1e-20};
+        uint8_t m2[3] = {1, 2, 1};
+        g = ok; g.tokens = t2; expect_invalid("negative token", &g, 5, "suffix 1: tokens[0] = -1");
+        g = ok; g.advantage = a2; expect_invalid("NaN advantage", &g, 5, "advantage[1]");
+        g = ok; g.old_logp = o2; expect_invalid("inf old_logp", &g, 5, "suffix 1: old_logp[0] = inf");
+        g = ok; g.ref_logp = r2; expect_invalid("positive ref_logp", &g, 5, "suffix 1: ref_logp[1]");
+        g = ok; g.loss_mask = m2; expect_invalid("mask 2", &g, 5, "suffix 1: loss_mask[0] = 2");
+    }
+}
+
+int main(int argc, char **argv) {
+    const char *sample = "data/sample.trace";
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "-v") == 0) verbose = 1;
+        else sample = argv[i];
+    }
+    test_sample(sample);
+    test_small();
+    test_validate();
+    CHECK(alloc_live == 0, "%ld blocks still allocated at exit", alloc_live);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
