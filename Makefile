@@ -86,8 +86,8 @@ fuzz: | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	mkdir -p build/corpus_trace build/corpus_st
 	cp data/sample.trace build/corpus_trace/
-	./build/fuzz_trace -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
-	./build/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) build/corpus_st test/fuzz_seeds
+	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
+	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 
 clean:
 	rm -rf build train

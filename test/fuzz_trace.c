@@ -1,10 +1,8 @@
-/* Fuzz harness for pr_trace_parse (parts/trace.h).
-   libFuzzer:
-     clang -std=c99 -g -O1 -fsanitize=fuzzer,address,undefined [-DPR_DOUBLE] parts/trace_fuzz.c -o trace_fuzz -lm
-     mkdir -p corpus && cp data/sample.trace corpus/ && ./trace_fuzz -max_len=4096 corpus
+/* Fuzz harness for pr_trace_parse.
+   libFuzzer: `make fuzz` (clang -fsanitize=fuzzer,address,undefined, seeded with data/sample.trace)
    Plain program that replays files (crash reproducers, a corpus):
-     gcc -std=c99 -g -O1 -DPR_FUZZ_MAIN -fsanitize=address,undefined parts/trace_fuzz.c -o trace_replay -lm
-     ./trace_replay FILE...
+     cc -std=c11 -g -O1 -DPR_FUZZ_MAIN -fsanitize=address,undefined test/fuzz_trace.c -o replay -lm
+     ./replay FILE...
    Properties checked on every input, beyond "no crash, no leak, no over-read":
      - failure: a status other than PR_OK, a message naming "<memory>", the caller's trace untouched;
      - success: every group passes pr_group_validate, and writing the trace back out gives exactly the

@@ -1,6 +1,5 @@
-/* Tests for the trace reader (parts/trace.h), run from the repository root:
-     gcc -std=c99 -O1 -g -Wall -Wextra [-DPR_DOUBLE] -fsanitize=address,undefined \
-         parts/trace_test.c -o trace_test -lm && ./trace_test [-v] [data/sample.trace]
+/* Tests for the trace reader, run from the repository root by `make test` and `make asan`
+   (by hand: build/test_trace-float [-v] [data/sample.trace]):
    1. data/sample.trace against numbers printed by data/make_sample.py from the arrays it generated
       (not from the file), and a byte-exact round trip;
    2. a small file built here, then one broken field at a time: every failure must return an error
