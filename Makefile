@@ -57,8 +57,9 @@ build/train-double: train.c $(HEADER) | build
 build:
 	mkdir -p build
 
-TEST_BINS = build/test_core-float build/test_core-double build/test_io-float build/test_io-double \
-            build/test_trace-float build/test_trace-double build/train-float build/train-double
+TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
+            build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
+            build/train-float build/train-double
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
@@ -71,7 +72,7 @@ asan: | build
 build/asan: $(HEADER) test/*.c train.c
 	mkdir -p build/asan
 	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
-	  for t in test_core test_io test_trace; do \
+	  for t in test_core test_gemm test_io test_trace; do \
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
 	touch build/asan

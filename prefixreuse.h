@@ -477,8 +477,10 @@ static double pr__now(void) {
 #include <omp.h>
 #endif
 
-/* The obvious triple loop; the yardstick for tests. */
-static void pr__gemm_reference(int ta, int tb, int M, int N, int K,
+#ifndef PR_USE_CBLAS
+
+/* The obvious triple loop: the fallback when the packing buffers cannot be allocated. */
+static void pr__gemm_naive(int ta, int tb, int M, int N, int K,
                                const pr_real *A, int lda, const pr_real *B, int ldb,
                                pr_real beta, pr_real *C, int ldc) {
     int i, j, k;
@@ -492,7 +494,6 @@ static void pr__gemm_reference(int ta, int tb, int M, int N, int K,
         }
 }
 
-#ifndef PR_USE_CBLAS
 
 /* Tuning knobs (PR_GEMM_*) may be predefined; changing KC changes result bits. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -675,7 +676,7 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
 #endif
         raw = (char *)PR_MALLOC((sa + sb) * nt * sizeof(pr_real) + 64);
         if (!raw) { /* never abort: fall back to the unpacked loop */
-            pr__gemm_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+            pr__gemm_naive(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
             return;
         }
         buf = (pr_real *)(raw + (64 - (uintptr_t)raw % 64) % 64);
@@ -2444,16 +2445,13 @@ done:
 #include <errno.h>
 #include <limits.h>
 
-/* Little-endian readers: the format fixes the byte order, the host's does not matter. */
-static uint32_t pr__le_u32(const unsigned char *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
+/* Little-endian readers (on top of pr__get_u32): the format fixes the byte order, the host's does not matter. */
 static int32_t pr__le_i32(const unsigned char *p) {
-    uint32_t u = pr__le_u32(p);
+    uint32_t u = pr__get_u32(p);
     return u <= (uint32_t)INT32_MAX ? (int32_t)u : (int32_t)((int64_t)u - 4294967296LL);
 }
 static float pr__le_f32(const unsigned char *p) {   /* IEEE binary32, as the format stores it */
-    uint32_t u = pr__le_u32(p);
+    uint32_t u = pr__get_u32(p);
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
@@ -2574,8 +2572,8 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
         if (len - pos < 8)
             return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: P and G need 8 bytes at offset %zu, %zu left",
                             where, pos, len - pos);
-        P = pr__le_u32(buf + pos);
-        G = pr__le_u32(buf + pos + 4);
+        P = pr__get_u32(buf + pos);
+        G = pr__get_u32(buf + pos + 4);
         pos += 8;
         if ((st = pr__trace_count(err, PR_ERR_FORMAT, where, "P (prefix length)", P)) ||
             (st = pr__trace_count(err, PR_ERR_FORMAT, where, "G (number of suffixes)", G)))
@@ -2588,7 +2586,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
         lens = buf + pos + 4 * (size_t)P;
         for (i = 0; i < G; i++) {
             char field[32];
-            uint32_t S = pr__le_u32(lens + 4 * (size_t)i);
+            uint32_t S = pr__get_u32(lens + 4 * (size_t)i);
             snprintf(field, sizeof field, "suffix_len[%u]", i);
             if ((st = pr__trace_count(err, PR_ERR_FORMAT, where, field, S))) return st;
             N += S;
@@ -2624,7 +2622,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             p = lens + 4 * (size_t)G;
             g->suffix_off[0] = 0;
             for (i = 0; i < G; i++) {
-                g->suffix_len[i] = (int)pr__le_u32(lens + 4 * (size_t)i);
+                g->suffix_len[i] = (int)pr__get_u32(lens + 4 * (size_t)i);
                 g->suffix_off[i + 1] = g->suffix_off[i] + g->suffix_len[i];
                 g->advantage[i] = (pr_real)pr__le_f32(p + 4 * (size_t)i);
             }
@@ -2667,10 +2665,10 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
         return pr__fail(err, PR_ERR_FORMAT, "%s: %zu bytes, too short for the 24-byte trace header", name, len);
     if (memcmp(buf, magic, 8) != 0)
         return pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse trace (bad magic)", name);
-    version = pr__le_u32(buf + 8);
-    flags = pr__le_u32(buf + 12);
-    n_groups = pr__le_u32(buf + 16);
-    vocab = pr__le_u32(buf + 20);
+    version = pr__get_u32(buf + 8);
+    flags = pr__get_u32(buf + 12);
+    n_groups = pr__get_u32(buf + 16);
+    vocab = pr__get_u32(buf + 20);
     if (version != 1)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: trace format version %u is not supported (this reader "
                         "knows version 1)", name, version);
