@@ -35,14 +35,19 @@ endif
 ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
 HEADER = prefixreuse.h
 
-.PHONY: all test asan bench-gemm fuzz clean info
+.PHONY: all test asan bench-gemm fuzz clean info FORCE
 
 all: train
 
 info:
 	@echo "cc $(CC); precision $(PRECISION); openmp '$(OPENMP)'; arch '$(ARCH)'; blas $(BLAS)"
 
-train: train.c $(HEADER)
+# The flags ./train was built with: changing PRECISION, BLAS, OMP or CC rebuilds it.
+build/flags: FORCE | build
+	@echo '$(CC) $(ALL_CFLAGS) $(LDLIBS)' | cmp -s - $@ || echo '$(CC) $(ALL_CFLAGS) $(LDLIBS)' > $@
+FORCE:
+
+train: train.c $(HEADER) build/flags
 	$(CC) $(ALL_CFLAGS) -o $@ train.c $(LDLIBS)
 
 # The suite: the core tests in both precisions, the parsers' tests, and ./train --check in both.

@@ -32,29 +32,19 @@ static void t_free(void *p) {
 
 #include <float.h>
 
-static int g_pass, g_fail;
 static pr_status g_st; /* the status of the last OK(...) call */
 #define OK(call) ((g_st = (call)) == PR_OK)
 static char g_tmp[256];      /* scratch folder, removed at the end */
 static char g_models[256];   /* the project's model/ folder */
 
-#define CHECK(cond, ...)                                                       \
-    do {                                                                       \
-        if (cond) g_pass++;                                                    \
-        else {                                                                 \
-            g_fail++;                                                          \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                        \
-            printf(__VA_ARGS__);                                               \
-            printf("\n");                                                      \
-        }                                                                      \
-    } while (0)
+#include "harness.h"
 
 /* A failing call must return `want`, set err->status to it and leave a message that contains
    `needle` (the file name or the field at fault). */
 static void expect_fail(pr_status got, pr_status want, const pr_error *e, const char *needle, const char *what, int line) {
     int ok = got == want && e->status == want && e->message[0] && (!needle || strstr(e->message, needle));
-    if (ok) { g_pass++; return; }
-    g_fail++;
+    if (ok) { test_passed++; return; }
+    test_failed++;
     printf("FAIL line %d (%s): status %d (want %d), message: %s\n", line, what, (int)got, (int)want, e->message);
 }
 #define EXPECT_FAIL(call, want, needle, what)            \
@@ -874,7 +864,7 @@ int main(int argc, char **argv) {
         snprintf(p, sizeof p, "%s/llama3-8b/config.json", cands[k]);
         if (file_exists(p)) { snprintf(g_models, sizeof g_models, "%s", cands[k]); break; }
     }
-    if (!g_models[0]) { printf("FAIL: no model folder with llama3-8b found (pass it as argv[1])\n"); g_fail++; }
+    if (!g_models[0]) { printf("FAIL: no model folder with llama3-8b found (pass it as argv[1])\n"); test_failed++; }
     test_json();
     test_conversions();
     test_roundtrip();
@@ -889,6 +879,5 @@ int main(int argc, char **argv) {
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
     if (system(cmd) != 0) printf("note: could not remove %s\n", g_tmp);
-    printf("%d passed, %d failed\n", g_pass, g_fail);
-    return g_fail ? 1 : 0;
+    return test_report();
 }

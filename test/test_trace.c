@@ -37,17 +37,8 @@ static void t_free(void *p) {
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 
-static int passed, failed, verbose;   /* -v: print every error message the tests provoke */
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (cond) passed++;                                                \
-        else {                                                             \
-            failed++;                                                      \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                    \
-            printf(__VA_ARGS__);                                           \
-            printf("\n");                                                  \
-        }                                                                  \
-    } while (0)
+static int verbose;   /* -v: print every error message the tests provoke */
+#include "harness.h"
 
 /* ---------------------------------------------------------------- byte buffers */
 typedef struct { unsigned char *b; size_t n, cap; } buf;
@@ -495,6 +486,5 @@ int main(int argc, char **argv) {
     test_small();
     test_validate();
     CHECK(alloc_live == 0, "%ld blocks still allocated at exit", alloc_live);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed != 0;
+    return test_report();
 }
