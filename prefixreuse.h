@@ -40,10 +40,10 @@
    CONTENTS
      1. Basics: reals, status and error messages
      2. Model configuration (Hugging Face config.json)
-     3. GRPO traces (data/README.md has the format)
-     4. safetensors checkpoints (Hugging Face names, sharded through an index)
+     3. safetensors checkpoints (Hugging Face names, sharded through an index)
+     4. GRPO traces (data/README.md has the format)
      5. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
-        memory tiers); the CPU backend is below, the CUDA one in prefixreuse_cuda.cu
+        memory tiers); the CPU backend is below (a CUDA backend is planned for prefixreuse_cuda.cu)
      6. Trainer: parameters, the GRPO loss, the baseline and reuse schedules, gKV hooks, AdamW
    Conventions: public names pr_, private pr__. Every public function returns pr_status and fills
    a pr_error (may be NULL) with a readable reason; nothing aborts or exits. On failure the
@@ -115,7 +115,7 @@ PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err);
    atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err);
 
-/* ---------------------------------------------------------------- 4. safetensors */
+/* ---------------------------------------------------------------- 3. safetensors */
 typedef enum { PR_DT_F32, PR_DT_F16, PR_DT_BF16, PR_DT_F64 } pr_dtype;
 
 /* One tensor of an opened checkpoint. begin/end are byte offsets into the data buffer of shard
@@ -169,7 +169,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
                                    uint64_t max_shard_bytes, pr_error *err);
 
 
-/* ---------------------------------------------------------------- 3. GRPO traces
+/* ---------------------------------------------------------------- 4. GRPO traces
    One prompt group: a prefix (P tokens) shared by G sampled suffixes (S_i tokens each).
    The per-token arrays hold the suffixes one after another: token j of suffix i is entry
    suffix_off[i] + j. old_logp/ref_logp of that token are its log-probabilities under the rollout

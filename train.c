@@ -14,7 +14,7 @@ typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
     pr_step_opts step;
     pr_adamw_opts adam;
-    int steps, check, bench, save_bf16;
+    int steps, check, bench, save_bf16, config_given;
     uint64_t seed;
     int bench_total, bench_reps;
 } options;
@@ -28,7 +28,8 @@ static void usage(FILE *f) {
         "model and data\n"
         "  --config PATH          model folder holding config.json, or a config.json (default model/tiny)\n"
         "  --trace PATH           GRPO trace (default data/sample.trace; format in data/README.md)\n"
-        "  --init DIR             start from a safetensors checkpoint (file, folder or sharded folder)\n"
+        "  --init DIR             start from a safetensors checkpoint (file, folder or sharded folder);\n"
+        "                         a folder's config.json is the model's config unless --config is given\n"
         "  --seed N               seed of the deterministic initialisation when --init is absent (default 1234)\n"
         "schedule\n"
         "  --schedule S           baseline | reuse (default reuse)\n"
@@ -94,7 +95,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--save-bf16")) { o->save_bf16 = 1; takes = 0; }
         else if (!strcmp(a, "--bench")) { o->bench = 1; takes = 0; }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
-        else if (!strcmp(a, "--config")) o->config = v;
+        else if (!strcmp(a, "--config")) { o->config = v; o->config_given = 1; }
         else if (!strcmp(a, "--trace")) o->trace = v;
         else if (!strcmp(a, "--init")) o->init = v;
         else if (!strcmp(a, "--save")) o->save = v;
@@ -374,6 +375,10 @@ int main(int argc, char **argv) {
     if (!parse_args(argc, argv, &o)) return 2;
     pr_error err;
     pr_config cfg;
+    char init_config[4096];
+    snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
+    FILE *probe = o.init && !o.config_given ? fopen(init_config, "r") : NULL;
+    if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
     if (o.bench) return run_bench_speed(&o, &cfg);
     pr_trace trace;

@@ -9,7 +9,7 @@ The same seed always gives the same bytes.
 
 It then reads the file back with prtrace.read_trace, checks it equals what was generated, and
 prints per-group checksums computed from the generated arrays (not from the file). The C test
-parts/trace_test.c holds a copy of these numbers; regenerate them here if the sample changes.
+test/test_trace.c holds a copy of these numbers; regenerate them here if the sample changes.
 """
 import math
 import os
@@ -104,7 +104,7 @@ def main():
 
     print(f"wrote {out}: {os.path.getsize(out)} bytes, {len(groups)} groups, vocab_size {VOCAB}")
     print("checksums (token FNV-1a 64 over prefix then suffixes; position-weighted double sums of"
-          " advantages, old_logp, ref_logp; masked tokens), as C initialisers for parts/trace_test.c:")
+          " advantages, old_logp, ref_logp; masked tokens), as C initialisers for test/test_trace.c:")
     for g in groups:
         c = checksums(g)
         lens = ", ".join(str(n) for n in c["lens"])
