@@ -1055,6 +1055,13 @@ static uint32_t pr__get_u32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 static uint64_t pr__get_u64(const unsigned char *p) { return (uint64_t)pr__get_u32(p) | (uint64_t)pr__get_u32(p + 4) << 32; }
+static float pr__get_f32(const unsigned char *p) {   /* IEEE binary32, little-endian */
+    uint32_t u = pr__get_u32(p);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+typedef char pr__f32_is_4_bytes[sizeof(float) == 4 ? 1 : -1];
 static void pr__put_u16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
 static void pr__put_u32(unsigned char *p, uint32_t v) { pr__put_u16(p, (uint16_t)v); pr__put_u16(p + 2, (uint16_t)(v >> 16)); }
 static void pr__put_u64(unsigned char *p, uint64_t v) { pr__put_u32(p, (uint32_t)v); pr__put_u32(p + 4, (uint32_t)(v >> 32)); }
@@ -2109,12 +2116,7 @@ static void pr__st_convert(pr_real *dst, const unsigned char *src, size_t n, pr_
     size_t i;
     switch (dt) {
     case PR_DT_F32:
-        for (i = 0; i < n; i++) {
-            uint32_t u = pr__get_u32(src + 4 * i);
-            float f;
-            memcpy(&f, &u, 4);
-            dst[i] = (pr_real)f;
-        }
+        for (i = 0; i < n; i++) dst[i] = (pr_real)pr__get_f32(src + 4 * i);
         break;
     case PR_DT_BF16:
         for (i = 0; i < n; i++) dst[i] = (pr_real)pr_bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
@@ -2450,13 +2452,6 @@ static int32_t pr__le_i32(const unsigned char *p) {
     uint32_t u = pr__get_u32(p);
     return u <= (uint32_t)INT32_MAX ? (int32_t)u : (int32_t)((int64_t)u - 4294967296LL);
 }
-static float pr__le_f32(const unsigned char *p) {   /* IEEE binary32, as the format stores it */
-    uint32_t u = pr__get_u32(p);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-typedef char pr__f32_is_4_bytes[sizeof(float) == 4 ? 1 : -1];
 
 /* The rules for one value, shared by the file reader and pr_group_validate. `where` names the
    group ("FILE: group 3" or "invalid group"); code is the status to return. */
@@ -2624,7 +2619,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             for (i = 0; i < G; i++) {
                 g->suffix_len[i] = (int)pr__get_u32(lens + 4 * (size_t)i);
                 g->suffix_off[i + 1] = g->suffix_off[i] + g->suffix_len[i];
-                g->advantage[i] = (pr_real)pr__le_f32(p + 4 * (size_t)i);
+                g->advantage[i] = (pr_real)pr__get_f32(p + 4 * (size_t)i);
             }
             p += 4 * (size_t)G;
             for (i = 0; i < G; i++) {   /* tokens[S], old_logp[S], ref_logp[S] if flagged, loss_mask[S] */
@@ -2632,10 +2627,10 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
                 size_t j;
                 for (j = 0; j < S; j++) g->tokens[o + j] = pr__le_i32(p + 4 * j);
                 p += 4 * S;
-                for (j = 0; j < S; j++) g->old_logp[o + j] = (pr_real)pr__le_f32(p + 4 * j);
+                for (j = 0; j < S; j++) g->old_logp[o + j] = (pr_real)pr__get_f32(p + 4 * j);
                 p += 4 * S;
                 if (t->has_ref) {
-                    for (j = 0; j < S; j++) g->ref_logp[o + j] = (pr_real)pr__le_f32(p + 4 * j);
+                    for (j = 0; j < S; j++) g->ref_logp[o + j] = (pr_real)pr__get_f32(p + 4 * j);
                     p += 4 * S;
                 }
                 memcpy(g->loss_mask + o, p, S);
