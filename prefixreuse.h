@@ -3202,10 +3202,14 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
     return o;
 }
 
+#define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
+
 PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_status st = pr_config_validate(cfg, err);
     if (st) return st;
+    if (cfg->head_dim > PR__MAX_HEAD_DIM)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
     pr_trainer *tr = PR_MALLOC(sizeof *tr);
     if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     memset(tr, 0, sizeof *tr);
@@ -3232,11 +3236,7 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     tr->adam_m = tr->arena + 2 * tr->n_params;
     tr->adam_v = tr->arena + 3 * tr->n_params;
     be->zero(be, tr->arena, arena_bytes);
-    pr_real host_freq[1024];
-    if (cfg->head_dim / 2 > 1024) {
-        pr_trainer_destroy(tr);
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than 2048", cfg->head_dim);
-    }
+    pr_real host_freq[PR__MAX_HEAD_DIM / 2];
     pr__rope_frequencies(cfg, host_freq);
     be->upload_reals(be, tr->inv_freq, host_freq, (size_t)(cfg->head_dim / 2));
     *out = tr;
