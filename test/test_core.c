@@ -1,7 +1,7 @@
 /* Tests of the model math and the schedules: finite differences (double build), the independent
    oracle, baseline vs reuse over many shapes, the gKV hooks, bad input, determinism, checkpoints.
    Built twice by `make test`: float and double (PR_DOUBLE). */
-#define _POSIX_C_SOURCE 200809L   /* mkdtemp, access */
+#define _POSIX_C_SOURCE 200809L   /* mkdtemp, access, opendir */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "harness.h"
@@ -9,7 +9,23 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <unistd.h>
+
+/* Removes a scratch folder made by a test, with its files and folders (two levels suffice here). */
+static void remove_tree(const char *dir, int depth) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char path[1024];
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (remove(path) != 0 && depth > 0) remove_tree(path, depth - 1);
+    }
+    closedir(d);
+    remove(dir);
+}
 
 #define IS_DOUBLE (sizeof(pr_real) == 8)
 
@@ -542,6 +558,7 @@ static void test_bad_input(void) {
     CHECK(pr_trainer_load(tr, "/nonexistent/checkpoint", &err) == PR_ERR_IO, "missing checkpoint: %s", err.message);
     free(p1);
     pr_trainer_destroy(o2);
+    remove_tree(dir, 1);
     free(p0); free(g0);
     pr_trainer_destroy(tr);
 }
@@ -633,6 +650,7 @@ static void test_checkpoints(void) {
     free(ga); free(buf); free(pa);
     pr_trainer_destroy(a);
     pr_trainer_destroy(b);
+    remove_tree(dir, 1);
 }
 
 int main(void) {
