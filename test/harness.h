@@ -17,6 +17,33 @@ static int test_passed, test_failed;
         }                                                                       \
     } while (0)
 
+#ifdef TEST_COUNTING_ALLOCATOR
+/* A counting allocator that can fail one call, the test_alloc_fail_at-th since test_alloc_calls
+   was last reset: it drives every out-of-memory path, and test_alloc_live shows whether each one
+   freed what it took. Define TEST_COUNTING_ALLOCATOR and include this before prefixreuse.h. */
+#include <stdlib.h>
+static long test_alloc_calls, test_alloc_fail_at = -1, test_alloc_live;
+static void *test_malloc(size_t n) {
+    if (test_alloc_calls++ == test_alloc_fail_at) return NULL;
+    void *p = malloc(n);
+    if (p) test_alloc_live++;
+    return p;
+}
+static void *test_realloc(void *old, size_t n) {
+    if (test_alloc_calls++ == test_alloc_fail_at) return NULL;
+    void *p = realloc(old, n);
+    if (p && !old) test_alloc_live++;
+    return p;
+}
+static void test_free(void *p) {
+    if (p) test_alloc_live--;
+    free(p);
+}
+#define PR_MALLOC(sz) test_malloc(sz)
+#define PR_REALLOC(p, sz) test_realloc(p, sz)
+#define PR_FREE(p) test_free(p)
+#endif
+
 static int test_report(void) {
     printf("%d passed, %d failed\n", test_passed, test_failed);
     return test_failed ? 1 : 0;

@@ -5,27 +5,8 @@
    Last line: "N passed, N failed"; exit status 1 on any failure. */
 #include <stdlib.h>
 
-/* A counting allocator that can fail the k-th allocation: drives every out-of-memory path and
-   checks that each one frees what it took (test-only state). */
-static long g_alloc_live, g_alloc_n, g_alloc_fail_at = -1;
-static int t_fail_now(void) { return g_alloc_fail_at >= 0 && g_alloc_n++ == g_alloc_fail_at; }
-static void *t_malloc(size_t n) {
-    void *p = t_fail_now() ? NULL : malloc(n);
-    if (p) g_alloc_live++;
-    return p;
-}
-static void *t_realloc(void *q, size_t n) {
-    void *p = t_fail_now() ? NULL : realloc(q, n);
-    if (p && !q) g_alloc_live++;
-    return p;
-}
-static void t_free(void *p) {
-    if (p) g_alloc_live--;
-    free(p);
-}
-#define PR_MALLOC(sz) t_malloc(sz)
-#define PR_REALLOC(p, sz) t_realloc(p, sz)
-#define PR_FREE(p) t_free(p)
+#define TEST_COUNTING_ALLOCATOR
+#include "harness.h"
 
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
@@ -37,7 +18,6 @@ static pr_status g_st; /* the status of the last OK(...) call */
 static char g_tmp[256];      /* scratch folder, removed at the end */
 static char g_models[256];   /* the project's model/ folder */
 
-#include "harness.h"
 
 /* A failing call must return `want`, set err->status to it and leave a message that contains
    `needle` (the file name or the field at fault). */
@@ -832,13 +812,13 @@ static pr_status op_open(void) {
 static void sweep(const char *what, pr_status (*op)(void)) {
     long k;
     for (k = 0; k < 100000; k++) {
-        long live = g_alloc_live;
-        g_alloc_n = 0;
-        g_alloc_fail_at = k;
+        long live = test_alloc_live;
+        test_alloc_calls = 0;
+        test_alloc_fail_at = k;
         pr_status st = op();
-        int injected = g_alloc_n > k;
-        g_alloc_fail_at = -1;
-        if (g_alloc_live != live) { CHECK(0, "%s: failing allocation %ld leaks %ld blocks", what, k, g_alloc_live - live); return; }
+        int injected = test_alloc_calls > k;
+        test_alloc_fail_at = -1;
+        if (test_alloc_live != live) { CHECK(0, "%s: failing allocation %ld leaks %ld blocks", what, k, test_alloc_live - live); return; }
         if (!injected) { CHECK(st == PR_OK, "%s: succeeds when no allocation fails (%d)", what, (int)st); break; }
         if (st != PR_ERR_NOMEM) { CHECK(0, "%s: failing allocation %ld gives status %d, not PR_ERR_NOMEM", what, k, (int)st); return; }
     }
@@ -851,7 +831,7 @@ static void test_out_of_memory(void) {
     sweep("config load+save", op_config);
     sweep("safetensors save (sharded, single)", op_save);
     sweep("checkpoint open+read (sharded, single)", op_open);
-    CHECK(g_alloc_live == 0, "no live allocations after the sweep: %ld", g_alloc_live);
+    CHECK(test_alloc_live == 0, "no live allocations after the sweep: %ld", test_alloc_live);
 }
 
 int main(int argc, char **argv) {
@@ -875,7 +855,7 @@ int main(int argc, char **argv) {
     test_write_errors();
     if (g_models[0]) test_config();
     if (g_models[0]) test_out_of_memory();
-    CHECK(g_alloc_live == 0, "every library allocation freed: %ld live", g_alloc_live);
+    CHECK(test_alloc_live == 0, "every library allocation freed: %ld live", test_alloc_live);
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
     if (system(cmd) != 0) printf("note: could not remove %s\n", g_tmp);

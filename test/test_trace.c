@@ -10,35 +10,13 @@
 #include <stdlib.h>
 #include <stdio.h>
 
-/* Counting allocator with failure injection (test-only state). */
-static long alloc_calls, alloc_fail_at = -1, alloc_live;
-static void *t_malloc(size_t n) {
-    void *p;
-    if (alloc_calls++ == alloc_fail_at) return NULL;
-    p = malloc(n);
-    if (p) alloc_live++;
-    return p;
-}
-static void *t_realloc(void *old, size_t n) {
-    void *p;
-    if (alloc_calls++ == alloc_fail_at) return NULL;
-    p = realloc(old, n);
-    if (p && !old) alloc_live++;
-    return p;
-}
-static void t_free(void *p) {
-    if (p) alloc_live--;
-    free(p);
-}
-#define PR_MALLOC(sz) t_malloc(sz)
-#define PR_REALLOC(p, sz) t_realloc(p, sz)
-#define PR_FREE(p) t_free(p)
+#define TEST_COUNTING_ALLOCATOR
+#include "harness.h"
 
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 
 static int verbose;   /* -v: print every error message the tests provoke */
-#include "harness.h"
 
 /* ---------------------------------------------------------------- byte buffers */
 typedef struct { unsigned char *b; size_t n, cap; } buf;
@@ -254,7 +232,7 @@ static void expect_fail(const char *what, const unsigned char *b, size_t n, pr_s
     pr_trace t, sentinel;
     pr_error err;
     unsigned char *copy = malloc(n ? n : 1);
-    long live = alloc_live;
+    long live = test_alloc_live;
     pr_status st;
     memcpy(copy, b, n);
     memset(&sentinel, 0xa5, sizeof sentinel);
@@ -265,7 +243,7 @@ static void expect_fail(const char *what, const unsigned char *b, size_t n, pr_s
     CHECK(st == want, "%s: status %d, expected %d (%s)", what, (int)st, (int)want, err.message);
     if (verbose && strncmp(what, "truncated to", 12) != 0) printf("  %-36s %s\n", what, err.message);
     CHECK(memcmp(&t, &sentinel, sizeof t) == 0, "%s: the caller's trace was modified", what);
-    CHECK(alloc_live == live, "%s: %ld blocks leaked", what, alloc_live - live);
+    CHECK(test_alloc_live == live, "%s: %ld blocks leaked", what, test_alloc_live - live);
     CHECK(st == PR_OK || (err.status == st && strstr(err.message, "<memory>") && (!needle || strstr(err.message, needle))),
           "%s: message \"%s\" lacks \"%s\"", what, err.message, needle ? needle : "<memory>");
     if (st == PR_OK) pr_trace_free(&t);
@@ -402,21 +380,21 @@ static void test_small(void) {
             fclose(fp);
             for (long k = 0; k < 10; k++) {
                 pr_trace s;
-                long live = alloc_live;
+                long live = test_alloc_live;
                 memset(&s, 0x77, sizeof s);
                 t = s;
-                alloc_calls = 0;
-                alloc_fail_at = k;
+                test_alloc_calls = 0;
+                test_alloc_fail_at = k;
                 st = pr_trace_read(&t, tmp, &err);
-                alloc_fail_at = -1;
+                test_alloc_fail_at = -1;
                 if (st == PR_OK) {
                     CHECK(k == 2, "the read takes 2 allocations, succeeded when failing #%ld", k);
                     pr_trace_free(&t);
                     break;
                 }
-                CHECK(st == PR_ERR_NOMEM && memcmp(&t, &s, sizeof t) == 0 && alloc_live == live,
+                CHECK(st == PR_ERR_NOMEM && memcmp(&t, &s, sizeof t) == 0 && test_alloc_live == live,
                       "allocation %ld failing: status %d, trace %s, %ld leaked", k, (int)st,
-                      memcmp(&t, &s, sizeof t) ? "modified" : "untouched", alloc_live - live);
+                      memcmp(&t, &s, sizeof t) ? "modified" : "untouched", test_alloc_live - live);
             }
             remove(tmp);
         }
@@ -485,6 +463,6 @@ int main(int argc, char **argv) {
     test_sample(sample);
     test_small();
     test_validate();
-    CHECK(alloc_live == 0, "%ld blocks still allocated at exit", alloc_live);
+    CHECK(test_alloc_live == 0, "%ld blocks still allocated at exit", test_alloc_live);
     return test_report();
 }
