@@ -6,6 +6,8 @@
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
 #   make fuzz                the trace and safetensors/config parsers under libFuzzer (clang)
+#   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
+#   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 
 CC      ?= cc
 CFLAGS  ?= -O2
@@ -35,7 +37,7 @@ endif
 ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
 HEADER = prefixreuse.h
 
-.PHONY: all test asan bench-gemm fuzz clean info FORCE
+.PHONY: all test asan bench-gemm fuzz clean info cuda test-gpu sass FORCE
 
 all: train
 
@@ -95,5 +97,38 @@ fuzz: | build
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 
+# CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
+# GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.
+NVCC      ?= nvcc
+CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
+NVFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -Werror all-warnings
+CUDA_LIBS := -lcublasLt
+
+cuda: train_cuda
+
+build/prefixreuse_cuda.o: prefixreuse_cuda.cu $(HEADER) | build
+	$(NVCC) $(NVFLAGS) -c -o $@ prefixreuse_cuda.cu
+build/train_cuda.o: train.c $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) -DPR_CUDA -c -o $@ train.c
+train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
+	$(NVCC) $(CUDA_ARCH) -o $@ $^ $(CUDA_LIBS)
+
+build/test_gpu: test/test_gpu.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
+	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref.o test/gpu_ref.c
+	$(NVCC) $(CUDA_ARCH) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+build/compare_st: test/compare_st.c $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) -o $@ test/compare_st.c -lm
+
+test-gpu: build/test_gpu train_cuda build/train-double build/compare_st
+	@sh test/run_gpu.sh
+
+# The attention kernels' resource use and instruction mix (no GPU needed): registers, spills,
+# and the count of each SASS opcode class per kernel.
+CUOBJDUMP ?= cuobjdump
+sass: build/prefixreuse_cuda.o
+	$(CUOBJDUMP) -res-usage build/prefixreuse_cuda.o | grep -A1 attention
+	$(CUOBJDUMP) -sass build/prefixreuse_cuda.o | awk '/Function :/{f=$$3} /HMMA|HGMMA|FFMA|MUFU.EX2|LDS|STL|LDL/{split($$0,a,/ +/); for(i in a) if (a[i] ~ /^(HMMA|HGMMA|FFMA|MUFU|LDS|STL|LDL)/) {sub(/\..*/,"",a[i]); n[f" "a[i]]++}} END{for(k in n) print k, n[k]}' | sort
+
 clean:
-	rm -rf build train
+	rm -rf build train train_cuda

@@ -43,7 +43,7 @@
      3. safetensors checkpoints (Hugging Face names, sharded through an index)
      4. GRPO traces (data/README.md has the format)
      5. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
-        memory tiers); the CPU backend is below (a CUDA backend is planned for prefixreuse_cuda.cu)
+        memory tiers); the CPU backend is below, the CUDA backend in prefixreuse_cuda.cu
      6. Trainer: parameters, the GRPO loss, the baseline and reuse schedules, gKV hooks, AdamW
    Conventions: public names pr_, private pr__. Every public function returns pr_status and fills
    a pr_error (may be NULL) with a readable reason; nothing aborts or exits. On failure the
@@ -78,7 +78,8 @@ typedef enum {
     PR_ERR_FORMAT,      /* a file's contents are malformed */
     PR_ERR_CONFIG,      /* a model configuration does not validate */
     PR_ERR_NOMEM,       /* an allocation failed or a size overflowed */
-    PR_ERR_UNSUPPORTED  /* valid input asking for something not implemented */
+    PR_ERR_UNSUPPORTED, /* valid input asking for something not implemented */
+    PR_ERR_DEVICE       /* the accelerator failed: a launch, a copy, a library call, a fault */
 } pr_status;
 
 typedef struct {
@@ -256,14 +257,31 @@ typedef struct {
     const pr_real *weight;      /* (M) normaliser times loss mask: the row's share of the loss */
 } pr_head_rows;
 
+/* One token's GRPO loss and d(loss)/d(logp), the formula above: every backend's loss head uses it.
+   ref_logp may be NULL (no KL term). */
+PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref_logp, double advantage,
+                                const pr_loss_opts *opt, double *dloss_dlogp);
+
 /* The kernels the schedule needs. Buffers named `void *` hold activations in the backend's
    element type (act_bytes each; pr_real on the CPU); `pr_real *` are parameters and gradients.
    Every backward ADDS into its gradient outputs (dinp, dw, dq, ...); callers zero them first. */
 typedef struct pr_backend pr_backend;
 struct pr_backend {
     const char *name;
-    size_t act_bytes;
+    size_t act_bytes;        /* activation element: sizeof(pr_real) on the CPU, 2 (bf16) on the GPU */
+    size_t stat_bytes;       /* per-row statistics (RMSNorm rstd, attention lse): at least fp32, since
+                                the backward rebuilds every probability from them */
+    size_t logit_chunk;      /* logits the loss head holds at once (elements): bounds its memory */
     void *ctx;
+    /* Optional (NULL: accept every model). Refuses a model the backend cannot run, at trainer creation. */
+    pr_status (*check_config)(const pr_backend *be, const pr_config *cfg, pr_error *err);
+    /* Optional. Called at the start of every step with the parameter arena: a backend that runs its
+       GEMMs in lower precision refreshes its copy of the weights here. Every `w` a matmul receives
+       points into [params, params + n). */
+    void (*prepare_weights)(const pr_backend *be, const pr_real *params, size_t n);
+    /* Optional. Kernels return nothing, so a backend keeps its first failure (a failed launch, a
+       device fault) and hands it over here; the trainer asks after every step. */
+    pr_status (*take_error)(const pr_backend *be, pr_error *err);
     /* memory */
     void *(*alloc)(const pr_backend *be, size_t bytes, pr_tier tier);
     void (*release)(const pr_backend *be, void *p, pr_tier tier);
@@ -294,9 +312,11 @@ struct pr_backend {
     /* h = silu(gate) * up, n elements */
     void (*swiglu_fwd)(const pr_backend *be, void *h, const void *gate, const void *up, size_t n);
     void (*swiglu_bwd)(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate, const void *up, size_t n);
+    /* tokens: host memory */
     void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C);
     void (*embed_bwd)(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C);
     void (*add)(const pr_backend *be, void *y, const void *x, size_t n);                 /* y += x */
+    /* dst row m = src row rows[m];  dst row rows[m] += src row m. rows: host, distinct. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C);
     void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C);
     /* The loss head on logits (M,V): writes each row's log-prob of its target (logp, host, M) and
@@ -312,6 +332,12 @@ struct pr_backend {
 
 /* The CPU backend: pr_real everywhere, OpenMP when compiled with it. */
 PRDEF const pr_backend *pr_backend_cpu(void);
+
+/* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
+   in prefixreuse_cuda.cu: link that file to use it (float build only). One backend drives one device
+   on one stream; destroy it after every trainer that uses it. */
+pr_status pr_backend_cuda_create(const pr_backend **be, int device, pr_error *err);
+void pr_backend_cuda_destroy(const pr_backend *be);
 
 /* ---------------------------------------------------------------- 6. Trainer */
 /* One parameter tensor: its Hugging Face name, shape and place in the parameter arena. */
@@ -439,6 +465,7 @@ PRDEF const char *pr_status_name(pr_status s) {
     case PR_ERR_CONFIG: return "invalid configuration";
     case PR_ERR_NOMEM: return "out of memory";
     case PR_ERR_UNSUPPORTED: return "unsupported";
+    case PR_ERR_DEVICE: return "device error";
     }
     return "unknown status";
 }
@@ -2995,12 +3022,12 @@ static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void
     for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, 1, PR__CR(src) + (size_t)m * C, C);
 }
 
-/* The GRPO token loss and its derivative in logp; shared by every backend's loss head.
+/* The GRPO token loss and its derivative in logp.
    r = exp(logp - old);  pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)
    kl = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, >= 0)
    The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
-static double pr__grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
-                                  double *dloss_dlogp) {
+PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
+                                double *dloss_dlogp) {
     double r = exp(logp - old);
     double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
     double unclipped = r * adv, clipped = rc * adv, loss, d;
@@ -3026,7 +3053,7 @@ static void pr__cpu_loss_head(const pr_backend *be, void *logits_, const pr_head
         for (int i = 0; i < V; i++) if (z[i] > mx) mx = z[i];
         for (int i = 0; i < V; i++) sum += PR__EXP((pr_real)(z[i] - mx));
         double lse = mx + log(sum), lp = z[rows->target[m]] - lse, dl;
-        double l = pr__grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
+        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
                                        rows->advantage[m], opt, &dl);
         double w = rows->weight[m], c = w * dl;
         total += w * l;
@@ -3061,13 +3088,18 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
 }
 
 static const pr_backend pr__cpu_backend = {
-    "cpu", sizeof(pr_real), NULL,
-    pr__cpu_alloc, pr__cpu_release, pr__cpu_zero, pr__cpu_copy, pr__cpu_upload, pr__cpu_download, pr__cpu_sync,
-    pr__cpu_matmul_fwd, pr__cpu_matmul_bwd, pr__cpu_rmsnorm_fwd, pr__cpu_rmsnorm_bwd,
-    pr__cpu_rope_fwd, pr__cpu_rope_bwd, pr__cpu_attention_fwd, pr__cpu_attention_bwd,
-    pr__cpu_swiglu_fwd, pr__cpu_swiglu_bwd, pr__cpu_embed_fwd, pr__cpu_embed_bwd,
-    pr__cpu_add, pr__cpu_gather_rows, pr__cpu_scatter_add_rows, pr__cpu_loss_head,
-    pr__cpu_sum_squares, pr__cpu_scale, pr__cpu_adamw,
+    .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
+    .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
+    .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
+    .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
+    .rmsnorm_fwd = pr__cpu_rmsnorm_fwd, .rmsnorm_bwd = pr__cpu_rmsnorm_bwd,
+    .rope_fwd = pr__cpu_rope_fwd, .rope_bwd = pr__cpu_rope_bwd,
+    .attention_fwd = pr__cpu_attention_fwd, .attention_bwd = pr__cpu_attention_bwd,
+    .swiglu_fwd = pr__cpu_swiglu_fwd, .swiglu_bwd = pr__cpu_swiglu_bwd,
+    .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
+    .add = pr__cpu_add, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
+    .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
+    .adamw = pr__cpu_adamw,
 };
 
 PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
@@ -3207,6 +3239,7 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
 PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_status st = pr_config_validate(cfg, err);
+    if (!st && be->check_config) st = be->check_config(be, cfg, err);
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
@@ -3326,11 +3359,11 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
 #define PR__CHUNK_BYTES ((size_t)16 << 20)
 #define PR__ALIGN 256
 
-/* n elements of the backend's activation type from arena a. Returns NULL and sets alloc_failed
+/* n elements of elem_bytes each from arena a. Returns NULL and sets alloc_failed
    when memory runs out, so the schedule finishes its straight-line code and reports one error. */
-static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) {
+static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes) {
     size_t bytes;
-    if (!pr__mul_size(n ? n : 1, tr->be->act_bytes, &bytes) || bytes > SIZE_MAX - PR__ALIGN) {
+    if (!pr__mul_size(n ? n : 1, elem_bytes, &bytes) || bytes > SIZE_MAX - PR__ALIGN) {
         tr->alloc_failed = 1;
         return NULL;
     }
@@ -3359,6 +3392,9 @@ static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) {
     if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
     return p;
 }
+
+static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
+static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
 
 /* Everything in the arena is dead; its chunks stay for the next user. */
 static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
@@ -3412,15 +3448,15 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     for (int l = 0; l < L; l++) {
         pr__layer_acts *x = &ps->acts[l];
         memset(x, 0, sizeof *x);
-        x->ln1 = pr__act(tr, a, n * C); x->ln1_rstd = pr__act(tr, a, n);
+        x->ln1 = pr__act(tr, a, n * C); x->ln1_rstd = pr__stat(tr, a, n);
         if (c->qk_norm) {
             x->q_pre = pr__act(tr, a, n * qd); x->k_pre = pr__act(tr, a, n * kvd);
-            x->q_rstd = pr__act(tr, a, n * NH); x->k_rstd = pr__act(tr, a, n * NKV);
+            x->q_rstd = pr__stat(tr, a, n * NH); x->k_rstd = pr__stat(tr, a, n * NKV);
         }
         x->q = pr__act(tr, a, n * qd); x->k = pr__act(tr, a, n * kvd); x->v = pr__act(tr, a, n * kvd);
-        x->att = pr__act(tr, a, n * qd); x->lse = pr__act(tr, a, n * NH);
+        x->att = pr__act(tr, a, n * qd); x->lse = pr__stat(tr, a, n * NH);
         x->x_mid = pr__act(tr, a, n * C);
-        x->ln2 = pr__act(tr, a, n * C); x->ln2_rstd = pr__act(tr, a, n);
+        x->ln2 = pr__act(tr, a, n * C); x->ln2_rstd = pr__stat(tr, a, n);
         x->gate = pr__act(tr, a, n * F); x->up = pr__act(tr, a, n * F); x->h = pr__act(tr, a, n * F);
         ps->res[l + 1] = pr__act(tr, a, n * C);
     }
@@ -3655,10 +3691,10 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
     const pr_backend *be = tr->be;
     const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size;
     if (hp->M == 0) return PR_OK;
-    int ch = (int)((size_t)(4 << 20) / (size_t)V);
+    int ch = (int)(be->logit_chunk / (size_t)V);
     if (ch < 1) ch = 1;
     if (ch > hp->M) ch = hp->M;
-    void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__act(tr, a, (size_t)ch);
+    void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
     void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
     pr_real *lp = PR_MALLOC(sizeof(pr_real) * (size_t)ch);
     if (tr->alloc_failed || !lp) {
@@ -3885,6 +3921,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
     be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+    if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
     double t0 = pr__now();
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
         pr__enter_phase(tr, PR_PHASE_B);
@@ -3923,6 +3960,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     for (long f = 0; f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
     PR_FREE(tok_weight);
     if (!logp) PR_FREE(lp);
+    if (!st && be->take_error) st = be->take_error(be, err);
     if (st) return st;
     s.loss = cx.loss;
     s.rows = cx.rows;
@@ -3940,6 +3978,8 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
                         o->lr, o->beta1, o->beta2, o->eps, o->weight_decay);
     const pr_backend *be = tr->be;
     double norm = sqrt(be->sum_squares(be, tr->grads, tr->n_params));
+    pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
+    if (st) return st;
     if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
     if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
     tr->adam_step++;
@@ -3949,7 +3989,7 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
                   ti->numel, o->lr, o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
     }
     if (grad_norm) *grad_norm = norm;
-    return PR_OK;
+    return be->take_error ? be->take_error(be, err) : PR_OK;
 }
 
 PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {

@@ -1,0 +1,1155 @@
+/* prefixreuse_cuda.cu — the CUDA backend of prefixreuse.h.
+
+   It implements the header's pr_backend on one NVIDIA GPU, so the schedule, the loss and the
+   optimizer bookkeeping in the header run unchanged on the device:
+     - activations bf16, statistics (RMSNorm rstd, attention lse) fp32, every accumulation fp32;
+     - parameters, gradients and AdamW state fp32 (the header's arena); the GEMMs read a bf16 copy
+       of the weights, refreshed by prepare_weights at the start of each step;
+     - GEMMs through cuBLASLt (bf16 in, fp32 compute; weight gradients accumulated into fp32);
+     - attention: one kernel family for both key regions (the shared prefix K/V, then each
+       segment's own causal rows), online softmax, no score matrix, and a backward that gives each
+       dq/dk/dv/dkp/dvp row a single writer, so results are bitwise reproducible run to run;
+     - every reduction (RMSNorm weight gradients, embedding gradients, the gradient norm) is a fixed
+       tree or a fixed loop: no float atomics anywhere.
+   Everything runs on one stream. Small host-side arguments (segment offsets, token ids, row lists)
+   travel through a pinned staging ring. Kernels cannot return a status: the first failure is kept
+   and handed to the trainer through take_error.
+
+   Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`). */
+#include "prefixreuse.h"
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef PR_DOUBLE
+#error "the CUDA backend keeps fp32 master weights: build prefixreuse_cuda.cu and its callers without PR_DOUBLE"
+#endif
+
+typedef __nv_bfloat16 bf16;
+
+/* ---------------------------------------------------------------- backend state */
+#define PR_CU_ALGO_CACHE 128
+
+typedef struct {
+    int transa, transb, m, n, k, lda, ldb, ldc, c_fp32, accumulate, align;
+    cublasLtMatmulAlgo_t algo;
+    int valid;
+} pr_cu_algo;
+
+typedef struct {
+    pr_backend be;                 /* first member: the vtable handed out points here */
+    int device;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *workspace;
+    size_t workspace_bytes;
+    const float *params;           /* the fp32 parameter arena of the last prepare_weights */
+    size_t n_params;
+    bf16 *params_bf16;             /* its bf16 copy, read by every GEMM */
+    size_t params_cap;
+    char *stage_host, *stage_dev;  /* staging ring for host arguments: pinned host, device */
+    size_t stage_cap, stage_used;
+    void *scratch;                 /* reduction partials and attention row statistics */
+    size_t scratch_cap;
+    double *reduce_host;           /* pinned: results the host waits for */
+    float *logp_host;
+    size_t logp_cap;
+    pr_cu_algo algos[PR_CU_ALGO_CACHE];
+    int n_algos;
+    pr_status failed;              /* first failure since take_error */
+    char message[512];
+} pr_cu;
+
+static pr_cu *pr_cu_of(const pr_backend *be) { return (pr_cu *)be->ctx; }
+
+static void pr_cu_fail(pr_cu *cx, pr_status st, const char *fmt, ...) {
+    if (cx->failed) return;        /* the first failure explains the rest */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cx->message, sizeof cx->message, fmt, ap);
+    va_end(ap);
+    cx->failed = st;
+}
+
+/* A CUDA runtime call; on failure remember where. Returns nonzero when it succeeded. */
+static int pr_cu_ok(pr_cu *cx, cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return 1;
+    pr_cu_fail(cx, PR_ERR_DEVICE, "CUDA: %s: %s", what, cudaGetErrorString(e));
+    return 0;
+}
+static int pr_lt_ok(pr_cu *cx, cublasStatus_t e, const char *what) {
+    if (e == CUBLAS_STATUS_SUCCESS) return 1;
+    pr_cu_fail(cx, PR_ERR_DEVICE, "cuBLASLt: %s: status %d", what, (int)e);
+    return 0;
+}
+/* After every launch: a bad configuration shows up here, a fault at the next synchronisation. */
+static void pr_cu_launched(pr_cu *cx, const char *kernel) { pr_cu_ok(cx, cudaGetLastError(), kernel); }
+
+static unsigned pr_cu_blocks(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 0x7fffffff ? 0x7fffffff : (b ? b : 1));
+}
+
+/* Device scratch of at least `bytes`; growing it waits for the stream (rare: sizes settle after
+   the first step). */
+static void *pr_cu_scratch(pr_cu *cx, size_t bytes) {
+    if (bytes <= cx->scratch_cap) return cx->scratch;
+    cudaStreamSynchronize(cx->stream);
+    cudaFree(cx->scratch);
+    cx->scratch = NULL;
+    cx->scratch_cap = 0;
+    if (!pr_cu_ok(cx, cudaMalloc(&cx->scratch, bytes), "scratch allocation")) return NULL;
+    cx->scratch_cap = bytes;
+    return cx->scratch;
+}
+
+/* Copies a host array to the device in stream order and returns its device address. The ring is
+   pinned, so the copy is asynchronous; when it wraps, the stream is drained first so that no copy
+   still in flight reads a slot being refilled. */
+static const void *pr_cu_stage(pr_cu *cx, const void *host, size_t bytes) {
+    size_t need = (bytes + 255) / 256 * 256;
+    if (need > cx->stage_cap) {
+        cudaStreamSynchronize(cx->stream);
+        cudaFreeHost(cx->stage_host);
+        cudaFree(cx->stage_dev);
+        cx->stage_host = cx->stage_dev = NULL;
+        cx->stage_cap = cx->stage_used = 0;
+        size_t cap = need * 2;
+        if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->stage_host, cap), "staging ring (host)") ||
+            !pr_cu_ok(cx, cudaMalloc((void **)&cx->stage_dev, cap), "staging ring (device)"))
+            return NULL;
+        cx->stage_cap = cap;
+    }
+    if (cx->stage_used + need > cx->stage_cap) {
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "staging ring wrap");
+        cx->stage_used = 0;
+    }
+    char *h = cx->stage_host + cx->stage_used, *d = cx->stage_dev + cx->stage_used;
+    memcpy(h, host, bytes);
+    pr_cu_ok(cx, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, cx->stream), "staging copy");
+    cx->stage_used += need;
+    return d;
+}
+
+/* ---------------------------------------------------------------- memory */
+static void *pr_cu_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
+    void *p = NULL;
+    cudaError_t e = tier == PR_TIER_HOST ? cudaMallocHost(&p, bytes ? bytes : 1) : cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        cudaGetLastError();        /* an out-of-memory is reported as NULL, not kept as a failure */
+        return NULL;
+    }
+    (void)be;
+    return p;
+}
+static void pr_cu_release(const pr_backend *be, void *p, pr_tier tier) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, tier == PR_TIER_HOST ? cudaFreeHost(p) : cudaFree(p), "free");
+}
+static void pr_cu_zero(const pr_backend *be, void *p, size_t bytes) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, cudaMemsetAsync(p, 0, bytes, cx->stream), "memset");
+}
+static void pr_cu_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->stream), "copy");
+}
+/* From pageable host memory the runtime stages the data before returning, so `host` may be reused
+   as soon as this returns. */
+static void pr_cu_upload(const pr_backend *be, pr_real *dst, const pr_real *host, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, cudaMemcpyAsync(dst, host, n * sizeof(float), cudaMemcpyHostToDevice, cx->stream), "upload");
+}
+static void pr_cu_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (pr_cu_ok(cx, cudaMemcpyAsync(host, src, n * sizeof(float), cudaMemcpyDeviceToHost, cx->stream), "download"))
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "download");
+}
+static void pr_cu_sync(const pr_backend *be) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "synchronize");
+}
+
+/* ---------------------------------------------------------------- weights */
+__global__ void pr_k_to_bf16(bf16 *dst, const float *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(src[i]);
+}
+
+static void pr_cu_prepare_weights(const pr_backend *be, const pr_real *params, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (n > cx->params_cap) {
+        cudaStreamSynchronize(cx->stream);
+        cudaFree(cx->params_bf16);
+        cx->params_bf16 = NULL;
+        cx->params_cap = 0;
+        if (!pr_cu_ok(cx, cudaMalloc((void **)&cx->params_bf16, n * sizeof(bf16)), "bf16 weight copy")) return;
+        cx->params_cap = n;
+    }
+    cx->params = params;
+    cx->n_params = n;
+    unsigned blocks = pr_cu_blocks(n, 256);
+    pr_k_to_bf16<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>(cx->params_bf16, params, n);
+    pr_cu_launched(cx, "to_bf16");
+}
+
+/* The bf16 copy of a weight tensor that lives in the parameter arena. */
+static const bf16 *pr_cu_weight(pr_cu *cx, const float *w) {
+    if (!cx->params_bf16 || w < cx->params || w >= cx->params + cx->n_params) {
+        pr_cu_fail(cx, PR_ERR_ARG, "matmul weight is outside the parameter arena given to prepare_weights");
+        return NULL;
+    }
+    return cx->params_bf16 + (w - cx->params);
+}
+
+/* ---------------------------------------------------------------- GEMM (cuBLASLt) */
+static int pr_cu_align(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    int al = 256;
+    while (al > 2 && a % (uintptr_t)al) al /= 2;
+    return al;
+}
+
+/* D (m,n) = A op (m,k) * B op (k,n) [+ D], column-major as cuBLASLt sees it. A and B bf16; D bf16
+   or fp32 (c_fp32); fp32 compute. Row-major callers pass the transposed problem (see matmul_*). */
+static void pr_cu_gemm(pr_cu *cx, int transa, int transb, int m, int n, int k, const bf16 *A, int lda,
+                       const bf16 *B, int ldb, void *D, int ldd, int c_fp32, int accumulate) {
+    if (m <= 0 || n <= 0 || k <= 0 || !A || !B || cx->failed) return;
+    const cudaDataType_t dt = c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    int align = pr_cu_align(A);
+    if (pr_cu_align(B) < align) align = pr_cu_align(B);
+    if (pr_cu_align(D) < align) align = pr_cu_align(D);
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    int ok = pr_lt_ok(cx, cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc") &&
+             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "transa") &&
+             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "transb") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, transa ? k : m, transa ? m : k, lda), "layout A") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, ldb), "layout B") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&ld, dt, m, n, ldd), "layout D");
+    /* the heuristic's choice depends only on the problem, so it is asked once per shape */
+    pr_cu_algo key;
+    memset(&key, 0, sizeof key);
+    key.transa = transa; key.transb = transb; key.m = m; key.n = n; key.k = k;
+    key.lda = lda; key.ldb = ldb; key.ldc = ldd; key.c_fp32 = c_fp32; key.accumulate = accumulate; key.align = align;
+    pr_cu_algo *hit = NULL;
+    for (int i = 0; ok && i < cx->n_algos && !hit; i++) {
+        pr_cu_algo *a = &cx->algos[i];
+        if (a->transa == key.transa && a->transb == key.transb && a->m == m && a->n == n && a->k == k &&
+            a->lda == lda && a->ldb == ldb && a->ldc == ldd && a->c_fp32 == c_fp32 &&
+            a->accumulate == accumulate && a->align == align)
+            hit = a;
+    }
+    if (ok && !hit) {
+        uint32_t al = (uint32_t)align;
+        cublasLtMatmulHeuristicResult_t res;
+        int found = 0;
+        ok = pr_lt_ok(cx, cublasLtMatmulPreferenceCreate(&pref), "preference") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                               &cx->workspace_bytes, sizeof cx->workspace_bytes), "workspace") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof al), "align A") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof al), "align B") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al), "align C") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al), "align D") &&
+             pr_lt_ok(cx, cublasLtMatmulAlgoGetHeuristic(cx->lt, op, la, lb, ld, ld, pref, 1, &res, &found), "heuristic");
+        if (ok && !found) {
+            pr_cu_fail(cx, PR_ERR_DEVICE, "cuBLASLt has no algorithm for a %dx%dx%d bf16 GEMM", m, n, k);
+            ok = 0;
+        }
+        if (ok) {
+            if (cx->n_algos == PR_CU_ALGO_CACHE) cx->n_algos = 0;   /* full: start over */
+            hit = &cx->algos[cx->n_algos++];
+            key.algo = res.algo;
+            key.valid = 1;
+            *hit = key;
+        }
+    }
+    if (ok) {
+        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+        pr_lt_ok(cx, cublasLtMatmul(cx->lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo,
+                                    cx->workspace, cx->workspace_bytes, cx->stream), "matmul");
+    }
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+}
+
+/* Row-major out (N,OC) = inp (N,C) @ w^T is column-major out^T (OC,N) = w (OC,C) . inp^T (C,N):
+   A = w stored (C x OC) transposed, B = inp stored (C x N). */
+static void pr_cu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_gemm(cx, 1, 0, OC, N, C, pr_cu_weight(cx, w), C, (const bf16 *)inp, C, out, OC, 0, 0);
+}
+/* dinp^T (C,N) += w^T (C,OC) . dout^T (OC,N);   dw^T (C,OC) += inp^T (C,N) . dout (N,OC) */
+static void pr_cu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
+                             const pr_real *w, int N, int C, int OC) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_gemm(cx, 0, 0, C, N, OC, pr_cu_weight(cx, w), C, (const bf16 *)dout, OC, dinp, C, 0, 1);
+    pr_cu_gemm(cx, 0, 1, C, OC, N, (const bf16 *)inp, C, (const bf16 *)dout, OC, dw, C, 1, 1);
+}
+
+/* ---------------------------------------------------------------- block reductions */
+/* Sum over the block in a fixed tree; every thread gets the result. `buf` holds 32 floats. */
+__device__ float pr_block_sum(float v, float *buf) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();               /* buf may still be read by a previous call */
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    v = lane < nw ? buf[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ float pr_block_max(float v, float *buf) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    v = lane < nw ? buf[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ float pr_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+/* One warp per row: out = (x * r) * w, r = (mean(x^2) + eps)^(-1/2). */
+__global__ void pr_k_rmsnorm_fwd(bf16 *out, float *rstd, const bf16 *inp, const float *w, int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const bf16 *x = inp + (size_t)row * C;
+    float ss = 0;
+    for (int i = lane; i < C; i += 32) { float v = __bfloat162float(x[i]); ss += v * v; }
+    ss = pr_warp_sum(ss);
+    float r = rsqrtf(ss / C + eps);
+    bf16 *o = out + (size_t)row * C;
+    for (int i = lane; i < C; i += 32) o[i] = __float2bfloat16(__bfloat162float(x[i]) * r * w[i]);
+    if (lane == 0) rstd[row] = r;
+}
+
+/* dx += r (dy w) - x r^3 mean(dy w x); one warp per row. */
+__global__ void pr_k_rmsnorm_bwd_dx(bf16 *dinp, const bf16 *dout, const bf16 *inp, const float *w, const float *rstd,
+                                    int N, int C) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const bf16 *x = inp + (size_t)row * C, *dy = dout + (size_t)row * C;
+    float r = rstd[row], dot = 0;
+    for (int i = lane; i < C; i += 32) dot += __bfloat162float(dy[i]) * w[i] * __bfloat162float(x[i]);
+    dot = pr_warp_sum(dot);
+    float k = r * r * r * dot / C;
+    bf16 *dx = dinp + (size_t)row * C;
+    for (int i = lane; i < C; i += 32) {
+        float g = r * __bfloat162float(dy[i]) * w[i] - k * __bfloat162float(x[i]);
+        dx[i] = __float2bfloat16(__bfloat162float(dx[i]) + g);
+    }
+}
+
+/* dw partials: block (column slice, row chunk) sums dy x r over its rows into part[chunk][col]. */
+__global__ void pr_k_rmsnorm_bwd_dw_part(float *part, const bf16 *dout, const bf16 *inp, const float *rstd,
+                                         int N, int C, int rows_per_chunk) {
+    int col = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
+    if (col >= C) return;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float s = 0;
+    for (int r = r0; r < r1; r++)
+        s += __bfloat162float(dout[(size_t)r * C + col]) * __bfloat162float(inp[(size_t)r * C + col]) * rstd[r];
+    part[(size_t)chunk * C + col] = s;
+}
+/* dw[col] += sum of the chunks' partials, in chunk order. */
+__global__ void pr_k_sum_parts(float *dw, const float *part, int chunks, int C) {
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    float s = 0;
+    for (int c = 0; c < chunks; c++) s += part[(size_t)c * C + col];
+    dw[col] += s;
+}
+
+static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const void *inp, const pr_real *w,
+                              int N, int C, double eps) {
+    pr_cu *cx = pr_cu_of(be);
+    if (N <= 0) return;
+    pr_k_rmsnorm_fwd<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)out, (float *)rstd, (const bf16 *)inp,
+                                                                          w, N, C, (float)eps);
+    pr_cu_launched(cx, "rmsnorm_fwd");
+}
+static void pr_cu_rmsnorm_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
+                              const pr_real *w, const void *rstd, int N, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (N <= 0) return;
+    pr_k_rmsnorm_bwd_dx<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)dinp, (const bf16 *)dout,
+                                                                             (const bf16 *)inp, w, (const float *)rstd, N, C);
+    pr_cu_launched(cx, "rmsnorm_bwd_dx");
+    /* at most 1024 chunks: the partials stay small and the final loop short */
+    int rows_per_chunk = N / 1024 + 1, chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+    float *part = (float *)pr_cu_scratch(cx, (size_t)chunks * C * sizeof(float));
+    if (!part) return;
+    dim3 grid(pr_cu_blocks((size_t)C, 128), (unsigned)chunks);
+    pr_k_rmsnorm_bwd_dw_part<<<grid, 128, 0, cx->stream>>>(part, (const bf16 *)dout, (const bf16 *)inp,
+                                                             (const float *)rstd, N, C, rows_per_chunk);
+    pr_cu_launched(cx, "rmsnorm_bwd_dw");
+    pr_k_sum_parts<<<pr_cu_blocks((size_t)C, 128), 128, 0, cx->stream>>>(dw, part, chunks, C);
+    pr_cu_launched(cx, "rmsnorm_bwd_sum");
+}
+
+/* ---------------------------------------------------------------- RoPE */
+/* The row's segment by binary search over seg_off (n_seg+1 entries). */
+__device__ int pr_segment_of(const int *seg_off, int n_seg, int r) {
+    int lo = 0, hi = n_seg - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (seg_off[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Rotate-half pairing (element i with i + HS/2), angle pos * inv_freq[i]; sign -1 is the backward.
+   The angle is reduced in double: positions reach 10^5 and a float angle would lose the phase. */
+__global__ void pr_k_rope(bf16 *x, const int *seg_off, int n_seg, int pos0, int N, int heads, int HS,
+                          const float *inv_freq, float sign) {
+    int half = HS / 2;
+    size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x, total = (size_t)N * heads * half;
+    if (idx >= total) return;
+    int i = (int)(idx % half), h = (int)((idx / half) % heads), r = (int)(idx / ((size_t)half * heads));
+    int s = pr_segment_of(seg_off, n_seg, r);
+    double ang = (double)(pos0 + r - seg_off[s]) * (double)inv_freq[i];
+    double sn, cs;
+    sincos(ang, &sn, &cs);
+    float c = (float)cs, sg = sign * (float)sn;
+    bf16 *v = x + ((size_t)r * heads + h) * HS;
+    float a = __bfloat162float(v[i]), b = __bfloat162float(v[i + half]);
+    v[i] = __float2bfloat16(a * c - b * sg);
+    v[i + half] = __float2bfloat16(b * c + a * sg);
+}
+
+static void pr_cu_rope(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS,
+                       const pr_real *inv_freq, float sign) {
+    pr_cu *cx = pr_cu_of(be);
+    int N = lay->seg_off[lay->n_seg];
+    if (N <= 0) return;
+    const int *seg = (const int *)pr_cu_stage(cx, lay->seg_off, sizeof(int) * (size_t)(lay->n_seg + 1));
+    if (!seg) return;
+    size_t total = (size_t)N * heads * (HS / 2);
+    pr_k_rope<<<pr_cu_blocks(total, 256), 256, 0, cx->stream>>>((bf16 *)x, seg, lay->n_seg, lay->pos0, N, heads, HS,
+                                                                 inv_freq, sign);
+    pr_cu_launched(cx, "rope");
+}
+static void pr_cu_rope_fwd(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    pr_cu_rope(be, x, lay, heads, HS, inv_freq, 1.0f);
+}
+static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    pr_cu_rope(be, dx, lay, heads, HS, inv_freq, -1.0f);
+}
+
+/* ---------------------------------------------------------------- attention */
+/* Tiles of 64 rows, four threads per row: thread part p holds head dims p, p+4, p+8, ... so that
+   for each step the four parts read four neighbouring shared-memory words (no bank conflict) and
+   the eight rows of a warp read the same words (a broadcast). A row's dot product is the sum of
+   its four parts, reduced by two shuffles in a fixed order.
+   Key index j of a query row: j < n_prefix is prefix row j (kp/vp), j >= n_prefix is row
+   seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal). */
+#define PR_ATT_ROWS 64
+#define PR_ATT_THREADS (PR_ATT_ROWS * 4)
+
+/* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1). For key tiles of the prefix
+   region seg0 = seg1 = -1. */
+typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
+
+/* The two key regions of a query tile, in order: region 0 the n_prefix shared rows (kp, vp),
+   region 1 the tile's own segment up to its last row (k, v; causal per row). All the block's
+   threads run every key, so that the shuffles see full warps; rows that do not see it skip it. */
+#define PR_ATT_REGION                                                                  \
+    const int count = region == 0 ? n_prefix : t.r1 - t.seg0;                          \
+    const int base = region == 0 ? 0 : t.seg0;                                          \
+    const bf16 *kb = region == 0 ? kp : k, *vb = region == 0 ? vp : v;
+
+__device__ __forceinline__ float pr_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v;
+}
+
+/* Loads rows [r0, r0+n) (n <= 64) of one head (column offset col, row stride ld) into smem as
+   float, zero-filling the rest of the tile. */
+template <int HS>
+__device__ void pr_att_load(float *dst, const bf16 *src, int r0, int n, size_t ld, int col) {
+    for (int e = threadIdx.x; e < PR_ATT_ROWS * HS; e += blockDim.x) {
+        int r = e / HS, d = e % HS;
+        dst[e] = r < n ? __bfloat162float(src[(size_t)(r0 + r) * ld + col + d]) : 0.0f;
+    }
+}
+
+/* Forward. Grid (query tiles, NH). Online softmax over the prefix keys, then the own keys. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
+                   const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ float smem[];
+    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
+    const pr_att_tile t = tiles[blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
+    const int r = t.r0 + (threadIdx.x >> 2);
+    const bool valid = r < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    float qr[D], acc[D];
+    for (int i = 0; i < D; i++) {
+        qr[i] = valid ? __bfloat162float(q[(size_t)r * qd + (size_t)h * HS + part + 4 * i]) * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (int region = 0; region < 2; region++) {
+        PR_ATT_REGION
+        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
+            const int jn = min(PR_ATT_ROWS, count - j0);
+            __syncthreads();
+            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
+            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
+            __syncthreads();
+            for (int jj = 0; jj < jn; jj++) {
+                float s = 0;
+                for (int i = 0; i < D; i++) s += qr[i] * ks[jj * HS + part + 4 * i];
+                s = pr_quad_sum(s);
+                if (!valid || (region == 1 && j0 + jj > r - t.seg0)) continue;
+                if (s > m) {           /* a new maximum: rescale what was accumulated under the old one */
+                    float c = __expf(m - s);
+                    for (int i = 0; i < D; i++) acc[i] *= c;
+                    l *= c;
+                    m = s;
+                }
+                float p = __expf(s - m);
+                l += p;
+                for (int i = 0; i < D; i++) acc[i] += p * vs[jj * HS + part + 4 * i];
+            }
+        }
+    }
+    if (!valid) return;
+    float inv = 1.0f / l;
+    for (int i = 0; i < D; i++) out[(size_t)r * qd + (size_t)h * HS + part + 4 * i] = __float2bfloat16(acc[i] * inv);
+    if (part == 0) lse[(size_t)r * NH + h] = m + logf(l);
+}
+
+/* D[r, h] = dout . out over the head: the softmax backward's row term. */
+__global__ void pr_k_attention_rowdot(float *Dr, const bf16 *dout, const bf16 *out, int N, int NH, int HS) {
+    int idx = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (idx >= N * NH) return;
+    const bf16 *a = dout + (size_t)idx * HS, *b = out + (size_t)idx * HS;
+    float s = 0;
+    for (int i = lane; i < HS; i += 32) s += __bfloat162float(a[i]) * __bfloat162float(b[i]);
+    s = pr_warp_sum(s);
+    if (lane == 0) Dr[idx] = s;
+}
+
+/* dq. Grid (query tiles, NH): like the forward, with p rebuilt from lse:
+   p = exp(s - lse), ds = p (dout.v - D), dq += scale ds k. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
+                      const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
+                      int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ float smem[];
+    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
+    const pr_att_tile t = tiles[blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
+    const int r = t.r0 + (threadIdx.x >> 2);
+    const bool valid = r < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    float qr[D], dor[D], g[D];
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
+        qr[i] = valid ? __bfloat162float(q[o]) * scale : 0.0f;
+        dor[i] = valid ? __bfloat162float(dout[o]) : 0.0f;
+        g[i] = 0.0f;
+    }
+    const float L = valid ? lse[(size_t)r * NH + h] : 0.0f, Drow = valid ? Dr[(size_t)r * NH + h] : 0.0f;
+    for (int region = 0; region < 2; region++) {
+        PR_ATT_REGION
+        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
+            const int jn = min(PR_ATT_ROWS, count - j0);
+            __syncthreads();
+            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
+            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
+            __syncthreads();
+            for (int jj = 0; jj < jn; jj++) {
+                float s = 0, dp = 0;
+                for (int i = 0; i < D; i++) {
+                    s += qr[i] * ks[jj * HS + part + 4 * i];
+                    dp += dor[i] * vs[jj * HS + part + 4 * i];
+                }
+                s = pr_quad_sum(s);
+                dp = pr_quad_sum(dp);
+                if (!valid || (region == 1 && j0 + jj > r - t.seg0)) continue;
+                float ds = __expf(s - L) * (dp - Drow) * scale;
+                for (int i = 0; i < D; i++) g[i] += ds * ks[jj * HS + part + 4 * i];
+            }
+        }
+    }
+    if (!valid) return;
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
+        dq[o] = __float2bfloat16(__bfloat162float(dq[o]) + g[i]);
+    }
+}
+
+/* dk, dv. Grid (key tiles, NKV): a block owns 64 keys of one KV head and loops over every query
+   row that sees them, for each query head of the GQA group, in a fixed order:
+     prefix key tile (seg0 < 0): every row of every segment;   own key tile: the rest of its segment.
+   dv += p dout,  dk += scale p (dout.v - D) q. One writer per row: no atomics, same bits every run. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, bf16 *dkp, bf16 *dvp, const bf16 *dout, const float *lse, const float *Dr,
+                       const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp,
+                       const pr_att_tile *ktiles, int N, int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ float smem[];
+    float *qs = smem, *ds_ = smem + PR_ATT_ROWS * HS, *ls = ds_ + PR_ATT_ROWS * HS, *dd = ls + PR_ATT_ROWS;
+    const pr_att_tile t = ktiles[blockIdx.x];
+    const int hk = blockIdx.y, group = NH / NKV, part = threadIdx.x & 3;
+    const bool prefix = t.seg0 < 0;
+    const int j = t.r0 + (threadIdx.x >> 2);                /* prefix row, or row of the own segment */
+    const bool valid = j < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    const bf16 *kb = prefix ? kp : k, *vb = prefix ? vp : v;
+    float kr[D], vr[D], gk[D], gv[D];
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
+        kr[i] = valid ? __bfloat162float(kb[o]) * scale : 0.0f;
+        vr[i] = valid ? __bfloat162float(vb[o]) : 0.0f;
+        gk[i] = gv[i] = 0.0f;
+    }
+    /* the query rows to visit: [q_begin, q_end) */
+    const int q_begin = prefix ? 0 : t.r0, q_end = prefix ? N : t.seg1;
+    for (int h = hk * group; h < (hk + 1) * group; h++)
+        for (int i0 = q_begin; i0 < q_end; i0 += PR_ATT_ROWS) {
+            int in = min(PR_ATT_ROWS, q_end - i0);
+            __syncthreads();
+            pr_att_load<HS>(qs, q, i0, in, qd, h * HS);
+            pr_att_load<HS>(ds_, dout, i0, in, qd, h * HS);
+            for (int e = threadIdx.x; e < PR_ATT_ROWS; e += blockDim.x) {
+                ls[e] = e < in ? lse[(size_t)(i0 + e) * NH + h] : 0.0f;
+                dd[e] = e < in ? Dr[(size_t)(i0 + e) * NH + h] : 0.0f;
+            }
+            __syncthreads();
+            for (int ii = 0; ii < in; ii++) {
+                float s = 0, dp = 0;
+                for (int i = 0; i < D; i++) {
+                    s += kr[i] * qs[ii * HS + part + 4 * i];
+                    dp += vr[i] * ds_[ii * HS + part + 4 * i];
+                }
+                s = pr_quad_sum(s);
+                dp = pr_quad_sum(dp);
+                /* own keys: query row i0+ii sees key j when j <= i0+ii (same segment by construction) */
+                if (!valid || (!prefix && j > i0 + ii)) continue;
+                float p = __expf(s - ls[ii]), ds = p * (dp - dd[ii]) * scale;
+                for (int i = 0; i < D; i++) {
+                    gv[i] += p * ds_[ii * HS + part + 4 * i];
+                    gk[i] += ds * qs[ii * HS + part + 4 * i];
+                }
+            }
+        }
+    if (!valid) return;
+    bf16 *ok = prefix ? dkp : dk, *ov = prefix ? dvp : dv;
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
+        ok[o] = __float2bfloat16(__bfloat162float(ok[o]) + gk[i]);
+        ov[o] = __float2bfloat16(__bfloat162float(ov[o]) + gv[i]);
+    }
+}
+
+/* The query tiles of a layout: 64-row pieces of each segment. Returns the count, or -1. */
+static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay) {
+    int n = 0;
+    for (int s = 0; s < lay->n_seg; s++) n += (lay->seg_off[s + 1] - lay->seg_off[s] + PR_ATT_ROWS - 1) / PR_ATT_ROWS;
+    pr_att_tile *t = (pr_att_tile *)malloc(sizeof(pr_att_tile) * (size_t)(n ? n : 1));
+    if (!t) return -1;
+    n = 0;
+    for (int s = 0; s < lay->n_seg; s++)
+        for (int r0 = lay->seg_off[s]; r0 < lay->seg_off[s + 1]; r0 += PR_ATT_ROWS) {
+            int r1 = r0 + PR_ATT_ROWS < lay->seg_off[s + 1] ? r0 + PR_ATT_ROWS : lay->seg_off[s + 1];
+            pr_att_tile x = { r0, r1, lay->seg_off[s], lay->seg_off[s + 1] };
+            t[n++] = x;
+        }
+    *out = t;
+    return n;
+}
+
+/* Shared memory of the kernels: two tiles of 64 x HS floats (+ two rows of statistics for dkv). */
+static size_t pr_cu_att_smem(int HS, int with_stats) {
+    return sizeof(float) * (size_t)(2 * PR_ATT_ROWS * HS + (with_stats ? 2 * PR_ATT_ROWS : 0));
+}
+
+template <int HS>
+static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
+                                   const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
+    pr_att_tile *tiles;
+    int nt = pr_cu_query_tiles(&tiles, lay);
+    if (nt < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
+    free(tiles);
+    if (!dt) return;
+    size_t smem = pr_cu_att_smem(HS, 0);
+    cudaFuncSetAttribute(pr_k_attention_fwd<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    pr_k_attention_fwd<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
+        (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
+        (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
+    pr_cu_launched(cx, "attention_fwd");
+}
+
+template <int HS>
+static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, void *dkp, void *dvp, const void *dout,
+                                   const void *out, const void *lse, const void *q, const void *k, const void *v,
+                                   const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
+    const int N = lay->seg_off[lay->n_seg], np = lay->n_prefix;
+    pr_att_tile *qt;
+    int nq = pr_cu_query_tiles(&qt, lay);
+    if (nq < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    /* key tiles: the prefix region's, then the own tiles (the query tiles themselves) */
+    int npt = (np + PR_ATT_ROWS - 1) / PR_ATT_ROWS, nk = npt + nq;
+    pr_att_tile *kt = (pr_att_tile *)malloc(sizeof(pr_att_tile) * (size_t)(nk ? nk : 1));
+    if (!kt) { free(qt); pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    for (int i = 0; i < npt; i++) {
+        pr_att_tile x = { i * PR_ATT_ROWS, (i + 1) * PR_ATT_ROWS < np ? (i + 1) * PR_ATT_ROWS : np, -1, -1 };
+        kt[i] = x;
+    }
+    memcpy(kt + npt, qt, sizeof(pr_att_tile) * (size_t)nq);
+    const pr_att_tile *dqt = nq ? (const pr_att_tile *)pr_cu_stage(cx, qt, sizeof(pr_att_tile) * (size_t)nq) : NULL;
+    const pr_att_tile *dkt = nk ? (const pr_att_tile *)pr_cu_stage(cx, kt, sizeof(pr_att_tile) * (size_t)nk) : NULL;
+    free(qt);
+    free(kt);
+    float *Dr = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)N * NH);
+    if (!dqt || !dkt || !Dr) return;
+    pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
+                                                                                    (const bf16 *)out, N, NH, HS);
+    pr_cu_launched(cx, "attention_rowdot");
+    size_t smem = pr_cu_att_smem(HS, 0);
+    cudaFuncSetAttribute(pr_k_attention_bwd_dq<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    pr_k_attention_bwd_dq<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
+        (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
+        (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
+    pr_cu_launched(cx, "attention_bwd_dq");
+    smem = pr_cu_att_smem(HS, 1);
+    cudaFuncSetAttribute(pr_k_attention_bwd_dkv<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
+        (bf16 *)dk, (bf16 *)dv, (bf16 *)dkp, (bf16 *)dvp, (const bf16 *)dout, (const float *)lse, Dr,
+        (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, N, NH, NKV);
+    pr_cu_launched(cx, "attention_bwd_dkv");
+}
+
+#define PR_CU_HEAD_DIMS(X) X(16) X(32) X(64) X(128)
+
+static void pr_cu_attention_fwd(const pr_backend *be, void *out, void *lse, const void *q, const void *k, const void *v,
+                                const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV, int HS) {
+    pr_cu *cx = pr_cu_of(be);
+    if (lay->seg_off[lay->n_seg] <= 0) return;
+    switch (HS) {
+#define PR_CU_CASE(hs) case hs: pr_cu_attention_fwd_hs<hs>(cx, out, lse, q, k, v, kp, vp, lay, NH, NKV); break;
+    PR_CU_HEAD_DIMS(PR_CU_CASE)
+#undef PR_CU_CASE
+    default: pr_cu_fail(cx, PR_ERR_UNSUPPORTED, "attention: head dim %d is not compiled in (16, 32, 64, 128)", HS);
+    }
+}
+static void pr_cu_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, void *dkp, void *dvp,
+                                const void *dout, const void *out, const void *lse, const void *q, const void *k,
+                                const void *v, const void *kp, const void *vp, const pr_seq_layout *lay,
+                                int NH, int NKV, int HS) {
+    pr_cu *cx = pr_cu_of(be);
+    if (lay->seg_off[lay->n_seg] <= 0) return;
+    switch (HS) {
+#define PR_CU_CASE(hs) case hs: pr_cu_attention_bwd_hs<hs>(cx, dq, dk, dv, dkp, dvp, dout, out, lse, q, k, v, kp, vp, lay, NH, NKV); break;
+    PR_CU_HEAD_DIMS(PR_CU_CASE)
+#undef PR_CU_CASE
+    default: pr_cu_fail(cx, PR_ERR_UNSUPPORTED, "attention: head dim %d is not compiled in (16, 32, 64, 128)", HS);
+    }
+}
+
+/* ---------------------------------------------------------------- elementwise */
+/* h = silu(g) u;  dg += dh u s (1 + g (1 - s)),  du += dh silu(g),  s = sigmoid(g) */
+__global__ void pr_k_swiglu_fwd(bf16 *h, const bf16 *gate, const bf16 *up, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = __bfloat162float(gate[i]), s = 1.0f / (1.0f + __expf(-g));
+    h[i] = __float2bfloat16(g * s * __bfloat162float(up[i]));
+}
+__global__ void pr_k_swiglu_bwd(bf16 *dgate, bf16 *dup, const bf16 *dh, const bf16 *gate, const bf16 *up, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]), d = __bfloat162float(dh[i]);
+    float s = 1.0f / (1.0f + __expf(-g));
+    dgate[i] = __float2bfloat16(__bfloat162float(dgate[i]) + d * u * s * (1.0f + g * (1.0f - s)));
+    dup[i] = __float2bfloat16(__bfloat162float(dup[i]) + d * g * s);
+}
+__global__ void pr_k_add(bf16 *y, const bf16 *x, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(x[i]));
+}
+__global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const float *emb, int N, int C) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)N * C) return;
+    size_t r = i / C, c = i % C;
+    out[i] = __float2bfloat16(emb[(size_t)tok[r] * C + c]);
+}
+/* Block x: one distinct token; its rows (in row order) summed per column, then added once. */
+__global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int32_t *uniq, const int *start, const int *rows, int C) {
+    int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0;
+    for (int i = start[blockIdx.x]; i < start[blockIdx.x + 1]; i++) s += __bfloat162float(dout[(size_t)rows[i] * C + c]);
+    demb[(size_t)uniq[blockIdx.x] * C + c] += s;
+}
+__global__ void pr_k_gather_rows(bf16 *dst, const bf16 *src, const int *rows, int M, int C) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)M * C) return;
+    dst[i] = src[(size_t)rows[i / C] * C + i % C];
+}
+__global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *rows, int M, int C) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)M * C) return;
+    bf16 *d = dst + (size_t)rows[i / C] * C + i % C;
+    *d = __float2bfloat16(__bfloat162float(*d) + __bfloat162float(src[i]));
+}
+
+static void pr_cu_swiglu_fwd(const pr_backend *be, void *h, const void *gate, const void *up, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_swiglu_fwd<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
+    pr_cu_launched(cx, "swiglu_fwd");
+}
+static void pr_cu_swiglu_bwd(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate,
+                             const void *up, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_swiglu_bwd<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh,
+                                                                   (const bf16 *)gate, (const bf16 *)up, n);
+    pr_cu_launched(cx, "swiglu_bwd");
+}
+static void pr_cu_add(const pr_backend *be, void *y, const void *x, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_add<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)y, (const bf16 *)x, n);
+    pr_cu_launched(cx, "add");
+}
+static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (N <= 0) return;
+    const int32_t *dt = (const int32_t *)pr_cu_stage(cx, tokens, sizeof(int32_t) * (size_t)N);
+    if (!dt) return;
+    pr_k_embed_fwd<<<pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream>>>((bf16 *)out, dt, emb, N, C);
+    pr_cu_launched(cx, "embed_fwd");
+}
+/* Rows grouped by token (a stable counting order built on the host), so that each embedding row
+   has one writer that sums its rows in row order. */
+static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (N <= 0) return;
+    int *rows = (int *)malloc(sizeof(int) * (size_t)N), *start = (int *)malloc(sizeof(int) * (size_t)(N + 1));
+    int32_t *uniq = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
+    if (!rows || !start || !uniq) {
+        free(rows); free(start); free(uniq);
+        pr_cu_fail(cx, PR_ERR_NOMEM, "embedding backward: out of host memory");
+        return;
+    }
+    for (int i = 0; i < N; i++) rows[i] = i;
+    /* a bottom-up merge sort by token, stable, so each token's rows stay in row order */
+    for (int width = 1; width < N; width *= 2) {
+        int *tmp = start;          /* borrowed as the merge buffer; rebuilt below */
+        for (int lo = 0; lo < N; lo += 2 * width) {
+            int mid = lo + width < N ? lo + width : N, hi = lo + 2 * width < N ? lo + 2 * width : N;
+            int a = lo, b = mid, o = lo;
+            while (a < mid && b < hi) tmp[o++] = tokens[rows[b]] < tokens[rows[a]] ? rows[b++] : rows[a++];
+            while (a < mid) tmp[o++] = rows[a++];
+            while (b < hi) tmp[o++] = rows[b++];
+        }
+        memcpy(rows, tmp, sizeof(int) * (size_t)N);
+    }
+    int nu = 0;
+    for (int i = 0; i < N; i++)
+        if (i == 0 || tokens[rows[i]] != tokens[rows[i - 1]]) { uniq[nu] = tokens[rows[i]]; start[nu++] = i; }
+    start[nu] = N;
+    const int32_t *du = (const int32_t *)pr_cu_stage(cx, uniq, sizeof(int32_t) * (size_t)nu);
+    const int *ds = (const int *)pr_cu_stage(cx, start, sizeof(int) * (size_t)(nu + 1));
+    const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)N);
+    free(rows); free(start); free(uniq);
+    if (!du || !ds || !dr) return;
+    pr_k_embed_bwd<<<dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream>>>(demb, (const bf16 *)dout, du, ds, dr, C);
+    pr_cu_launched(cx, "embed_bwd");
+}
+static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (M <= 0) return;
+    const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
+    if (!dr) return;
+    pr_k_gather_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, M, C);
+    pr_cu_launched(cx, "gather_rows");
+}
+static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (M <= 0) return;
+    const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
+    if (!dr) return;
+    pr_k_scatter_add_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, M, C);
+    pr_cu_launched(cx, "scatter_add_rows");
+}
+
+/* ---------------------------------------------------------------- loss head */
+/* One block per row, over the vocabulary: lse = max + log sum exp(z - max), logp = z[target] - lse. */
+__global__ void pr_k_logprob(float *logp, float *lse_out, const bf16 *logits, const int32_t *target, int V) {
+    __shared__ float buf[32];
+    const bf16 *z = logits + (size_t)blockIdx.x * V;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, __bfloat162float(z[i]));
+    mx = pr_block_max(mx, buf);
+    float s = 0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s += __expf(__bfloat162float(z[i]) - mx);
+    s = pr_block_sum(s, buf);
+    if (threadIdx.x == 0) {
+        float lse = mx + logf(s);
+        lse_out[blockIdx.x] = lse;
+        logp[blockIdx.x] = __bfloat162float(z[target[blockIdx.x]]) - lse;
+    }
+}
+/* dlogits = c (onehot(target) - softmax), c = weight * dloss/dlogp (from the host) */
+__global__ void pr_k_dlogits(bf16 *logits, const float *lse, const float *coef, const int32_t *target, int V) {
+    bf16 *z = logits + (size_t)blockIdx.x * V;
+    const float L = lse[blockIdx.x], c = coef[blockIdx.x];
+    const int tg = target[blockIdx.x];
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        float g = -c * __expf(__bfloat162float(z[i]) - L) + (i == tg ? c : 0.0f);
+        z[i] = __float2bfloat16(g);
+    }
+}
+
+/* The log-probs come to the host, where the GRPO formula (one copy, in the header) gives each
+   row's loss and slope; the slopes go back for the gradient pass. */
+static void pr_cu_loss_head(const pr_backend *be, void *logits, const pr_head_rows *rows, const pr_loss_opts *opt,
+                            int V, pr_real *logp, double *loss) {
+    pr_cu *cx = pr_cu_of(be);
+    const int M = rows->M;
+    if (M <= 0) return;
+    if ((size_t)M > cx->logp_cap) {
+        cudaFreeHost(cx->logp_host);
+        cx->logp_host = NULL;
+        cx->logp_cap = 0;
+        if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->logp_host, sizeof(float) * (size_t)M * 2), "loss head buffer")) return;
+        cx->logp_cap = (size_t)M * 2;
+    }
+    const int32_t *dt = (const int32_t *)pr_cu_stage(cx, rows->target, sizeof(int32_t) * (size_t)M);
+    float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M * 2), *dlogp = dev, *dlse = dev ? dev + M : NULL;
+    if (!dt || !dev) return;
+    pr_k_logprob<<<(unsigned)M, 512, 0, cx->stream>>>(dlogp, dlse, (const bf16 *)logits, dt, V);
+    pr_cu_launched(cx, "logprob");
+    if (!pr_cu_ok(cx, cudaMemcpyAsync(cx->logp_host, dlogp, sizeof(float) * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "logp download") ||
+        !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "logp download"))
+        return;
+    float *coef = cx->logp_host + M;
+    double total = 0;
+    for (int m = 0; m < M; m++) {
+        double dl, lp = cx->logp_host[m];
+        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
+                                      rows->advantage[m], opt, &dl);
+        total += rows->weight[m] * l;
+        coef[m] = (float)(rows->weight[m] * dl);
+        logp[m] = (pr_real)lp;
+    }
+    *loss += total;
+    const float *dc = (const float *)pr_cu_stage(cx, coef, sizeof(float) * (size_t)M);
+    if (!dc) return;
+    pr_k_dlogits<<<(unsigned)M, 512, 0, cx->stream>>>((bf16 *)logits, dlse, dc, dt, V);
+    pr_cu_launched(cx, "dlogits");
+}
+
+/* ---------------------------------------------------------------- optimizer */
+#define PR_CU_REDUCE_BLOCKS 1024   /* fixed, so the summation tree (and the result) never changes */
+
+__global__ void pr_k_sum_squares(double *part, const float *x, size_t n) {
+    __shared__ double buf[32];
+    double s = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        s += (double)x[i] * x[i];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += buf[w];
+        part[blockIdx.x] = t;
+    }
+}
+__global__ void pr_k_sum_parts_double(double *out, const double *part, int n) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double s = 0;
+    for (int i = 0; i < n; i++) s += part[i];
+    *out = s;
+}
+__global__ void pr_k_scale(float *x, size_t n, float s) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+/* AdamW with decoupled weight decay and bias-corrected moments, the CPU formula in double. */
+__global__ void pr_k_adamw(float *p, const float *g, float *m, float *v, size_t n, double lr, double b1, double b2,
+                           double eps, double wd, double c1, double c2) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float mi = (float)(b1 * m[i] + (1 - b1) * g[i]);
+    float vi = (float)(b2 * v[i] + (1 - b2) * (double)g[i] * g[i]);
+    m[i] = mi;
+    v[i] = vi;
+    double mh = mi / c1, vh = vi / c2;
+    p[i] = (float)(p[i] - lr * (mh / (sqrt(vh) + eps) + wd * p[i]));
+}
+
+static double pr_cu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    double *part = (double *)pr_cu_scratch(cx, sizeof(double) * (PR_CU_REDUCE_BLOCKS + 1));
+    if (!part) return NAN;
+    pr_k_sum_squares<<<PR_CU_REDUCE_BLOCKS, 256, 0, cx->stream>>>(part, x, n);
+    pr_cu_launched(cx, "sum_squares");
+    pr_k_sum_parts_double<<<1, 32, 0, cx->stream>>>(part + PR_CU_REDUCE_BLOCKS, part, PR_CU_REDUCE_BLOCKS);
+    pr_cu_launched(cx, "sum_squares_total");
+    if (!pr_cu_ok(cx, cudaMemcpyAsync(cx->reduce_host, part + PR_CU_REDUCE_BLOCKS, sizeof(double),
+                                      cudaMemcpyDeviceToHost, cx->stream), "sum_squares download") ||
+        !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "sum_squares"))
+        return NAN;
+    return *cx->reduce_host;
+}
+static void pr_cu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_scale<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(x, n, (float)s);
+    pr_cu_launched(cx, "scale");
+}
+static void pr_cu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n,
+                        double lr, double b1, double b2, double eps, double wd, long step) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    double c1 = 1 - pow(b1, (double)step), c2 = 1 - pow(b2, (double)step);
+    pr_k_adamw<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(p, g, m, v, n, lr, b1, b2, eps, wd, c1, c2);
+    pr_cu_launched(cx, "adamw");
+}
+
+/* ---------------------------------------------------------------- checks, errors, construction */
+static pr_status pr_cu_check_config(const pr_backend *be, const pr_config *cfg, pr_error *err) {
+    (void)be;
+    int hs = cfg->head_dim;
+    if (hs == 16 || hs == 32 || hs == 64 || hs == 128) return PR_OK;
+    if (err) {
+        err->status = PR_ERR_UNSUPPORTED;
+        snprintf(err->message, sizeof err->message,
+                 "the CUDA backend's attention is compiled for head dims 16, 32, 64 and 128, not %d", hs);
+    }
+    return PR_ERR_UNSUPPORTED;
+}
+
+/* Drains the stream (so a fault of any earlier launch shows), then hands over the first failure. */
+static pr_status pr_cu_take_error(const pr_backend *be, pr_error *err) {
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "synchronize");
+    pr_status st = cx->failed;
+    if (st && err) {
+        err->status = st;
+        snprintf(err->message, sizeof err->message, "%s", cx->message);
+    }
+    cx->failed = PR_OK;
+    cx->message[0] = 0;
+    return st;
+}
+
+void pr_backend_cuda_destroy(const pr_backend *be) {
+    if (!be) return;
+    pr_cu *cx = pr_cu_of(be);
+    cudaSetDevice(cx->device);
+    if (cx->stream) cudaStreamSynchronize(cx->stream);
+    cudaFree(cx->workspace);
+    cudaFree(cx->params_bf16);
+    cudaFree(cx->scratch);
+    cudaFree(cx->stage_dev);
+    cudaFreeHost(cx->stage_host);
+    cudaFreeHost(cx->reduce_host);
+    cudaFreeHost(cx->logp_host);
+    if (cx->lt) cublasLtDestroy(cx->lt);
+    if (cx->stream) cudaStreamDestroy(cx->stream);
+    free(cx);
+}
+
+pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *err) {
+    if (!out) {
+        if (err) { err->status = PR_ERR_ARG; snprintf(err->message, sizeof err->message, "pr_backend_cuda_create: NULL argument"); }
+        return PR_ERR_ARG;
+    }
+    pr_cu *cx = (pr_cu *)calloc(1, sizeof *cx);
+    if (!cx) {
+        if (err) { err->status = PR_ERR_NOMEM; snprintf(err->message, sizeof err->message, "pr_backend_cuda_create: out of memory"); }
+        return PR_ERR_NOMEM;
+    }
+    cx->device = device;
+    cx->workspace_bytes = (size_t)32 << 20;
+    int n_dev = 0;
+    if (pr_cu_ok(cx, cudaGetDeviceCount(&n_dev), "device count") && (device < 0 || device >= n_dev))
+        pr_cu_fail(cx, PR_ERR_DEVICE, "CUDA device %d does not exist (%d found)", device, n_dev);
+    if (!cx->failed)
+        pr_cu_ok(cx, cudaSetDevice(device), "set device") &&
+        pr_cu_ok(cx, cudaStreamCreateWithFlags(&cx->stream, cudaStreamNonBlocking), "stream") &&
+        pr_lt_ok(cx, cublasLtCreate(&cx->lt), "handle") &&
+        pr_cu_ok(cx, cudaMalloc(&cx->workspace, cx->workspace_bytes), "workspace") &&
+        pr_cu_ok(cx, cudaMallocHost((void **)&cx->reduce_host, sizeof(double)), "pinned result");
+    if (cx->failed) {
+        pr_status st = cx->failed;
+        if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", cx->message); }
+        cx->be.ctx = cx;
+        pr_backend_cuda_destroy(&cx->be);
+        return st;
+    }
+    pr_backend *be = &cx->be;
+    be->name = "cuda";
+    be->act_bytes = sizeof(bf16);
+    be->stat_bytes = sizeof(float);
+    be->logit_chunk = (size_t)256 << 20;      /* 512 MiB of bf16 logits: 2k rows of a 128k vocabulary */
+    be->ctx = cx;
+    be->check_config = pr_cu_check_config;
+    be->prepare_weights = pr_cu_prepare_weights;
+    be->take_error = pr_cu_take_error;
+    be->alloc = pr_cu_alloc;
+    be->release = pr_cu_release;
+    be->zero = pr_cu_zero;
+    be->copy = pr_cu_copy;
+    be->upload_reals = pr_cu_upload;
+    be->download_reals = pr_cu_download;
+    be->sync = pr_cu_sync;
+    be->matmul_fwd = pr_cu_matmul_fwd;
+    be->matmul_bwd = pr_cu_matmul_bwd;
+    be->rmsnorm_fwd = pr_cu_rmsnorm_fwd;
+    be->rmsnorm_bwd = pr_cu_rmsnorm_bwd;
+    be->rope_fwd = pr_cu_rope_fwd;
+    be->rope_bwd = pr_cu_rope_bwd;
+    be->attention_fwd = pr_cu_attention_fwd;
+    be->attention_bwd = pr_cu_attention_bwd;
+    be->swiglu_fwd = pr_cu_swiglu_fwd;
+    be->swiglu_bwd = pr_cu_swiglu_bwd;
+    be->embed_fwd = pr_cu_embed_fwd;
+    be->embed_bwd = pr_cu_embed_bwd;
+    be->add = pr_cu_add;
+    be->gather_rows = pr_cu_gather_rows;
+    be->scatter_add_rows = pr_cu_scatter_add_rows;
+    be->loss_head = pr_cu_loss_head;
+    be->sum_squares = pr_cu_sum_squares;
+    be->scale = pr_cu_scale;
+    be->adamw = pr_cu_adamw;
+    *out = be;
+    return PR_OK;
+}

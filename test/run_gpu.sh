@@ -1,0 +1,21 @@
+#!/bin/sh
+# The GPU tests (make test-gpu), from the repository root:
+#   build/test_gpu      every CUDA kernel and the two-region attention against the double CPU
+#                       path, and bitwise reproducibility of the backward and of whole steps;
+#   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test);
+#   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
+#   relative (four bf16 spacings: the activations are rounded at every layer).
+# Last line: "N passed, N failed".
+. "$(dirname "$0")/tally.sh"
+run build/test_gpu
+for m in tiny tiny-qwen3; do
+    for lay in padded packed; do run ./train_cuda --config model/$m --check --microbatch 3 --layout $lay --kl-coef 0.04; done
+done
+tmp=$(mktemp -d)
+for m in tiny tiny-qwen3; do
+    run build/train-double --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-cpu.safetensors"
+    run ./train_cuda --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
+    run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
+done
+rm -rf "$tmp"
+report
