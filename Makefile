@@ -8,6 +8,7 @@
 #   make fuzz                the trace and safetensors/config parsers under libFuzzer (clang)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
+#   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
 
 CC      ?= cc
 CFLAGS  ?= -O2
@@ -37,7 +38,7 @@ endif
 ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
 HEADER = prefixreuse.h
 
-.PHONY: all test asan bench-gemm fuzz clean info cuda test-gpu sass FORCE
+.PHONY: all test asan bench-gemm bench-cuda fuzz clean info cuda test-gpu sass FORCE
 
 all: train
 
@@ -119,6 +120,13 @@ build/test_gpu: test/test_gpu.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_
 	$(NVCC) $(CUDA_ARCH) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
 build/compare_st: test/compare_st.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) -o $@ test/compare_st.c -lm
+
+CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC))))
+build/bench_cuda: bench/bench_cuda.c build/prefixreuse_cuda.o $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) -I$(CUDA_HOME)/include -c -o build/bench_cuda.o bench/bench_cuda.c
+	$(NVCC) $(CUDA_ARCH) -o $@ build/bench_cuda.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+bench-cuda: build/bench_cuda
+	./build/bench_cuda
 
 test-gpu: build/test_gpu train_cuda build/train-double build/compare_st
 	@sh test/run_gpu.sh

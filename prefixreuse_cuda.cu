@@ -110,27 +110,38 @@ static void *pr_cu_scratch(pr_cu *cx, size_t bytes) {
     return cx->scratch;
 }
 
-/* Copies a host array to the device in stream order and returns its device address. The ring is
-   pinned, so the copy is asynchronous; when it wraps, the stream is drained first so that no copy
-   still in flight reads a slot being refilled. */
-static const void *pr_cu_stage(pr_cu *cx, const void *host, size_t bytes) {
-    size_t need = (bytes + 255) / 256 * 256;
+/* Host arguments travel through a ring: pinned host memory, so the copy is asynchronous, and a
+   device twin the kernels read. An operation that stages several arrays reserves room for all of
+   them first: a wrap in the middle would let a later copy overwrite a slot an earlier array of the
+   same operation still needs. A wrap drains the stream, so no copy or kernel still reads the ring. */
+#define PR_CU_STAGE_ALIGN 256
+static size_t pr_cu_stage_size(size_t bytes) { return (bytes + PR_CU_STAGE_ALIGN - 1) / PR_CU_STAGE_ALIGN * PR_CU_STAGE_ALIGN; }
+
+static int pr_cu_stage_reserve(pr_cu *cx, size_t need) {
     if (need > cx->stage_cap) {
         cudaStreamSynchronize(cx->stream);
         cudaFreeHost(cx->stage_host);
         cudaFree(cx->stage_dev);
         cx->stage_host = cx->stage_dev = NULL;
         cx->stage_cap = cx->stage_used = 0;
-        size_t cap = need * 2;
+        size_t cap = need * 2 > ((size_t)16 << 20) ? need * 2 : ((size_t)16 << 20);
         if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->stage_host, cap), "staging ring (host)") ||
             !pr_cu_ok(cx, cudaMalloc((void **)&cx->stage_dev, cap), "staging ring (device)"))
-            return NULL;
+            return 0;
         cx->stage_cap = cap;
     }
     if (cx->stage_used + need > cx->stage_cap) {
         pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "staging ring wrap");
         cx->stage_used = 0;
     }
+    return 1;
+}
+
+/* Copies a host array into the ring (room reserved before, or reserved here) and returns its
+   device address, valid for the kernels of the current operation. */
+static const void *pr_cu_stage(pr_cu *cx, const void *host, size_t bytes) {
+    size_t need = pr_cu_stage_size(bytes);
+    if (cx->stage_used + need > cx->stage_cap && !pr_cu_stage_reserve(cx, need)) return NULL;
     char *h = cx->stage_host + cx->stage_used, *d = cx->stage_dev + cx->stage_used;
     memcpy(h, host, bytes);
     pr_cu_ok(cx, cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, cx->stream), "staging copy");
@@ -705,7 +716,9 @@ static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *
     free(tiles);
     if (!dt) return;
     size_t smem = pr_cu_att_smem(HS, 0);
-    cudaFuncSetAttribute(pr_k_attention_fwd<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_fwd<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "attention_fwd shared memory"))
+        return;
     pr_k_attention_fwd<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
@@ -729,6 +742,11 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, void
         kt[i] = x;
     }
     memcpy(kt + npt, qt, sizeof(pr_att_tile) * (size_t)nq);
+    if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nq) + pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nk))) {
+        free(qt);
+        free(kt);
+        return;
+    }
     const pr_att_tile *dqt = nq ? (const pr_att_tile *)pr_cu_stage(cx, qt, sizeof(pr_att_tile) * (size_t)nq) : NULL;
     const pr_att_tile *dkt = nk ? (const pr_att_tile *)pr_cu_stage(cx, kt, sizeof(pr_att_tile) * (size_t)nk) : NULL;
     free(qt);
@@ -739,13 +757,17 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, void
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem = pr_cu_att_smem(HS, 0);
-    cudaFuncSetAttribute(pr_k_attention_bwd_dq<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_bwd_dq<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "attention_bwd_dq shared memory"))
+        return;
     pr_k_attention_bwd_dq<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
         (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dq");
     smem = pr_cu_att_smem(HS, 1);
-    cudaFuncSetAttribute(pr_k_attention_bwd_dkv<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_bwd_dkv<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "attention_bwd_dkv shared memory"))
+        return;
     pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dk, (bf16 *)dv, (bf16 *)dkp, (bf16 *)dvp, (const bf16 *)dout, (const float *)lse, Dr,
         (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, N, NH, NKV);
@@ -882,9 +904,14 @@ static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dou
     for (int i = 0; i < N; i++)
         if (i == 0 || tokens[rows[i]] != tokens[rows[i - 1]]) { uniq[nu] = tokens[rows[i]]; start[nu++] = i; }
     start[nu] = N;
-    const int32_t *du = (const int32_t *)pr_cu_stage(cx, uniq, sizeof(int32_t) * (size_t)nu);
-    const int *ds = (const int *)pr_cu_stage(cx, start, sizeof(int) * (size_t)(nu + 1));
-    const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)N);
+    const int32_t *du = NULL;
+    const int *ds = NULL, *dr = NULL;
+    if (pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)nu) + pr_cu_stage_size(sizeof(int) * (size_t)(nu + 1)) +
+                                    pr_cu_stage_size(sizeof(int) * (size_t)N))) {
+        du = (const int32_t *)pr_cu_stage(cx, uniq, sizeof(int32_t) * (size_t)nu);
+        ds = (const int *)pr_cu_stage(cx, start, sizeof(int) * (size_t)(nu + 1));
+        dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)N);
+    }
     free(rows); free(start); free(uniq);
     if (!du || !ds || !dr) return;
     pr_k_embed_bwd<<<dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream>>>(demb, (const bf16 *)dout, du, ds, dr, C);
@@ -949,6 +976,8 @@ static void pr_cu_loss_head(const pr_backend *be, void *logits, const pr_head_ro
         if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->logp_host, sizeof(float) * (size_t)M * 2), "loss head buffer")) return;
         cx->logp_cap = (size_t)M * 2;
     }
+    /* the targets and, later, the slopes: both must survive until the gradient pass */
+    if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)M) + pr_cu_stage_size(sizeof(float) * (size_t)M))) return;
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, rows->target, sizeof(int32_t) * (size_t)M);
     float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M * 2), *dlogp = dev, *dlse = dev ? dev + M : NULL;
     if (!dt || !dev) return;
