@@ -479,14 +479,6 @@ static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *
    region seg0 = seg1 = -1. */
 typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
 
-/* The two key regions of a query tile, in order: region 0 the n_prefix shared rows (kp, vp),
-   region 1 the tile's own segment up to its last row (k, v; causal per row). All the block's
-   threads run every key, so that the shuffles see full warps; rows that do not see it skip it. */
-#define PR_ATT_REGION                                                                  \
-    const int count = region == 0 ? n_prefix : t.r1 - t.seg0;                          \
-    const int base = region == 0 ? 0 : t.seg0;                                          \
-    const bf16 *kb = region == 0 ? kp : k, *vb = region == 0 ? vp : v;
-
 __device__ __forceinline__ float pr_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     v += __shfl_xor_sync(0xffffffffu, v, 2);
@@ -500,6 +492,30 @@ __device__ void pr_att_load(float *dst, const bf16 *src, int r0, int n, size_t l
     for (int e = threadIdx.x; e < PR_ATT_ROWS * HS; e += blockDim.x) {
         int r = e / HS, d = e % HS;
         dst[e] = r < n ? __bfloat162float(src[(size_t)(r0 + r) * ld + col + d]) : 0.0f;
+    }
+}
+
+/* Walks the keys query row r of tile t sees, in a fixed order: region 0, the n_prefix shared rows
+   (kp, vp); region 1, the tile's own segment up to its last row (k, v), causal per row. Each
+   64-key tile of K and V is loaded into shared memory, then visit(k_row, v_row, visible) runs for
+   each of its keys on every thread of the block, so that shuffles inside visit see full warps;
+   visible is false for the keys this row does not see. */
+template <int HS, typename Visit>
+__device__ __forceinline__ void pr_att_walk_keys(float *ks, float *vs, const pr_att_tile &t, int r, bool valid,
+                                                 int n_prefix, const bf16 *k, const bf16 *v, const bf16 *kp,
+                                                 const bf16 *vp, size_t kvd, int hk, Visit visit) {
+    for (int region = 0; region < 2; region++) {
+        const int count = region == 0 ? n_prefix : t.r1 - t.seg0, base = region == 0 ? 0 : t.seg0;
+        const bf16 *kb = region == 0 ? kp : k, *vb = region == 0 ? vp : v;
+        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
+            const int jn = min(PR_ATT_ROWS, count - j0);
+            __syncthreads();
+            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
+            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
+            __syncthreads();
+            for (int jj = 0; jj < jn; jj++)
+                visit(ks + jj * HS, vs + jj * HS, valid && (region == 0 || j0 + jj <= r - t.seg0));
+        }
     }
 }
 
@@ -523,31 +539,21 @@ pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf
         acc[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int region = 0; region < 2; region++) {
-        PR_ATT_REGION
-        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
-            const int jn = min(PR_ATT_ROWS, count - j0);
-            __syncthreads();
-            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
-            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
-            __syncthreads();
-            for (int jj = 0; jj < jn; jj++) {
-                float s = 0;
-                for (int i = 0; i < D; i++) s += qr[i] * ks[jj * HS + part + 4 * i];
-                s = pr_quad_sum(s);
-                if (!valid || (region == 1 && j0 + jj > r - t.seg0)) continue;
-                if (s > m) {           /* a new maximum: rescale what was accumulated under the old one */
-                    float c = __expf(m - s);
-                    for (int i = 0; i < D; i++) acc[i] *= c;
-                    l *= c;
-                    m = s;
-                }
-                float p = __expf(s - m);
-                l += p;
-                for (int i = 0; i < D; i++) acc[i] += p * vs[jj * HS + part + 4 * i];
-            }
+    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+        float s = 0;
+        for (int i = 0; i < D; i++) s += qr[i] * kj[part + 4 * i];
+        s = pr_quad_sum(s);
+        if (!visible) return;
+        if (s > m) {                   /* a new maximum: rescale what was accumulated under the old one */
+            float c = __expf(m - s);
+            for (int i = 0; i < D; i++) acc[i] *= c;
+            l *= c;
+            m = s;
         }
-    }
+        float p = __expf(s - m);
+        l += p;
+        for (int i = 0; i < D; i++) acc[i] += p * vj[part + 4 * i];
+    });
     if (!valid) return;
     float inv = 1.0f / l;
     for (int i = 0; i < D; i++) out[(size_t)r * qd + (size_t)h * HS + part + 4 * i] = __float2bfloat16(acc[i] * inv);
@@ -589,28 +595,18 @@ pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float 
         g[i] = 0.0f;
     }
     const float L = valid ? lse[(size_t)r * NH + h] : 0.0f, Drow = valid ? Dr[(size_t)r * NH + h] : 0.0f;
-    for (int region = 0; region < 2; region++) {
-        PR_ATT_REGION
-        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
-            const int jn = min(PR_ATT_ROWS, count - j0);
-            __syncthreads();
-            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
-            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
-            __syncthreads();
-            for (int jj = 0; jj < jn; jj++) {
-                float s = 0, dp = 0;
-                for (int i = 0; i < D; i++) {
-                    s += qr[i] * ks[jj * HS + part + 4 * i];
-                    dp += dor[i] * vs[jj * HS + part + 4 * i];
-                }
-                s = pr_quad_sum(s);
-                dp = pr_quad_sum(dp);
-                if (!valid || (region == 1 && j0 + jj > r - t.seg0)) continue;
-                float ds = __expf(s - L) * (dp - Drow) * scale;
-                for (int i = 0; i < D; i++) g[i] += ds * ks[jj * HS + part + 4 * i];
-            }
+    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+        float s = 0, dp = 0;
+        for (int i = 0; i < D; i++) {
+            s += qr[i] * kj[part + 4 * i];
+            dp += dor[i] * vj[part + 4 * i];
         }
-    }
+        s = pr_quad_sum(s);
+        dp = pr_quad_sum(dp);
+        if (!visible) return;
+        float ds = __expf(s - L) * (dp - Drow) * scale;
+        for (int i = 0; i < D; i++) g[i] += ds * kj[part + 4 * i];
+    });
     if (!valid) return;
     for (int i = 0; i < D; i++) {
         size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;

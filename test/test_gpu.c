@@ -42,25 +42,22 @@ static double *copy_of(const double *x, size_t n) {
     return y;
 }
 
-/* Device buffers from host doubles and back. */
-static void *dev_bf16(const double *x, size_t n) {
-    uint16_t *h = malloc(2 * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) h[i] = to_bf16(x[i]);
-    void *d = be->alloc(be, 2 * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, 2 * n);
+/* Device buffers from host doubles (bf16 or fp32 on the device) and back. */
+static void *dev_copy(const double *x, size_t n, int bf16) {
+    size_t elem = bf16 ? 2 : 4;
+    char *h = malloc(elem * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) {
+        if (bf16) { uint16_t b = to_bf16(x[i]); memcpy(h + 2 * i, &b, 2); }
+        else { float f = (float)x[i]; memcpy(h + 4 * i, &f, 4); }
+    }
+    void *d = be->alloc(be, elem * (n ? n : 1), PR_TIER_DEVICE);
+    be->copy(be, d, h, elem * n);
     be->sync(be);
     free(h);
     return d;
 }
-static void *dev_f32(const double *x, size_t n) {
-    float *h = malloc(4 * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) h[i] = (float)x[i];
-    void *d = be->alloc(be, 4 * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, 4 * n);
-    be->sync(be);
-    free(h);
-    return d;
-}
+static void *dev_bf16(const double *x, size_t n) { return dev_copy(x, n, 1); }
+static void *dev_f32(const double *x, size_t n) { return dev_copy(x, n, 0); }
 /* An output buffer filled with NaN: every element the kernel forgets stays NaN and fails. */
 static void *dev_poison(size_t n, size_t elem) {
     void *h = malloc(elem * (n ? n : 1));
@@ -71,24 +68,21 @@ static void *dev_poison(size_t n, size_t elem) {
     free(h);
     return d;
 }
-static double *host_bf16(const void *d, size_t n) {
-    uint16_t *h = malloc(2 * (n ? n : 1));
-    be->copy(be, h, d, 2 * n);
+static double *host_copy(const void *d, size_t n, int bf16) {
+    size_t elem = bf16 ? 2 : 4;
+    char *h = malloc(elem * (n ? n : 1));
+    be->copy(be, h, d, elem * n);
     be->sync(be);
     double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = from_bf16(h[i]);
+    for (size_t i = 0; i < n; i++) {
+        if (bf16) { uint16_t b; memcpy(&b, h + 2 * i, 2); x[i] = from_bf16(b); }
+        else { float f; memcpy(&f, h + 4 * i, 4); x[i] = f; }
+    }
     free(h);
     return x;
 }
-static double *host_f32(const void *d, size_t n) {
-    float *h = malloc(4 * (n ? n : 1));
-    be->copy(be, h, d, 4 * n);
-    be->sync(be);
-    double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = h[i];
-    free(h);
-    return x;
-}
+static double *host_bf16(const void *d, size_t n) { return host_copy(d, n, 1); }
+static double *host_f32(const void *d, size_t n) { return host_copy(d, n, 0); }
 static void release(void *d) { be->release(be, d, PR_TIER_DEVICE); }
 
 /* ||a - b|| / ||b||, NaN when any element of a is NaN */
