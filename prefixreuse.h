@@ -3114,7 +3114,7 @@ typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd
    phase that runs many microbatches allocates once. Every byte handed out is counted in the
    trainer's live total, from which each phase's peak is read. */
 typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; } pr__chunk;
-typedef struct { pr__chunk *head, *cur; size_t used; } pr__arena;
+typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
 
 struct pr_trainer {
     pr_config cfg;
@@ -3130,6 +3130,7 @@ struct pr_trainer {
     long adam_step;
     pr__arena prefix_arena;                /* Phase A..C: prefix saved tensors, K/V cache, gK/gV */
     pr__arena step_arena;                  /* one microbatch (Phase B, baseline) or one backward's scratch */
+    pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
     size_t live_bytes, phase_peak[3];
     int phase;
     int alloc_failed;
@@ -3276,20 +3277,19 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     return PR_OK;
 }
 
-static void pr__arena_free(pr_trainer *tr, pr__arena *a) {
-    for (pr__chunk *c = a->head, *n; c; c = n) {
+static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
+    for (pr__chunk *n; c; c = n) {
         n = c->next;
         tr->be->release(tr->be, c->mem, PR_TIER_DEVICE);
         PR_FREE(c);
     }
-    a->head = a->cur = NULL;
-    a->used = 0;
 }
 
 PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (!tr) return;
-    pr__arena_free(tr, &tr->prefix_arena);
-    pr__arena_free(tr, &tr->step_arena);
+    pr__chunks_free(tr, tr->prefix_arena.head);
+    pr__chunks_free(tr, tr->step_arena.head);
+    pr__chunks_free(tr, tr->spare);
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
@@ -3368,23 +3368,31 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
         return NULL;
     }
     bytes = (bytes + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
-    pr__chunk *c = a->cur;
-    while (c && c->cap - c->used < bytes) c = c->next;   /* chunks after cur are empty since the reset */
-    if (!c) {
-        c = PR_MALLOC(sizeof *c);
-        size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
-        char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
-        if (!mem) {
-            PR_FREE(c);
-            tr->alloc_failed = 1;
-            return NULL;
+    pr__chunk *c = a->tail;
+    if (!c || c->cap - c->used < bytes) {
+        pr__chunk **spare = &tr->spare;      /* the first spare chunk that fits, else a new one */
+        while (*spare && (*spare)->cap < bytes) spare = &(*spare)->next;
+        if (*spare) {
+            c = *spare;
+            *spare = c->next;
+        } else {
+            c = PR_MALLOC(sizeof *c);
+            size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
+            char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
+            if (!mem) {
+                PR_FREE(c);
+                tr->alloc_failed = 1;
+                return NULL;
+            }
+            c->mem = mem;
+            c->cap = cap;
         }
-        c->mem = mem; c->cap = cap; c->used = 0; c->next = NULL;
-        pr__chunk **end = &a->head;
-        while (*end) end = &(*end)->next;
-        *end = c;
+        c->used = 0;
+        c->next = NULL;
+        if (a->tail) a->tail->next = c;
+        else a->head = c;
+        a->tail = c;
     }
-    a->cur = c;
     void *p = c->mem + c->used;
     c->used += bytes;
     a->used += bytes;
@@ -3396,10 +3404,13 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
 static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
 static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
 
-/* Everything in the arena is dead; its chunks stay for the next user. */
+/* Everything in the arena is dead; its chunks go back to the spares, for any arena to reuse. */
 static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
-    for (pr__chunk *c = a->head; c; c = c->next) c->used = 0;
-    a->cur = a->head;
+    if (a->tail) {
+        a->tail->next = tr->spare;
+        tr->spare = a->head;
+    }
+    a->head = a->tail = NULL;
     tr->live_bytes -= a->used;
     a->used = 0;
 }
