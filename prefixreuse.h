@@ -3446,31 +3446,62 @@ typedef struct {
 /* Scratch for one backward, shared by every layer of it. */
 typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup; } pr__bwd_scratch;
 
-static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, pr_error *err) {
+/* The next `count` elements of `elem` bytes in a block being laid out from `base` (NULL: sizes only). */
+static void *pr__carve(char *base, size_t *off, size_t count, size_t elem) {
+    void *p = base ? base + *off : NULL;
+    *off += (count * elem + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
+    return p;
+}
+
+/* Lays out one layer's saved tensors for n rows, all but its K and V, in one block at base: the
+   layer's input (the residual stream entering it) and everything its backward reads besides K/V.
+   A block moves between memory tiers as a unit (the prefix's dormant state). Returns its bytes;
+   base NULL only measures. */
+static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__layer_acts *x, void **res_in) {
     const pr_config *c = &tr->cfg;
-    size_t n = (size_t)N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
-    size_t qd = NH * c->head_dim, NKV = c->num_key_value_heads, kvd = NKV * c->head_dim;
-    int L = c->num_hidden_layers;
+    const size_t C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads, NKV = c->num_key_value_heads;
+    const size_t qd = NH * c->head_dim, kvd = NKV * c->head_dim, A = tr->be->act_bytes, S = tr->be->stat_bytes;
+    pr__layer_acts t;
+    if (!x) x = &t;
+    size_t off = 0;
+    void *in = pr__carve(base, &off, n * C, A);
+    if (res_in) *res_in = in;
+    x->ln1 = pr__carve(base, &off, n * C, A); x->ln1_rstd = pr__carve(base, &off, n, S);
+    if (c->qk_norm) {
+        x->q_pre = pr__carve(base, &off, n * qd, A); x->k_pre = pr__carve(base, &off, n * kvd, A);
+        x->q_rstd = pr__carve(base, &off, n * NH, S); x->k_rstd = pr__carve(base, &off, n * NKV, S);
+    } else {
+        x->q_pre = x->k_pre = x->q_rstd = x->k_rstd = NULL;
+    }
+    x->q = pr__carve(base, &off, n * qd, A);
+    x->att = pr__carve(base, &off, n * qd, A); x->lse = pr__carve(base, &off, n * NH, S);
+    x->x_mid = pr__carve(base, &off, n * C, A);
+    x->ln2 = pr__carve(base, &off, n * C, A); x->ln2_rstd = pr__carve(base, &off, n, S);
+    x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
+    return off;
+}
+
+/* A pass of N rows: every layer's block (unless `blocks` is 0: the offloading prefix pass places
+   them itself), every layer's K and V, and the final residual res[L]. */
+static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const int L = c->num_hidden_layers;
     ps->N = N;
     ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
     ps->res = PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
     if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
-    ps->res[0] = pr__act(tr, a, n * C);
+    memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
+    memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
+    const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
     for (int l = 0; l < L; l++) {
         pr__layer_acts *x = &ps->acts[l];
-        memset(x, 0, sizeof *x);
-        x->ln1 = pr__act(tr, a, n * C); x->ln1_rstd = pr__stat(tr, a, n);
-        if (c->qk_norm) {
-            x->q_pre = pr__act(tr, a, n * qd); x->k_pre = pr__act(tr, a, n * kvd);
-            x->q_rstd = pr__stat(tr, a, n * NH); x->k_rstd = pr__stat(tr, a, n * NKV);
-        }
-        x->q = pr__act(tr, a, n * qd); x->k = pr__act(tr, a, n * kvd); x->v = pr__act(tr, a, n * kvd);
-        x->att = pr__act(tr, a, n * qd); x->lse = pr__stat(tr, a, n * NH);
-        x->x_mid = pr__act(tr, a, n * C);
-        x->ln2 = pr__act(tr, a, n * C); x->ln2_rstd = pr__stat(tr, a, n);
-        x->gate = pr__act(tr, a, n * F); x->up = pr__act(tr, a, n * F); x->h = pr__act(tr, a, n * F);
-        ps->res[l + 1] = pr__act(tr, a, n * C);
+        char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
+        if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
+        x->k = pr__act(tr, a, n * kvd);
+        x->v = pr__act(tr, a, n * kvd);
     }
+    ps->res[L] = pr__act(tr, a, n * c->hidden_size);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
     return PR_OK;
 }
@@ -3766,7 +3797,7 @@ static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__
     memset(&p, 0, sizeof p);
     p.lay = b->lay;
     p.tokens = b->tokens;
-    pr_status st = pr__pass_alloc(tr, &tr->step_arena, &p, b->N, err);
+    pr_status st = pr__pass_alloc(tr, &tr->step_arena, &p, b->N, 1, err);
     if (!st) st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, b->N, err);
     if (!st) {
         be->embed_fwd(be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, C);
@@ -3812,7 +3843,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
     ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, err);
+    st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, 1, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
         ps->gk[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
