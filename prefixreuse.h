@@ -282,6 +282,9 @@ struct pr_backend {
     /* Optional. Kernels return nothing, so a backend keeps its first failure (a failed launch, a
        device fault) and hands it over here; the trainer asks after every step. */
     pr_status (*take_error)(const pr_backend *be, pr_error *err);
+    /* Optional. Bytes the device could still allocate: offload issues a prefetch only when this
+       keeps a safety margin (NULL: only the step's own budget decides). */
+    size_t (*device_free)(const pr_backend *be);
     /* memory */
     void *(*alloc)(const pr_backend *be, size_t bytes, pr_tier tier);
     void (*release)(const pr_backend *be, void *p, pr_tier tier);
@@ -333,6 +336,13 @@ struct pr_backend {
 /* The CPU backend: pr_real everywhere, OpenMP when compiled with it. */
 PRDEF const pr_backend *pr_backend_cpu(void);
 
+/* A backend that sizes without computing, for memory planning: it takes the element sizes and
+   logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
+   nothing may read, and every kernel returns at once (log-probs come back as 0). The trainer's
+   memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
+   at any model size, in milliseconds. Fills *storage and returns it. */
+PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
+
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
    in prefixreuse_cuda.cu: link that file to use it (float build only). One backend drives one device
    on one stream; destroy it after every trainer that uses it. */
@@ -365,19 +375,48 @@ typedef struct {
 typedef enum { PR_SCHEDULE_BASELINE = 0, PR_SCHEDULE_REUSE = 1 } pr_schedule;
 typedef enum { PR_LAYOUT_PADDED = 0, PR_LAYOUT_PACKED = 1 } pr_layout;
 
+/* Offload of the prefix's dormant state (reuse schedule only). A layer's saved tensors other than
+   its K/V (its "block": norm inputs and statistics, projection inputs, attention output and
+   softmax statistics, MLP intermediates, the layer's input) are needed by Phase C and by nothing
+   in Phase B. With offload on, each block moves to the HOST tier right after its layer's Phase-A
+   forward and returns before its Phase-C backward (prefetched one layer ahead when the budget
+   allows, loaded at its use when not), so Phase B holds only the K/V cache and gK/gV of the
+   prefix. Results are bitwise the same with offload on or off. */
+typedef struct {
+    int enabled;
+    size_t pool_bytes;       /* host staging pool; 0: sized at first use to the dormant footprint + 1/16.
+                                Blocks that do not fit get their own host allocation (counted) */
+    size_t device_budget;    /* a prefetch is issued only if live device bytes plus one block stay within
+                                this (0: no limit) and the backend's free memory keeps its margin */
+} pr_offload_opts;
+
+typedef struct {
+    size_t dormant_bytes;    /* the prefix's dormant footprint, all layers (reported with offload off too) */
+    size_t block_bytes;      /* one layer's share */
+    size_t pool_bytes;       /* the host pool's capacity */
+    size_t offloaded_bytes, loaded_bytes;
+    size_t host_peak_bytes;  /* pool plus any fallback allocations */
+    int prefetches;          /* blocks loaded one layer ahead of their backward */
+    int demand_loads;        /* blocks loaded at their use: the first, and every refused prefetch */
+    int prefetches_refused;  /* by the device budget */
+    int pool_fallbacks;      /* blocks the pool had no room for */
+} pr_offload_stats;
+
 typedef struct {
     pr_schedule schedule;
     int microbatch;          /* trajectories per microbatch; 0 = all G in one */
     pr_layout layout;        /* Phase B layout (the baseline always pads) */
     pr_loss_opts loss;
     pr_hooks hooks;
+    pr_offload_opts offload;
 } pr_step_opts;
 
 enum { PR_PHASE_A = 0, PR_PHASE_B = 1, PR_PHASE_C = 2 };
 typedef struct {
     double loss;
     double seconds[3];       /* wall time of Phase A, B, C (the baseline reports all of it as B) */
-    size_t peak_bytes[3];    /* peak activation bytes live during each phase */
+    size_t peak_bytes[3];    /* peak activation bytes live (device tier) during each phase */
+    pr_offload_stats offload;
     long rows;               /* token rows run through the model (padding included) */
     long loss_tokens;        /* tokens with a nonzero loss weight */
     int microbatches;
@@ -3087,6 +3126,8 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
     }
 }
 
+#define PR__MEASURE_ADDRESS 4096   /* the measuring backend's placeholder: aligned, never dereferenced */
+
 static const pr_backend pr__cpu_backend = {
     .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
     .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
@@ -3103,6 +3144,97 @@ static const pr_backend pr__cpu_backend = {
 };
 
 PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
+
+/* ---- the measuring backend: the same allocation calls, no memory, no arithmetic */
+static void *pr__measure_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
+    (void)be; (void)bytes; (void)tier;
+    return (void *)(uintptr_t)PR__MEASURE_ADDRESS;
+}
+static void pr__measure_release(const pr_backend *be, void *p, pr_tier tier) { (void)be; (void)p; (void)tier; }
+static void pr__measure_bytes(const pr_backend *be, void *p, size_t bytes) { (void)be; (void)p; (void)bytes; }
+static void pr__measure_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) { (void)be; (void)dst; (void)src; (void)bytes; }
+static void pr__measure_reals(const pr_backend *be, pr_real *dst, const pr_real *src, size_t n) { (void)be; (void)dst; (void)src; (void)n; }
+static void pr__measure_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) {
+    (void)be; (void)src;
+    memset(host, 0, n * sizeof(pr_real));
+}
+static void pr__measure_sync(const pr_backend *be) { (void)be; }
+static void pr__measure_matmul_fwd(const pr_backend *be, void *o, const void *i, const pr_real *w, int N, int C, int OC) {
+    (void)be; (void)o; (void)i; (void)w; (void)N; (void)C; (void)OC;
+}
+static void pr__measure_matmul_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+                                   int N, int C, int OC) {
+    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)N; (void)C; (void)OC;
+}
+static void pr__measure_rmsnorm_fwd(const pr_backend *be, void *o, void *r, const void *i, const pr_real *w, int N, int C, double e) {
+    (void)be; (void)o; (void)r; (void)i; (void)w; (void)N; (void)C; (void)e;
+}
+static void pr__measure_rmsnorm_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+                                    const void *r, int N, int C) {
+    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)r; (void)N; (void)C;
+}
+static void pr__measure_rope(const pr_backend *be, void *x, const pr_seq_layout *l, int h, int HS, const pr_real *f) {
+    (void)be; (void)x; (void)l; (void)h; (void)HS; (void)f;
+}
+static void pr__measure_attention_fwd(const pr_backend *be, void *o, void *lse, const void *q, const void *k, const void *v,
+                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
+    (void)be; (void)o; (void)lse; (void)q; (void)k; (void)v; (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
+}
+static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, void *dkp, void *dvp, const void *d,
+                                      const void *o, const void *lse, const void *q, const void *k, const void *v,
+                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
+    (void)be; (void)dq; (void)dk; (void)dv; (void)dkp; (void)dvp; (void)d; (void)o; (void)lse; (void)q; (void)k; (void)v;
+    (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
+}
+static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *g, const void *u, size_t n) {
+    (void)be; (void)h; (void)g; (void)u; (void)n;
+}
+static void pr__measure_swiglu_bwd(const pr_backend *be, void *dg, void *du, const void *dh, const void *g, const void *u, size_t n) {
+    (void)be; (void)dg; (void)du; (void)dh; (void)g; (void)u; (void)n;
+}
+static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const pr_real *e, int N, int C) {
+    (void)be; (void)o; (void)t; (void)e; (void)N; (void)C;
+}
+static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void *d, const int32_t *t, int N, int C) {
+    (void)be; (void)de; (void)d; (void)t; (void)N; (void)C;
+}
+static void pr__measure_add(const pr_backend *be, void *y, const void *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
+static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+    (void)be; (void)dst; (void)src; (void)rows; (void)M; (void)C;
+}
+static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_rows *rows, const pr_loss_opts *o, int V,
+                                  pr_real *logp, double *loss) {
+    (void)be; (void)z; (void)o; (void)V; (void)loss;
+    memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
+}
+static double pr__measure_sum_squares(const pr_backend *be, const pr_real *x, size_t n) { (void)be; (void)x; (void)n; return 0; }
+static void pr__measure_scale(const pr_backend *be, pr_real *x, size_t n, double s) { (void)be; (void)x; (void)n; (void)s; }
+static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n, double lr,
+                              double b1, double b2, double eps, double wd, long step) {
+    (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)b1; (void)b2; (void)eps; (void)wd; (void)step;
+}
+
+PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {
+    memset(be, 0, sizeof *be);
+    be->name = "measure";
+    be->act_bytes = like->act_bytes;
+    be->stat_bytes = like->stat_bytes;
+    be->logit_chunk = like->logit_chunk;
+    be->check_config = like->check_config;
+    be->alloc = pr__measure_alloc; be->release = pr__measure_release; be->zero = pr__measure_bytes;
+    be->copy = pr__measure_copy; be->upload_reals = pr__measure_reals; be->download_reals = pr__measure_download;
+    be->sync = pr__measure_sync;
+    be->matmul_fwd = pr__measure_matmul_fwd; be->matmul_bwd = pr__measure_matmul_bwd;
+    be->rmsnorm_fwd = pr__measure_rmsnorm_fwd; be->rmsnorm_bwd = pr__measure_rmsnorm_bwd;
+    be->rope_fwd = pr__measure_rope; be->rope_bwd = pr__measure_rope;
+    be->attention_fwd = pr__measure_attention_fwd; be->attention_bwd = pr__measure_attention_bwd;
+    be->swiglu_fwd = pr__measure_swiglu_fwd; be->swiglu_bwd = pr__measure_swiglu_bwd;
+    be->embed_fwd = pr__measure_embed_fwd; be->embed_bwd = pr__measure_embed_bwd;
+    be->add = pr__measure_add; be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
+    be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
+    be->adamw = pr__measure_adamw;
+    return be;
+}
 
 /* ---------------------------------------------------------------- trainer: layout of the parameters */
 /* Offsets (in reals) of one layer's tensors in the parameter arena; the gradient, AdamW-moment
@@ -3131,7 +3263,11 @@ struct pr_trainer {
     pr__arena prefix_arena;                /* Phase A..C: prefix saved tensors, K/V cache, gK/gV */
     pr__arena step_arena;                  /* one microbatch (Phase B, baseline) or one backward's scratch */
     pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
-    size_t live_bytes, phase_peak[3];
+    size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
+    void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
+    size_t pool_cap;
+    char *slot[2];                         /* device slots a dormant block is computed or loaded into */
+    size_t slot_cap[2];
     int phase;
     int alloc_failed;
 };
@@ -3290,6 +3426,8 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     pr__chunks_free(tr, tr->prefix_arena.head);
     pr__chunks_free(tr, tr->step_arena.head);
     pr__chunks_free(tr, tr->spare);
+    if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
+    for (int i = 0; i < 2; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
@@ -3766,13 +3904,153 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
 }
 
 /* ---------------------------------------------------------------- trainer: the schedules */
+/* The offload of one step's prefix blocks (see pr_offload_opts). */
+typedef struct {
+    int on;
+    size_t block;             /* bytes of one layer's block */
+    void **host;              /* (L) where each block rests between its Phase-A forward and Phase-C backward */
+    unsigned char *own;       /* (L) 1: a host allocation of its own, the pool being full */
+    size_t pool_used, own_live;
+    int slot_layer[2];        /* the layer each device slot holds, -1 free */
+    pr_offload_stats st;
+} pr__offload;
+
 /* State that lives from Phase A to Phase C. */
 typedef struct {
     pr__batch batch;          /* the prefix as one segment, with the first-suffix-token loss rows */
     pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are layer l's K/V cache */
     void **gk, **gv;          /* (L) accumulated prefix dK/dV, (P, NKV*HS) each */
     void *dk_mb, *dv_mb;      /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
+    pr__offload off;
 } pr__prefix_state;
+
+/* ---- offload: device slots, the host pool, moves between them */
+#define PR__DEVICE_MARGIN ((size_t)256 << 20)   /* free device memory a prefetch must leave */
+
+static void pr__live_add(pr_trainer *tr, size_t bytes) {
+    tr->live_bytes += bytes;
+    if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
+}
+static int pr__slot_of(const pr__offload *o, int layer) {
+    return o->slot_layer[0] == layer ? 0 : o->slot_layer[1] == layer ? 1 : -1;
+}
+static int pr__slot_free(const pr__offload *o) { return o->slot_layer[0] < 0 ? 0 : o->slot_layer[1] < 0 ? 1 : -1; }
+
+/* Puts layer's block in a free device slot (kept across steps, counted live while held) and points
+   the pass's tensors of that layer into it. */
+static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err) {
+    int s = pr__slot_free(o);
+    if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
+    if (tr->slot_cap[s] < o->block) {
+        if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
+        tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
+        tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
+        if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
+    }
+    o->slot_layer[s] = layer;
+    pr__live_add(tr, o->block);
+    pr__layer_block(tr, tr->slot[s], (size_t)ps->N, &ps->acts[layer], &ps->res[layer]);
+    return PR_OK;
+}
+static void pr__slot_give(pr_trainer *tr, pr__offload *o, int layer) {
+    int s = pr__slot_of(o, layer);
+    if (s < 0) return;
+    o->slot_layer[s] = -1;
+    tr->live_bytes -= o->block;
+}
+
+/* Phase A, after layer l's forward: its block goes to the pool (or, when full, to a host
+   allocation of its own) and its slot is free for layer l+2. */
+static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_error *err) {
+    const pr_backend *be = tr->be;
+    if (o->pool_used + o->block <= tr->pool_cap) {
+        o->host[l] = (char *)tr->pool + o->pool_used;
+        o->pool_used += o->block;
+    } else {
+        o->host[l] = be->alloc(be, o->block, PR_TIER_HOST);
+        if (!o->host[l]) return pr__fail(err, PR_ERR_NOMEM, "out of host memory to offload a %zu-byte block", o->block);
+        o->own[l] = 1;
+        o->own_live += o->block;
+        o->st.pool_fallbacks++;
+        if (tr->pool_cap + o->own_live > o->st.host_peak_bytes) o->st.host_peak_bytes = tr->pool_cap + o->own_live;
+    }
+    be->copy(be, o->host[l], tr->slot[pr__slot_of(o, l)], o->block);
+    o->st.offloaded_bytes += o->block;
+    pr__slot_give(tr, o, l);
+    return PR_OK;
+}
+
+/* Phase C: layer l's block back into a device slot. */
+static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err) {
+    pr_status st = pr__slot_take(tr, o, ps, l, err);
+    if (st) return st;
+    tr->be->copy(tr->be, tr->slot[pr__slot_of(o, l)], o->host[l], o->block);
+    o->st.loaded_bytes += o->block;
+    return PR_OK;
+}
+
+/* Prefetches layer l's block when a slot is free and the budget allows; counts a refusal. */
+static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err) {
+    const pr_backend *be = tr->be;
+    if (l < 0 || pr__slot_of(o, l) >= 0 || pr__slot_free(o) < 0) return PR_OK;
+    int fits = (!budget || tr->live_bytes + o->block <= budget) &&
+               (!be->device_free || be->device_free(be) >= o->block + PR__DEVICE_MARGIN);
+    if (!fits) {
+        o->st.prefetches_refused++;
+        return PR_OK;
+    }
+    o->st.prefetches++;
+    return pr__load_block(tr, o, ps, l, err);
+}
+
+/* Phase C, after layer l's backward: its slot and host space are done with. */
+static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
+    pr__slot_give(tr, o, l);
+    if (o->own[l]) {
+        tr->be->release(tr->be, o->host[l], PR_TIER_HOST);
+        o->own[l] = 0;
+        o->own_live -= o->block;
+    }
+    o->host[l] = NULL;
+}
+
+/* Sets up a step's offload: the block size, the host pool (created or resized to the request) and
+   the bookkeeping. With offload off only the footprint is recorded, for the stats. */
+static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err) {
+    const int L = tr->cfg.num_hidden_layers;
+    memset(o, 0, sizeof *o);
+    o->slot_layer[0] = o->slot_layer[1] = -1;
+    o->block = pr__layer_block(tr, NULL, (size_t)P, NULL, NULL);
+    o->st.block_bytes = o->block;
+    o->st.dormant_bytes = o->block * (size_t)L;
+    if (!opt->enabled) return PR_OK;
+    o->on = 1;
+    o->host = PR_MALLOC(sizeof(void *) * (size_t)L);
+    o->own = PR_MALLOC((size_t)L);
+    if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(o->host, 0, sizeof(void *) * (size_t)L);
+    memset(o->own, 0, (size_t)L);
+    size_t want = opt->pool_bytes ? opt->pool_bytes : o->st.dormant_bytes + o->st.dormant_bytes / 16;
+    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < o->st.dormant_bytes;
+    if (resize) {
+        if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
+        tr->pool = tr->be->alloc(tr->be, want, PR_TIER_HOST);
+        tr->pool_cap = tr->pool ? want : 0;       /* no pool: every block falls back, still correct */
+    }
+    o->st.pool_bytes = tr->pool_cap;
+    o->st.host_peak_bytes = tr->pool_cap;
+    return PR_OK;
+}
+
+/* Releases whatever an interrupted step still holds, then the bookkeeping. */
+static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
+    if (o->on)
+        for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
+    PR_FREE(o->host);
+    PR_FREE(o->own);
+    o->host = NULL;
+    o->own = NULL;
+}
 
 typedef struct {
     const pr_group *g;
@@ -3843,7 +4121,10 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
     ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, 1, err);
+    pr__offload *o = &ps->off;
+    st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
+    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, !o->on, err);
+    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
         ps->gk[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
@@ -3854,10 +4135,12 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
     be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
     for (int l = 0; l < L; l++) {
+        if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
         if (h->on_kv_capture) h->on_kv_capture(h->user, l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
         pr__zero_acts(tr, ps->gk[l], (size_t)P * kvd);
         pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
+        if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     cx->rows += P;
     return PR_OK;
@@ -3884,15 +4167,26 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, P = cx->g->P, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
     const pr_hooks *h = &cx->opt->hooks;
+    const size_t budget = cx->opt->offload.device_budget;
+    pr__offload *o = &ps->off;
     pr__bwd_scratch s;
     pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
+    if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
     st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
     if (st) return st;
     for (int l = L - 1; l >= 0; l--) {
+        if (o->on) {
+            if (pr__slot_of(o, l) < 0) {
+                o->st.demand_loads++;
+                if ((st = pr__load_block(tr, o, &ps->pass, l, err))) return st;
+            }
+            if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
+        }
         if (h->on_kv_inject) h->on_kv_inject(h->user, l, ps->gk[l], ps->gv[l], P, kvd);
         pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL);
+        if (o->on) pr__block_done(tr, o, l);
     }
     be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
     return PR_OK;
@@ -3912,6 +4206,8 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (o->layout != PR_LAYOUT_PADDED && o->layout != PR_LAYOUT_PACKED)
         return pr__fail(err, PR_ERR_ARG, "unknown layout %d", (int)o->layout);
     if (o->microbatch < 0) return pr__fail(err, PR_ERR_ARG, "microbatch must be >= 1 (or 0 for the whole group), got %d", o->microbatch);
+    if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
+        return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
     if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
         return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
@@ -3992,6 +4288,8 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         be->sync(be);
         double t3 = pr__now();
         s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
+        s.offload = ps.off.st;
+        pr__offload_end(tr, &ps.off);
         pr__pass_free_host(&ps.pass);
         pr__batch_free(&ps.batch);
         PR_FREE(ps.gk);

@@ -23,7 +23,8 @@ typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
     pr_step_opts step;
     pr_adamw_opts adam;
-    int steps, check, bench, save_bf16, config_given;
+    int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
+    double bench_budget_mib;
     uint64_t seed;
     int bench_total, bench_reps, layers;
     int bench_groups[8], n_bench_groups;
@@ -47,6 +48,10 @@ static void usage(FILE *f) {
         "  --schedule S           baseline | reuse (default reuse)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
         "  --layout L             padded | packed: the reuse schedule's Phase-B layout (default padded)\n"
+        "  --offload on|off       move the prefix's dormant saved tensors to pinned host memory between\n"
+        "                         Phase A and Phase C (reuse schedule; default off)\n"
+        "  --offload-pool MIB     host staging pool size; default: the dormant footprint + 1/16\n"
+        "  --device-budget MIB    prefetch a block only while live device memory stays within this (default: no limit)\n"
         "loss and optimizer\n"
         "  --eps-low X            clip range below 1 (default 0.2)\n"
         "  --eps-high X           clip range above 1 (default 0.28)\n"
@@ -64,9 +69,13 @@ static void usage(FILE *f) {
         "  --check                from the same weights and each group of the trace, run both schedules\n"
         "                         and one AdamW step; compare gradients and updated parameters with\n"
         "                         |a-b| <= atol + rtol*|b|; exit 0 only on PASS\n"
-        "  --bench                time baseline and reuse side by side over prefix/suffix splits and\n"
-        "                         group sizes at a fixed total length, against the FLOP-count bound\n"
-        "                         (the GEMM micro-benchmark is `make bench-gemm`)\n"
+        "  --bench [KIND]         speed (default): baseline and reuse timed side by side over prefix/suffix\n"
+        "                         splits and group sizes at a fixed total length, against the FLOP-count bound\n"
+        "                         (the GEMM micro-benchmark is `make bench-gemm`);\n"
+        "                         memory: per-phase peak device memory of baseline, reuse and reuse+offload\n"
+        "                         at the same splits; capacity: under --bench-budget, the longest total length\n"
+        "                         each schedule can train (shapes only: nothing is computed)\n"
+        "  --bench-budget MIB     device memory for --bench capacity, parameters and optimizer state included (default 64)\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8)\n"
@@ -116,6 +125,7 @@ static int parse_args(int argc, char **argv, options *o) {
     o->bench_groups[1] = 8;
     o->n_bench_groups = 2;
     o->peak_tflops = PEAK_DEFAULT;
+    o->bench_budget_mib = 64;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -124,7 +134,13 @@ static int parse_args(int argc, char **argv, options *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--check")) { o->check = 1; takes = 0; }
         else if (!strcmp(a, "--save-bf16")) { o->save_bf16 = 1; takes = 0; }
-        else if (!strcmp(a, "--bench")) { o->bench = 1; takes = 0; }
+        else if (!strcmp(a, "--bench")) {
+            o->bench = 1;
+            takes = 0;
+            if (v && !strcmp(v, "speed")) takes = 1;
+            else if (v && !strcmp(v, "memory")) { o->bench = 2; takes = 1; }
+            else if (v && !strcmp(v, "capacity")) { o->bench = 3; takes = 1; }
+        }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         else if (!strcmp(a, "--config")) { o->config = v; o->config_given = 1; }
         else if (!strcmp(a, "--trace")) o->trace = v;
@@ -137,6 +153,14 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
+        else if (!strcmp(a, "--offload")) {
+            if (!strcmp(v, "on")) o->step.offload.enabled = 1;
+            else if (!strcmp(v, "off")) o->step.offload.enabled = 0;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--offload-pool")) { ok = parse_double(v, &d) && d > 0; o->step.offload.pool_bytes = (size_t)(d * 1048576); }
+        else if (!strcmp(a, "--device-budget")) { ok = parse_double(v, &d) && d > 0; o->step.offload.device_budget = (size_t)(d * 1048576); }
+        else if (!strcmp(a, "--bench-budget")) ok = parse_double(v, &o->bench_budget_mib) && o->bench_budget_mib > 0;
         else if (!strcmp(a, "--bench-groups")) ok = parse_int_list(v, o->bench_groups, 8, &o->n_bench_groups);
         else if (!strcmp(a, "--peak-tflops")) { ok = parse_double(v, &d) && d >= 0; o->peak_tflops = d; }
         else if (!strcmp(a, "--schedule")) {
@@ -207,6 +231,14 @@ static long group_tokens(const pr_group *g, pr_schedule s) {
     return s == PR_SCHEDULE_BASELINE ? suffix + (long)g->P * g->G : suffix + g->P;
 }
 
+static void print_offload(const char *indent, const pr_offload_stats *s) {
+    printf("%soffload: dormant %.2f MiB (%.2f MiB a layer), pool %.2f MiB, out %.2f MiB, back %.2f MiB; "
+           "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks\n",
+           indent, s->dormant_bytes / 1048576.0, s->block_bytes / 1048576.0, s->pool_bytes / 1048576.0,
+           s->offloaded_bytes / 1048576.0, s->loaded_bytes / 1048576.0, s->prefetches, s->demand_loads,
+           s->prefetches_refused, s->pool_fallbacks);
+}
+
 static int run_training(const options *o, const pr_config *cfg, const pr_trace *trace) {
     pr_error err;
     pr_trainer *tr;
@@ -215,9 +247,10 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, cfg->num_attention_heads, cfg->num_key_value_heads,
            cfg->head_dim, cfg->intermediate_size, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups,
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, %s precision\n", o->trace, trace->n_groups,
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
-           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
+           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
+           sizeof(pr_real) == 8 ? "double" : "float");
     for (int step = 0; step < o->steps; step++) {
         const pr_group *g = &trace->groups[step % trace->n_groups];
         pr_step_stats st;
@@ -231,6 +264,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
                step, step % trace->n_groups, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
                1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
                st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
+        if (o->step.offload.enabled) print_offload("          ", &st.offload);
     }
     int rc = 0;
     if (o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) rc = fail(&err);
@@ -262,6 +296,32 @@ static void worst_of(diff *w, diff d) {
     w->bad += d.bad;
 }
 
+/* The reuse step once more with offload off, from the same weights: the number of gradient and
+   updated-parameter values whose bits differ from grads/params (offload on), or -1 on error. */
+static long offload_bitwise_diffs(const options *o, const pr_config *cfg, const pr_group *g, const pr_step_opts *with,
+                                  const pr_real *grads, const pr_real *params, size_t n) {
+    pr_error err;
+    pr_trainer *tr;
+    pr_step_opts without = *with;
+    without.offload.enabled = 0;
+    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err), -1;
+    pr_real *ga = malloc(sizeof(pr_real) * n), *pa = malloc(sizeof(pr_real) * n);
+    long diffs = -1;
+    if (!ga || !pa) fprintf(stderr, "train: out of memory\n");
+    else if (pr_trainer_compute_grads(tr, g, &without, NULL, NULL, &err) || pr_trainer_get_grads(tr, ga, n, &err) ||
+             pr_trainer_adamw_step(tr, &o->adam, NULL, &err) || pr_trainer_get_params(tr, pa, n, &err))
+        fail(&err);
+    else {
+        diffs = 0;
+        for (size_t i = 0; i < n; i++) diffs += memcmp(&ga[i], &grads[i], sizeof(pr_real)) != 0;
+        for (size_t i = 0; i < n; i++) diffs += memcmp(&pa[i], &params[i], sizeof(pr_real)) != 0;
+    }
+    free(ga);
+    free(pa);
+    pr_trainer_destroy(tr);
+    return diffs;
+}
+
 static int run_check(const options *o, const pr_config *cfg, const pr_trace *trace) {
     /* Tolerances from the precision of the build, fixed before any run: a few thousand ulps of
        accumulated reordering for float, the same reasoning at double's 2^-52. With bf16
@@ -274,7 +334,9 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     const pr_adamw_opts adam = o->adam;
     pr_step_opts ob = o->step, orr = o->step;
     ob.schedule = PR_SCHEDULE_BASELINE;
+    ob.offload.enabled = 0;
     orr.schedule = PR_SCHEDULE_REUSE;
+    long offload_diffs = 0;
     printf("check: baseline (microbatch %d, padded) vs reuse (microbatch %d, %s), %s, atol %s rtol %.1e\n",
            o->step.microbatch, o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
@@ -321,13 +383,20 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
             worst_loss = fmax(worst_loss, dl);
+            if (orr.offload.enabled) {
+                long d = offload_bitwise_diffs(o, cfg, g, &orr, gb, pb, n);
+                if (d < 0) rc = 1;
+                else offload_diffs += d;
+            }
         }
         free(ga); free(gb); free(pa); free(pb); free(allow);
         pr_trainer_destroy(base);
         pr_trainer_destroy(reuse);
     }
     if (rc) return rc;
-    int pass = worst_g.bad == 0 && worst_p.bad == 0;
+    int pass = worst_g.bad == 0 && worst_p.bad == 0 && offload_diffs == 0;
+    if (orr.offload.enabled)
+        printf("check: reuse with offload vs without: %ld gradient and parameter values differ in any bit\n", offload_diffs);
     printf("check: %s loss |diff| %.2e; gradients max abs %.2e max rel %.2e; parameters after AdamW max abs %.2e max rel %.2e; %ld elements outside atol + rtol %.1e (parameters: + the AdamW slope times the gradient tolerance)\n",
            pass ? "PASS" : "FAIL", worst_loss, worst_g.max_abs, worst_g.max_rel, worst_p.max_abs, worst_p.max_rel,
            worst_g.bad + worst_p.bad, rtol);
@@ -437,6 +506,130 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ --bench memory, --bench capacity */
+/* The three ways a step can run, as the memory tables compare them. */
+typedef struct { const char *name; pr_schedule schedule; int offload; } mem_variant;
+static const mem_variant mem_variants[] = {
+    { "baseline", PR_SCHEDULE_BASELINE, 0 }, { "reuse", PR_SCHEDULE_REUSE, 0 }, { "reuse+offload", PR_SCHEDULE_REUSE, 1 },
+};
+#define N_MEM_VARIANTS (int)(sizeof mem_variants / sizeof *mem_variants)
+
+static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
+    pr_step_opts s = o->step;
+    s.schedule = v->schedule;
+    s.offload.enabled = v->offload;
+    if (s.microbatch == 0) s.microbatch = 1;   /* the paper's Phase B: one trajectory at a time */
+    return s;
+}
+
+static double mib(size_t b) { return b / 1048576.0; }
+
+/* Per-phase peak device memory of each variant at the speed sweep's splits, measured by the
+   allocator on one real step each. */
+static int run_bench_memory(const options *o, const pr_config *cfg) {
+    const int T = o->bench_total, G = o->bench_groups[o->n_bench_groups - 1];
+    const double fractions[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };
+    pr_error err;
+    pr_trainer *tr;
+    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
+    pr_step_opts probe = variant_opts(o, &mem_variants[0]);
+    printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d; peak live device\n"
+           "memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state excluded)\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch);
+    printf("%-11s %-14s %10s %10s %10s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "dormant MiB", "B saved MiB");
+    for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
+        int P = (int)lround(T * fractions[fi]), S = T - P;
+        synth_group sg;
+        if (!synth(&sg, P, S, G, cfg->vocab_size, 91 + fi)) { fprintf(stderr, "train: out of memory\n"); return 1; }
+        size_t reuse_b = 0;
+        for (int v = 0; v < N_MEM_VARIANTS; v++) {
+            pr_step_opts so = variant_opts(o, &mem_variants[v]);
+            pr_step_stats st;
+            if (pr_trainer_compute_grads(tr, &sg.g, &so, &st, NULL, &err)) {
+                synth_free(&sg);
+                pr_trainer_destroy(tr);
+                return fail(&err);
+            }
+            if (v == 1) reuse_b = st.peak_bytes[PR_PHASE_B];
+            printf("%5d/%-5d %-14s %10.2f %10.2f %10.2f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]), mib(st.peak_bytes[1]),
+                   mib(st.peak_bytes[2]));
+            if (v == 2) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
+            printf("\n");
+        }
+        synth_free(&sg);
+    }
+    pr_trainer_destroy(tr);
+    return 0;
+}
+
+/* Device memory a step needs on the measuring backend: parameters, gradients and AdamW state, plus
+   the highest per-phase activation peak. */
+static int step_need(pr_trainer *tr, const pr_config *cfg, const options *o, const mem_variant *v, int T, size_t *need,
+                     pr_error *err) {
+    int P = (int)lround(T * 5.0 / 6), S = T - P, G = o->bench_groups[o->n_bench_groups - 1];
+    synth_group sg;
+    if (!synth(&sg, P, S, G, cfg->vocab_size, 5)) { synth_free(&sg); snprintf(err->message, sizeof err->message, "out of memory"); return 0; }
+    pr_step_opts so = variant_opts(o, v);
+    pr_step_stats st;
+    int ok = !pr_trainer_compute_grads(tr, &sg.g, &so, &st, NULL, err);
+    synth_free(&sg);
+    if (!ok) return 0;
+    size_t peak = st.peak_bytes[0];
+    for (int p = 1; p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
+    *need = 4 * sizeof(pr_real) * pr_trainer_param_count(tr) + peak;
+    return 1;
+}
+
+/* For each variant, the longest trajectory (prefix 5/6, as the paper's 10k/2k) whose step fits the
+   budget: doubling, then bisection to 64 tokens, up to the model's max_position_embeddings. Shapes
+   only: the measuring backend computes nothing. */
+static int run_bench_capacity(const options *o, const pr_config *cfg) {
+    pr_error err;
+    pr_backend storage;
+    const pr_backend *real = backend(&err);
+    if (!real) return fail(&err);
+    const pr_backend *be = pr_backend_measure(real, &storage);
+    const size_t budget = (size_t)(o->bench_budget_mib * 1048576);
+    pr_trainer *tr;
+    if (pr_trainer_create(&tr, cfg, be, &err)) return fail(&err);    /* no weights: nothing reads them */
+    printf("bench capacity: %s, %d layers, hidden %d, budget %.0f MiB (parameters, gradients and AdamW state %.1f MiB of it),\n"
+           "%s element sizes, G %d, prefix 5/6 of each trajectory; sizes from the allocator, nothing computed\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, o->bench_budget_mib,
+           mib(4 * sizeof(pr_real) * pr_trainer_param_count(tr)), real->name, o->bench_groups[o->n_bench_groups - 1]);
+    printf("%-14s %12s %12s %14s\n", "schedule", "max tokens", "prefix/suffix", "need MiB");
+    int rc = 0;
+    for (int v = 0; v < N_MEM_VARIANTS && !rc; v++) {
+        const int limit = cfg->max_position_embeddings;
+        int lo = 0, hi = 64;
+        size_t need = 0, need_lo = 0;
+        while (hi <= limit) {                         /* double until the step no longer fits */
+            if (!step_need(tr, cfg, o, &mem_variants[v], hi, &need, &err)) { rc = fail(&err); break; }
+            if (need > budget) break;
+            lo = hi;
+            need_lo = need;
+            hi *= 2;
+        }
+        if (hi > limit) hi = limit + 1;               /* past the position limit counts as not fitting */
+        while (!rc && hi - lo > 64) {                 /* then halve the gap */
+            int mid = (lo + hi) / 2 / 64 * 64;
+            if (mid <= lo) break;
+            if (!step_need(tr, cfg, o, &mem_variants[v], mid, &need, &err)) { rc = fail(&err); break; }
+            if (need <= budget) { lo = mid; need_lo = need; }
+            else hi = mid;
+        }
+        if (rc) break;
+        if (lo == 0) printf("%-14s %12s\n", mem_variants[v].name, "none fits");
+        else {
+            char split[32];
+            snprintf(split, sizeof split, "%ld/%ld", lround(lo * 5.0 / 6), lo - lround(lo * 5.0 / 6));
+            printf("%-14s %12d %12s %14.1f%s\n", mem_variants[v].name, lo, split, mib(need_lo),
+                   lo + 64 > limit ? "  (the model's position limit)" : "");
+        }
+    }
+    pr_trainer_destroy(tr);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     options o;
     if (!parse_args(argc, argv, &o)) return 2;
@@ -448,7 +641,9 @@ int main(int argc, char **argv) {
     if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
     if (o.layers && o.layers < cfg.num_hidden_layers) cfg.num_hidden_layers = o.layers;
-    if (o.bench) return run_bench_speed(&o, &cfg);
+    if (o.bench == 1) return run_bench_speed(&o, &cfg);
+    if (o.bench == 2) return run_bench_memory(&o, &cfg);
+    if (o.bench == 3) return run_bench_capacity(&o, &cfg);
     pr_trace trace;
     if (pr_trace_read(&trace, o.trace, &err)) return fail(&err);
     if (trace.vocab_size > cfg.vocab_size) {

@@ -582,6 +582,107 @@ static void test_determinism(void) {
     pr_trainer_destroy(tr);
 }
 
+/* ---- offload of the prefix's dormant state */
+static size_t offload_param_count(const pr_config *c) {
+    pr_trainer *tr;
+    pr_error err;
+    if (pr_trainer_create(&tr, c, pr_backend_cpu(), &err)) return 0;
+    size_t n = pr_trainer_param_count(tr);
+    pr_trainer_destroy(tr);
+    return n;
+}
+typedef struct { pr_real *grads, *params; pr_step_stats st; pr_status status; } step_result;
+
+/* One reuse step and one AdamW step from the same weights every time. */
+static step_result reuse_step(const pr_config *c, const pr_group *g, int mb, pr_layout layout, pr_offload_opts off) {
+    step_result r;
+    memset(&r, 0, sizeof r);
+    pr_trainer *tr = make_model(c, 23);
+    pr_step_opts o = pr_step_opts_default();
+    o.microbatch = mb;
+    o.layout = layout;
+    o.loss.kl_coef = 0.05;
+    o.offload = off;
+    pr_adamw_opts a = pr_adamw_opts_default();
+    pr_error err;
+    r.status = pr_trainer_compute_grads(tr, g, &o, &r.st, NULL, &err);
+    if (!r.status) r.status = pr_trainer_adamw_step(tr, &a, NULL, &err);
+    if (r.status) printf("reuse_step: %s\n", err.message);
+    r.grads = grads_of(tr);
+    r.params = params_of(tr);
+    pr_trainer_destroy(tr);
+    return r;
+}
+
+static void test_offload(void) {
+    const int S[5] = { 4, 9, 1, 6, 3 };
+    for (int qk = 0; qk < 2; qk++) {
+        pr_config c = small_config(qk, qk, 2);
+        c.num_hidden_layers = 4;                 /* more layers than the two device slots */
+        const int L = c.num_hidden_layers;
+        test_group t;
+        make_group(&t, 21, 5, S, c.vocab_size, 77 + qk);
+        for (int lay = 0; lay < 2; lay++) {
+            pr_offload_opts none;
+            memset(&none, 0, sizeof none);
+            step_result ref = reuse_step(&c, &t.g, 2, (pr_layout)lay, none);
+            const pr_offload_stats *rs = &ref.st.offload;
+            CHECK(ref.status == PR_OK && rs->dormant_bytes == (size_t)L * rs->block_bytes && rs->block_bytes > 0,
+                  "offload off still reports the dormant footprint (%zu bytes, %zu a layer)", rs->dormant_bytes, rs->block_bytes);
+            struct { const char *name; pr_offload_opts o; int fallbacks, refused; } cases[4];
+            memset(cases, 0, sizeof cases);
+            cases[0].name = "pool sized from the footprint"; cases[0].o.enabled = 1;
+            cases[1].name = "pool exactly the footprint"; cases[1].o.enabled = 1; cases[1].o.pool_bytes = rs->dormant_bytes;
+            cases[2].name = "pool one block"; cases[2].o.enabled = 1; cases[2].o.pool_bytes = rs->block_bytes;
+            cases[2].fallbacks = L - 1;
+            cases[3].name = "budget refuses every prefetch"; cases[3].o.enabled = 1; cases[3].o.device_budget = 1;
+            cases[3].refused = L;
+            for (int k = 0; k < 4; k++) {
+                step_result r = reuse_step(&c, &t.g, 2, (pr_layout)lay, cases[k].o);
+                const pr_offload_stats *os = &r.st.offload;
+                CHECK(r.status == PR_OK, "offload (%s): step failed", cases[k].name);
+                CHECK(!memcmp(r.grads, ref.grads, sizeof(pr_real) * offload_param_count(&c)) &&
+                      !memcmp(r.params, ref.params, sizeof(pr_real) * offload_param_count(&c)),
+                      "offload (%s, %s, %s): gradients or updated parameters differ from offload off in some bit",
+                      cases[k].name, qk ? "qwen3" : "llama", lay ? "packed" : "padded");
+                CHECK(os->offloaded_bytes == rs->dormant_bytes && os->loaded_bytes == rs->dormant_bytes,
+                      "offload (%s): %zu bytes out, %zu back, footprint %zu", cases[k].name, os->offloaded_bytes,
+                      os->loaded_bytes, rs->dormant_bytes);
+                CHECK(os->prefetches + os->demand_loads == L, "offload (%s): %d prefetched + %d loaded at use != %d layers",
+                      cases[k].name, os->prefetches, os->demand_loads, L);
+                CHECK(os->pool_fallbacks == cases[k].fallbacks, "offload (%s): %d pool fallbacks, expected %d", cases[k].name,
+                      os->pool_fallbacks, cases[k].fallbacks);
+                CHECK(os->prefetches_refused == cases[k].refused && (cases[k].refused ? os->demand_loads == L : os->demand_loads == 0),
+                      "offload (%s): %d refused, %d loaded at use", cases[k].name, os->prefetches_refused, os->demand_loads);
+                /* Phase B holds no block at all: the saving is the whole footprint (at least footprint
+                   minus the two device slots, the bound the design promises) */
+                size_t saved = ref.st.peak_bytes[PR_PHASE_B] - r.st.peak_bytes[PR_PHASE_B];
+                CHECK(r.st.peak_bytes[PR_PHASE_B] < ref.st.peak_bytes[PR_PHASE_B] && saved >= rs->dormant_bytes - 2 * rs->block_bytes,
+                      "offload (%s): Phase-B peak %zu vs %zu without, saving %zu < footprint %zu - 2 blocks", cases[k].name,
+                      r.st.peak_bytes[PR_PHASE_B], ref.st.peak_bytes[PR_PHASE_B], saved, rs->dormant_bytes);
+                CHECK(r.st.peak_bytes[PR_PHASE_A] < ref.st.peak_bytes[PR_PHASE_A],
+                      "offload (%s): Phase-A peak %zu not below %zu (two slots for %d layers)", cases[k].name,
+                      r.st.peak_bytes[PR_PHASE_A], ref.st.peak_bytes[PR_PHASE_A], L);
+                free(r.grads); free(r.params);
+            }
+            free(ref.grads); free(ref.params);
+        }
+    }
+    /* offload belongs to the reuse schedule: asking it of the baseline is refused before anything runs */
+    pr_config c = small_config(0, 0, 2);
+    const int S2[2] = { 3, 2 };
+    test_group t;
+    make_group(&t, 5, 2, S2, c.vocab_size, 5);
+    pr_trainer *tr = make_model(&c, 3);
+    pr_step_opts o = pr_step_opts_default();
+    o.schedule = PR_SCHEDULE_BASELINE;
+    o.offload.enabled = 1;
+    pr_error err;
+    CHECK(pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "reuse"),
+          "offload with the baseline schedule is refused: '%s'", err.message);
+    pr_trainer_destroy(tr);
+}
+
 static void test_checkpoints(void) {
     pr_config c = small_config(1, 1, 2);
     pr_trainer *a = make_model(&c, 21), *b;
@@ -659,6 +760,7 @@ int main(void) {
     test_hooks();
     test_bad_input();
     test_determinism();
+    test_offload();
     test_checkpoints();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1);
