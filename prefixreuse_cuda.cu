@@ -1081,6 +1081,13 @@ static pr_status pr_cu_check_config(const pr_backend *be, const pr_config *cfg, 
     return PR_ERR_UNSUPPORTED;
 }
 
+/* What the driver could still hand out: offload's prefetches keep a margin of it. */
+static size_t pr_cu_device_free(const pr_backend *be) {
+    size_t free_b = 0, total = 0;
+    if (!pr_cu_ok(pr_cu_of(be), cudaMemGetInfo(&free_b, &total), "memory info")) return 0;
+    return free_b;
+}
+
 /* Drains the stream (so a fault of any earlier launch shows), then hands over the first failure. */
 static pr_status pr_cu_take_error(const pr_backend *be, pr_error *err) {
     pr_cu *cx = pr_cu_of(be);
@@ -1149,6 +1156,7 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->check_config = pr_cu_check_config;
     be->prepare_weights = pr_cu_prepare_weights;
     be->take_error = pr_cu_take_error;
+    be->device_free = pr_cu_device_free;
     be->alloc = pr_cu_alloc;
     be->release = pr_cu_release;
     be->zero = pr_cu_zero;
