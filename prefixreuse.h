@@ -219,6 +219,7 @@ PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *e
 /* Where a buffer lives. DEVICE is the compute memory (host RAM for the CPU backend); HOST is
    pinned host memory, the offload tier. */
 typedef enum { PR_TIER_DEVICE = 0, PR_TIER_HOST = 1 } pr_tier;
+#define PR_COPY_TAGS 8    /* names a backend's asynchronous copies can carry (copy_async) */
 
 /* The rows of one pass through the model: n_seg sequences ("segments"), segment s occupying rows
    seg_off[s] .. seg_off[s+1]-1. Row r of segment s sits at RoPE position pos0 + (r - seg_off[s]).
@@ -285,6 +286,12 @@ struct pr_backend {
     /* Optional. Bytes the device could still allocate: offload issues a prefetch only when this
        keeps a safety margin (NULL: only the step's own budget decides). */
     size_t (*device_free)(const pr_backend *be);
+    /* Optional pair (NULL: offload uses `copy`). copy_async queues a copy behind all compute issued
+       so far, on a queue of its own, so that it runs beside the compute issued after it; tag
+       (0..PR_COPY_TAGS-1) names it. copy_wait makes the compute issued next wait for the last copy
+       queued with that tag. */
+    void (*copy_async)(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag);
+    void (*copy_wait)(const pr_backend *be, int tag);
     /* memory */
     void *(*alloc)(const pr_backend *be, size_t bytes, pr_tier tier);
     void (*release)(const pr_backend *be, void *p, pr_tier tier);
@@ -3246,6 +3253,10 @@ typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd
    phase that runs many microbatches allocates once. Every byte handed out is counted in the
    trainer's live total, from which each phase's peak is read. */
 typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; } pr__chunk;
+
+/* Offload's device slots: a layer computing (or being backpropagated), the next one receiving its
+   input (or being prefetched), and one whose copy may still be in flight. */
+#define PR__SLOTS 3
 typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
 
 struct pr_trainer {
@@ -3266,8 +3277,8 @@ struct pr_trainer {
     size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
     void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
     size_t pool_cap;
-    char *slot[2];                         /* device slots a dormant block is computed or loaded into */
-    size_t slot_cap[2];
+    char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
+    size_t slot_cap[PR__SLOTS];
     int phase;
     int alloc_failed;
 };
@@ -3427,7 +3438,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     pr__chunks_free(tr, tr->step_arena.head);
     pr__chunks_free(tr, tr->spare);
     if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
-    for (int i = 0; i < 2; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
+    for (int i = 0; i < PR__SLOTS; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
@@ -3911,7 +3922,8 @@ typedef struct {
     void **host;              /* (L) where each block rests between its Phase-A forward and Phase-C backward */
     unsigned char *own;       /* (L) 1: a host allocation of its own, the pool being full */
     size_t pool_used, own_live;
-    int slot_layer[2];        /* the layer each device slot holds, -1 free */
+    int slot_layer[PR__SLOTS];     /* the layer each device slot holds, -1 free */
+    unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
     pr_offload_stats st;
 } pr__offload;
 
@@ -3932,15 +3944,41 @@ static void pr__live_add(pr_trainer *tr, size_t bytes) {
     if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
 }
 static int pr__slot_of(const pr__offload *o, int layer) {
-    return o->slot_layer[0] == layer ? 0 : o->slot_layer[1] == layer ? 1 : -1;
+    for (int s = 0; s < PR__SLOTS; s++) if (o->slot_layer[s] == layer) return s;
+    return -1;
 }
-static int pr__slot_free(const pr__offload *o) { return o->slot_layer[0] < 0 ? 0 : o->slot_layer[1] < 0 ? 1 : -1; }
+/* A free slot, preferring one no copy is still reading. */
+static int pr__slot_free(const pr__offload *o) {
+    int any = -1;
+    for (int s = 0; s < PR__SLOTS; s++)
+        if (o->slot_layer[s] < 0) {
+            if (!o->slot_copying[s]) return s;
+            if (any < 0) any = s;
+        }
+    return any;
+}
+/* A block copy into or out of slot s, on the backend's copy queue when it has one (tagged with
+   the slot); pr__slot_wait makes the compute issued next wait for it. */
+static void pr__block_copy(pr_trainer *tr, pr__offload *o, int s, void *dst, const void *src) {
+    if (tr->be->copy_async) {
+        tr->be->copy_async(tr->be, dst, src, o->block, s);
+        o->slot_copying[s] = 1;
+    } else {
+        tr->be->copy(tr->be, dst, src, o->block);
+    }
+}
+static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s) {
+    if (!o->slot_copying[s]) return;
+    tr->be->copy_wait(tr->be, s);
+    o->slot_copying[s] = 0;
+}
 
 /* Puts layer's block in a free device slot (kept across steps, counted live while held) and points
    the pass's tensors of that layer into it. */
 static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err) {
     int s = pr__slot_free(o);
     if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
+    pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
     if (tr->slot_cap[s] < o->block) {
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
         tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
@@ -3974,17 +4012,20 @@ static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_err
         o->st.pool_fallbacks++;
         if (tr->pool_cap + o->own_live > o->st.host_peak_bytes) o->st.host_peak_bytes = tr->pool_cap + o->own_live;
     }
-    be->copy(be, o->host[l], tr->slot[pr__slot_of(o, l)], o->block);
+    int s = pr__slot_of(o, l);
+    pr__block_copy(tr, o, s, o->host[l], tr->slot[s]);
     o->st.offloaded_bytes += o->block;
     pr__slot_give(tr, o, l);
     return PR_OK;
 }
 
-/* Phase C: layer l's block back into a device slot. */
+/* Phase C: layer l's block back into a device slot (on the copy queue: compute joins it before
+   the layer's backward reads the block). */
 static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err) {
     pr_status st = pr__slot_take(tr, o, ps, l, err);
     if (st) return st;
-    tr->be->copy(tr->be, tr->slot[pr__slot_of(o, l)], o->host[l], o->block);
+    int s = pr__slot_of(o, l);
+    pr__block_copy(tr, o, s, tr->slot[s], o->host[l]);
     o->st.loaded_bytes += o->block;
     return PR_OK;
 }
@@ -4019,7 +4060,7 @@ static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
 static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err) {
     const int L = tr->cfg.num_hidden_layers;
     memset(o, 0, sizeof *o);
-    o->slot_layer[0] = o->slot_layer[1] = -1;
+    for (int s = 0; s < PR__SLOTS; s++) o->slot_layer[s] = -1;
     o->block = pr__layer_block(tr, NULL, (size_t)P, NULL, NULL);
     o->st.block_bytes = o->block;
     o->st.dormant_bytes = o->block * (size_t)L;
@@ -4042,10 +4083,14 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     return PR_OK;
 }
 
-/* Releases whatever an interrupted step still holds, then the bookkeeping. */
+/* Waits for the copies still queued, releases whatever an interrupted step still holds, then the
+   bookkeeping. */
 static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
-    if (o->on)
+    if (o->on) {
+        for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, o, s);
+        tr->be->sync(tr->be);
         for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
+    }
     PR_FREE(o->host);
     PR_FREE(o->own);
     o->host = NULL;
@@ -4182,6 +4227,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
                 o->st.demand_loads++;
                 if ((st = pr__load_block(tr, o, &ps->pass, l, err))) return st;
             }
+            pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
         if (h->on_kv_inject) h->on_kv_inject(h->user, l, ps->gk[l], ps->gv[l], P, kvd);

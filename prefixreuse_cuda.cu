@@ -46,7 +46,10 @@ typedef struct {
 typedef struct {
     pr_backend be;                 /* first member: the vtable handed out points here */
     int device;
-    cudaStream_t stream;
+    cudaStream_t stream;           /* every kernel, GEMM and ordinary copy */
+    cudaStream_t copy_stream;      /* offload's block copies, beside the compute */
+    cudaEvent_t compute_mark;      /* where compute stood when a block copy was queued */
+    cudaEvent_t copy_done[PR_COPY_TAGS];
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
@@ -185,7 +188,22 @@ static void pr_cu_download(const pr_backend *be, pr_real *host, const pr_real *s
 }
 static void pr_cu_sync(const pr_backend *be) {
     pr_cu *cx = pr_cu_of(be);
-    pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "synchronize");
+    pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "synchronize") &&
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->copy_stream), "synchronize copies");
+}
+/* The copy starts once the compute queued so far is done, and runs beside what is queued after. */
+static void pr_cu_copy_async(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag) {
+    pr_cu *cx = pr_cu_of(be);
+    if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_async: tag %d out of range", tag); return; }
+    pr_cu_ok(cx, cudaEventRecord(cx->compute_mark, cx->stream), "copy_async mark") &&
+        pr_cu_ok(cx, cudaStreamWaitEvent(cx->copy_stream, cx->compute_mark, 0), "copy_async order") &&
+        pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->copy_stream), "copy_async") &&
+        pr_cu_ok(cx, cudaEventRecord(cx->copy_done[tag], cx->copy_stream), "copy_async done");
+}
+static void pr_cu_copy_wait(const pr_backend *be, int tag) {
+    pr_cu *cx = pr_cu_of(be);
+    if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_wait: tag %d out of range", tag); return; }
+    pr_cu_ok(cx, cudaStreamWaitEvent(cx->stream, cx->copy_done[tag], 0), "copy_wait");
 }
 
 /* ---------------------------------------------------------------- weights */
@@ -1091,7 +1109,7 @@ static size_t pr_cu_device_free(const pr_backend *be) {
 /* Drains the stream (so a fault of any earlier launch shows), then hands over the first failure. */
 static pr_status pr_cu_take_error(const pr_backend *be, pr_error *err) {
     pr_cu *cx = pr_cu_of(be);
-    pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "synchronize");
+    pr_cu_sync(be);
     pr_status st = cx->failed;
     if (st && err) {
         err->status = st;
@@ -1107,6 +1125,10 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     pr_cu *cx = pr_cu_of(be);
     cudaSetDevice(cx->device);
     if (cx->stream) cudaStreamSynchronize(cx->stream);
+    if (cx->copy_stream) cudaStreamSynchronize(cx->copy_stream);
+    for (int t = 0; t < PR_COPY_TAGS; t++) if (cx->copy_done[t]) cudaEventDestroy(cx->copy_done[t]);
+    if (cx->compute_mark) cudaEventDestroy(cx->compute_mark);
+    if (cx->copy_stream) cudaStreamDestroy(cx->copy_stream);
     cudaFree(cx->workspace);
     cudaFree(cx->params_bf16);
     cudaFree(cx->scratch);
@@ -1137,9 +1159,13 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     if (!cx->failed)
         pr_cu_ok(cx, cudaSetDevice(device), "set device") &&
         pr_cu_ok(cx, cudaStreamCreateWithFlags(&cx->stream, cudaStreamNonBlocking), "stream") &&
+        pr_cu_ok(cx, cudaStreamCreateWithFlags(&cx->copy_stream, cudaStreamNonBlocking), "copy stream") &&
+        pr_cu_ok(cx, cudaEventCreateWithFlags(&cx->compute_mark, cudaEventDisableTiming), "event") &&
         pr_lt_ok(cx, cublasLtCreate(&cx->lt), "handle") &&
         pr_cu_ok(cx, cudaMalloc(&cx->workspace, cx->workspace_bytes), "workspace") &&
         pr_cu_ok(cx, cudaMallocHost((void **)&cx->reduce_host, sizeof(double)), "pinned result");
+    for (int t = 0; t < PR_COPY_TAGS && !cx->failed; t++)
+        pr_cu_ok(cx, cudaEventCreateWithFlags(&cx->copy_done[t], cudaEventDisableTiming), "event");
     if (cx->failed) {
         pr_status st = cx->failed;
         if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", cx->message); }
@@ -1157,6 +1183,8 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->prepare_weights = pr_cu_prepare_weights;
     be->take_error = pr_cu_take_error;
     be->device_free = pr_cu_device_free;
+    be->copy_async = pr_cu_copy_async;
+    be->copy_wait = pr_cu_copy_wait;
     be->alloc = pr_cu_alloc;
     be->release = pr_cu_release;
     be->zero = pr_cu_zero;

@@ -525,7 +525,7 @@ static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
 static double mib(size_t b) { return b / 1048576.0; }
 
 /* Per-phase peak device memory of each variant at the speed sweep's splits, measured by the
-   allocator on one real step each. */
+   allocator on one real step each, with the step's time (offload's end-to-end cost). */
 static int run_bench_memory(const options *o, const pr_config *cfg) {
     const int T = o->bench_total, G = o->bench_groups[o->n_bench_groups - 1];
     const double fractions[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };
@@ -536,7 +536,8 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d; peak live device\n"
            "memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state excluded)\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch);
-    printf("%-11s %-14s %10s %10s %10s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "dormant MiB", "B saved MiB");
+    printf("%-11s %-14s %10s %10s %10s %9s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
+           "dormant MiB", "B saved MiB");
     for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
         int P = (int)lround(T * fractions[fi]), S = T - P;
         synth_group sg;
@@ -551,8 +552,8 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
                 return fail(&err);
             }
             if (v == 1) reuse_b = st.peak_bytes[PR_PHASE_B];
-            printf("%5d/%-5d %-14s %10.2f %10.2f %10.2f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]), mib(st.peak_bytes[1]),
-                   mib(st.peak_bytes[2]));
+            printf("%5d/%-5d %-14s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
+                   mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
             if (v == 2) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
             printf("\n");
         }

@@ -58,10 +58,10 @@ static double urand(void) {
 }
 
 /* Weights large enough that attention and SwiGLU are far from linear, norm weights away from 1. */
-static pr_trainer *make_model(const pr_config *c, uint64_t seed) {
+static pr_trainer *make_model_on(const pr_config *c, uint64_t seed, const pr_backend *be) {
     pr_trainer *tr;
     pr_error err;
-    if (pr_trainer_create(&tr, c, pr_backend_cpu(), &err) || pr_trainer_init_params(tr, seed, &err)) {
+    if (pr_trainer_create(&tr, c, be, &err) || pr_trainer_init_params(tr, seed, &err)) {
         printf("make_model: %s\n", err.message);
         exit(1);
     }
@@ -80,6 +80,7 @@ static pr_trainer *make_model(const pr_config *c, uint64_t seed) {
     free(p);
     return tr;
 }
+static pr_trainer *make_model(const pr_config *c, uint64_t seed) { return make_model_on(c, seed, pr_backend_cpu()); }
 
 /* A group owning its arrays. */
 typedef struct {
@@ -583,6 +584,45 @@ static void test_determinism(void) {
 }
 
 /* ---- offload of the prefix's dormant state */
+/* The CPU backend with copies that really are late: copy_async only queues, and the queue runs (in
+   order, as one copy stream would) up to the last copy with a tag when copy_wait names it, or all
+   of it at sync. A schedule that reads a block before waiting for it, or overwrites a slot whose
+   outgoing copy is still queued, computes on stale data and fails the bitwise comparison. */
+typedef struct { void *dst; const void *src; size_t bytes; int tag; } late_copy;
+typedef struct { pr_backend be; late_copy q[256]; int n, max_queued; } late_backend;
+
+static void late_run_through(late_backend *lb, int last) {
+    for (int i = 0; i <= last; i++) memcpy(lb->q[i].dst, lb->q[i].src, lb->q[i].bytes);
+    memmove(lb->q, lb->q + last + 1, sizeof(late_copy) * (size_t)(lb->n - last - 1));
+    lb->n -= last + 1;
+}
+static void late_copy_async(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag) {
+    late_backend *lb = (late_backend *)be->ctx;
+    if (lb->n == 256) late_run_through(lb, 0);
+    late_copy c = { dst, src, bytes, tag };
+    lb->q[lb->n++] = c;
+    if (lb->n > lb->max_queued) lb->max_queued = lb->n;
+}
+static void late_copy_wait(const pr_backend *be, int tag) {
+    late_backend *lb = (late_backend *)be->ctx;
+    int last = -1;
+    for (int i = 0; i < lb->n; i++) if (lb->q[i].tag == tag) last = i;
+    if (last >= 0) late_run_through(lb, last);
+}
+static void late_sync(const pr_backend *be) {
+    late_backend *lb = (late_backend *)be->ctx;
+    if (lb->n) late_run_through(lb, lb->n - 1);
+}
+static void late_backend_init(late_backend *lb) {
+    memset(lb, 0, sizeof *lb);
+    lb->be = *pr_backend_cpu();
+    lb->be.name = "cpu, late copies";
+    lb->be.ctx = lb;
+    lb->be.copy_async = late_copy_async;
+    lb->be.copy_wait = late_copy_wait;
+    lb->be.sync = late_sync;
+}
+
 static size_t offload_param_count(const pr_config *c) {
     pr_trainer *tr;
     pr_error err;
@@ -594,10 +634,11 @@ static size_t offload_param_count(const pr_config *c) {
 typedef struct { pr_real *grads, *params; pr_step_stats st; pr_status status; } step_result;
 
 /* One reuse step and one AdamW step from the same weights every time. */
-static step_result reuse_step(const pr_config *c, const pr_group *g, int mb, pr_layout layout, pr_offload_opts off) {
+static step_result reuse_step(const pr_config *c, const pr_group *g, int mb, pr_layout layout, pr_offload_opts off,
+                              const pr_backend *be) {
     step_result r;
     memset(&r, 0, sizeof r);
-    pr_trainer *tr = make_model(c, 23);
+    pr_trainer *tr = make_model_on(c, 23, be);
     pr_step_opts o = pr_step_opts_default();
     o.microbatch = mb;
     o.layout = layout;
@@ -625,7 +666,7 @@ static void test_offload(void) {
         for (int lay = 0; lay < 2; lay++) {
             pr_offload_opts none;
             memset(&none, 0, sizeof none);
-            step_result ref = reuse_step(&c, &t.g, 2, (pr_layout)lay, none);
+            step_result ref = reuse_step(&c, &t.g, 2, (pr_layout)lay, none, pr_backend_cpu());
             const pr_offload_stats *rs = &ref.st.offload;
             CHECK(ref.status == PR_OK && rs->dormant_bytes == (size_t)L * rs->block_bytes && rs->block_bytes > 0,
                   "offload off still reports the dormant footprint (%zu bytes, %zu a layer)", rs->dormant_bytes, rs->block_bytes);
@@ -637,34 +678,39 @@ static void test_offload(void) {
             cases[2].fallbacks = L - 1;
             cases[3].name = "budget refuses every prefetch"; cases[3].o.enabled = 1; cases[3].o.device_budget = 1;
             cases[3].refused = L;
-            for (int k = 0; k < 4; k++) {
-                step_result r = reuse_step(&c, &t.g, 2, (pr_layout)lay, cases[k].o);
+            static late_backend late;
+            late_backend_init(&late);
+            for (int k = 0; k < 8; k++) {
+                /* each case on the CPU backend, then again with late copies */
+                const pr_backend *be = k < 4 ? pr_backend_cpu() : &late.be;
+                step_result r = reuse_step(&c, &t.g, 2, (pr_layout)lay, cases[k % 4].o, be);
                 const pr_offload_stats *os = &r.st.offload;
-                CHECK(r.status == PR_OK, "offload (%s): step failed", cases[k].name);
+                CHECK(r.status == PR_OK, "offload (%s): step failed", cases[k % 4].name);
                 CHECK(!memcmp(r.grads, ref.grads, sizeof(pr_real) * offload_param_count(&c)) &&
                       !memcmp(r.params, ref.params, sizeof(pr_real) * offload_param_count(&c)),
                       "offload (%s, %s, %s): gradients or updated parameters differ from offload off in some bit",
-                      cases[k].name, qk ? "qwen3" : "llama", lay ? "packed" : "padded");
+                      cases[k % 4].name, qk ? "qwen3" : "llama", lay ? "packed" : "padded");
                 CHECK(os->offloaded_bytes == rs->dormant_bytes && os->loaded_bytes == rs->dormant_bytes,
-                      "offload (%s): %zu bytes out, %zu back, footprint %zu", cases[k].name, os->offloaded_bytes,
+                      "offload (%s): %zu bytes out, %zu back, footprint %zu", cases[k % 4].name, os->offloaded_bytes,
                       os->loaded_bytes, rs->dormant_bytes);
                 CHECK(os->prefetches + os->demand_loads == L, "offload (%s): %d prefetched + %d loaded at use != %d layers",
-                      cases[k].name, os->prefetches, os->demand_loads, L);
-                CHECK(os->pool_fallbacks == cases[k].fallbacks, "offload (%s): %d pool fallbacks, expected %d", cases[k].name,
-                      os->pool_fallbacks, cases[k].fallbacks);
-                CHECK(os->prefetches_refused == cases[k].refused && (cases[k].refused ? os->demand_loads == L : os->demand_loads == 0),
-                      "offload (%s): %d refused, %d loaded at use", cases[k].name, os->prefetches_refused, os->demand_loads);
+                      cases[k % 4].name, os->prefetches, os->demand_loads, L);
+                CHECK(os->pool_fallbacks == cases[k % 4].fallbacks, "offload (%s): %d pool fallbacks, expected %d", cases[k % 4].name,
+                      os->pool_fallbacks, cases[k % 4].fallbacks);
+                CHECK(os->prefetches_refused == cases[k % 4].refused && (cases[k % 4].refused ? os->demand_loads == L : os->demand_loads == 0),
+                      "offload (%s): %d refused, %d loaded at use", cases[k % 4].name, os->prefetches_refused, os->demand_loads);
                 /* Phase B holds no block at all: the saving is the whole footprint (at least footprint
                    minus the two device slots, the bound the design promises) */
                 size_t saved = ref.st.peak_bytes[PR_PHASE_B] - r.st.peak_bytes[PR_PHASE_B];
                 CHECK(r.st.peak_bytes[PR_PHASE_B] < ref.st.peak_bytes[PR_PHASE_B] && saved >= rs->dormant_bytes - 2 * rs->block_bytes,
-                      "offload (%s): Phase-B peak %zu vs %zu without, saving %zu < footprint %zu - 2 blocks", cases[k].name,
+                      "offload (%s): Phase-B peak %zu vs %zu without, saving %zu < footprint %zu - 2 blocks", cases[k % 4].name,
                       r.st.peak_bytes[PR_PHASE_B], ref.st.peak_bytes[PR_PHASE_B], saved, rs->dormant_bytes);
                 CHECK(r.st.peak_bytes[PR_PHASE_A] < ref.st.peak_bytes[PR_PHASE_A],
-                      "offload (%s): Phase-A peak %zu not below %zu (two slots for %d layers)", cases[k].name,
+                      "offload (%s): Phase-A peak %zu not below %zu (two slots for %d layers)", cases[k % 4].name,
                       r.st.peak_bytes[PR_PHASE_A], ref.st.peak_bytes[PR_PHASE_A], L);
                 free(r.grads); free(r.params);
             }
+            CHECK(late.max_queued >= 2, "late copies: at most %d copy queued at once, the overlap is not exercised", late.max_queued);
             free(ref.grads); free(ref.params);
         }
     }
