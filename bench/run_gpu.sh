@@ -5,7 +5,9 @@
 #   3. build/bench_cuda                      GEMMs beside cuBLASLt's best; attention TFLOP/s (causal 8k, two-region)
 #   4. train_cuda --bench                    baseline vs reuse on Llama3-8B-shaped layers at 12,288 tokens per
 #                                            trajectory, splits 2k/10k .. 10k/2k, G in $GROUPS, with MFU
-#   5. bench/torch_ref.py                    the same baseline step in PyTorch (eager and torch.compile), when
+#   5. train_cuda --bench memory             per-phase peak memory and step time of baseline, reuse and
+#                                            reuse+offload at the same shapes (offload's saving and overhead)
+#   6. bench/torch_ref.py                    the same baseline step in PyTorch (eager and torch.compile), when
 #                                            torch imports
 # LAYERS (default 4) and GROUPS (default 4,8,16,32) size step 4 to the time at hand.
 set -u
@@ -23,6 +25,9 @@ make -s sass > "$out/sass.txt" 2>&1 || echo "sass: cuobjdump not available" | te
 ./train_cuda --bench --config model/llama3-8b --layers "$layers" --bench-total 12288 --bench-groups "$groups" \
     --microbatch 1 --bench-reps 1 > "$out/train_bench.txt" 2>&1
 cat "$out/train_bench.txt" >> "$out/summary.txt"
+./train_cuda --bench memory --config model/llama3-8b --layers "$layers" --bench-total 12288 --bench-groups 8 \
+    > "$out/train_memory.txt" 2>&1
+cat "$out/train_memory.txt" >> "$out/summary.txt"
 if python3 -c "import torch" 2>/dev/null; then
     python3 bench/torch_ref.py --config model/llama3-8b --layers "$layers" --total 12288 --groups "$groups" --reps 1 \
         > "$out/torch_ref.txt" 2>&1
