@@ -91,9 +91,9 @@ PRDEF const char *pr_status_name(pr_status s);
 
 
 /* ---------------------------------------------------------------- 2. Model configuration */
-/* The fields of a Hugging Face LlamaConfig / Qwen3Config that decide the math. */
+/* The fields of a Hugging Face LlamaConfig / Qwen3Config / Qwen3MoeConfig that decide the math. */
 typedef struct {
-    char model_type[32];          /* "llama" or "qwen3" */
+    char model_type[32];          /* "llama", "qwen3" or "qwen3_moe" */
     int vocab_size, hidden_size, intermediate_size, num_hidden_layers;
     int num_attention_heads, num_key_value_heads, head_dim;  /* head_dim defaults to hidden/heads */
     int max_position_embeddings;
@@ -102,7 +102,12 @@ typedef struct {
     double rope_factor, rope_low_freq_factor, rope_high_freq_factor;  /* 0 unless rope_llama3 */
     int rope_original_max_position;   /* rope_scaling.original_max_position_embeddings */
     int tie_word_embeddings;
-    int qk_norm;                  /* 1 for model_type "qwen3": per-head RMSNorm on q and k */
+    int qk_norm;                  /* 1 for the Qwen3 types: per-head RMSNorm on q and k */
+    /* Qwen3-MoE (num_experts 0: a dense MLP). Every layer's MLP is the sparse block: a softmax
+       router over num_experts, the top num_experts_per_tok experts (SwiGLU, moe_intermediate_size)
+       weighted by their probabilities, renormalised over the top-k when norm_topk_prob. */
+    int num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob;
+    double router_aux_loss_coef;  /* weight of the Switch-style load-balancing loss */
 } pr_config;
 
 /* Parse config.json text (len bytes, no terminator needed) and validate it. cfg is written only on
@@ -1448,9 +1453,18 @@ static const char *pr__json_type_name(const pr__json *v) {
 /* ---------------------------------------------------------------- io: configuration */
 static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *err) {
     if (!memchr(c->model_type, 0, sizeof c->model_type)) return pr__fail(err, PR_ERR_CONFIG, "%s: model_type is not a terminated string", what);
-    int qwen3 = strcmp(c->model_type, "qwen3") == 0;
+    int moe = strcmp(c->model_type, "qwen3_moe") == 0, qwen3 = moe || strcmp(c->model_type, "qwen3") == 0;
     if (!qwen3 && strcmp(c->model_type, "llama") != 0)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not supported (llama, qwen3)", what, c->model_type);
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not supported (llama, qwen3, qwen3_moe)", what, c->model_type);
+    if (moe != (c->num_experts > 0))
+        return pr__fail(err, PR_ERR_CONFIG, "%s: num_experts %d does not fit model_type %s (experts exactly for qwen3_moe)", what,
+                        c->num_experts, c->model_type);
+    if (moe && (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_experts || c->moe_intermediate_size <= 0 ||
+                (c->norm_topk_prob != 0 && c->norm_topk_prob != 1) || !(c->router_aux_loss_coef >= 0) ||
+                !isfinite(c->router_aux_loss_coef) || c->num_experts > 65536))
+        return pr__fail(err, PR_ERR_CONFIG, "%s: MoE needs 1 <= num_experts_per_tok (%d) <= num_experts (%d) <= 65536, "
+                        "moe_intermediate_size > 0 (%d) and router_aux_loss_coef >= 0 (%g)", what, c->num_experts_per_tok,
+                        c->num_experts, c->moe_intermediate_size, c->router_aux_loss_coef);
     struct { const char *name; int v; } pos[] = {
         {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden_size}, {"intermediate_size", c->intermediate_size},
         {"num_hidden_layers", c->num_hidden_layers}, {"num_attention_heads", c->num_attention_heads},
@@ -1488,7 +1502,13 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
     uint64_t emb, layer = 0, t, total;
     int ok = qdim <= INT_MAX && kvdim <= INT_MAX && pr__u64_mul(V, C, &emb);
     ok = ok && pr__u64_mul(C, 2 * qdim + 2 * kvdim, &t) && pr__u64_add(layer, t, &layer); /* q, k, v, o */
-    ok = ok && pr__u64_mul(C, 3 * F, &t) && pr__u64_add(layer, t, &layer);                /* gate, up, down */
+    if (moe) {                                                                             /* router, experts */
+        uint64_t E = (uint64_t)c->num_experts, Fm = (uint64_t)c->moe_intermediate_size, per;
+        ok = ok && pr__u64_mul(C, E, &t) && pr__u64_add(layer, t, &layer);
+        ok = ok && pr__u64_mul(C, 3 * Fm, &per) && pr__u64_mul(per, E, &t) && pr__u64_add(layer, t, &layer);
+    } else {
+        ok = ok && pr__u64_mul(C, 3 * F, &t) && pr__u64_add(layer, t, &layer);            /* gate, up, down */
+    }
     ok = ok && pr__u64_add(layer, 2 * C + (qwen3 ? 2 * HS : 0), &layer);                   /* norms */
     ok = ok && pr__u64_mul(layer, L, &total) && pr__u64_add(total, emb, &total) && pr__u64_add(total, C, &total);
     ok = ok && (c->tie_word_embeddings || pr__u64_add(total, emb, &total));
@@ -1577,6 +1597,45 @@ static pr_status pr__cfg_rope(pr_config *c, const pr__json *root, const char *wh
     return PR_OK;
 }
 
+/* Qwen3-MoE's fields, and the routing modes refused: a prefix computed once cannot reproduce
+   routing that depends on the other tokens of a batch (capacity limits, token dropping, experts
+   choosing tokens), since each of its G copies would be routed differently. */
+static pr_status pr__cfg_moe(pr_config *c, const pr__json *root, const char *what, pr_error *err) {
+    pr_status st;
+    static const char *const coupled[] = {"capacity_factor", "expert_capacity", "moe_capacity_factor", "train_capacity_factor",
+                                          "eval_capacity_factor", "moe_token_dropping", "drop_tokens", "moe_expert_capacity"};
+    for (size_t i = 0; i < sizeof coupled / sizeof *coupled; i++) {
+        const pr__json *v = pr__json_get(root, coupled[i]);
+        if (v && v->type != PR__JSON_NULL && v->type != PR__JSON_FALSE)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: \"%s\" makes routing depend on the whole batch (capacity / token "
+                            "dropping); a prefix computed once cannot reproduce its G copies' routing, so it is refused", what, coupled[i]);
+    }
+    const char *router;
+    static const char *const router_keys[] = {"router_type", "moe_router_type", "routing_type"};
+    for (size_t i = 0; i < 3; i++) {
+        if ((st = pr__cfg_str(root, router_keys[i], &router, what, err))) return st;
+        if (router && strcmp(router, "token_choice") != 0 && strcmp(router, "topk") != 0)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: %s \"%.32s\" routes by batch (expert choice); a prefix computed once "
+                            "cannot reproduce its G copies' routing, so it is refused (token-choice top-k only)", what, router_keys[i], router);
+    }
+    int step, shared;
+    if ((st = pr__cfg_int(root, "decoder_sparse_step", 0, 1, &step, what, err)) ||
+        (st = pr__cfg_int(root, "shared_expert_intermediate_size", 0, 0, &shared, what, err)))
+        return st;
+    if (step != 1) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: decoder_sparse_step %d: only every layer sparse (1) is supported", what, step);
+    if (shared) return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: shared experts are not supported", what);
+    const pr__json *dense = pr__json_get(root, "mlp_only_layers");
+    if (dense && dense->type != PR__JSON_NULL && !(dense->type == PR__JSON_ARRAY && dense->count == 0))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: mlp_only_layers: dense layers inside a MoE model are not supported", what);
+    if ((st = pr__cfg_int(root, "num_experts", 1, 0, &c->num_experts, what, err)) ||
+        (st = pr__cfg_int(root, "num_experts_per_tok", 1, 0, &c->num_experts_per_tok, what, err)) ||
+        (st = pr__cfg_int(root, "moe_intermediate_size", 1, 0, &c->moe_intermediate_size, what, err)) ||
+        (st = pr__cfg_bool(root, "norm_topk_prob", 0, &c->norm_topk_prob, what, err)) ||
+        (st = pr__cfg_num(root, "router_aux_loss_coef", 0, 0.001, &c->router_aux_loss_coef, what, err)))
+        return st;
+    return PR_OK;
+}
+
 static pr_status pr__cfg_from_json(pr_config *out, const pr__json *root, const char *what, pr_error *err) {
     pr_config c;
     pr_status st;
@@ -1585,11 +1644,12 @@ static pr_status pr__cfg_from_json(pr_config *out, const pr__json *root, const c
     if (root->type != PR__JSON_OBJECT) return pr__fail(err, PR_ERR_CONFIG, "%s: a config must be a JSON object, not %s", what, pr__json_type_name(root));
     if ((st = pr__cfg_str(root, "model_type", &s, what, err))) return st;
     if (!s) return pr__fail(err, PR_ERR_CONFIG, "%s: required field \"model_type\" is missing", what);
-    if (strcmp(s, "llama") != 0 && strcmp(s, "qwen3") != 0)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%.64s\" is not supported (llama, qwen3)", what, s);
+    if (strcmp(s, "llama") != 0 && strcmp(s, "qwen3") != 0 && strcmp(s, "qwen3_moe") != 0)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%.64s\" is not supported (llama, qwen3, qwen3_moe)", what, s);
     strcpy(c.model_type, s);
-    int qwen3 = strcmp(s, "qwen3") == 0, b;
+    int moe = strcmp(s, "qwen3_moe") == 0, qwen3 = moe || strcmp(s, "qwen3") == 0, b;
     c.qk_norm = qwen3;
+    if (moe && (st = pr__cfg_moe(&c, root, what, err))) return st;
 
     /* Features whose math this library does not implement: refuse rather than train something else. */
     if ((st = pr__cfg_str(root, "hidden_act", &s, what, err))) return st;
@@ -1695,15 +1755,32 @@ PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) 
 static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *what, pr_error *err) {
     pr_status st = pr__cfg_check(c, what, err);
     if (st) return st;
-    int qwen3 = c->qk_norm;
+    int qwen3 = c->qk_norm, moe = c->num_experts > 0;
     char num[40];
     struct { const char *k; int v; } ints[] = {
         {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden_size}, {"intermediate_size", c->intermediate_size},
         {"num_hidden_layers", c->num_hidden_layers}, {"num_attention_heads", c->num_attention_heads},
         {"num_key_value_heads", c->num_key_value_heads}, {"head_dim", c->head_dim},
         {"max_position_embeddings", c->max_position_embeddings}};
-    pr__buf_str(b, qwen3 ? "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n"
-                         : "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n");
+    pr__buf_str(b, moe     ? "{\n  \"architectures\": [\"Qwen3MoeForCausalLM\"],\n  \"model_type\": \"qwen3_moe\",\n"
+                   : qwen3 ? "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n"
+                           : "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n");
+    if (moe) {
+        struct { const char *k; int v; } m[] = {{"num_experts", c->num_experts}, {"num_experts_per_tok", c->num_experts_per_tok},
+                                                {"moe_intermediate_size", c->moe_intermediate_size}, {"decoder_sparse_step", 1}};
+        for (size_t i = 0; i < sizeof m / sizeof m[0]; i++) {
+            pr__buf_str(b, "  \"");
+            pr__buf_str(b, m[i].k);
+            pr__buf_str(b, "\": ");
+            pr__buf_i64(b, m[i].v);
+            pr__buf_str(b, ",\n");
+        }
+        pr__buf_str(b, c->norm_topk_prob ? "  \"norm_topk_prob\": true,\n" : "  \"norm_topk_prob\": false,\n");
+        pr__buf_str(b, "  \"mlp_only_layers\": [],\n  \"router_aux_loss_coef\": ");
+        pr__fmt_double(num, c->router_aux_loss_coef);
+        pr__buf_str(b, num);
+        pr__buf_str(b, ",\n");
+    }
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         pr__buf_str(b, "  \"");
         pr__buf_str(b, ints[i].k);
@@ -3388,6 +3465,8 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_status st = pr_config_validate(cfg, err);
     if (!st && be->check_config) st = be->check_config(be, cfg, err);
+    if (!st && cfg->num_experts > 0)
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "MoE layers (qwen3_moe) are parsed but the trainer does not run them yet");
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
