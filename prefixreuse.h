@@ -331,13 +331,20 @@ struct pr_backend {
     void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C);
     void (*embed_bwd)(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C);
     void (*add)(const pr_backend *be, void *y, const void *x, size_t n);                 /* y += x */
-    /* dst row m = src row rows[m];  dst row rows[m] += src row m. rows: host, distinct. */
-    void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C);
-    void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C);
+    /* dst row m = w[m] * src row rows[m];  dst row rows[m] += w[m] * src row m. rows and w: host;
+       w NULL: all 1; the rows of one scatter are distinct. */
+    void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
+    void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     /* The loss head on logits (M,V): writes each row's log-prob of its target (logp, host, M) and
        adds sum_rows weight*loss to *loss; replaces logits by d(loss)/d(logits). */
     void (*loss_head)(const pr_backend *be, void *logits, const pr_head_rows *rows, const pr_loss_opts *opt,
                       int V, pr_real *logp, double *loss);
+    /* MoE routing runs on the host (a softmax and a top-k over N x E values); these move its
+       inputs and outputs and apply its weights. Activations to/from host reals: */
+    void (*upload_acts)(const pr_backend *be, void *dst, const pr_real *host, size_t n);
+    void (*download_acts)(const pr_backend *be, pr_real *host, const void *src, size_t n);
+    /* out[m] = a row m . b row m (out: host, M) */
+    void (*row_dots)(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C);
     /* optimizer pieces, on parameter-typed arrays */
     double (*sum_squares)(const pr_backend *be, const pr_real *x, size_t n);
     void (*scale)(const pr_backend *be, pr_real *x, size_t n, double s);
@@ -414,6 +421,23 @@ typedef struct {
     int pool_fallbacks;      /* blocks the pool had no room for */
 } pr_offload_stats;
 
+/* MoE load-balancing loss (Switch style, as Qwen3-MoE computes it over every layer's routing
+   together): aux = E * sum_e f_e * P_e, f_e the fraction of (layer, token) routings that chose
+   expert e among their top-k, P_e the mean router probability of e; the step's loss gains
+   router_aux_loss_coef * aux. The scope is the set of tokens one aux loss is computed over in the
+   full-sequence baseline: MICROBATCH, each microbatch (the step adds the mean over microbatches);
+   GROUP, the whole prompt group. Under reuse a prefix token, computed once, stands for its copies
+   in that scope: it counts m times (m = the microbatch's trajectories, or G), in the routing
+   fractions, in the probability mass and in its gradient. The group scope needs every token's
+   routing before any backward: with more than one microbatch a forward-only routing pass runs
+   first (one more forward of the microbatches). */
+typedef enum { PR_AUX_SCOPE_MICROBATCH = 0, PR_AUX_SCOPE_GROUP = 1 } pr_aux_scope;
+typedef struct {
+    pr_aux_scope scope;
+    int prefix_multiplicity; /* 0: the scope's m (the accounting that matches the baseline); > 0 counts
+                                every prefix token that many times instead (1: a negative control) */
+} pr_moe_opts;
+
 typedef struct {
     pr_schedule schedule;
     int microbatch;          /* trajectories per microbatch; 0 = all G in one */
@@ -421,6 +445,7 @@ typedef struct {
     pr_loss_opts loss;
     pr_hooks hooks;
     pr_offload_opts offload;
+    pr_moe_opts moe;
 } pr_step_opts;
 
 enum { PR_PHASE_A = 0, PR_PHASE_B = 1, PR_PHASE_C = 2 };
@@ -429,6 +454,8 @@ typedef struct {
     double seconds[3];       /* wall time of Phase A, B, C (the baseline reports all of it as B) */
     size_t peak_bytes[3];    /* peak activation bytes live (device tier) during each phase */
     pr_offload_stats offload;
+    double aux_loss;         /* MoE: the load-balancing term included in loss (coefficient applied) */
+    int routing_prepass;     /* MoE: 1 when a forward-only routing pass ran first (group scope) */
     long rows;               /* token rows run through the model (padding included) */
     long loss_tokens;        /* tokens with a nonzero loss weight */
     int microbatches;
@@ -470,6 +497,9 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
    log-prob. The group and options are validated before anything is touched. */
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
+/* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
+   token counts G times), n = num_experts values. */
+PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
 /* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
@@ -3136,13 +3166,25 @@ static void pr__cpu_add(const pr_backend *be, void *y, const void *x, size_t n) 
     (void)be;
     for (size_t i = 0; i < n; i++) PR__R(y)[i] += PR__CR(x)[i];
 }
-static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be;
-    for (int m = 0; m < M; m++) memcpy(PR__R(dst) + (size_t)m * C, PR__CR(src) + (size_t)rows[m] * C, sizeof(pr_real) * C);
+    for (int m = 0; m < M; m++) {
+        pr_real *d = PR__R(dst) + (size_t)m * C;
+        const pr_real *x = PR__CR(src) + (size_t)rows[m] * C;
+        if (w) for (int i = 0; i < C; i++) d[i] = w[m] * x[i];
+        else memcpy(d, x, sizeof(pr_real) * C);
+    }
 }
-static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be;
-    for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, 1, PR__CR(src) + (size_t)m * C, C);
+    for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, w ? w[m] : 1, PR__CR(src) + (size_t)m * C, C);
+}
+
+static void pr__cpu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }
+static void pr__cpu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
+static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
+    (void)be;
+    for (int m = 0; m < M; m++) out[m] = pr__dot(PR__CR(a) + (size_t)m * C, PR__CR(b) + (size_t)m * C, C);
 }
 
 /* The GRPO token loss and its derivative in logp.
@@ -3225,6 +3267,8 @@ static const pr_backend pr__cpu_backend = {
     .add = pr__cpu_add, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
     .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
     .adamw = pr__cpu_adamw,
+    .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
+    .row_dots = pr__cpu_row_dots,
 };
 
 PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
@@ -3283,13 +3327,22 @@ static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void 
     (void)be; (void)de; (void)d; (void)t; (void)N; (void)C;
 }
 static void pr__measure_add(const pr_backend *be, void *y, const void *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
-static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
-    (void)be; (void)dst; (void)src; (void)rows; (void)M; (void)C;
+static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
 }
 static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_rows *rows, const pr_loss_opts *o, int V,
                                   pr_real *logp, double *loss) {
     (void)be; (void)z; (void)o; (void)V; (void)loss;
     memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
+}
+static void pr__measure_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; (void)dst; (void)host; (void)n; }
+static void pr__measure_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
+    (void)be; (void)src;
+    memset(host, 0, n * sizeof(pr_real));
+}
+static void pr__measure_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
+    (void)be; (void)a; (void)b; (void)C;
+    memset(out, 0, sizeof(pr_real) * (size_t)M);
 }
 static double pr__measure_sum_squares(const pr_backend *be, const pr_real *x, size_t n) { (void)be; (void)x; (void)n; return 0; }
 static void pr__measure_scale(const pr_backend *be, pr_real *x, size_t n, double s) { (void)be; (void)x; (void)n; (void)s; }
@@ -3317,14 +3370,18 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
     be->add = pr__measure_add; be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
     be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
     be->adamw = pr__measure_adamw;
+    be->upload_acts = pr__measure_upload_acts; be->download_acts = pr__measure_download_acts;
+    be->row_dots = pr__measure_row_dots;
     return be;
 }
 
 /* ---------------------------------------------------------------- trainer: layout of the parameters */
 /* Offsets (in reals) of one layer's tensors in the parameter arena; the gradient, AdamW-moment
    arenas use the same offsets. qn/kn exist only with per-head q/k norms (Qwen3). */
-typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd; } pr__layer_off;
-typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd; } pr__layer_w;
+/* MoE layers have no wg/wu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
+   and down (C,Fm) stored one after the other from `experts` on. */
+typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd, router, experts; } pr__layer_off;
+typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
 
 /* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
    phase that runs many microbatches allocates once. Every byte handed out is counted in the
@@ -3358,6 +3415,7 @@ struct pr_trainer {
     size_t slot_cap[PR__SLOTS];
     int phase;
     int alloc_failed;
+    double *expert_load;                   /* (L,E) MoE: the last step's logical tokens per expert */
 };
 
 static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_norm) {
@@ -3365,6 +3423,7 @@ static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_
     w.ln1 = base + o->ln1; w.wq = base + o->wq; w.wk = base + o->wk; w.wv = base + o->wv;
     w.qn = qk_norm ? base + o->qn : NULL; w.kn = qk_norm ? base + o->kn : NULL;
     w.wo = base + o->wo; w.ln2 = base + o->ln2; w.wg = base + o->wg; w.wu = base + o->wu; w.wd = base + o->wd;
+    w.router = base + o->router; w.experts = base + o->experts;
     return w;
 }
 static pr_real *pr__lm_head(pr_trainer *tr, pr_real *base) {
@@ -3410,9 +3469,24 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
         }
         PR__T(wo, "self_attn.o_proj.weight", C, qd, 1);
         PR__T(ln2, "post_attention_layernorm.weight", C, 0, 0);
-        PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
-        PR__T(wu, "mlp.up_proj.weight", F, C, 1);
-        PR__T(wd, "mlp.down_proj.weight", C, F, 1);
+        if (c->num_experts) {
+            int64_t Fm = c->moe_intermediate_size;
+            PR__T(router, "mlp.gate.weight", c->num_experts, C, 1);
+            for (int e = 0; e < c->num_experts; e++) {
+                size_t first;
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", l, e);
+                first = pr__add_tensor(table, count, total, nm, Fm, C, 1);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.up_proj.weight", l, e);
+                pr__add_tensor(table, count, total, nm, Fm, C, 1);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", l, e);
+                pr__add_tensor(table, count, total, nm, C, Fm, 1);
+                if (e == 0) o.experts = first;
+            }
+        } else {
+            PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
+            PR__T(wu, "mlp.up_proj.weight", F, C, 1);
+            PR__T(wd, "mlp.down_proj.weight", C, F, 1);
+        }
 #undef PR__T
         if (tr->layer_off) tr->layer_off[l] = o;
     }
@@ -3465,8 +3539,6 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_status st = pr_config_validate(cfg, err);
     if (!st && be->check_config) st = be->check_config(be, cfg, err);
-    if (!st && cfg->num_experts > 0)
-        st = pr__fail(err, PR_ERR_UNSUPPORTED, "MoE layers (qwen3_moe) are parsed but the trainer does not run them yet");
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
@@ -3490,6 +3562,14 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     if (!tr->arena || !tr->inv_freq) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %zu bytes of parameters, gradients and AdamW state", arena_bytes);
+    }
+    if (cfg->num_experts) {
+        tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
+        if (!tr->expert_load) {
+            pr_trainer_destroy(tr);
+            return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
+        }
+        memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
     }
     tr->params = tr->arena;
     tr->grads = tr->arena + tr->n_params;
@@ -3522,6 +3602,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
+    PR_FREE(tr->expert_load);
     PR_FREE(tr);
 }
 
@@ -3658,21 +3739,37 @@ typedef struct {
     void *att, *lse;          /* (N,NH*HS) (N,NH) */
     void *x_mid;              /* (N,C) residual after attention */
     void *ln2, *ln2_rstd;     /* (N,C) (N) */
-    void *gate, *up, *h;      /* (N,F) */
+    void *gate, *up, *h;      /* (N,F); MoE: (N*k, Fm), the routed rows grouped by expert */
+    void *ye;                 /* MoE: (N*k, C) each routed row's expert output, before its weight */
+    void *router;             /* MoE: (N, E) router logits (read once, on the host) */
 } pr__layer_acts;
 
 /* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
    stream res[0..L] (res[0] the embeddings, res[l+1] the output of layer l). */
+/* One MoE layer's routing of one pass, decided on the host and kept for its backward. */
+typedef struct {
+    double *prob;             /* (N,E) the router's softmax */
+    double *wsum;             /* (N) sum of the top-k probabilities: the renormaliser (1 without norm_topk_prob) */
+    int *start;               /* (E+1) expert e owns slots start[e] .. start[e+1]-1 */
+    int *row;                 /* (N*k) each slot's row, slots grouped by expert, rows ascending within one */
+    pr_real *w;               /* (N*k) each slot's combine weight */
+    pr_real *dw;              /* (N*k) backward: d(loss)/d(weight) */
+} pr__route;
+
 typedef struct {
     pr_seq_layout lay;
     int N;
     const int32_t *tokens;
+    const uint8_t *real;      /* (N) 1 for a token row, 0 for padding (MoE statistics skip padding) */
     pr__layer_acts *acts;     /* (L) host array of pointers into the arena */
     void **res;               /* (L+1) */
+    pr__route *route;         /* (L) MoE only */
+    const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
 } pr__pass;
 
-/* Scratch for one backward, shared by every layer of it. */
-typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup; } pr__bwd_scratch;
+/* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
+   dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
+typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
 
 /* The next `count` elements of `elem` bytes in a block being laid out from `base` (NULL: sizes only). */
 static void *pr__carve(char *base, size_t *off, size_t count, size_t elem) {
@@ -3705,7 +3802,16 @@ static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__la
     x->att = pr__carve(base, &off, n * qd, A); x->lse = pr__carve(base, &off, n * NH, S);
     x->x_mid = pr__carve(base, &off, n * C, A);
     x->ln2 = pr__carve(base, &off, n * C, A); x->ln2_rstd = pr__carve(base, &off, n, S);
-    x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
+    if (c->num_experts) {
+        const size_t slots = n * (size_t)c->num_experts_per_tok, Fm = c->moe_intermediate_size;
+        x->gate = pr__carve(base, &off, slots * Fm, A); x->up = pr__carve(base, &off, slots * Fm, A);
+        x->h = pr__carve(base, &off, slots * Fm, A);
+        x->ye = pr__carve(base, &off, slots * C, A);
+        x->router = pr__carve(base, &off, n * (size_t)c->num_experts, A);
+    } else {
+        x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
+        x->ye = x->router = NULL;
+    }
     return off;
 }
 
@@ -3731,12 +3837,33 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     }
     ps->res[L] = pr__act(tr, a, n * c->hidden_size);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
+    if (c->num_experts) {        /* the routing tables, host memory, one block per layer */
+        const size_t E = (size_t)c->num_experts, slots = n * (size_t)c->num_experts_per_tok;
+        ps->route = PR_MALLOC(sizeof(pr__route) * (size_t)L);
+        if (!ps->route) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
+        memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
+        for (int l = 0; l < L; l++) {
+            pr__route *rt = &ps->route[l];
+            char *m = PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
+            if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
+            rt->prob = (double *)m;
+            rt->wsum = rt->prob + n * E;
+            rt->w = (pr_real *)(rt->wsum + n);
+            rt->dw = rt->w + slots;
+            rt->start = (int *)(rt->dw + slots);
+            rt->row = rt->start + E + 1;
+        }
+    }
     return PR_OK;
 }
 
-static void pr__pass_free_host(pr__pass *ps) {
+static void pr__pass_free_host(pr__pass *ps, int L) {
+    if (ps->route)
+        for (int l = 0; l < L; l++) PR_FREE(ps->route[l].prob);   /* one allocation per layer */
+    PR_FREE(ps->route);
     PR_FREE(ps->acts);
     PR_FREE(ps->res);
+    ps->route = NULL;
     ps->acts = NULL;
     ps->res = NULL;
 }
@@ -3750,12 +3877,178 @@ static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scr
     s->dq = pr__act(tr, a, n * qd); s->dk = pr__act(tr, a, n * kvd); s->dv = pr__act(tr, a, n * kvd);
     if (c->qk_norm) { s->dq_pre = pr__act(tr, a, n * qd); s->dk_pre = pr__act(tr, a, n * kvd); }
     s->datt = pr__act(tr, a, n * qd);
-    s->dh = pr__act(tr, a, n * F); s->dgate = pr__act(tr, a, n * F); s->dup = pr__act(tr, a, n * F);
+    size_t hidden = n * F;
+    if (c->num_experts) {
+        const size_t slots = n * (size_t)c->num_experts_per_tok;
+        hidden = slots * (size_t)c->moe_intermediate_size;
+        s->dye = pr__act(tr, a, slots * C); s->dxe = pr__act(tr, a, slots * C);
+        s->dlogit = pr__act(tr, a, n * (size_t)c->num_experts);
+    }
+    s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a backward of %d rows", N);
     return PR_OK;
 }
 
 static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->be, p, n * tr->be->act_bytes); }
+
+/* ---- MoE: routing on the host, experts as a loop of GEMMs over their gathered rows */
+/* An activation pointer `elems` elements on. */
+static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
+
+/* Softmax over the router logits in double, the top-k per row (ties to the lower expert index),
+   their weights (renormalised with norm_topk_prob), and the slots grouped by expert. */
+static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
+    const pr_config *c = &tr->cfg;
+    const int E = c->num_experts, k = c->num_experts_per_tok;
+    pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    int *sel = PR_MALLOC(sizeof(int) * (size_t)N * k);
+    if (!z || !sel) {
+        PR_FREE(z);
+        PR_FREE(sel);
+        tr->alloc_failed = 1;
+        return;
+    }
+    tr->be->download_acts(tr->be, z, logits, (size_t)N * E);
+    memset(rt->start, 0, sizeof(int) * (size_t)(E + 1));
+    for (int r = 0; r < N; r++) {
+        const pr_real *zr = z + (size_t)r * E;
+        double *p = rt->prob + (size_t)r * E, mx = -INFINITY, sum = 0;
+        for (int e = 0; e < E; e++) if (zr[e] > mx) mx = zr[e];
+        for (int e = 0; e < E; e++) sum += p[e] = exp((double)zr[e] - mx);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        int *sr = sel + (size_t)r * k;
+        double top = 0;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= sr[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            sr[j] = best;
+            top += p[best];
+            rt->start[best + 1]++;
+        }
+        rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
+    }
+    for (int e = 0; e < E; e++) rt->start[e + 1] += rt->start[e];
+    int *fill = PR_MALLOC(sizeof(int) * (size_t)E);
+    if (!fill) {
+        PR_FREE(z);
+        PR_FREE(sel);
+        tr->alloc_failed = 1;
+        return;
+    }
+    memcpy(fill, rt->start, sizeof(int) * (size_t)E);
+    for (int r = 0; r < N; r++)            /* rows ascending, so each expert's slots are in row order */
+        for (int j = 0; j < k; j++) {
+            int e = sel[(size_t)r * k + j], slot = fill[e]++;
+            rt->row[slot] = r;
+            rt->w[slot] = (pr_real)(rt->prob[(size_t)r * E + e] / rt->wsum[r]);
+        }
+    PR_FREE(fill);
+    PR_FREE(z);
+    PR_FREE(sel);
+}
+
+/* The sparse MLP of layer l: y = sum over each row's top-k experts of weight * expert(ln2 row).
+   Per expert: gather its rows (into its part of ye), gate/up GEMMs, SwiGLU, the down GEMM into ye
+   (the gathered rows are no longer needed), then a weighted scatter-add into y, experts in order. */
+static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
+    pr__layer_acts *a = &ps->acts[l];
+    pr__route *rt = &ps->route[l];
+    be->matmul_fwd(be, a->router, a->ln2, w->router, N, C, E);
+    pr__moe_route(tr, rt, a->router, N);
+    pr__zero_acts(tr, y, (size_t)N * C);
+    if (tr->alloc_failed) return;
+    for (int e = 0; e < E; e++) {
+        const int off = rt->start[e], M = rt->start[e + 1] - off;
+        if (!M) continue;
+        const pr_real *wg = w->experts + (size_t)e * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
+        void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
+        void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
+        be->gather_rows(be, ye, a->ln2, rt->row + off, NULL, M, C);
+        be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
+        be->matmul_fwd(be, ue, ye, wu, M, C, Fm);
+        be->swiglu_fwd(be, he, ge, ue, (size_t)M * Fm);
+        be->matmul_fwd(be, ye, he, wd, M, Fm, C);
+        be->scatter_add_rows(be, y, ye, rt->row + off, rt->w + off, M, C);
+    }
+}
+
+/* Backward of the sparse MLP: d(ln2) into s->dln from d(y) in s->dres. Each slot's weight gets
+   d/dw = dy . ye; the experts see dy scaled by their weight. On the host the weights' gradients
+   go back through the renormalisation and, with the load-balancing loss's own gradient
+   (ps->aux_g, per expert, for every real row), through the router's softmax. */
+static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
+                             const pr__layer_w *g) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
+    pr__layer_acts *a = &ps->acts[l];
+    pr__route *rt = &ps->route[l];
+    pr__zero_acts(tr, s->dln, (size_t)N * C);
+    for (int e = 0; e < E; e++) {
+        const int off = rt->start[e], M = rt->start[e + 1] - off;
+        if (!M) continue;
+        const size_t eo = (size_t)e * 3 * Fm * C;
+        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
+        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C, *gd = gu + (size_t)Fm * C;
+        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
+        void *dh = pr__act_at(tr, s->dh, (size_t)off * Fm), *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm);
+        void *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
+        void *ge = pr__act_at(tr, a->gate, (size_t)off * Fm), *ue = pr__act_at(tr, a->up, (size_t)off * Fm);
+        void *he = pr__act_at(tr, a->h, (size_t)off * Fm), *ye = pr__act_at(tr, a->ye, (size_t)off * C);
+        be->gather_rows(be, dy, s->dres, rt->row + off, NULL, M, C);
+        be->row_dots(be, rt->dw + off, dy, ye, M, C);
+        be->gather_rows(be, dy, s->dres, rt->row + off, rt->w + off, M, C);       /* the expert's share */
+        pr__zero_acts(tr, dh, (size_t)M * Fm);
+        be->matmul_bwd(be, dh, gd, dy, he, wd, M, Fm, C);
+        pr__zero_acts(tr, dg, (size_t)M * Fm);
+        pr__zero_acts(tr, du, (size_t)M * Fm);
+        be->swiglu_bwd(be, dg, du, dh, ge, ue, (size_t)M * Fm);
+        be->gather_rows(be, dy, a->ln2, rt->row + off, NULL, M, C);               /* dy's room: the expert's input */
+        pr__zero_acts(tr, dx, (size_t)M * C);
+        be->matmul_bwd(be, dx, gg, dg, dy, wg, M, C, Fm);
+        be->matmul_bwd(be, dx, gu, du, dy, wu, M, C, Fm);
+        be->scatter_add_rows(be, s->dln, dx, rt->row + off, NULL, M, C);
+    }
+    /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
+       dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
+    double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
+    pr_real *dz = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    if (!dp || !dz) {
+        PR_FREE(dp);
+        PR_FREE(dz);
+        tr->alloc_failed = 1;
+        return;
+    }
+    double *D = dp + (size_t)N * E;
+    memset(dp, 0, sizeof(double) * ((size_t)N * E + N));
+    const int slots = rt->start[E];
+    if (c->norm_topk_prob)
+        for (int j = 0; j < slots; j++) D[rt->row[j]] += (double)rt->dw[j] * rt->w[j];
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
+            int r = rt->row[j];
+            dp[(size_t)r * E + e] += ((double)rt->dw[j] - D[r]) / rt->wsum[r];
+        }
+    for (int r = 0; r < N; r++) {
+        const double *p = rt->prob + (size_t)r * E;
+        double *dpr = dp + (size_t)r * E, dot = 0;
+        if (ps->aux_g && ps->real[r])
+            for (int e = 0; e < E; e++) dpr[e] += ps->aux_g[e];
+        for (int e = 0; e < E; e++) dot += p[e] * dpr[e];
+        for (int e = 0; e < E; e++) dz[(size_t)r * E + e] = (pr_real)(p[e] * (dpr[e] - dot));
+    }
+    be->upload_acts(be, s->dlogit, dz, (size_t)N * E);
+    be->matmul_bwd(be, s->dln, g->router, s->dlogit, a->ln2, w->router, N, C, E);
+    PR_FREE(dp);
+    PR_FREE(dz);
+}
 
 /* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
 static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *kp, const void *vp) {
@@ -3785,10 +4078,14 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     be->matmul_fwd(be, a->x_mid, a->att, w.wo, N, qd, C);      /* x_mid = x + att @ wo^T */
     be->add(be, a->x_mid, x, (size_t)N * C);
     be->rmsnorm_fwd(be, a->ln2, a->ln2_rstd, a->x_mid, w.ln2, N, C, c->rms_norm_eps);
-    be->matmul_fwd(be, a->gate, a->ln2, w.wg, N, C, F);
-    be->matmul_fwd(be, a->up, a->ln2, w.wu, N, C, F);
-    be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
-    be->matmul_fwd(be, y, a->h, w.wd, N, F, C);                /* y = x_mid + h @ wd^T */
+    if (c->num_experts) {
+        pr__moe_forward(tr, ps, l, &w, y);                     /* y = x_mid + sum_k w_k expert_k(ln2) */
+    } else {
+        be->matmul_fwd(be, a->gate, a->ln2, w.wg, N, C, F);
+        be->matmul_fwd(be, a->up, a->ln2, w.wu, N, C, F);
+        be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
+        be->matmul_fwd(be, y, a->h, w.wd, N, F, C);            /* y = x_mid + h @ wd^T */
+    }
     be->add(be, y, a->x_mid, (size_t)N * C);
 }
 
@@ -3807,17 +4104,21 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     pr__layer_acts *a = &ps->acts[l];
     const size_t nC = (size_t)N * C, nF = (size_t)N * F;
 
-    /* y = x_mid + h @ wd^T  (the residual passes dres through unchanged) */
-    pr__zero_acts(tr, s->dh, nF);
-    be->matmul_bwd(be, s->dh, g.wd, s->dres, a->h, w.wd, N, F, C);
-    /* h = silu(gate) * up */
-    pr__zero_acts(tr, s->dgate, nF);
-    pr__zero_acts(tr, s->dup, nF);
-    be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, nF);
-    /* gate = ln2 @ wg^T, up = ln2 @ wu^T */
-    pr__zero_acts(tr, s->dln, nC);
-    be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
-    be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
+    if (c->num_experts) {
+        pr__moe_backward(tr, ps, l, s, &w, &g);                /* s->dln = d(ln2) */
+    } else {
+        /* y = x_mid + h @ wd^T  (the residual passes dres through unchanged) */
+        pr__zero_acts(tr, s->dh, nF);
+        be->matmul_bwd(be, s->dh, g.wd, s->dres, a->h, w.wd, N, F, C);
+        /* h = silu(gate) * up */
+        pr__zero_acts(tr, s->dgate, nF);
+        pr__zero_acts(tr, s->dup, nF);
+        be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, nF);
+        /* gate = ln2 @ wg^T, up = ln2 @ wu^T */
+        pr__zero_acts(tr, s->dln, nC);
+        be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
+        be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
+    }
     /* ln2 = rmsnorm(x_mid): dres becomes d(x_mid) */
     be->rmsnorm_bwd(be, s->dres, g.ln2, s->dln, a->x_mid, w.ln2, a->ln2_rstd, N, C);
     /* x_mid = x + att @ wo^T */
@@ -3862,7 +4163,8 @@ typedef struct {
     pr_seq_layout lay;
     int *seg_off;
     int32_t *tokens;
-    int N;
+    uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
+    int N, n_traj;            /* rows; trajectories whose rows these are */
     pr__head_plan head;
 } pr__batch;
 
@@ -3873,7 +4175,7 @@ typedef enum {
 } pr__batch_kind;
 
 static void pr__batch_free(pr__batch *b) {
-    PR_FREE(b->seg_off); PR_FREE(b->tokens);
+    PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real);
     PR_FREE(b->head.row); PR_FREE(b->head.flat); PR_FREE(b->head.target);
     PR_FREE(b->head.old_logp); PR_FREE(b->head.ref_logp); PR_FREE(b->head.advantage); PR_FREE(b->head.weight);
     memset(b, 0, sizeof *b);
@@ -3905,8 +4207,10 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     long rows = kind == PR__BATCH_PREFIX ? P : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
     long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
     b->N = (int)rows;
+    b->n_traj = n;
     b->seg_off = PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
     b->tokens = PR_MALLOC(sizeof(int32_t) * (size_t)rows);
+    b->real = PR_MALLOC((size_t)(rows > 0 ? rows : 1));
     size_t mr = (size_t)(mrows > 0 ? mrows : 1);
     b->head.row = PR_MALLOC(sizeof(int) * mr);
     b->head.flat = PR_MALLOC(sizeof(long) * mr);
@@ -3915,7 +4219,7 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     b->head.ref_logp = g->ref_logp ? PR_MALLOC(sizeof(pr_real) * mr) : NULL;
     b->head.advantage = PR_MALLOC(sizeof(pr_real) * mr);
     b->head.weight = PR_MALLOC(sizeof(pr_real) * mr);
-    if (!b->seg_off || !b->tokens || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
+    if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
         (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
         pr__batch_free(b);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a batch of %ld rows", rows);
@@ -3927,6 +4231,7 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     if (kind == PR__BATCH_PREFIX) {
         b->seg_off[0] = 0; b->seg_off[1] = P;
         memcpy(b->tokens, g->prefix, sizeof(int32_t) * (size_t)P);
+        memset(b->real, 1, (size_t)P);
         for (int i = i0; i < i0 + n; i++) pr__head_push(&b->head, g, tok_weight, P - 1, i, 0);
         return PR_OK;
     }
@@ -3942,7 +4247,10 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
             t += P;
         }
         memcpy(t, suf, sizeof(int32_t) * (size_t)S);
-        for (int r = (int)(t - (b->tokens + off)) + S; r < len; r++) b->tokens[off + r] = 0;   /* padding */
+        int used = (int)(t - (b->tokens + off)) + S;
+        for (int r = used; r < len; r++) b->tokens[off + r] = 0;   /* padding */
+        memset(b->real + off, 1, (size_t)used);
+        memset(b->real + off + used, 0, (size_t)(len - used));
         if (kind == PR__BATCH_FULL)
             for (int j = 0; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + P - 1 + j, i, j);
         else
@@ -3977,7 +4285,7 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
         int n = hp->M - m0 < ch ? hp->M - m0 : ch;
         pr_head_rows rows = { n, hp->target + m0, hp->old_logp + m0, hp->ref_logp ? hp->ref_logp + m0 : NULL,
                               hp->advantage + m0, hp->weight + m0 };
-        be->gather_rows(be, xr, x_final, hp->row + m0, n, C);
+        be->gather_rows(be, xr, x_final, hp->row + m0, NULL, n, C);
         be->rmsnorm_fwd(be, xn, rstd, xr, wn, n, C, tr->cfg.rms_norm_eps);
         be->matmul_fwd(be, logits, xn, wh, n, C, V);
         be->loss_head(be, logits, &rows, lo, V, lp, loss);              /* logits now hold dlogits */
@@ -3985,7 +4293,7 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
         be->matmul_bwd(be, dxn, gh, logits, xn, wh, n, C, V);
         pr__zero_acts(tr, dxr, (size_t)n * C);
         be->rmsnorm_bwd(be, dxr, gn, dxn, xr, wn, rstd, n, C);
-        be->scatter_add_rows(be, dx_final, dxr, hp->row + m0, n, C);
+        be->scatter_add_rows(be, dx_final, dxr, hp->row + m0, NULL, n, C);
         if (logp_flat)
             for (int m = 0; m < n; m++) logp_flat[hp->flat[m0 + m]] = lp[m];
     }
@@ -4176,6 +4484,21 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     o->own = NULL;
 }
 
+/* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Sums run over MoE layers and real
+   rows: count[e] routings to e, prob[e] router probability of e, M routings in all. */
+typedef struct {
+    int on, E, B, G, reuse, prepass;
+    double coef;
+    const pr_moe_opts *opt;
+    double *pre_count, *pre_prob, pre_M;   /* the prefix pass, each row once (reuse) */
+    double *F, M_tot;                      /* group scope: the group's routing fractions, and M */
+    double *prob_tot;                      /* group scope: probability mass of the passes run so far */
+    double *c;                             /* aux gradient per expert for each prefix row (Phase C) */
+    double *g;                             /* aux gradient per expert for each row of the current pass */
+    double *count, *prob;                  /* scratch */
+    double aux;                            /* the loss term so far, coefficient applied */
+} pr__moe_acc;
+
 typedef struct {
     const pr_group *g;
     const pr_step_opts *opt;
@@ -4183,7 +4506,74 @@ typedef struct {
     pr_real *logp;
     double loss;
     long rows;
+    pr__moe_acc moe;
 } pr__step_ctx;
+
+/* How many times a prefix token counts in a scope that holds n trajectories. */
+static double pr__prefix_mult(const pr__moe_acc *m, int n) {
+    return m->opt->prefix_multiplicity > 0 ? m->opt->prefix_multiplicity : n;
+}
+
+/* Adds a pass's routing sums (MoE layers, real rows) to count/prob/M; its load, times load_mult,
+   to the trainer's per-layer expert load. */
+static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *count, double *prob, double *M, double load_mult) {
+    const int E = tr->cfg.num_experts, L = tr->cfg.num_hidden_layers;
+    for (int l = 0; l < L; l++) {
+        const pr__route *rt = &ps->route[l];
+        for (int e = 0; e < E; e++)
+            for (int j = rt->start[e]; j < rt->start[e + 1]; j++)
+                if (ps->real[rt->row[j]]) {
+                    count[e] += 1;
+                    if (load_mult > 0) tr->expert_load[(size_t)l * E + e] += load_mult;
+                }
+        for (int r = 0; r < ps->N; r++)
+            if (ps->real[r]) {
+                for (int e = 0; e < E; e++) prob[e] += rt->prob[(size_t)r * E + e];
+                *M += 1;
+            }
+    }
+}
+
+/* After the forward of one microbatch of n trajectories (suffixes under reuse, whole sequences in
+   the baseline): its aux gradient per expert (m->g), the prefix's share of it (m->c), and, for the
+   microbatch scope, its aux loss. */
+static void pr__moe_after_forward(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, int n) {
+    const int E = m->E;
+    double M = 0;
+    memset(m->count, 0, sizeof(double) * (size_t)E);
+    memset(m->prob, 0, sizeof(double) * (size_t)E);
+    pr__route_sums(tr, ps, m->count, m->prob, &M, 1.0);
+    if (m->opt->scope == PR_AUX_SCOPE_MICROBATCH) {
+        double pm = m->reuse ? pr__prefix_mult(m, n) : 0, aux = 0, w = m->coef / m->B;
+        M += pm * m->pre_M;
+        for (int e = 0; e < E; e++) {
+            double f = (m->count[e] + pm * m->pre_count[e]) / M, P = (m->prob[e] + pm * m->pre_prob[e]) / M;
+            aux += f * P;
+            m->g[e] = w * E * f / M;
+            m->c[e] += m->g[e] * pm;
+        }
+        m->aux += w * E * aux;
+        return;
+    }
+    if (!m->prepass) {           /* one microbatch holds the whole group: its routing is the group's */
+        double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0;
+        m->M_tot = M + pm * m->pre_M;
+        for (int e = 0; e < E; e++) m->F[e] = (m->count[e] + pm * m->pre_count[e]) / m->M_tot;
+    }
+    for (int e = 0; e < E; e++) {
+        m->prob_tot[e] += m->prob[e];
+        m->g[e] = m->coef * E * m->F[e] / m->M_tot;
+        m->c[e] = m->g[e] * (m->reuse ? pr__prefix_mult(m, m->G) : 0);
+    }
+}
+
+/* The group scope's aux loss, once every pass has run. */
+static void pr__moe_group_aux(pr__moe_acc *m) {
+    if (!m->on || m->opt->scope != PR_AUX_SCOPE_GROUP) return;
+    double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0, aux = 0;
+    for (int e = 0; e < m->E; e++) aux += m->F[e] * (m->prob_tot[e] + pm * m->pre_prob[e]) / m->M_tot;
+    m->aux = m->coef * m->E * aux;
+}
 
 /* Forward, loss and backward of one microbatch, all of it in the step arena. With a prefix state
    (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this microbatch
@@ -4199,12 +4589,20 @@ static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__
     memset(&p, 0, sizeof p);
     p.lay = b->lay;
     p.tokens = b->tokens;
+    p.real = b->real;
     pr_status st = pr__pass_alloc(tr, &tr->step_arena, &p, b->N, 1, err);
     if (!st) st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, b->N, err);
     if (!st) {
         be->embed_fwd(be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, C);
         for (int l = 0; l < L; l++)
             pr__layer_forward(tr, &p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
+        if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p.N);
+    }
+    if (!st && cx->moe.on) {
+        pr__moe_after_forward(tr, &cx->moe, &p, b->n_traj);
+        p.aux_g = cx->moe.g;
+    }
+    if (!st) {
         pr__zero_acts(tr, s.dres, (size_t)p.N * C);
         st = pr__head(tr, &tr->step_arena, p.res[L], s.dres, &b->head, &cx->opt->loss, cx->logp, &cx->loss, err);
     }
@@ -4225,10 +4623,50 @@ static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__
         }
         be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, p.tokens, p.N, C);
         cx->rows += p.N;
+        if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d rows", p.N);
     }
-    pr__pass_free_host(&p);
+    pr__pass_free_host(&p, L);
     pr__arena_reset(tr, &tr->step_arena);
     return st;
+}
+
+/* The group scope's routing pre-pass: every microbatch forward only, for the routing fractions
+   the backward needs before any microbatch may run it. ps: the prefix state under reuse (its
+   K/V read as in Phase B), or NULL for the baseline's whole sequences. */
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
+    pr__moe_acc *m = &cx->moe;
+    const int L = tr->cfg.num_hidden_layers, G = cx->g->G;
+    double M = 0;
+    memset(m->count, 0, sizeof(double) * (size_t)m->E);
+    memset(m->prob, 0, sizeof(double) * (size_t)m->E);
+    pr_status st = PR_OK;
+    for (int i0 = 0; i0 < G && !st; i0 += mb) {
+        pr__batch b;
+        pr__pass p;
+        memset(&p, 0, sizeof p);
+        st = pr__batch_build(&b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0, ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL,
+                             ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
+        if (st) break;
+        p.lay = b.lay;
+        p.tokens = b.tokens;
+        p.real = b.real;
+        st = pr__pass_alloc(tr, &tr->step_arena, &p, b.N, 1, err);
+        if (!st) {
+            tr->be->embed_fwd(tr->be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, tr->cfg.hidden_size);
+            for (int l = 0; l < L; l++)
+                pr__layer_forward(tr, &p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
+            if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p.N);
+            else pr__route_sums(tr, &p, m->count, m->prob, &M, 0);   /* the load is counted by the real pass */
+        }
+        pr__pass_free_host(&p, L);
+        pr__arena_reset(tr, &tr->step_arena);
+        pr__batch_free(&b);
+    }
+    if (st) return st;
+    double pm = ps ? pr__prefix_mult(m, G) : 0;
+    m->M_tot = M + pm * m->pre_M;
+    for (int e = 0; e < m->E; e++) m->F[e] = (m->count[e] + pm * m->pre_count[e]) / m->M_tot;
+    return PR_OK;
 }
 
 /* Phase A: the prefix forward once. Its saved tensors stay in the prefix arena until Phase C;
@@ -4242,6 +4680,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (st) return st;
     ps->pass.lay = ps->batch.lay;
     ps->pass.tokens = ps->batch.tokens;
+    ps->pass.real = ps->batch.real;
     ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
     ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
@@ -4266,6 +4705,8 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
+    if (cx->moe.on) pr__route_sums(tr, &ps->pass, cx->moe.pre_count, cx->moe.pre_prob, &cx->moe.pre_M, (double)cx->g->G);
     cx->rows += P;
     return PR_OK;
 }
@@ -4293,6 +4734,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     const pr_hooks *h = &cx->opt->hooks;
     const size_t budget = cx->opt->offload.device_budget;
     pr__offload *o = &ps->off;
+    ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
     pr__bwd_scratch s;
     pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
@@ -4313,6 +4755,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL);
         if (o->on) pr__block_done(tr, o, l);
     }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
     be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
     return PR_OK;
 }
@@ -4331,6 +4774,9 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (o->layout != PR_LAYOUT_PADDED && o->layout != PR_LAYOUT_PACKED)
         return pr__fail(err, PR_ERR_ARG, "unknown layout %d", (int)o->layout);
     if (o->microbatch < 0) return pr__fail(err, PR_ERR_ARG, "microbatch must be >= 1 (or 0 for the whole group), got %d", o->microbatch);
+    if ((o->moe.scope != PR_AUX_SCOPE_MICROBATCH && o->moe.scope != PR_AUX_SCOPE_GROUP) || o->moe.prefix_multiplicity < 0)
+        return pr__fail(err, PR_ERR_ARG, "MoE options: unknown aux-loss scope %d or negative prefix multiplicity %d",
+                        (int)o->moe.scope, o->moe.prefix_multiplicity);
     if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
@@ -4378,7 +4824,28 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
     }
     pr__token_weights(g, opt->loss.norm, tok_weight);
-    pr__step_ctx cx = { g, opt, tok_weight, lp, 0.0, 0 };
+    pr__step_ctx cx;
+    memset(&cx, 0, sizeof cx);
+    cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
+    pr__moe_acc *moe = &cx.moe;
+    double *moe_mem = NULL;
+    if (tr->cfg.num_experts) {
+        const int E = tr->cfg.num_experts;
+        moe_mem = PR_MALLOC(sizeof(double) * 8 * (size_t)E);
+        if (!moe_mem) {
+            PR_FREE(tok_weight);
+            if (!logp) PR_FREE(lp);
+            return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+        }
+        memset(moe_mem, 0, sizeof(double) * 8 * (size_t)E);
+        moe->on = 1; moe->E = E; moe->G = G; moe->B = (G + mb - 1) / mb; moe->opt = &opt->moe;
+        moe->coef = tr->cfg.router_aux_loss_coef;
+        moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
+        moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && moe->B > 1;
+        moe->pre_count = moe_mem; moe->pre_prob = moe_mem + E; moe->F = moe_mem + 2 * E; moe->prob_tot = moe_mem + 3 * E;
+        moe->c = moe_mem + 4 * E; moe->g = moe_mem + 5 * E; moe->count = moe_mem + 6 * E; moe->prob = moe_mem + 7 * E;
+        memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
+    }
     pr_step_stats s;
     memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
@@ -4388,6 +4855,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     double t0 = pr__now();
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
         pr__enter_phase(tr, PR_PHASE_B);
+        if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
         for (int i0 = 0; i0 < G && !st; i0 += mb, s.microbatches++) {
             pr__batch b;
             st = pr__batch_build(&b, g, tok_weight, i0, i0 + mb <= G ? mb : G - i0, PR__BATCH_FULL, 0, err);
@@ -4404,6 +4872,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         be->sync(be);
         double t1 = pr__now();
         pr__enter_phase(tr, PR_PHASE_B);
+        if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
         for (int i0 = 0; i0 < G && !st; i0 += mb, s.microbatches++)
             st = pr__phase_b_suffix_microbatch(tr, &cx, &ps, i0, i0 + mb <= G ? mb : G - i0, s.microbatches, err);
         be->sync(be);
@@ -4415,7 +4884,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
         s.offload = ps.off.st;
         pr__offload_end(tr, &ps.off);
-        pr__pass_free_host(&ps.pass);
+        pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
         pr__batch_free(&ps.batch);
         PR_FREE(ps.gk);
         PR_FREE(ps.gv);
@@ -4425,13 +4894,27 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     for (long f = 0; f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
     PR_FREE(tok_weight);
     if (!logp) PR_FREE(lp);
+    pr__moe_group_aux(moe);
+    s.aux_loss = moe->aux;
+    s.routing_prepass = moe->prepass;
+    PR_FREE(moe_mem);
     if (!st && be->take_error) st = be->take_error(be, err);
     if (st) return st;
-    s.loss = cx.loss;
+    s.loss = cx.loss + s.aux_loss;
     s.rows = cx.rows;
     memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
     s.flops = pr_step_flops(&tr->cfg, g, opt->schedule);
     if (stats) *stats = s;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err) {
+    if (!tr || !load) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: NULL argument");
+    if (!tr->cfg.num_experts) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: the model has no experts");
+    if (layer < 0 || layer >= tr->cfg.num_hidden_layers || n != tr->cfg.num_experts)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: layer %d of %d, %d values for %d experts", layer,
+                        tr->cfg.num_hidden_layers, n, tr->cfg.num_experts);
+    memcpy(load, tr->expert_load + (size_t)layer * n, sizeof(double) * (size_t)n);
     return PR_OK;
 }
 
@@ -4460,7 +4943,9 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
 PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
     double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
     double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
-    double per_token = 6 * (C * qd + 2 * C * kvd + qd * C + 3 * C * F) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
+    double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
+                                : 3 * C * F;              /* MoE: router, then k experts per token */
+    double per_token = 6 * (C * qd + 2 * C * kvd + qd * C + mlp) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
     double per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
     double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
     for (int i = 0; i < g->G; i++) {

@@ -849,16 +849,28 @@ __global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int32_t *uni
     for (int i = start[blockIdx.x]; i < start[blockIdx.x + 1]; i++) s += __bfloat162float(dout[(size_t)rows[i] * C + c]);
     demb[(size_t)uniq[blockIdx.x] * C + c] += s;
 }
-__global__ void pr_k_gather_rows(bf16 *dst, const bf16 *src, const int *rows, int M, int C) {
+/* w NULL: weight 1 */
+__global__ void pr_k_gather_rows(bf16 *dst, const bf16 *src, const int *rows, const float *w, int M, int C) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)M * C) return;
-    dst[i] = src[(size_t)rows[i / C] * C + i % C];
+    bf16 x = src[(size_t)rows[i / C] * C + i % C];
+    dst[i] = w ? __float2bfloat16(w[i / C] * __bfloat162float(x)) : x;
 }
-__global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *rows, int M, int C) {
+__global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *rows, const float *w, int M, int C) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)M * C) return;
     bf16 *d = dst + (size_t)rows[i / C] * C + i % C;
-    *d = __float2bfloat16(__bfloat162float(*d) + __bfloat162float(src[i]));
+    float x = __bfloat162float(src[i]);
+    *d = __float2bfloat16(__bfloat162float(*d) + (w ? w[i / C] * x : x));
+}
+/* out[m] = a row m . b row m, one warp per row */
+__global__ void pr_k_row_dots(float *out, const bf16 *a, const bf16 *b, int M, int C) {
+    int m = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (m >= M) return;
+    float s = 0;
+    for (int i = lane; i < C; i += 32) s += __bfloat162float(a[(size_t)m * C + i]) * __bfloat162float(b[(size_t)m * C + i]);
+    s = pr_warp_sum(s);
+    if (lane == 0) out[m] = s;
 }
 
 static void pr_cu_swiglu_fwd(const pr_backend *be, void *h, const void *gate, const void *up, size_t n) {
@@ -931,21 +943,51 @@ static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dou
     pr_k_embed_bwd<<<dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream>>>(demb, (const bf16 *)dout, du, ds, dr, C);
     pr_cu_launched(cx, "embed_bwd");
 }
-static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
-    pr_cu *cx = pr_cu_of(be);
+/* Row lists (and weights) are staged together: both must survive until the kernel runs. */
+static void pr_cu_rows_op(pr_cu *cx, int scatter, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     if (M <= 0) return;
+    if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int) * (size_t)M) + pr_cu_stage_size(sizeof(float) * (size_t)M))) return;
     const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
-    if (!dr) return;
-    pr_k_gather_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, M, C);
-    pr_cu_launched(cx, "gather_rows");
+    const float *dw = w ? (const float *)pr_cu_stage(cx, w, sizeof(float) * (size_t)M) : NULL;
+    if (!dr || (w && !dw)) return;
+    if (scatter) pr_k_scatter_add_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
+    else pr_k_gather_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
+    pr_cu_launched(cx, scatter ? "scatter_add_rows" : "gather_rows");
 }
-static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, int M, int C) {
+static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    pr_cu_rows_op(pr_cu_of(be), 0, dst, src, rows, w, M, C);
+}
+static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    pr_cu_rows_op(pr_cu_of(be), 1, dst, src, rows, w, M, C);
+}
+static void pr_cu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
-    const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
-    if (!dr) return;
-    pr_k_scatter_add_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, M, C);
-    pr_cu_launched(cx, "scatter_add_rows");
+    float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M);
+    if (!dev) return;
+    pr_k_row_dots<<<pr_cu_blocks((size_t)M, 8), 256, 0, cx->stream>>>(dev, (const bf16 *)a, (const bf16 *)b, M, C);
+    pr_cu_launched(cx, "row_dots");
+    if (pr_cu_ok(cx, cudaMemcpyAsync(out, dev, sizeof(float) * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "row_dots download"))
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "row_dots");
+}
+/* Host reals to and from bf16 activations, converted on the host. */
+static void pr_cu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    uint16_t *h = (uint16_t *)malloc(2 * (n ? n : 1));
+    if (!h) { pr_cu_fail(cx, PR_ERR_NOMEM, "upload_acts: out of host memory"); return; }
+    for (size_t i = 0; i < n; i++) h[i] = pr_f32_to_bf16(host[i]);
+    /* from pageable memory the runtime stages the data before returning, so h can go at once */
+    pr_cu_ok(cx, cudaMemcpyAsync(dst, h, 2 * n, cudaMemcpyHostToDevice, cx->stream), "upload_acts");
+    free(h);
+}
+static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    uint16_t *h = (uint16_t *)malloc(2 * (n ? n : 1));
+    if (!h) { pr_cu_fail(cx, PR_ERR_NOMEM, "download_acts: out of host memory"); return; }
+    if (pr_cu_ok(cx, cudaMemcpyAsync(h, src, 2 * n, cudaMemcpyDeviceToHost, cx->stream), "download_acts") &&
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "download_acts"))
+        for (size_t i = 0; i < n; i++) host[i] = pr_bf16_to_f32(h[i]);
+    free(h);
 }
 
 /* ---------------------------------------------------------------- loss head */
@@ -1207,6 +1249,9 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->add = pr_cu_add;
     be->gather_rows = pr_cu_gather_rows;
     be->scatter_add_rows = pr_cu_scatter_add_rows;
+    be->row_dots = pr_cu_row_dots;
+    be->upload_acts = pr_cu_upload_acts;
+    be->download_acts = pr_cu_download_acts;
     be->loss_head = pr_cu_loss_head;
     be->sum_squares = pr_cu_sum_squares;
     be->scale = pr_cu_scale;

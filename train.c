@@ -48,6 +48,9 @@ static void usage(FILE *f) {
         "  --schedule S           baseline | reuse (default reuse)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
         "  --layout L             padded | packed: the reuse schedule's Phase-B layout (default padded)\n"
+        "  --aux-scope S          MoE load-balancing loss scope: microbatch | group (default microbatch)\n"
+        "  --prefix-multiplicity N  MoE: count each prefix token N times in the aux loss instead of the\n"
+        "                         scope's (0, the default, is the accounting that matches the baseline)\n"
         "  --offload on|off       move the prefix's dormant saved tensors to pinned host memory between\n"
         "                         Phase A and Phase C (reuse schedule; default off)\n"
         "  --offload-pool MIB     host staging pool size; default: the dormant footprint + 1/16\n"
@@ -153,6 +156,12 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
+        else if (!strcmp(a, "--aux-scope")) {
+            if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
+            else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--prefix-multiplicity")) ok = parse_int(v, &o->step.moe.prefix_multiplicity) && o->step.moe.prefix_multiplicity >= 0;
         else if (!strcmp(a, "--offload")) {
             if (!strcmp(v, "on")) o->step.offload.enabled = 1;
             else if (!strcmp(v, "off")) o->step.offload.enabled = 0;
@@ -239,6 +248,24 @@ static void print_offload(const char *indent, const pr_offload_stats *s) {
            s->prefetches_refused, s->pool_fallbacks);
 }
 
+/* MoE: the aux term and, per layer, how evenly the logical tokens spread over the experts. */
+static void print_routing(const pr_trainer *tr, const pr_config *cfg, const pr_step_stats *st) {
+    double *load = malloc(sizeof(double) * cfg->num_experts);
+    if (!load) return;
+    printf("          MoE: aux loss %.6f%s; expert load (max/mean, min/mean) per layer:", st->aux_loss,
+           st->routing_prepass ? " (after a routing pre-pass)" : "");
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        if (pr_trainer_expert_load(tr, l, load, cfg->num_experts, NULL)) break;
+        double sum = 0, mx = 0, mn = INFINITY;
+        for (int e = 0; e < cfg->num_experts; e++) { sum += load[e]; mx = fmax(mx, load[e]); mn = fmin(mn, load[e]); }
+        double mean = sum / cfg->num_experts;
+        if (l < 8 || l == cfg->num_hidden_layers - 1) printf(" %d:%.2f/%.2f", l, mx / mean, mn / mean);
+        else if (l == 8) printf(" ...");
+    }
+    printf("\n");
+    free(load);
+}
+
 static int run_training(const options *o, const pr_config *cfg, const pr_trace *trace) {
     pr_error err;
     pr_trainer *tr;
@@ -265,6 +292,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
                1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
                st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
         if (o->step.offload.enabled) print_offload("          ", &st.offload);
+        if (cfg->num_experts) print_routing(tr, cfg, &st);
     }
     int rc = 0;
     if (o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) rc = fail(&err);

@@ -222,8 +222,8 @@ static void test_embed_rows(int N, int C, int V) {
     int M = N / 3, *rows = malloc(sizeof(int) * (M ? M : 1));
     for (int m = 0; m < M; m++) rows[m] = N - 1 - 3 * m;
     void *gat = dev_poison((size_t)M * C, 2);
-    be->gather_rows(be, gat, dy_, rows, M, C);
-    be->scatter_add_rows(be, dy_, gat, rows, M, C);
+    be->gather_rows(be, gat, dy_, rows, NULL, M, C);
+    be->scatter_add_rows(be, dy_, gat, rows, NULL, M, C);
     expect_backend_ok("embed/rows");
     double *gy = host_bf16(y_, (size_t)N * C), *gd = host_f32(d_, (size_t)V * C), *gg = host_bf16(gat, (size_t)M * C);
     double *gs = host_bf16(dy_, (size_t)N * C), *rg = malloc(sizeof(double) * (M ? M : 1) * C), *rs = copy_of(dy, (size_t)N * C);
