@@ -270,9 +270,14 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     pr_error err;
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
-    printf("model %s: %d layers, hidden %d, %d/%d heads x %d, MLP %d, vocabulary %d, %.2f M parameters (%.1f MiB with gradients and AdamW state)\n",
+    char mlp[96];
+    if (cfg->num_experts)
+        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d", cfg->num_experts, cfg->num_experts_per_tok, cfg->moe_intermediate_size);
+    else
+        snprintf(mlp, sizeof mlp, "%d", cfg->intermediate_size);
+    printf("model %s: %d layers, hidden %d, %d/%d heads x %d, MLP %s, vocabulary %d, %.2f M parameters (%.1f MiB with gradients and AdamW state)\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, cfg->num_attention_heads, cfg->num_key_value_heads,
-           cfg->head_dim, cfg->intermediate_size, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
+           cfg->head_dim, mlp, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
     printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, %s precision\n", o->trace, trace->n_groups,
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,

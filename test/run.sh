@@ -1,6 +1,7 @@
 #!/bin/sh
 # Runs every test program of a build folder and ./train --check in both precisions (offload off
-# and on); prints each program's output, then the total as the last line: "N passed, N failed".
+# and on, and the MoE preset in both aux-loss scopes); prints each program's output, then the
+# total as the last line: "N passed, N failed".
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 for p in float double; do
@@ -9,5 +10,8 @@ done
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+    for scope in microbatch group; do
+        run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
+    done
 done
 report

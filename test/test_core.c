@@ -155,8 +155,8 @@ static int close_arenas(pr_trainer *tr, const pr_real *a, const pr_real *b, cons
 }
 
 /* ------------------------------------------------------------------ baseline vs reuse */
-static void equivalence_case(const pr_config *c, int P, int G, const int *S, int mb_base, int mb_reuse,
-                             pr_layout layout, pr_loss_norm norm, const char *label) {
+static void equivalence_case_moe(const pr_config *c, int P, int G, const int *S, int mb_base, int mb_reuse,
+                                 pr_layout layout, pr_loss_norm norm, const pr_moe_opts *moe, const char *label) {
     test_group t;
     make_group(&t, P, G, S, c->vocab_size, (uint64_t)(P * 131 + G * 17 + mb_reuse));
     pr_trainer *a = make_model(c, 5), *b = make_model(c, 5);
@@ -164,6 +164,7 @@ static void equivalence_case(const pr_config *c, int P, int G, const int *S, int
     pr_step_opts oa = pr_step_opts_default(), ob;
     oa.loss.kl_coef = 0.05;
     oa.loss.norm = norm;
+    if (moe) oa.moe = *moe;
     ob = oa;
     oa.schedule = PR_SCHEDULE_BASELINE; oa.microbatch = mb_base;
     ob.schedule = PR_SCHEDULE_REUSE; ob.microbatch = mb_reuse; ob.layout = layout;
@@ -177,6 +178,9 @@ static void equivalence_case(const pr_config *c, int P, int G, const int *S, int
           (IS_DOUBLE ? fabs(sa.loss - sb.loss) <= 1e-10 * fabs(sa.loss) : 1),
           "%s: loss %.15g vs %.15g", label, sa.loss, sb.loss);
     CHECK(close_tensor(lb, la, (size_t)t.off[G], &lw), "%s: log-probs differ (%.3e)", label, lw);
+    if (moe)
+        CHECK(sa.aux_loss > 0 && fabs(sa.aux_loss - sb.aux_loss) <= (IS_DOUBLE ? 1e-10 : 1e-5) * sa.aux_loss,
+              "%s: aux loss %.15g vs %.15g", label, sa.aux_loss, sb.aux_loss);
     pr_real *ga = grads_of(a), *gb = grads_of(b);
     CHECK(close_arenas(a, gb, ga, "gradient", label), "%s: gradients", label);
     pr_adamw_opts adam = pr_adamw_opts_default();
@@ -188,6 +192,11 @@ static void equivalence_case(const pr_config *c, int P, int G, const int *S, int
     free(ga); free(gb); free(pa); free(pb);
     pr_trainer_destroy(a);
     pr_trainer_destroy(b);
+}
+
+static void equivalence_case(const pr_config *c, int P, int G, const int *S, int mb_base, int mb_reuse,
+                             pr_layout layout, pr_loss_norm norm, const char *label) {
+    equivalence_case_moe(c, P, G, S, mb_base, mb_reuse, layout, norm, NULL, label);
 }
 
 static void test_equivalence(void) {
@@ -443,6 +452,7 @@ static void test_oracle(const char *config_dir, const char *ref_path, pr_loss_no
         o.microbatch = sched ? 3 : 2;
         o.layout = PR_LAYOUT_PACKED;
         o.loss.eps_low = 0.2; o.loss.eps_high = 0.28; o.loss.kl_coef = 0.04; o.loss.norm = norm;
+        o.moe.scope = PR_AUX_SCOPE_GROUP;    /* the oracle's aux loss spans the group (MoE only) */
         pr_step_stats st;
         CHECK(!pr_trainer_compute_grads(tr, g, &o, &st, logp, &err), "oracle: %s", err.message);
         const double tol = IS_DOUBLE ? 1e-10 : 1e-5;
@@ -581,6 +591,119 @@ static void test_determinism(void) {
     CHECK(!memcmp(a, b, sizeof(pr_real) * pr_trainer_param_count(tr)), "two runs of the same step differ");
     free(a); free(b);
     pr_trainer_destroy(tr);
+}
+
+/* ------------------------------------------------------------------ MoE */
+static pr_config moe_config(int norm_topk) {
+    pr_config c = small_config(1, 0, 2);
+    strcpy(c.model_type, "qwen3_moe");
+    c.num_experts = 5;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 7;
+    c.norm_topk_prob = norm_topk;
+    c.router_aux_loss_coef = 0.3;     /* large, so that the aux term moves the gradients visibly */
+    return c;
+}
+
+/* The largest per-tensor relative difference of two gradient arenas. */
+static double worst_rel(pr_trainer *tr, const pr_real *a, const pr_real *b) {
+    double worst = 0;
+    for (int t = 0; t < pr_trainer_tensor_count(tr); t++) {
+        const pr_tensor_info *ti = pr_trainer_tensor(tr, t);
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ti->numel; i++) {
+            double d = (double)a[ti->offset + i] - b[ti->offset + i];
+            num += d * d;
+            den += (double)b[ti->offset + i] * b[ti->offset + i];
+        }
+        if (den > 0 && sqrt(num / den) > worst) worst = sqrt(num / den);
+    }
+    return worst;
+}
+
+static void test_moe(void) {
+    const int S[5] = { 6, 1, 9, 3, 4 };
+    const int Gs[3] = { 1, 3, 5 };
+    int cases = 0;
+    for (int scope = 0; scope < 2; scope++)
+        for (int gi = 0; gi < 3; gi++) {
+            int G = Gs[gi], mbs[3] = { 1, 2, G };
+            for (int mi = 0; mi < 3; mi++)
+                for (int lay = 0; lay < 2; lay++) {
+                    pr_config c = moe_config((gi + lay) % 2);
+                    pr_moe_opts mo = { (pr_aux_scope)scope, 0 };
+                    char label[160];
+                    snprintf(label, sizeof label, "MoE %s scope, norm_topk %d, G %d, microbatch %d, %s",
+                             scope ? "group" : "microbatch", c.norm_topk_prob, G, mbs[mi], lay ? "packed" : "padded");
+                    equivalence_case_moe(&c, 4 + 3 * gi, G, S, mbs[mi], mbs[mi], (pr_layout)lay,
+                                         mi % 2 ? PR_NORM_SEQ_MEAN_TOKEN_MEAN : PR_NORM_TOKEN_MEAN, &mo, label);
+                    cases++;
+                }
+        }
+    printf("MoE equivalence: %d cases (both aux scopes) on loss, aux loss, log-probs, gradients, parameters\n", cases);
+
+    /* negative control: a prefix token counted once instead of m times must be seen */
+    pr_config c = moe_config(1);
+    test_group t;
+    make_group(&t, 8, 3, S, c.vocab_size, 99);
+    for (int scope = 0; scope < 2; scope++) {
+        pr_trainer *a = make_model(&c, 5), *b = make_model(&c, 5);
+        pr_step_opts oa = pr_step_opts_default(), ob;
+        oa.microbatch = scope ? 1 : 2;   /* group: through the routing pre-pass; microbatch: m = 2, not 1 */
+        oa.moe.scope = (pr_aux_scope)scope;
+        oa.schedule = PR_SCHEDULE_BASELINE;
+        ob = oa;
+        ob.schedule = PR_SCHEDULE_REUSE;
+        ob.moe.prefix_multiplicity = 1;
+        pr_step_stats sa, sb;
+        pr_error err;
+        int ok = !pr_trainer_compute_grads(a, &t.g, &oa, &sa, NULL, &err) && !pr_trainer_compute_grads(b, &t.g, &ob, &sb, NULL, &err);
+        pr_real *ga = grads_of(a), *gb = grads_of(b);
+        double w = ok ? worst_rel(a, gb, ga) : 0;
+        CHECK(ok && w > 1e-3 && fabs(sa.aux_loss - sb.aux_loss) > 1e-3 * sa.aux_loss,
+              "negative control (%s scope): counting the prefix once stays within %.2e of the baseline (aux %.6g vs %.6g)",
+              scope ? "group" : "microbatch", w, sa.aux_loss, sb.aux_loss);
+        printf("MoE negative control (%s scope): prefix counted once -> worst gradient difference %.2e, aux %.6f vs %.6f\n",
+               scope ? "group" : "microbatch", w, sa.aux_loss, sb.aux_loss);
+        /* the expert load is logical: k choices for every token the baseline runs */
+        double load[5], total_a = 0, total_b = 0;
+        for (int l = 0; l < c.num_hidden_layers; l++) {
+            pr_trainer_expert_load(a, l, load, 5, NULL);
+            for (int e = 0; e < 5; e++) total_a += load[e];
+            pr_trainer_expert_load(b, l, load, 5, NULL);
+            for (int e = 0; e < 5; e++) total_b += load[e];
+        }
+        double tokens = (double)t.g.G * t.g.P + (double)t.g.suffix_off[t.g.G];
+        CHECK(total_a == 2 * 2 * tokens && total_b == total_a, "expert load: %g and %g routings, expected %g", total_a, total_b,
+              4 * tokens);
+        free(ga); free(gb);
+        pr_trainer_destroy(a);
+        pr_trainer_destroy(b);
+    }
+
+    /* configurations that couple a token's routing to its batch are refused, with the reason */
+    static const char *const refused[] = {
+        "\"capacity_factor\": 1.25", "\"router_type\": \"expert_choice\"", "\"moe_token_dropping\": true",
+        "\"decoder_sparse_step\": 2", "\"mlp_only_layers\": [0]",
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        char json[1024];
+        snprintf(json, sizeof json, "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 32, \"hidden_size\": 16, "
+                 "\"intermediate_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"head_dim\": 8, "
+                 "\"num_experts\": 4, \"num_experts_per_tok\": 2, \"moe_intermediate_size\": 8, %s}", refused[i]);
+        pr_config pc;
+        pr_error err;
+        CHECK(pr_config_parse(&pc, json, strlen(json), &err) == PR_ERR_UNSUPPORTED, "config with %s accepted", refused[i]);
+    }
+    /* and the preset round-trips through config.json */
+    pr_config q, back;
+    pr_error err;
+    char dir[] = "build/test_moe_cfg.json";
+    CHECK(!pr_config_load(&q, "model/qwen3-30b-a3b", &err) && q.num_experts == 128 && q.num_experts_per_tok == 8 &&
+          q.moe_intermediate_size == 768 && q.norm_topk_prob == 1, "qwen3-30b-a3b preset: %s", err.message);
+    CHECK(!pr_config_save(&q, dir, &err) && !pr_config_load(&back, dir, &err) && !memcmp(&q, &back, sizeof q),
+          "MoE config round trip: %s", err.message);
+    remove(dir);
 }
 
 /* ---- offload of the prefix's dormant state */
@@ -807,13 +930,16 @@ int main(void) {
     test_bad_input();
     test_determinism();
     test_offload();
+    test_moe();
     test_checkpoints();
     if (IS_DOUBLE) {
-        pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1);
+        pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
         test_gradcheck(&l, "llama");
         test_gradcheck(&q, "qwen3");
+        test_gradcheck(&m, "qwen3-moe");
     }
     test_oracle("model/tiny", "test/ref_tiny.safetensors", PR_NORM_TOKEN_MEAN);
     test_oracle("model/tiny-qwen3", "test/ref_tiny-qwen3.safetensors", PR_NORM_SEQ_MEAN_TOKEN_MEAN);
+    test_oracle("model/tiny-moe", "test/ref_tiny-moe.safetensors", PR_NORM_TOKEN_MEAN);
     return test_report();
 }

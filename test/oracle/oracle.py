@@ -2,7 +2,7 @@
 """Independent float64 reference ("oracle") for the GRPO loss of one prompt group.
 
 It draws a tiny model's weights from a fixed numpy seed, runs Hugging Face's own
-LlamaForCausalLM / Qwen3ForCausalLM (eager attention, float64) on every
+LlamaForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM (eager attention, float64) on every
 trajectory (prefix ++ suffix_i) of one group of a PRTRACE file, computes the
 GRPO loss, the per-token log-probs and d loss / d parameter with torch
 autograd, and writes everything to a safetensors file that the C test compares
@@ -22,7 +22,15 @@ Regenerate both reference files (run from the repository root):
         --seed 1001 --out test/ref_tiny.safetensors
     /tmp/oracle-venv/bin/python test/oracle/oracle.py \
         --config model/tiny-qwen3/config.json --norm seq-mean-token-mean \
-        --seed 1002 --out test/ref_tiny-qwen3.safetensors
+        --seed 1002 --out test/ref_tiny-qwen3.safetensors --embed-std 0.125
+    /tmp/oracle-venv/bin/python test/oracle/oracle.py \
+        --config model/tiny-moe/config.json --norm token-mean \
+        --seed 1003 --out test/ref_tiny-moe.safetensors --embed-std 0.125
+
+For the MoE model the loss also holds router_aux_loss_coef times the load-balancing loss over the
+whole group (all G trajectories' routing, every layer pooled, as HF's load_balancing_loss_func
+computes it for one batch): the C side's group scope. It is computed here in float64 from HF's
+router logits (HF's own function sums in float32; the script prints how close the two are).
 
 (--trace defaults to data/sample.trace, --group to 0, --embed-std to 0.5; see README.md for
 why the Qwen3 file's loss is ~7.5e11 with 0.5 and what --embed-std 0.125 gives.)
@@ -101,7 +109,8 @@ def param_shapes(cfg):
     D, V, F = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or D // H
-    qwen3 = cfg["model_type"] == "qwen3"
+    qwen3 = cfg["model_type"] in ("qwen3", "qwen3_moe")
+    moe = cfg["model_type"] == "qwen3_moe"
     out = [("model.embed_tokens.weight", (V, D), "embed")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -117,10 +126,18 @@ def param_shapes(cfg):
         out += [
             (p + "input_layernorm.weight", (D,), "norm"),
             (p + "post_attention_layernorm.weight", (D,), "norm"),
-            (p + "mlp.gate_proj.weight", (F, D), "linear"),
-            (p + "mlp.up_proj.weight", (F, D), "linear"),
-            (p + "mlp.down_proj.weight", (D, F), "linear"),
         ]
+        if moe:
+            E, Fm = cfg["num_experts"], cfg["moe_intermediate_size"]
+            out.append((p + "mlp.gate.weight", (E, D), "linear"))
+            for e in range(E):
+                out += [(p + f"mlp.experts.{e}.gate_proj.weight", (Fm, D), "linear"),
+                        (p + f"mlp.experts.{e}.up_proj.weight", (Fm, D), "linear"),
+                        (p + f"mlp.experts.{e}.down_proj.weight", (D, Fm), "linear")]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (F, D), "linear"),
+                    (p + "mlp.up_proj.weight", (F, D), "linear"),
+                    (p + "mlp.down_proj.weight", (D, F), "linear")]
     out.append(("model.norm.weight", (D,), "norm"))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (V, D), "linear"))
@@ -225,6 +242,7 @@ def float64_hf_modules(enable):
     import transformers.modeling_rope_utils as ru
     import transformers.models.llama.modeling_llama as ml
     import transformers.models.qwen3.modeling_qwen3 as mq
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as mqm
 
     class Torch64(types.ModuleType):
         def __getattr__(self, name):
@@ -233,8 +251,39 @@ def float64_hf_modules(enable):
     proxy = Torch64("torch64")
     proxy.float32 = torch.float64
     proxy.float = torch.float64
-    for m in (ru, ml, mq):
+    for m in (ru, ml, mq, mqm):
         m.torch = proxy if enable else torch
+
+
+def to_hf_names(cfg, weights):
+    """Per-expert tensors (the checkpoint layout) into HF's fused ones: experts.gate_up_proj
+    (E, 2Fm, D) = [gate; up] per expert, experts.down_proj (E, D, Fm)."""
+    if cfg["model_type"] != "qwen3_moe":
+        return dict(weights)
+    out = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        E = cfg["num_experts"]
+        out[p + "gate_up_proj"] = np.stack([np.concatenate([weights[p + f"{e}.gate_proj.weight"],
+                                                            weights[p + f"{e}.up_proj.weight"]]) for e in range(E)])
+        out[p + "down_proj"] = np.stack([weights[p + f"{e}.down_proj.weight"] for e in range(E)])
+    return out
+
+
+def from_hf_grads(cfg, grads):
+    """HF's fused expert gradients back under the per-expert names."""
+    if cfg["model_type"] != "qwen3_moe":
+        return grads
+    out = {k: v for k, v in grads.items() if ".mlp.experts." not in k}
+    Fm = cfg["moe_intermediate_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        gu, dn = grads[p + "gate_up_proj"], grads[p + "down_proj"]
+        for e in range(cfg["num_experts"]):
+            out[p + f"{e}.gate_proj.weight"] = gu[e, :Fm]
+            out[p + f"{e}.up_proj.weight"] = gu[e, Fm:]
+            out[p + f"{e}.down_proj.weight"] = dn[e]
+    return out
 
 
 def build_hf(cfg_path, weights, f64=True):
@@ -244,8 +293,12 @@ def build_hf(cfg_path, weights, f64=True):
     float64_hf_modules(f64)
     config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(cfg_path)))
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    extra = {}
+    if config.model_type == "qwen3_moe":      # the plain loop over experts: the fused kernels refuse float64
+        extra["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **extra)
     model = model.double().eval()
+    weights = to_hf_names(json.load(open(cfg_path)), weights)
     sd = {k: torch.from_numpy(v.astype(np.float64)) for k, v in weights.items()}
     res = model.load_state_dict(sd, strict=False)
     tied = config.tie_word_embeddings
@@ -263,11 +316,32 @@ def build_hf(cfg_path, weights, f64=True):
     return model
 
 
-def hf_logits(model, ids):
+def hf_logits(model, ids, router=None):
+    """Logits of one sequence; with a list `router`, also appends each layer's router logits."""
     import torch
     x = torch.tensor(ids, dtype=torch.long)[None]
     pos = torch.arange(len(ids))[None]
-    return model(input_ids=x, position_ids=pos, use_cache=False).logits[0]
+    moe = router is not None
+    out = model(input_ids=x, position_ids=pos, use_cache=False, **({"output_router_logits": True} if moe else {}))
+    if moe:
+        router.append(out.router_logits)
+    return out.logits[0]
+
+
+def aux_loss(cfg, router):
+    """The load-balancing loss over every trajectory and layer pooled, in float64:
+    E * sum_e f_e P_e, f_e = share of (layer, token) top-k choices for e, P_e = mean probability."""
+    import torch
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    counts, probs, M = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64), 0
+    for per_traj in router:
+        for layer_logits in per_traj:
+            p = torch.softmax(layer_logits.to(torch.float64), dim=-1)
+            sel = torch.topk(p, k, dim=-1).indices
+            counts = counts + torch.zeros(E, dtype=torch.float64).scatter_add_(0, sel.reshape(-1), torch.ones(sel.numel(), dtype=torch.float64))
+            probs = probs + p.sum(0)
+            M += p.shape[0]
+    return E * torch.sum((counts / M) * (probs / M))
 
 
 # --------------------------------------------------------------------------
@@ -315,14 +389,14 @@ def _t(a):
     return torch.from_numpy(np.asarray(a, dtype=np.float64))
 
 
-def torch_logps(model, grp):
+def torch_logps(model, grp, router=None):
     import torch
     P = len(grp["prefix"])
     out = []
     for suf in grp["suffixes"]:
         S = len(suf["tokens"])
         ids = np.concatenate([grp["prefix"], suf["tokens"]]).astype(np.int64)
-        logits = hf_logits(model, ids)
+        logits = hf_logits(model, ids, router)
         lsm = torch.log_softmax(logits[P - 1: P - 1 + S], dim=-1)
         out.append(lsm.gather(1, torch.from_numpy(suf["tokens"].astype(np.int64))[:, None])[:, 0])
     return out
@@ -384,49 +458,71 @@ def main():
           f"S={Ss} adv={np.round(grp['adv'], 4).tolist()} mask_sum={[int(s['mask'].sum()) for s in grp['suffixes']]}")
 
     weights = draw_weights(cfg, args.seed, args.embed_std)
-    model = build_hf(args.config, weights, f64=True)
+    model = build_hf(rp(args.config), weights, f64=True)
+    moe = cfg["model_type"] == "qwen3_moe"
 
-    # ---- self-check 1: HF logits vs independent numpy forward (all trajectories)
-    with torch.no_grad():
-        lps_np, logits_np = np_logps(cfg, weights, grp)
-        maxd = 0.0
-        for i, suf in enumerate(grp["suffixes"]):
-            ids = np.concatenate([grp["prefix"], suf["tokens"]]).astype(np.int64)
-            maxd = max(maxd, float(np.abs(hf_logits(model, ids).numpy() - logits_np[i]).max()))
-        scale = max(float(np.abs(l).max()) for l in logits_np)
-    print(f"check: HF float64 logits vs numpy forward, all {G} trajectories: max |diff| = {maxd:.3e} "
-          f"(max |logit| {scale:.3f})")
-    assert maxd < 1e-10, "HF model and numpy forward disagree: weights not loaded as intended?"
+    def total_loss():
+        """GRPO loss (+ the MoE aux term), its log-probs and stats, the aux value."""
+        router = [] if moe else None
+        lps = torch_logps(model, grp, router)
+        L, st = grpo_loss(torch, lps, grp, args.norm)
+        aux = aux_loss(cfg, router) if moe else None
+        if moe:
+            L = L + cfg["router_aux_loss_coef"] * aux
+        return L, lps, st, aux, router
 
-    # (informative) unpatched HF, i.e. with its float32 RMSNorm / softmax / RoPE
-    m32 = build_hf(args.config, weights, f64=False)
-    with torch.no_grad():
-        ids0 = np.concatenate([grp["prefix"], grp["suffixes"][0]["tokens"]]).astype(np.int64)
-        d32 = float(np.abs(hf_logits(m32, ids0).numpy() - logits_np[0]).max())
-    float64_hf_modules(True)
-    del m32
-    print(f"info:  unpatched HF (float32 RMSNorm/softmax/RoPE inside) vs numpy, trajectory 0: "
-          f"max |diff| = {d32:.3e}")
+    # ---- self-check 1: HF logits vs independent numpy forward (all trajectories; dense models)
+    if moe:
+        print("check: (MoE) the numpy forward covers dense models only; the finite differences below check this model")
+    else:
+        with torch.no_grad():
+            lps_np, logits_np = np_logps(cfg, weights, grp)
+            maxd = 0.0
+            for i, suf in enumerate(grp["suffixes"]):
+                ids = np.concatenate([grp["prefix"], suf["tokens"]]).astype(np.int64)
+                maxd = max(maxd, float(np.abs(hf_logits(model, ids).numpy() - logits_np[i]).max()))
+            scale = max(float(np.abs(l).max()) for l in logits_np)
+        print(f"check: HF float64 logits vs numpy forward, all {G} trajectories: max |diff| = {maxd:.3e} "
+              f"(max |logit| {scale:.3f})")
+        assert maxd < 1e-10, "HF model and numpy forward disagree: weights not loaded as intended?"
+
+        # (informative) unpatched HF, i.e. with its float32 RMSNorm / softmax / RoPE
+        m32 = build_hf(rp(args.config), weights, f64=False)
+        with torch.no_grad():
+            ids0 = np.concatenate([grp["prefix"], grp["suffixes"][0]["tokens"]]).astype(np.int64)
+            d32 = float(np.abs(hf_logits(m32, ids0).numpy() - logits_np[0]).max())
+        float64_hf_modules(True)
+        del m32
+        print(f"info:  unpatched HF (float32 RMSNorm/softmax/RoPE inside) vs numpy, trajectory 0: "
+              f"max |diff| = {d32:.3e}")
 
     # ---- loss and gradient
     model.zero_grad()
-    lps = torch_logps(model, grp)
-    L, st = grpo_loss(torch, lps, grp, args.norm)
+    L, lps, st, aux, router = total_loss()
     L.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    L_np, _ = grpo_loss(np, lps_np, grp, args.norm)
     lp_all = torch.cat([l.detach() for l in lps]).numpy()
-    print(f"check: loss torch {L.item():.15g} vs numpy {L_np:.15g}: |diff| = {abs(L.item() - L_np):.3e}; "
-          f"logprobs max |diff| = {np.abs(lp_all - np.concatenate(lps_np)).max():.3e}")
+    if moe:
+        import transformers.models.qwen3_moe.modeling_qwen3_moe as mqm
+        per_layer = tuple(torch.cat([r[l] for r in router]).detach() for l in range(cfg["num_hidden_layers"]))
+        hf_aux = float(mqm.load_balancing_loss_func(per_layer, cfg["num_experts"], cfg["num_experts_per_tok"], None))
+        print(f"check: aux loss float64 {aux.item():.15g} vs HF load_balancing_loss_func (float32 sums) {hf_aux:.9g}: "
+              f"rel diff {abs(aux.item() - hf_aux) / abs(aux.item()):.1e}")
+        assert abs(aux.item() - hf_aux) <= 1e-5 * abs(aux.item()), "aux loss disagrees with HF's"
+    else:
+        L_np, _ = grpo_loss(np, lps_np, grp, args.norm)
+        print(f"check: loss torch {L.item():.15g} vs numpy {L_np:.15g}: |diff| = {abs(L.item() - L_np):.3e}; "
+              f"logprobs max |diff| = {np.abs(lp_all - np.concatenate(lps_np)).max():.3e}")
 
     # ---- self-check 2: central finite differences on a few gradient entries
     rng = np.random.default_rng(args.seed + 7)
     params = dict(model.named_parameters())
     names = list(params)
     picks = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-             "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight",
-             "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
-    picks += [n for n in ("lm_head.weight", "model.layers.1.self_attn.k_norm.weight") if n in params]
+             "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight", "model.norm.weight"]
+    picks += [n for n in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight", "model.layers.1.self_attn.k_norm.weight",
+                          "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight",
+                          "model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj") if n in params]
     rest = [n for n in names if n not in picks]
     picks += [rest[j] for j in rng.choice(len(rest), size=max(0, args.fd_entries - len(picks)), replace=False)]
     h = 1e-6
@@ -444,9 +540,9 @@ def main():
                 idx = np.unravel_index(int(cand[rng.integers(len(cand))]), p.shape)
             old = p[idx].item()
             p[idx] = old + h
-            Lp = grpo_loss(torch, torch_logps(model, grp), grp, args.norm)[0].item()
+            Lp = total_loss()[0].item()
             p[idx] = old - h
-            Lm = grpo_loss(torch, torch_logps(model, grp), grp, args.norm)[0].item()
+            Lm = total_loss()[0].item()
             p[idx] = old
             fd = (Lp - Lm) / (2 * h)
             an = g[idx].item()
@@ -457,7 +553,7 @@ def main():
     assert worst < 1e-5, "finite-difference check failed"
 
     # ---- summary
-    print(f"summary: loss = {L.item():.17g}  ({args.norm})")
+    print(f"summary: loss = {L.item():.17g}  ({args.norm}" + (f", aux {aux.item():.17g} x {cfg['router_aux_loss_coef']})" if moe else ")"))
     print(f"summary: tokens = {st['n']} (loss-masked in: {st['n_masked']}); ratio outside "
           f"[{1 - EPS_LOW}, {1 + EPS_HIGH}]: {st['outside']}; clipped (min takes the clipped term): "
           f"{st['clipped']} ({st['clipped_masked']} of them in the loss mask)")
@@ -467,9 +563,11 @@ def main():
     # ---- write
     out = dict(weights)
     out["oracle.loss"] = np.array([L.item()], dtype=np.float64)
+    if moe:
+        out["oracle.aux_loss"] = np.array([cfg["router_aux_loss_coef"] * aux.item()], dtype=np.float64)
     out["oracle.logprobs"] = lp_all.astype(np.float64)
-    for n, g in grads.items():
-        out["oracle.grad." + n] = np.ascontiguousarray(g.numpy().astype(np.float64))
+    for n, g in from_hf_grads(cfg, {n: g.numpy() for n, g in grads.items()}).items():
+        out["oracle.grad." + n] = np.ascontiguousarray(g.astype(np.float64))
     meta = {"config": relname(args.config), "trace": relname(args.trace), "group": str(args.group),
             "eps_low": str(EPS_LOW), "eps_high": str(EPS_HIGH), "beta": str(BETA),
             "normalization": args.norm, "seed": str(args.seed), "framework": framework,
