@@ -1781,6 +1781,15 @@ PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) 
     return st;
 }
 
+/* One `  "key": value,` line of config.json. */
+static void pr__buf_int_field(pr__buf *b, const char *key, int64_t v) {
+    pr__buf_str(b, "  \"");
+    pr__buf_str(b, key);
+    pr__buf_str(b, "\": ");
+    pr__buf_i64(b, v);
+    pr__buf_str(b, ",\n");
+}
+
 /* The text of config.json, Hugging Face style. */
 static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *what, pr_error *err) {
     pr_status st = pr__cfg_check(c, what, err);
@@ -1798,26 +1807,14 @@ static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *wha
     if (moe) {
         struct { const char *k; int v; } m[] = {{"num_experts", c->num_experts}, {"num_experts_per_tok", c->num_experts_per_tok},
                                                 {"moe_intermediate_size", c->moe_intermediate_size}, {"decoder_sparse_step", 1}};
-        for (size_t i = 0; i < sizeof m / sizeof m[0]; i++) {
-            pr__buf_str(b, "  \"");
-            pr__buf_str(b, m[i].k);
-            pr__buf_str(b, "\": ");
-            pr__buf_i64(b, m[i].v);
-            pr__buf_str(b, ",\n");
-        }
+        for (size_t i = 0; i < sizeof m / sizeof m[0]; i++) pr__buf_int_field(b, m[i].k, m[i].v);
         pr__buf_str(b, c->norm_topk_prob ? "  \"norm_topk_prob\": true,\n" : "  \"norm_topk_prob\": false,\n");
         pr__buf_str(b, "  \"mlp_only_layers\": [],\n  \"router_aux_loss_coef\": ");
         pr__fmt_double(num, c->router_aux_loss_coef);
         pr__buf_str(b, num);
         pr__buf_str(b, ",\n");
     }
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-        pr__buf_str(b, "  \"");
-        pr__buf_str(b, ints[i].k);
-        pr__buf_str(b, "\": ");
-        pr__buf_i64(b, ints[i].v);
-        pr__buf_str(b, ",\n");
-    }
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) pr__buf_int_field(b, ints[i].k, ints[i].v);
     pr__buf_str(b, "  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": ");
     pr__fmt_double(num, c->rms_norm_eps);
     pr__buf_str(b, num);
