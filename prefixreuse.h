@@ -39,12 +39,14 @@
 
    CONTENTS
      1. Basics: reals, status and error messages
-     2. Model configuration (Hugging Face config.json)
+     2. Model configuration (Hugging Face config.json: Llama 3, Qwen3, Qwen3-MoE)
      3. safetensors checkpoints (Hugging Face names, sharded through an index)
      4. GRPO traces (data/README.md has the format)
      5. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
-        memory tiers); the CPU backend is below, the CUDA backend in prefixreuse_cuda.cu
-     6. Trainer: parameters, the GRPO loss, the baseline and reuse schedules, gKV hooks, AdamW
+        memory tiers, asynchronous copies); the CPU backend and the measuring backend are below,
+        the CUDA backend in prefixreuse_cuda.cu
+     6. Trainer: parameters, the GRPO loss, the baseline and reuse schedules, gKV hooks, offload
+        of the prefix's dormant state, MoE layers and their load-balancing loss, AdamW
    Conventions: public names pr_, private pr__. Every public function returns pr_status and fills
    a pr_error (may be NULL) with a readable reason; nothing aborts or exits. On failure the
    caller's buffers are left as they were.
