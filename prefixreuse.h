@@ -220,6 +220,12 @@ PRDEF pr_status pr_trace_parse(pr_trace *trace, const void *bytes, size_t len, p
 PRDEF void pr_trace_free(pr_trace *trace);
 /* Check a group (e.g. one built in memory by the caller) against the field rules above. */
 PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *err);
+/* The bytes of a trace in format v1, the inverse of pr_trace_parse (reals stored as float32, as
+   the format has them). Every group is validated first; ref_logp must be present in every group
+   exactly when has_ref. *bytes is allocated with PR_MALLOC; release it with PR_FREE. */
+PRDEF pr_status pr_trace_serialize(const pr_trace *trace, void **bytes, size_t *len, pr_error *err);
+/* pr_trace_serialize to a file, atomically (temporary file, fsync, rename). */
+PRDEF pr_status pr_trace_write(const pr_trace *trace, const char *path, pr_error *err);
 
 
 /* ---------------------------------------------------------------- 5. Backend interface */
@@ -2876,6 +2882,71 @@ PRDEF pr_status pr_trace_parse(pr_trace *trace, const void *bytes, size_t len, p
         return pr__fail(err, PR_ERR_ARG, "pr_trace_parse: NULL %s", trace ? "bytes" : "trace");
     return pr__trace_parse_named(trace, bytes ? (const unsigned char *)bytes : (const unsigned char *)"", len,
                                  "<memory>", err);
+}
+
+static void pr__buf_le32(pr__buf *b, uint32_t v) {
+    unsigned char x[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16), (unsigned char)(v >> 24)};
+    pr__buf_add(b, x, 4);
+}
+static void pr__buf_f32(pr__buf *b, pr_real r) {
+    float f = (float)r;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    pr__buf_le32(b, u);
+}
+
+PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len, pr_error *err) {
+    if (!t || !bytes || !len) return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: NULL argument");
+    if (t->n_groups < 1 || !t->groups || t->vocab_size < 1)
+        return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: a trace needs at least one group and a vocabulary (%d groups, vocabulary %d)",
+                        t->n_groups, t->vocab_size);
+    for (int k = 0; k < t->n_groups; k++) {
+        pr_status st = pr_group_validate(&t->groups[k], t->vocab_size, err);
+        if (st) return pr__fail(err, st, "group %d: %s", k, err ? err->message : "invalid");
+        if ((t->groups[k].ref_logp != NULL) != (t->has_ref != 0))
+            return pr__fail(err, PR_ERR_ARG, "group %d %s reference log-probs but the trace's has_ref is %d", k,
+                            t->groups[k].ref_logp ? "has" : "lacks", t->has_ref);
+    }
+    pr__buf b = {NULL, 0, 0, 0};
+    pr__buf_add(&b, "PRTRACE\0", 8);
+    pr__buf_le32(&b, 1);
+    pr__buf_le32(&b, t->has_ref ? 1u : 0u);
+    pr__buf_le32(&b, (uint32_t)t->n_groups);
+    pr__buf_le32(&b, (uint32_t)t->vocab_size);
+    for (int k = 0; k < t->n_groups; k++) {
+        const pr_group *g = &t->groups[k];
+        pr__buf_le32(&b, (uint32_t)g->P);
+        pr__buf_le32(&b, (uint32_t)g->G);
+        for (int i = 0; i < g->P; i++) pr__buf_le32(&b, (uint32_t)g->prefix[i]);
+        for (int i = 0; i < g->G; i++) pr__buf_le32(&b, (uint32_t)g->suffix_len[i]);
+        for (int i = 0; i < g->G; i++) pr__buf_f32(&b, g->advantage[i]);
+        for (int i = 0; i < g->G; i++) {
+            const int64_t o = g->suffix_off[i], S = g->suffix_len[i];
+            for (int64_t j = 0; j < S; j++) pr__buf_le32(&b, (uint32_t)g->tokens[o + j]);
+            for (int64_t j = 0; j < S; j++) pr__buf_f32(&b, g->old_logp[o + j]);
+            if (g->ref_logp)
+                for (int64_t j = 0; j < S; j++) pr__buf_f32(&b, g->ref_logp[o + j]);
+            pr__buf_add(&b, g->loss_mask + o, (size_t)S);
+        }
+    }
+    if (b.failed) {
+        PR_FREE(b.p);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trace_serialize: out of memory");
+    }
+    *bytes = b.p;
+    *len = b.len;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trace_write(const pr_trace *t, const char *path, pr_error *err) {
+    if (!path) return pr__fail(err, PR_ERR_ARG, "pr_trace_write: NULL path");
+    void *bytes;
+    size_t len;
+    pr_status st = pr_trace_serialize(t, &bytes, &len, err);
+    if (st) return st;
+    st = pr__write_file_atomic(path, bytes, len, err);
+    PR_FREE(bytes);
+    return st;
 }
 
 PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) {

@@ -18,53 +18,6 @@
         }                                                                       \
     } while (0)
 
-static void put_u32(unsigned char **p, uint32_t v) {
-    (*p)[0] = (unsigned char)v; (*p)[1] = (unsigned char)(v >> 8);
-    (*p)[2] = (unsigned char)(v >> 16); (*p)[3] = (unsigned char)(v >> 24);
-    *p += 4;
-}
-static void put_f32(unsigned char **p, pr_real x) {
-    float f = (float)x;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    put_u32(p, u);
-}
-
-/* Re-serialise t into out (capacity cap); returns the length, or cap + 1 if it would not fit. */
-static size_t serialise(const pr_trace *t, unsigned char *out, size_t cap) {
-    unsigned char *p = out, *end = out + cap;
-    int k, i;
-    if (cap < 24) return cap + 1;
-    memcpy(p, "PRTRACE", 8);
-    p += 8;
-    put_u32(&p, 1);
-    put_u32(&p, (uint32_t)t->has_ref);
-    put_u32(&p, (uint32_t)t->n_groups);
-    put_u32(&p, (uint32_t)t->vocab_size);
-    for (k = 0; k < t->n_groups; k++) {
-        const pr_group *g = &t->groups[k];
-        const int64_t N = g->suffix_off[g->G];
-        if ((size_t)(end - p) < 8 + 4 * (size_t)g->P + 8 * (size_t)g->G + (size_t)N * (t->has_ref ? 13 : 9))
-            return cap + 1;
-        put_u32(&p, (uint32_t)g->P);
-        put_u32(&p, (uint32_t)g->G);
-        for (i = 0; i < g->P; i++) put_u32(&p, (uint32_t)g->prefix[i]);
-        for (i = 0; i < g->G; i++) put_u32(&p, (uint32_t)g->suffix_len[i]);
-        for (i = 0; i < g->G; i++) put_f32(&p, g->advantage[i]);
-        for (i = 0; i < g->G; i++) {
-            const int64_t o = g->suffix_off[i], S = g->suffix_len[i];
-            int64_t j;
-            for (j = 0; j < S; j++) put_u32(&p, (uint32_t)g->tokens[o + j]);
-            for (j = 0; j < S; j++) put_f32(&p, g->old_logp[o + j]);
-            if (t->has_ref)
-                for (j = 0; j < S; j++) put_f32(&p, g->ref_logp[o + j]);
-            memcpy(p, g->loss_mask + o, (size_t)S);
-            p += S;
-        }
-    }
-    return (size_t)(p - out);
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     pr_trace t, sentinel;
@@ -84,11 +37,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FUZZ_ASSERT(pr_group_validate(&t.groups[k], t.vocab_size, &err) == PR_OK);
         FUZZ_ASSERT((t.groups[k].ref_logp != NULL) == (t.has_ref != 0));
     }
-    {
-        unsigned char *out = malloc(size + 1);
-        FUZZ_ASSERT(out != NULL);
-        FUZZ_ASSERT(serialise(&t, out, size) == size && memcmp(out, data, size) == 0);
-        free(out);
+    {   /* what parses serialises back to the same bytes */
+        void *out = NULL;
+        size_t n = 0;
+        FUZZ_ASSERT(pr_trace_serialize(&t, &out, &n, &err) == PR_OK && n == size && memcmp(out, data, size) == 0);
+        PR_FREE(out);
     }
     pr_trace_free(&t);
     return 0;

@@ -48,35 +48,6 @@ static void patch_f32(unsigned char *b, size_t off, float f) {
     patch_u32(b, off, u);
 }
 
-/* Serialise a trace back to the format (floats narrow exactly: they came from floats). */
-static buf serialise(const pr_trace *t) {
-    buf s = {0, 0, 0};
-    int k, i;
-    int64_t j;
-    put(&s, "PRTRACE\0", 8);
-    put_u32(&s, 1);
-    put_u32(&s, (uint32_t)t->has_ref);
-    put_u32(&s, (uint32_t)t->n_groups);
-    put_u32(&s, (uint32_t)t->vocab_size);
-    for (k = 0; k < t->n_groups; k++) {
-        const pr_group *g = &t->groups[k];
-        put_u32(&s, (uint32_t)g->P);
-        put_u32(&s, (uint32_t)g->G);
-        for (i = 0; i < g->P; i++) put_u32(&s, (uint32_t)g->prefix[i]);
-        for (i = 0; i < g->G; i++) put_u32(&s, (uint32_t)g->suffix_len[i]);
-        for (i = 0; i < g->G; i++) put_f32(&s, (float)g->advantage[i]);
-        for (i = 0; i < g->G; i++) {
-            int64_t o = g->suffix_off[i], S = g->suffix_len[i];
-            for (j = 0; j < S; j++) put_u32(&s, (uint32_t)g->tokens[o + j]);
-            for (j = 0; j < S; j++) put_f32(&s, (float)g->old_logp[o + j]);
-            if (g->ref_logp)
-                for (j = 0; j < S; j++) put_f32(&s, (float)g->ref_logp[o + j]);
-            put(&s, g->loss_mask + o, (size_t)S);
-        }
-    }
-    return s;
-}
-
 static unsigned char *read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     unsigned char *b;
@@ -153,14 +124,16 @@ static void test_sample(const char *path) {
     {   /* byte-exact round trip, and pr_trace_parse on the same bytes gives the same trace */
         size_t len = 0;
         unsigned char *file = read_file(path, &len);
-        buf s = serialise(&t);
-        CHECK(file && s.n == len && memcmp(s.b, file, len) == 0, "sample: re-serialised bytes differ from the file");
+        void *sb = NULL, *sb2 = NULL;
+        size_t sn = 0, sn2 = 0;
+        st = pr_trace_serialize(&t, &sb, &sn, &err);
+        CHECK(st == PR_OK && file && sn == len && memcmp(sb, file, len) == 0,
+              "sample: pr_trace_serialize gives other bytes than the file (%s)", st ? err.message : "");
         st = file ? pr_trace_parse(&t2, file, len, &err) : PR_ERR_IO;
         CHECK(st == PR_OK, "pr_trace_parse(sample): %s", st ? err.message : "");
         if (st == PR_OK) {
-            buf s2 = serialise(&t2);
-            CHECK(s2.n == s.n && memcmp(s2.b, s.b, s.n) == 0, "parse and read disagree");
-            free(s2.b);
+            CHECK(!pr_trace_serialize(&t2, &sb2, &sn2, &err) && sn2 == sn && memcmp(sb2, sb, sn) == 0, "parse and read disagree");
+            PR_FREE(sb2);
             pr_trace_free(&t2);
         }
         /* every proper prefix of the sample fails */
@@ -175,8 +148,25 @@ static void test_sample(const char *path) {
             }
             CHECK(bad == 0, "sample: %zu of %zu truncations did not fail with PR_ERR_FORMAT", bad, len);
         }
-        free(s.b);
+        /* pr_trace_write: the file holds exactly the serialised bytes; invalid traces are refused */
+        const char *tmp = "build/test_trace_write.trace";
+        st = pr_trace_write(&t, tmp, &err);
+        size_t wlen = 0;
+        unsigned char *written = st ? NULL : read_file(tmp, &wlen);
+        CHECK(!st && written && sb && wlen == sn && memcmp(written, sb, sn) == 0, "pr_trace_write: %s",
+              st ? err.message : "the file differs from pr_trace_serialize's bytes");
+        free(written);
+        remove(tmp);
+        PR_FREE(sb);
         free(file);
+        pr_trace bad = t;
+        bad.has_ref = !t.has_ref;
+        CHECK(pr_trace_serialize(&bad, &sb, &sn, &err) == PR_ERR_ARG && strstr(err.message, "has_ref"),
+              "a has_ref that contradicts the groups is refused: '%s'", err.message);
+        bad = t;
+        bad.vocab_size = 2;      /* every token id must be below it */
+        CHECK(pr_trace_serialize(&bad, &sb, &sn, &err) == PR_ERR_ARG && strstr(err.message, "group 0"),
+              "a token outside the vocabulary is refused: '%s'", err.message);
     }
     pr_trace_free(&t);
     CHECK(t.groups == NULL && t.n_groups == 0, "pr_trace_free leaves the trace zeroed");
