@@ -67,6 +67,7 @@ build:
 
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
+            build/test_comm-float build/test_comm-double \
             build/train-float build/train-double
 
 test: $(TEST_BINS)
@@ -80,7 +81,7 @@ asan: | build
 build/asan: $(HEADER) test/*.c train.c
 	mkdir -p build/asan
 	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
-	  for t in test_core test_gemm test_io test_trace; do \
+	  for t in test_core test_gemm test_io test_trace test_comm; do \
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
 	touch build/asan
@@ -103,7 +104,7 @@ fuzz: | build
 NVCC      ?= nvcc
 CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
 NVFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -Werror all-warnings
-CUDA_LIBS := -lcublasLt
+CUDA_LIBS := -lcublasLt -lnccl
 
 cuda: train_cuda
 

@@ -515,6 +515,52 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, 
    and backward), the measure the speed-up bound is computed from. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
 
+/* ---------------------------------------------------------------- 7. Communicator */
+/* The collectives the parallel layouts need, over a group of ranks. Every rank of a communicator
+   calls each collective in the same order with the same n and type (as with MPI or NCCL); a rank
+   that does not, blocks the others. Sums run in rank order, so every rank gets the same bits.
+   Buffers are backend memory of the implementation (host memory in-process, device memory for
+   NCCL). n counts elements of `type`. */
+typedef enum { PR_COMM_F32 = 0, PR_COMM_F64 = 1, PR_COMM_BF16 = 2 } pr_comm_type;
+#define PR_COMM_REAL (sizeof(pr_real) == 8 ? PR_COMM_F64 : PR_COMM_F32)
+
+typedef struct pr_comm pr_comm;
+struct pr_comm {
+    int rank, size;
+    const char *name;
+    void *ctx;
+    size_t bytes_sent;       /* payload bytes this rank has put on the wire so far (reported by train) */
+    /* buf (n) summed over the ranks, in place */
+    pr_status (*all_reduce)(pr_comm *c, void *buf, size_t n, pr_comm_type type, pr_error *err);
+    /* out (size*n) = every rank's in (n), in rank order */
+    pr_status (*all_gather)(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type type, pr_error *err);
+    /* out (n) = block `rank` of the sum over ranks of in (size*n) */
+    pr_status (*reduce_scatter)(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type type, pr_error *err);
+    /* block j (n) of in (size*n) goes to rank j; block i of out (size*n) comes from rank i */
+    pr_status (*all_to_all)(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type type, pr_error *err);
+    pr_status (*send)(pr_comm *c, const void *buf, size_t n, pr_comm_type type, int peer, pr_error *err);
+    pr_status (*recv)(pr_comm *c, void *buf, size_t n, pr_comm_type type, int peer, pr_error *err);
+    pr_status (*barrier)(pr_comm *c, pr_error *err);
+    /* The ranks that pass the same color form a new communicator, ordered by (key, rank): the
+       sub-groups of one mesh dimension. Collective over c. */
+    pr_status (*split)(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err);
+    void (*destroy)(pr_comm *c);
+};
+
+/* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
+   memory, and waits for all. Returns the first failing rank's status, its message prefixed with
+   the rank. Needs C11 threads (define PR_NO_THREADS to leave it out). */
+PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
+                                  pr_error *err);
+
+/* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU, the calling
+   thread's current device. Rank 0 writes a unique id to id_path (atomically); the other ranks wait
+   for that file (a shared filesystem for several nodes) for up to timeout_s seconds; the path must
+   be fresh for each launch (a stale file would hand out an old id). Buffers are device memory;
+   each call waits for its own completion. NCCL's sums are deterministic for a fixed topology but
+   not in rank order. */
+pr_status pr_comm_nccl_create(pr_comm **comm, int rank, int size, const char *id_path, int timeout_s, pr_error *err);
+
 #ifdef __cplusplus
 }
 #endif
@@ -5109,5 +5155,334 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     PR_FREE(entries);
     return st;
 }
+
+/* ---------------------------------------------------------------- 7. Communicator: in-process */
+#ifndef PR_NO_THREADS
+#include <threads.h>
+
+static size_t pr__comm_elem(pr_comm_type t) { return t == PR_COMM_F64 ? 8 : t == PR_COMM_F32 ? 4 : 2; }
+
+static double pr__comm_get(const void *p, size_t i, pr_comm_type t) {
+    if (t == PR_COMM_F64) return ((const double *)p)[i];
+    if (t == PR_COMM_F32) return ((const float *)p)[i];
+    return pr_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
+    if (t == PR_COMM_F64) ((double *)p)[i] = v;
+    else if (t == PR_COMM_F32) ((float *)p)[i] = (float)v;
+    else ((uint16_t *)p)[i] = pr_f32_to_bf16((float)v);
+}
+
+/* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer in,
+   and a mailbox per ordered pair of ranks for send/recv. */
+typedef struct pr__world {
+    int size, refs;
+    mtx_t mu;
+    cnd_t cv;
+    int arrived;
+    unsigned gen;
+    int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
+    const void **slot;             /* (size) */
+    int *color, *key;              /* (size) split's exchange */
+    struct pr__world **made;       /* (size) split: the sub-world a group leader made */
+    const void **mail;             /* (size*size) [from*size + to] */
+    size_t *mail_bytes;
+    int *mail_full;
+} pr__world;
+
+typedef struct { pr_comm c; pr__world *w; } pr__local;
+
+static pr__world *pr__world_new(int size) {
+    pr__world *w = PR_MALLOC(sizeof *w);
+    if (!w) return NULL;
+    memset(w, 0, sizeof *w);
+    size_t n = (size_t)size, nn = n * n;
+    w->size = size;
+    w->refs = size;
+    w->slot = PR_MALLOC(sizeof(void *) * n);
+    w->color = PR_MALLOC(sizeof(int) * n);
+    w->key = PR_MALLOC(sizeof(int) * n);
+    w->made = PR_MALLOC(sizeof(pr__world *) * n);
+    w->mail = PR_MALLOC(sizeof(void *) * nn);
+    w->mail_bytes = PR_MALLOC(sizeof(size_t) * nn);
+    w->mail_full = PR_MALLOC(sizeof(int) * nn);
+    int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
+    int mu = ok && mtx_init(&w->mu, mtx_plain) == thrd_success;
+    int cv = mu && cnd_init(&w->cv) == thrd_success;
+    if (!cv) {
+        if (mu) mtx_destroy(&w->mu);
+        PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
+        PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
+        PR_FREE(w);
+        return NULL;
+    }
+    memset(w->made, 0, sizeof(pr__world *) * n);
+    memset(w->mail_full, 0, sizeof(int) * nn);
+    return w;
+}
+static void pr__world_release(pr__world *w) {
+    mtx_lock(&w->mu);
+    int last = --w->refs == 0;
+    mtx_unlock(&w->mu);
+    if (!last) return;
+    cnd_destroy(&w->cv);
+    mtx_destroy(&w->mu);
+    PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
+    PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
+    PR_FREE(w);
+}
+static void pr__world_barrier(pr__world *w) {
+    mtx_lock(&w->mu);
+    unsigned gen = w->gen;
+    if (++w->arrived == w->size) {
+        w->arrived = 0;
+        w->gen++;
+        cnd_broadcast(&w->cv);
+    } else {
+        while (gen == w->gen) cnd_wait(&w->cv, &w->mu);
+    }
+    mtx_unlock(&w->mu);
+}
+
+static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
+
+static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blocks, pr_error *err) {
+    size_t bytes;
+    if (t != PR_COMM_F32 && t != PR_COMM_F64 && t != PR_COMM_BF16) return pr__fail(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
+    if (!pr__mul_size(n, pr__comm_elem(t), &bytes) || !pr__mul_size(bytes, blocks, &bytes))
+        return pr__fail(err, PR_ERR_ARG, "communicator: %zu x %zu elements overflow", blocks, n);
+    (void)c;
+    return PR_OK;
+}
+
+/* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
+static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
+    double *acc = PR_MALLOC(sizeof(double) * (n ? n : 1));
+    if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
+    for (size_t i = 0; i < n; i++) acc[i] = 0;
+    for (int r = 0; r < w->size; r++)
+        for (size_t i = 0; i < n; i++) {
+            double x = pr__comm_get(w->slot[r], blk * n + i, t);
+            /* the sum rounds to the type after every add, as a ring of the type would */
+            acc[i] = t == PR_COMM_F64 ? acc[i] + x : t == PR_COMM_F32 ? (double)(float)(acc[i] + x)
+                                                                     : (double)pr_bf16_to_f32(pr_f32_to_bf16((float)(acc[i] + x)));
+        }
+    for (size_t i = 0; i < n; i++) pr__comm_put(out, i, t, acc[i]);
+    PR_FREE(acc);
+    return PR_OK;
+}
+
+static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, 1, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    void *tmp = PR_MALLOC(bytes ? bytes : 1);
+    w->slot[c->rank] = buf;
+    pr__world_barrier(w);
+    st = tmp ? pr__comm_sum(w, tmp, n, t, 0, err) : pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory");
+    pr__world_barrier(w);                     /* every rank has read every buffer */
+    if (!st) memcpy(buf, tmp, bytes);
+    PR_FREE(tmp);
+    c->bytes_sent += bytes;
+    return st;
+}
+static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
+    pr__world_barrier(w);
+    c->bytes_sent += bytes;
+    return PR_OK;
+}
+static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    st = pr__comm_sum(w, out, n, t, (size_t)c->rank, err);
+    pr__world_barrier(w);
+    c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
+    return st;
+}
+static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    for (int r = 0; r < w->size; r++)
+        memcpy((char *)out + (size_t)r * bytes, (const char *)w->slot[r] + (size_t)c->rank * bytes, bytes);
+    pr__world_barrier(w);
+    c->bytes_sent += bytes * (size_t)(c->size - 1);
+    return PR_OK;
+}
+/* A rendezvous: the sender waits until the receiver has copied the message. */
+static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, 1, err);
+    if (st) return st;
+    if (peer < 0 || peer >= c->size || peer == c->rank)
+        return pr__fail(err, PR_ERR_ARG, "send: peer %d is not another rank of %d", peer, c->size);
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
+    mtx_lock(&w->mu);
+    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    w->mail[box] = buf;
+    w->mail_bytes[box] = n * pr__comm_elem(t);
+    w->mail_full[box] = 1;
+    cnd_broadcast(&w->cv);
+    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    mtx_unlock(&w->mu);
+    c->bytes_sent += n * pr__comm_elem(t);
+    return PR_OK;
+}
+static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, 1, err);
+    if (st) return st;
+    if (peer < 0 || peer >= c->size || peer == c->rank)
+        return pr__fail(err, PR_ERR_ARG, "recv: peer %d is not another rank of %d", peer, c->size);
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
+    mtx_lock(&w->mu);
+    while (!w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    size_t got = w->mail_bytes[box];
+    if (got == bytes) memcpy(buf, w->mail[box], bytes);
+    w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
+    cnd_broadcast(&w->cv);
+    mtx_unlock(&w->mu);
+    if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
+    return PR_OK;
+}
+static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
+    (void)err;
+    pr__world_barrier(pr__lw(c));
+    return PR_OK;
+}
+
+static pr_comm *pr__local_comm_new(pr__world *w, int rank);
+
+static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
+    pr__world *w = pr__lw(c);
+    w->color[c->rank] = color;
+    w->key[c->rank] = key;
+    pr__world_barrier(w);
+    /* my group, in (key, rank) order: my rank in it, its size, its leader */
+    int size = 0, me = 0, leader = -1;
+    for (int r = 0; r < w->size; r++) {
+        if (w->color[r] != color) continue;
+        if (leader < 0 || w->key[r] < w->key[leader] || (w->key[r] == w->key[leader] && r < leader)) leader = r;
+        size++;
+        if (w->key[r] < key || (w->key[r] == key && r < c->rank)) me++;
+    }
+    w->made[c->rank] = NULL;
+    if (c->rank == leader) w->made[c->rank] = pr__world_new(size);
+    pr__world_barrier(w);
+    pr__world *nw = w->made[leader];
+    pr_comm *nc = nw ? pr__local_comm_new(nw, me) : NULL;
+    int ok = nc != NULL;
+    pr__world_barrier(w);                     /* every member has taken the leader's world */
+    if (!ok) {
+        if (nw) pr__world_release(nw);
+        return pr__fail(err, PR_ERR_NOMEM, "split: out of memory");
+    }
+    *sub = nc;
+    return PR_OK;
+}
+static void pr__local_destroy(pr_comm *c) {
+    if (!c) return;
+    pr__world_release(pr__lw(c));
+    PR_FREE(c);
+}
+
+static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
+    pr__local *l = PR_MALLOC(sizeof *l);
+    if (!l) return NULL;
+    memset(l, 0, sizeof *l);
+    l->w = w;
+    pr_comm *c = &l->c;
+    c->rank = rank;
+    c->size = w->size;
+    c->name = "in-process";
+    c->ctx = l;
+    c->all_reduce = pr__local_all_reduce;
+    c->all_gather = pr__local_all_gather;
+    c->reduce_scatter = pr__local_reduce_scatter;
+    c->all_to_all = pr__local_all_to_all;
+    c->send = pr__local_send;
+    c->recv = pr__local_recv;
+    c->barrier = pr__local_barrier;
+    c->split = pr__local_split;
+    c->destroy = pr__local_destroy;
+    return c;
+}
+
+typedef struct {
+    pr_comm *comm;
+    pr_status (*fn)(pr_comm *, void *, pr_error *);
+    void *user;
+    pr_status st;
+    pr_error err;
+} pr__rank_run;
+
+/* A rank starts only once every rank's thread exists: otherwise its first collective could wait
+   for a rank that never comes. */
+static int pr__rank_main(void *arg) {
+    pr__rank_run *r = arg;
+    pr__world *w = pr__lw(r->comm);
+    mtx_lock(&w->mu);
+    while (w->gate == 0) cnd_wait(&w->cv, &w->mu);
+    int go = w->gate > 0;
+    mtx_unlock(&w->mu);
+    r->err.status = PR_OK;
+    r->err.message[0] = 0;
+    r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
+    return 0;
+}
+
+PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
+                                  pr_error *err) {
+    if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
+    pr__world *w = pr__world_new(n);
+    pr__rank_run *runs = PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
+    thrd_t *th = PR_MALLOC(sizeof(thrd_t) * (size_t)n);
+    int made = 0;
+    if (w && runs && th) {
+        memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
+        for (; made < n; made++)
+            if (!(runs[made].comm = pr__local_comm_new(w, made))) break;
+    }
+    if (!w || !runs || !th || made < n) {
+        for (int r = 0; r < made; r++) PR_FREE(runs[r].comm);
+        if (w) { w->refs = 1; pr__world_release(w); }
+        PR_FREE(runs);
+        PR_FREE(th);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: out of memory for %d ranks", n);
+    }
+    int started = 0;
+    for (; started < n; started++) {
+        runs[started].fn = fn;
+        runs[started].user = user;
+        if (thrd_create(&th[started], pr__rank_main, &runs[started]) != thrd_success) break;
+    }
+    mtx_lock(&w->mu);
+    w->gate = started == n ? 1 : -1;
+    cnd_broadcast(&w->cv);
+    mtx_unlock(&w->mu);
+    for (int r = 0; r < started; r++) thrd_join(th[r], NULL);
+    pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
+    for (int r = 0; r < n && !st; r++)
+        if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
+    for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);
+    PR_FREE(runs);
+    PR_FREE(th);
+    return st;
+}
+#endif /* PR_NO_THREADS */
 
 #endif /* PREFIXREUSE_IMPLEMENTATION */

@@ -21,6 +21,8 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
 
 #include <math.h>
 #include <stdarg.h>
@@ -1258,4 +1260,228 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->adamw = pr_cu_adamw;
     *out = be;
     return PR_OK;
+}
+
+/* ---------------------------------------------------------------- the NCCL communicator */
+/* Each call is issued on the communicator's own stream and waited for, so the caller's buffers
+   are ready when it returns (the schedule's exchanges are layer-sized; overlap comes later). */
+typedef struct {
+    pr_comm c;
+    ncclComm_t nc;
+    cudaStream_t stream;
+    float *one;                    /* device scratch for the barrier */
+} pr_nccl;
+
+static pr_nccl *pr_nccl_of(pr_comm *c) { return (pr_nccl *)c->ctx; }
+
+static int pr_nccl_type(pr_comm_type t, ncclDataType_t *out, size_t *elem) {
+    switch (t) {
+    case PR_COMM_F32: *out = ncclFloat32; *elem = 4; return 1;
+    case PR_COMM_F64: *out = ncclFloat64; *elem = 8; return 1;
+    case PR_COMM_BF16: *out = ncclBfloat16; *elem = 2; return 1;
+    }
+    return 0;
+}
+
+static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
+    cudaError_t e = r == ncclSuccess ? cudaStreamSynchronize(x->stream) : cudaSuccess;
+    if (r == ncclSuccess && e == cudaSuccess) return PR_OK;
+    if (err) {
+        err->status = PR_ERR_DEVICE;
+        snprintf(err->message, sizeof err->message, "NCCL %s: %s", what,
+                 r != ncclSuccess ? ncclGetErrorString(r) : cudaGetErrorString(e));
+    }
+    return PR_ERR_DEVICE;
+}
+static pr_status pr_nccl_bad_type(pr_comm_type t, pr_error *err) {
+    if (err) {
+        err->status = PR_ERR_ARG;
+        snprintf(err->message, sizeof err->message, "communicator: unknown type %d", (int)t);
+    }
+    return PR_ERR_ARG;
+}
+
+static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    c->bytes_sent += n * e;
+    return pr_nccl_status(x, ncclAllReduce(buf, buf, n, dt, ncclSum, x->nc, x->stream), "all_reduce", err);
+}
+static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    c->bytes_sent += n * e;
+    return pr_nccl_status(x, ncclAllGather(in, out, n, dt, x->nc, x->stream), "all_gather", err);
+}
+static pr_status pr_nccl_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    c->bytes_sent += n * e * (size_t)(c->size - 1);
+    return pr_nccl_status(x, ncclReduceScatter(in, out, n, dt, ncclSum, x->nc, x->stream), "reduce_scatter", err);
+}
+static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    ncclResult_t r = ncclGroupStart();
+    for (int p = 0; p < c->size && r == ncclSuccess; p++) {
+        r = ncclSend((const char *)in + (size_t)p * n * e, n, dt, p, x->nc, x->stream);
+        if (r == ncclSuccess) r = ncclRecv((char *)out + (size_t)p * n * e, n, dt, p, x->nc, x->stream);
+    }
+    ncclResult_t r2 = ncclGroupEnd();
+    c->bytes_sent += n * e * (size_t)(c->size - 1);
+    return pr_nccl_status(x, r != ncclSuccess ? r : r2, "all_to_all", err);
+}
+static pr_status pr_nccl_peer(pr_comm *c, int peer, pr_error *err) {
+    if (peer >= 0 && peer < c->size && peer != c->rank) return PR_OK;
+    if (err) {
+        err->status = PR_ERR_ARG;
+        snprintf(err->message, sizeof err->message, "send/recv: peer %d is not another rank of %d", peer, c->size);
+    }
+    return PR_ERR_ARG;
+}
+static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    pr_status st = pr_nccl_peer(c, peer, err);
+    if (st) return st;
+    c->bytes_sent += n * e;
+    return pr_nccl_status(x, ncclSend(buf, n, dt, peer, x->nc, x->stream), "send", err);
+}
+static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    pr_status st = pr_nccl_peer(c, peer, err);
+    if (st) return st;
+    return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->stream), "recv", err);
+}
+static pr_status pr_nccl_barrier(pr_comm *c, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    return pr_nccl_status(x, ncclAllReduce(x->one, x->one, 1, ncclFloat32, ncclSum, x->nc, x->stream), "barrier", err);
+}
+static void pr_nccl_destroy(pr_comm *c) {
+    if (!c) return;
+    pr_nccl *x = pr_nccl_of(c);
+    if (x->nc) ncclCommDestroy(x->nc);
+    if (x->one) cudaFree(x->one);
+    if (x->stream) cudaStreamDestroy(x->stream);
+    free(x);
+}
+
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err);
+
+static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclComm_t nc = NULL;
+    ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
+    if (r != ncclSuccess) {
+        if (err) {
+            err->status = PR_ERR_DEVICE;
+            snprintf(err->message, sizeof err->message, "NCCL split: %s", ncclGetErrorString(r));
+        }
+        return PR_ERR_DEVICE;
+    }
+    return pr_nccl_wrap(sub, nc, err);
+}
+
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err) {
+    pr_nccl *x = (pr_nccl *)calloc(1, sizeof *x);
+    int rank = 0, size = 0;
+    if (!x || ncclCommUserRank(nc, &rank) != ncclSuccess || ncclCommCount(nc, &size) != ncclSuccess ||
+        cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc((void **)&x->one, sizeof(float)) != cudaSuccess) {
+        if (x) {
+            if (x->stream) cudaStreamDestroy(x->stream);
+            free(x);
+        }
+        ncclCommDestroy(nc);
+        if (err) {
+            err->status = PR_ERR_DEVICE;
+            snprintf(err->message, sizeof err->message, "NCCL: cannot set up the communicator");
+        }
+        return PR_ERR_DEVICE;
+    }
+    x->nc = nc;
+    pr_comm *c = &x->c;
+    c->rank = rank;
+    c->size = size;
+    c->name = "nccl";
+    c->ctx = x;
+    c->all_reduce = pr_nccl_all_reduce;
+    c->all_gather = pr_nccl_all_gather;
+    c->reduce_scatter = pr_nccl_reduce_scatter;
+    c->all_to_all = pr_nccl_all_to_all;
+    c->send = pr_nccl_send;
+    c->recv = pr_nccl_recv;
+    c->barrier = pr_nccl_barrier;
+    c->split = pr_nccl_split;
+    c->destroy = pr_nccl_destroy;
+    *out = c;
+    return PR_OK;
+}
+
+pr_status pr_comm_nccl_create(pr_comm **out, int rank, int size, const char *id_path, int timeout_s, pr_error *err) {
+    if (!out || !id_path || size < 1 || rank < 0 || rank >= size) {
+        if (err) {
+            err->status = PR_ERR_ARG;
+            snprintf(err->message, sizeof err->message, "pr_comm_nccl_create: rank %d of %d, id path %s", rank, size,
+                     id_path ? id_path : "NULL");
+        }
+        return PR_ERR_ARG;
+    }
+    ncclUniqueId id;
+    if (rank == 0) {                   /* write the id next to its final name, then rename it into place */
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp.%ld", id_path, (long)getpid());
+        FILE *f = NULL;
+        int ok = ncclGetUniqueId(&id) == ncclSuccess && (f = fopen(tmp, "wb")) != NULL &&
+                 fwrite(&id, sizeof id, 1, f) == 1;
+        if (f && fclose(f) != 0) ok = 0;
+        if (!ok || rename(tmp, id_path) != 0) {
+            remove(tmp);
+            if (err) {
+                err->status = PR_ERR_IO;
+                snprintf(err->message, sizeof err->message, "NCCL: cannot write the unique id to %s", id_path);
+            }
+            return PR_ERR_IO;
+        }
+    } else {                           /* wait for rank 0's file */
+        int got = 0;
+        for (int waited = 0; !got && waited <= timeout_s * 10; waited++) {
+            FILE *f = fopen(id_path, "rb");
+            if (f) {
+                got = fread(&id, sizeof id, 1, f) == 1;
+                fclose(f);
+            }
+            if (!got) usleep(100000);
+        }
+        if (!got) {
+            if (err) {
+                err->status = PR_ERR_IO;
+                snprintf(err->message, sizeof err->message, "NCCL: no unique id at %s after %d s", id_path, timeout_s);
+            }
+            return PR_ERR_IO;
+        }
+    }
+    ncclComm_t nc;
+    ncclResult_t r = ncclCommInitRank(&nc, size, id, rank);
+    if (r != ncclSuccess) {
+        if (err) {
+            err->status = PR_ERR_DEVICE;
+            snprintf(err->message, sizeof err->message, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
+        }
+        return PR_ERR_DEVICE;
+    }
+    return pr_nccl_wrap(out, nc, err);
 }

@@ -5,7 +5,7 @@
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 for p in float double; do
-    for t in test_core test_gemm test_io test_trace; do run "$dir/$t-$p"; done
+    for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done

@@ -1,0 +1,159 @@
+/* The in-process communicator: every collective against the same computation done serially, on
+   1 to 4 ranks and every element type; send/recv around a ring; split into the rows and columns of
+   a 2 x 2 mesh with collectives inside each; every rank ending with the same bits; bad arguments. */
+#define PREFIXREUSE_IMPLEMENTATION
+#include "../prefixreuse.h"
+#include "harness.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define N 37                      /* elements per rank: not a multiple of anything */
+#define MAXR 4
+
+/* What every rank reports back, checked on the main thread (CHECK is not thread-safe). */
+typedef struct {
+    int size;
+    double reduce[MAXR][N], gather[MAXR][MAXR * N], scatter[MAXR][N], a2a[MAXR][MAXR * N], ring[MAXR][N];
+    float reduce_f32[MAXR][N];
+    uint16_t reduce_bf16[MAXR][N];
+    double row_sum[MAXR], col_sum[MAXR];
+    int row_rank[MAXR], col_rank[MAXR], row_size[MAXR];
+    int bad_peer[MAXR];
+    size_t sent[MAXR];
+} results;
+
+/* Rank r's input element i of block b: distinct everywhere, exact in binary. */
+static double value(int r, int b, int i) { return r * 1000 + b * 100 + i + 0.25; }
+
+static pr_status rank_main(pr_comm *c, void *user, pr_error *err) {
+    results *res = user;
+    const int r = c->rank, R = c->size;
+    double in[MAXR * N], out[MAXR * N];
+    pr_status st;
+    /* all_reduce, in place, three types */
+    for (int i = 0; i < N; i++) res->reduce[r][i] = value(r, 0, i);
+    if ((st = c->all_reduce(c, res->reduce[r], N, PR_COMM_F64, err))) return st;
+    for (int i = 0; i < N; i++) res->reduce_f32[r][i] = (float)(value(r, 0, i) * 1.1);
+    if ((st = c->all_reduce(c, res->reduce_f32[r], N, PR_COMM_F32, err))) return st;
+    for (int i = 0; i < N; i++) res->reduce_bf16[r][i] = pr_f32_to_bf16((float)(r + 1) * 0.5f + (float)i);
+    if ((st = c->all_reduce(c, res->reduce_bf16[r], N, PR_COMM_BF16, err))) return st;
+    /* all_gather */
+    for (int i = 0; i < N; i++) in[i] = value(r, 1, i);
+    if ((st = c->all_gather(c, res->gather[r], in, N, PR_COMM_F64, err))) return st;
+    /* reduce_scatter and all_to_all over R blocks */
+    for (int b = 0; b < R; b++)
+        for (int i = 0; i < N; i++) in[b * N + i] = value(r, b, i);
+    if ((st = c->reduce_scatter(c, res->scatter[r], in, N, PR_COMM_F64, err))) return st;
+    if ((st = c->all_to_all(c, res->a2a[r], in, N, PR_COMM_F64, err))) return st;
+    /* a ring: even ranks send first, odd ranks receive first (no deadlock at any size) */
+    if (R > 1) {
+        int next = (r + 1) % R, prev = (r + R - 1) % R;
+        for (int i = 0; i < N; i++) out[i] = value(r, 2, i);
+        if (r % 2 == 0) {
+            if ((st = c->send(c, out, N, PR_COMM_F64, next, err)) || (st = c->recv(c, res->ring[r], N, PR_COMM_F64, prev, err))) return st;
+        } else {
+            if ((st = c->recv(c, res->ring[r], N, PR_COMM_F64, prev, err)) || (st = c->send(c, out, N, PR_COMM_F64, next, err))) return st;
+        }
+    }
+    /* bad arguments come back as errors, and nobody waits on them */
+    pr_error e2;
+    res->bad_peer[r] = c->send(c, out, N, PR_COMM_F64, R + 3, &e2) == PR_ERR_ARG &&
+                       c->recv(c, out, N, PR_COMM_F64, r, &e2) == PR_ERR_ARG &&
+                       c->all_reduce(c, out, N, (pr_comm_type)9, &e2) == PR_ERR_ARG;
+    if ((st = c->barrier(c, err))) return st;
+    /* a 2 x 2 mesh: rows (color r / 2) and columns (color r % 2, keyed backwards) */
+    if (R == 4) {
+        pr_comm *row, *col;
+        if ((st = c->split(c, r / 2, r, &row, err))) return st;
+        if ((st = c->split(c, r % 2, -r, &col, err))) { row->destroy(row); return st; }
+        double x = value(r, 3, 0), y = x;
+        st = row->all_reduce(row, &x, 1, PR_COMM_F64, err);
+        if (!st) st = col->all_reduce(col, &y, 1, PR_COMM_F64, err);
+        res->row_sum[r] = x;
+        res->col_sum[r] = y;
+        res->row_rank[r] = row->rank;
+        res->col_rank[r] = col->rank;
+        res->row_size[r] = row->size;
+        row->destroy(row);
+        col->destroy(col);
+        if (st) return st;
+    }
+    res->sent[r] = c->bytes_sent;
+    return PR_OK;
+}
+
+static void check_size(int R) {
+    results *res = calloc(1, sizeof *res);
+    res->size = R;
+    pr_error err;
+    pr_status st = pr_comm_local_run(R, rank_main, res, &err);
+    CHECK(st == PR_OK, "%d ranks: %s", R, st ? err.message : "");
+    if (st) { free(res); return; }
+    int reduce = 1, gather = 1, scatter = 1, a2a = 1, ring = 1, same = 1, f32 = 1, bf16 = 1;
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < N; i++) {
+            double want = 0;
+            float wf = 0, wb = 0;
+            for (int q = 0; q < R; q++) {
+                want += value(q, 0, i);
+                wf = wf + (float)(value(q, 0, i) * 1.1);                     /* rank order, float adds */
+                wb = pr_bf16_to_f32(pr_f32_to_bf16(wb + pr_bf16_to_f32(pr_f32_to_bf16((float)(q + 1) * 0.5f + (float)i))));
+            }
+            reduce &= res->reduce[r][i] == want;
+            f32 &= res->reduce_f32[r][i] == wf;
+            bf16 &= pr_bf16_to_f32(res->reduce_bf16[r][i]) == wb;
+            double ws = 0;
+            for (int q = 0; q < R; q++) ws += value(q, r, i);
+            scatter &= res->scatter[r][i] == ws;
+            if (R > 1) ring &= res->ring[r][i] == value((r + R - 1) % R, 2, i);
+        }
+        for (int q = 0; q < R; q++)
+            for (int i = 0; i < N; i++) {
+                gather &= res->gather[r][q * N + i] == value(q, 1, i);
+                a2a &= res->a2a[r][q * N + i] == value(q, r, i);
+            }
+        same &= !memcmp(res->reduce_f32[r], res->reduce_f32[0], sizeof res->reduce_f32[0]) &&
+                !memcmp(res->reduce_bf16[r], res->reduce_bf16[0], sizeof res->reduce_bf16[0]);
+        CHECK(res->bad_peer[r], "%d ranks: rank %d: a bad peer or type was not refused", R, r);
+        CHECK(res->sent[r] > 0, "%d ranks: rank %d counted no bytes sent", R, r);
+    }
+    CHECK(reduce && f32 && bf16, "%d ranks: all_reduce (f64 %d, f32 %d, bf16 %d)", R, reduce, f32, bf16);
+    CHECK(same, "%d ranks: ranks ended with different bits", R);
+    CHECK(gather, "%d ranks: all_gather", R);
+    CHECK(scatter, "%d ranks: reduce_scatter", R);
+    CHECK(a2a, "%d ranks: all_to_all", R);
+    CHECK(ring, "%d ranks: send/recv ring", R);
+    if (R == 4) {
+        for (int r = 0; r < 4; r++) {
+            int mate = r ^ 1, other = r ^ 2;        /* same row: r^1; same column: r^2 */
+            CHECK(res->row_sum[r] == value(r, 3, 0) + value(mate, 3, 0), "split rows: rank %d sum %.2f", r, res->row_sum[r]);
+            CHECK(res->col_sum[r] == value(r, 3, 0) + value(other, 3, 0), "split columns: rank %d sum %.2f", r, res->col_sum[r]);
+            CHECK(res->row_size[r] == 2 && res->row_rank[r] == r % 2, "split rows: rank %d is %d of %d", r, res->row_rank[r], res->row_size[r]);
+            CHECK(res->col_rank[r] == (r < 2 ? 1 : 0), "split columns keyed backwards: rank %d is %d", r, res->col_rank[r]);
+        }
+    }
+    free(res);
+}
+
+/* A rank that fails reports itself; the others finish. */
+static pr_status failing(pr_comm *c, void *user, pr_error *err) {
+    (void)user;
+    if (c->rank == 1) {
+        err->status = PR_ERR_IO;
+        snprintf(err->message, sizeof err->message, "disk on fire");
+        return PR_ERR_IO;
+    }
+    return PR_OK;
+}
+
+int main(void) {
+    printf("test_comm (%s build)\n", sizeof(pr_real) == 8 ? "double" : "float");
+    for (int R = 1; R <= MAXR; R++) check_size(R);
+    pr_error err;
+    CHECK(pr_comm_local_run(3, failing, NULL, &err) == PR_ERR_IO && strstr(err.message, "rank 1") && strstr(err.message, "fire"),
+          "a failing rank is reported: '%s'", err.message);
+    CHECK(pr_comm_local_run(0, failing, NULL, &err) == PR_ERR_ARG, "zero ranks refused");
+    return test_report();
+}
