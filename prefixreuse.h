@@ -454,6 +454,7 @@ typedef struct {
     pr_hooks hooks;
     pr_offload_opts offload;
     pr_moe_opts moe;
+    int accumulate;          /* 1: add this group's gradients to the arena instead of replacing them */
 } pr_step_opts;
 
 enum { PR_PHASE_A = 0, PR_PHASE_B = 1, PR_PHASE_C = 2 };
@@ -546,6 +547,18 @@ struct pr_comm {
     pr_status (*split)(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err);
     void (*destroy)(pr_comm *c);
 };
+
+/* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
+   `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
+   schedule charges each prefix once): every rank computes the same placement. */
+PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner);
+/* Every rank of dp calls it with the same groups: the rank's trainer accumulates the gradients of
+   the groups placed on it, then the gradient arenas are summed over dp, so every rank ends with
+   the sum over all groups (what one rank would accumulate alone), ready for the same AdamW step.
+   *stats: this rank's last group's stats, with loss, rows and flops summed over its own groups
+   (a rank with no group gets zeros); sum them over dp for the whole step's. */
+PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
+                                            const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 
 /* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
    memory, and waits for all. Returns the first failing rank's status, its message prefixed with
@@ -4966,7 +4979,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
-    be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+    if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
     if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
     double t0 = pr__now();
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
@@ -5154,6 +5167,68 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     PR_FREE(host);
     PR_FREE(entries);
     return st;
+}
+
+/* ---------------------------------------------------------------- 7. Data parallelism */
+PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
+    double *load = PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
+    char *done = PR_MALLOC((size_t)(n > 0 ? n : 1));
+    if (!load || !done || ranks < 1) {         /* no memory: everything on rank 0, still a valid placement */
+        for (int i = 0; i < n; i++) owner[i] = 0;
+        PR_FREE(load);
+        PR_FREE(done);
+        return;
+    }
+    for (int r = 0; r < ranks; r++) load[r] = 0;
+    memset(done, 0, (size_t)n);
+    for (int k = 0; k < n; k++) {              /* the costliest group left, onto the least loaded rank */
+        int best = -1;
+        double cost = -1;
+        for (int i = 0; i < n; i++) {
+            double f = done[i] ? -1 : pr_step_flops(cfg, &groups[i], schedule);
+            if (!done[i] && f > cost) { cost = f; best = i; }
+        }
+        int to = 0;
+        for (int r = 1; r < ranks; r++) if (load[r] < load[to]) to = r;
+        owner[best] = to;
+        load[to] += cost;
+        done[best] = 1;
+    }
+    PR_FREE(load);
+    PR_FREE(done);
+}
+
+PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
+                                            const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
+    if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
+    int *owner = PR_MALLOC(sizeof(int) * (size_t)n);
+    pr_status st = owner ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (owner) pr_dp_place(&tr->cfg, groups, n, dp->size, opt->schedule, owner);
+    pr_step_opts o = *opt;
+    pr_step_stats s, sum;
+    memset(&sum, 0, sizeof sum);
+    tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
+    o.accumulate = 1;
+    for (int i = 0; owner && i < n && !st; i++) {
+        if (owner[i] != dp->rank) continue;
+        st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
+        if (!st) {
+            double loss = sum.loss + s.loss, flops = sum.flops + s.flops;
+            long rows = sum.rows + s.rows;
+            sum = s;
+            sum.loss = loss;
+            sum.flops = flops;
+            sum.rows = rows;
+        }
+    }
+    PR_FREE(owner);
+    /* every rank reaches the collective, even after a local failure, so that none is left
+       waiting; a failed rank's sum is discarded by its own status */
+    pr_status cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
+    if (st) return st;
+    if (cs) return cs;
+    if (stats) *stats = sum;
+    return PR_OK;
 }
 
 /* ---------------------------------------------------------------- 7. Communicator: in-process */

@@ -706,6 +706,87 @@ static void test_moe(void) {
     remove(dir);
 }
 
+/* ------------------------------------------------------------------ data parallelism */
+typedef struct { pr_trainer *tr[4]; const pr_group *groups; int n; pr_step_opts opt; double loss[4]; pr_real *grads0; } dp_run;
+
+static pr_status dp_rank(pr_comm *c, void *user, pr_error *err) {
+    dp_run *d = user;
+    pr_step_stats st;
+    pr_status s = pr_trainer_compute_grads_dp(d->tr[c->rank], c, d->groups, d->n, &d->opt, &st, err);
+    if (s) return s;
+    d->loss[c->rank] = st.loss;
+    if (c->rank == 0 && (s = pr_trainer_get_grads(d->tr[0], d->grads0, pr_trainer_param_count(d->tr[0]), err))) return s;
+    pr_adamw_opts adam = pr_adamw_opts_default();   /* clipping rescales the arena: gradients are read before */
+    return pr_trainer_adamw_step(d->tr[c->rank], &adam, NULL, err);
+}
+
+static void test_dp(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[6] = { 4, 7, 2, 5, 3, 6 };
+    static test_group tg[5];
+    pr_group groups[5];
+    for (int i = 0; i < 5; i++) {
+        make_group(&tg[i], 3 + 4 * i, 2 + i % 3, S, c.vocab_size, 500 + i);
+        groups[i] = tg[i].g;
+    }
+    for (int sched = 0; sched < 2; sched++) {
+        /* one rank alone: every group's gradients accumulated, then AdamW */
+        pr_trainer *ref = make_model(&c, 5);
+        pr_step_opts o = pr_step_opts_default();
+        o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+        o.microbatch = 2;
+        pr_error err;
+        double ref_loss = 0;
+        for (int i = 0; i < 5; i++) {
+            pr_step_stats st;
+            o.accumulate = i > 0;
+            CHECK(!pr_trainer_compute_grads(ref, &groups[i], &o, &st, NULL, &err), "dp reference: %s", err.message);
+            ref_loss += st.loss;
+        }
+        o.accumulate = 0;
+        pr_real *gref = grads_of(ref);
+        pr_adamw_opts adam = pr_adamw_opts_default();
+        pr_trainer_adamw_step(ref, &adam, NULL, &err);
+        pr_real *pref = params_of(ref);
+        for (int ranks = 2; ranks <= 3; ranks++) {
+            dp_run d;
+            memset(&d, 0, sizeof d);
+            for (int r = 0; r < ranks; r++) d.tr[r] = make_model(&c, 5);
+            d.groups = groups;
+            d.grads0 = malloc(sizeof(pr_real) * pr_trainer_param_count(ref));
+            d.n = 5;
+            d.opt = o;
+            pr_status st = pr_comm_local_run(ranks, dp_rank, &d, &err);
+            CHECK(st == PR_OK, "dp %d ranks: %s", ranks, err.message);
+            char label[64];
+            snprintf(label, sizeof label, "dp %d ranks, %s", ranks, sched ? "reuse" : "baseline");
+            double loss = 0;
+            for (int r = 0; r < ranks; r++) loss += d.loss[r];
+            CHECK(fabs(loss - ref_loss) <= (IS_DOUBLE ? 1e-12 : 1e-5) * fabs(ref_loss), "%s: loss %.15g vs %.15g", label, loss, ref_loss);
+            pr_real *g0 = d.grads0, *p0 = params_of(d.tr[0]);
+            CHECK(close_arenas(ref, g0, gref, "gradient", label), "%s: summed gradients vs one rank", label);
+            CHECK(close_arenas(ref, p0, pref, "parameter", label), "%s: parameters after AdamW vs one rank", label);
+            for (int r = 1; r < ranks; r++) {
+                pr_real *pr = params_of(d.tr[r]);
+                CHECK(!memcmp(pr, p0, sizeof(pr_real) * pr_trainer_param_count(ref)), "%s: rank %d's parameters differ from rank 0's", label, r);
+                free(pr);
+            }
+            free(g0); free(p0);
+            for (int r = 0; r < ranks; r++) pr_trainer_destroy(d.tr[r]);
+        }
+        free(gref); free(pref);
+        pr_trainer_destroy(ref);
+    }
+    /* placement: charged by the schedule's FLOPs, costliest first onto the least loaded rank */
+    int owner[5];
+    pr_dp_place(&c, groups, 5, 2, PR_SCHEDULE_REUSE, owner);
+    double load[2] = { 0, 0 };
+    for (int i = 0; i < 5; i++) load[owner[i]] += pr_step_flops(&c, &groups[i], PR_SCHEDULE_REUSE);
+    double most = 0;
+    for (int i = 0; i < 5; i++) most = fmax(most, pr_step_flops(&c, &groups[i], PR_SCHEDULE_REUSE));
+    CHECK(fabs(load[0] - load[1]) <= most, "dp placement: loads %.3g and %.3g differ by more than one group", load[0], load[1]);
+}
+
 /* ---- offload of the prefix's dormant state */
 /* The CPU backend with copies that really are late: copy_async only queues, and the queue runs (in
    order, as one copy stream would) up to the last copy with a tag when copy_wait names it, or all
@@ -931,6 +1012,7 @@ int main(void) {
     test_determinism();
     test_offload();
     test_moe();
+    test_dp();
     test_checkpoints();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
