@@ -4030,7 +4030,7 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
     const pr_config *c = &tr->cfg;
     const int E = c->num_experts, k = c->num_experts_per_tok;
     pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
-    int *sel = PR_MALLOC(sizeof(int) * (size_t)N * k);
+    int *sel = PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
     if (!z || !sel) {
         PR_FREE(z);
         PR_FREE(sel);
@@ -4061,13 +4061,6 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
         rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
     }
     for (int e = 0; e < E; e++) rt->start[e + 1] += rt->start[e];
-    int *fill = PR_MALLOC(sizeof(int) * (size_t)E);
-    if (!fill) {
-        PR_FREE(z);
-        PR_FREE(sel);
-        tr->alloc_failed = 1;
-        return;
-    }
     memcpy(fill, rt->start, sizeof(int) * (size_t)E);
     for (int r = 0; r < N; r++)            /* rows ascending, so each expert's slots are in row order */
         for (int j = 0; j < k; j++) {
@@ -4075,7 +4068,6 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
             rt->row[slot] = r;
             rt->w[slot] = (pr_real)(rt->prob[(size_t)r * E + e] / rt->wsum[r]);
         }
-    PR_FREE(fill);
     PR_FREE(z);
     PR_FREE(sel);
 }

@@ -740,6 +740,16 @@ static void test_config(void) {
         {"{\"model_type\":\"llama\"," BASE ",\"num_attention_heads\":4,}", PR_ERR_FORMAT, "bad JSON at byte"},
         {"[1,2]", PR_ERR_CONFIG, "JSON object"},
         {"", PR_ERR_FORMAT, "unexpected end"},
+        /* MoE: routing coupled to the batch, and layouts the trainer does not run */
+#define MOE "{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4,\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":8"
+        {MOE ",\"capacity_factor\":1.25}", PR_ERR_UNSUPPORTED, "capacity_factor"},
+        {MOE ",\"moe_token_dropping\":true}", PR_ERR_UNSUPPORTED, "moe_token_dropping"},
+        {MOE ",\"router_type\":\"expert_choice\"}", PR_ERR_UNSUPPORTED, "expert choice"},
+        {MOE ",\"decoder_sparse_step\":2}", PR_ERR_UNSUPPORTED, "decoder_sparse_step 2"},
+        {MOE ",\"mlp_only_layers\":[0]}", PR_ERR_UNSUPPORTED, "mlp_only_layers"},
+        {MOE ",\"num_experts_per_tok\":5}", PR_ERR_CONFIG, "num_experts_per_tok"},
+        {"{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4}", PR_ERR_CONFIG, "num_experts"},
+#undef MOE
     };
 #undef BASE
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
