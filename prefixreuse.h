@@ -560,6 +560,44 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 
+/* A device mesh (dp, pp, cp, tp, ep) over a world communicator. Rank order puts tp fastest:
+   rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i. Each dimension gets its sub-communicator
+   (the ranks that differ only in that coordinate). EP runs inside the TP group (ep is 1 or tp):
+   the TP group's ranks hold the same rows, each dispatches its 1/ep share of them to the experts'
+   owners by all-to-all, as under sequence parallelism.
+   - TP: attention heads and MLP columns sharded (column-parallel q/k/v/gate/up, row-parallel
+     o/down, an all-reduce after each); every rank caches its own head shard of the prefix K/V.
+   - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
+     split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
+     Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
+   - DP: whole prompt groups per rank (pr_trainer_compute_grads_dp over mesh->dp).
+   pp > 1 is refused: pipeline parallelism is not implemented. */
+typedef struct {
+    int dp, pp, cp, tp, ep;
+    int dp_rank, pp_rank, cp_rank, tp_rank;
+    pr_comm *world, *dp_comm, *pp_comm, *cp_comm, *tp_comm;
+} pr_mesh;
+/* Collective over world. On failure nothing is left allocated. */
+PRDEF pr_status pr_mesh_init(pr_mesh *mesh, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err);
+PRDEF void pr_mesh_free(pr_mesh *mesh);
+
+/* A trainer for this rank's shard of cfg on the mesh (kept by pointer: it must outlive the
+   trainer). Parameter names are the full model's; shapes are the shard's. Every step and AdamW
+   call is collective over the mesh; gradients are summed over cp (and the q/k-norm gradients over
+   tp) inside pr_trainer_compute_grads, so every rank ends a step with its shard of the full
+   model's gradient. Requires heads, KV heads, intermediate (or, without EP, the expert
+   intermediate) size divisible by tp, and experts by ep. With cp > 1 a microbatch holds one
+   trajectory. */
+PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
+                                       pr_error *err);
+/* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
+   set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
+   rank (collective over tp). Without a mesh they are get/set_params and get_grads. */
+typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
+PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
+PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
+PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err);
+
 /* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
    memory, and waits for all. Returns the first failing rank's status, its message prefixed with
    the rank. Needs C11 threads (define PR_NO_THREADS to leave it out). */
@@ -3522,8 +3560,21 @@ typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; 
 #define PR__SLOTS 3
 typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
 
+/* Where one of a sharded trainer's tensors sits in the full model: rows row0.. and columns col0..
+   of the full tensor at full_off (full_cols wide). `replicated`: every TP rank holds the same
+   values (counted once in norms and gathers); `tp_partial`: its gradient is a partial sum over
+   the TP ranks (the q/k norms, shared by heads on several ranks). */
+typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char replicated, tp_partial; } pr__shard;
+
 struct pr_trainer {
-    pr_config cfg;
+    pr_config cfg;                         /* this rank's shard of the model (all of it without a mesh) */
+    pr_config model;                       /* the full model */
+    const pr_mesh *mesh;                   /* NULL: one rank */
+    int expert0, n_experts;                /* MoE: the experts this rank holds, expert0 .. expert0+n_experts-1 */
+    size_t n_full;                         /* the full model's parameter count */
+    pr__shard *shard;                      /* (n_tensors) mesh only */
+    pr_status comm_st;                     /* the step's first failed collective, its message in comm_err */
+    pr_error comm_err;
     const pr_backend *be;
     int n_tensors;
     pr_tensor_info *tensors;
@@ -3601,7 +3652,7 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
         if (c->num_experts) {
             int64_t Fm = c->moe_intermediate_size;
             PR__T(router, "mlp.gate.weight", c->num_experts, C, 1);
-            for (int e = 0; e < c->num_experts; e++) {
+            for (int e = tr->expert0; e < tr->expert0 + tr->n_experts; e++) {
                 size_t first;
                 snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", l, e);
                 first = pr__add_tensor(table, count, total, nm, Fm, C, 1);
@@ -3609,7 +3660,7 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
                 pr__add_tensor(table, count, total, nm, Fm, C, 1);
                 snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", l, e);
                 pr__add_tensor(table, count, total, nm, C, Fm, 1);
-                if (e == 0) o.experts = first;
+                if (e == tr->expert0) o.experts = first;
             }
         } else {
             PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
@@ -3664,17 +3715,103 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
 
 #define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
 
-PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
+/* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
+   the experts divided by ep (each whole), otherwise each expert's columns divided by tp. */
+static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *expert0, int *n_experts,
+                                  pr_error *err) {
+    *local = *cfg;
+    *expert0 = 0;
+    *n_experts = cfg->num_experts;
+    if (!m) return PR_OK;
+    const int tp = m->tp, ep = m->ep;
+    if (cfg->num_attention_heads % tp || cfg->num_key_value_heads % tp)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d) and KV heads (%d)", tp,
+                        cfg->num_attention_heads, cfg->num_key_value_heads);
+    local->num_attention_heads /= tp;
+    local->num_key_value_heads /= tp;
+    if (cfg->num_experts) {
+        if (ep > 1 && cfg->num_experts % ep)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d must divide the %d experts", ep, cfg->num_experts);
+        if (ep == 1 && cfg->moe_intermediate_size % tp)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide moe_intermediate_size %d", tp, cfg->moe_intermediate_size);
+        if (ep > 1) {
+            *n_experts = cfg->num_experts / ep;
+            *expert0 = m->tp_rank * *n_experts;
+        } else {
+            local->moe_intermediate_size /= tp;
+        }
+    } else {
+        if (ep > 1) return pr__fail(err, PR_ERR_ARG, "ep %d asks for experts, the model has none", ep);
+        if (cfg->intermediate_size % tp)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide intermediate_size %d", tp, cfg->intermediate_size);
+        local->intermediate_size /= tp;
+    }
+    return PR_OK;
+}
+
+/* The shard table: each local tensor's place in the full model's layout. Names are shared, and the
+   local tensors are a subsequence of the full list, so one walk pairs them. */
+/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory. */
+static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *total) {
+    pr_trainer full;
+    memset(&full, 0, sizeof full);
+    full.cfg = tr->model;
+    full.n_experts = tr->model.num_experts;
+    pr__build_layout(&full, NULL, count, total);
+    pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
+    if (ft) pr__build_layout(&full, ft, count, total);
+    return ft;
+}
+
+static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
+    int count;
+    pr_tensor_info *ft = pr__full_table(tr, &count, &tr->n_full);
+    tr->shard = PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
+    if (!ft || !tr->shard) {
+        PR_FREE(ft);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
+    }
+    const int tp_rank = tr->mesh->tp_rank, ep = tr->mesh->ep;
+    int j = 0;
+    for (int i = 0; i < tr->n_tensors; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        while (j < count && strcmp(ft[j].name, t->name)) j++;
+        if (j == count) {          /* cannot happen: both lists come from one builder */
+            PR_FREE(ft);
+            return pr__fail(err, PR_ERR_ARG, "shard table: %s is not in the full model", t->name);
+        }
+        pr__shard *sh = &tr->shard[i];
+        const int64_t fc = ft[j].ndim == 2 ? ft[j].shape[1] : 1, lc = t->ndim == 2 ? t->shape[1] : 1;
+        sh->full_off = ft[j].offset;
+        sh->full_cols = fc;
+        sh->row0 = t->shape[0] < ft[j].shape[0] ? tp_rank * t->shape[0] : 0;
+        sh->col0 = lc < fc ? tp_rank * lc : 0;
+        sh->replicated = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
+        sh->tp_partial = strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight");
+    }
+    PR_FREE(ft);
+    return PR_OK;
+}
+
+static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
+                                 pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
+    pr_config local;
+    int expert0, n_experts;
     pr_status st = pr_config_validate(cfg, err);
-    if (!st && be->check_config) st = be->check_config(be, cfg, err);
+    if (!st) st = pr__shard_config(cfg, mesh, &local, &expert0, &n_experts, err);
+    if (!st && be->check_config) st = be->check_config(be, &local, err);
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
     pr_trainer *tr = PR_MALLOC(sizeof *tr);
     if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     memset(tr, 0, sizeof *tr);
-    tr->cfg = *cfg;
+    tr->cfg = local;
+    tr->model = *cfg;
+    tr->mesh = mesh;
+    tr->expert0 = expert0;
+    tr->n_experts = n_experts;
     tr->be = be;
     int count; size_t total;
     pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
@@ -3686,6 +3823,11 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     }
     pr__build_layout(tr, tr->tensors, &tr->n_tensors, &tr->n_params);
+    tr->n_full = tr->n_params;
+    if (mesh && (st = pr__build_shards(tr, err))) {
+        pr_trainer_destroy(tr);
+        return st;
+    }
     tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
     tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
     if (!tr->arena || !tr->inv_freq) {
@@ -3712,6 +3854,10 @@ PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const 
     return PR_OK;
 }
 
+PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
+    return pr__trainer_new(out, cfg, be, NULL, err);
+}
+
 static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
     for (pr__chunk *n; c; c = n) {
         n = c->next;
@@ -3732,10 +3878,11 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
     PR_FREE(tr->expert_load);
+    PR_FREE(tr->shard);
     PR_FREE(tr);
 }
 
-PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->cfg; }
+PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->model; }
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr->n_tensors; }
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
     return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
@@ -3763,6 +3910,70 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
     return st;
 }
 
+PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
+
+/* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
+   tensor every TP rank holds alike is written by TP rank 0 only, so a sum over tp assembles it. */
+static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, int to_full) {
+    for (int i = 0; i < tr->n_tensors; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        const pr__shard *sh = &tr->shard[i];
+        if (to_full && sh->replicated && tr->mesh->tp_rank) continue;
+        const int64_t rows = t->shape[0], cols = t->ndim == 2 ? t->shape[1] : 1;
+        for (int64_t r = 0; r < rows; r++) {
+            pr_real *f = full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0;
+            pr_real *l = local + t->offset + (size_t)r * (size_t)cols;
+            if (to_full) memcpy(f, l, sizeof(pr_real) * (size_t)cols);
+            else memcpy(l, f, sizeof(pr_real) * (size_t)cols);
+        }
+    }
+}
+
+PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
+    if (!tr || !src) return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: NULL argument");
+    if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
+    if (n != tr->n_full)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
+    pr__shard_copy(tr, (pr_real *)src, local, 0);
+    tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
+    PR_FREE(local);
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
+    if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
+    const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
+    if (!tr->mesh) {
+        pr_status st = pr__check_count(tr, n, "pr_trainer_get_full", err);
+        if (!st) tr->be->download_reals(tr->be, dst, arena, n);
+        return st;
+    }
+    if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    const pr_backend *be = tr->be;
+    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
+    pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
+    if (!st) {
+        be->download_reals(be, local, arena, tr->n_params);
+        memset(dst, 0, sizeof(pr_real) * n);
+        pr__shard_copy(tr, dst, local, 1);
+        be->upload_reals(be, dev, dst, n);
+    }
+    /* every TP rank joins the sum, even one that failed above (it adds zeros and reports) */
+    pr_comm *tp = tr->mesh->tp_comm;
+    if (st) {
+        if (dev) be->zero(be, dev, sizeof(pr_real) * n);
+        if (dev) tp->all_reduce(tp, dev, n, PR_COMM_REAL, NULL);
+    } else if (!(st = tp->all_reduce(tp, dev, n, PR_COMM_REAL, err))) {
+        be->download_reals(be, dst, dev, n);
+    }
+    PR_FREE(local);
+    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    return st;
+}
+
 /* splitmix64 drives a Box-Muller normal: the same seed gives the same weights on every machine. */
 static uint64_t pr__splitmix(uint64_t *s) {
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -3778,16 +3989,25 @@ static double pr__normal(uint64_t *s) {
 
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!host) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
+    /* drawn over the full model, so every mesh shard holds its slice of the same weights */
+    int count = tr->n_tensors;
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    if (!host || !table) {
+        PR_FREE(host);
+        if (tr->mesh) PR_FREE(table);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
+    }
     uint64_t s = seed;
-    for (int t = 0; t < tr->n_tensors; t++) {
-        const pr_tensor_info *ti = &tr->tensors[t];
+    for (int t = 0; t < count; t++) {
+        const pr_tensor_info *ti = &table[t];
         for (size_t i = 0; i < ti->numel; i++)
             host[ti->offset + i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
     }
-    tr->be->upload_reals(tr->be, tr->params, host, tr->n_params);
+    pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
     PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
+    if (st) return st;
     tr->be->zero(tr->be, tr->grads, 3 * tr->n_params * sizeof(pr_real));
     tr->adam_step = 0;
     return PR_OK;
@@ -3894,6 +4114,13 @@ typedef struct {
     void **res;               /* (L+1) */
     pr__route *route;         /* (L) MoE only */
     const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
+    /* CP: the pass is chunk `rank` (rows r0 .. r0+N-1) of a segment split into chunks of cp_chunk
+       rows; its own K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk:
+       the cached prefix the pass reads (Phase B), split the same way (0: none). */
+    int cp_chunk, cp_r0, cp_pre_rows, cp_pre_chunk;
+    void *kreg, *vreg, *dkreg, *dvreg;   /* CP: gathered attention region and its gradient */
+    void *pad, *shard;                   /* CP: a reduce-scatter's input and output */
+    void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
 } pr__pass;
 
 /* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
@@ -3949,6 +4176,7 @@ static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__la
 static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
     const int L = c->num_hidden_layers;
     ps->N = N;
     ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
@@ -3961,8 +4189,8 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
         pr__layer_acts *x = &ps->acts[l];
         char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
         if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
-        x->k = pr__act(tr, a, n * kvd);
-        x->v = pr__act(tr, a, n * kvd);
+        x->k = pr__act(tr, a, n_kv * kvd);
+        x->v = pr__act(tr, a, n_kv * kvd);
     }
     ps->res[L] = pr__act(tr, a, n * c->hidden_size);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
@@ -4024,6 +4252,264 @@ static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->
 /* An activation pointer `elems` elements on. */
 static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
 
+/* ---- the mesh's collectives inside a step. A failure is kept (the first one, reported when the
+   step ends) and later collectives still run, so no peer is left waiting. */
+static pr_comm_type pr__act_type(const pr_trainer *tr) {
+    return tr->be->act_bytes == 8 ? PR_COMM_F64 : tr->be->act_bytes == 4 ? PR_COMM_F32 : PR_COMM_BF16;
+}
+static void pr__comm_done(pr_trainer *tr, pr_status st, pr_error *e) {
+    if (st && !tr->comm_st) {
+        tr->comm_st = st;
+        tr->comm_err = *e;
+    }
+}
+static int pr__tp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->tp : 1; }
+static int pr__cp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->cp : 1; }
+static int pr__ep(const pr_trainer *tr) { return tr->mesh ? tr->mesh->ep : 1; }
+
+/* Activations (n elements) summed over the TP group: the row-parallel projections' partial outputs. */
+static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
+    if (pr__tp(tr) == 1) return;
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
+}
+
+/* Host values summed over c, staged through backend memory (a collective's buffers are backend
+   memory). The step arena holds the stage: callers are inside a step. */
+static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
+    if (c->size == 1 || !n) return;
+    pr_real *dev = pr__elems(tr, &tr->step_arena, n, sizeof(pr_real));
+    if (!dev) return;                     /* alloc_failed reports it */
+    pr_error e;
+    tr->be->upload_reals(tr->be, dev, x, n);
+    pr__comm_done(tr, c->all_reduce(c, dev, n, PR_COMM_REAL, &e), &e);
+    tr->be->download_reals(tr->be, x, dev, n);
+}
+static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
+    if (c->size == 1 || !n) return;
+    pr_real *h = PR_MALLOC(sizeof(pr_real) * n);
+    if (!h) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (size_t i = 0; i < n; i++) h[i] = (pr_real)x[i];
+    pr__sum_host(tr, c, h, n);
+    for (size_t i = 0; i < n; i++) x[i] = h[i];
+    PR_FREE(h);
+}
+
+/* ---- CP attention. The chunks before this rank's (and in Phase B the cached prefix, whose
+   shards the ranks hold alike) are gathered into one region the pass's queries see whole, in
+   front of their own causal rows: the two-region attention runs unchanged on it. Its backward
+   returns the region's dK/dV to the chunks' owners by reduce-scatter. */
+static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    const pr_comm_type t = pr__act_type(tr);
+    pr_comm *c = tr->mesh->cp_comm;
+    pr_error e;
+    if (ps->cp_pre_rows) {      /* the prefix first, then the pass's chunks from row cp_pre_rows on */
+        pr__comm_done(tr, c->all_gather(c, ps->kreg, kp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
+        pr__comm_done(tr, c->all_gather(c, ps->vreg, vp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
+    }
+    const size_t at = (size_t)ps->cp_pre_rows * kvd;
+    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, at), a->k, (size_t)ps->cp_chunk * kvd, t, &e), &e);
+    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, at), a->v, (size_t)ps->cp_chunk * kvd, t, &e), &e);
+}
+
+static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp) {
+    const pr_config *c = &tr->cfg;
+    const pr_backend *be = tr->be;
+    if (!ps->kreg) {
+        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, c->num_attention_heads,
+                          c->num_key_value_heads, c->head_dim);
+        return;
+    }
+    pr__cp_gather_region(tr, ps, a, kp, vp);
+    if (ps->N)
+        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, ps->lay.n_prefix ? ps->kreg : NULL,
+                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, c->num_attention_heads, c->num_key_value_heads, c->head_dim);
+}
+
+/* rows (n_own valid) of the region gradient g, starting at region row `from`, plus own rows
+   (n_own) of d at block `rank`, summed over the ranks into this rank's chunk of `chunk` rows. */
+static void pr__cp_return(pr_trainer *tr, pr__pass *ps, const void *g, size_t from, size_t n_before, void *d, size_t n_own,
+                          size_t chunk, int add) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, A = tr->be->act_bytes;
+    pr_comm *c = tr->mesh->cp_comm;
+    const pr_backend *be = tr->be;
+    pr_error e;
+    be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * A);
+    if (n_before) be->copy(be, ps->pad, pr__act_at(tr, (void *)g, from * kvd), n_before * kvd * A);
+    if (d && n_own) be->copy(be, pr__act_at(tr, ps->pad, (size_t)c->rank * chunk * kvd), d, n_own * kvd * A);
+    pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, pr__act_type(tr), &e), &e);
+    if (!n_own) return;
+    if (add) be->add(be, d, ps->shard, n_own * kvd);
+    else be->copy(be, d, ps->shard, n_own * kvd * A);
+}
+
+/* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
+   prefix shard's (Phase B), or NULL. */
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
+                              const void *kp, const void *vp, void *dkp, void *dvp, int pre_own) {
+    const pr_config *c = &tr->cfg;
+    const pr_backend *be = tr->be;
+    const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
+    if (!ps->kreg) {
+        be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
+        return;
+    }
+    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows;
+    pr__cp_gather_region(tr, ps, a, kp, vp);
+    pr__zero_acts(tr, ps->dkreg, np * kvd);
+    pr__zero_acts(tr, ps->dvreg, np * kvd);
+    if (ps->N)
+        be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
+                          a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
+    /* the pass's own chunks: earlier ones from the region, this rank's own rows in place */
+    size_t before = ps->N ? np - pre : (size_t)ps->cp_r0;
+    if (!ps->N) before = 0;               /* a rank without rows had no queries: nothing to return */
+    pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, (size_t)ps->N, (size_t)ps->cp_chunk, 0);
+    pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, (size_t)ps->N, (size_t)ps->cp_chunk, 0);
+    if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
+        pr__cp_return(tr, ps, ps->dkreg, 0, ps->N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk, 0);
+        if (pre_own) be->copy(be, dkp, ps->shard, (size_t)pre_own * kvd * be->act_bytes);
+        pr__cp_return(tr, ps, ps->dvreg, 0, ps->N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk, 0);
+        if (pre_own) be->copy(be, dvp, ps->shard, (size_t)pre_own * kvd * be->act_bytes);
+    }
+}
+
+/* ---- EP: the slots (routed rows) of this rank's experts. Slots are grouped by expert, rows
+   ascending within one, so this rank's are global slots slot0 .. slot0+n_slots-1. Under EP
+   (ep > 1, inside the TP group, whose ranks hold the same rows) rank q dispatches the slots of
+   its share of the rows, rows q*N/ep .. (q+1)*N/ep - 1, to the experts' owners by all-to-all,
+   and gets their outputs back the same way; without EP the slots are gathered locally. */
+typedef struct {
+    int ep, me, ne;            /* EP ranks, this rank, experts per rank */
+    int slot0, n_slots;
+    int nmax;                  /* the largest block one rank sends another, in rows */
+    int *mem;                  /* the int arrays below, one allocation */
+    int *send_n, *recv_n;      /* (ep) rows sent to / received from each rank */
+    int *seg;                  /* (ep * ne) rows from source q for local expert e */
+    int *send_row;             /* (ep * nmax) by destination: the rows this rank sends */
+    pr_real *send_w;           /* (ep * nmax) their combine weights */
+} pr__ep_plan;
+
+static void pr__ep_plan_free(pr__ep_plan *p) {
+    PR_FREE(p->mem);
+    PR_FREE(p->send_w);
+    memset(p, 0, sizeof *p);
+}
+
+/* The rank of the EP group whose share of N rows holds row r. */
+static int pr__ep_source(int r, int N, int ep) {
+    int q = (int)((long)r * ep / N);
+    while (q > 0 && (long)q * N / ep > r) q--;
+    while (q + 1 < ep && (long)(q + 1) * N / ep <= r) q++;
+    return q;
+}
+
+/* Every rank knows the whole routing (the TP group's rows and router are the same), so each can
+   count what every other sends: no sizes need exchanging. Returns 0 without host memory. */
+static int pr__ep_plan_build(pr_trainer *tr, const pr__route *rt, int N, pr__ep_plan *p) {
+    const int E = tr->cfg.num_experts, ep = pr__ep(tr);
+    memset(p, 0, sizeof *p);
+    p->ep = ep;
+    p->me = ep > 1 ? tr->mesh->tp_rank : 0;
+    p->ne = tr->n_experts;
+    p->slot0 = rt->start[tr->expert0];
+    p->n_slots = rt->start[tr->expert0 + tr->n_experts] - p->slot0;
+    if (ep == 1) return 1;
+    int *cnt = PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
+    if (!cnt) return 0;
+    memset(cnt, 0, sizeof(int) * (size_t)(ep * ep));
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) cnt[pr__ep_source(rt->row[j], N, ep) * ep + e / p->ne]++;
+    for (int i = 0; i < ep * ep; i++) if (cnt[i] > p->nmax) p->nmax = cnt[i];
+    const size_t nm = (size_t)(p->nmax ? p->nmax : 1);
+    p->mem = PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
+    p->send_w = PR_MALLOC(sizeof(pr_real) * ep * nm);
+    if (!p->mem || !p->send_w) {
+        PR_FREE(cnt);
+        pr__ep_plan_free(p);
+        return 0;
+    }
+    p->send_n = p->mem;
+    p->recv_n = p->send_n + ep;
+    p->seg = p->recv_n + ep;
+    p->send_row = p->seg + ep * p->ne;
+    memset(p->mem, 0, sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne));
+    for (int q = 0; q < ep; q++) p->recv_n[q] = cnt[q * ep + p->me];
+    PR_FREE(cnt);
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
+            const int q = pr__ep_source(rt->row[j], N, ep), o = e / p->ne;
+            if (o == p->me) p->seg[q * p->ne + (e - tr->expert0)]++;
+            if (q != p->me) continue;
+            const int k = p->send_n[o]++;
+            p->send_row[(size_t)o * nm + k] = rt->row[j];
+            p->send_w[(size_t)o * nm + k] = rt->w[j];
+        }
+    return 1;
+}
+
+/* Between slot order (x, this rank's experts' slots) and per-source blocks of nmax rows (blocks),
+   where block q holds source q's rows expert by expert: to_blocks 1 copies x into the blocks. */
+static void pr__ep_reorder(pr_trainer *tr, const pr__ep_plan *p, void *x, void *blocks, int to_blocks) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size, A = be->act_bytes, blk = (size_t)p->nmax * C;
+    size_t at = 0;
+    for (int le = 0; le < p->ne; le++)
+        for (int q = 0; q < p->ep; q++) {
+            size_t n = (size_t)p->seg[q * p->ne + le], from = 0;
+            for (int k = 0; k < le; k++) from += (size_t)p->seg[q * p->ne + k];
+            void *xs = pr__act_at(tr, x, at * C), *bs = pr__act_at(tr, blocks, q * blk + from * C);
+            if (n) be->copy(be, to_blocks ? bs : xs, to_blocks ? xs : bs, n * C * A);
+            at += n;
+        }
+}
+
+/* x (n_slots, C) = the rows of src (N, C) this rank's experts take, in slot order; weighted by
+   their combine weights when `weighted`. */
+static void pr__ep_dispatch(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *x,
+                            const void *src, int weighted) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    if (p->ep == 1) {
+        be->gather_rows(be, x, src, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
+        return;
+    }
+    const size_t blk = (size_t)p->nmax * C;
+    for (int o = 0; o < p->ep; o++)
+        be->gather_rows(be, pr__act_at(tr, ps->ep_send, o * blk), src, p->send_row + (size_t)o * p->nmax,
+                        weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
+    pr__ep_reorder(tr, p, x, ps->ep_recv, 0);
+}
+
+/* dst (N, C) += the outputs y (n_slots, C) of this rank's experts... back at the rows they came
+   from: under EP each rank adds those of its own share of rows (the TP sum that follows completes
+   every row). Weighted by the combine weights when `weighted`. */
+static void pr__ep_combine(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *dst,
+                           const void *y, int weighted) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    if (p->ep == 1) {
+        be->scatter_add_rows(be, dst, y, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
+        return;
+    }
+    const size_t blk = (size_t)p->nmax * C;
+    pr__ep_reorder(tr, p, (void *)y, ps->ep_send, 1);
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
+    for (int o = 0; o < p->ep; o++)
+        be->scatter_add_rows(be, dst, pr__act_at(tr, ps->ep_recv, o * blk), p->send_row + (size_t)o * p->nmax,
+                             weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
+}
+
 /* Softmax over the router logits in double, the top-k per row (ties to the lower expert index),
    their weights (renormalised with norm_topk_prob), and the slots grouped by expert. */
 static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
@@ -4081,29 +4567,38 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
     const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
     pr__layer_acts *a = &ps->acts[l];
     pr__route *rt = &ps->route[l];
+    pr__ep_plan p;
     be->matmul_fwd(be, a->router, a->ln2, w->router, N, C, E);
     pr__moe_route(tr, rt, a->router, N);
     pr__zero_acts(tr, y, (size_t)N * C);
     if (tr->alloc_failed) return;
-    for (int e = 0; e < E; e++) {
-        const int off = rt->start[e], M = rt->start[e + 1] - off;
+    if (!pr__ep_plan_build(tr, rt, N, &p)) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    pr__ep_dispatch(tr, ps, rt, &p, a->ye, a->ln2, 0);         /* ye: the experts' inputs, slot by slot */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
-        const pr_real *wg = w->experts + (size_t)e * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
+        const pr_real *wg = w->experts + (size_t)le * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
         void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
         void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
-        be->gather_rows(be, ye, a->ln2, rt->row + off, NULL, M, C);
         be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
         be->matmul_fwd(be, ue, ye, wu, M, C, Fm);
         be->swiglu_fwd(be, he, ge, ue, (size_t)M * Fm);
-        be->matmul_fwd(be, ye, he, wd, M, Fm, C);
-        be->scatter_add_rows(be, y, ye, rt->row + off, rt->w + off, M, C);
+        be->matmul_fwd(be, ye, he, wd, M, Fm, C);                  /* ye: now the experts' outputs */
     }
+    pr__ep_combine(tr, ps, rt, &p, y, a->ye, 1);
+    pr__ep_plan_free(&p);
 }
 
 /* Backward of the sparse MLP: d(ln2) into s->dln from d(y) in s->dres. Each slot's weight gets
    d/dw = dy . ye; the experts see dy scaled by their weight. On the host the weights' gradients
    go back through the renormalisation and, with the load-balancing loss's own gradient
-   (ps->aux_g, per expert, for every real row), through the router's softmax. */
+   (ps->aux_g, per expert, for every real row), through the router's softmax. Under TP/EP a rank
+   holds part of every slot's output (column shards) or all of some slots' (its experts): the
+   weight gradients and d(ln2) are summed over the TP group before the router's share, which
+   every rank computes alike, is added. */
 static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
                              const pr__layer_w *g) {
     const pr_backend *be = tr->be;
@@ -4111,32 +4606,50 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
     pr__layer_acts *a = &ps->acts[l];
     pr__route *rt = &ps->route[l];
+    pr__ep_plan p;
     pr__zero_acts(tr, s->dln, (size_t)N * C);
-    for (int e = 0; e < E; e++) {
-        const int off = rt->start[e], M = rt->start[e + 1] - off;
+    if (!pr__ep_plan_build(tr, rt, N, &p)) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    const int slots = rt->start[E];
+    memset(rt->dw, 0, sizeof(pr_real) * (size_t)slots);
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 0);
+    be->row_dots(be, rt->dw + p.slot0, s->dye, a->ye, p.n_slots, C);
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 1);       /* the experts' share of dy */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
-        const size_t eo = (size_t)e * 3 * Fm * C;
-        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
-        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C, *gd = gu + (size_t)Fm * C;
-        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
-        void *dh = pr__act_at(tr, s->dh, (size_t)off * Fm), *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm);
-        void *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
+        const size_t eo = (size_t)le * 3 * Fm * C;
+        const pr_real *wd = w->experts + eo + 2 * (size_t)Fm * C;
+        pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
+        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
+        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
         void *ge = pr__act_at(tr, a->gate, (size_t)off * Fm), *ue = pr__act_at(tr, a->up, (size_t)off * Fm);
-        void *he = pr__act_at(tr, a->h, (size_t)off * Fm), *ye = pr__act_at(tr, a->ye, (size_t)off * C);
-        be->gather_rows(be, dy, s->dres, rt->row + off, NULL, M, C);
-        be->row_dots(be, rt->dw + off, dy, ye, M, C);
-        be->gather_rows(be, dy, s->dres, rt->row + off, rt->w + off, M, C);       /* the expert's share */
+        void *he = pr__act_at(tr, a->h, (size_t)off * Fm);
         pr__zero_acts(tr, dh, (size_t)M * Fm);
         be->matmul_bwd(be, dh, gd, dy, he, wd, M, Fm, C);
         pr__zero_acts(tr, dg, (size_t)M * Fm);
         pr__zero_acts(tr, du, (size_t)M * Fm);
         be->swiglu_bwd(be, dg, du, dh, ge, ue, (size_t)M * Fm);
-        be->gather_rows(be, dy, a->ln2, rt->row + off, NULL, M, C);               /* dy's room: the expert's input */
-        pr__zero_acts(tr, dx, (size_t)M * C);
-        be->matmul_bwd(be, dx, gg, dg, dy, wg, M, C, Fm);
-        be->matmul_bwd(be, dx, gu, du, dy, wu, M, C, Fm);
-        be->scatter_add_rows(be, s->dln, dx, rt->row + off, NULL, M, C);
     }
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, a->ln2, 0);        /* dy's room: the experts' inputs again */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
+        if (!M) continue;
+        const size_t eo = (size_t)le * 3 * Fm * C;
+        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C;
+        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
+        void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
+        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
+        pr__zero_acts(tr, dx, (size_t)M * C);
+        be->matmul_bwd(be, dx, gg, dg, x, wg, M, C, Fm);
+        be->matmul_bwd(be, dx, gu, du, x, wu, M, C, Fm);
+    }
+    pr__ep_combine(tr, ps, rt, &p, s->dln, s->dxe, 0);
+    pr__ep_plan_free(&p);
+    pr__tp_sum(tr, s->dln, (size_t)N * C);
+    if (pr__tp(tr) > 1) pr__sum_host(tr, tr->mesh->tp_comm, rt->dw, (size_t)slots);
     /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
        dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
     double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
@@ -4149,7 +4662,6 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     }
     double *D = dp + (size_t)N * E;
     memset(dp, 0, sizeof(double) * ((size_t)N * E + N));
-    const int slots = rt->start[E];
     if (c->norm_topk_prob)
         for (int j = 0; j < slots; j++) D[rt->row[j]] += (double)rt->dw[j] * rt->w[j];
     for (int e = 0; e < E; e++)
@@ -4195,8 +4707,9 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     be->matmul_fwd(be, a->v, a->ln1, w.wv, N, C, kvd);
     be->rope_fwd(be, a->q, &ps->lay, NH, HS, tr->inv_freq);
     be->rope_fwd(be, a->k, &ps->lay, NKV, HS, tr->inv_freq);
-    be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
+    pr__attention_fwd(tr, ps, a, kp, vp);
     be->matmul_fwd(be, a->x_mid, a->att, w.wo, N, qd, C);      /* x_mid = x + att @ wo^T */
+    pr__tp_sum(tr, a->x_mid, (size_t)N * C);                    /* row-parallel: the heads' shares */
     be->add(be, a->x_mid, x, (size_t)N * C);
     be->rmsnorm_fwd(be, a->ln2, a->ln2_rstd, a->x_mid, w.ln2, N, C, c->rms_norm_eps);
     if (c->num_experts) {
@@ -4207,15 +4720,17 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
         be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
         be->matmul_fwd(be, y, a->h, w.wd, N, F, C);            /* y = x_mid + h @ wd^T */
     }
+    pr__tp_sum(tr, y, (size_t)N * C);                           /* the columns' (or experts') shares */
     be->add(be, y, a->x_mid, (size_t)N * C);
 }
 
 /* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input).
    dk/dv: the buffers the attention backward adds this pass's own dK/dV into, already holding
    whatever must be injected (gK/gV in Phase C, zeros otherwise). dkp/dvp: where dK/dV of the
-   cached prefix rows go (Phase B), or NULL. */
+   cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
+   rank holds (dkp/dvp get its share). */
 static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
-                               const void *kp, const void *vp, void *dkp, void *dvp) {
+                               const void *kp, const void *vp, void *dkp, void *dvp, int pre_own) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
@@ -4239,6 +4754,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
         pr__zero_acts(tr, s->dln, nC);
         be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
         be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
+        pr__tp_sum(tr, s->dln, nC);                             /* column-parallel: the inputs' shares */
     }
     /* ln2 = rmsnorm(x_mid): dres becomes d(x_mid) */
     be->rmsnorm_bwd(be, s->dres, g.ln2, s->dln, a->x_mid, w.ln2, a->ln2_rstd, N, C);
@@ -4247,7 +4763,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     be->matmul_bwd(be, s->datt, g.wo, s->dres, a->att, w.wo, N, qd, C);
     /* att = attention(q, [kp; k], [vp; v]) */
     pr__zero_acts(tr, s->dq, (size_t)N * qd);
-    be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
+    pr__attention_bwd(tr, ps, s, a, dk, dv, kp, vp, dkp, dvp, pre_own);
     /* q, k = rope(...) */
     be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
     be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
@@ -4265,6 +4781,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     be->matmul_bwd(be, s->dln, g.wq, dq, a->ln1, w.wq, N, C, qd);
     be->matmul_bwd(be, s->dln, g.wk, dkk, a->ln1, w.wk, N, C, kvd);
     be->matmul_bwd(be, s->dln, g.wv, dv, a->ln1, w.wv, N, C, kvd);
+    pr__tp_sum(tr, s->dln, nC);
     /* ln1 = rmsnorm(x): dres becomes d(x) */
     be->rmsnorm_bwd(be, s->dres, g.ln1, s->dln, ps->res[l], w.ln1, a->ln1_rstd, N, C);
 }
@@ -4286,6 +4803,7 @@ typedef struct {
     int32_t *tokens;
     uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
     int N, n_traj;            /* rows; trajectories whose rows these are */
+    int cp_chunk, cp_r0;      /* CP: the rows of one chunk, and where this rank's starts (0 without CP) */
     pr__head_plan head;
 } pr__batch;
 
@@ -4380,6 +4898,79 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     }
     b->seg_off[n] = off;
     return PR_OK;
+}
+
+/* A batch as pr__batch_build makes it; under CP only this rank's chunk of its one segment: rows
+   r0 .. r0+n-1 of chunks of ceil(N/cp) rows, the loss rows re-indexed, positions and the region
+   its queries see whole moved on by r0. */
+static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
+                                pr__batch_kind kind, int packed, pr_error *err) {
+    pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
+    const int cp = pr__cp(tr);
+    if (st || cp == 1) return st;
+    const int chunk = (b->N + cp - 1) / cp, r0 = tr->mesh->cp_rank * chunk < b->N ? tr->mesh->cp_rank * chunk : b->N;
+    const int rows = b->N - r0 < chunk ? b->N - r0 : chunk;
+    memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);
+    memmove(b->real, b->real + r0, (size_t)rows);
+    b->seg_off[0] = 0;
+    b->seg_off[1] = rows;
+    b->lay.pos0 += r0;
+    b->lay.n_prefix += r0;
+    pr__head_plan *h = &b->head;
+    int m = 0;
+    for (int k = 0; k < h->M; k++) {
+        if (h->row[k] < r0 || h->row[k] >= r0 + rows) continue;
+        h->row[m] = h->row[k] - r0;
+        h->flat[m] = h->flat[k];
+        h->target[m] = h->target[k];
+        h->old_logp[m] = h->old_logp[k];
+        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[k];
+        h->advantage[m] = h->advantage[k];
+        h->weight[m] = h->weight[k];
+        m++;
+    }
+    h->M = m;
+    b->N = rows;
+    b->cp_chunk = chunk;
+    b->cp_r0 = r0;
+    return PR_OK;
+}
+
+/* The buffers a pass's collectives use, from the step arena: the CP region, its gradient and a
+   reduce-scatter's blocks; the EP all-to-all blocks. */
+static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__pass *ps, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
+    pr__arena *a = &tr->step_arena;
+    if (cp > 1) {
+        const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
+        const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
+        ps->kreg = pr__act(tr, a, region * kvd); ps->vreg = pr__act(tr, a, region * kvd);
+        ps->dkreg = pr__act(tr, a, region * kvd); ps->dvreg = pr__act(tr, a, region * kvd);
+        ps->pad = pr__act(tr, a, cp * big * kvd); ps->shard = pr__act(tr, a, big * kvd);
+    }
+    if (ep > 1 && c->num_experts) {
+        const size_t blk = ((size_t)ps->N + ep - 1) / ep * (size_t)c->num_experts_per_tok * (size_t)c->hidden_size;
+        ps->ep_send = pr__act(tr, a, ep * blk);
+        ps->ep_recv = pr__act(tr, a, ep * blk);
+    }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for the collectives of a pass of %d rows", ps->N);
+    return PR_OK;
+}
+
+/* A pass's host view of a batch; prefix: the Phase-A state whose cached K/V it reads, or NULL. */
+static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__batch *prefix, int P) {
+    memset(p, 0, sizeof *p);
+    p->lay = b->lay;
+    p->tokens = b->tokens;
+    p->real = b->real;
+    p->cp_chunk = b->cp_chunk;
+    p->cp_r0 = b->cp_r0;
+    if (prefix && pr__cp(tr) > 1) {
+        p->cp_pre_rows = P;
+        p->cp_pre_chunk = prefix->cp_chunk;
+    }
 }
 
 /* Final norm, LM head and GRPO loss for the plan's rows of x_final, fused with their backward:
@@ -4664,6 +5255,10 @@ static void pr__moe_after_forward(pr_trainer *tr, pr__moe_acc *m, const pr__pass
     memset(m->count, 0, sizeof(double) * (size_t)E);
     memset(m->prob, 0, sizeof(double) * (size_t)E);
     pr__route_sums(tr, ps, m->count, m->prob, &M, 1.0);
+    if (pr__cp(tr) > 1) {        /* the chunks' sums make the microbatch's */
+        pr__sum_doubles(tr, tr->mesh->cp_comm, m->count, 2 * (size_t)E);
+        pr__sum_doubles(tr, tr->mesh->cp_comm, &M, 1);
+    }
     if (m->opt->scope == PR_AUX_SCOPE_MICROBATCH) {
         double pm = m->reuse ? pr__prefix_mult(m, n) : 0, aux = 0, w = m->coef / m->B;
         M += pm * m->pre_M;
@@ -4703,15 +5298,14 @@ static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__
                                     pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, C = c->hidden_size;
-    const size_t kv_n = ps ? (size_t)cx->g->P * c->num_key_value_heads * c->head_dim : 0;
+    const int L = c->num_hidden_layers, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
+    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
+    const size_t kv_n = (size_t)Pl * kvd;
     pr__pass p;
     pr__bwd_scratch s;
-    memset(&p, 0, sizeof p);
-    p.lay = b->lay;
-    p.tokens = b->tokens;
-    p.real = b->real;
+    pr__pass_init(tr, &p, b, ps ? &ps->batch : NULL, cx->g->P);
     pr_status st = pr__pass_alloc(tr, &tr->step_arena, &p, b->N, 1, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &p, err);
     if (!st) st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, b->N, err);
     if (!st) {
         be->embed_fwd(be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, C);
@@ -4734,10 +5328,10 @@ static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__
             pr__zero_acts(tr, s.dv, kvn_own);
             if (ps) { pr__zero_acts(tr, ps->dk_mb, kv_n); pr__zero_acts(tr, ps->dv_mb, kv_n); }
             pr__layer_backward(tr, &p, l, &s, s.dk, s.dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
-                               ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL);
+                               ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
             if (ps) {
                 const pr_hooks *h = &cx->opt->hooks;
-                if (h->on_dkv) h->on_dkv(h->user, l, mb, ps->dk_mb, ps->dv_mb, cx->g->P, (int)(kv_n / (size_t)cx->g->P));
+                if (h->on_dkv) h->on_dkv(h->user, l, mb, ps->dk_mb, ps->dv_mb, Pl, kvd);
                 be->add(be, ps->gk[l], ps->dk_mb, kv_n);
                 be->add(be, ps->gv[l], ps->dv_mb, kv_n);
             }
@@ -4764,14 +5358,12 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
     for (int i0 = 0; i0 < G && !st; i0 += mb) {
         pr__batch b;
         pr__pass p;
-        memset(&p, 0, sizeof p);
-        st = pr__batch_build(&b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0, ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL,
-                             ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
+        st = pr__batch_make(tr, &b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0, ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL,
+                            ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
         if (st) break;
-        p.lay = b.lay;
-        p.tokens = b.tokens;
-        p.real = b.real;
+        pr__pass_init(tr, &p, &b, ps ? &ps->batch : NULL, cx->g->P);
         st = pr__pass_alloc(tr, &tr->step_arena, &p, b.N, 1, err);
+        if (!st) st = pr__pass_comm_alloc(tr, &p, err);
         if (!st) {
             tr->be->embed_fwd(tr->be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, tr->cfg.hidden_size);
             for (int l = 0; l < L; l++)
@@ -4784,6 +5376,11 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
         pr__batch_free(&b);
     }
     if (st) return st;
+    if (pr__cp(tr) > 1) {        /* the chunks' sums make the group's */
+        pr__sum_doubles(tr, tr->mesh->cp_comm, m->count, 2 * (size_t)m->E);
+        pr__sum_doubles(tr, tr->mesh->cp_comm, &M, 1);
+        pr__arena_reset(tr, &tr->step_arena);
+    }
     double pm = ps ? pr__prefix_mult(m, G) : 0;
     m->M_tot = M + pm * m->pre_M;
     for (int e = 0; e < m->E; e++) m->F[e] = (m->count[e] + pm * m->pre_count[e]) / m->M_tot;
@@ -4795,19 +5392,19 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
 static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, P = cx->g->P, kvd = c->num_key_value_heads * c->head_dim;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
     const pr_hooks *h = &cx->opt->hooks;
-    pr_status st = pr__batch_build(&ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
+    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
     if (st) return st;
-    ps->pass.lay = ps->batch.lay;
-    ps->pass.tokens = ps->batch.tokens;
-    ps->pass.real = ps->batch.real;
+    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
+    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
     ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
     ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     pr__offload *o = &ps->off;
     st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
     if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, !o->on, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &ps->pass, err);     /* step arena: released when Phase A ends */
     if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
@@ -4827,7 +5424,16 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
-    if (cx->moe.on) pr__route_sums(tr, &ps->pass, cx->moe.pre_count, cx->moe.pre_prob, &cx->moe.pre_M, (double)cx->g->G);
+    if (cx->moe.on) {
+        pr__route_sums(tr, &ps->pass, cx->moe.pre_count, cx->moe.pre_prob, &cx->moe.pre_M, (double)cx->g->G);
+        if (pr__cp(tr) > 1) {
+            pr__sum_doubles(tr, tr->mesh->cp_comm, cx->moe.pre_count, 2 * (size_t)cx->moe.E);
+            pr__sum_doubles(tr, tr->mesh->cp_comm, &cx->moe.pre_M, 1);
+        }
+    }
+    pr__arena_reset(tr, &tr->step_arena);
+    ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
+    ps->pass.ep_send = ps->pass.ep_recv = NULL;
     cx->rows += P;
     return PR_OK;
 }
@@ -4836,8 +5442,8 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
 static pr_status pr__phase_b_suffix_microbatch(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int i0, int n,
                                                int mb, pr_error *err) {
     pr__batch b;
-    pr_status st = pr__batch_build(&b, cx->g, cx->tok_weight, i0, n, PR__BATCH_SUFFIX,
-                                   cx->opt->layout == PR_LAYOUT_PACKED, err);
+    pr_status st = pr__batch_make(tr, &b, cx->g, cx->tok_weight, i0, n, PR__BATCH_SUFFIX,
+                                  cx->opt->layout == PR_LAYOUT_PACKED, err);
     if (st) return st;
     st = pr__run_microbatch(tr, cx, &b, mb, ps, err);
     pr__batch_free(&b);
@@ -4851,13 +5457,14 @@ static pr_status pr__phase_b_suffix_microbatch(pr_trainer *tr, pr__step_ctx *cx,
 static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, P = cx->g->P, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
+    const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
     const pr_hooks *h = &cx->opt->hooks;
     const size_t budget = cx->opt->offload.device_budget;
     pr__offload *o = &ps->off;
     ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
     pr__bwd_scratch s;
     pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &ps->pass, err);
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
@@ -4873,7 +5480,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
         if (h->on_kv_inject) h->on_kv_inject(h->user, l, ps->gk[l], ps->gv[l], P, kvd);
-        pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL);
+        pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL, 0);
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
@@ -4901,6 +5508,10 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
+    if (pr__cp(tr) > 1 && mb != 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
+    if (pr__cp(tr) > 1 && o->offload.enabled)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
     if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
         return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
     const pr_loss_opts *lo = &o->loss;
@@ -4929,6 +5540,24 @@ static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) 
     }
 }
 
+/* A mesh step's gradients made whole on every rank: the q/k norms' partial sums over tp (their
+   weights serve heads on every TP rank), then every gradient over cp (each chunk's rows gave a
+   share). Collective; a failure is kept in comm_st. */
+static void pr__mesh_sync_grads(pr_trainer *tr) {
+    if (!tr->mesh) return;
+    pr_error e;
+    if (pr__tp(tr) > 1)
+        for (int t = 0; t < tr->n_tensors; t++)
+            if (tr->shard[t].tp_partial) {
+                pr_comm *c = tr->mesh->tp_comm;
+                pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel, PR_COMM_REAL, &e), &e);
+            }
+    if (pr__cp(tr) > 1) {
+        pr_comm *c = tr->mesh->cp_comm;
+        pr__comm_done(tr, c->all_reduce(c, tr->grads, tr->n_params, PR_COMM_REAL, &e), &e);
+    }
+}
+
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
@@ -4945,6 +5574,8 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
     }
     pr__token_weights(g, opt->loss.norm, tok_weight);
+    if (pr__cp(tr) > 1) memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);   /* each chunk fills its tokens */
+    tr->comm_st = PR_OK;
     pr__step_ctx cx;
     memset(&cx, 0, sizeof cx);
     cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
@@ -4979,7 +5610,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
         for (int i0 = 0; i0 < G && !st; i0 += mb, s.microbatches++) {
             pr__batch b;
-            st = pr__batch_build(&b, g, tok_weight, i0, i0 + mb <= G ? mb : G - i0, PR__BATCH_FULL, 0, err);
+            st = pr__batch_make(tr, &b, g, tok_weight, i0, i0 + mb <= G ? mb : G - i0, PR__BATCH_FULL, 0, err);
             if (!st) st = pr__run_microbatch(tr, &cx, &b, s.microbatches, NULL, err);
             pr__batch_free(&b);
         }
@@ -5013,6 +5644,17 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         pr__arena_reset(tr, &tr->prefix_arena);
     }
     for (long f = 0; f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
+    if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
+        pr_comm *cp = tr->mesh->cp_comm;
+        double r = (double)cx.rows;
+        pr__sum_doubles(tr, cp, &cx.loss, 1);
+        pr__sum_doubles(tr, cp, &r, 1);
+        cx.rows = (long)r;
+        pr__sum_host(tr, cp, lp, (size_t)n_tok);
+        if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
+        pr__arena_reset(tr, &tr->step_arena);
+    }
+    if (!opt->accumulate) pr__mesh_sync_grads(tr);
     PR_FREE(tok_weight);
     if (!logp) PR_FREE(lp);
     pr__moe_group_aux(moe);
@@ -5020,11 +5662,13 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     s.routing_prepass = moe->prepass;
     PR_FREE(moe_mem);
     if (!st && be->take_error) st = be->take_error(be, err);
+    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the step's collectives");
     if (st) return st;
     s.loss = cx.loss + s.aux_loss;
     s.rows = cx.rows;
     memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
-    s.flops = pr_step_flops(&tr->cfg, g, opt->schedule);
+    s.flops = pr_step_flops(&tr->model, g, opt->schedule);
     if (stats) *stats = s;
     return PR_OK;
 }
@@ -5046,8 +5690,20 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
         return pr__fail(err, PR_ERR_ARG, "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g)",
                         o->lr, o->beta1, o->beta2, o->eps, o->weight_decay);
     const pr_backend *be = tr->be;
-    double norm = sqrt(be->sum_squares(be, tr->grads, tr->n_params));
+    double sq = 0;
+    tr->comm_st = PR_OK;
+    if (!tr->mesh) {
+        sq = be->sum_squares(be, tr->grads, tr->n_params);
+    } else {                     /* the full model's norm: each shard once, tensors every TP rank holds once */
+        for (int t = 0; t < tr->n_tensors; t++)
+            if (!(tr->shard[t].replicated && tr->mesh->tp_rank))
+                sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
+        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
+        pr__arena_reset(tr, &tr->step_arena);
+    }
+    double norm = sqrt(sq);
     pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
+    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (st) return st;
     if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
     if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
@@ -5085,10 +5741,12 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
     pr_checkpoint *ck;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!host) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    for (int i = 0; i < tr->n_tensors && !st; i++) {
-        const pr_tensor_info *ti = &tr->tensors[i];
+    int count = tr->n_tensors;          /* a mesh shard reads the full tensors and keeps its slices */
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
+    for (int i = 0; i < count && !st; i++) {
+        const pr_tensor_info *ti = &table[i];
         const pr_st_tensor *t = pr_checkpoint_find(ck, ti->name);
         if (!t) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s is missing", path, ti->name); break; }
         int64_t numel = 1;
@@ -5102,63 +5760,125 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
         }
         st = pr_checkpoint_read(ck, t, host + ti->offset, (size_t)numel, err);
     }
-    if (!st) tr->be->upload_reals(tr->be, tr->params, host, tr->n_params);
+    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
     PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
     pr_checkpoint_close(ck);
     return st;
 }
 
-/* One host copy of an arena (parameters or gradients) described by the tensor table. */
-static pr_status pr__entries(pr_trainer *tr, const pr_real *arena, pr_real **host, pr_st_entry **entries, pr_error *err) {
-    *host = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    *entries = PR_MALLOC(sizeof(pr_st_entry) * (size_t)tr->n_tensors);
-    if (!*host || !*entries) {
-        PR_FREE(*host);
-        PR_FREE(*entries);
-        return pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_params);
+/* A host copy of the full model's parameters or gradients with its safetensors entries. On a mesh
+   it is assembled (collective over tp) and only world rank 0 writes: *n is 0 on the others. */
+typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; int n; } pr__host_copy;
+
+static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
+    PR_FREE(x->host);
+    PR_FREE(x->entries);
+    if (tr->mesh) PR_FREE(x->table);
+}
+
+static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_copy *x, pr_error *err) {
+    memset(x, 0, sizeof *x);
+    x->n = tr->n_tensors;
+    x->table = tr->mesh ? pr__full_table(tr, &x->n, &(size_t){0}) : tr->tensors;
+    x->host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    x->entries = x->table ? PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
+    pr_status st = x->host && x->entries ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
+    if (!st && tr->mesh) st = pr_trainer_get_full(tr, which, x->host, tr->n_full, err);
+    else if (!st) tr->be->download_reals(tr->be, x->host, which == PR_ARENA_GRADS ? tr->grads : tr->params, tr->n_params);
+    if (st) {
+        pr__export_free(tr, x);
+        return st;
     }
-    tr->be->download_reals(tr->be, *host, arena, tr->n_params);
-    for (int i = 0; i < tr->n_tensors; i++) {
-        const pr_tensor_info *ti = &tr->tensors[i];
-        pr_st_entry *e = &(*entries)[i];
+    for (int i = 0; i < x->n; i++) {
+        const pr_tensor_info *ti = &x->table[i];
+        pr_st_entry *e = &x->entries[i];
         memset(e, 0, sizeof *e);
         e->name = ti->name;
-        e->data = *host + ti->offset;
+        e->data = x->host + ti->offset;
         e->ndim = ti->ndim;
         e->shape[0] = ti->shape[0];
         e->shape[1] = ti->shape[1];
     }
+    if (tr->mesh && tr->mesh->world->rank) x->n = 0;
     return PR_OK;
 }
 
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save: NULL argument");
-    pr_real *host;
-    pr_st_entry *entries;
-    pr_status st = pr__entries(tr, tr->params, &host, &entries, err);
-    if (st) return st;
-    st = pr_checkpoint_save(dir, entries, tr->n_tensors, dtype, max_shard_bytes, err);
+    pr__host_copy x;
+    pr_status st = pr__export_arena(tr, PR_ARENA_PARAMS, &x, err);
+    if (st || !x.n) {
+        if (!st) pr__export_free(tr, &x);
+        return st;
+    }
+    st = pr_checkpoint_save(dir, x.entries, x.n, dtype, max_shard_bytes, err);
     if (!st) {
         char path[4096];
         snprintf(path, sizeof path, "%s/config.json", dir);
-        st = pr_config_save(&tr->cfg, path, err);
+        st = pr_config_save(&tr->model, path, err);
     }
-    PR_FREE(host);
-    PR_FREE(entries);
+    pr__export_free(tr, &x);
     return st;
 }
 
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_grads: NULL argument");
-    pr_real *host;
-    pr_st_entry *entries;
-    pr_status st = pr__entries(tr, tr->grads, &host, &entries, err);
-    if (st) return st;
-    st = pr_safetensors_write(path, entries, tr->n_tensors, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32,
+    pr__host_copy x;
+    pr_status st = pr__export_arena(tr, PR_ARENA_GRADS, &x, err);
+    if (st || !x.n) {
+        if (!st) pr__export_free(tr, &x);
+        return st;
+    }
+    st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32,
                               "{\"content\": \"gradients\"}", err);
-    PR_FREE(host);
-    PR_FREE(entries);
+    pr__export_free(tr, &x);
     return st;
+}
+
+/* ---------------------------------------------------------------- 7. The device mesh */
+PRDEF void pr_mesh_free(pr_mesh *m) {
+    if (!m) return;
+    pr_comm **c[4] = { &m->dp_comm, &m->pp_comm, &m->cp_comm, &m->tp_comm };
+    for (int i = 0; i < 4; i++)
+        if (*c[i]) {
+            (*c[i])->destroy(*c[i]);
+            *c[i] = NULL;
+        }
+}
+
+PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err) {
+    if (!m || !world) return pr__fail(err, PR_ERR_ARG, "pr_mesh_init: NULL argument");
+    memset(m, 0, sizeof *m);
+    if (dp < 1 || pp < 1 || cp < 1 || tp < 1 || ep < 1)
+        return pr__fail(err, PR_ERR_ARG, "mesh sizes must be >= 1 (dp %d, pp %d, cp %d, tp %d, ep %d)", dp, pp, cp, tp, ep);
+    if ((long)dp * pp * cp * tp != world->size)
+        return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d = %ld ranks, the communicator has %d", dp, pp, cp, tp,
+                        (long)dp * pp * cp * tp, world->size);
+    if (ep != 1 && ep != tp)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
+    if (pp > 1) return pr__fail(err, PR_ERR_UNSUPPORTED, "pipeline parallelism (pp %d) is not implemented", pp);
+    const int r = world->rank;
+    m->dp = dp; m->pp = pp; m->cp = cp; m->tp = tp; m->ep = ep;
+    m->world = world;
+    m->tp_rank = r % tp;
+    m->cp_rank = r / tp % cp;
+    m->pp_rank = r / (tp * cp) % pp;
+    m->dp_rank = r / (tp * cp * pp);
+    /* each dimension's group: the ranks equal in every other coordinate (color), ordered by its own */
+    const int others = r - m->tp_rank;
+    pr_status st = world->split(world, others, m->tp_rank, &m->tp_comm, err);
+    if (!st) st = world->split(world, r - m->cp_rank * tp, m->cp_rank, &m->cp_comm, err);
+    if (!st) st = world->split(world, r - m->pp_rank * tp * cp, m->pp_rank, &m->pp_comm, err);
+    if (!st) st = world->split(world, r - m->dp_rank * tp * cp * pp, m->dp_rank, &m->dp_comm, err);
+    if (st) pr_mesh_free(m);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_create_mesh(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
+                                       pr_error *err) {
+    if (!mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL mesh");
+    return pr__trainer_new(out, cfg, be, mesh, err);
 }
 
 /* ---------------------------------------------------------------- 7. Data parallelism */
@@ -5195,7 +5915,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
     int *owner = PR_MALLOC(sizeof(int) * (size_t)n);
     pr_status st = owner ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    if (owner) pr_dp_place(&tr->cfg, groups, n, dp->size, opt->schedule, owner);
+    if (owner) pr_dp_place(&tr->model, groups, n, dp->size, opt->schedule, owner);
+    tr->comm_st = PR_OK;
     pr_step_opts o = *opt;
     pr_step_stats s, sum;
     memset(&sum, 0, sizeof sum);
@@ -5214,11 +5935,13 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
         }
     }
     PR_FREE(owner);
-    /* every rank reaches the collective, even after a local failure, so that none is left
+    /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
+    pr__mesh_sync_grads(tr);
     pr_status cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
     if (st) return st;
     if (cs) return cs;
+    if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (stats) *stats = sum;
     return PR_OK;
 }

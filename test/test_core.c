@@ -773,6 +773,130 @@ static void test_dp(void) {
     CHECK(fabs(load[0] - load[1]) <= most, "dp placement: loads %.3g and %.3g differ by more than one group", load[0], load[1]);
 }
 
+/* ------------------------------------------------------------------ the device mesh */
+/* One step on a mesh of in-process ranks against the single-rank full-sequence baseline: loss,
+   the gathered gradients, and the gathered parameters after AdamW. */
+typedef struct {
+    const pr_config *c;
+    int dp, cp, tp, ep;
+    const pr_group *groups;
+    int n;
+    pr_step_opts opt;
+    const pr_real *init;          /* the full model's starting parameters */
+    double loss[16];
+    pr_real *grads, *params;      /* gathered by world rank 0 */
+} mesh_run;
+
+static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
+    mesh_run *m = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_step_stats st;
+    pr_status s = pr_mesh_init(&mesh, world, m->dp, 1, m->cp, m->tp, m->ep, err);
+    if (s) return s;
+    size_t n = 0;
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) {
+        n = pr_trainer_full_param_count(tr);
+        s = pr_trainer_set_full_params(tr, m->init, n, err);
+    }
+    if (!s) s = m->dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
+                          : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
+    pr_real *grads = world->rank ? malloc(sizeof(pr_real) * n) : m->grads;   /* every rank gathers; rank 0 keeps */
+    pr_real *params = world->rank ? malloc(sizeof(pr_real) * n) : m->params;
+    if (!s) {
+        m->loss[world->rank] = st.loss;
+        s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
+    }
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, params, n, err);
+    if (world->rank) {
+        free(grads);
+        free(params);
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static void mesh_case(const pr_config *c, int dp, int cp, int tp, int ep, const pr_group *groups, int n, pr_moe_opts moe,
+                      pr_schedule sched, const char *label) {
+    pr_trainer *ref = make_model(c, 5);
+    pr_real *init = params_of(ref);
+    pr_step_opts o = pr_step_opts_default();
+    o.schedule = PR_SCHEDULE_BASELINE;
+    o.microbatch = 1;
+    o.moe = moe;
+    pr_error err;
+    double ref_loss = 0;
+    for (int i = 0; i < n; i++) {
+        pr_step_stats st;
+        o.accumulate = i > 0;
+        CHECK(!pr_trainer_compute_grads(ref, &groups[i], &o, &st, NULL, &err), "%s: reference: %s", label, err.message);
+        ref_loss += st.loss;
+    }
+    pr_real *gref = grads_of(ref);
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    pr_trainer_adamw_step(ref, &adam, NULL, &err);
+    pr_real *pref = params_of(ref);
+    size_t np = pr_trainer_param_count(ref);
+    mesh_run m;
+    memset(&m, 0, sizeof m);
+    m.c = c; m.dp = dp; m.cp = cp; m.tp = tp; m.ep = ep; m.groups = groups; m.n = n; m.init = init;
+    m.opt = o;
+    m.opt.schedule = sched;
+    m.opt.accumulate = 0;
+    m.grads = malloc(sizeof(pr_real) * np);
+    m.params = malloc(sizeof(pr_real) * np);
+    pr_status st = pr_comm_local_run(dp * cp * tp, mesh_rank, &m, &err);
+    CHECK(st == PR_OK, "%s: %s", label, err.message);
+    if (st == PR_OK) {
+        double loss = 0;
+        for (int r = 0; r < dp * cp * tp; r += cp * tp) loss += m.loss[r];   /* one rank per dp replica */
+        CHECK(fabs(loss - ref_loss) <= (IS_DOUBLE ? 1e-12 : 1e-5) * fabs(ref_loss), "%s: loss %.15g vs %.15g", label, loss, ref_loss);
+        CHECK(close_arenas(ref, m.grads, gref, "gradient", label), "%s: gathered gradients vs one rank's baseline", label);
+        CHECK(close_arenas(ref, m.params, pref, "parameter", label), "%s: parameters after AdamW vs one rank's baseline", label);
+    }
+    free(m.grads); free(m.params); free(init); free(gref); free(pref);
+    pr_trainer_destroy(ref);
+}
+
+static void test_mesh(void) {
+    const int S[6] = { 5, 1, 8, 3, 6, 2 };
+    static test_group tg[3];
+    pr_group groups[3];
+    for (int i = 0; i < 3; i++) {
+        make_group(&tg[i], 7 + 2 * i, 3 + i % 2, S + i, 61, 700 + i);
+        groups[i] = tg[i].g;
+    }
+    const pr_moe_opts mb_scope = { PR_AUX_SCOPE_MICROBATCH, 0 }, group_scope = { PR_AUX_SCOPE_GROUP, 0 };
+    pr_config llama = small_config(0, 0, 4), qwen = small_config(1, 1, 4);
+    pr_config moe = moe_config(1);
+    moe.num_key_value_heads = 4;
+    moe.num_experts = 8;
+    moe.moe_intermediate_size = 8;
+    struct { const pr_config *c; int dp, cp, tp, ep; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
+        { &llama, 1, 1, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
+        { &qwen, 1, 1, 4, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
+        { &llama, 1, 2, 1, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
+        { &qwen, 1, 3, 1, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones)" },
+        { &llama, 1, 2, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2 cp 2" },
+        { &llama, 1, 2, 2, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline schedule" },
+        { &llama, 1, 2, 4, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 1 tp 4 cp 2 (Table 3)" },
+        { &moe, 1, 1, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE tp 2 (expert columns sharded)" },
+        { &moe, 1, 1, 2, 2, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 ep 2, group scope" },
+        { &moe, 1, 2, 4, 4, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), microbatch scope" },
+        { &moe, 1, 2, 4, 4, group_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), group scope" },
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++, n++)
+        mesh_case(cases[i].c, cases[i].dp, cases[i].cp, cases[i].tp, cases[i].ep, groups, 1, cases[i].moe, cases[i].sched,
+                  cases[i].name);
+    mesh_case(&llama, 2, 1, 2, 1, groups, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 tp 2, whole groups");
+    mesh_case(&llama, 2, 2, 1, 1, groups, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 cp 2, whole groups");
+    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n + 2);
+}
+
 /* ---- offload of the prefix's dormant state */
 /* The CPU backend with copies that really are late: copy_async only queues, and the queue runs (in
    order, as one copy stream would) up to the last copy with a tag when copy_wait names it, or all
@@ -999,6 +1123,7 @@ int main(void) {
     test_offload();
     test_moe();
     test_dp();
+    test_mesh();
     test_checkpoints();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
