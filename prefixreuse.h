@@ -5938,7 +5938,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
     pr__mesh_sync_grads(tr);
-    pr_status cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
+    pr_status cs = dp->size > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
     if (st) return st;
     if (cs) return cs;
     if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);

@@ -29,7 +29,12 @@ typedef struct {
     int bench_total, bench_reps, layers;
     int bench_groups[8], n_bench_groups;
     double peak_tflops;
+    int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
+    const char *nccl_id;
 } options;
+
+static int mesh_ranks(const options *o) { return o->dp * o->pp * o->cp * o->tp; }
+static int on_mesh(const options *o) { return mesh_ranks(o) > 1 || o->ep > 1; }
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -63,6 +68,13 @@ static void usage(FILE *f) {
         "  --lr X                 AdamW learning rate (default 1e-3)\n"
         "  --weight-decay X       AdamW decoupled weight decay on matrices (default 0.01)\n"
         "  --clip X               global gradient-norm clip, 0 = off (default 1.0)\n"
+        "parallelism (a mesh of dp x pp x cp x tp ranks; README \"Parallelism\")\n"
+        "  --dp N --cp N --tp N   data, context and tensor parallel sizes (default 1); dp takes N groups a step\n"
+        "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
+        "  --pp N                 pipeline stages (only 1: pipeline parallelism is not implemented)\n"
+        "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
+        "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
+        "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (fresh each launch)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
@@ -129,6 +141,7 @@ static int parse_args(int argc, char **argv, options *o) {
     o->n_bench_groups = 2;
     o->peak_tflops = PEAK_DEFAULT;
     o->bench_budget_mib = 64;
+    o->dp = o->pp = o->cp = o->tp = o->ep = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -156,6 +169,12 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
+        else if (!strcmp(a, "--dp")) ok = parse_int(v, &o->dp) && o->dp >= 1 && o->dp <= 64;
+        else if (!strcmp(a, "--pp")) ok = parse_int(v, &o->pp) && o->pp >= 1 && o->pp <= 64;
+        else if (!strcmp(a, "--cp")) ok = parse_int(v, &o->cp) && o->cp >= 1 && o->cp <= 64;
+        else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
+        else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
+        else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
         else if (!strcmp(a, "--aux-scope")) {
             if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
             else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
@@ -197,6 +216,12 @@ static int parse_args(int argc, char **argv, options *o) {
         if (!ok) { fprintf(stderr, "train: bad value '%s' for %s (see --help)\n", v, a); return 0; }
         i += takes;
     }
+    if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
+    if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
+    if (o->cp > 1 && o->step.microbatch != 1) {
+        if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
+        o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
+    }
     return 1;
 }
 
@@ -209,7 +234,8 @@ static int fail(const pr_error *err) {
 static const pr_backend *backend(pr_error *err) {
 #ifdef PR_CUDA
     static const pr_backend *be;
-    if (!be && pr_backend_cuda_create(&be, 0, err)) return NULL;
+    const char *local = getenv("LOCAL_RANK");     /* one process per GPU: its device */
+    if (!be && pr_backend_cuda_create(&be, local ? atoi(local) : 0, err)) return NULL;
     return be;
 #else
     (void)err;
@@ -233,6 +259,145 @@ static int make_trainer(const options *o, const pr_config *cfg, pr_trainer **tr,
         return 0;
     }
     return 1;
+}
+
+/* ------------------------------------------------------------------ the mesh */
+static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
+    err->status = st;
+    snprintf(err->message, sizeof err->message, "%s", msg);
+    return st;
+}
+
+/* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
+   its communicators put on the wire. */
+typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; } rank_report;
+
+/* What every rank of a mesh run does. check: one step over `groups` (dp of them, placed whole),
+   the gathered gradients and updated parameters left in grads/params; otherwise o->steps
+   training steps over the trace, dp groups a step. */
+typedef struct {
+    const options *o;
+    const pr_config *cfg;
+    const pr_trace *trace;
+    int check;
+    const pr_group *groups;
+    int n;
+    pr_real *grads, *params;     /* check: rank 0's gathered copies (full model) */
+    double loss;
+    rank_report rep[256];
+} mesh_job;
+
+/* x summed over c, through backend memory as collectives need. */
+static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error *err) {
+    pr_real h = (pr_real)*x, *d = be->alloc(be, sizeof(pr_real), PR_TIER_DEVICE);
+    if (!d) return set_error(err, PR_ERR_NOMEM, "out of device memory");
+    be->upload_reals(be, d, &h, 1);
+    pr_status st = c->all_reduce(c, d, 1, PR_COMM_REAL, err);
+    be->download_reals(be, &h, d, 1);
+    be->release(be, d, PR_TIER_DEVICE);
+    *x = h;
+    return st;
+}
+
+static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
+    mesh_job *j = user;
+    const options *o = j->o;
+    const pr_backend *be = backend(err);
+    pr_mesh m;
+    pr_trainer *tr = NULL;
+    if (!be) return err->status;
+    pr_status st = pr_mesh_init(&m, world, o->dp, o->pp, o->cp, o->tp, o->ep, err);
+    if (st) return st;
+    if (!(st = pr_trainer_create_mesh(&tr, j->cfg, be, &m, err)))
+        st = o->init ? pr_trainer_load(tr, o->init, err) : pr_trainer_init_params(tr, o->seed, err);
+    rank_report *r = &j->rep[world->rank < 256 ? world->rank : 255];
+    const int lead = world->rank == 0;
+    const size_t n = st ? 0 : pr_trainer_full_param_count(tr);
+    pr_step_stats ss;
+    if (!st && j->check) {
+        pr_step_opts reuse = o->step;
+        reuse.schedule = PR_SCHEDULE_REUSE;
+        pr_real *g = lead ? j->grads : malloc(sizeof(pr_real) * n), *p = lead ? j->params : malloc(sizeof(pr_real) * n);
+        if (!g || !p) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
+        if (!st) st = pr_trainer_compute_grads_dp(tr, m.dp_comm, j->groups, j->n, &reuse, &ss, err);
+        if (!st) st = pr_trainer_get_full(tr, PR_ARENA_GRADS, g, n, err);
+        if (!st) st = pr_trainer_adamw_step(tr, &o->adam, NULL, err);
+        if (!st) st = pr_trainer_get_full(tr, PR_ARENA_PARAMS, p, n, err);
+        if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
+        if (!st && lead) j->loss = ss.loss;
+        for (int k = 0; !st && k < 3; k++) r->seconds[k] += ss.seconds[k];
+        if (!lead) { free(g); free(p); }
+    }
+    for (int step = 0; !st && !j->check && step < o->steps; step++) {
+        pr_group batch[64];
+        double gnorm;
+        for (int k = 0; k < o->dp; k++) batch[k] = j->trace->groups[(step * o->dp + k) % j->trace->n_groups];
+        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, o->dp, &o->step, &ss, err);
+        if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
+        if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
+        if (st) break;
+        for (int k = 0; k < 3; k++) r->seconds[k] += ss.seconds[k];
+        if (lead)
+            printf("step %3d  groups %d..%d  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
+                   step * o->dp % j->trace->n_groups, (step * o->dp + o->dp - 1) % j->trace->n_groups, ss.loss, gnorm,
+                   1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+    }
+    if (!st && !j->check && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
+    if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
+        printf("saved %s\n", o->save);
+    pr_comm *dims[4] = { m.dp_comm, m.pp_comm, m.cp_comm, m.tp_comm };
+    const int coord[4] = { m.dp_rank, m.pp_rank, m.cp_rank, m.tp_rank };
+    for (int k = 0; k < 4; k++) {
+        r->sent[k] = dims[k] ? dims[k]->bytes_sent : 0;
+        r->coord[k] = coord[k];
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&m);
+    return st;
+}
+
+/* Runs the job on every rank: threads of this process on the CPU build; with train_cuda this
+   process is one rank of an NCCL world (RANK, WORLD_SIZE from the launcher). */
+static pr_status mesh_run(mesh_job *j, pr_error *err) {
+#ifdef PR_CUDA
+    const char *rank = getenv("RANK"), *size = getenv("WORLD_SIZE");
+    if (!rank || !size || !j->o->nccl_id)
+        return set_error(err, PR_ERR_ARG, "train_cuda on a mesh: one process per GPU with RANK, WORLD_SIZE (and LOCAL_RANK) set, and --nccl-id PATH");
+    pr_comm *world;
+    pr_status st = pr_comm_nccl_create(&world, atoi(rank), atoi(size), j->o->nccl_id, 300, err);
+    if (st) return st;
+    st = mesh_rank(world, j, err);
+    world->destroy(world);
+    return st;
+#else
+    return pr_comm_local_run(mesh_ranks(j->o), mesh_rank, j, err);
+#endif
+}
+
+static void print_mesh(const options *o) {
+    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep,
+#ifdef PR_CUDA
+           ", NCCL, one process per GPU"
+#else
+           ", in-process ranks (threads)"
+#endif
+    );
+}
+
+/* Per rank: phase times and the bytes each dimension's collectives sent (this process's ranks). */
+static void print_rank_reports(const options *o, const mesh_job *j) {
+#ifdef PR_CUDA
+    const char *me = getenv("RANK");
+    int r0 = me ? atoi(me) : 0, r1 = r0 + 1;
+#else
+    int r0 = 0, r1 = mesh_ranks(o) < 256 ? mesh_ranks(o) : 256;
+#endif
+    for (int r = r0; r < r1; r++) {
+        const rank_report *p = &j->rep[r];
+        printf("  rank %2d (dp %d pp %d cp %d tp %d): A %8.1f ms  B %8.1f ms  C %8.1f ms; sent dp %.3f MiB, cp %.3f MiB, tp %.3f MiB\n",
+               r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
+               1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
+    }
 }
 
 static long group_tokens(const pr_group *g, pr_schedule s) {
@@ -266,9 +431,24 @@ static void print_routing(const pr_trainer *tr, const pr_config *cfg, const pr_s
     free(load);
 }
 
+static int run_training_mesh(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    static mesh_job j;
+    pr_error err;
+    memset(&j, 0, sizeof j);
+    j.o = o; j.cfg = cfg; j.trace = trace;
+    print_mesh(o);
+    printf("trace %s: %d groups, %d a step; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups, o->dp,
+           o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
+    if (mesh_run(&j, &err)) return fail(&err);
+    print_rank_reports(o, &j);
+    return 0;
+}
+
 static int run_training(const options *o, const pr_config *cfg, const pr_trace *trace) {
     pr_error err;
     pr_trainer *tr;
+    if (on_mesh(o)) return run_training_mesh(o, cfg, trace);
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     char mlp[96];
     if (cfg->num_experts)
@@ -377,23 +557,52 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 };
     double worst_loss = 0;
     int rc = 0;
-    for (int gi = 0; gi < trace->n_groups && !rc; gi++) {
-        const pr_group *g = &trace->groups[gi];
+    /* on a mesh: the reuse schedule on the mesh, dp groups a step, against one rank's baseline
+       accumulating the same groups */
+    const int nb = on_mesh(o) ? o->dp : 1;
+    if (on_mesh(o)) {
+        print_mesh(o);
+        if (o->step.offload.enabled) { fprintf(stderr, "train: --check on a mesh runs without offload\n"); return 1; }
+    }
+    static mesh_job j;
+    for (int gi = 0; gi < trace->n_groups && !rc; gi += nb) {
+        pr_group batch[64];
+        for (int k = 0; k < nb; k++) batch[k] = trace->groups[(gi + k) % trace->n_groups];
+        const pr_group *g = &batch[0];
         pr_error err;
         pr_trainer *base = NULL, *reuse = NULL;
         pr_step_stats sb, sr;
         double gnorm;
-        if (!make_trainer(o, cfg, &base, &err) || !make_trainer(o, cfg, &reuse, &err)) { pr_trainer_destroy(base); return fail(&err); }
+        if (!make_trainer(o, cfg, &base, &err) || (!on_mesh(o) && !make_trainer(o, cfg, &reuse, &err))) {
+            pr_trainer_destroy(base);
+            return fail(&err);
+        }
         size_t n = pr_trainer_param_count(base);
         pr_real *ga = malloc(sizeof(pr_real) * n), *gb = malloc(sizeof(pr_real) * n);
         pr_real *pa = malloc(sizeof(pr_real) * n), *pb = malloc(sizeof(pr_real) * n);
         double *allow = malloc(sizeof(double) * n);
-        if (!ga || !gb || !pa || !pb || !allow) { fprintf(stderr, "train: out of memory\n"); rc = 1; }
-        else if (pr_trainer_compute_grads(base, g, &ob, &sb, NULL, &err) || pr_trainer_compute_grads(reuse, g, &orr, &sr, NULL, &err) ||
-                 pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_get_grads(reuse, gb, n, &err) ||
-                 pr_trainer_adamw_step(base, &adam, &gnorm, &err) || pr_trainer_adamw_step(reuse, &adam, NULL, &err) ||
-                 pr_trainer_get_params(base, pa, n, &err) || pr_trainer_get_params(reuse, pb, n, &err))
-            rc = fail(&err);
+        int failed = !ga || !gb || !pa || !pb || !allow;
+        if (failed) fprintf(stderr, "train: out of memory\n");
+        sb.loss = 0;
+        for (int k = 0; k < nb && !failed; k++) {
+            pr_step_stats s1;
+            ob.accumulate = k > 0;
+            if (pr_trainer_compute_grads(base, &batch[k], &ob, &s1, NULL, &err)) failed = fail(&err);
+            else sb.loss += s1.loss;
+        }
+        if (!failed && (pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_adamw_step(base, &adam, &gnorm, &err) ||
+                        pr_trainer_get_params(base, pa, n, &err)))
+            failed = fail(&err);
+        if (!failed && on_mesh(o)) {
+            memset(&j, 0, sizeof j);
+            j.o = o; j.cfg = cfg; j.trace = trace; j.check = 1; j.groups = batch; j.n = nb; j.grads = gb; j.params = pb;
+            if (mesh_run(&j, &err)) failed = fail(&err);
+            sr.loss = j.loss;
+        } else if (!failed && (pr_trainer_compute_grads(reuse, g, &orr, &sr, NULL, &err) || pr_trainer_get_grads(reuse, gb, n, &err) ||
+                               pr_trainer_adamw_step(reuse, &adam, NULL, &err) || pr_trainer_get_params(reuse, pb, n, &err))) {
+            failed = fail(&err);
+        }
+        if (failed) rc = 1;
         else {
             if (bf16) {
                 double ss = 0;
@@ -410,6 +619,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             }
             diff dg = compare(gb, ga, n, atol, rtol, NULL), dp = compare(pb, pa, n, atol, rtol, allow);
             double dl = fabs(sb.loss - sr.loss);
+            if (nb > 1) printf("  groups %d..%d:", gi, (gi + nb - 1) % trace->n_groups);
             printf("  group %d (P %3d, G %2d): loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol %.1e\n",
                    gi, g->P, g->G, sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
@@ -427,6 +637,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         pr_trainer_destroy(reuse);
     }
     if (rc) return rc;
+    if (on_mesh(o)) print_rank_reports(o, &j);
     int pass = worst_g.bad == 0 && worst_p.bad == 0 && offload_diffs == 0;
     if (orr.offload.enabled)
         printf("check: reuse with offload vs without: %ld gradient and parameter values differ in any bit\n", offload_diffs);

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Runs every test program of a build folder and ./train --check in both precisions (offload off
-# and on, and the MoE preset in both aux-loss scopes); prints each program's output, then the
+# and on, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints each program's output, then the
 # total as the last line: "N passed, N failed".
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
@@ -13,5 +13,8 @@ for p in float double; do
     for scope in microbatch group; do
         run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
     done
+    run "$dir/train-$p" --check --tp 2 --cp 2
+    run "$dir/train-$p" --check --dp 2 --cp 2 --kl-coef 0.04
+    run "$dir/train-$p" --config model/tiny-moe --check --tp 2 --ep 2 --cp 2 --aux-scope group
 done
 report
