@@ -389,6 +389,7 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
 #ifdef PR_CUDA
     const char *me = getenv("RANK");
     int r0 = me ? atoi(me) : 0, r1 = r0 + 1;
+    (void)o;
 #else
     int r0 = 0, r1 = mesh_ranks(o) < 256 ? mesh_ranks(o) : 256;
 #endif
