@@ -4114,10 +4114,10 @@ typedef struct {
     void **res;               /* (L+1) */
     pr__route *route;         /* (L) MoE only */
     const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
-    /* CP: the pass is chunk `rank` (rows r0 .. r0+N-1) of a segment split into chunks of cp_chunk
-       rows; its own K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk:
-       the cached prefix the pass reads (Phase B), split the same way (0: none). */
-    int cp_chunk, cp_r0, cp_pre_rows, cp_pre_chunk;
+    /* CP: the pass is this rank's chunk of a segment split into chunks of cp_chunk rows; its own
+       K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk: the cached
+       prefix the pass reads (Phase B), split the same way (0: none). */
+    int cp_chunk, cp_pre_rows, cp_pre_chunk;
     void *kreg, *vreg, *dkreg, *dvreg;   /* CP: gathered attention region and its gradient */
     void *pad, *shard;                   /* CP: a reduce-scatter's input and output */
     void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
@@ -4331,25 +4331,26 @@ static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, c
                           ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, c->num_attention_heads, c->num_key_value_heads, c->head_dim);
 }
 
-/* rows (n_own valid) of the region gradient g, starting at region row `from`, plus own rows
-   (n_own) of d at block `rank`, summed over the ranks into this rank's chunk of `chunk` rows. */
-static void pr__cp_return(pr_trainer *tr, pr__pass *ps, const void *g, size_t from, size_t n_before, void *d, size_t n_own,
-                          size_t chunk, int add) {
+/* Sends gradient rows back to the ranks that own them: n_before rows of the region gradient g
+   from region row `from` on (the chunks before this rank's, which they tile from block 0), plus
+   this rank's own n_own rows (own, or NULL) in its block; the sum over the ranks of this rank's
+   block, `chunk` rows, lands in out (its first n_out rows). */
+static void pr__cp_return(pr_trainer *tr, pr__pass *ps, const void *g, size_t from, size_t n_before, const void *own,
+                          size_t n_own, void *out, size_t n_out, size_t chunk) {
     const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, A = tr->be->act_bytes;
     pr_comm *c = tr->mesh->cp_comm;
     const pr_backend *be = tr->be;
     pr_error e;
     be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * A);
     if (n_before) be->copy(be, ps->pad, pr__act_at(tr, (void *)g, from * kvd), n_before * kvd * A);
-    if (d && n_own) be->copy(be, pr__act_at(tr, ps->pad, (size_t)c->rank * chunk * kvd), d, n_own * kvd * A);
+    if (n_own) be->copy(be, pr__act_at(tr, ps->pad, (size_t)c->rank * chunk * kvd), own, n_own * kvd * A);
     pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, pr__act_type(tr), &e), &e);
-    if (!n_own) return;
-    if (add) be->add(be, d, ps->shard, n_own * kvd);
-    else be->copy(be, d, ps->shard, n_own * kvd * A);
+    if (n_out) be->copy(be, out, ps->shard, n_out * kvd * A);
 }
 
 /* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
-   prefix shard's (Phase B), or NULL. */
+   prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
+   rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
 static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
                               const void *kp, const void *vp, void *dkp, void *dvp, int pre_own) {
     const pr_config *c = &tr->cfg;
@@ -4359,23 +4360,20 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
     }
-    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows;
+    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
     pr__cp_gather_region(tr, ps, a, kp, vp);
     pr__zero_acts(tr, ps->dkreg, np * kvd);
     pr__zero_acts(tr, ps->dvreg, np * kvd);
-    if (ps->N)
+    if (N)
         be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
                           a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
-    /* the pass's own chunks: earlier ones from the region, this rank's own rows in place */
-    size_t before = ps->N ? np - pre : (size_t)ps->cp_r0;
-    if (!ps->N) before = 0;               /* a rank without rows had no queries: nothing to return */
-    pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, (size_t)ps->N, (size_t)ps->cp_chunk, 0);
-    pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, (size_t)ps->N, (size_t)ps->cp_chunk, 0);
+    /* a rank without rows had no queries: it returns nothing but joins the collectives */
+    const size_t before = N ? np - pre : 0;
+    pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, dk, N, (size_t)ps->cp_chunk);
+    pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, dv, N, (size_t)ps->cp_chunk);
     if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
-        pr__cp_return(tr, ps, ps->dkreg, 0, ps->N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk, 0);
-        if (pre_own) be->copy(be, dkp, ps->shard, (size_t)pre_own * kvd * be->act_bytes);
-        pr__cp_return(tr, ps, ps->dvreg, 0, ps->N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk, 0);
-        if (pre_own) be->copy(be, dvp, ps->shard, (size_t)pre_own * kvd * be->act_bytes);
+        pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, dkp, (size_t)pre_own, (size_t)ps->cp_pre_chunk);
+        pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, dvp, (size_t)pre_own, (size_t)ps->cp_pre_chunk);
     }
 }
 
@@ -4803,7 +4801,7 @@ typedef struct {
     int32_t *tokens;
     uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
     int N, n_traj;            /* rows; trajectories whose rows these are */
-    int cp_chunk, cp_r0;      /* CP: the rows of one chunk, and where this rank's starts (0 without CP) */
+    int cp_chunk;             /* CP: the rows of one chunk (0 without CP) */
     pr__head_plan head;
 } pr__batch;
 
@@ -4932,7 +4930,6 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
     h->M = m;
     b->N = rows;
     b->cp_chunk = chunk;
-    b->cp_r0 = r0;
     return PR_OK;
 }
 
@@ -4966,7 +4963,6 @@ static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const
     p->tokens = b->tokens;
     p->real = b->real;
     p->cp_chunk = b->cp_chunk;
-    p->cp_r0 = b->cp_r0;
     if (prefix && pr__cp(tr) > 1) {
         p->cp_pre_rows = P;
         p->cp_pre_chunk = prefix->cp_chunk;
