@@ -507,7 +507,7 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
-   token counts G times), n = num_experts values. */
+   token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
 /* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
@@ -530,7 +530,7 @@ struct pr_comm {
     int rank, size;
     const char *name;
     void *ctx;
-    size_t bytes_sent;       /* payload bytes this rank has put on the wire so far (reported by train) */
+    size_t bytes_sent;       /* payload bytes this rank has put on the wire so far (reported by train; 0 alone) */
     /* buf (n) summed over the ranks, in place */
     pr_status (*all_reduce)(pr_comm *c, void *buf, size_t n, pr_comm_type type, pr_error *err);
     /* out (size*n) = every rank's in (n), in rank order */
@@ -541,6 +541,11 @@ struct pr_comm {
     pr_status (*all_to_all)(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type type, pr_error *err);
     pr_status (*send)(pr_comm *c, const void *buf, size_t n, pr_comm_type type, int peer, pr_error *err);
     pr_status (*recv)(pr_comm *c, void *buf, size_t n, pr_comm_type type, int peer, pr_error *err);
+    /* send (n_send) to rank `to` and recv (n_recv) from rank `from` as one operation: two ranks
+       that exchange with each other this way do not wait on each other (a pipeline's 1F1B steady
+       state), where a send and a recv in either order could */
+    pr_status (*send_recv)(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
+                           pr_comm_type type, pr_error *err);
     pr_status (*barrier)(pr_comm *c, pr_error *err);
     /* The ranks that pass the same color form a new communicator, ordered by (key, rank): the
        sub-groups of one mesh dimension. Collective over c. */
@@ -570,12 +575,16 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
      split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
      Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
-   - DP: whole prompt groups per rank (pr_trainer_compute_grads_dp over mesh->dp).
-   pp > 1 is refused: pipeline parallelism is not implemented. */
+   - PP: the layers split into pp stages (the first embeds, the last runs the loss head). Phase A
+     and Phase C run stage by stage (the prefix's rows handed on, its gradient handed back); a
+     stage starts Phase B as soon as its own Phase A is done, its K/V cache never leaving it, and
+     the microbatches run through the stages in the 1F1B order.
+   - DP: whole prompt groups per rank (pr_trainer_compute_grads_dp over mesh->dp). */
 typedef struct {
     int dp, pp, cp, tp, ep;
     int dp_rank, pp_rank, cp_rank, tp_rank;
     pr_comm *world, *dp_comm, *pp_comm, *cp_comm, *tp_comm;
+    pr_comm *ends_comm;      /* the pipeline's first and last stage (a tied embedding lives on both); alone elsewhere */
 } pr_mesh;
 /* Collective over world. On failure nothing is left allocated. */
 PRDEF pr_status pr_mesh_init(pr_mesh *mesh, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err);
@@ -3561,15 +3570,19 @@ typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; 
 typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
 
 /* Where one of a sharded trainer's tensors sits in the full model: rows row0.. and columns col0..
-   of the full tensor at full_off (full_cols wide). `replicated`: every TP rank holds the same
-   values (counted once in norms and gathers); `tp_partial`: its gradient is a partial sum over
-   the TP ranks (the q/k norms, shared by heads on several ranks). */
-typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char replicated, tp_partial; } pr__shard;
+   of the full tensor at full_off (full_cols wide). `elsewhere`: another rank of the TP and PP
+   groups holds the same values (TP rank 0 of a tensor every TP rank holds whole; the first
+   stage of the embedding tied to the last stage's LM head), so this copy is left out of norms
+   and gathers; `tp_partial`: its gradient is a partial sum over the TP ranks (the q/k norms,
+   shared by heads on several ranks). */
+typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char elsewhere, tp_partial; } pr__shard;
 
 struct pr_trainer {
     pr_config cfg;                         /* this rank's shard of the model (all of it without a mesh) */
     pr_config model;                       /* the full model */
     const pr_mesh *mesh;                   /* NULL: one rank */
+    int layer0;                            /* PP: the full model's index of this stage's first layer */
+    int has_embed, has_head;               /* PP: the embedding (first stage, and the last if tied), final norm and LM head (last) */
     int expert0, n_experts;                /* MoE: the experts this rank holds, expert0 .. expert0+n_experts-1 */
     size_t n_full;                         /* the full model's parameter count */
     pr__shard *shard;                      /* (n_tensors) mesh only */
@@ -3586,9 +3599,13 @@ struct pr_trainer {
     pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
     long adam_step;
     pr__arena prefix_arena;                /* Phase A..C: prefix saved tensors, K/V cache, gK/gV */
-    pr__arena step_arena;                  /* one microbatch (Phase B, baseline) or one backward's scratch */
+    pr__arena step_arena;                  /* Phase A's collective buffers, Phase C's backward scratch */
+    pr__arena *mb_arena;                   /* the microbatches in flight through this stage (Phase B, baseline) */
+    int n_mb_arena;                        /* pp + 1: as many as 1F1B keeps in flight */
     pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
     size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
+    pr_real *stage;                        /* backend memory host values pass through to a collective */
+    size_t stage_cap;
     void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
     size_t pool_cap;
     char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
@@ -3633,12 +3650,12 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
     int64_t qd = (int64_t)c->num_attention_heads * c->head_dim, kvd = (int64_t)c->num_key_value_heads * c->head_dim;
     char nm[96];
     *count = 0; *total = 0;
-    tr->off_embed = pr__add_tensor(table, count, total, "model.embed_tokens.weight", V, C, 1);
+    if (tr->has_embed) tr->off_embed = pr__add_tensor(table, count, total, "model.embed_tokens.weight", V, C, 1);
     for (int l = 0; l < c->num_hidden_layers; l++) {
         pr__layer_off o;
         memset(&o, 0, sizeof o);
 #define PR__T(field, suffix, r, cl, d) \
-        (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix), o.field = pr__add_tensor(table, count, total, nm, r, cl, d))
+        (snprintf(nm, sizeof nm, "model.layers.%d.%s", tr->layer0 + l, suffix), o.field = pr__add_tensor(table, count, total, nm, r, cl, d))
         PR__T(ln1, "input_layernorm.weight", C, 0, 0);
         PR__T(wq, "self_attn.q_proj.weight", qd, C, 1);
         PR__T(wk, "self_attn.k_proj.weight", kvd, C, 1);
@@ -3654,11 +3671,11 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
             PR__T(router, "mlp.gate.weight", c->num_experts, C, 1);
             for (int e = tr->expert0; e < tr->expert0 + tr->n_experts; e++) {
                 size_t first;
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", l, e);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", tr->layer0 + l, e);
                 first = pr__add_tensor(table, count, total, nm, Fm, C, 1);
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.up_proj.weight", l, e);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.up_proj.weight", tr->layer0 + l, e);
                 pr__add_tensor(table, count, total, nm, Fm, C, 1);
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", l, e);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", tr->layer0 + l, e);
                 pr__add_tensor(table, count, total, nm, C, Fm, 1);
                 if (e == tr->expert0) o.experts = first;
             }
@@ -3670,6 +3687,7 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
 #undef PR__T
         if (tr->layer_off) tr->layer_off[l] = o;
     }
+    if (!tr->has_head) return;
     tr->off_norm = pr__add_tensor(table, count, total, "model.norm.weight", C, 0, 0);
     if (!c->tie_word_embeddings) tr->off_lm_head = pr__add_tensor(table, count, total, "lm_head.weight", V, C, 1);
 }
@@ -3716,14 +3734,19 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
 #define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
 
 /* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
-   the experts divided by ep (each whole), otherwise each expert's columns divided by tp. */
-static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *expert0, int *n_experts,
-                                  pr_error *err) {
+   the experts divided by ep (each whole), otherwise each expert's columns divided by tp; under PP
+   the stage's layers, layer0 .. layer0 + num_hidden_layers - 1 (as even a split as there is). */
+static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *layer0, int *expert0,
+                                  int *n_experts, pr_error *err) {
     *local = *cfg;
+    *layer0 = 0;
     *expert0 = 0;
     *n_experts = cfg->num_experts;
     if (!m) return PR_OK;
-    const int tp = m->tp, ep = m->ep;
+    const int tp = m->tp, ep = m->ep, pp = m->pp, L = cfg->num_hidden_layers;
+    if (pp > L) return pr__fail(err, PR_ERR_UNSUPPORTED, "pp %d: more pipeline stages than the model's %d layers", pp, L);
+    *layer0 = (int)((long)m->pp_rank * L / pp);
+    local->num_hidden_layers = (int)((long)(m->pp_rank + 1) * L / pp) - *layer0;
     if (cfg->num_attention_heads % tp || cfg->num_key_value_heads % tp)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d) and KV heads (%d)", tp,
                         cfg->num_attention_heads, cfg->num_key_value_heads);
@@ -3756,6 +3779,7 @@ static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *
     pr_trainer full;
     memset(&full, 0, sizeof full);
     full.cfg = tr->model;
+    full.has_embed = full.has_head = 1;
     full.n_experts = tr->model.num_experts;
     pr__build_layout(&full, NULL, count, total);
     pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
@@ -3772,6 +3796,7 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
     }
     const int tp_rank = tr->mesh->tp_rank, ep = tr->mesh->ep;
+    const int tied_copy = tr->model.tie_word_embeddings && tr->has_embed && tr->has_head && tr->mesh->pp > 1;
     int j = 0;
     for (int i = 0; i < tr->n_tensors; i++) {
         const pr_tensor_info *t = &tr->tensors[i];
@@ -3786,7 +3811,8 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
         sh->full_cols = fc;
         sh->row0 = t->shape[0] < ft[j].shape[0] ? tp_rank * t->shape[0] : 0;
         sh->col0 = lc < fc ? tp_rank * lc : 0;
-        sh->replicated = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
+        const int whole = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
+        sh->elsewhere = (whole && tp_rank) || (tied_copy && i == 0);    /* the embedding comes first */
         sh->tp_partial = strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight");
     }
     PR_FREE(ft);
@@ -3797,9 +3823,9 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_config local;
-    int expert0, n_experts;
+    int layer0, expert0, n_experts;
     pr_status st = pr_config_validate(cfg, err);
-    if (!st) st = pr__shard_config(cfg, mesh, &local, &expert0, &n_experts, err);
+    if (!st) st = pr__shard_config(cfg, mesh, &local, &layer0, &expert0, &n_experts, err);
     if (!st && be->check_config) st = be->check_config(be, &local, err);
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
@@ -3810,6 +3836,9 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     tr->cfg = local;
     tr->model = *cfg;
     tr->mesh = mesh;
+    tr->layer0 = layer0;
+    tr->has_embed = !mesh || mesh->pp_rank == 0 || (cfg->tie_word_embeddings && mesh->pp_rank == mesh->pp - 1);
+    tr->has_head = !mesh || mesh->pp_rank == mesh->pp - 1;
     tr->expert0 = expert0;
     tr->n_experts = n_experts;
     tr->be = be;
@@ -3818,7 +3847,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     size_t arena_bytes;
     tr->tensors = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
     tr->layer_off = PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
-    if (!tr->tensors || !tr->layer_off || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
+    tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
+    tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     }
@@ -3870,11 +3902,14 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (!tr) return;
     pr__chunks_free(tr, tr->prefix_arena.head);
     pr__chunks_free(tr, tr->step_arena.head);
+    for (int i = 0; tr->mb_arena && i < tr->n_mb_arena; i++) pr__chunks_free(tr, tr->mb_arena[i].head);
+    PR_FREE(tr->mb_arena);
     pr__chunks_free(tr, tr->spare);
     if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
     for (int i = 0; i < PR__SLOTS; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
+    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
     PR_FREE(tr->expert_load);
@@ -3913,12 +3948,12 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
 
 /* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
-   tensor every TP rank holds alike is written by TP rank 0 only, so a sum over tp assembles it. */
+   tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
 static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, int to_full) {
     for (int i = 0; i < tr->n_tensors; i++) {
         const pr_tensor_info *t = &tr->tensors[i];
         const pr__shard *sh = &tr->shard[i];
-        if (to_full && sh->replicated && tr->mesh->tp_rank) continue;
+        if (to_full && sh->elsewhere) continue;
         const int64_t rows = t->shape[0], cols = t->ndim == 2 ? t->shape[1] : 1;
         for (int64_t r = 0; r < rows; r++) {
             pr_real *f = full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0;
@@ -3961,14 +3996,14 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         pr__shard_copy(tr, dst, local, 1);
         be->upload_reals(be, dev, dst, n);
     }
-    /* every TP rank joins the sum, even one that failed above (it adds zeros and reports) */
-    pr_comm *tp = tr->mesh->tp_comm;
-    if (st) {
-        if (dev) be->zero(be, dev, sizeof(pr_real) * n);
-        if (dev) tp->all_reduce(tp, dev, n, PR_COMM_REAL, NULL);
-    } else if (!(st = tp->all_reduce(tp, dev, n, PR_COMM_REAL, err))) {
-        be->download_reals(be, dst, dev, n);
+    /* every rank joins the sums, even one that failed above (it adds zeros and reports) */
+    if (st && dev) be->zero(be, dev, sizeof(pr_real) * n);
+    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    for (int i = 0; i < 2 && dev; i++) {
+        pr_status cs = sum_over[i]->all_reduce(sum_over[i], dev, n, PR_COMM_REAL, st ? NULL : err);
+        if (!st) st = cs;
     }
+    if (!st) be->download_reals(be, dst, dev, n);
     PR_FREE(local);
     if (dev) be->release(be, dev, PR_TIER_DEVICE);
     return st;
@@ -4266,6 +4301,9 @@ static void pr__comm_done(pr_trainer *tr, pr_status st, pr_error *e) {
 static int pr__tp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->tp : 1; }
 static int pr__cp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->cp : 1; }
 static int pr__ep(const pr_trainer *tr) { return tr->mesh ? tr->mesh->ep : 1; }
+static int pr__pp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->pp : 1; }
+static int pr__first_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == 0; }
+static int pr__last_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == tr->mesh->pp - 1; }
 
 /* Activations (n elements) summed over the TP group: the row-parallel projections' partial outputs. */
 static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
@@ -4275,11 +4313,21 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
     pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
 }
 
-/* Host values summed over c, staged through backend memory (a collective's buffers are backend
-   memory). The step arena holds the stage: callers are inside a step. */
+/* Backend memory for n reals, to stage host values a collective moves (its buffers are backend
+   memory); kept across steps. NULL, with alloc_failed set, without memory. */
+static pr_real *pr__staging(pr_trainer *tr, size_t n) {
+    if (n <= tr->stage_cap) return tr->stage;
+    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
+    tr->stage = tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
+    tr->stage_cap = tr->stage ? n : 0;
+    if (!tr->stage) tr->alloc_failed = 1;
+    return tr->stage;
+}
+
+/* Host values summed over c, staged through backend memory. */
 static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
     if (c->size == 1 || !n) return;
-    pr_real *dev = pr__elems(tr, &tr->step_arena, n, sizeof(pr_real));
+    pr_real *dev = pr__staging(tr, n);
     if (!dev) return;                     /* alloc_failed reports it */
     pr_error e;
     tr->be->upload_reals(tr->be, dev, x, n);
@@ -4933,13 +4981,12 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
     return PR_OK;
 }
 
-/* The buffers a pass's collectives use, from the step arena: the CP region, its gradient and a
+/* The buffers a pass's collectives use, from arena a: the CP region, its gradient and a
    reduce-scatter's blocks; the EP all-to-all blocks. */
-static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__pass *ps, pr_error *err) {
+static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
     const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
-    pr__arena *a = &tr->step_arena;
     if (cp > 1) {
         const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
         const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
@@ -5192,19 +5239,19 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     o->own = NULL;
 }
 
-/* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Sums run over MoE layers and real
-   rows: count[e] routings to e, prob[e] router probability of e, M routings in all. */
+/* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Routing sums run over MoE layers
+   and real rows, laid out as count[E] (routings to e), prob[E] (router probability of e), M
+   (routings in all): 2E+1 values, one vector to travel between pipeline stages. */
 typedef struct {
     int on, E, B, G, reuse, prepass;
     double coef;
     const pr_moe_opts *opt;
-    double *pre_count, *pre_prob, pre_M;   /* the prefix pass, each row once (reuse) */
+    double *pre;                           /* the prefix pass's sums, each row once (reuse) */
+    double *own;                           /* scratch: one stage's sums of one pass */
     double *F, M_tot;                      /* group scope: the group's routing fractions, and M */
     double *prob_tot;                      /* group scope: probability mass of the passes run so far */
     double *c;                             /* aux gradient per expert for each prefix row (Phase C) */
-    double *g;                             /* aux gradient per expert for each row of the current pass */
-    double *count, *prob;                  /* scratch */
-    double aux;                            /* the loss term so far, coefficient applied */
+    double aux;                            /* the loss term so far, coefficient applied (last stage) */
 } pr__moe_acc;
 
 typedef struct {
@@ -5222,173 +5269,314 @@ static double pr__prefix_mult(const pr__moe_acc *m, int n) {
     return m->opt->prefix_multiplicity > 0 ? m->opt->prefix_multiplicity : n;
 }
 
-/* Adds a pass's routing sums (MoE layers, real rows) to count/prob/M; its load, times load_mult,
-   to the trainer's per-layer expert load. */
-static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *count, double *prob, double *M, double load_mult) {
+/* Adds a pass's routing sums (this rank's MoE layers, real rows) to sums; its load, times
+   load_mult, to the trainer's per-layer expert load. */
+static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *sums, double load_mult) {
     const int E = tr->cfg.num_experts, L = tr->cfg.num_hidden_layers;
     for (int l = 0; l < L; l++) {
         const pr__route *rt = &ps->route[l];
         for (int e = 0; e < E; e++)
             for (int j = rt->start[e]; j < rt->start[e + 1]; j++)
                 if (ps->real[rt->row[j]]) {
-                    count[e] += 1;
+                    sums[e] += 1;
                     if (load_mult > 0) tr->expert_load[(size_t)l * E + e] += load_mult;
                 }
         for (int r = 0; r < ps->N; r++)
             if (ps->real[r]) {
-                for (int e = 0; e < E; e++) prob[e] += rt->prob[(size_t)r * E + e];
-                *M += 1;
+                for (int e = 0; e < E; e++) sums[E + e] += rt->prob[(size_t)r * E + e];
+                sums[2 * E] += 1;
             }
     }
 }
 
-/* After the forward of one microbatch of n trajectories (suffixes under reuse, whole sequences in
-   the baseline): its aux gradient per expert (m->g), the prefix's share of it (m->c), and, for the
-   microbatch scope, its aux loss. */
-static void pr__moe_after_forward(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, int n) {
+/* This stage's routing sums of a pass, made whole over the CP chunks, added to sums (which hold
+   the earlier stages'). */
+static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult) {
+    const size_t n = 2 * (size_t)m->E + 1;
+    memset(m->own, 0, sizeof(double) * n);
+    pr__route_sums(tr, ps, m->own, load_mult);
+    if (pr__cp(tr) > 1) pr__sum_doubles(tr, tr->mesh->cp_comm, m->own, n);
+    for (size_t i = 0; i < n; i++) sums[i] += m->own[i];
+}
+
+/* Last stage, after the forward of one microbatch of n trajectories (suffixes under reuse, whole
+   sequences in the baseline) whose sums now cover every layer: its aux gradient per expert g and,
+   for the microbatch scope, its aux loss. */
+static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g) {
     const int E = m->E;
-    double M = 0;
-    memset(m->count, 0, sizeof(double) * (size_t)E);
-    memset(m->prob, 0, sizeof(double) * (size_t)E);
-    pr__route_sums(tr, ps, m->count, m->prob, &M, 1.0);
-    if (pr__cp(tr) > 1) {        /* the chunks' sums make the microbatch's */
-        pr__sum_doubles(tr, tr->mesh->cp_comm, m->count, 2 * (size_t)E);
-        pr__sum_doubles(tr, tr->mesh->cp_comm, &M, 1);
-    }
+    double M = sums[2 * E];
     if (m->opt->scope == PR_AUX_SCOPE_MICROBATCH) {
         double pm = m->reuse ? pr__prefix_mult(m, n) : 0, aux = 0, w = m->coef / m->B;
-        M += pm * m->pre_M;
+        M += pm * m->pre[2 * E];
         for (int e = 0; e < E; e++) {
-            double f = (m->count[e] + pm * m->pre_count[e]) / M, P = (m->prob[e] + pm * m->pre_prob[e]) / M;
+            double f = (sums[e] + pm * m->pre[e]) / M, P = (sums[E + e] + pm * m->pre[E + e]) / M;
             aux += f * P;
-            m->g[e] = w * E * f / M;
-            m->c[e] += m->g[e] * pm;
+            g[e] = w * E * f / M;
         }
         m->aux += w * E * aux;
         return;
     }
     if (!m->prepass) {           /* one microbatch holds the whole group: its routing is the group's */
         double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0;
-        m->M_tot = M + pm * m->pre_M;
-        for (int e = 0; e < E; e++) m->F[e] = (m->count[e] + pm * m->pre_count[e]) / m->M_tot;
+        m->M_tot = M + pm * m->pre[2 * E];
+        for (int e = 0; e < E; e++) m->F[e] = (sums[e] + pm * m->pre[e]) / m->M_tot;
     }
     for (int e = 0; e < E; e++) {
-        m->prob_tot[e] += m->prob[e];
-        m->g[e] = m->coef * E * m->F[e] / m->M_tot;
-        m->c[e] = m->g[e] * (m->reuse ? pr__prefix_mult(m, m->G) : 0);
+        m->prob_tot[e] += sums[E + e];
+        g[e] = m->coef * E * m->F[e] / m->M_tot;
     }
 }
 
-/* The group scope's aux loss, once every pass has run. */
+/* Every stage, as a microbatch's backward starts: the prefix's share of its aux gradient (each
+   prefix row stands for the copies the scope counts). */
+static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n) {
+    const int micro = m->opt->scope == PR_AUX_SCOPE_MICROBATCH;
+    const double pm = m->reuse ? pr__prefix_mult(m, micro ? n : m->G) : 0;
+    for (int e = 0; e < m->E; e++) m->c[e] = (micro ? m->c[e] : 0) + g[e] * pm;
+}
+
+/* The group scope's aux loss, once every pass has run (last stage). */
 static void pr__moe_group_aux(pr__moe_acc *m) {
     if (!m->on || m->opt->scope != PR_AUX_SCOPE_GROUP) return;
     double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0, aux = 0;
-    for (int e = 0; e < m->E; e++) aux += m->F[e] * (m->prob_tot[e] + pm * m->pre_prob[e]) / m->M_tot;
+    for (int e = 0; e < m->E; e++) aux += m->F[e] * (m->prob_tot[e] + pm * m->pre[m->E + e]) / m->M_tot;
     m->aux = m->coef * m->E * aux;
 }
 
-/* Forward, loss and backward of one microbatch, all of it in the step arena. With a prefix state
-   (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this microbatch
-   produces are handed to the hook and added into gK/gV. */
-static pr_status pr__run_microbatch(pr_trainer *tr, pr__step_ctx *cx, const pr__batch *b, int mb,
-                                    pr__prefix_state *ps, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
-    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
-    const size_t kv_n = (size_t)Pl * kvd;
+/* ---- pipeline stages. A stage runs its own layers; the first embeds, the last runs the loss
+   head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
+   far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
+
+/* One exchange with the neighbour `peer` (a pp rank): activation rows out and/or in (NULL: none),
+   then host doubles the same way, staged through backend memory. Both sides make the same call
+   with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
+static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
+                        size_t nd_out, double *d_in, size_t nd_in) {
+    pr_comm *c = tr->mesh->pp_comm;
+    const size_t C = (size_t)tr->cfg.hidden_size, no_act = (size_t)out_rows * C, ni_act = (size_t)in_rows * C;
+    pr_error e;
+    pr_status st = PR_OK;
+    if (out && in) st = c->send_recv(c, out, no_act, peer, in, ni_act, peer, pr__act_type(tr), &e);
+    else if (out) st = c->send(c, out, no_act, pr__act_type(tr), peer, &e);
+    else if (in) st = c->recv(c, in, ni_act, pr__act_type(tr), peer, &e);
+    pr__comm_done(tr, st, &e);
+    if (!d_out && !d_in) return;
+    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
+    if (!host || !dev) {
+        PR_FREE(host);
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (size_t i = 0; i < no; i++) host[i] = (pr_real)d_out[i];
+    tr->be->upload_reals(tr->be, dev, host, no);
+    if (no && ni) st = c->send_recv(c, dev, no, peer, dev + no, ni, peer, PR_COMM_REAL, &e);
+    else if (no) st = c->send(c, dev, no, PR_COMM_REAL, peer, &e);
+    else st = c->recv(c, dev + no, ni, PR_COMM_REAL, peer, &e);
+    pr__comm_done(tr, st, &e);
+    tr->be->download_reals(tr->be, host + no, dev + no, ni);
+    for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
+    PR_FREE(host);
+}
+
+/* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
+   Each microbatch in flight has its own arena (1F1B keeps up to pp + 1), its backward scratch,
+   and with MoE its routing sums (forward) and aux gradient (backward). */
+typedef struct {
+    pr__batch b;
     pr__pass p;
     pr__bwd_scratch s;
-    pr__pass_init(tr, &p, b, ps ? &ps->batch : NULL, cx->g->P);
-    pr_status st = pr__pass_alloc(tr, &tr->step_arena, &p, b->N, 1, err);
-    if (!st) st = pr__pass_comm_alloc(tr, &p, err);
-    if (!st) st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, b->N, err);
-    if (!st) {
-        be->embed_fwd(be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, C);
-        for (int l = 0; l < L; l++)
-            pr__layer_forward(tr, &p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
-        if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p.N);
+    pr__arena *a;
+    int index;
+    double *sums, *g;           /* MoE: (2E+1), (E) */
+} pr__mb;
+
+static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
+    pr__pass_free_host(&m->p, tr->cfg.num_hidden_layers);
+    pr__batch_free(&m->b);
+    if (m->a) pr__arena_reset(tr, m->a);
+    PR_FREE(m->sums);
+    m->sums = m->g = NULL;
+    m->a = NULL;
+}
+
+/* Microbatch i (trajectories i*mb ..) of the step: its batch and memory. ps: the prefix state
+   (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
+static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int i, int mb, int backward,
+                             pr_error *err) {
+    const int G = cx->g->G, i0 = i * mb, E = tr->cfg.num_experts;
+    memset(m, 0, sizeof *m);
+    m->index = i;
+    pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0,
+                                  ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL, ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
+    if (st) return st;
+    m->a = &tr->mb_arena[i % tr->n_mb_arena];
+    pr__pass_init(tr, &m->p, &m->b, ps ? &ps->batch : NULL, cx->g->P);
+    st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, err);
+    if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
+    if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
+    if (!st && E) {
+        m->sums = PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
+        if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+        memset(m->sums, 0, sizeof(double) * (3 * (size_t)E + 1));
+        m->g = m->sums + 2 * E + 1;
     }
-    if (!st && cx->moe.on) {
-        pr__moe_after_forward(tr, &cx->moe, &p, b->n_traj);
-        p.aux_g = cx->moe.g;
-    }
-    if (!st) {
-        pr__zero_acts(tr, s.dres, (size_t)p.N * C);
-        st = pr__head(tr, &tr->step_arena, p.res[L], s.dres, &b->head, &cx->opt->loss, cx->logp, &cx->loss, err);
-    }
-    if (!st) {
-        size_t kvn_own = (size_t)p.N * c->num_key_value_heads * c->head_dim;
-        for (int l = L - 1; l >= 0; l--) {
-            pr__zero_acts(tr, s.dk, kvn_own);
-            pr__zero_acts(tr, s.dv, kvn_own);
-            if (ps) { pr__zero_acts(tr, ps->dk_mb, kv_n); pr__zero_acts(tr, ps->dv_mb, kv_n); }
-            pr__layer_backward(tr, &p, l, &s, s.dk, s.dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
-                               ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
-            if (ps) {
-                const pr_hooks *h = &cx->opt->hooks;
-                if (h->on_dkv) h->on_dkv(h->user, l, mb, ps->dk_mb, ps->dv_mb, Pl, kvd);
-                be->add(be, ps->gk[l], ps->dk_mb, kv_n);
-                be->add(be, ps->gv[l], ps->dv_mb, kv_n);
-            }
-        }
-        be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, p.tokens, p.N, C);
-        cx->rows += p.N;
-        if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d rows", p.N);
-    }
-    pr__pass_free_host(&p, L);
-    pr__arena_reset(tr, &tr->step_arena);
     return st;
 }
 
-/* The group scope's routing pre-pass: every microbatch forward only, for the routing fractions
-   the backward needs before any microbatch may run it. ps: the prefix state under reuse (its
-   K/V read as in Phase B), or NULL for the baseline's whole sequences. */
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
-    pr__moe_acc *m = &cx->moe;
-    const int L = tr->cfg.num_hidden_layers, G = cx->g->G;
-    double M = 0;
-    memset(m->count, 0, sizeof(double) * (size_t)m->E);
-    memset(m->prob, 0, sizeof(double) * (size_t)m->E);
-    pr_status st = PR_OK;
-    for (int i0 = 0; i0 < G && !st; i0 += mb) {
-        pr__batch b;
-        pr__pass p;
-        st = pr__batch_make(tr, &b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0, ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL,
-                            ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
-        if (st) break;
-        pr__pass_init(tr, &p, &b, ps ? &ps->batch : NULL, cx->g->P);
-        st = pr__pass_alloc(tr, &tr->step_arena, &p, b.N, 1, err);
-        if (!st) st = pr__pass_comm_alloc(tr, &p, err);
-        if (!st) {
-            tr->be->embed_fwd(tr->be, p.res[0], p.tokens, tr->params + tr->off_embed, p.N, tr->cfg.hidden_size);
-            for (int l = 0; l < L; l++)
-                pr__layer_forward(tr, &p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
-            if (tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p.N);
-            else pr__route_sums(tr, &p, m->count, m->prob, &M, 0);   /* the load is counted by the real pass */
+/* The microbatch's input from the previous stage, with the previous one's gradient going back
+   (either may be NULL); nothing on the first stage. */
+static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in) {
+    if (pr__first_stage(tr) || (!back && !in)) return;
+    const size_t E = (size_t)tr->cfg.num_experts;
+    pr__pp_swap(tr, tr->mesh->pp_rank - 1, back ? back->s.dres : NULL, back ? back->p.N : 0, in ? in->p.res[0] : NULL,
+                in ? in->p.N : 0, back ? back->g : NULL, E, in ? in->sums : NULL, 2 * E + 1);
+}
+/* The microbatch's output to the next stage, with a gradient coming back (either may be NULL);
+   nothing on the last stage. */
+static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back) {
+    if (pr__last_stage(tr) || (!out && !back)) return;
+    const size_t E = (size_t)tr->cfg.num_experts, L = (size_t)tr->cfg.num_hidden_layers;
+    pr__pp_swap(tr, tr->mesh->pp_rank + 1, out ? out->p.res[L] : NULL, out ? out->p.N : 0, back ? back->s.dres : NULL,
+                back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1, back ? back->g : NULL, E);
+}
+
+/* This stage's layers forward (the first stage embeds; other stages' input has been received);
+   in a training pass (train 1) the last stage then runs the loss head, whose gradient starts the
+   backward, and with MoE works out the microbatch's aux gradient. */
+static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int train, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
+    pr__pass *p = &m->p;
+    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, tr->params + tr->off_embed, p->N, C);
+    for (int l = 0; l < L; l++)
+        pr__layer_forward(tr, p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
+    if (cx->moe.on) {
+        pr__moe_stage_sums(tr, &cx->moe, p, m->sums, train ? 1.0 : 0);   /* a pre-pass leaves the load to the real pass */
+        if (train && pr__last_stage(tr)) pr__moe_mb_grad(&cx->moe, m->sums, m->b.n_traj, m->g);
+    }
+    if (!train || !pr__last_stage(tr)) return PR_OK;
+    pr__zero_acts(tr, m->s.dres, (size_t)p->N * C);
+    return pr__head(tr, m->a, p->res[L], m->s.dres, &m->b.head, &cx->opt->loss, cx->logp, &cx->loss, err);
+}
+
+/* This stage's layers backward from m->s.dres (the head's gradient, or the next stage's). With
+   a prefix state (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this
+   microbatch produces are handed to the hook and added into gK/gV. */
+static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
+    const size_t kv_n = (size_t)Pl * kvd, kvn_own = (size_t)m->p.N * kvd;
+    const pr_hooks *h = &cx->opt->hooks;
+    pr__pass *p = &m->p;
+    pr__bwd_scratch *s = &m->s;
+    if (cx->moe.on) {
+        pr__moe_take_grad(&cx->moe, m->g, m->b.n_traj);
+        p->aux_g = m->g;
+    }
+    for (int l = L - 1; l >= 0; l--) {
+        pr__zero_acts(tr, s->dk, kvn_own);
+        pr__zero_acts(tr, s->dv, kvn_own);
+        if (ps) { pr__zero_acts(tr, ps->dk_mb, kv_n); pr__zero_acts(tr, ps->dv_mb, kv_n); }
+        pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
+                           ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
+        if (ps) {
+            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
+            be->add(be, ps->gk[l], ps->dk_mb, kv_n);
+            be->add(be, ps->gv[l], ps->dv_mb, kv_n);
         }
-        pr__pass_free_host(&p, L);
-        pr__arena_reset(tr, &tr->step_arena);
-        pr__batch_free(&b);
     }
-    if (st) return st;
-    if (pr__cp(tr) > 1) {        /* the chunks' sums make the group's */
-        pr__sum_doubles(tr, tr->mesh->cp_comm, m->count, 2 * (size_t)m->E);
-        pr__sum_doubles(tr, tr->mesh->cp_comm, &M, 1);
-        pr__arena_reset(tr, &tr->step_arena);
-    }
-    double pm = ps ? pr__prefix_mult(m, G) : 0;
-    m->M_tot = M + pm * m->pre_M;
-    for (int e = 0; e < m->E; e++) m->F[e] = (m->count[e] + pm * m->pre_count[e]) / m->M_tot;
+    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s->dres, p->tokens, p->N, c->hidden_size);
+    cx->rows += p->N;
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d rows", p->N);
     return PR_OK;
 }
 
-/* Phase A: the prefix forward once. Its saved tensors stay in the prefix arena until Phase C;
+/* Phase B (ps: the prefix state) or the baseline (ps NULL): every microbatch through this stage
+   in the 1F1B order. A stage first runs `warm` forwards (as many as the stages after it need to
+   fill up), then one forward and one backward in turn, then the backwards left; its neighbours
+   keep the same order, so each exchange meets its partner: a forward's output goes on as the
+   gradient for the oldest microbatch comes back, that backward's input gradient goes back as
+   the next microbatch's input comes in. With one stage: forward, backward, microbatch by
+   microbatch. Returns the number of microbatches in *n_mb. */
+static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
+    const int pp = pr__pp(tr), n = (cx->g->G + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
+    const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
+    pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
+    if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(ring, 0, sizeof(pr__mb) * (size_t)(pp + 1));
+#define PR__MB(i) (&ring[(i) % (pp + 1)])
+    pr_status st = PR_OK;
+    int f = 0;                   /* the next microbatch to run forward */
+    for (; f < warm && !st; f++) {
+        st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err);
+        if (st) break;
+        pr__pp_prev(tr, NULL, PR__MB(f));
+        st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+        pr__pp_next(tr, PR__MB(f), NULL);
+    }
+    if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, NULL, PR__MB(f));
+    for (int b = 0; b < n && !st; b++) {
+        if (f < n) {
+            st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+            pr__pp_next(tr, PR__MB(f), PR__MB(b));
+            f++;
+        } else {
+            pr__pp_next(tr, NULL, PR__MB(b));
+        }
+        if (!st) st = pr__mb_backward(tr, cx, ps, PR__MB(b), err);
+        if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, PR__MB(b), PR__MB(f));
+        else if (!st) pr__pp_prev(tr, PR__MB(b), NULL);
+        pr__mb_close(tr, PR__MB(b));
+    }
+    for (int i = 0; i <= pp; i++) pr__mb_close(tr, &ring[i]);    /* after a failure: what is still open */
+#undef PR__MB
+    PR_FREE(ring);
+    *n_mb = n;
+    return st;
+}
+
+/* The group scope's routing pre-pass: every microbatch forward only, through the stages in turn,
+   for the routing fractions the backward needs before any microbatch may run it. ps: the prefix
+   state under reuse (its K/V read as in Phase B), or NULL for the baseline's whole sequences. */
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
+    pr__moe_acc *m = &cx->moe;
+    const int G = cx->g->G, E = m->E;
+    double *tot = PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
+    if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
+    pr_status st = PR_OK;
+    for (int i = 0; i * mb < G && !st; i++) {
+        pr__mb x;
+        st = pr__mb_open(tr, cx, ps, &x, i, mb, 0, err);
+        if (!st) {
+            pr__pp_prev(tr, NULL, &x);
+            st = pr__mb_forward(tr, cx, ps, &x, 0, err);
+            pr__pp_next(tr, &x, NULL);
+            for (int k = 0; k <= 2 * E; k++) tot[k] += x.sums[k];
+        }
+        pr__mb_close(tr, &x);
+    }
+    if (!st && pr__last_stage(tr)) {     /* the last stage's sums cover every layer */
+        double pm = ps ? pr__prefix_mult(m, G) : 0;
+        m->M_tot = tot[2 * E] + pm * m->pre[2 * E];
+        for (int e = 0; e < E; e++) m->F[e] = (tot[e] + pm * m->pre[e]) / m->M_tot;
+    }
+    PR_FREE(tot);
+    return st;
+}
+
+/* Phase A: the prefix forward once, through this stage's layers (its input from the previous
+   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C;
    each layer's k/v rows are the K/V cache Phase B reads. */
 static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    const size_t E = (size_t)c->num_experts;
     const pr_hooks *h = &cx->opt->hooks;
     pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
     if (st) return st;
@@ -5400,7 +5588,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     pr__offload *o = &ps->off;
     st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
     if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, !o->on, err);
-    if (!st) st = pr__pass_comm_alloc(tr, &ps->pass, err);     /* step arena: released when Phase A ends */
+    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
     if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
@@ -5410,23 +5598,20 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     ps->dk_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
     ps->dv_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
-    be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
+    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
+    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
-        if (h->on_kv_capture) h->on_kv_capture(h->user, l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
+        if (h->on_kv_capture) h->on_kv_capture(h->user, tr->layer0 + l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
         pr__zero_acts(tr, ps->gk[l], (size_t)P * kvd);
         pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
-    if (cx->moe.on) {
-        pr__route_sums(tr, &ps->pass, cx->moe.pre_count, cx->moe.pre_prob, &cx->moe.pre_M, (double)cx->g->G);
-        if (pr__cp(tr) > 1) {
-            pr__sum_doubles(tr, tr->mesh->cp_comm, cx->moe.pre_count, 2 * (size_t)cx->moe.E);
-            pr__sum_doubles(tr, tr->mesh->cp_comm, &cx->moe.pre_M, 1);
-        }
-    }
+    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
+    if (!pr__last_stage(tr))
+        pr__pp_swap(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1, NULL, 0);
     pr__arena_reset(tr, &tr->step_arena);
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
@@ -5434,22 +5619,11 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     return PR_OK;
 }
 
-/* Phase B: one suffix microbatch over the cached prefix K/V. */
-static pr_status pr__phase_b_suffix_microbatch(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int i0, int n,
-                                               int mb, pr_error *err) {
-    pr__batch b;
-    pr_status st = pr__batch_make(tr, &b, cx->g, cx->tok_weight, i0, n, PR__BATCH_SUFFIX,
-                                  cx->opt->layout == PR_LAYOUT_PACKED, err);
-    if (st) return st;
-    st = pr__run_microbatch(tr, cx, &b, mb, ps, err);
-    pr__batch_free(&b);
-    return st;
-}
-
-/* Phase C: the prefix backward once. The first token of every suffix is predicted from the last
-   prefix row, so its loss enters here directly (through the final norm and LM head at row P-1);
-   everything else the suffixes ask of the prefix arrives through gK/gV, which become the starting
-   dK/dV of each layer's prefix attention backward. */
+/* Phase C: the prefix backward once, through this stage's layers (from the next stage's
+   gradient, on to the previous). The first token of every suffix is predicted from the last
+   prefix row, so its loss enters here directly (the last stage's head at row P-1); everything
+   else the suffixes ask of the prefix arrives through gK/gV, which become the starting dK/dV of
+   each layer's prefix attention backward. */
 static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
@@ -5460,11 +5634,14 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
     pr__bwd_scratch s;
     pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
-    if (!st) st = pr__pass_comm_alloc(tr, &ps->pass, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
-    st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
+    if (pr__last_stage(tr))
+        st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
+    else
+        pr__pp_swap(tr, tr->mesh->pp_rank + 1, NULL, 0, s.dres, P, NULL, 0, NULL, 0);
     if (st) return st;
     for (int l = L - 1; l >= 0; l--) {
         if (o->on) {
@@ -5475,12 +5652,13 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
             pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
-        if (h->on_kv_inject) h->on_kv_inject(h->user, l, ps->gk[l], ps->gv[l], P, kvd);
+        if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
         pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL, 0);
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
-    be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
+    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
+    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0, NULL, 0, NULL, 0);
     return PR_OK;
 }
 
@@ -5537,8 +5715,9 @@ static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) 
 }
 
 /* A mesh step's gradients made whole on every rank: the q/k norms' partial sums over tp (their
-   weights serve heads on every TP rank), then every gradient over cp (each chunk's rows gave a
-   share). Collective; a failure is kept in comm_st. */
+   weights serve heads on every TP rank), every gradient over cp (each chunk's rows gave a share),
+   and a tied embedding's over the pipeline's ends (the first stage's embedding and the last
+   stage's LM head are one tensor). Collective; a failure is kept in comm_st. */
 static void pr__mesh_sync_grads(pr_trainer *tr) {
     if (!tr->mesh) return;
     pr_error e;
@@ -5551,6 +5730,11 @@ static void pr__mesh_sync_grads(pr_trainer *tr) {
     if (pr__cp(tr) > 1) {
         pr_comm *c = tr->mesh->cp_comm;
         pr__comm_done(tr, c->all_reduce(c, tr->grads, tr->n_params, PR_COMM_REAL, &e), &e);
+    }
+    if (pr__pp(tr) > 1 && tr->model.tie_word_embeddings && tr->has_embed) {
+        pr_comm *c = tr->mesh->ends_comm;
+        const size_t n = (size_t)tr->cfg.vocab_size * tr->cfg.hidden_size;
+        pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->off_embed, n, PR_COMM_REAL, &e), &e);
     }
 }
 
@@ -5570,7 +5754,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
     }
     pr__token_weights(g, opt->loss.norm, tok_weight);
-    if (pr__cp(tr) > 1) memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);   /* each chunk fills its tokens */
+    if (pr__cp(tr) > 1 || pr__pp(tr) > 1) memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);   /* each chunk fills its tokens, the last stage all */
     tr->comm_st = PR_OK;
     pr__step_ctx cx;
     memset(&cx, 0, sizeof cx);
@@ -5579,19 +5763,20 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     double *moe_mem = NULL;
     if (tr->cfg.num_experts) {
         const int E = tr->cfg.num_experts;
-        moe_mem = PR_MALLOC(sizeof(double) * 8 * (size_t)E);
+        const size_t n_sums = 2 * (size_t)E + 1;
+        moe_mem = PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
         if (!moe_mem) {
             PR_FREE(tok_weight);
             if (!logp) PR_FREE(lp);
             return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         }
-        memset(moe_mem, 0, sizeof(double) * 8 * (size_t)E);
+        memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
         moe->on = 1; moe->E = E; moe->G = G; moe->B = (G + mb - 1) / mb; moe->opt = &opt->moe;
         moe->coef = tr->cfg.router_aux_loss_coef;
         moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
         moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && moe->B > 1;
-        moe->pre_count = moe_mem; moe->pre_prob = moe_mem + E; moe->F = moe_mem + 2 * E; moe->prob_tot = moe_mem + 3 * E;
-        moe->c = moe_mem + 4 * E; moe->g = moe_mem + 5 * E; moe->count = moe_mem + 6 * E; moe->prob = moe_mem + 7 * E;
+        moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
+        moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
         memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
     }
     pr_step_stats s;
@@ -5604,12 +5789,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
         pr__enter_phase(tr, PR_PHASE_B);
         if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
-        for (int i0 = 0; i0 < G && !st; i0 += mb, s.microbatches++) {
-            pr__batch b;
-            st = pr__batch_make(tr, &b, g, tok_weight, i0, i0 + mb <= G ? mb : G - i0, PR__BATCH_FULL, 0, err);
-            if (!st) st = pr__run_microbatch(tr, &cx, &b, s.microbatches, NULL, err);
-            pr__batch_free(&b);
-        }
+        if (!st) st = pr__run_microbatches(tr, &cx, NULL, mb, &s.microbatches, err);
         be->sync(be);
         s.seconds[PR_PHASE_B] = pr__now() - t0;
     } else {
@@ -5621,8 +5801,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         double t1 = pr__now();
         pr__enter_phase(tr, PR_PHASE_B);
         if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
-        for (int i0 = 0; i0 < G && !st; i0 += mb, s.microbatches++)
-            st = pr__phase_b_suffix_microbatch(tr, &cx, &ps, i0, i0 + mb <= G ? mb : G - i0, s.microbatches, err);
+        if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
         be->sync(be);
         double t2 = pr__now();
         pr__enter_phase(tr, PR_PHASE_C);
@@ -5640,6 +5819,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         pr__arena_reset(tr, &tr->prefix_arena);
     }
     for (long f = 0; f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
+    if (pr__last_stage(tr)) pr__moe_group_aux(moe);
     if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
         pr_comm *cp = tr->mesh->cp_comm;
         double r = (double)cx.rows;
@@ -5648,12 +5828,16 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         cx.rows = (long)r;
         pr__sum_host(tr, cp, lp, (size_t)n_tok);
         if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
-        pr__arena_reset(tr, &tr->step_arena);
+    }
+    if (pr__pp(tr) > 1) {        /* the last stage's loss, aux term and log-probs, for every stage */
+        pr_comm *pp = tr->mesh->pp_comm;
+        pr__sum_doubles(tr, pp, &cx.loss, 1);
+        pr__sum_doubles(tr, pp, &moe->aux, 1);
+        pr__sum_host(tr, pp, lp, (size_t)n_tok);
     }
     if (!opt->accumulate) pr__mesh_sync_grads(tr);
     PR_FREE(tok_weight);
     if (!logp) PR_FREE(lp);
-    pr__moe_group_aux(moe);
     s.aux_loss = moe->aux;
     s.routing_prepass = moe->prepass;
     PR_FREE(moe_mem);
@@ -5672,10 +5856,11 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err) {
     if (!tr || !load) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: NULL argument");
     if (!tr->cfg.num_experts) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: the model has no experts");
-    if (layer < 0 || layer >= tr->cfg.num_hidden_layers || n != tr->cfg.num_experts)
-        return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: layer %d of %d, %d values for %d experts", layer,
-                        tr->cfg.num_hidden_layers, n, tr->cfg.num_experts);
-    memcpy(load, tr->expert_load + (size_t)layer * n, sizeof(double) * (size_t)n);
+    const int l = layer - tr->layer0;
+    if (l < 0 || l >= tr->cfg.num_hidden_layers || n != tr->cfg.num_experts)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: layer %d (this rank holds %d..%d), %d values for %d experts",
+                        layer, tr->layer0, tr->layer0 + tr->cfg.num_hidden_layers - 1, n, tr->cfg.num_experts);
+    memcpy(load, tr->expert_load + (size_t)l * n, sizeof(double) * (size_t)n);
     return PR_OK;
 }
 
@@ -5690,12 +5875,12 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
     tr->comm_st = PR_OK;
     if (!tr->mesh) {
         sq = be->sum_squares(be, tr->grads, tr->n_params);
-    } else {                     /* the full model's norm: each shard once, tensors every TP rank holds once */
+    } else {                     /* the full model's norm: each shard once, a tensor held on several ranks once */
         for (int t = 0; t < tr->n_tensors; t++)
-            if (!(tr->shard[t].replicated && tr->mesh->tp_rank))
+            if (!tr->shard[t].elsewhere)
                 sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
         pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
-        pr__arena_reset(tr, &tr->step_arena);
+        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
     }
     double norm = sqrt(sq);
     pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
@@ -5835,8 +6020,8 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
 /* ---------------------------------------------------------------- 7. The device mesh */
 PRDEF void pr_mesh_free(pr_mesh *m) {
     if (!m) return;
-    pr_comm **c[4] = { &m->dp_comm, &m->pp_comm, &m->cp_comm, &m->tp_comm };
-    for (int i = 0; i < 4; i++)
+    pr_comm **c[5] = { &m->dp_comm, &m->pp_comm, &m->cp_comm, &m->tp_comm, &m->ends_comm };
+    for (int i = 0; i < 5; i++)
         if (*c[i]) {
             (*c[i])->destroy(*c[i]);
             *c[i] = NULL;
@@ -5853,7 +6038,6 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
                         (long)dp * pp * cp * tp, world->size);
     if (ep != 1 && ep != tp)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
-    if (pp > 1) return pr__fail(err, PR_ERR_UNSUPPORTED, "pipeline parallelism (pp %d) is not implemented", pp);
     const int r = world->rank;
     m->dp = dp; m->pp = pp; m->cp = cp; m->tp = tp; m->ep = ep;
     m->world = world;
@@ -5866,6 +6050,8 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
     pr_status st = world->split(world, others, m->tp_rank, &m->tp_comm, err);
     if (!st) st = world->split(world, r - m->cp_rank * tp, m->cp_rank, &m->cp_comm, err);
     if (!st) st = world->split(world, r - m->pp_rank * tp * cp, m->pp_rank, &m->pp_comm, err);
+    const int end = m->pp_rank == 0 || m->pp_rank == pp - 1;
+    if (!st) st = world->split(world, end ? r - m->pp_rank * tp * cp : world->size + r, m->pp_rank, &m->ends_comm, err);
     if (!st) st = world->split(world, r - m->dp_rank * tp * cp * pp, m->dp_rank, &m->dp_comm, err);
     if (st) pr_mesh_free(m);
     return st;
@@ -6070,7 +6256,7 @@ static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_t
     pr__world_barrier(w);                     /* every rank has read every buffer */
     if (!st) memcpy(buf, tmp, bytes);
     PR_FREE(tmp);
-    c->bytes_sent += bytes;
+    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
     return st;
 }
 static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
@@ -6082,7 +6268,7 @@ static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, siz
     pr__world_barrier(w);
     for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
     pr__world_barrier(w);
-    c->bytes_sent += bytes;
+    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
     return PR_OK;
 }
 static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
@@ -6109,12 +6295,14 @@ static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, siz
     c->bytes_sent += bytes * (size_t)(c->size - 1);
     return PR_OK;
 }
-/* A rendezvous: the sender waits until the receiver has copied the message. */
-static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+/* A rendezvous: the sender posts its buffer, then waits until the receiver has copied it. */
+static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, const char *what, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, 1, err);
-    if (st) return st;
-    if (peer < 0 || peer >= c->size || peer == c->rank)
-        return pr__fail(err, PR_ERR_ARG, "send: peer %d is not another rank of %d", peer, c->size);
+    if (!st && (peer < 0 || peer >= c->size || peer == c->rank))
+        st = pr__fail(err, PR_ERR_ARG, "%s: peer %d is not another rank of %d", what, peer, c->size);
+    return st;
+}
+static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
     mtx_lock(&w->mu);
@@ -6123,16 +6311,17 @@ static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_t
     w->mail_bytes[box] = n * pr__comm_elem(t);
     w->mail_full[box] = 1;
     cnd_broadcast(&w->cv);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
     mtx_unlock(&w->mu);
     c->bytes_sent += n * pr__comm_elem(t);
-    return PR_OK;
 }
-static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, 1, err);
-    if (st) return st;
-    if (peer < 0 || peer >= c->size || peer == c->rank)
-        return pr__fail(err, PR_ERR_ARG, "recv: peer %d is not another rank of %d", peer, c->size);
+static void pr__local_wait_taken(pr_comm *c, int peer) {
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
+    mtx_lock(&w->mu);
+    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    mtx_unlock(&w->mu);
+}
+static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
     mtx_lock(&w->mu);
@@ -6144,6 +6333,27 @@ static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t,
     mtx_unlock(&w->mu);
     if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
     return PR_OK;
+}
+static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__local_peer(c, n, t, peer, "send", err);
+    if (st) return st;
+    pr__local_post(c, buf, n, t, peer);
+    pr__local_wait_taken(c, peer);
+    return PR_OK;
+}
+static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__local_peer(c, n, t, peer, "recv", err);
+    return st ? st : pr__local_take(c, buf, n, t, peer, err);
+}
+static pr_status pr__local_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
+                                     pr_comm_type t, pr_error *err) {
+    pr_status st = pr__local_peer(c, n_send, t, to, "send_recv", err);
+    if (!st) st = pr__local_peer(c, n_recv, t, from, "send_recv", err);
+    if (st) return st;
+    pr__local_post(c, send, n_send, t, to);
+    st = pr__local_take(c, recv, n_recv, t, from, err);
+    pr__local_wait_taken(c, to);
+    return st;
 }
 static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
     (void)err;
@@ -6202,6 +6412,7 @@ static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
     c->all_to_all = pr__local_all_to_all;
     c->send = pr__local_send;
     c->recv = pr__local_recv;
+    c->send_recv = pr__local_send_recv;
     c->barrier = pr__local_barrier;
     c->split = pr__local_split;
     c->destroy = pr__local_destroy;

@@ -1306,7 +1306,7 @@ static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_typ
     ncclDataType_t dt;
     size_t e;
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
-    c->bytes_sent += n * e;
+    if (c->size > 1) c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclAllReduce(buf, buf, n, dt, ncclSum, x->nc, x->stream), "all_reduce", err);
 }
 static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
@@ -1314,7 +1314,7 @@ static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_
     ncclDataType_t dt;
     size_t e;
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
-    c->bytes_sent += n * e;
+    if (c->size > 1) c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclAllGather(in, out, n, dt, x->nc, x->stream), "all_gather", err);
 }
 static pr_status pr_nccl_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
@@ -1365,6 +1365,22 @@ static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, i
     pr_status st = pr_nccl_peer(c, peer, err);
     if (st) return st;
     return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->stream), "recv", err);
+}
+static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
+                                   pr_comm_type t, pr_error *err) {
+    pr_nccl *x = pr_nccl_of(c);
+    ncclDataType_t dt;
+    size_t e;
+    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    pr_status st = pr_nccl_peer(c, to, err);
+    if (!st) st = pr_nccl_peer(c, from, err);
+    if (st) return st;
+    c->bytes_sent += n_send * e;
+    ncclResult_t r = ncclGroupStart();      /* one group: neither side waits for the other's half */
+    if (r == ncclSuccess) r = ncclSend(send, n_send, dt, to, x->nc, x->stream);
+    if (r == ncclSuccess) r = ncclRecv(recv, n_recv, dt, from, x->nc, x->stream);
+    ncclResult_t r2 = ncclGroupEnd();
+    return pr_nccl_status(x, r != ncclSuccess ? r : r2, "send_recv", err);
 }
 static pr_status pr_nccl_barrier(pr_comm *c, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1424,6 +1440,7 @@ static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err) {
     c->all_to_all = pr_nccl_all_to_all;
     c->send = pr_nccl_send;
     c->recv = pr_nccl_recv;
+    c->send_recv = pr_nccl_send_recv;
     c->barrier = pr_nccl_barrier;
     c->split = pr_nccl_split;
     c->destroy = pr_nccl_destroy;

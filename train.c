@@ -71,7 +71,7 @@ static void usage(FILE *f) {
         "parallelism (a mesh of dp x pp x cp x tp ranks; README \"Parallelism\")\n"
         "  --dp N --cp N --tp N   data, context and tensor parallel sizes (default 1); dp takes N groups a step\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
-        "  --pp N                 pipeline stages (only 1: pipeline parallelism is not implemented)\n"
+        "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (fresh each launch)\n"
@@ -222,6 +222,7 @@ static int parse_args(int argc, char **argv, options *o) {
         if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
         o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
     }
+    if (o->pp > 1 && o->step.microbatch == 0) o->step.microbatch = 1;   /* one microbatch would leave the stages in turn idle */
     return 1;
 }
 
@@ -395,9 +396,9 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
 #endif
     for (int r = r0; r < r1; r++) {
         const rank_report *p = &j->rep[r];
-        printf("  rank %2d (dp %d pp %d cp %d tp %d): A %8.1f ms  B %8.1f ms  C %8.1f ms; sent dp %.3f MiB, cp %.3f MiB, tp %.3f MiB\n",
-               r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
-               1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
+        printf("  rank %2d (dp %d pp %d cp %d tp %d): A %8.1f ms  B %8.1f ms  C %8.1f ms; sent dp %.3f MiB, pp %.3f MiB, cp %.3f MiB, "
+               "tp %.3f MiB\n", r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
+               1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[1] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
     }
 }
 

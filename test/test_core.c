@@ -776,14 +776,17 @@ static void test_dp(void) {
 /* ------------------------------------------------------------------ the device mesh */
 /* One step on a mesh of in-process ranks against the single-rank full-sequence baseline: loss,
    the gathered gradients, and the gathered parameters after AdamW. */
+typedef struct { int dp, pp, cp, tp, ep, mb, offload; } mesh_shape;
+static int mesh_size(mesh_shape s) { return s.dp * s.pp * s.cp * s.tp; }
+
 typedef struct {
     const pr_config *c;
-    int dp, cp, tp, ep;
+    mesh_shape shape;
     const pr_group *groups;
     int n;
     pr_step_opts opt;
     const pr_real *init;          /* the full model's starting parameters */
-    double loss[16];
+    double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
 } mesh_run;
 
@@ -792,14 +795,15 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     pr_mesh mesh;
     pr_trainer *tr = NULL;
     pr_step_stats st;
-    pr_status s = pr_mesh_init(&mesh, world, m->dp, 1, m->cp, m->tp, m->ep, err);
+    const mesh_shape sh = m->shape;
+    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
     if (s) return s;
     size_t n = 0;
     if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) {
         n = pr_trainer_full_param_count(tr);
         s = pr_trainer_set_full_params(tr, m->init, n, err);
     }
-    if (!s) s = m->dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
+    if (!s) s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
                           : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
     pr_real *grads = world->rank ? malloc(sizeof(pr_real) * n) : m->grads;   /* every rank gathers; rank 0 keeps */
     pr_real *params = world->rank ? malloc(sizeof(pr_real) * n) : m->params;
@@ -819,13 +823,13 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
-static void mesh_case(const pr_config *c, int dp, int cp, int tp, int ep, const pr_group *groups, int n, pr_moe_opts moe,
+static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
                       pr_schedule sched, const char *label) {
     pr_trainer *ref = make_model(c, 5);
     pr_real *init = params_of(ref);
     pr_step_opts o = pr_step_opts_default();
     o.schedule = PR_SCHEDULE_BASELINE;
-    o.microbatch = 1;
+    o.microbatch = shape.mb;
     o.moe = moe;
     pr_error err;
     double ref_loss = 0;
@@ -842,17 +846,18 @@ static void mesh_case(const pr_config *c, int dp, int cp, int tp, int ep, const 
     size_t np = pr_trainer_param_count(ref);
     mesh_run m;
     memset(&m, 0, sizeof m);
-    m.c = c; m.dp = dp; m.cp = cp; m.tp = tp; m.ep = ep; m.groups = groups; m.n = n; m.init = init;
+    m.c = c; m.shape = shape; m.groups = groups; m.n = n; m.init = init;
     m.opt = o;
     m.opt.schedule = sched;
     m.opt.accumulate = 0;
+    m.opt.offload.enabled = shape.offload;
     m.grads = malloc(sizeof(pr_real) * np);
     m.params = malloc(sizeof(pr_real) * np);
-    pr_status st = pr_comm_local_run(dp * cp * tp, mesh_rank, &m, &err);
+    pr_status st = pr_comm_local_run(mesh_size(shape), mesh_rank, &m, &err);
     CHECK(st == PR_OK, "%s: %s", label, err.message);
     if (st == PR_OK) {
         double loss = 0;
-        for (int r = 0; r < dp * cp * tp; r += cp * tp) loss += m.loss[r];   /* one rank per dp replica */
+        for (int r = 0; r < mesh_size(shape); r += mesh_size(shape) / shape.dp) loss += m.loss[r];   /* one rank per dp replica */
         CHECK(fabs(loss - ref_loss) <= (IS_DOUBLE ? 1e-12 : 1e-5) * fabs(ref_loss), "%s: loss %.15g vs %.15g", label, loss, ref_loss);
         CHECK(close_arenas(ref, m.grads, gref, "gradient", label), "%s: gathered gradients vs one rank's baseline", label);
         CHECK(close_arenas(ref, m.params, pref, "parameter", label), "%s: parameters after AdamW vs one rank's baseline", label);
@@ -871,30 +876,46 @@ static void test_mesh(void) {
     }
     const pr_moe_opts mb_scope = { PR_AUX_SCOPE_MICROBATCH, 0 }, group_scope = { PR_AUX_SCOPE_GROUP, 0 };
     pr_config llama = small_config(0, 0, 4), qwen = small_config(1, 1, 4);
+    pr_config llama4 = llama, qwen3l = qwen;   /* deeper: pipeline stages of one and two layers */
+    llama4.num_hidden_layers = 4;
+    qwen3l.num_hidden_layers = 3;
     pr_config moe = moe_config(1);
     moe.num_key_value_heads = 4;
     moe.num_experts = 8;
     moe.moe_intermediate_size = 8;
-    struct { const pr_config *c; int dp, cp, tp, ep; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
-        { &llama, 1, 1, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
-        { &qwen, 1, 1, 4, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
-        { &llama, 1, 2, 1, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
-        { &qwen, 1, 3, 1, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones)" },
-        { &llama, 1, 2, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2 cp 2" },
-        { &llama, 1, 2, 2, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline schedule" },
-        { &llama, 1, 2, 4, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 1 tp 4 cp 2 (Table 3)" },
-        { &moe, 1, 1, 2, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE tp 2 (expert columns sharded)" },
-        { &moe, 1, 1, 2, 2, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 ep 2, group scope" },
-        { &moe, 1, 2, 4, 4, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), microbatch scope" },
-        { &moe, 1, 2, 4, 4, group_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), group scope" },
+    /* shapes: dp, pp, cp, tp, ep, microbatch, offload */
+    struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
+        { &llama, { 1, 1, 1, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
+        { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
+        { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones)" },
+        { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2 cp 2" },
+        { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline schedule" },
+        { &llama, { 1, 1, 2, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 1 tp 4 cp 2 (Table 3)" },
+        { &moe, { 1, 1, 1, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE tp 2 (expert columns sharded)" },
+        { &moe, { 1, 1, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 ep 2, group scope" },
+        { &moe, { 1, 1, 2, 4, 4, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), microbatch scope" },
+        { &moe, { 1, 1, 2, 4, 4, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), group scope" },
+        { &llama, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2" },
+        { &llama, { 1, 2, 1, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, microbatches of 2 (rows differ between them)" },
+        { &llama4, { 1, 2, 1, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, offload on" },
+        { &llama, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama pp 2, baseline schedule" },
+        { &qwen3l, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 pp 2 (tied embedding on both ends, 1 + 2 layers)" },
+        { &llama4, { 1, 3, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 3 (a middle stage)" },
+        { &llama4, { 1, 4, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 4 (more stages than microbatches)" },
+        { &qwen, { 1, 2, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 pp 2 tp 2 cp 2 (tied)" },
+        { &llama, { 1, 2, 2, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2 tp 4 cp 2 (Table 3)" },
+        { &moe, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 2, microbatch scope" },
+        { &moe, { 1, 2, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE pp 2 tp 2 ep 2, group scope (routing pre-pass)" },
+        { &moe, { 1, 2, 2, 4, 4, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 2 tp 4 cp 2 ep 4 (Table 3), microbatch scope" },
+        { &moe, { 1, 2, 2, 4, 4, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE pp 2 tp 4 cp 2 ep 4 (Table 3), group scope" },
+        { &llama, { 2, 1, 1, 2, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 tp 2, whole groups" },
+        { &llama, { 2, 1, 2, 1, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 cp 2, whole groups" },
+        { &qwen, { 2, 2, 1, 2, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "qwen3 dp 2 pp 2 tp 2, whole groups" },
     };
-    int n = 0;
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++, n++)
-        mesh_case(cases[i].c, cases[i].dp, cases[i].cp, cases[i].tp, cases[i].ep, groups, 1, cases[i].moe, cases[i].sched,
-                  cases[i].name);
-    mesh_case(&llama, 2, 1, 2, 1, groups, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 tp 2, whole groups");
-    mesh_case(&llama, 2, 2, 1, 1, groups, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 cp 2, whole groups");
-    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n + 2);
+    const int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
+    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n);
 }
 
 /* ---- offload of the prefix's dormant state */
