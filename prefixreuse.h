@@ -469,6 +469,10 @@ typedef struct {
     long loss_tokens;        /* tokens with a nonzero loss weight */
     int microbatches;
     double flops;            /* model FLOPs of the step (pr_step_flops) */
+    /* Reuse: this rank's prefix K/V cache over its layers, the state a group split across DP ranks
+       replicates to each peer; and the prefix's activation stack besides (every layer's other
+       saved tensors and the final residual), which stays on the rank that runs Phase A and C. */
+    size_t prefix_kv_bytes, prefix_stack_bytes;
 } pr_step_stats;
 
 typedef struct {
@@ -560,8 +564,13 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
 /* Every rank of dp calls it with the same groups: the rank's trainer accumulates the gradients of
    the groups placed on it, then the gradient arenas are summed over dp, so every rank ends with
    the sum over all groups (what one rank would accumulate alone), ready for the same AdamW step.
+   With fewer groups than ranks, each group is split over a team of consecutive ranks, each
+   running an equal share of its trajectories: under reuse the team's first rank runs Phase A and
+   C and sends each peer the prefix K/V (pr_step_stats.prefix_kv_bytes; the activation stack,
+   prefix_stack_bytes, stays), and the peers' gK/gV come back to it after Phase B.
    *stats: this rank's last group's stats, with loss, rows and flops summed over its own groups
-   (a rank with no group gets zeros); sum them over dp for the whole step's. */
+   (a rank with no group gets zeros; in a team, each rank its share); sum them over dp for the
+   whole step's. */
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 
@@ -5262,6 +5271,11 @@ typedef struct {
     double loss;
     long rows;
     pr__moe_acc moe;
+    /* The trajectories this rank runs, t0 .. t1-1 (all G unless the group is split across DP
+       ranks). team: the DP ranks sharing the group, or NULL; its rank 0 (the owner) runs Phase A
+       and C, replicates the prefix K/V to the others and gets their gK/gV back. */
+    int t0, t1;
+    pr_comm *team;
 } pr__step_ctx;
 
 /* How many times a prefix token counts in a scope that holds n trajectories. */
@@ -5328,11 +5342,13 @@ static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g
 }
 
 /* Every stage, as a microbatch's backward starts: the prefix's share of its aux gradient (each
-   prefix row stands for the copies the scope counts). */
+   prefix row stands for the copies the scope counts). In the group scope every microbatch has
+   the group's gradient, which the prefix takes once: each microbatch adds its trajectories'
+   fraction of it, so that the shares of a group split across ranks add up too. */
 static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n) {
     const int micro = m->opt->scope == PR_AUX_SCOPE_MICROBATCH;
-    const double pm = m->reuse ? pr__prefix_mult(m, micro ? n : m->G) : 0;
-    for (int e = 0; e < m->E; e++) m->c[e] = (micro ? m->c[e] : 0) + g[e] * pm;
+    const double w = !m->reuse ? 0 : micro ? pr__prefix_mult(m, n) : pr__prefix_mult(m, m->G) * n / m->G;
+    for (int e = 0; e < m->E; e++) m->c[e] += g[e] * w;
 }
 
 /* The group scope's aux loss, once every pass has run (last stage). */
@@ -5347,18 +5363,16 @@ static void pr__moe_group_aux(pr__moe_acc *m) {
    head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
    far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
 
-/* One exchange with the neighbour `peer` (a pp rank): activation rows out and/or in (NULL: none),
-   then host doubles the same way, staged through backend memory. Both sides make the same call
-   with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
-static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
-                        size_t nd_out, double *d_in, size_t nd_in) {
-    pr_comm *c = tr->mesh->pp_comm;
-    const size_t C = (size_t)tr->cfg.hidden_size, no_act = (size_t)out_rows * C, ni_act = (size_t)in_rows * C;
+/* One exchange with rank `peer` of c: activations out and/or in (NULL: none; n_out, n_in
+   elements), then host doubles the same way, staged through backend memory. Both sides make the
+   same call with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
+static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in,
+                    const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
     pr_error e;
     pr_status st = PR_OK;
-    if (out && in) st = c->send_recv(c, out, no_act, peer, in, ni_act, peer, pr__act_type(tr), &e);
-    else if (out) st = c->send(c, out, no_act, pr__act_type(tr), peer, &e);
-    else if (in) st = c->recv(c, in, ni_act, pr__act_type(tr), peer, &e);
+    if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
+    else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
+    else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
     if (!d_out && !d_in) return;
     const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
@@ -5377,6 +5391,12 @@ static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows,
     tr->be->download_reals(tr->be, host + no, dev + no, ni);
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
+}
+/* The same with the neighbouring stage `peer`, rows of the residual stream. */
+static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
+                        size_t nd_out, double *d_in, size_t nd_in) {
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    pr__p2p(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C, d_out, nd_out, d_in, nd_in);
 }
 
 /* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
@@ -5400,14 +5420,14 @@ static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
     m->a = NULL;
 }
 
-/* Microbatch i (trajectories i*mb ..) of the step: its batch and memory. ps: the prefix state
+/* Microbatch i (trajectories t0 + i*mb ..) of the step: its batch and memory. ps: the prefix state
    (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
 static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int i, int mb, int backward,
                              pr_error *err) {
-    const int G = cx->g->G, i0 = i * mb, E = tr->cfg.num_experts;
+    const int i0 = cx->t0 + i * mb, E = tr->cfg.num_experts;
     memset(m, 0, sizeof *m);
     m->index = i;
-    pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= G ? mb : G - i0,
+    pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= cx->t1 ? mb : cx->t1 - i0,
                                   ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL, ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
     if (st) return st;
     m->a = &tr->mb_arena[i % tr->n_mb_arena];
@@ -5503,7 +5523,7 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
    the next microbatch's input comes in. With one stage: forward, backward, microbatch by
    microbatch. Returns the number of microbatches in *n_mb. */
 static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
-    const int pp = pr__pp(tr), n = (cx->g->G + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
+    const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
     pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
     if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
@@ -5549,7 +5569,7 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
     if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
     pr_status st = PR_OK;
-    for (int i = 0; i * mb < G && !st; i++) {
+    for (int i = 0; cx->t0 + i * mb < cx->t1 && !st; i++) {
         pr__mb x;
         st = pr__mb_open(tr, cx, ps, &x, i, mb, 0, err);
         if (!st) {
@@ -5560,6 +5580,7 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
         }
         pr__mb_close(tr, &x);
     }
+    if (!st && cx->team) pr__sum_doubles(tr, cx->team, tot, 2 * (size_t)E + 1);   /* the team's trajectories make the group */
     if (!st && pr__last_stage(tr)) {     /* the last stage's sums cover every layer */
         double pm = ps ? pr__prefix_mult(m, G) : 0;
         m->M_tot = tot[2 * E] + pm * m->pre[2 * E];
@@ -5567,6 +5588,39 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
     }
     PR_FREE(tot);
     return st;
+}
+
+/* The prefix state's memory: its batch, its pass (with every layer's saved tensors when
+   `compute`, else, on a split group's peer, the K/V cache alone), gK/gV (zeroed) and one
+   microbatch's prefix dK/dV. */
+static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int compute, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
+    if (st) return st;
+    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
+    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
+    ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
+    ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
+    if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    pr__offload *o = &ps->off;
+    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
+    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, compute && !o->on, err);
+    if (!st && compute) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
+    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
+    if (st) return st;
+    for (int l = 0; l < L; l++) {
+        ps->gk[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+        ps->gv[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+        if (ps->gk[l] && ps->gv[l]) {
+            pr__zero_acts(tr, ps->gk[l], (size_t)P * kvd);
+            pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
+        }
+    }
+    ps->dk_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+    ps->dv_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
+    return PR_OK;
 }
 
 /* Phase A: the prefix forward once, through this stage's layers (its input from the previous
@@ -5578,34 +5632,16 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
     const size_t E = (size_t)c->num_experts;
     const pr_hooks *h = &cx->opt->hooks;
-    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
+    pr_status st = pr__prefix_alloc(tr, cx, ps, 1, err);
     if (st) return st;
-    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
-    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
-    ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
-    if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    const int P = ps->pass.N;
     pr__offload *o = &ps->off;
-    st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
-    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, !o->on, err);
-    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
-    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
-    if (st) return st;
-    for (int l = 0; l < L; l++) {
-        ps->gk[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-        ps->gv[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-    }
-    ps->dk_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-    ps->dv_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
     if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
     else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
         if (h->on_kv_capture) h->on_kv_capture(h->user, tr->layer0 + l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
-        pr__zero_acts(tr, ps->gk[l], (size_t)P * kvd);
-        pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
@@ -5617,6 +5653,56 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
     cx->rows += P;
     return PR_OK;
+}
+
+/* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
+   the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
+   activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
+static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+    pr_comm *t = cx->team;
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)(ps->pass.cp_chunk > ps->pass.N ? ps->pass.cp_chunk : ps->pass.N) * c->num_key_value_heads * c->head_dim;
+    const size_t ns = cx->moe.on ? 2 * (size_t)cx->moe.E + 1 : 0;
+    for (int peer = 1; peer < t->size; peer++) {
+        if (t->rank && t->rank != peer) continue;
+        const int other = t->rank ? 0 : peer, send = !t->rank;
+        for (int l = 0; l < c->num_hidden_layers; l++) {
+            pr__layer_acts *a = &ps->pass.acts[l];
+            pr__p2p(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n, NULL, 0, NULL, 0);
+            pr__p2p(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n, NULL, 0, NULL, 0);
+        }
+        if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
+    }
+}
+
+/* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
+   the owner, who adds them to its own before Phase C. */
+static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+    pr_comm *t = cx->team;
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
+    double *peer_c = E ? PR_MALLOC(sizeof(double) * E) : NULL;
+    if (E && !peer_c) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (int peer = 1; peer < t->size; peer++) {
+        if (t->rank && t->rank != peer) continue;
+        const int other = t->rank ? 0 : peer, send = t->rank != 0;
+        for (int l = 0; l < c->num_hidden_layers; l++) {
+            pr__p2p(tr, t, other, send ? ps->gk[l] : NULL, n, send ? NULL : ps->dk_mb, n, NULL, 0, NULL, 0);
+            pr__p2p(tr, t, other, send ? ps->gv[l] : NULL, n, send ? NULL : ps->dv_mb, n, NULL, 0, NULL, 0);
+            if (!send) {
+                tr->be->add(tr->be, ps->gk[l], ps->dk_mb, n);
+                tr->be->add(tr->be, ps->gv[l], ps->dv_mb, n);
+            }
+        }
+        if (E) {
+            pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
+            for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
+        }
+    }
+    PR_FREE(peer_c);
 }
 
 /* Phase C: the prefix backward once, through this stage's layers (from the next stage's
@@ -5738,13 +5824,17 @@ static void pr__mesh_sync_grads(pr_trainer *tr) {
     }
 }
 
-PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
-                                         pr_step_stats *stats, pr_real *logp, pr_error *err) {
+/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
+static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
+                                   pr_real *logp, pr_comm *team, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
     pr_status st = pr__validate_step(tr, g, opt, err);
     if (st) return st;
     const pr_backend *be = tr->be;
     const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
+    const int owner = !team || team->rank == 0, t = team ? team->size : 1, k = team ? team->rank : 0;
+    int B = 0;                   /* the group's microbatches, over the team */
+    for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
     long n_tok = g->suffix_off[G];
     pr_real *tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
     pr_real *lp = logp ? logp : PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
@@ -5754,11 +5844,13 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
     }
     pr__token_weights(g, opt->loss.norm, tok_weight);
-    if (pr__cp(tr) > 1 || pr__pp(tr) > 1) memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);   /* each chunk fills its tokens, the last stage all */
+    if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
+        memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);
     tr->comm_st = PR_OK;
     pr__step_ctx cx;
     memset(&cx, 0, sizeof cx);
     cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
+    cx.t0 = k * G / t; cx.t1 = (k + 1) * G / t; cx.team = team;
     pr__moe_acc *moe = &cx.moe;
     double *moe_mem = NULL;
     if (tr->cfg.num_experts) {
@@ -5771,10 +5863,10 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
             return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         }
         memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
-        moe->on = 1; moe->E = E; moe->G = G; moe->B = (G + mb - 1) / mb; moe->opt = &opt->moe;
+        moe->on = 1; moe->E = E; moe->G = G; moe->B = B; moe->opt = &opt->moe;
         moe->coef = tr->cfg.router_aux_loss_coef;
         moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
-        moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && moe->B > 1;
+        moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
         moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
         moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
         memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
@@ -5796,20 +5888,26 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         pr__prefix_state ps;
         memset(&ps, 0, sizeof ps);
         pr__enter_phase(tr, PR_PHASE_A);
-        st = pr__phase_a_prefix_forward(tr, &cx, &ps, err);
+        st = owner ? pr__phase_a_prefix_forward(tr, &cx, &ps, err) : pr__prefix_alloc(tr, &cx, &ps, 0, err);
+        if (!st && team) pr__split_share_kv(tr, &cx, &ps);
         be->sync(be);
         double t1 = pr__now();
         pr__enter_phase(tr, PR_PHASE_B);
         if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
         if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
+        if (!st && team) pr__split_reduce_gkv(tr, &cx, &ps);
         be->sync(be);
         double t2 = pr__now();
         pr__enter_phase(tr, PR_PHASE_C);
-        if (!st) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
+        if (!st && owner) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
         be->sync(be);
         double t3 = pr__now();
         s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
         s.offload = ps.off.st;
+        const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
+        s.prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
+        s.prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
+                               (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
         pr__offload_end(tr, &ps.off);
         pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
         pr__batch_free(&ps.batch);
@@ -5818,8 +5916,9 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         pr__arena_reset(tr, &tr->step_arena);
         pr__arena_reset(tr, &tr->prefix_arena);
     }
-    for (long f = 0; f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
-    if (pr__last_stage(tr)) pr__moe_group_aux(moe);
+    for (long f = 0; owner && f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
+    if (team && moe->on && opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, team, moe->prob_tot, (size_t)moe->E);
+    if (pr__last_stage(tr) && owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
     if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
         pr_comm *cp = tr->mesh->cp_comm;
         double r = (double)cx.rows;
@@ -5848,9 +5947,14 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     s.loss = cx.loss + s.aux_loss;
     s.rows = cx.rows;
     memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
-    s.flops = pr_step_flops(&tr->model, g, opt->schedule);
+    s.flops = owner ? pr_step_flops(&tr->model, g, opt->schedule) : 0;
     if (stats) *stats = s;
     return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
+                                         pr_step_stats *stats, pr_real *logp, pr_error *err) {
+    return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
 }
 
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err) {
@@ -6104,7 +6208,16 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     memset(&sum, 0, sizeof sum);
     tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
     o.accumulate = 1;
-    for (int i = 0; owner && i < n && !st; i++) {
+    const int R = dp->size;
+    if (owner && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
+        int gi = 0;
+        while (gi + 1 < n && (long)(gi + 1) * R / n <= dp->rank) gi++;
+        pr_comm *team = NULL;
+        st = dp->split(dp, gi, dp->rank, &team, err);
+        if (!st) st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
+        if (team) team->destroy(team);
+    }
+    for (int i = 0; owner && n >= R && i < n && !st; i++) {
         if (owner[i] != dp->rank) continue;
         st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
         if (!st) {

@@ -912,6 +912,16 @@ static void test_mesh(void) {
         { &llama, { 2, 1, 1, 2, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 tp 2, whole groups" },
         { &llama, { 2, 1, 2, 1, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2 cp 2, whole groups" },
         { &qwen, { 2, 2, 1, 2, 1, 1, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, "qwen3 dp 2 pp 2 tp 2, whole groups" },
+        { &llama, { 2, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2, one group split (K/V replicated)" },
+        { &llama, { 2, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama dp 2, one group split, baseline schedule" },
+        { &llama, { 2, 1, 1, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2, one group split, offload on" },
+        { &qwen, { 3, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 dp 3, one group split (a trajectory each)" },
+        { &llama, { 4, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama dp 4, one group of 3 (the owner runs none)" },
+        { &llama, { 4, 1, 1, 1, 1, 2, 0 }, 2, mb_scope, PR_SCHEDULE_REUSE, "llama dp 4, two groups split in two" },
+        { &moe, { 2, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE dp 2, one group split, microbatch scope" },
+        { &moe, { 2, 1, 1, 1, 1, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE dp 2, one group split, group scope" },
+        { &qwen, { 2, 2, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 dp 2 pp 2 cp 2 tp 2, one group split" },
+        { &moe, { 2, 2, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE dp 2 pp 2 tp 2 ep 2, one group split, group scope" },
     };
     const int n = (int)(sizeof cases / sizeof cases[0]);
     for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
