@@ -588,7 +588,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
      and Phase C run stage by stage (the prefix's rows handed on, its gradient handed back); a
      stage starts Phase B as soon as its own Phase A is done, its K/V cache never leaving it, and
      the microbatches run through the stages in the 1F1B order.
-   - DP: whole prompt groups per rank (pr_trainer_compute_grads_dp over mesh->dp). */
+   - DP: whole prompt groups per rank (pr_trainer_compute_grads_dp over mesh->dp); with fewer
+     groups than DP ranks each group is split over a team, its prefix K/V replicated. */
 typedef struct {
     int dp, pp, cp, tp, ep;
     int dp_rank, pp_rank, cp_rank, tp_rank;
@@ -6215,7 +6216,10 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
         pr_comm *team = NULL;
         st = dp->split(dp, gi, dp->rank, &team, err);
         if (!st) st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
-        if (team) team->destroy(team);
+        if (team) {
+            dp->bytes_sent += team->bytes_sent;     /* the team's traffic is the dp dimension's */
+            team->destroy(team);
+        }
     }
     for (int i = 0; owner && n >= R && i < n && !st; i++) {
         if (owner[i] != dp->rank) continue;

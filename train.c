@@ -30,6 +30,7 @@ typedef struct {
     int bench_groups[8], n_bench_groups;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
+    int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
     const char *nccl_id;
 } options;
 
@@ -70,6 +71,8 @@ static void usage(FILE *f) {
         "  --clip X               global gradient-norm clip, 0 = off (default 1.0)\n"
         "parallelism (a mesh of dp x pp x cp x tp ranks; README \"Parallelism\")\n"
         "  --dp N --cp N --tp N   data, context and tensor parallel sizes (default 1); dp takes N groups a step\n"
+        "  --dp-groups N          groups a step (default dp); fewer than dp splits each group over dp/N ranks,\n"
+        "                         which get its prefix K/V from the first of them\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
@@ -170,6 +173,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
         else if (!strcmp(a, "--dp")) ok = parse_int(v, &o->dp) && o->dp >= 1 && o->dp <= 64;
+        else if (!strcmp(a, "--dp-groups")) ok = parse_int(v, &o->dp_groups) && o->dp_groups >= 1 && o->dp_groups <= 64;
         else if (!strcmp(a, "--pp")) ok = parse_int(v, &o->pp) && o->pp >= 1 && o->pp <= 64;
         else if (!strcmp(a, "--cp")) ok = parse_int(v, &o->cp) && o->cp >= 1 && o->cp <= 64;
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
@@ -222,7 +226,8 @@ static int parse_args(int argc, char **argv, options *o) {
         if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
         o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
     }
-    if (o->pp > 1 && o->step.microbatch == 0) o->step.microbatch = 1;   /* one microbatch would leave the stages in turn idle */
+    if (o->pp > 1 && o->step.microbatch == 0) o->step.microbatch = 1;
+    if (!o->dp_groups) o->dp_groups = o->dp;   /* one microbatch would leave the stages in turn idle */
     return 1;
 }
 
@@ -271,7 +276,7 @@ static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
 
 /* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
    its communicators put on the wire. */
-typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; } rank_report;
+typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes; } rank_report;
 
 /* What every rank of a mesh run does. check: one step over `groups` (dp of them, placed whole),
    the gathered gradients and updated parameters left in grads/params; otherwise o->steps
@@ -327,20 +332,25 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (!st && lead) j->loss = ss.loss;
         for (int k = 0; !st && k < 3; k++) r->seconds[k] += ss.seconds[k];
+        r->kv_bytes = ss.prefix_kv_bytes;
+        r->stack_bytes = ss.prefix_stack_bytes;
         if (!lead) { free(g); free(p); }
     }
     for (int step = 0; !st && !j->check && step < o->steps; step++) {
         pr_group batch[64];
         double gnorm;
-        for (int k = 0; k < o->dp; k++) batch[k] = j->trace->groups[(step * o->dp + k) % j->trace->n_groups];
-        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, o->dp, &o->step, &ss, err);
+        const int nb = o->dp_groups;
+        for (int k = 0; k < nb; k++) batch[k] = j->trace->groups[(step * nb + k) % j->trace->n_groups];
+        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &o->step, &ss, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (st) break;
         for (int k = 0; k < 3; k++) r->seconds[k] += ss.seconds[k];
+        r->kv_bytes = ss.prefix_kv_bytes;
+        r->stack_bytes = ss.prefix_stack_bytes;
         if (lead)
             printf("step %3d  groups %d..%d  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
-                   step * o->dp % j->trace->n_groups, (step * o->dp + o->dp - 1) % j->trace->n_groups, ss.loss, gnorm,
+                   step * nb % j->trace->n_groups, (step * nb + nb - 1) % j->trace->n_groups, ss.loss, gnorm,
                    1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
     }
     if (!st && !j->check && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
@@ -390,7 +400,6 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
 #ifdef PR_CUDA
     const char *me = getenv("RANK");
     int r0 = me ? atoi(me) : 0, r1 = r0 + 1;
-    (void)o;
 #else
     int r0 = 0, r1 = mesh_ranks(o) < 256 ? mesh_ranks(o) : 256;
 #endif
@@ -400,6 +409,11 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
                "tp %.3f MiB\n", r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
                1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[1] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
     }
+    const rank_report *p = &j->rep[r0];
+    if (o->dp_groups < o->dp && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
+        printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
+               "%.3f MiB (%.1fx)\n", r0, p->kv_bytes / 1048576.0, (p->kv_bytes + p->stack_bytes) / 1048576.0,
+               (double)(p->kv_bytes + p->stack_bytes) / p->kv_bytes);
 }
 
 static long group_tokens(const pr_group *g, pr_schedule s) {
@@ -439,7 +453,7 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
     memset(&j, 0, sizeof j);
     j.o = o; j.cfg = cfg; j.trace = trace;
     print_mesh(o);
-    printf("trace %s: %d groups, %d a step; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups, o->dp,
+    printf("trace %s: %d groups, %d a step; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups, o->dp_groups,
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
     if (mesh_run(&j, &err)) return fail(&err);
@@ -559,9 +573,9 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 };
     double worst_loss = 0;
     int rc = 0;
-    /* on a mesh: the reuse schedule on the mesh, dp groups a step, against one rank's baseline
+    /* on a mesh: the reuse schedule on the mesh, dp-groups groups a step, against one rank's baseline
        accumulating the same groups */
-    const int nb = on_mesh(o) ? o->dp : 1;
+    const int nb = on_mesh(o) ? o->dp_groups : 1;
     if (on_mesh(o)) {
         print_mesh(o);
         if (o->step.offload.enabled) { fprintf(stderr, "train: --check on a mesh runs without offload\n"); return 1; }

@@ -926,6 +926,17 @@ static void test_mesh(void) {
     const int n = (int)(sizeof cases / sizeof cases[0]);
     for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
     printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n);
+    /* what a split group replicates to each peer: the prefix K/V, a fraction of its activation stack */
+    pr_trainer *tr = make_model(&llama, 5);
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats st;
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, &groups[0], &o, &st, NULL, &err), "payload step: %s", err.message);
+    size_t kv = 2 * (size_t)llama.num_hidden_layers * (size_t)groups[0].P * (size_t)(llama.num_key_value_heads * llama.head_dim) *
+                sizeof(pr_real);
+    CHECK(st.prefix_kv_bytes == kv && st.prefix_stack_bytes > 2 * kv, "prefix K/V %zu bytes (expected %zu), activation stack %zu",
+          st.prefix_kv_bytes, kv, st.prefix_stack_bytes);
+    pr_trainer_destroy(tr);
 }
 
 /* ---- offload of the prefix's dormant state */
