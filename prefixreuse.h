@@ -6200,17 +6200,17 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
-    int *owner = PR_MALLOC(sizeof(int) * (size_t)n);
-    pr_status st = owner ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    if (owner) pr_dp_place(&tr->model, groups, n, dp->size, opt->schedule, owner);
+    const int R = dp->size;
+    int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
     tr->comm_st = PR_OK;
     pr_step_opts o = *opt;
     pr_step_stats s, sum;
     memset(&sum, 0, sizeof sum);
     tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
     o.accumulate = 1;
-    const int R = dp->size;
-    if (owner && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
+    if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
         int gi = 0;
         while (gi + 1 < n && (long)(gi + 1) * R / n <= dp->rank) gi++;
         pr_comm *team = NULL;
@@ -6221,8 +6221,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
             team->destroy(team);
         }
     }
-    for (int i = 0; owner && n >= R && i < n && !st; i++) {
-        if (owner[i] != dp->rank) continue;
+    for (int i = 0; place && i < n && !st; i++) {
+        if (place[i] != dp->rank) continue;
         st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
         if (!st) {
             double loss = sum.loss + s.loss, flops = sum.flops + s.flops;
@@ -6233,7 +6233,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
             sum.rows = rows;
         }
     }
-    PR_FREE(owner);
+    PR_FREE(place);
     /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
     pr__mesh_sync_grads(tr);
