@@ -328,7 +328,11 @@ struct pr_backend {
     /* out (N,NH*HS), lse (N,NH) from q (N,NH*HS), own k,v (N,NKV*HS), prefix kp,vp (n_prefix,NKV*HS) */
     void (*attention_fwd)(const pr_backend *be, void *out, void *lse, const void *q, const void *k, const void *v,
                           const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV, int HS);
-    void (*attention_bwd)(const pr_backend *be, void *dq, void *dk, void *dv, void *dkp, void *dvp,
+    /* Adds into dq, dk, dv (activations) and dkp, dvp (n_prefix,NKV*HS): the prefix rows' dK/dV,
+       summed over every query row of every segment. Those are gradient accumulators in pr_real
+       (fp32 on the GPU), as the schedule's gK/gV are: the sum over G suffixes is never rounded to
+       the activations' precision. */
+    void (*attention_bwd)(const pr_backend *be, void *dq, void *dk, void *dv, pr_real *dkp, pr_real *dvp,
                           const void *dout, const void *out, const void *lse, const void *q, const void *k,
                           const void *v, const void *kp, const void *vp, const pr_seq_layout *lay,
                           int NH, int NKV, int HS);
@@ -339,6 +343,11 @@ struct pr_backend {
     void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C);
     void (*embed_bwd)(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C);
     void (*add)(const pr_backend *be, void *y, const void *x, size_t n);                 /* y += x */
+    /* n elements between activations and reals, and y += x on reals (gK/gV, the CP region's
+       gradient): on the CPU, where activations are reals, copies and an add. */
+    void (*acts_to_reals)(const pr_backend *be, pr_real *dst, const void *src, size_t n);
+    void (*reals_to_acts)(const pr_backend *be, void *dst, const pr_real *src, size_t n);
+    void (*add_reals)(const pr_backend *be, pr_real *y, const pr_real *x, size_t n);
     /* dst row m = w[m] * src row rows[m];  dst row rows[m] += w[m] * src row m. rows and w: host;
        w NULL: all 1; the rows of one scatter are distinct. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
@@ -387,7 +396,8 @@ typedef struct {
 } pr_tensor_info;
 
 /* gKV hooks: the public seam of the schedule. Pointers are backend memory (host memory for the
-   CPU backend), valid only during the call; k/v rows are (P, NKV*HS), post-RoPE. */
+   CPU backend), valid only during the call; k/v rows are (P, NKV*HS), post-RoPE, activations;
+   dK/dV and gK/gV are pr_real (fp32 on the GPU). */
 typedef struct {
     void *user;
     /* Phase A: layer `layer` published its prefix K/V. The hook may rewrite them in place (a
@@ -623,13 +633,17 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
                                   pr_error *err);
 
-/* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU, the calling
-   thread's current device. Rank 0 writes a unique id to id_path (atomically); the other ranks wait
-   for that file (a shared filesystem for several nodes) for up to timeout_s seconds; the path must
-   be fresh for each launch (a stale file would hand out an old id). Buffers are device memory;
-   each call waits for its own completion. NCCL's sums are deterministic for a fixed topology but
-   not in rank order. */
-pr_status pr_comm_nccl_create(pr_comm **comm, int rank, int size, const char *id_path, int timeout_s, pr_error *err);
+/* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU. The communicator
+   is bound to `be`, a CUDA backend: it runs on the backend's device and queues every collective on
+   the backend's stream, so collectives are ordered after the kernels that write their buffers;
+   each call waits for its own completion. Rank 0 removes a file left at id_path, writes a fresh
+   unique id there (atomically) and removes it again once every rank has joined; the other ranks
+   wait up to timeout_s seconds for a file no older than a minute before their call (a shared
+   filesystem for several nodes). Buffers are device memory. NCCL's sums are deterministic for a
+   fixed topology but not in rank order. A build without NCCL (PR_NO_NCCL) returns
+   PR_ERR_UNSUPPORTED. */
+pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
+                              pr_error *err);
 
 #ifdef __cplusplus
 }
@@ -3278,12 +3292,12 @@ static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, 
    Keys in the prefix region send dk/dv to dkp/dvp: summed over every query row of every segment,
    this is the prefix-side gradient the reuse schedule accumulates into gK/gV. Parallel over KV
    heads only, so that each dk/dv/dkp/dvp row has one writer and a fixed summation order. */
-static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, void *dv_, void *dkp_, void *dvp_,
+static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, void *dv_, pr_real *dkp, pr_real *dvp,
                                   const void *dout_, const void *out_, const void *lse_, const void *q_, const void *k_,
                                   const void *v_, const void *kp_, const void *vp_, const pr_seq_layout *lay,
                                   int NH, int NKV, int HS) {
     (void)be;
-    pr_real *dq = PR__R(dq_), *dk = PR__R(dk_), *dv = PR__R(dv_), *dkp = PR__R(dkp_), *dvp = PR__R(dvp_);
+    pr_real *dq = PR__R(dq_), *dk = PR__R(dk_), *dv = PR__R(dv_);
     const pr_real *dout = PR__CR(dout_), *out = PR__CR(out_), *lse = PR__CR(lse_);
     const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
     const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
@@ -3351,6 +3365,16 @@ static void pr__cpu_embed_bwd(const pr_backend *be, pr_real *demb, const void *d
 static void pr__cpu_add(const pr_backend *be, void *y, const void *x, size_t n) {
     (void)be;
     for (size_t i = 0; i < n; i++) PR__R(y)[i] += PR__CR(x)[i];
+}
+static void pr__cpu_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { pr__cpu_add(be, y, x, n); }
+/* Activations are reals here: a copy either way. */
+static void pr__cpu_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
+    (void)be;
+    memcpy(dst, src, n * sizeof(pr_real));
+}
+static void pr__cpu_reals_to_acts(const pr_backend *be, void *dst, const pr_real *src, size_t n) {
+    (void)be;
+    memcpy(dst, src, n * sizeof(pr_real));
 }
 static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be;
@@ -3450,7 +3474,8 @@ static const pr_backend pr__cpu_backend = {
     .attention_fwd = pr__cpu_attention_fwd, .attention_bwd = pr__cpu_attention_bwd,
     .swiglu_fwd = pr__cpu_swiglu_fwd, .swiglu_bwd = pr__cpu_swiglu_bwd,
     .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
-    .add = pr__cpu_add, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
+    .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
+    .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
     .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
     .adamw = pr__cpu_adamw,
     .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
@@ -3494,7 +3519,7 @@ static void pr__measure_attention_fwd(const pr_backend *be, void *o, void *lse, 
                                       const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
     (void)be; (void)o; (void)lse; (void)q; (void)k; (void)v; (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
 }
-static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, void *dkp, void *dvp, const void *d,
+static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, pr_real *dkp, pr_real *dvp, const void *d,
                                       const void *o, const void *lse, const void *q, const void *k, const void *v,
                                       const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
     (void)be; (void)dq; (void)dk; (void)dv; (void)dkp; (void)dvp; (void)d; (void)o; (void)lse; (void)q; (void)k; (void)v;
@@ -3513,6 +3538,10 @@ static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void 
     (void)be; (void)de; (void)d; (void)t; (void)N; (void)C;
 }
 static void pr__measure_add(const pr_backend *be, void *y, const void *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
+static void pr__measure_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
+static void pr__measure_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
+    (void)be; (void)dst; (void)src; (void)n;
+}
 static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
 }
@@ -3553,7 +3582,9 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
     be->attention_fwd = pr__measure_attention_fwd; be->attention_bwd = pr__measure_attention_bwd;
     be->swiglu_fwd = pr__measure_swiglu_fwd; be->swiglu_bwd = pr__measure_swiglu_bwd;
     be->embed_fwd = pr__measure_embed_fwd; be->embed_bwd = pr__measure_embed_bwd;
-    be->add = pr__measure_add; be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
+    be->add = pr__measure_add; be->add_reals = pr__measure_add_reals;
+    be->acts_to_reals = pr__measure_acts_to_reals; be->reals_to_acts = pr__measure_upload_acts;
+    be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
     be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
     be->adamw = pr__measure_adamw;
     be->upload_acts = pr__measure_upload_acts; be->download_acts = pr__measure_download_acts;
@@ -4106,6 +4137,7 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
 
 static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
 static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
+static pr_real *pr__reals(pr_trainer *tr, pr__arena *a, size_t n) { return (pr_real *)pr__elems(tr, a, n, sizeof(pr_real)); }
 
 /* Everything in the arena is dead; its chunks go back to the spares, for any arena to reuse. */
 static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
@@ -4163,8 +4195,9 @@ typedef struct {
        K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk: the cached
        prefix the pass reads (Phase B), split the same way (0: none). */
     int cp_chunk, cp_pre_rows, cp_pre_chunk;
-    void *kreg, *vreg, *dkreg, *dvreg;   /* CP: gathered attention region and its gradient */
-    void *pad, *shard;                   /* CP: a reduce-scatter's input and output */
+    void *kreg, *vreg;                   /* CP: gathered attention region */
+    pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
+    pr_real *pad, *shard;                /* CP: a reduce-scatter's input and output */
     void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
 } pr__pass;
 
@@ -4391,26 +4424,26 @@ static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, c
 
 /* Sends gradient rows back to the ranks that own them: n_before rows of the region gradient g
    from region row `from` on (the chunks before this rank's, which they tile from block 0), plus
-   this rank's own n_own rows (own, or NULL) in its block; the sum over the ranks of this rank's
-   block, `chunk` rows, lands in out (its first n_out rows). */
-static void pr__cp_return(pr_trainer *tr, pr__pass *ps, const void *g, size_t from, size_t n_before, const void *own,
-                          size_t n_own, void *out, size_t n_out, size_t chunk) {
-    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, A = tr->be->act_bytes;
+   this rank's own n_own rows (own, activations, or NULL) in its block. Returns the sum over the
+   ranks of this rank's block, `chunk` rows of reals (ps->shard). */
+static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real *g, size_t from, size_t n_before,
+                                    const void *own, size_t n_own, size_t chunk) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
     pr_comm *c = tr->mesh->cp_comm;
     const pr_backend *be = tr->be;
     pr_error e;
-    be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * A);
-    if (n_before) be->copy(be, ps->pad, pr__act_at(tr, (void *)g, from * kvd), n_before * kvd * A);
-    if (n_own) be->copy(be, pr__act_at(tr, ps->pad, (size_t)c->rank * chunk * kvd), own, n_own * kvd * A);
-    pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, pr__act_type(tr), &e), &e);
-    if (n_out) be->copy(be, out, ps->shard, n_out * kvd * A);
+    be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * sizeof(pr_real));
+    if (n_before) be->copy(be, ps->pad, g + from * kvd, n_before * kvd * sizeof(pr_real));
+    if (n_own) be->acts_to_reals(be, ps->pad + (size_t)c->rank * chunk * kvd, own, n_own * kvd);
+    pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, PR_COMM_REAL, &e), &e);
+    return ps->shard;
 }
 
 /* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
    prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
    rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
 static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, void *dkp, void *dvp, int pre_own) {
+                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
     const pr_config *c = &tr->cfg;
     const pr_backend *be = tr->be;
     const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
@@ -4420,18 +4453,19 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     }
     const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
     pr__cp_gather_region(tr, ps, a, kp, vp);
-    pr__zero_acts(tr, ps->dkreg, np * kvd);
-    pr__zero_acts(tr, ps->dvreg, np * kvd);
+    be->zero(be, ps->dkreg, np * kvd * sizeof(pr_real));
+    be->zero(be, ps->dvreg, np * kvd * sizeof(pr_real));
     if (N)
         be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
                           a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
     /* a rank without rows had no queries: it returns nothing but joins the collectives */
     const size_t before = N ? np - pre : 0;
-    pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, dk, N, (size_t)ps->cp_chunk);
-    pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, dv, N, (size_t)ps->cp_chunk);
+    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
+    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
     if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
-        pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, dkp, (size_t)pre_own, (size_t)ps->cp_pre_chunk);
-        pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, dvp, (size_t)pre_own, (size_t)ps->cp_pre_chunk);
+        const size_t bytes = (size_t)pre_own * kvd * sizeof(pr_real);
+        be->copy(be, dkp, pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
+        be->copy(be, dvp, pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
     }
 }
 
@@ -4786,7 +4820,7 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
    cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
    rank holds (dkp/dvp get its share). */
 static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
-                               const void *kp, const void *vp, void *dkp, void *dvp, int pre_own) {
+                               const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
@@ -5001,8 +5035,8 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
         const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
         const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
         ps->kreg = pr__act(tr, a, region * kvd); ps->vreg = pr__act(tr, a, region * kvd);
-        ps->dkreg = pr__act(tr, a, region * kvd); ps->dvreg = pr__act(tr, a, region * kvd);
-        ps->pad = pr__act(tr, a, cp * big * kvd); ps->shard = pr__act(tr, a, big * kvd);
+        ps->dkreg = pr__reals(tr, a, region * kvd); ps->dvreg = pr__reals(tr, a, region * kvd);
+        ps->pad = pr__reals(tr, a, cp * big * kvd); ps->shard = pr__reals(tr, a, big * kvd);
     }
     if (ep > 1 && c->num_experts) {
         const size_t blk = ((size_t)ps->N + ep - 1) / ep * (size_t)c->num_experts_per_tok * (size_t)c->hidden_size;
@@ -5083,8 +5117,9 @@ typedef struct {
 typedef struct {
     pr__batch batch;          /* the prefix as one segment, with the first-suffix-token loss rows */
     pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are layer l's K/V cache */
-    void **gk, **gv;          /* (L) accumulated prefix dK/dV, (P, NKV*HS) each */
-    void *dk_mb, *dv_mb;      /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
+    pr_real **gk, **gv;       /* (L) accumulated prefix dK/dV, (P, NKV*HS) each, in reals: G suffixes'
+                                 sums are never rounded to the activations' precision */
+    pr_real *dk_mb, *dv_mb;   /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
     pr__offload off;
 } pr__prefix_state;
 
@@ -5393,6 +5428,12 @@ static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
 }
+/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
+   reals on their way to the group's first rank. */
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+    pr_error e;
+    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
+}
 /* The same with the neighbouring stage `peer`, rows of the residual stream. */
 static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
                         size_t nd_out, double *d_in, size_t nd_in) {
@@ -5501,13 +5542,13 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
     for (int l = L - 1; l >= 0; l--) {
         pr__zero_acts(tr, s->dk, kvn_own);
         pr__zero_acts(tr, s->dv, kvn_own);
-        if (ps) { pr__zero_acts(tr, ps->dk_mb, kv_n); pr__zero_acts(tr, ps->dv_mb, kv_n); }
+        if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
         pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
                            ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
         if (ps) {
             if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
-            be->add(be, ps->gk[l], ps->dk_mb, kv_n);
-            be->add(be, ps->gv[l], ps->dv_mb, kv_n);
+            be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
+            be->add_reals(be, ps->gv[l], ps->dv_mb, kv_n);
         }
     }
     if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s->dres, p->tokens, p->N, c->hidden_size);
@@ -5601,8 +5642,8 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     if (st) return st;
     const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
     pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->gk = PR_MALLOC(sizeof(void *) * (size_t)L);
-    ps->gv = PR_MALLOC(sizeof(void *) * (size_t)L);
+    ps->gk = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gv = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     pr__offload *o = &ps->off;
     if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
@@ -5611,15 +5652,15 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
-        ps->gk[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-        ps->gv[l] = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+        ps->gk[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+        ps->gv[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
         if (ps->gk[l] && ps->gv[l]) {
-            pr__zero_acts(tr, ps->gk[l], (size_t)P * kvd);
-            pr__zero_acts(tr, ps->gv[l], (size_t)P * kvd);
+            tr->be->zero(tr->be, ps->gk[l], (size_t)P * kvd * sizeof(pr_real));
+            tr->be->zero(tr->be, ps->gv[l], (size_t)P * kvd * sizeof(pr_real));
         }
     }
-    ps->dk_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
-    ps->dv_mb = pr__act(tr, &tr->prefix_arena, (size_t)P * kvd);
+    ps->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+    ps->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
     return PR_OK;
 }
@@ -5691,11 +5732,11 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
         if (t->rank && t->rank != peer) continue;
         const int other = t->rank ? 0 : peer, send = t->rank != 0;
         for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__p2p(tr, t, other, send ? ps->gk[l] : NULL, n, send ? NULL : ps->dk_mb, n, NULL, 0, NULL, 0);
-            pr__p2p(tr, t, other, send ? ps->gv[l] : NULL, n, send ? NULL : ps->dv_mb, n, NULL, 0, NULL, 0);
+            pr__send_or_recv_reals(tr, t, other, send ? ps->gk[l] : NULL, send ? NULL : ps->dk_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send ? ps->gv[l] : NULL, send ? NULL : ps->dv_mb, n);
             if (!send) {
-                tr->be->add(tr->be, ps->gk[l], ps->dk_mb, n);
-                tr->be->add(tr->be, ps->gv[l], ps->dv_mb, n);
+                tr->be->add_reals(tr->be, ps->gk[l], ps->dk_mb, n);
+                tr->be->add_reals(tr->be, ps->gv[l], ps->dv_mb, n);
             }
         }
         if (E) {
@@ -5740,7 +5781,9 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
         if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
-        pr__layer_backward(tr, &ps->pass, l, &s, ps->gk[l], ps->gv[l], NULL, NULL, NULL, NULL, 0);
+        be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
+        be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
+        pr__layer_backward(tr, &ps->pass, l, &s, s.dk, s.dv, NULL, NULL, NULL, NULL, 0);
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);

@@ -11,7 +11,10 @@
        dq/dk/dv/dkp/dvp row a single writer, so results are bitwise reproducible run to run;
      - every reduction (RMSNorm weight gradients, embedding gradients, the gradient norm) is a fixed
        tree or a fixed loop: no float atomics anywhere.
-   Everything runs on one stream. Small host-side arguments (segment offsets, token ids, row lists)
+   Kernels, GEMMs, ordinary copies and the NCCL communicator's collectives run on one stream, in
+   issue order; only offload's block copies run on a second stream, ordered by events. A fault is
+   reported at the next synchronisation; CUDA_LAUNCH_BLOCKING=1 makes every launch synchronous, so
+   the failure names its kernel. Small host-side arguments (segment offsets, token ids, row lists)
    travel through a pinned staging ring. Kernels cannot return a status: the first failure is kept
    and handed to the trainer through take_error.
 
@@ -21,7 +24,11 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#ifndef PR_NO_NCCL
 #include <nccl.h>
+#endif
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <math.h>
@@ -64,8 +71,8 @@ typedef struct {
     void *scratch;                 /* reduction partials and attention row statistics */
     size_t scratch_cap;
     double *reduce_host;           /* pinned: results the host waits for */
-    float *logp_host;
-    size_t logp_cap;
+    float *logp_host;              /* pinned: the loss head's log-probs, then its slopes */
+    size_t logp_cap;               /* rows it holds */
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
     pr_status failed;              /* first failure since take_error */
@@ -637,10 +644,13 @@ pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float 
 /* dk, dv. Grid (key tiles, NKV): a block owns 64 keys of one KV head and loops over every query
    row that sees them, for each query head of the GQA group, in a fixed order:
      prefix key tile (seg0 < 0): every row of every segment;   own key tile: the rest of its segment.
-   dv += p dout,  dk += scale p (dout.v - D) q. One writer per row: no atomics, same bits every run. */
+   dv += p dout,  dk += scale p (dout.v - D) q. One writer per row: no atomics, same bits every run.
+   Own keys' sums are added to the bf16 dk/dv once; prefix keys' go into the fp32 accumulators
+   dkp/dvp (the schedule's gK/gV precision), so nothing the suffixes send the prefix is rounded to
+   bf16. */
 template <int HS>
 __global__ void __launch_bounds__(PR_ATT_THREADS)
-pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, bf16 *dkp, bf16 *dvp, const bf16 *dout, const float *lse, const float *Dr,
+pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, float *dkp, float *dvp, const bf16 *dout, const float *lse, const float *Dr,
                        const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp,
                        const pr_att_tile *ktiles, int N, int NH, int NKV) {
     constexpr int D = HS / 4;
@@ -692,11 +702,15 @@ pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, bf16 *dkp, bf16 *dvp, const bf16 *dou
             }
         }
     if (!valid) return;
-    bf16 *ok = prefix ? dkp : dk, *ov = prefix ? dvp : dv;
     for (int i = 0; i < D; i++) {
         size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
-        ok[o] = __float2bfloat16(__bfloat162float(ok[o]) + gk[i]);
-        ov[o] = __float2bfloat16(__bfloat162float(ov[o]) + gv[i]);
+        if (prefix) {
+            dkp[o] += gk[i];
+            dvp[o] += gv[i];
+        } else {
+            dk[o] = __float2bfloat16(__bfloat162float(dk[o]) + gk[i]);
+            dv[o] = __float2bfloat16(__bfloat162float(dv[o]) + gv[i]);
+        }
     }
 }
 
@@ -742,7 +756,7 @@ static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *
 }
 
 template <int HS>
-static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, void *dkp, void *dvp, const void *dout,
+static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, float *dkp, float *dvp, const void *dout,
                                    const void *out, const void *lse, const void *q, const void *k, const void *v,
                                    const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
     const int N = lay->seg_off[lay->n_seg], np = lay->n_prefix;
@@ -785,7 +799,7 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, void
                   "attention_bwd_dkv shared memory"))
         return;
     pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
-        (bf16 *)dk, (bf16 *)dv, (bf16 *)dkp, (bf16 *)dvp, (const bf16 *)dout, (const float *)lse, Dr,
+        (bf16 *)dk, (bf16 *)dv, dkp, dvp, (const bf16 *)dout, (const float *)lse, Dr,
         (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, N, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dkv");
 }
@@ -803,7 +817,7 @@ static void pr_cu_attention_fwd(const pr_backend *be, void *out, void *lse, cons
     default: pr_cu_fail(cx, PR_ERR_UNSUPPORTED, "attention: head dim %d is not compiled in (16, 32, 64, 128)", HS);
     }
 }
-static void pr_cu_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, void *dkp, void *dvp,
+static void pr_cu_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, float *dkp, float *dvp,
                                 const void *dout, const void *out, const void *lse, const void *q, const void *k,
                                 const void *v, const void *kp, const void *vp, const pr_seq_layout *lay,
                                 int NH, int NKV, int HS) {
@@ -836,6 +850,14 @@ __global__ void pr_k_swiglu_bwd(bf16 *dgate, bf16 *dup, const bf16 *dh, const bf
 __global__ void pr_k_add(bf16 *y, const bf16 *x, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(x[i]));
+}
+__global__ void pr_k_add_f32(float *y, const float *x, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+__global__ void pr_k_bf16_to_f32(float *dst, const bf16 *src, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = __bfloat162float(src[i]);
 }
 __global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const float *emb, int N, int C) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -894,6 +916,25 @@ static void pr_cu_add(const pr_backend *be, void *y, const void *x, size_t n) {
     if (!n) return;
     pr_k_add<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)y, (const bf16 *)x, n);
     pr_cu_launched(cx, "add");
+}
+static void pr_cu_add_reals(const pr_backend *be, float *y, const float *x, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_add_f32<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(y, x, n);
+    pr_cu_launched(cx, "add_reals");
+}
+static void pr_cu_acts_to_reals(const pr_backend *be, float *dst, const void *src, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    pr_k_bf16_to_f32<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(dst, (const bf16 *)src, n);
+    pr_cu_launched(cx, "acts_to_reals");
+}
+static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *src, size_t n) {
+    pr_cu *cx = pr_cu_of(be);
+    if (!n) return;
+    unsigned blocks = pr_cu_blocks(n, 256);
+    pr_k_to_bf16<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dst, src, n);
+    pr_cu_launched(cx, "reals_to_acts");
 }
 static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
     pr_cu *cx = pr_cu_of(be);
@@ -1027,12 +1068,12 @@ static void pr_cu_loss_head(const pr_backend *be, void *logits, const pr_head_ro
     pr_cu *cx = pr_cu_of(be);
     const int M = rows->M;
     if (M <= 0) return;
-    if ((size_t)M > cx->logp_cap) {
+    if ((size_t)M > cx->logp_cap) {     /* room for M log-probs, then M slopes */
         cudaFreeHost(cx->logp_host);
         cx->logp_host = NULL;
         cx->logp_cap = 0;
         if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->logp_host, sizeof(float) * (size_t)M * 2), "loss head buffer")) return;
-        cx->logp_cap = (size_t)M * 2;
+        cx->logp_cap = (size_t)M;
     }
     /* the targets and, later, the slopes: both must survive until the gradient pass */
     if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)M) + pr_cu_stage_size(sizeof(float) * (size_t)M))) return;
@@ -1249,6 +1290,9 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->embed_fwd = pr_cu_embed_fwd;
     be->embed_bwd = pr_cu_embed_bwd;
     be->add = pr_cu_add;
+    be->add_reals = pr_cu_add_reals;
+    be->acts_to_reals = pr_cu_acts_to_reals;
+    be->reals_to_acts = pr_cu_reals_to_acts;
     be->gather_rows = pr_cu_gather_rows;
     be->scatter_add_rows = pr_cu_scatter_add_rows;
     be->row_dots = pr_cu_row_dots;
@@ -1263,13 +1307,17 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
 }
 
 /* ---------------------------------------------------------------- the NCCL communicator */
-/* Each call is issued on the communicator's own stream and waited for, so the caller's buffers
-   are ready when it returns (the schedule's exchanges are layer-sized; overlap comes later). */
+#ifndef PR_NO_NCCL
+/* A communicator is bound to one CUDA backend: its collectives are queued on the backend's stream,
+   behind the kernels that write their buffers and ahead of those that read them, and each call
+   waits for that stream, so host-side callers find the result in place when it returns (the
+   schedule's exchanges are layer-sized; overlap comes later). Sub-communicators from split keep
+   the backend. */
 typedef struct {
     pr_comm c;
     ncclComm_t nc;
-    cudaStream_t stream;
-    float *one;                    /* device scratch for the barrier */
+    pr_cu *cx;                     /* the backend: its device and stream */
+    float *one;                    /* device scratch for the barrier (zeroed once) */
 } pr_nccl;
 
 static pr_nccl *pr_nccl_of(pr_comm *c) { return (pr_nccl *)c->ctx; }
@@ -1283,22 +1331,24 @@ static int pr_nccl_type(pr_comm_type t, ncclDataType_t *out, size_t *elem) {
     return 0;
 }
 
-static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
-    cudaError_t e = r == ncclSuccess ? cudaStreamSynchronize(x->stream) : cudaSuccess;
-    if (r == ncclSuccess && e == cudaSuccess) return PR_OK;
+static pr_status pr_nccl_error(pr_error *err, pr_status st, const char *fmt, ...) {
     if (err) {
-        err->status = PR_ERR_DEVICE;
-        snprintf(err->message, sizeof err->message, "NCCL %s: %s", what,
-                 r != ncclSuccess ? ncclGetErrorString(r) : cudaGetErrorString(e));
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        va_end(ap);
+        err->status = st;
     }
-    return PR_ERR_DEVICE;
+    return st;
+}
+
+static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
+    cudaError_t e = r == ncclSuccess ? cudaStreamSynchronize(x->cx->stream) : cudaSuccess;
+    if (r == ncclSuccess && e == cudaSuccess) return PR_OK;
+    return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, r != ncclSuccess ? ncclGetErrorString(r) : cudaGetErrorString(e));
 }
 static pr_status pr_nccl_bad_type(pr_comm_type t, pr_error *err) {
-    if (err) {
-        err->status = PR_ERR_ARG;
-        snprintf(err->message, sizeof err->message, "communicator: unknown type %d", (int)t);
-    }
-    return PR_ERR_ARG;
+    return pr_nccl_error(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
 }
 
 static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
@@ -1307,7 +1357,7 @@ static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_typ
     size_t e;
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
     if (c->size > 1) c->bytes_sent += n * e;
-    return pr_nccl_status(x, ncclAllReduce(buf, buf, n, dt, ncclSum, x->nc, x->stream), "all_reduce", err);
+    return pr_nccl_status(x, ncclAllReduce(buf, buf, n, dt, ncclSum, x->nc, x->cx->stream), "all_reduce", err);
 }
 static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1315,7 +1365,7 @@ static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_
     size_t e;
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
     if (c->size > 1) c->bytes_sent += n * e;
-    return pr_nccl_status(x, ncclAllGather(in, out, n, dt, x->nc, x->stream), "all_gather", err);
+    return pr_nccl_status(x, ncclAllGather(in, out, n, dt, x->nc, x->cx->stream), "all_gather", err);
 }
 static pr_status pr_nccl_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1323,7 +1373,7 @@ static pr_status pr_nccl_reduce_scatter(pr_comm *c, void *out, const void *in, s
     size_t e;
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
     c->bytes_sent += n * e * (size_t)(c->size - 1);
-    return pr_nccl_status(x, ncclReduceScatter(in, out, n, dt, ncclSum, x->nc, x->stream), "reduce_scatter", err);
+    return pr_nccl_status(x, ncclReduceScatter(in, out, n, dt, ncclSum, x->nc, x->cx->stream), "reduce_scatter", err);
 }
 static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1332,8 +1382,8 @@ static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
     ncclResult_t r = ncclGroupStart();
     for (int p = 0; p < c->size && r == ncclSuccess; p++) {
-        r = ncclSend((const char *)in + (size_t)p * n * e, n, dt, p, x->nc, x->stream);
-        if (r == ncclSuccess) r = ncclRecv((char *)out + (size_t)p * n * e, n, dt, p, x->nc, x->stream);
+        r = ncclSend((const char *)in + (size_t)p * n * e, n, dt, p, x->nc, x->cx->stream);
+        if (r == ncclSuccess) r = ncclRecv((char *)out + (size_t)p * n * e, n, dt, p, x->nc, x->cx->stream);
     }
     ncclResult_t r2 = ncclGroupEnd();
     c->bytes_sent += n * e * (size_t)(c->size - 1);
@@ -1341,11 +1391,7 @@ static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_
 }
 static pr_status pr_nccl_peer(pr_comm *c, int peer, pr_error *err) {
     if (peer >= 0 && peer < c->size && peer != c->rank) return PR_OK;
-    if (err) {
-        err->status = PR_ERR_ARG;
-        snprintf(err->message, sizeof err->message, "send/recv: peer %d is not another rank of %d", peer, c->size);
-    }
-    return PR_ERR_ARG;
+    return pr_nccl_error(err, PR_ERR_ARG, "send/recv: peer %d is not another rank of %d", peer, c->size);
 }
 static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1355,7 +1401,7 @@ static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_typ
     pr_status st = pr_nccl_peer(c, peer, err);
     if (st) return st;
     c->bytes_sent += n * e;
-    return pr_nccl_status(x, ncclSend(buf, n, dt, peer, x->nc, x->stream), "send", err);
+    return pr_nccl_status(x, ncclSend(buf, n, dt, peer, x->nc, x->cx->stream), "send", err);
 }
 static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -1364,7 +1410,7 @@ static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, i
     if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
     pr_status st = pr_nccl_peer(c, peer, err);
     if (st) return st;
-    return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->stream), "recv", err);
+    return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->cx->stream), "recv", err);
 }
 static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
                                    pr_comm_type t, pr_error *err) {
@@ -1377,58 +1423,46 @@ static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, 
     if (st) return st;
     c->bytes_sent += n_send * e;
     ncclResult_t r = ncclGroupStart();      /* one group: neither side waits for the other's half */
-    if (r == ncclSuccess) r = ncclSend(send, n_send, dt, to, x->nc, x->stream);
-    if (r == ncclSuccess) r = ncclRecv(recv, n_recv, dt, from, x->nc, x->stream);
+    if (r == ncclSuccess) r = ncclSend(send, n_send, dt, to, x->nc, x->cx->stream);
+    if (r == ncclSuccess) r = ncclRecv(recv, n_recv, dt, from, x->nc, x->cx->stream);
     ncclResult_t r2 = ncclGroupEnd();
     return pr_nccl_status(x, r != ncclSuccess ? r : r2, "send_recv", err);
 }
 static pr_status pr_nccl_barrier(pr_comm *c, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    return pr_nccl_status(x, ncclAllReduce(x->one, x->one, 1, ncclFloat32, ncclSum, x->nc, x->stream), "barrier", err);
+    return pr_nccl_status(x, ncclAllReduce(x->one, x->one, 1, ncclFloat32, ncclSum, x->nc, x->cx->stream), "barrier", err);
 }
 static void pr_nccl_destroy(pr_comm *c) {
     if (!c) return;
     pr_nccl *x = pr_nccl_of(c);
     if (x->nc) ncclCommDestroy(x->nc);
     if (x->one) cudaFree(x->one);
-    if (x->stream) cudaStreamDestroy(x->stream);
     free(x);
 }
 
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err);
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_error *err);
 
 static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
     ncclComm_t nc = NULL;
     ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
-    if (r != ncclSuccess) {
-        if (err) {
-            err->status = PR_ERR_DEVICE;
-            snprintf(err->message, sizeof err->message, "NCCL split: %s", ncclGetErrorString(r));
-        }
-        return PR_ERR_DEVICE;
-    }
-    return pr_nccl_wrap(sub, nc, err);
+    if (r != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL split: %s", ncclGetErrorString(r));
+    return pr_nccl_wrap(sub, nc, x->cx, err);
 }
 
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err) {
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_error *err) {
     pr_nccl *x = (pr_nccl *)calloc(1, sizeof *x);
     int rank = 0, size = 0;
     if (!x || ncclCommUserRank(nc, &rank) != ncclSuccess || ncclCommCount(nc, &size) != ncclSuccess ||
-        cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaMalloc((void **)&x->one, sizeof(float)) != cudaSuccess) {
-        if (x) {
-            if (x->stream) cudaStreamDestroy(x->stream);
-            free(x);
-        }
+        cudaMalloc((void **)&x->one, sizeof(float)) != cudaSuccess ||
+        cudaMemsetAsync(x->one, 0, sizeof(float), cx->stream) != cudaSuccess) {
+        if (x && x->one) cudaFree(x->one);
+        free(x);
         ncclCommDestroy(nc);
-        if (err) {
-            err->status = PR_ERR_DEVICE;
-            snprintf(err->message, sizeof err->message, "NCCL: cannot set up the communicator");
-        }
-        return PR_ERR_DEVICE;
+        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL: cannot set up the communicator");
     }
     x->nc = nc;
+    x->cx = cx;
     pr_comm *c = &x->c;
     c->rank = rank;
     c->size = size;
@@ -1448,57 +1482,71 @@ static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_error *err) {
     return PR_OK;
 }
 
-pr_status pr_comm_nccl_create(pr_comm **out, int rank, int size, const char *id_path, int timeout_s, pr_error *err) {
-    if (!out || !id_path || size < 1 || rank < 0 || rank >= size) {
-        if (err) {
-            err->status = PR_ERR_ARG;
-            snprintf(err->message, sizeof err->message, "pr_comm_nccl_create: rank %d of %d, id path %s", rank, size,
-                     id_path ? id_path : "NULL");
-        }
-        return PR_ERR_ARG;
-    }
-    ncclUniqueId id;
-    if (rank == 0) {                   /* write the id next to its final name, then rename it into place */
+/* How much older than this call an id file may be and still belong to this launch: the launcher
+   starts the ranks together, but rank 0 may write the file before a slow rank gets here. */
+#define PR_NCCL_ID_SKEW_S 60
+
+/* Rank 0 removes what an earlier launch left, writes a fresh id next to its final name and renames
+   it into place; the other ranks take the first file no older than PR_NCCL_ID_SKEW_S before their
+   own call (an older one is a crashed launch's, which would hang the init). Once the world is up
+   every rank has read the file, and rank 0 removes it, so a finished launch leaves nothing behind. */
+static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, const char *id_path, int timeout_s, pr_error *err) {
+    if (rank == 0) {
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp.%ld", id_path, (long)getpid());
+        remove(id_path);
         FILE *f = NULL;
-        int ok = ncclGetUniqueId(&id) == ncclSuccess && (f = fopen(tmp, "wb")) != NULL &&
-                 fwrite(&id, sizeof id, 1, f) == 1;
+        int ok = ncclGetUniqueId(id) == ncclSuccess && (f = fopen(tmp, "wb")) != NULL && fwrite(id, sizeof *id, 1, f) == 1;
         if (f && fclose(f) != 0) ok = 0;
-        if (!ok || rename(tmp, id_path) != 0) {
-            remove(tmp);
-            if (err) {
-                err->status = PR_ERR_IO;
-                snprintf(err->message, sizeof err->message, "NCCL: cannot write the unique id to %s", id_path);
-            }
-            return PR_ERR_IO;
-        }
-    } else {                           /* wait for rank 0's file */
-        int got = 0;
-        for (int waited = 0; !got && waited <= timeout_s * 10; waited++) {
-            FILE *f = fopen(id_path, "rb");
-            if (f) {
-                got = fread(&id, sizeof id, 1, f) == 1;
-                fclose(f);
-            }
-            if (!got) usleep(100000);
-        }
-        if (!got) {
-            if (err) {
-                err->status = PR_ERR_IO;
-                snprintf(err->message, sizeof err->message, "NCCL: no unique id at %s after %d s", id_path, timeout_s);
-            }
-            return PR_ERR_IO;
-        }
+        if (ok && rename(tmp, id_path) == 0) return PR_OK;
+        remove(tmp);
+        return pr_nccl_error(err, PR_ERR_IO, "NCCL: cannot write the unique id to %s", id_path);
     }
-    ncclComm_t nc;
-    ncclResult_t r = ncclCommInitRank(&nc, size, id, rank);
-    if (r != ncclSuccess) {
-        if (err) {
-            err->status = PR_ERR_DEVICE;
-            snprintf(err->message, sizeof err->message, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
+    const time_t since = time(NULL) - PR_NCCL_ID_SKEW_S;
+    int stale = 0;
+    for (int waited = 0; waited <= timeout_s * 10; waited++) {
+        struct stat sb;
+        FILE *f = stat(id_path, &sb) == 0 ? fopen(id_path, "rb") : NULL;
+        if (f) {
+            int got = sb.st_mtime >= since && fread(id, sizeof *id, 1, f) == 1;
+            fclose(f);
+            if (got) return PR_OK;
+            stale |= sb.st_mtime < since;
         }
-        return PR_ERR_DEVICE;
+        usleep(100000);
     }
-    return pr_nccl_wrap(out, nc, err);
+    return pr_nccl_error(err, PR_ERR_IO, "NCCL: no unique id at %s after %d s%s", id_path, timeout_s,
+                         stale ? " (the file there is older than this launch: rank 0 has not replaced it)" : "");
 }
+
+pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
+                              pr_error *err) {
+    if (!out || !be || !id_path || size < 1 || rank < 0 || rank >= size)
+        return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: rank %d of %d, backend %s, id path %s", rank, size,
+                             be ? be->name : "NULL", id_path ? id_path : "NULL");
+    if (be->alloc != pr_cu_alloc)
+        return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: backend '%s' is not a CUDA backend", be->name);
+    pr_cu *cx = pr_cu_of(be);
+    ncclUniqueId id;
+    pr_status st = pr_nccl_share_id(&id, rank, id_path, timeout_s, err);
+    if (st) return st;
+    ncclComm_t nc;
+    if (cudaSetDevice(cx->device) != cudaSuccess)          /* NCCL binds the communicator to the current device */
+        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
+    ncclResult_t r = ncclCommInitRank(&nc, size, id, rank);
+    if (r != ncclSuccess)
+        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
+    if (rank == 0) remove(id_path);
+    return pr_nccl_wrap(out, nc, cx, err);
+}
+#else
+pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
+                              pr_error *err) {
+    (void)out; (void)be; (void)rank; (void)size; (void)id_path; (void)timeout_s;
+    if (err) {
+        err->status = PR_ERR_UNSUPPORTED;
+        snprintf(err->message, sizeof err->message, "this build has no NCCL (built with PR_NO_NCCL): multi-GPU runs need it");
+    }
+    return PR_ERR_UNSUPPORTED;
+}
+#endif

@@ -77,7 +77,7 @@ static void usage(FILE *f) {
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
-        "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (fresh each launch)\n"
+        "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
@@ -374,8 +374,10 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
     const char *rank = getenv("RANK"), *size = getenv("WORLD_SIZE");
     if (!rank || !size || !j->o->nccl_id)
         return set_error(err, PR_ERR_ARG, "train_cuda on a mesh: one process per GPU with RANK, WORLD_SIZE (and LOCAL_RANK) set, and --nccl-id PATH");
+    const pr_backend *be = backend(err);           /* first: it selects this rank's GPU (LOCAL_RANK) */
+    if (!be) return err->status;
     pr_comm *world;
-    pr_status st = pr_comm_nccl_create(&world, atoi(rank), atoi(size), j->o->nccl_id, 300, err);
+    pr_status st = pr_comm_nccl_create(&world, be, atoi(rank), atoi(size), j->o->nccl_id, 300, err);
     if (st) return st;
     st = mesh_rank(world, j, err);
     world->destroy(world);
