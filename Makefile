@@ -69,6 +69,13 @@ TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float b
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
             build/test_comm-float build/test_comm-double \
             build/train-float build/train-double
+# The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
+# program, in double, since the library's CPU attention it is also compared with is the double
+# reference (the model computes in bf16/fp32 whatever the build).
+ATTN_MODEL = test/test_attn_model.c test/attn_model.c test/attn_model.h $(HEADER) test/harness.h
+build/test_attn_model-double: $(ATTN_MODEL) | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE -o $@ test/test_attn_model.c test/attn_model.c -lm
+TEST_BINS += build/test_attn_model-double
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
@@ -85,6 +92,10 @@ build/asan: $(HEADER) test/*.c train.c
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
 	touch build/asan
+# (after the rest of the sanitizer build, which build/asan's time stamp stands for)
+build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -DPR_DOUBLE -o $@ test/test_attn_model.c test/attn_model.c -lm
+asan: build/asan/test_attn_model-double
 
 bench-gemm: | build
 	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
