@@ -487,7 +487,7 @@ typedef struct {
 
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
-    double max_grad_norm;    /* global-norm clipping; <= 0: off */
+    double max_grad_norm;    /* global-norm clipping; 0: off (inf: never clips) */
 } pr_adamw_opts;
 
 typedef struct pr_trainer pr_trainer;
@@ -6014,10 +6014,12 @@ PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *
 
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
     if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
-    if (!(o->lr >= 0) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) || !(o->eps > 0) ||
-        !(o->weight_decay >= 0))
-        return pr__fail(err, PR_ERR_ARG, "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g)",
-                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay);
+    if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
+        !(o->eps > 0 && isfinite(o->eps)) || !(o->weight_decay >= 0 && isfinite(o->weight_decay)) || !(o->max_grad_norm >= 0))
+        return pr__fail(err, PR_ERR_ARG,
+                        "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g, max grad norm %g): lr, eps and "
+                        "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
+                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
     const pr_backend *be = tr->be;
     double sq = 0;
     tr->comm_st = PR_OK;
