@@ -23,4 +23,5 @@ for p in float double; do
     run "$dir/train-$p" --check --dp 2 --dp-groups 1 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --dp-groups 2 --pp 2 --aux-scope group
 done
+run python3 test/test_importers.py "$dir/train-float"
 report
