@@ -66,12 +66,16 @@ build/train-float: train.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ train.c -lm
 build/train-double: train.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ train.c -lm
+# The attention tests' comparison (test/attn_check.h, shared with the GPU tests) on the CPU: planted
+# faults in a scalar attention must fail it, the same attention without them must pass.
+build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
 build:
 	mkdir -p build
 
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
-            build/test_comm-float build/test_comm-double \
+            build/test_comm-float build/test_comm-double build/test_attn_check \
             build/train-float build/train-double
 
 test: $(TEST_BINS)
@@ -88,6 +92,7 @@ build/asan: $(HEADER) test/*.c train.c
 	  for t in test_core test_gemm test_io test_trace test_comm; do \
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/train-$$p train.c -lm || exit 1; done
+	$(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS) -o build/asan/test_attn_check test/test_attn_check.c test/gpu_ref.c -lm
 	touch build/asan
 
 bench-gemm: | build
@@ -165,7 +170,7 @@ build/train_cuda.o: train.c $(HEADER) | build
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ $^ $(CUDA_LIBS)
 
-build/test_gpu: test/test_gpu.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref.o test/gpu_ref.c
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
