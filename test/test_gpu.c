@@ -403,14 +403,21 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "kernels")) kernels = 1;
         else if (!strcmp(argv[i], "attention")) attention = 1;
         else if (!strcmp(argv[i], "steps")) steps = 1;
-        else if (!strcmp(argv[i], "--cases") && i + 1 < argc && att_parse_cases(argv[i + 1], sel)) { cases_given = 1; i++; }
+        else if (!strcmp(argv[i], "--cases")) {
+            if (i + 1 == argc || !att_parse_cases(argv[i + 1], sel)) {
+                fprintf(stderr, "test_gpu: --cases wants indices 0..%d, e.g. 0,3,8-10 (--list shows them)\n", ATT_N_CASES - 1);
+                return 2;
+            }
+            cases_given = 1;
+            i++;
+        }
         else if (!strcmp(argv[i], "--list")) {
             char name[160];
             for (int c = 0; c < ATT_N_CASES; c++) { att_case_name(&att_cases[c], name, sizeof name); printf("%2d  %s\n", c, name); }
             return 0;
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) { usage(stdout); return 0; }
         else {
-            fprintf(stderr, "test_gpu: bad argument '%s' (case indices are 0..%d)\n", argv[i], ATT_N_CASES - 1);
+            fprintf(stderr, "test_gpu: unknown argument '%s'\n", argv[i]);
             usage(stderr);
             return 2;
         }
