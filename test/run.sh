@@ -8,6 +8,7 @@ for p in float double; do
     for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
 run "$dir/test_attn_model-double"
+run "$dir/test_attn_check"
 run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
