@@ -183,7 +183,8 @@ body_build() {
 }
 
 body_smoke() {
-    ./build/bench_cuda --smoke
+    # every launch synchronous: a fault is reported by the launch that made it, named
+    CUDA_LAUNCH_BLOCKING=1 ./build/bench_cuda --smoke
     rc=$?
     key "$(grep '^smoke:' "$stage_base.log" | tail -n 1 | cut -c8-160)"
     return $rc
