@@ -4051,8 +4051,9 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 }
 
 /* splitmix64 drives a Box-Muller normal: the same seed gives the same weights on every machine. */
+#define PR__SPLITMIX_STEP 0x9E3779B97F4A7C15ull
 static uint64_t pr__splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    uint64_t z = (*s += PR__SPLITMIX_STEP);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
@@ -4074,11 +4075,23 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
         if (tr->mesh) PR_FREE(table);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
     }
-    uint64_t s = seed;
+    /* One stream over the matrices in table order, two draws per value. splitmix64's state after k
+       draws is seed + k * its increment, so each value starts from its own state: the loop runs in
+       parallel and gives the bits of the serial one. */
+    uint64_t drawn = 0;
     for (int t = 0; t < count; t++) {
         const pr_tensor_info *ti = &table[t];
-        for (size_t i = 0; i < ti->numel; i++)
-            host[ti->offset + i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        pr_real *dst = host + ti->offset;
+        const long long n = (long long)ti->numel;
+        const uint64_t base = seed + drawn * PR__SPLITMIX_STEP;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (long long i = 0; i < n; i++) {
+            uint64_t s = base + 2 * (uint64_t)i * PR__SPLITMIX_STEP;
+            dst[i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        }
+        if (ti->ndim == 2) drawn += 2 * ti->numel;
     }
     pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
     PR_FREE(host);
