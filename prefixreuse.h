@@ -5441,12 +5441,6 @@ static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
 }
-/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
-   reals on their way to the group's first rank. */
-static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
-    pr_error e;
-    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
-}
 /* The same with the neighbouring stage `peer`, rows of the residual stream. */
 static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
                         size_t nd_out, double *d_in, size_t nd_in) {
@@ -5728,6 +5722,13 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_stat
         }
         if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
+}
+
+/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
+   reals on their way to the group's first rank. */
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+    pr_error e;
+    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
 }
 
 /* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
