@@ -5704,6 +5704,13 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     return PR_OK;
 }
 
+/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
+   reals on their way to the group's first rank. */
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+    pr_error e;
+    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
+}
+
 /* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
    the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
    activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
@@ -5722,13 +5729,6 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_stat
         }
         if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
-}
-
-/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
-   reals on their way to the group's first rank. */
-static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
-    pr_error e;
-    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
 }
 
 /* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
