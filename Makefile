@@ -68,14 +68,20 @@ build:
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
             build/test_comm-float build/test_comm-double \
-            build/train-float build/train-double
+            build/train-float build/train-double build/test_mma_emul
+
+# The tensor-core attention's warp-level rules, run through an emulation of ldmatrix and mma.sync
+# on the host (C++17: the rules are compiled from prefixreuse_cuda.cu with PR_CUDA_HOST_EMULATION).
+CXX ?= c++
+build/test_mma_emul: test/test_mma_emul.cc prefixreuse_cuda.cu test/harness.h | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -o $@ test/test_mma_emul.cc
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 asan: | build
-	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan
+	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul
 	@sh test/run.sh build/asan
 
 build/asan: $(HEADER) test/*.c train.c
@@ -85,6 +91,9 @@ build/asan: $(HEADER) test/*.c train.c
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
 	touch build/asan
+
+build/asan/test_mma_emul: test/test_mma_emul.cc prefixreuse_cuda.cu test/harness.h build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
 
 bench-gemm: | build
 	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS -o build/bench_gemm test/bench_gemm.c -lm -lopenblas

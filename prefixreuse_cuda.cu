@@ -18,7 +18,13 @@
    travel through a pinned staging ring. Kernels cannot return a status: the first failure is kept
    and handed to the trainer through take_error.
 
-   Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`). */
+   Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`).
+
+   PR_CUDA_HOST_EMULATION: defined before including this file from a host C++17 program, it
+   compiles only the WARP-LEVEL PIECES section below (no CUDA header, no kernel), so that a test
+   can run the tensor-core kernels' fragment, ldmatrix, swizzle and repacking rules through an
+   emulation of the instructions (test/test_mma_emul.cc). */
+#ifndef PR_CUDA_HOST_EMULATION
 #include "prefixreuse.h"
 
 #include <cublasLt.h>
@@ -42,6 +48,147 @@
 #endif
 
 typedef __nv_bfloat16 bf16;
+#endif /* PR_CUDA_HOST_EMULATION */
+
+/* ================================================================ WARP-LEVEL PIECES
+   The tensor-core attention kernels (ATTENTION ON TENSOR CORES, below) are built from a few
+   warp-level rules: where each lane's values sit in an mma fragment, which shared-memory row each
+   lane hands ldmatrix, where a tile's elements sit in swizzled shared memory, how the fp32
+   accumulators of P (or dS) become the bf16 A operand of the next product, and which lanes a quad
+   reduction combines. A wrong lane order is the usual bug of hand-written MMA code and shows on no
+   compiler, so each rule is written here once, as a plain function compiled for the device and,
+   with PR_CUDA_HOST_EMULATION, for the host: test/test_mma_emul.cc runs them through an emulation
+   of ldmatrix and mma.sync written from the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+   floating point type"; "Warp-level matrix load instruction: ldmatrix") and checks tile products
+   against a naive product, with planted wrong rules as negative controls.
+
+   Shapes: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, D (16x8) = A (16x16) B (16x8) + C.
+   With g = lane >> 2 (the PTX "groupID") and t = lane & 3 ("threadID_in_group"):
+     A: 4 .b32 registers = 8 bf16, element i in register i/2 (even i in the low half)
+          row g + 8*((i>>1)&1),  col 2t + (i&1) + 8*(i>>2)
+     B: 2 registers = 4 bf16, element i in register i/2:  row (k) 2t + (i&1) + 8*(i>>1),  col (n) g
+     C, D: 4 fp32:  row g + 8*(i>>1),  col 2t + (i&1)
+   Shared-memory tiles hold rows of W = HS bf16 (64 or 128): 128 or 256 bytes, that is 8 or 16
+   chunks of 16 bytes. Chunk c of row r is stored at chunk (c & ~7) | ((c ^ r) & 7): an XOR
+   swizzle inside each 128-byte group. The 32 banks of 4 bytes cover 128 bytes, so a 16-byte
+   access touches one of 8 bank groups, the chunk index mod 8. ldmatrix reads, per phase, one
+   16-byte row of 8 consecutive tile rows at the same logical chunk: unswizzled those all fall in
+   one bank group (8-way conflict); swizzled they fall in 8 different ones. The cp.async copies
+   write, per quarter warp, 8 consecutive chunks of one row: a permutation of the 8 groups either
+   way. (Padding rows by 16 bytes would also avoid the conflicts, at 6-12% more shared memory.) */
+#include <stdint.h>
+#include <string.h>
+#ifdef __CUDACC__
+#define PR_HD __host__ __device__
+#else
+#define PR_HD
+#endif
+
+/* mma.m16n8k16 fragments: (lane, element) -> (row, col) of A (16x16), B (16x8, row = k), C/D. */
+inline PR_HD int pr_mma_a_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
+inline PR_HD int pr_mma_a_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
+inline PR_HD int pr_mma_b_row(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 1); }
+inline PR_HD int pr_mma_b_col(int lane, int i) { (void)i; return lane >> 2; }
+inline PR_HD int pr_mma_c_row(int lane, int i) { return (lane >> 2) + 8 * (i >> 1); }
+inline PR_HD int pr_mma_c_col(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
+
+/* ldmatrix.m8n8.x4 row addresses: lane l supplies row l%8 of 8x8 matrix l/8, and register m of every
+   lane receives matrix m. Each rule gives the (row, col) of the tile row lane l addresses, relative
+   to the 16x16 block being loaded; .x2 and .x1 read only lanes 0-15 and 0-7 of the same rule.
+   A operand, array [m][k] (Q, dO, K, V as rows): matrices (rows 0-7, k 0-7), (8-15, 0-7),
+     (0-7, 8-15), (8-15, 8-15) are registers a0..a3 of the k16 block.
+   B operand without .trans, array [n][k] (K or V for Q K^T, dO V^T; Q, dO for K Q^T, V dO^T):
+     matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15): registers b0, b1
+     of n8 tile 0, then of n8 tile 1.
+   B operand with .trans, array [k][n] (V for P V; K for dS K; dO, Q for P^T dO, dS^T Q):
+     matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15): b0, b1 of n8
+     tile 0, then of n8 tile 1. */
+inline PR_HD int pr_ldm_a_row(int lane) { return lane & 15; }
+inline PR_HD int pr_ldm_a_col(int lane) { return (lane >> 4) * 8; }
+inline PR_HD int pr_ldm_bn_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+inline PR_HD int pr_ldm_bn_col(int lane) { return ((lane >> 3) & 1) * 8; }
+inline PR_HD int pr_ldm_bt_row(int lane) { return lane & 15; }
+inline PR_HD int pr_ldm_bt_col(int lane) { return (lane >> 4) * 8; }
+
+/* The element offset of (row, col) in a swizzled tile of rows of W bf16 (W a multiple of 64). */
+inline PR_HD int pr_swz(int row, int col, int W) {
+    const int c = col >> 3;
+    return row * W + (((c & ~7) | ((c ^ row) & 7)) << 3) + (col & 7);
+}
+/* The copy of a rows x W tile in 16-byte chunks: chunk e (thread e % threads, step e / threads)
+   is row e / (W/8), chunk e % (W/8): consecutive threads copy consecutive chunks of a row. */
+inline PR_HD int pr_chunk_row(int e, int W) { return e / (W >> 3); }
+inline PR_HD int pr_chunk_col(int e, int W) { return (e % (W >> 3)) << 3; }
+
+/* fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN). */
+inline PR_HD uint32_t pr_bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+/* Two fp32 as one .b32 register of two bf16: lo in bits 0-15 (the even element), hi in 16-31. */
+inline PR_HD uint32_t pr_pack_bf16x2(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pr_bf16_bits(lo) | (pr_bf16_bits(hi) << 16);
+#endif
+}
+/* The accumulators of n8 tiles c0 (columns 0-7) and c1 (8-15) of a 16-row result (P or dS) as the A
+   fragment of the k16 block those 16 columns form, rounded to bf16: the element (row, col) a lane
+   holds in C is the one it must hold in A, so no value moves between lanes. */
+inline PR_HD void pr_c_to_a(uint32_t a[4], const float c0[4], const float c1[4]) {
+    a[0] = pr_pack_bf16x2(c0[0], c0[1]);   /* row g,   cols 2t, 2t+1 */
+    a[1] = pr_pack_bf16x2(c0[2], c0[3]);   /* row g+8, cols 2t, 2t+1 */
+    a[2] = pr_pack_bf16x2(c1[0], c1[1]);   /* row g,   cols 8+2t, 8+2t+1 */
+    a[3] = pr_pack_bf16x2(c1[2], c1[3]);   /* row g+8, cols 8+2t, 8+2t+1 */
+}
+/* Quad reductions: a row of C lives in the four lanes of one group (same g); shfl.bfly with masks
+   1 then 2 combines them, every lane ends with the quad's value, in the same order on each lane. */
+#define PR_QUAD_STEPS 2
+inline PR_HD int pr_quad_xor(int step) { return 1 << step; }
+
+#ifdef __CUDACC__
+/* The instructions (sm_80+). Addresses are shared-state-space byte addresses. */
+__device__ __forceinline__ uint32_t pr_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+/* d += a b */
+__device__ __forceinline__ void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* 16 bytes global -> shared, asynchronously; zero-filled when !fill (src must still be valid). */
+__device__ __forceinline__ void pr_cp_async16(uint32_t dst, const void *src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void pr_cp_async4(uint32_t dst, const void *src, bool fill) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(fill ? 4 : 0));
+}
+__device__ __forceinline__ void pr_cp_async_commit(void) { asm volatile("cp.async.commit_group;" ::); }
+template <int N> __device__ __forceinline__ void pr_cp_async_wait(void) { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ float pr_quad_max(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
+    return v;
+}
+__device__ __forceinline__ float pr_quad_add(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v += __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s));
+    return v;
+}
+#endif
+/* ================================================================ end of WARP-LEVEL PIECES */
+
+#ifndef PR_CUDA_HOST_EMULATION
 
 /* ---------------------------------------------------------------- backend state */
 #define PR_CU_ALGO_CACHE 128
@@ -1550,3 +1697,4 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     return PR_ERR_UNSUPPORTED;
 }
 #endif
+#endif /* PR_CUDA_HOST_EMULATION */
