@@ -150,3 +150,9 @@ sass: build/prefixreuse_cuda.o
 
 clean:
 	rm -rf build train train_cuda
+
+# The tensor-core attention kernels' SASS: HMMA present, no local memory (needs cuobjdump and
+# nvdisasm; says so and passes without them).
+.PHONY: check-sass
+check-sass: build/prefixreuse_cuda.o
+	@sh test/check_sass.sh build/prefixreuse_cuda.o
