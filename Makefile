@@ -156,3 +156,12 @@ clean:
 .PHONY: check-sass
 check-sass: build/prefixreuse_cuda.o
 	@sh test/check_sass.sh build/prefixreuse_cuda.o
+
+# The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
+.PHONY: test-gpu-attention
+build/test_gpu_attention: test/test_gpu_attention.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu_attention.o test/test_gpu_attention.c
+	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref_attention.o test/gpu_ref.c
+	$(NVCC) $(CUDA_ARCH) -o $@ build/test_gpu_attention.o build/gpu_ref_attention.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+test-gpu-attention: build/test_gpu_attention
+	./build/test_gpu_attention
