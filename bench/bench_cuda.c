@@ -220,6 +220,67 @@ static void bench_attention(const char *label, int n_prefix, int n_seg, int len)
     free(seg);
 }
 
+/* The tensor-core attention (PR_CUDA_ATTENTION_MMA) beside the FFMA kernels, head dim 128, 32 query
+   / 8 KV heads: causal over one 8k sequence, and the two-region shapes of a long-prefix GRPO group
+   (prefix 10k, G suffixes of 2k, G = 8 and 32) as one Phase-B microbatch. FLOPs as FlashAttention
+   counts them: 4 * (query, key) pairs seen * HS * NH forward, 2.5x that backward. The FFMA kernels
+   are timed over at most 3 runs (seconds each at G = 32). */
+static void bench_attention_kernels(void) {
+    static const struct { const char *label; int n_prefix, n_seg, len; } shapes[] = {
+        { "causal, one 8k sequence", 0, 1, 8192 },
+        { "two-region: prefix 10k + 8 x 2k", 10240, 8, 2048 },
+        { "two-region: prefix 10k + 32 x 2k", 10240, 32, 2048 },
+    };
+    const int NH = 32, NKV = 8, HS = 128, saved_reps = reps;
+    printf("\nattention kernels, bf16, head dim 128, 32 query / 8 KV heads (TF/s)\n");
+    printf("%-34s %9s %9s %9s %9s %8s %8s\n", "", "FFMA fwd", "MMA fwd", "FFMA bwd", "MMA bwd", "fwd x", "bwd x");
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
+        const int n_prefix = shapes[i].n_prefix, n_seg = shapes[i].n_seg, len = shapes[i].len, N = n_seg * len;
+        int *seg = malloc(sizeof(int) * (n_seg + 1));
+        for (int s = 0; s <= n_seg; s++) seg[s] = s * len;
+        att_args a;
+        memset(&a, 0, sizeof a);
+        a.lay.n_seg = n_seg; a.lay.seg_off = seg; a.lay.pos0 = n_prefix; a.lay.n_prefix = n_prefix;
+        a.NH = NH; a.NKV = NKV; a.HS = HS;
+        size_t nq = (size_t)N * NH * HS, nk = (size_t)N * NKV * HS, np = (size_t)(n_prefix ? n_prefix : 1) * NKV * HS;
+        void **bufs[] = { &a.q, &a.o, &a.dout, &a.dq };
+        for (int b = 0; b < 4; b++) { *bufs[b] = dalloc(2 * nq); fill_random_bf16(*bufs[b], nq, 10 + b); }
+        void **kbufs[] = { &a.k, &a.v, &a.dk, &a.dv };
+        for (int b = 0; b < 4; b++) { *kbufs[b] = dalloc(2 * nk); fill_random_bf16(*kbufs[b], nk, 20 + b); }
+        if (n_prefix) {
+            a.kp = dalloc(2 * np); fill_random_bf16(a.kp, np, 30);
+            a.vp = dalloc(2 * np); fill_random_bf16(a.vp, np, 31);
+            a.dkp = dalloc(4 * np); cudaMemset(a.dkp, 0, 4 * np);    /* fp32 accumulators */
+            a.dvp = dalloc(4 * np); cudaMemset(a.dvp, 0, 4 * np);
+        }
+        a.lse = dalloc(sizeof(float) * (size_t)N * NH);
+        const double pairs = (double)n_seg * ((double)len * n_prefix + (double)len * (len + 1) / 2);
+        const double ffwd = 4 * pairs * HS * NH, fbwd = 2.5 * ffwd;
+        double t[2][2];                                   /* [kind][fwd, bwd] */
+        pr_error err;
+        for (int kind = 0; kind < 2; kind++) {
+            if (pr_backend_cuda_set_attention(be, kind ? PR_CUDA_ATTENTION_MMA : PR_CUDA_ATTENTION_FFMA, &err)) {
+                printf("attention kernels: %s\n", err.message);
+                t[kind][0] = t[kind][1] = NAN;
+                continue;
+            }
+            reps = kind ? saved_reps : (saved_reps < 3 ? saved_reps : 3);
+            a.bwd = 0;
+            t[kind][0] = median_time(att_call, &a);      /* the forward's out and lse feed the backward */
+            a.bwd = 1;
+            t[kind][1] = median_time(att_call, &a);
+            if (be->take_error(be, &err)) printf("attention kernels: %s\n", err.message);
+        }
+        reps = saved_reps;
+        printf("%-34s %9.1f %9.1f %9.1f %9.1f %8.2f %8.2f\n", shapes[i].label, ffwd / t[0][0] / 1e12, ffwd / t[1][0] / 1e12,
+               fbwd / t[0][1] / 1e12, fbwd / t[1][1] / 1e12, t[0][0] / t[1][0], t[0][1] / t[1][1]);
+        void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
+        for (size_t b = 0; b < sizeof all / sizeof *all; b++) if (all[b]) be->release(be, all[b], PR_TIER_DEVICE);
+        free(seg);
+    }
+    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
+}
+
 int main(int argc, char **argv) {
     int N = 12288;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -237,6 +298,7 @@ int main(int argc, char **argv) {
     bench_attention("causal, one 8k sequence", 0, 1, 8192);
     bench_attention("two-region: prefix 6k + 4 x 512", 6144, 4, 512);
     bench_attention("two-region: prefix 2k + 4 x 1.5k", 2048, 4, 1536);
+    bench_attention_kernels();
     if (be->take_error(be, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     pr_backend_cuda_destroy(be);
     return 0;
