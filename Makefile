@@ -68,20 +68,26 @@ build:
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
             build/test_comm-float build/test_comm-double \
-            build/train-float build/train-double build/test_mma_emul
+            build/train-float build/train-double build/test_mma_emul build/test_mma_kernels
 
-# The tensor-core attention's warp-level rules, run through an emulation of ldmatrix and mma.sync
-# on the host (C++17: the rules are compiled from prefixreuse_cuda.cu with PR_CUDA_HOST_EMULATION).
+# The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
+# of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
+# CPU attention (test_mma_kernels; prefixreuse_cuda.cu compiled with PR_CUDA_HOST_EMULATION).
 CXX ?= c++
-build/test_mma_emul: test/test_mma_emul.cc prefixreuse_cuda.cu test/harness.h | build
+MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h
+build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -o $@ test/test_mma_emul.cc
+build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) -c -o $@ test/gpu_ref.c
+build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o test/gpu_ref.h $(MMA_EMU_DEPS) | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o -lm
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 asan: | build
-	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul
+	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels
 	@sh test/run.sh build/asan
 
 build/asan: $(HEADER) test/*.c train.c
@@ -92,8 +98,11 @@ build/asan: $(HEADER) test/*.c train.c
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
 	touch build/asan
 
-build/asan/test_mma_emul: test/test_mma_emul.cc prefixreuse_cuda.cu test/harness.h build/asan
+build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
+build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h $(MMA_EMU_DEPS) build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/gpu_ref_host.o test/gpu_ref.c
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_kernels.cc build/asan/gpu_ref_host.o -lm
 
 bench-gemm: | build
 	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS -o build/bench_gemm test/bench_gemm.c -lm -lopenblas

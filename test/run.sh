@@ -8,6 +8,7 @@ for p in float double; do
     for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
 run "$dir/test_mma_emul"
+run "$dir/test_mma_kernels"
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4

@@ -2,29 +2,7 @@
    host through an emulation of the instructions, so that a wrong fragment, lane or swizzle order is
    caught without a GPU.
 
-   The emulated machine is written from the PTX ISA (release 8.7, docs.nvidia.com/cuda/parallel-
-   thread-execution), not from the rules under test:
-     - ldmatrix.sync.aligned.m8n8{.x1,.x2,.x4}{.trans}.shared.b16 ("Warp-level matrix load
-       instruction: ldmatrix"): threads 0-7 give the row addresses of matrix 0, 8-15 of matrix 1,
-       16-23 of 2, 24-31 of 3 (.x1 reads threads 0-7, .x2 threads 0-15); each row is 16 bytes (8
-       b16 elements, 16-byte aligned); register m of a thread receives two elements of matrix m,
-       at row laneid/4, columns 2*(laneid%4) and +1 (the first in the low half); .trans delivers
-       the matrix read column-major, that is, the elements of stored column laneid/4 at stored rows
-       2*(laneid%4) and +1.
-     - mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 ("Matrix Fragments for mma.m16n8k16
-       with floating point type"): groupID = %laneid >> 2, threadID_in_group = %laneid % 4;
-         A a0..a7: row = groupID for a_i with 0 <= i < 2 || 4 <= i < 6, groupID + 8 otherwise;
-                   col = threadID_in_group * 2 + (i & 1) for a_i with i < 4, + 8 for i >= 4;
-         B b0..b3: row = threadID_in_group * 2 + (i & 1) for b_i with i < 2, + 8 for i >= 2;
-                   col = groupID;
-         C, D c0..c3: row = groupID for c_i with i < 2, groupID + 8 for i >= 2;
-                   col = threadID_in_group * 2 + (i & 1).
-       The products are summed exactly (double) and rounded once to fp32: the hardware's internal
-       order is not specified, and the checks below use tolerances far above an fp32 rounding.
-     - shfl.sync.bfly.b32: lane l reads lane l ^ b.
-     - shared memory: 32 banks of 4 bytes; a warp's 16-byte accesses go in four phases of eight
-       lanes (for ldmatrix: one 8x8 matrix per phase), conflict-free when the phase's eight
-       addresses fall in eight different 16-byte bank groups (address / 16 mod 8).
+   The emulated machine (test/mma_emu.h) is written from the PTX ISA, not from the rules under test.
 
    Checked through the kernels' own rules (fragment maps, ldmatrix lane addresses, the swizzle, the
    tile copy, the P repacking, the quad reductions), for head dims 64 and 128, on a block's 64 x 64
@@ -47,101 +25,7 @@
 #include <cstring>
 #include <vector>
 
-/* ================================================================ the emulated machine */
-static float bf16_value(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-/* Round to the nearest bf16, ties to even, by arithmetic (not by the bits the kernels use). */
-static double emu_round_bf16(double x) {
-    if (x == 0 || !std::isfinite(x)) return x;
-    int e;
-    std::frexp(x, &e);                        /* |x| in [2^(e-1), 2^e): 8 significant bits */
-    double ulp = std::ldexp(1.0, e - 8);
-    return std::nearbyint(x / ulp) * ulp;     /* the default rounding mode: to nearest, ties to even */
-}
-static uint16_t emu_bf16_bits(double x) {      /* x already a bf16 value */
-    float f = (float)x;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16);
-}
-
-static long emu_conflicts;   /* 16-byte phases whose eight addresses share a bank group */
-
-static void emu_phase(const uint32_t *addr8) {
-    int seen = 0;
-    for (int i = 0; i < 8; i++) seen |= 1 << ((addr8[i] / 16) % 8);
-    if (seen != 0xff) emu_conflicts++;
-}
-
-/* ldmatrix: smem is the shared memory as b16 elements; addr the 32 lanes' byte addresses. */
-static void emu_ldmatrix(uint32_t out[32][4], const std::vector<uint16_t> &smem, const uint32_t addr[32], int num,
-                         bool trans) {
-    for (int m = 0; m < num; m++) {
-        emu_phase(addr + 8 * m);
-        for (int lane = 0; lane < 32; lane++) {
-            uint32_t reg = 0;
-            for (int half = 0; half < 2; half++) {
-                int row = lane / 4, col = 2 * (lane % 4) + half;         /* the fragment's element */
-                int srow = trans ? col : row, scol = trans ? row : col;  /* where it is stored */
-                uint32_t a = addr[8 * m + srow];
-                if (a % 16 || a / 2 + 8 > smem.size()) {
-                    CHECK(0, "ldmatrix row address %u misaligned or outside shared memory", a);
-                    return;
-                }
-                reg |= (uint32_t)smem[a / 2 + scol] << (16 * half);
-            }
-            out[lane][m] = reg;
-        }
-    }
-}
-
-/* The ISA's fragment tables, as written there. */
-static void emu_a_pos(int lane, int i, int *row, int *col) {
-    int groupID = lane >> 2, tig = lane % 4;
-    *row = ((0 <= i && i < 2) || (4 <= i && i < 6)) ? groupID : groupID + 8;
-    *col = i < 4 ? tig * 2 + (i & 0x1) : tig * 2 + (i & 0x1) + 8;
-}
-static void emu_b_pos(int lane, int i, int *row, int *col) {
-    int groupID = lane >> 2, tig = lane % 4;
-    *row = i < 2 ? tig * 2 + (i & 0x1) : tig * 2 + (i & 0x1) + 8;
-    *col = groupID;
-}
-static void emu_c_pos(int lane, int i, int *row, int *col) {
-    int groupID = lane >> 2, tig = lane % 4;
-    *row = i < 2 ? groupID : groupID + 8;
-    *col = tig * 2 + (i & 0x1);
-}
-
-/* mma.m16n8k16 bf16 -> fp32: d = a b + c, per lane registers. */
-static void emu_mma(float d[32][4], const uint32_t a[32][4], const uint32_t b[32][2], const float c[32][4]) {
-    double A[16][16], B[16][8], C[16][8];
-    for (int lane = 0; lane < 32; lane++) {
-        for (int i = 0; i < 8; i++) {
-            int r, q;
-            emu_a_pos(lane, i, &r, &q);
-            A[r][q] = bf16_value((uint16_t)(a[lane][i / 2] >> (16 * (i % 2))));
-        }
-        for (int i = 0; i < 4; i++) {
-            int r, q;
-            emu_b_pos(lane, i, &r, &q);
-            B[r][q] = bf16_value((uint16_t)(b[lane][i / 2] >> (16 * (i % 2))));
-            emu_c_pos(lane, i, &r, &q);
-            C[r][q] = c[lane][i];
-        }
-    }
-    for (int lane = 0; lane < 32; lane++)
-        for (int i = 0; i < 4; i++) {
-            int r, q;
-            emu_c_pos(lane, i, &r, &q);
-            double s = C[r][q];
-            for (int kk = 0; kk < 16; kk++) s += A[r][kk] * B[kk][q];
-            d[lane][i] = (float)s;
-        }
-}
+#include "mma_emu.h"
 
 /* ================================================================ the kernels' side */
 enum fault {
@@ -215,7 +99,7 @@ static void warp_qk(acc_t S[8], const tile &Q, const tile &K, int w, fault f, bo
     for (int kc = 0; kc < Q.W / 16; kc++) {
         uint32_t a[32][4], addr[32];
         for (int l = 0; l < 32; l++) addr[l] = smem_addr(Q, 16 * w + pr_ldm_a_row(l), 16 * kc + pr_ldm_a_col(l), f);
-        emu_ldmatrix(a, Q.smem, addr, 4, false);
+        emu_ldmatrix(a, Q.smem.data(), Q.smem.size(), addr, 4, false);
         if (f == F_A_SWAP12)
             for (int l = 0; l < 32; l++) { uint32_t x = a[l][1]; a[l][1] = a[l][2]; a[l][2] = x; }
         for (int np = 0; np < 4; np++) {
@@ -226,16 +110,16 @@ static void warp_qk(acc_t S[8], const tile &Q, const tile &K, int w, fault f, bo
             }
             if (x2) {
                 uint32_t h[32][4];
-                emu_ldmatrix(h, K.smem, addr, 2, f == F_K_TRANS);       /* tile 2np: lanes 0-15 */
+                emu_ldmatrix(h, K.smem.data(), K.smem.size(), addr, 2, f == F_K_TRANS);       /* tile 2np: lanes 0-15 */
                 for (int l = 0; l < 32; l++) b[l][0] = h[l][0], b[l][1] = h[l][1];
                 for (int l = 0; l < 32; l++) {
                     int r = f == F_B_RULE ? pr_ldm_bt_row(l) : pr_ldm_bn_row(l), c = f == F_B_RULE ? pr_ldm_bt_col(l) : pr_ldm_bn_col(l);
                     addr[l] = smem_addr(K, 16 * np + 8 + r, 16 * kc + c, f);
                 }
-                emu_ldmatrix(h, K.smem, addr, 2, f == F_K_TRANS);       /* tile 2np+1 */
+                emu_ldmatrix(h, K.smem.data(), K.smem.size(), addr, 2, f == F_K_TRANS);       /* tile 2np+1 */
                 for (int l = 0; l < 32; l++) b[l][2] = h[l][0], b[l][3] = h[l][1];
             } else {
-                emu_ldmatrix(b, K.smem, addr, 4, f == F_K_TRANS);
+                emu_ldmatrix(b, K.smem.data(), K.smem.size(), addr, 4, f == F_K_TRANS);
             }
             for (int l = 0; l < 32; l++) b0[l][0] = b[l][0], b0[l][1] = b[l][1], b1[l][0] = b[l][2], b1[l][1] = b[l][3];
             emu_mma(S[2 * np], a, b0, S[2 * np]);
@@ -317,12 +201,12 @@ static double check_pv(int HS, fault f, bool x2) {
                         uint32_t h[32][4];
                         for (int l = 0; l < 32; l++)
                             addr[l] = smem_addr(V, 16 * kc + pr_ldm_bt_row(l), 16 * dp + 8 * half + pr_ldm_bt_col(l & 15), f);
-                        emu_ldmatrix(h, V.smem, addr, 2, f != F_V_NO_TRANS);
+                        emu_ldmatrix(h, V.smem.data(), V.smem.size(), addr, 2, f != F_V_NO_TRANS);
                         for (int l = 0; l < 32; l++) b[l][2 * half] = h[l][0], b[l][2 * half + 1] = h[l][1];
                     }
                 } else {
                     for (int l = 0; l < 32; l++) addr[l] = smem_addr(V, 16 * kc + pr_ldm_bt_row(l), 16 * dp + pr_ldm_bt_col(l), f);
-                    emu_ldmatrix(b, V.smem, addr, 4, f != F_V_NO_TRANS);
+                    emu_ldmatrix(b, V.smem.data(), V.smem.size(), addr, 4, f != F_V_NO_TRANS);
                 }
                 for (int l = 0; l < 32; l++) b0[l][0] = b[l][0], b0[l][1] = b[l][1], b1[l][0] = b[l][2], b1[l][1] = b[l][3];
                 emu_mma(acc[(size_t)2 * dp], a, b0, acc[(size_t)2 * dp]);
@@ -411,9 +295,9 @@ static void check_ldmatrix_widths(void) {
     uint32_t addr[32], r1[32][4], r2[32][4], r4[32][4];
     for (int l = 0; l < 32; l++) addr[l] = smem_addr(T, pr_ldm_a_row(l), pr_ldm_a_col(l), F_NONE);
     for (int trans = 0; trans < 2; trans++) {
-        emu_ldmatrix(r4, T.smem, addr, 4, trans);
-        emu_ldmatrix(r2, T.smem, addr, 2, trans);
-        emu_ldmatrix(r1, T.smem, addr, 1, trans);
+        emu_ldmatrix(r4, T.smem.data(), T.smem.size(), addr, 4, trans);
+        emu_ldmatrix(r2, T.smem.data(), T.smem.size(), addr, 2, trans);
+        emu_ldmatrix(r1, T.smem.data(), T.smem.size(), addr, 1, trans);
         int ok = 1;
         for (int l = 0; l < 32; l++) ok &= r1[l][0] == r4[l][0] && r2[l][0] == r4[l][0] && r2[l][1] == r4[l][1];
         CHECK(ok, "ldmatrix .x1/.x2 agree with .x4%s", trans ? " (.trans)" : "");
