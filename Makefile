@@ -9,6 +9,9 @@
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
+#   make NCCL=0 cuda         without NCCL (found in NCCL_HOME, the CUDA toolkit or PyTorch's nvidia-nccl wheel)
+#   make info                what was found: compiler, OpenMP, BLAS, nvcc, NCCL
+# LDFLAGS is passed to every link.
 
 CC      ?= cc
 CFLAGS  ?= -O2
@@ -44,31 +47,44 @@ all: train
 
 info:
 	@echo "cc $(CC); precision $(PRECISION); openmp '$(OPENMP)'; arch '$(ARCH)'; blas $(BLAS)"
+	@echo "nvcc '$(NVCC_PATH)'; cuda home '$(CUDA_HOME)'; nccl: $(NCCL_FOUND)"
 
 # The flags ./train was built with: changing PRECISION, BLAS, OMP or CC rebuilds it.
 build/flags: FORCE | build
-	@echo '$(CC) $(ALL_CFLAGS) $(LDLIBS)' | cmp -s - $@ || echo '$(CC) $(ALL_CFLAGS) $(LDLIBS)' > $@
+	@echo '$(CC) $(ALL_CFLAGS) $(LDFLAGS) $(LDLIBS)' | cmp -s - $@ || echo '$(CC) $(ALL_CFLAGS) $(LDFLAGS) $(LDLIBS)' > $@
 FORCE:
 
 train: train.c $(HEADER) build/flags
-	$(CC) $(ALL_CFLAGS) -o $@ train.c $(LDLIBS)
+	$(CC) $(ALL_CFLAGS) $(LDFLAGS) -o $@ train.c $(LDLIBS)
 
 # The suite: the core tests in both precisions, the parsers' tests, and ./train --check in both.
 build/%-float: test/%.c $(HEADER) test/harness.h | build
-	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -o $@ $< -lm
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ $< -lm
 build/%-double: test/%.c $(HEADER) test/harness.h | build
-	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE -o $@ $< -lm
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ $< -lm
 build/train-float: train.c $(HEADER) | build
-	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -o $@ train.c -lm
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ train.c -lm
 build/train-double: train.c $(HEADER) | build
-	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE -o $@ train.c -lm
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ train.c -lm
+# The attention tests' comparison (test/attn_check.h, shared with the GPU tests) on the CPU: planted
+# faults in a scalar attention must fail it, the same attention without them must pass.
+build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
 build:
 	mkdir -p build
 
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
-            build/test_comm-float build/test_comm-double \
-            build/train-float build/train-double build/test_mma_emul build/test_mma_kernels
+            build/test_comm-float build/test_comm-double build/test_attn_check \
+            build/train-float build/train-double
+# The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
+# program, in double, since the library's CPU attention it is also compared with is the double
+# reference (the model computes in bf16/fp32 whatever the build).
+ATTN_MODEL = test/test_attn_model.c test/attn_model.c test/attn_model.h $(HEADER) test/harness.h
+build/test_attn_model-double: $(ATTN_MODEL) | build
+	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
+TEST_BINS += build/test_attn_model-double
+TEST_BINS += build/test_mma_emul build/test_mma_kernels
 
 # The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
@@ -76,11 +92,13 @@ TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float b
 CXX ?= c++
 MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
-	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -o $@ test/test_mma_emul.cc
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
 build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ test/gpu_ref.c
-build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o test/gpu_ref.h $(MMA_EMU_DEPS) | build
-	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o -lm
+build/attn_model_host.o: test/attn_model.c test/attn_model.h | build
+	$(CC) $(WARN) $(CFLAGS) -c -o $@ test/attn_model.c
+build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o test/gpu_ref.h test/attn_model.h $(MMA_EMU_DEPS) | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o -lm
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
@@ -94,24 +112,30 @@ build/asan: $(HEADER) test/*.c train.c
 	mkdir -p build/asan
 	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
 	  for t in test_core test_gemm test_io test_trace test_comm; do \
-	    $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
-	  $(CC) $(WARN) -O1 -g $(SAN) $$d -o build/asan/train-$$p train.c -lm || exit 1; done
+	    $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
+	  $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/train-$$p train.c -lm || exit 1; done
+	$(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS) -o build/asan/test_attn_check test/test_attn_check.c test/gpu_ref.c -lm
 	touch build/asan
+# (after the rest of the sanitizer build, which build/asan's time stamp stands for)
+build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
+asan: build/asan/test_attn_model-double
 
 build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
-build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h $(MMA_EMU_DEPS) build/asan
+build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h $(MMA_EMU_DEPS) build/asan
 	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/gpu_ref_host.o test/gpu_ref.c
-	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_kernels.cc build/asan/gpu_ref_host.o -lm
+	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/attn_model_host.o test/attn_model.c
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/asan/gpu_ref_host.o build/asan/attn_model_host.o -lm
 
 bench-gemm: | build
-	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
+	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS $(LDFLAGS) -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
 	./build/bench_gemm
 
 FUZZ_SECONDS ?= 60
 fuzz: | build
-	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -o build/fuzz_trace test/fuzz_trace.c -lm
-	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
+	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_trace test/fuzz_trace.c -lm
+	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	mkdir -p build/corpus_trace build/corpus_st
 	cp data/sample.trace build/corpus_trace/
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
@@ -119,31 +143,76 @@ fuzz: | build
 
 # CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
 # GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.
+# NVTHREADS: nvcc compiles the two targets in parallel (0: as many threads as cores).
 NVCC      ?= nvcc
+NVTHREADS ?= 0
 CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
-NVFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -Werror all-warnings
-CUDA_LIBS := -lcublasLt -lnccl
+NVCC_PATH := $(shell command -v $(NVCC) 2>/dev/null)
+CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(NVCC_PATH)))
+PYTHON    ?= python3
+
+# NCCL, looked for in this order: NCCL_HOME if given (include/nccl.h, lib/); the CUDA toolkit's
+# include dir; the nvidia-nccl wheel that PyTorch installs (Python package nvidia.nccl: include/nccl.h
+# and lib/libnccl.so.2, no unversioned .so, linked by that name with an rpath). Without any, or with
+# NCCL=0, prefixreuse_cuda.cu is compiled with -DPR_NO_NCCL (pr_comm_nccl_create then returns
+# PR_ERR_UNSUPPORTED) and nothing links NCCL.
+NCCL ?= 1
+NCCL_PROBE = import nvidia.nccl as m, os; f = m.__file__; print(os.path.dirname(f) if f else next(iter(m.__path__)))
+ifeq ($(NCCL),0)
+  NCCL_FOUND := none (NCCL=0): built with -DPR_NO_NCCL
+else ifneq ($(NCCL_HOME),)
+  NCCL_FOUND := $(NCCL_HOME) (NCCL_HOME)
+else ifneq ($(wildcard $(CUDA_HOME)/include/nccl.h),)
+  NCCL_FOUND := $(CUDA_HOME)/include/nccl.h (CUDA toolkit)
+  NCCL_TOOLKIT := 1
+else
+  NCCL_HOME := $(shell $(PYTHON) -c '$(NCCL_PROBE)' 2>/dev/null)
+  ifneq ($(wildcard $(NCCL_HOME)/include/nccl.h),)
+    NCCL_FOUND := $(NCCL_HOME) (PyTorch's nvidia-nccl wheel)
+  else
+    NCCL_HOME :=
+    NCCL_FOUND := not found (no NCCL_HOME, no nccl.h in $(CUDA_HOME)/include, no nvidia.nccl for $(PYTHON)): built with -DPR_NO_NCCL
+  endif
+endif
+ifeq ($(NCCL_TOOLKIT),1)
+  NCCL_CFLAGS :=
+  NCCL_LIBS   := -lnccl
+else ifneq ($(NCCL_HOME),)
+  NCCL_CFLAGS := -I$(NCCL_HOME)/include
+  NCCL_LIBS   := -L$(NCCL_HOME)/lib $(if $(wildcard $(NCCL_HOME)/lib/libnccl.so),-lnccl,-l:libnccl.so.2) -Xlinker -rpath=$(NCCL_HOME)/lib
+else
+  NCCL_CFLAGS := -DPR_NO_NCCL
+  NCCL_LIBS   :=
+endif
+
+NVFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) --threads $(NVTHREADS) -Xcompiler -Wall,-Wextra -Werror all-warnings $(NCCL_CFLAGS)
+CUDA_LIBS := -lcublasLt $(NCCL_LIBS)
+# LDFLAGS as nvcc takes them: -Wl,X as -Xlinker X, -L and -l as they are, anything else through -Xcompiler.
+comma     := ,
+NV_LDFLAGS = $(foreach f,$(LDFLAGS),$(if $(filter -Wl$(comma)%,$(f)),-Xlinker $(patsubst -Wl$(comma)%,%,$(f)),$(if $(filter -L% -l%,$(f)),$(f),-Xcompiler $(f))))
 
 cuda: train_cuda
 
-build/prefixreuse_cuda.o: prefixreuse_cuda.cu $(HEADER) | build
+# The flags the CUDA object was compiled with: changing NCCL, NVCC or CUDA_ARCH recompiles it.
+build/cuda-flags: FORCE | build
+	@echo '$(NVCC) $(NVFLAGS)' | cmp -s - $@ || echo '$(NVCC) $(NVFLAGS)' > $@
+build/prefixreuse_cuda.o: prefixreuse_cuda.cu $(HEADER) build/cuda-flags | build
 	$(NVCC) $(NVFLAGS) -c -o $@ prefixreuse_cuda.cu
 build/train_cuda.o: train.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) -DPR_CUDA -c -o $@ train.c
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
-	$(NVCC) $(CUDA_ARCH) -o $@ $^ $(CUDA_LIBS)
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ $^ $(CUDA_LIBS)
 
-build/test_gpu: test/test_gpu.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref.o test/gpu_ref.c
-	$(NVCC) $(CUDA_ARCH) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
 build/compare_st: test/compare_st.c $(HEADER) | build
-	$(CC) $(WARN) $(CFLAGS) -o $@ test/compare_st.c -lm
+	$(CC) $(WARN) $(CFLAGS) $(LDFLAGS) -o $@ test/compare_st.c -lm
 
-CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC))))
 build/bench_cuda: bench/bench_cuda.c build/prefixreuse_cuda.o $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) -I$(CUDA_HOME)/include -c -o build/bench_cuda.o bench/bench_cuda.c
-	$(NVCC) $(CUDA_ARCH) -o $@ build/bench_cuda.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/bench_cuda.o build/prefixreuse_cuda.o $(CUDA_LIBS)
 bench-cuda: build/bench_cuda
 	./build/bench_cuda
 
@@ -168,9 +237,10 @@ check-sass: build/prefixreuse_cuda.o
 
 # The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
 .PHONY: test-gpu-attention
-build/test_gpu_attention: test/test_gpu_attention.c test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu_attention: test/test_gpu_attention.c test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu_attention.o test/test_gpu_attention.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref_attention.o test/gpu_ref.c
-	$(NVCC) $(CUDA_ARCH) -o $@ build/test_gpu_attention.o build/gpu_ref_attention.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+	$(CC) $(WARN) $(CFLAGS) -c -o build/attn_model_attention.o test/attn_model.c
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu_attention.o build/gpu_ref_attention.o build/attn_model_attention.o build/prefixreuse_cuda.o $(CUDA_LIBS)
 test-gpu-attention: build/test_gpu_attention
 	./build/test_gpu_attention

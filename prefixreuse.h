@@ -495,7 +495,7 @@ typedef struct {
 
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
-    double max_grad_norm;    /* global-norm clipping; <= 0: off */
+    double max_grad_norm;    /* global-norm clipping; 0: off (inf: never clips) */
 } pr_adamw_opts;
 
 typedef struct pr_trainer pr_trainer;
@@ -4059,8 +4059,9 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 }
 
 /* splitmix64 drives a Box-Muller normal: the same seed gives the same weights on every machine. */
+#define PR__SPLITMIX_STEP 0x9E3779B97F4A7C15ull
 static uint64_t pr__splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    uint64_t z = (*s += PR__SPLITMIX_STEP);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
@@ -4082,11 +4083,23 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
         if (tr->mesh) PR_FREE(table);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
     }
-    uint64_t s = seed;
+    /* One stream over the matrices in table order, two draws per value. splitmix64's state after k
+       draws is seed + k * its increment, so each value starts from its own state: the loop runs in
+       parallel and gives the bits of the serial one. */
+    uint64_t drawn = 0;
     for (int t = 0; t < count; t++) {
         const pr_tensor_info *ti = &table[t];
-        for (size_t i = 0; i < ti->numel; i++)
-            host[ti->offset + i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        pr_real *dst = host + ti->offset;
+        const long long n = (long long)ti->numel;
+        const uint64_t base = seed + drawn * PR__SPLITMIX_STEP;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (long long i = 0; i < n; i++) {
+            uint64_t s = base + 2 * (uint64_t)i * PR__SPLITMIX_STEP;
+            dst[i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        }
+        if (ti->ndim == 2) drawn += 2 * ti->numel;
     }
     pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
     PR_FREE(host);
@@ -5436,12 +5449,6 @@ static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
 }
-/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
-   reals on their way to the group's first rank. */
-static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
-    pr_error e;
-    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
-}
 /* The same with the neighbouring stage `peer`, rows of the residual stream. */
 static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
                         size_t nd_out, double *d_in, size_t nd_in) {
@@ -5703,6 +5710,13 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
     cx->rows += P;
     return PR_OK;
+}
+
+/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
+   reals on their way to the group's first rank. */
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+    pr_error e;
+    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
 }
 
 /* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
@@ -6022,10 +6036,12 @@ PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *
 
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
     if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
-    if (!(o->lr >= 0) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) || !(o->eps > 0) ||
-        !(o->weight_decay >= 0))
-        return pr__fail(err, PR_ERR_ARG, "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g)",
-                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay);
+    if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
+        !(o->eps > 0 && isfinite(o->eps)) || !(o->weight_decay >= 0 && isfinite(o->weight_decay)) || !(o->max_grad_norm >= 0))
+        return pr__fail(err, PR_ERR_ARG,
+                        "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g, max grad norm %g): lr, eps and "
+                        "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
+                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
     const pr_backend *be = tr->be;
     double sq = 0;
     tr->comm_st = PR_OK;

@@ -82,7 +82,8 @@ static void usage(FILE *f) {
         "  --steps N              optimizer steps (default 8)\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
-        "  --save-grads FILE      write the last step's gradients (Hugging Face names) as safetensors\n"
+        "  --save-grads FILE      write the last step's raw gradients (before clipping and the AdamW step;\n"
+        "                         Hugging Face names) as safetensors\n"
         "comparisons\n"
         "  --check                from the same weights and each group of the trace, run both schedules\n"
         "                         and one AdamW step; compare gradients and updated parameters with\n"
@@ -101,11 +102,19 @@ static void usage(FILE *f) {
         "  -h, --help             this text\n");
 }
 
+/* A finite number (inf and nan are refused: every numeric flag is a finite setting) */
 static int parse_double(const char *s, double *out) {
     char *end;
     double v = strtod(s, &end);
-    if (end == s || *end) return 0;
+    if (end == s || *end || !isfinite(v)) return 0;
     *out = v;
+    return 1;
+}
+/* MiB as a byte count that fits a size_t */
+static int parse_mib(const char *s, size_t *bytes) {
+    double d;
+    if (!parse_double(s, &d) || !(d > 0) || d * 1048576.0 >= 0x1p63) return 0;
+    *bytes = (size_t)(d * 1048576.0);
     return 1;
 }
 static int parse_int(const char *s, int *out) {
@@ -147,7 +156,8 @@ static int parse_args(int argc, char **argv, options *o) {
     o->dp = o->pp = o->cp = o->tp = o->ep = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const int missing = i + 1 >= argc;      /* known only once the flag is: an unknown flag is named as such */
+        const char *v = missing ? "" : argv[i + 1];
         int ok = 1, takes = 1;
         double d;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
@@ -156,17 +166,16 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench")) {
             o->bench = 1;
             takes = 0;
-            if (v && !strcmp(v, "speed")) takes = 1;
-            else if (v && !strcmp(v, "memory")) { o->bench = 2; takes = 1; }
-            else if (v && !strcmp(v, "capacity")) { o->bench = 3; takes = 1; }
+            if (!strcmp(v, "speed")) takes = 1;
+            else if (!strcmp(v, "memory")) { o->bench = 2; takes = 1; }
+            else if (!strcmp(v, "capacity")) { o->bench = 3; takes = 1; }
         }
-        else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         else if (!strcmp(a, "--config")) { o->config = v; o->config_given = 1; }
         else if (!strcmp(a, "--trace")) o->trace = v;
         else if (!strcmp(a, "--init")) o->init = v;
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--save-grads")) o->save_grads = v;
-        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = e != v && !*e; }
+        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
@@ -190,8 +199,8 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "off")) o->step.offload.enabled = 0;
             else ok = 0;
         }
-        else if (!strcmp(a, "--offload-pool")) { ok = parse_double(v, &d) && d > 0; o->step.offload.pool_bytes = (size_t)(d * 1048576); }
-        else if (!strcmp(a, "--device-budget")) { ok = parse_double(v, &d) && d > 0; o->step.offload.device_budget = (size_t)(d * 1048576); }
+        else if (!strcmp(a, "--offload-pool")) ok = parse_mib(v, &o->step.offload.pool_bytes);
+        else if (!strcmp(a, "--device-budget")) ok = parse_mib(v, &o->step.offload.device_budget);
         else if (!strcmp(a, "--bench-budget")) ok = parse_double(v, &o->bench_budget_mib) && o->bench_budget_mib > 0;
         else if (!strcmp(a, "--bench-groups")) ok = parse_int_list(v, o->bench_groups, 8, &o->n_bench_groups);
         else if (!strcmp(a, "--peak-tflops")) { ok = parse_double(v, &d) && d >= 0; o->peak_tflops = d; }
@@ -210,15 +219,20 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "seq-mean-token-mean")) o->step.loss.norm = PR_NORM_SEQ_MEAN_TOKEN_MEAN;
             else ok = 0;
         }
-        else if (!strcmp(a, "--eps-low")) { ok = parse_double(v, &d); o->step.loss.eps_low = d; }
-        else if (!strcmp(a, "--eps-high")) { ok = parse_double(v, &d); o->step.loss.eps_high = d; }
-        else if (!strcmp(a, "--kl-coef")) { ok = parse_double(v, &d); o->step.loss.kl_coef = d; }
-        else if (!strcmp(a, "--lr")) { ok = parse_double(v, &d); o->adam.lr = d; }
-        else if (!strcmp(a, "--weight-decay")) { ok = parse_double(v, &d); o->adam.weight_decay = d; }
-        else if (!strcmp(a, "--clip")) { ok = parse_double(v, &d); o->adam.max_grad_norm = d; }
+        else if (!strcmp(a, "--eps-low")) { ok = parse_double(v, &d) && d >= 0 && d < 1; o->step.loss.eps_low = d; }
+        else if (!strcmp(a, "--eps-high")) { ok = parse_double(v, &d) && d >= 0; o->step.loss.eps_high = d; }
+        else if (!strcmp(a, "--kl-coef")) { ok = parse_double(v, &d) && d >= 0; o->step.loss.kl_coef = d; }
+        else if (!strcmp(a, "--lr")) { ok = parse_double(v, &d) && d >= 0; o->adam.lr = d; }
+        else if (!strcmp(a, "--weight-decay")) { ok = parse_double(v, &d) && d >= 0; o->adam.weight_decay = d; }
+        else if (!strcmp(a, "--clip")) { ok = parse_double(v, &d) && d >= 0; o->adam.max_grad_norm = d; }
         else { fprintf(stderr, "train: unknown flag %s (see --help)\n", a); return 0; }
+        if (takes && missing) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         if (!ok) { fprintf(stderr, "train: bad value '%s' for %s (see --help)\n", v, a); return 0; }
         i += takes;
+    }
+    if (o->save_grads && (o->steps < 1 || o->check || o->bench)) {
+        fprintf(stderr, "train: --save-grads writes a training step's gradients: it needs --steps >= 1, without --check or --bench\n");
+        return 0;
     }
     if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
     if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
@@ -342,6 +356,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         const int nb = o->dp_groups;
         for (int k = 0; k < nb; k++) batch[k] = j->trace->groups[(step * nb + k) % j->trace->n_groups];
         st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &o->step, &ss, err);
+        if (!st && step == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (st) break;
@@ -353,7 +368,6 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
                    step * nb % j->trace->n_groups, (step * nb + nb - 1) % j->trace->n_groups, ss.loss, gnorm,
                    1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
     }
-    if (!st && !j->check && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
     if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
         printf("saved %s\n", o->save);
     pr_comm *dims[4] = { m.dp_comm, m.pp_comm, m.cp_comm, m.tp_comm };
@@ -485,7 +499,9 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         const pr_group *g = &trace->groups[step % trace->n_groups];
         pr_step_stats st;
         double gnorm;
-        if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) || pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
+        if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) ||
+            (step == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
+            pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
             pr_trainer_destroy(tr);
             return fail(&err);
         }
@@ -498,8 +514,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         if (cfg->num_experts) print_routing(tr, cfg, &st);
     }
     int rc = 0;
-    if (o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) rc = fail(&err);
-    if (!rc && o->save) {
+    if (o->save) {
         if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
         else printf("saved %s\n", o->save);
     }
@@ -903,7 +918,11 @@ int main(int argc, char **argv) {
     FILE *probe = o.init && !o.config_given ? fopen(init_config, "r") : NULL;
     if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
-    if (o.layers && o.layers < cfg.num_hidden_layers) cfg.num_hidden_layers = o.layers;
+    if (o.layers > cfg.num_hidden_layers) {
+        fprintf(stderr, "train: --layers %d: the model %s has %d layers\n", o.layers, o.config, cfg.num_hidden_layers);
+        return 2;
+    }
+    if (o.layers) cfg.num_hidden_layers = o.layers;
     if (o.bench == 1) return run_bench_speed(&o, &cfg);
     if (o.bench == 2) return run_bench_memory(&o, &cfg);
     if (o.bench == 3) return run_bench_capacity(&o, &cfg);

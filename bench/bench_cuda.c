@@ -6,7 +6,15 @@
            two-region variant (a shared prefix region plus causal suffixes) at 8k rows and keys.
    FLOPs: GEMM 2mnk; attention 4 * pairs * HS * NH forward and 2.5x that backward (FlashAttention's
    convention), pairs = the (query, key) pairs the mask allows. Times: median of --reps runs after
-   a warm-up, the device drained around each run. Needs a GPU: `make bench-cuda`. */
+   a warm-up, the device drained around each run; fewer runs where the warm-up shows that --reps
+   would take longer than --max-seconds. Needs a GPU: `make bench-cuda`.
+
+     build/bench_cuda [--reps N] [--rows N] [--max-seconds S] [--only gemm|attention] [--att LIST]
+     build/bench_cuda --smoke
+   --att: attention cases by name, comma-separated (default all; names in the table it prints).
+   --smoke: the first things a new GPU should do, each announced before it runs (so that a crash
+   says where): device properties, one GEMM, one attention forward and backward, one training step
+   of the tiny preset each way. Exit 0 only if all ran and gave finite results. */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 
@@ -21,6 +29,7 @@
 
 static const pr_backend *be;
 static int reps = 20;
+static double max_seconds = 3;
 
 static double now(void) {
     struct timespec ts;
@@ -31,21 +40,27 @@ static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
-/* median seconds of fn(arg) over reps runs, one warm-up first */
+/* median seconds of fn(arg) over reps runs (fewer when they would take over max_seconds), one
+   warm-up first */
 static double median_time(void (*fn)(void *), void *arg) {
-    double *t = malloc(sizeof(double) * reps);
+    double t0 = now();
     fn(arg);
     cudaDeviceSynchronize();
     be->sync(be);
-    for (int r = 0; r < reps; r++) {
+    double warm = now() - t0;
+    int n = reps;
+    if (warm * n > max_seconds) n = (int)(max_seconds / warm);
+    if (n < 1) n = 1;
+    double *t = malloc(sizeof(double) * n);
+    for (int r = 0; r < n; r++) {
         double t0 = now();
         fn(arg);
         cudaDeviceSynchronize();
         be->sync(be);
         t[r] = now() - t0;
     }
-    qsort(t, reps, sizeof(double), cmp_double);
-    double m = t[reps / 2];
+    qsort(t, n, sizeof(double), cmp_double);
+    double m = t[n / 2];
     free(t);
     return m;
 }
@@ -202,8 +217,11 @@ static void bench_attention(const char *label, int n_prefix, int n_seg, int len)
     void **kbufs[] = { &a.k, &a.v, &a.dk, &a.dv };
     for (int i = 0; i < 4; i++) { *kbufs[i] = dalloc(2 * nk); fill_random_bf16(*kbufs[i], nk, 20 + i); }
     if (n_prefix) {
-        void **pbufs[] = { &a.kp, &a.vp, &a.dkp, &a.dvp };
-        for (int i = 0; i < 4; i++) { *pbufs[i] = dalloc(2 * np); fill_random_bf16(*pbufs[i], np, 30 + i); }
+        a.kp = dalloc(2 * np); fill_random_bf16(a.kp, np, 30);
+        a.vp = dalloc(2 * np); fill_random_bf16(a.vp, np, 31);
+        /* dkp, dvp: room for fp32 accumulators, zero (0 in bf16 and in fp32 alike) */
+        a.dkp = dalloc(4 * np); cudaMemset(a.dkp, 0, 4 * np);
+        a.dvp = dalloc(4 * np); cudaMemset(a.dvp, 0, 4 * np);
     }
     a.lse = dalloc(sizeof(float) * (size_t)N * NH);
     double pairs = (double)n_seg * ((double)len * n_prefix + (double)len * (len + 1) / 2);
@@ -214,28 +232,181 @@ static void bench_attention(const char *label, int n_prefix, int n_seg, int len)
     double tb = median_time(att_call, &a);
     pr_error err;
     if (be->take_error(be, &err)) printf("attention: %s\n", err.message);
-    printf("%-34s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
+    printf("%-48s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
     void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) if (all[i]) be->release(be, all[i], PR_TIER_DEVICE);
     free(seg);
 }
 
-/* The tensor-core attention (PR_CUDA_ATTENTION_MMA) beside the FFMA kernels, head dim 128, 32 query
-   / 8 KV heads: causal over one 8k sequence, and the two-region shapes of a long-prefix GRPO group
-   (prefix 10k, G suffixes of 2k, G = 8 and 32) as one Phase-B microbatch. FLOPs as FlashAttention
-   counts them: 4 * (query, key) pairs seen * HS * NH forward, 2.5x that backward. The FFMA kernels
-   are timed over at most 3 runs (seconds each at G = 32). */
-static void bench_attention_kernels(void) {
-    static const struct { const char *label; int n_prefix, n_seg, len; } shapes[] = {
-        { "causal, one 8k sequence", 0, 1, 8192 },
-        { "two-region: prefix 10k + 8 x 2k", 10240, 8, 2048 },
-        { "two-region: prefix 10k + 32 x 2k", 10240, 32, 2048 },
-    };
-    const int NH = 32, NKV = 8, HS = 128, saved_reps = reps;
-    printf("\nattention kernels, bf16, head dim 128, 32 query / 8 KV heads (TF/s)\n");
-    printf("%-34s %9s %9s %9s %9s %8s %8s\n", "", "FFMA fwd", "MMA fwd", "FFMA bwd", "MMA bwd", "fwd x", "bwd x");
-    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
-        const int n_prefix = shapes[i].n_prefix, n_seg = shapes[i].n_seg, len = shapes[i].len, N = n_seg * len;
+/* ---------------------------------------------------------------- --smoke */
+static void smoke_say(const char *what) {
+    printf("smoke: %s\n", what);
+    fflush(stdout);
+}
+static int smoke_fail(const char *what, const char *why) {
+    printf("smoke: FAILED at %s: %s\n", what, why);
+    return 1;
+}
+static int smoke_backend_ok(const char *what) {
+    pr_error err;
+    if (be->take_error(be, &err) != PR_OK) return !smoke_fail(what, err.message);
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) return !smoke_fail(what, cudaGetErrorString(e));
+    return 1;
+}
+/* n bf16 values from the device: finite? */
+static int finite_bf16(const void *d, size_t n) {
+    uint16_t *h = malloc(2 * n);
+    cudaMemcpy(h, d, 2 * n, cudaMemcpyDeviceToHost);
+    int ok = 1;
+    for (size_t i = 0; i < n && ok; i++) ok = isfinite(pr_bf16_to_f32(h[i]));
+    free(h);
+    return ok;
+}
+
+static int smoke(void) {
+    pr_error err;
+    int driver = 0, runtime = 0, ndev = 0;
+    smoke_say("CUDA driver and runtime");
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    printf("smoke: driver API %d, runtime %d, %d device(s)%s%s\n", driver, runtime, ndev, e ? ": " : "", e ? cudaGetErrorString(e) : "");
+    if (e != cudaSuccess || ndev < 1) return smoke_fail("device count", e ? cudaGetErrorString(e) : "no device");
+    smoke_say("device properties");
+    struct cudaDeviceProp prop;
+    if ((e = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess) return smoke_fail("device properties", cudaGetErrorString(e));
+    printf("smoke: %s, compute capability %d.%d, %d SMs, %.1f GiB, L2 %.0f MiB, shared memory per block up to %zu KiB\n",
+           prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+           prop.l2CacheSize / 1048576.0, prop.sharedMemPerBlockOptin / 1024);
+    smoke_say("backend (streams, cuBLASLt handle)");
+    if (pr_backend_cuda_create(&be, 0, &err)) return smoke_fail("backend", err.message);
+
+    smoke_say("GEMM 64 x 256 -> 192 (matmul_fwd) against the host");
+    {
+        const int N = 64, C = 256, OC = 192;
+        float *w = malloc(sizeof(float) * OC * C);
+        uint16_t *x = malloc(2 * N * C), *y = malloc(2 * N * OC);
+        uint64_t s = 12345;
+        for (int i = 0; i < OC * C; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; w[i] = pr_bf16_to_f32(pr_f32_to_bf16((float)((s >> 11) * 0x1p-53 - 0.5) * 0.1f)); }
+        for (int i = 0; i < N * C; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; x[i] = pr_f32_to_bf16((float)((s >> 11) * 0x1p-53 - 0.5)); }
+        float *dw = dalloc(sizeof(float) * OC * C);
+        void *dx = dalloc(2 * N * C), *dy = dalloc(2 * N * OC);
+        cudaMemcpy(dw, w, sizeof(float) * OC * C, cudaMemcpyHostToDevice);
+        cudaMemcpy(dx, x, 2 * N * C, cudaMemcpyHostToDevice);
+        be->prepare_weights(be, dw, (size_t)OC * C);
+        be->matmul_fwd(be, dy, dx, dw, N, C, OC);
+        if (!smoke_backend_ok("GEMM")) return 1;
+        cudaMemcpy(y, dy, 2 * N * OC, cudaMemcpyDeviceToHost);
+        double num = 0, den = 0;
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < OC; o++) {
+                double r = 0;
+                for (int c = 0; c < C; c++) r += (double)pr_bf16_to_f32(x[n * C + c]) * w[o * C + c];
+                double d = pr_bf16_to_f32(y[n * OC + o]) - r;
+                num += d * d;
+                den += r * r;
+            }
+        double rel = sqrt(num / den);
+        printf("smoke: GEMM relative error %.2e\n", rel);
+        be->release(be, dw, PR_TIER_DEVICE); be->release(be, dx, PR_TIER_DEVICE); be->release(be, dy, PR_TIER_DEVICE);
+        free(w); free(x); free(y);
+        if (!(rel <= 1e-2)) return smoke_fail("GEMM", "relative error above 1e-2");
+    }
+
+    smoke_say("attention forward: prefix 32, 2 segments of 16, 4 query / 2 KV heads, head dim 128");
+    {
+        att_args a;
+        memset(&a, 0, sizeof a);
+        const int NH = 4, NKV = 2, HS = 128, np = 32, seg[3] = { 0, 16, 32 }, N = 32;
+        a.lay.n_seg = 2; a.lay.seg_off = seg; a.lay.pos0 = np; a.lay.n_prefix = np;
+        a.NH = NH; a.NKV = NKV; a.HS = HS;
+        size_t nq = (size_t)N * NH * HS, nk = (size_t)N * NKV * HS, npk = (size_t)np * NKV * HS;
+        void **qb[] = { &a.q, &a.o, &a.dout, &a.dq }, **kb[] = { &a.k, &a.v, &a.dk, &a.dv };
+        for (int i = 0; i < 4; i++) { *qb[i] = dalloc(2 * nq); fill_random_bf16(*qb[i], nq, 40 + i); }
+        for (int i = 0; i < 4; i++) { *kb[i] = dalloc(2 * nk); fill_random_bf16(*kb[i], nk, 50 + i); }
+        a.kp = dalloc(2 * npk); fill_random_bf16(a.kp, npk, 60);
+        a.vp = dalloc(2 * npk); fill_random_bf16(a.vp, npk, 61);
+        a.dkp = dalloc(4 * npk); cudaMemset(a.dkp, 0, 4 * npk);
+        a.dvp = dalloc(4 * npk); cudaMemset(a.dvp, 0, 4 * npk);
+        a.lse = dalloc(sizeof(float) * (size_t)N * NH);
+        att_call(&a);
+        if (!smoke_backend_ok("attention forward")) return 1;
+        if (!finite_bf16(a.o, nq)) return smoke_fail("attention forward", "non-finite output");
+        smoke_say("attention backward (same shapes)");
+        a.bwd = 1;
+        att_call(&a);
+        if (!smoke_backend_ok("attention backward")) return 1;
+        if (!finite_bf16(a.dq, nq) || !finite_bf16(a.dk, nk) || !finite_bf16(a.dv, nk))
+            return smoke_fail("attention backward", "non-finite gradient");
+        void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->release(be, all[i], PR_TIER_DEVICE);
+    }
+
+    const pr_schedule schedules[2] = { PR_SCHEDULE_REUSE, PR_SCHEDULE_BASELINE };
+    for (int si = 0; si < 2; si++) {
+        const char *sname = si ? "baseline" : "reuse";
+        char what[96];
+        snprintf(what, sizeof what, "training step: model/tiny, data/sample.trace group 0, %s schedule", sname);
+        smoke_say(what);
+        pr_config cfg;
+        pr_trace trace;
+        pr_trainer *tr = NULL;
+        if (pr_config_load(&cfg, "model/tiny", &err) || pr_trace_read(&trace, "data/sample.trace", &err))
+            return smoke_fail("training step setup", err.message);
+        if (pr_trainer_create(&tr, &cfg, be, &err) || pr_trainer_init_params(tr, 7, &err)) {
+            pr_trace_free(&trace);
+            return smoke_fail("trainer", err.message);
+        }
+        pr_step_opts o = pr_step_opts_default();
+        o.schedule = schedules[si];
+        o.microbatch = 3;
+        pr_step_stats st;
+        pr_adamw_opts ao = pr_adamw_opts_default();
+        double norm = 0;
+        pr_status rc = pr_trainer_compute_grads(tr, &trace.groups[0], &o, &st, NULL, &err);
+        if (!rc) rc = pr_trainer_adamw_step(tr, &ao, &norm, &err);
+        pr_trainer_destroy(tr);
+        pr_trace_free(&trace);
+        if (rc) return smoke_fail(what, err.message);
+        printf("smoke: %s step: loss %.6f, gradient norm %.6f, %.1f ms\n", sname, st.loss, norm,
+               1e3 * (st.seconds[0] + st.seconds[1] + st.seconds[2]));
+        if (!isfinite(st.loss) || !isfinite(norm)) return smoke_fail(what, "non-finite loss or gradient norm");
+    }
+    pr_backend_cuda_destroy(be);
+    printf("smoke: ok\n");
+    return 0;
+}
+
+/* ---------------------------------------------------------------- main */
+/* The attention cases: prefix keys, segments, rows per segment. */
+static const struct { const char *name, *label; int n_prefix, n_seg, len; } att_cases[] = {
+    { "causal8k", "causal, one 8k sequence", 0, 1, 8192 },
+    { "p6k-4x512", "two-region: prefix 6k + 4 x 512", 6144, 4, 512 },
+    { "p2k-4x1.5k", "two-region: prefix 2k + 4 x 1.5k", 2048, 4, 1536 },
+    { "p10k-8x2k", "two-region: prefix 10k + 8 x 2k", 10240, 8, 2048 },
+    { "p10k-32x2k", "two-region: prefix 10k + 32 x 2k", 10240, 32, 2048 },
+};
+#define N_ATT_CASES (int)(sizeof att_cases / sizeof *att_cases)
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: bench_cuda [--reps N] [--rows N] [--max-seconds S] [--only gemm|attention] [--att LIST]\n"
+               "       bench_cuda --smoke\n"
+               "  --att: attention cases, comma-separated, of:");
+    for (int i = 0; i < N_ATT_CASES; i++) fprintf(f, " %s", att_cases[i].name);
+    fprintf(f, "\n");
+}
+
+/* The tensor-core attention (PR_CUDA_ATTENTION_MMA) beside the FFMA kernels on the selected
+   attention cases (head dim 128, 32 query / 8 KV heads): forward and backward TF/s of each, counted
+   as above, and the speed-up. */
+static void bench_attention_kernels(const int *sel) {
+    const int NH = 32, NKV = 8, HS = 128;
+    printf("\n%-48s %8s %8s %8s %8s %6s %6s\n", "attention kernels, TF/s", "FFMA fwd", "MMA fwd", "FFMA bwd", "MMA bwd",
+           "fwd x", "bwd x");
+    for (int c = 0; c < N_ATT_CASES; c++) {
+        if (!sel[c]) continue;
+        const int n_prefix = att_cases[c].n_prefix, n_seg = att_cases[c].n_seg, len = att_cases[c].len, N = n_seg * len;
         int *seg = malloc(sizeof(int) * (n_seg + 1));
         for (int s = 0; s <= n_seg; s++) seg[s] = s * len;
         att_args a;
@@ -256,23 +427,22 @@ static void bench_attention_kernels(void) {
         a.lse = dalloc(sizeof(float) * (size_t)N * NH);
         const double pairs = (double)n_seg * ((double)len * n_prefix + (double)len * (len + 1) / 2);
         const double ffwd = 4 * pairs * HS * NH, fbwd = 2.5 * ffwd;
-        double t[2][2];                                   /* [kind][fwd, bwd] */
+        double t[2][2] = { { NAN, NAN }, { NAN, NAN } };     /* [FFMA, MMA][fwd, bwd] */
         pr_error err;
         for (int kind = 0; kind < 2; kind++) {
             if (pr_backend_cuda_set_attention(be, kind ? PR_CUDA_ATTENTION_MMA : PR_CUDA_ATTENTION_FFMA, &err)) {
                 printf("attention kernels: %s\n", err.message);
-                t[kind][0] = t[kind][1] = NAN;
                 continue;
             }
-            reps = kind ? saved_reps : (saved_reps < 3 ? saved_reps : 3);
             a.bwd = 0;
-            t[kind][0] = median_time(att_call, &a);      /* the forward's out and lse feed the backward */
+            t[kind][0] = median_time(att_call, &a);          /* the forward's out and lse feed the backward */
             a.bwd = 1;
             t[kind][1] = median_time(att_call, &a);
             if (be->take_error(be, &err)) printf("attention kernels: %s\n", err.message);
         }
-        reps = saved_reps;
-        printf("%-34s %9.1f %9.1f %9.1f %9.1f %8.2f %8.2f\n", shapes[i].label, ffwd / t[0][0] / 1e12, ffwd / t[1][0] / 1e12,
+        char label[80];
+        snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
+        printf("%-48s %8.1f %8.1f %8.1f %8.1f %6.2f %6.2f\n", label, ffwd / t[0][0] / 1e12, ffwd / t[1][0] / 1e12,
                fbwd / t[0][1] / 1e12, fbwd / t[1][1] / 1e12, t[0][0] / t[1][0], t[0][1] / t[1][1]);
         void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
         for (size_t b = 0; b < sizeof all / sizeof *all; b++) if (all[b]) be->release(be, all[b], PR_TIER_DEVICE);
@@ -282,23 +452,48 @@ static void bench_attention_kernels(void) {
 }
 
 int main(int argc, char **argv) {
-    int N = 12288;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--rows")) N = atoi(argv[i + 1]);
+    int N = 12288, gemm = 1, attention = 1;
+    int att_sel[N_ATT_CASES];
+    for (int i = 0; i < N_ATT_CASES; i++) att_sel[i] = 1;
+    for (int i = 1; i < argc; i += 2) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--smoke")) return smoke();
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
+        if (!v) { usage(stderr); return 2; }
+        if (!strcmp(a, "--reps")) reps = atoi(v);
+        else if (!strcmp(a, "--rows")) N = atoi(v);
+        else if (!strcmp(a, "--max-seconds")) max_seconds = atof(v);
+        else if (!strcmp(a, "--only") && (!strcmp(v, "gemm") || !strcmp(v, "attention"))) { gemm = v[0] == 'g'; attention = !gemm; }
+        else if (!strcmp(a, "--att")) {
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", v);
+            for (int c = 0; c < N_ATT_CASES; c++) att_sel[c] = 0;
+            for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                int found = 0;
+                for (int c = 0; c < N_ATT_CASES; c++) if (!strcmp(tok, att_cases[c].name)) att_sel[c] = found = 1;
+                if (!found) { fprintf(stderr, "bench_cuda: no attention case '%s'\n", tok); usage(stderr); return 2; }
+            }
+        } else { usage(stderr); return 2; }
     }
     if (reps < 1) reps = 1;
+    if (N < 1) N = 1;
     pr_error err;
     if (pr_backend_cuda_create(&be, 0, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     struct cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
-    printf("bench_cuda on %s (%d SMs), median of %d runs\n\n", prop.name, prop.multiProcessorCount, reps);
-    bench_gemm(N);
-    printf("attention, bf16, head dim 128, 32 query / 8 KV heads    fwd TF/s bwd TF/s\n");
-    bench_attention("causal, one 8k sequence", 0, 1, 8192);
-    bench_attention("two-region: prefix 6k + 4 x 512", 6144, 4, 512);
-    bench_attention("two-region: prefix 2k + 4 x 1.5k", 2048, 4, 1536);
-    bench_attention_kernels();
+    printf("bench_cuda on %s (%d SMs), median of %d runs (fewer where they would take over %.0f s)\n\n", prop.name,
+           prop.multiProcessorCount, reps, max_seconds);
+    if (gemm) bench_gemm(N);
+    if (attention) {
+        printf("%-48s %8s %8s\n", "attention, bf16, HS 128, 32 query / 8 KV heads", "fwd TF/s", "bwd TF/s");
+        for (int c = 0; c < N_ATT_CASES; c++)
+            if (att_sel[c]) {
+                char label[80];
+                snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
+                bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len);
+            }
+        bench_attention_kernels(att_sel);
+    }
     if (be->take_error(be, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     pr_backend_cuda_destroy(be);
     return 0;

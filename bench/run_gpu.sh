@@ -1,38 +1,507 @@
 #!/bin/sh
-# Everything a lent GPU is for, in one run (from the repository root; writes logs under ${OUT:-bench/out}):
-#   1. make test-gpu                         kernels, attention shapes, determinism, --check, GPU vs CPU double
-#   2. make sass                             registers, spills and instruction mix of the kernels (needs cuobjdump)
-#   3. build/bench_cuda                      GEMMs beside cuBLASLt's best; attention TFLOP/s (causal 8k, two-region)
-#   4. train_cuda --bench                    baseline vs reuse on Llama3-8B-shaped layers at 12,288 tokens per
-#                                            trajectory, splits 2k/10k .. 10k/2k, G in $GROUPS, with MFU
-#   5. train_cuda --bench memory             per-phase peak memory and step time of baseline, reuse and
-#                                            reuse+offload at the same shapes (offload's saving and overhead)
-#   6. bench/torch_ref.py                    the same baseline step in PyTorch (eager and torch.compile), when
-#                                            torch imports
-# LAYERS (default 4) and GROUPS (default 4,8,16,32) size step 4 to the time at hand.
+# Everything a lent GPU is for, in stages that survive each other's failures. POSIX sh: runs under
+# dash or bash, from any directory (it works in the repository root).
+#
+#   bench/run_gpu.sh                        every stage, most informative first (~9 minutes on an H100)
+#   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, any order)
+#   bench/run_gpu.sh --from sanitize        from a stage or group to the last stage
+#   bench/run_gpu.sh --list                 the stages with their expected and longest times
+# preflight and after run every time (seconds each); build runs whenever a chosen stage needs it
+# (make is incremental: a call after a fix rebuilds what changed), unless --no-build.
+# --budget S: the whole run's time (default $BUDGET, else 540 s): a stage starts only while at least
+# half its expected time is left, and never runs past the budget.
+#
+# Each stage runs in its own process under `timeout`, its output in its own log. One line per stage
+# (name, ok / FAIL / TIMEOUT / SKIP, seconds, its key figure: test-gpu's closing "N passed, N failed",
+# a sanitizer's ERROR SUMMARY, the benchmarks' headline numbers) is printed and appended to the
+# summary; the stages that did not pass add their last lines at the end. Everything goes into ONE
+# archive per call, rewritten after every stage (a run cut short keeps what it did):
+#   $OUT/gpu-<stages>-<UTC time>.tgz and $OUT/gpu-<stages>-<UTC time>-summary.txt
+# Without $OUT: the same under bench/out/, beside the unpacked logs.
+#
+# Environment (defaults sized for the 9 minutes; widen them in a call of its own):
+#   JOBS          make -j (the core count)
+#   BENCH_LAYERS  Llama3-8B layers in train-bench, train-memory, torch-ref (1)
+#   BENCH_GROUPS  group sizes of train-bench and torch-ref (8)
+#   MEM_GROUPS    group size of train-memory (4)
+#   BENCH_TOTAL   tokens per trajectory (12288)
+#   TORCH_SPLITS  prefix fractions of torch-ref (0.8333, i.e. 10k/2k)
+#   REPS          timed runs per bench_cuda cell (3)
+#   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
+#
+# Sizing: Llama3-8B (C 4096, 32/8 heads of 128, MLP 14336, vocab 128256). A layer holds 218M
+# matrix parameters: 6 x 218M = 1.31 GFLOP per token (fwd + bwd). Attention: 4 * 128 * 32 = 16.4k
+# FLOP per (query, key) pair forward, 2.5x that backward. Baseline, 12,288 tokens, G = 8: 98,304
+# tokens (129 TFLOP of GEMMs per layer, ~0.2 s at 600-750 TFLOP/s) and 8 x 12288^2/2 = 604M pairs
+# (9.9 TFLOP forward, 24.7 backward: ~0.8 s + ~3.1 s at the FFMA kernels' estimated 12 and 8 TFLOP/s),
+# so ~0.16 PFLOP and ~4 s per layer-step, 90% of it attention; the LM head adds 52 TFLOP once.
+# One sweep cell (baseline + reuse, a warm-up and a timed run each) is ~0.4 PFLOP per layer; the four
+# splits at G = 8 cost ~55 s per layer, G = 32 four times that (~3.5 min per layer: a G = 32 baseline
+# step alone is ~16 s per layer, ~9 min at 32 layers). The host draws the 1.27B parameters of a
+# one-layer model (embeddings and head are 1.05B) in ~20 s per process. Hence one layer and G = 8 by
+# default; a follow-up call widens: BENCH_LAYERS=2 BENCH_GROUPS=4,8,16,32 bench/run_gpu.sh train-bench
+# shellcheck disable=SC2015   # `a && b || c` below means "c unless both a and b", as intended
 set -u
-out=${OUT:-bench/out}
-mkdir -p "$out"
-layers=${LAYERS:-4}
-groups=${GROUPS:-4,8,16,32}
-date -u +"run started %Y-%m-%d %H:%M UTC" | tee "$out/summary.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$out/summary.txt"
-make -s cuda build/test_gpu build/bench_cuda build/compare_st build/train-double > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-make -s test-gpu > "$out/test_gpu.log" 2>&1; echo "test-gpu: $(tail -n 1 "$out/test_gpu.log")" | tee -a "$out/summary.txt"
-grep FAIL "$out/test_gpu.log" | head -20
-make -s sass > "$out/sass.txt" 2>&1 || echo "sass: cuobjdump not available" | tee -a "$out/summary.txt"
-./build/bench_cuda --reps 10 > "$out/bench_cuda.txt" 2>&1; cat "$out/bench_cuda.txt" | tee -a "$out/summary.txt" > /dev/null
-./train_cuda --bench --config model/llama3-8b --layers "$layers" --bench-total 12288 --bench-groups "$groups" \
-    --microbatch 1 --bench-reps 1 > "$out/train_bench.txt" 2>&1
-cat "$out/train_bench.txt" >> "$out/summary.txt"
-./train_cuda --bench memory --config model/llama3-8b --layers "$layers" --bench-total 12288 --bench-groups 8 \
-    > "$out/train_memory.txt" 2>&1
-cat "$out/train_memory.txt" >> "$out/summary.txt"
-if python3 -c "import torch" 2>/dev/null; then
-    python3 bench/torch_ref.py --config model/llama3-8b --layers "$layers" --total 12288 --groups "$groups" --reps 1 \
-        > "$out/torch_ref.txt" 2>&1
-    cat "$out/torch_ref.txt" >> "$out/summary.txt"
-else
-    echo "torch_ref: torch is not installed here" >> "$out/summary.txt"
+self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$self")/.." || exit 1
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then PATH="$PATH:/usr/local/cuda/bin"; export PATH; fi
+
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 16)}
+BENCH_LAYERS=${BENCH_LAYERS:-1}
+BENCH_GROUPS=${BENCH_GROUPS:-8}
+MEM_GROUPS=${MEM_GROUPS:-4}
+BENCH_TOTAL=${BENCH_TOTAL:-12288}
+TORCH_SPLITS=${TORCH_SPLITS:-0.8333}
+REPS=${REPS:-3}
+RACE_CASES=${RACE_CASES:-0,3,8,9,4}
+export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES
+
+# The stages, in the order they run: name | expected seconds on an H100 | longest | needs the build | what.
+# Expected times: build ~35 s (the CUDA object is one nvcc call, its two targets in parallel); the
+# sanitizers on a tiny model and small attention shapes; bench-cuda ~20 s of GEMMs (6 shapes x 16
+# cuBLASLt candidates) and ~25 s of attention (the 10k + 32 x 2k case is 12 TFLOP forward, 30
+# backward); train-bench and train-memory from the sizing above, ~20 s of host initialisation each;
+# torch-ref ~40 s of torch.compile and a few steps. About 535 s in all.
+stages() {
+    cat <<'EOF'
+preflight|5|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
+build|35|300|0|make -j$JOBS train_cuda build/test_gpu build/bench_cuda build/compare_st build/train-double; make sass
+smoke|10|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
+test-gpu|45|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
+memcheck|40|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
+racecheck|30|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
+initcheck|25|120|1|compute-sanitizer initcheck: train_cuda --check on model/tiny with offload; test_gpu attention
+synccheck|25|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
+determinism|12|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
+bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region
+sdpa|30|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
+ncu|40|180|1|ncu --clock-control none on the attention kernels (causal 8k): speed of light, occupancy, stalls
+train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
+train-memory|50|200|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
+torch-ref|60|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
+after|3|20|0|clocks, temperature, power, memory used after the run
+EOF
+}
+all_stages=$(stages | cut -d'|' -f1 | tr '\n' ' ')
+field() { stages | awk -F'|' -v n="$1" -v f="$2" '$1 == n { print $f }'; }
+group() {
+    case $1 in
+    all) echo "$all_stages" ;;
+    sanitize) echo "memcheck racecheck initcheck synccheck" ;;
+    bench) echo "bench-cuda sdpa ncu train-bench train-memory torch-ref" ;;
+    *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
+    esac
+}
+
+# limited SECONDS CMD...: CMD under timeout (TERM, then KILL 10 s later), in the background so that
+# a signal to this shell reaches it (see the traps).
+child=
+limited() {
+    lim_s=$1
+    shift
+    timeout -k 10 "$lim_s" "$@" < /dev/null 3>&- &
+    child=$!
+    wait "$child"
+    rc_l=$?
+    child=
+    return $rc_l
+}
+
+# ------------------------------------------------------------------ stage bodies (run as --body NAME)
+key() { case $* in ''|' TF/s'*) ;; *) echo "key: $*" ;; esac; }     # nothing for an empty figure
+skip() { echo "skip: $*"; exit 77; }
+have() { command -v "$1" >/dev/null 2>&1; }
+# sub PART SECONDS CMD...: one part of a stage, its output in <stage>.PART.log, its tail here on failure
+sub() {
+    part=$1; lim=$2; shift 2
+    f="$stage_base.$part.log"
+    echo "== $part: $* (up to ${lim} s)"
+    t0=$(date +%s)
+    limited "$lim" "$@" > "$f" 2>&1
+    rc_s=$?
+    echo "== $part: exit $rc_s after $(( $(date +%s) - t0 )) s ($(basename "$f"))"
+    [ "$rc_s" -eq 0 ] || tail -n 15 "$f" | sed 's/^/   | /'
+    return $rc_s
+}
+
+body_preflight() {
+    fail=0
+    echo "== nvidia-smi"
+    if have nvidia-smi; then
+        nvidia-smi || fail=1
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit,persistence_mode,compute_mode,mig.mode.current --format=csv
+        nvidia-smi -q -d PERFORMANCE,CLOCK
+        key "$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader 2>&1 | head -n 1 |
+               awk -F', ' '{ printf "%s, driver %s, SM %s of %s, %s C", $1, $2, $3, $4, $5 }')"
+    else
+        fail=1
+        key "no nvidia-smi"
+    fi
+    echo "== toolkit"
+    if have nvcc; then command -v nvcc; nvcc --version; v=$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'); else v=none; fail=1; fi
+    make -s info
+    key "nvcc $v, nccl: $(make -s info 2>/dev/null | sed -n 's/.*nccl: //p')"
+    ldconfig -p 2>/dev/null | grep -E 'libnccl|libcublasLt|libcudnn\.' | head -n 20
+    tools=
+    for t in compute-sanitizer ncu cuobjdump; do
+        echo "== $t"
+        if have "$t"; then
+            command -v "$t"
+            "$t" --version 2>&1 | tail -n 2
+            ver=$("$t" --version 2>&1 | grep -o -E '[0-9]{4}\.[0-9]+\.[0-9]+|V[0-9.]+' | head -n 1)
+            tools="$tools $t ${ver:-present},"
+        else tools="$tools $t missing,"; fi
+    done
+    tools=${tools# }
+    key "${tools%,}"
+    echo "== machine"
+    nproc; free -g; df -h . | tail -n 1; uname -a; cc --version 2>&1 | head -n 1; make --version | head -n 1
+    echo "== python"
+    if have python3; then
+        python3 -c 'import torch; c = torch.cuda.is_available(); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version() if c else "-", torch.cuda.get_device_name() if c else "no GPU for torch")' 2>&1 | tail -n 1
+        python3 -c 'import nvidia.nccl as m, os; f = m.__file__; print("nvidia.nccl at", os.path.dirname(f) if f else next(iter(m.__path__)))' 2>&1 | tail -n 1
+    fi
+    key "$(nproc) cores, $(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no torch')"
+    return $fail
+}
+
+body_build() {
+    make info
+    t0=$(date +%s)
+    make -j"$JOBS" train_cuda build/test_gpu build/bench_cuda build/compare_st build/train-double
+    rc=$?
+    if [ $rc -eq 0 ]; then
+        key "built in $(( $(date +%s) - t0 )) s with -j$JOBS"
+        if have cuobjdump; then sub sass 60 make -s sass && key "make sass: $(grep -c . "$stage_base.sass.log") lines"; fi
+        return 0
+    fi
+    # the first errors last, where the summary's tail of this log finds them
+    echo "== the first errors"
+    grep -E 'error:|error #|fatal|undefined reference|\*\*\*' "$stage_base.log" | head -n 12
+    key "make failed: $(grep -m 1 -E 'error:|error #|fatal|undefined reference|\*\*\*' "$stage_base.log" | cut -c1-160)"
+    return $rc
+}
+
+body_smoke() {
+    # every launch synchronous: a fault is reported by the launch that made it, named
+    CUDA_LAUNCH_BLOCKING=1 ./build/bench_cuda --smoke
+    rc=$?
+    key "$(grep '^smoke:' "$stage_base.log" | tail -n 1 | cut -c8-160)"
+    return $rc
+}
+
+body_test_gpu() {
+    make test-gpu
+    rc=$?
+    key "$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.log" | tail -n 1)"
+    n=$(grep -c '^FAIL' "$stage_base.log")
+    [ "$n" -gt 0 ] && key "$n FAIL lines, the first: $(grep -m 1 '^FAIL' "$stage_base.log" | cut -c1-140)"
+    return $rc
+}
+
+# compute-sanitizer TOOL on a tiny training step and on the attention tests, half the stage's time each
+sanitize() {
+    tool=$1; step=$2; shift 2
+    have compute-sanitizer || skip "compute-sanitizer not found"
+    half=$(( stage_limit / 2 - 5 ))
+    [ $half -ge 10 ] || half=10
+    fail=0
+    for what in train attention; do
+        if [ $what = train ]; then
+            # shellcheck disable=SC2086   # $step is two words on purpose
+            set -- ./train_cuda --config model/tiny $step --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+        elif [ "$tool" = racecheck ]; then
+            set -- build/test_gpu attention --cases "$RACE_CASES"
+        else
+            set -- build/test_gpu attention
+        fi
+        extra=
+        [ "$tool" = memcheck ] && extra="--leak-check full"
+        [ "$tool" = racecheck ] && extra="--racecheck-report hazard"
+        # shellcheck disable=SC2086
+        sub $what "$half" compute-sanitizer --tool "$tool" --error-exitcode 9 $extra "$@"
+        rc=$?
+        [ $rc -eq 0 ] || fail=1
+        s=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$what.log" | sed 's/^=* *//' | tr '\n' ' ')
+        case $rc in 124|137) s="${s}timed out at $half s" ;; esac
+        key "$what: ${s:-exit $rc, no summary}"
+    done
+    return $fail
+}
+body_memcheck() { sanitize memcheck --check; }
+body_racecheck() { sanitize racecheck "--steps 1"; }
+body_initcheck() { sanitize initcheck --check; }
+body_synccheck() { sanitize synccheck --check; }
+
+body_determinism() {
+    fail=0
+    for m in tiny-qwen3 tiny-moe; do
+        for i in 1 2; do
+            sub "$m-$i" 40 ./train_cuda --config model/$m --steps 2 --save-grads "$stage_base.$m-$i.safetensors" || fail=1
+        done
+        if [ ! -f "$stage_base.$m-1.safetensors" ] || [ ! -f "$stage_base.$m-2.safetensors" ]; then
+            key "$m: a run wrote no gradients"
+            fail=1
+        elif cmp "$stage_base.$m-1.safetensors" "$stage_base.$m-2.safetensors"; then
+            key "$m bitwise equal"
+            rm -f "$stage_base.$m-1.safetensors" "$stage_base.$m-2.safetensors"
+        else
+            key "$m DIFFERS"
+            fail=1
+        fi
+    done
+    return $fail
+}
+
+body_bench_cuda() {
+    ./build/bench_cuda --reps "$REPS"
+    rc=$?
+    key "$(grep '^GEMM: mean' "$stage_base.log" | cut -c7-)"
+    # attention lines: "<label> [name]  fwd  bwd   (fwd ms / bwd ms)"
+    key "$(awk '/\[(causal8k|p10k-8x2k|p10k-32x2k)\]/ { n = $0; sub(/.*\[/, "", n); sub(/\].*/, "", n)
+                printf "%s%s %s/%s", sep, n, $(NF-5), $(NF-4); sep = ", " }' "$stage_base.log") TF/s fwd/bwd"
+    return $rc
+}
+
+body_sdpa() {
+    have python3 && python3 -c 'import torch' 2>/dev/null || skip "no python3 with torch"
+    PYTHONUNBUFFERED=1 python3 bench/sdpa_ref.py --reps 10
+    rc=$?
+    key "$(awk '$1 == "causal8k" && $3 != "-" { printf "%s%s %s/%s", sep, $2, $3, $4; sep = ", " }' "$stage_base.log") TF/s causal 8k fwd/bwd"
+    return $rc
+}
+
+body_ncu() {
+    have ncu || skip "ncu not found"
+    rep="$stage_base.attention"
+    lim_p=$(( stage_limit - 20 ))
+    [ $lim_p -ge 10 ] || lim_p=10
+    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd)' --launch-skip 1 --launch-count 3 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats -f -o "$rep" \
+        ./build/bench_cuda --only attention --att causal8k --reps 1
+    rc=$?
+    [ -f "$rep.ncu-rep" ] || { key "no report: $(grep -m 1 -E '==ERROR==|ERR_' "$stage_base.profile.log" | cut -c1-140)"; return 1; }
+    ncu -i "$rep.ncu-rep" --page details > "$stage_base.details.log" 2>&1
+    ncu -i "$rep.ncu-rep" --page raw --csv > "$stage_base.raw.csv" 2>&1
+    # per kernel (a block per kernel, headed by its name and launch): duration, SM and memory throughput
+    key "$(awk 'function out() { if (k != "") { printf "%s%s %s %s, SM %s%%, memory %s%%", sep, k, dur, unit, sm, mem; sep = "; " } }
+               /pr_k_attention_.*Context/ { out(); k = $0; sub(/.*pr_k_attention_/, "", k); sub(/[<(].*/, "", k); sm = mem = dur = unit = "?" }
+               /^ *Duration/ { dur = $NF; unit = $(NF-1) }
+               /Compute \(SM\) Throughput/ { sm = $NF }
+               /^ *Memory Throughput/ && $(NF-1) == "%" { mem = $NF }
+               END { out() }' "$stage_base.details.log")"
+    # the report itself only if small (the archive comes back under 16 MiB)
+    [ "$(wc -c < "$rep.ncu-rep")" -lt 8000000 ] || rm -f "$rep.ncu-rep"
+    return $rc
+}
+
+body_train_bench() {
+    ./train_cuda --bench --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
+        --bench-groups "$BENCH_GROUPS" --microbatch 1 --bench-reps 1
+    rc=$?
+    key "$(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
+    # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU]
+    key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ && NF >= 9 { printf "%s%s G%s %s (bound %s, MFU %s/%s)", sep, $1, $2, $5, $6, $10, $11; sep = ", " }' "$stage_base.log" | cut -c1-300)"
+    return $rc
+}
+
+body_train_memory() {
+    ./train_cuda --bench memory --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
+        --bench-groups "$MEM_GROUPS"
+    rc=$?
+    key "$(awk '$2 == "reuse+offload" { l = $0 } END { if (l != "") print "last split, reuse+offload: " l }' "$stage_base.log" | tr -s ' ' | cut -c1-200)"
+    return $rc
+}
+
+body_torch_ref() {
+    have python3 && python3 -c 'import torch' 2>/dev/null || skip "no python3 with torch"
+    PYTHONUNBUFFERED=1 python3 bench/torch_ref.py --config model/llama3-8b --layers "$BENCH_LAYERS" --total "$BENCH_TOTAL" \
+        --groups "$BENCH_GROUPS" --splits "$TORCH_SPLITS" --reps 1
+    rc=$?
+    key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ { printf "%s%s G%s eager %s s compile %s s (MFU %s/%s)", sep, $1, $2, $3, $4, $5, $6; sep = ", " }' "$stage_base.log")"
+    return $rc
+}
+
+body_after() {
+    have nvidia-smi || skip "no nvidia-smi"
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used,memory.total --format=csv
+    nvidia-smi -q -d PERFORMANCE
+    key "$(nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw,memory.used --format=csv,noheader 2>&1 | head -n 1 |
+           awk -F', ' '{ printf "SM %s, %s C, %s, %s used", $1, $2, $3, $4 }')"
+    return 0
+}
+
+if [ "${1:-}" = --body ]; then
+    trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null; exit 143' TERM INT HUP
+    "body_$(echo "$2" | tr - _)"
+    exit $?
 fi
-cat "$out/summary.txt"
+
+# ------------------------------------------------------------------ the run
+usage() {
+    echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
+    echo "stages: $all_stages"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench train-memory torch-ref)"
+}
+list() {
+    printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
+    total=0
+    for s in $all_stages; do
+        e=$(field "$s" 2); total=$((total + e))
+        printf '%-13s %5ss %5ss %6s  %s\n' "$s" "$e" "$(field "$s" 3)" "$( [ "$(field "$s" 4)" = 1 ] && echo needs || echo -)" "$(field "$s" 5)"
+    done
+    echo "all: about $total s expected (H100, make -j16); the budget stops the run at ${BUDGET:-540} s"
+}
+
+budget=${BUDGET:-540}
+nobuild=0
+chosen=
+label=
+while [ $# -gt 0 ]; do
+    case $1 in
+    --list) list; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
+    --budget) [ $# -ge 2 ] && [ "$2" -gt 0 ] 2>/dev/null || { echo "run_gpu.sh: --budget wants seconds" >&2; exit 2; }
+              budget=$2; shift ;;
+    --no-build) nobuild=1 ;;
+    --from)
+        [ $# -ge 2 ] && g=$(group "$2") || { echo "run_gpu.sh: --from wants a stage or group" >&2; usage >&2; exit 2; }
+        first=${g%% *}; on=0
+        for s in $all_stages; do [ "$s" = "$first" ] && on=1; [ $on = 1 ] && chosen="$chosen $s"; done
+        label="${label}_from-$2"; shift ;;
+    -*) echo "run_gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *)
+        g=$(group "$1") || { echo "run_gpu.sh: unknown stage or group '$1'" >&2; usage >&2; exit 2; }
+        chosen="$chosen $g"; label="${label}_$1" ;;
+    esac
+    shift
+done
+[ -n "$chosen" ] || { chosen=$all_stages; label=_all; }
+label=$(echo "${label#_}" | tr -c 'A-Za-z0-9_.\n-' '-' | cut -c1-60)
+# the chosen stages in their running order, with preflight, after, and build where needed
+needbuild=0
+for s in $chosen; do [ "$(field "$s" 4)" = 1 ] && needbuild=1; done
+run=
+for s in $all_stages; do
+    case " $chosen " in
+    *" $s "*) run="$run $s" ;;
+    *) { [ "$s" = preflight ] || [ "$s" = after ] || { [ "$s" = build ] && [ $needbuild = 1 ] && [ $nobuild = 0 ]; }; } && run="$run $s" ;;
+    esac
+done
+
+stamp=$(date -u +%Y%m%d-%H%M%S)
+name="gpu-$label-$stamp"
+if [ -n "${OUT:-}" ]; then
+    outdir=$OUT
+    tmproot=$(mktemp -d "${TMPDIR:-/tmp}/run_gpu.XXXXXX") || exit 1
+else
+    outdir=bench/out
+    tmproot=$outdir
+fi
+mkdir -p "$outdir" "$tmproot/$name" || exit 1
+logdir=$(cd "$tmproot/$name" && pwd)
+summary="$logdir/summary.txt"
+export logdir
+
+archive() {
+    tar czf "$outdir/$name.tgz.part" -C "$tmproot" "$name" 2>/dev/null
+    if [ "$(wc -c < "$outdir/$name.tgz.part")" -gt 15000000 ]; then    # files come back under 16 MiB
+        tar czf "$outdir/$name.tgz.part" --exclude='*.ncu-rep' --exclude='*.safetensors' -C "$tmproot" "$name" 2>/dev/null
+    fi
+    mv -f "$outdir/$name.tgz.part" "$outdir/$name.tgz"
+    cp "$summary" "$outdir/$name-summary.txt"
+}
+
+start=$(date +%s)
+deadline=$((start + budget))
+reserve=25                        # for after and the last archive
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && commit="$commit+changes"
+{
+    echo "# bench/run_gpu.sh$run"
+    echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
+    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS MEM_GROUPS=$MEM_GROUPS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES"
+    printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
+} > "$summary"
+cat "$summary"
+
+build_status=ok
+n=0
+unpassed=
+finish() {
+    total=$(( $(date +%s) - start ))
+    counts=$(awk '!/^#/ && NF >= 2 { c[$2]++ } END { printf "%d ok, %d FAIL, %d TIMEOUT, %d SKIP", c["ok"], c["FAIL"], c["TIMEOUT"], c["SKIP"] }' "$summary")
+    echo "# $total s of a ${budget} s budget: $counts" | tee -a "$summary"
+    if [ -n "$unpassed" ]; then
+        echo "# ---- the last lines of each stage that did not pass" >> "$summary"
+        for s in $unpassed; do
+            {
+                echo "## $s"
+                tail -n 15 "$logdir"/[0-9][0-9]-"$s".log
+            } >> "$summary"
+        done
+        sed -n '/^# ---- the last lines/,$p' "$summary"
+    fi
+    archive
+    echo "logs: $outdir/$name.tgz; summary: $outdir/$name-summary.txt"
+}
+# A signal stops the stage in hand (its process group through timeout) and still writes the archive.
+# The handler runs inside the stage's redirection: its output goes to fd 3, the run's own stdout.
+on_signal() {
+    trap - INT TERM HUP
+    {
+        [ -n "$child" ] && kill -TERM "$child" 2>/dev/null && wait "$child" 2>/dev/null
+        printf '%-13s %-7s %5s  %s\n' "$cur" FAIL "$(( $(date +%s) - t_start ))" "interrupted by a signal" | tee -a "$summary"
+        unpassed="$unpassed $cur"
+        finish
+    } >&3 2>&3
+    exit 130
+}
+exec 3>&1
+t_start=$(date +%s)
+cur=
+trap on_signal INT TERM HUP
+
+for cur in $run; do
+    exp=$(field "$cur" 2); lim=$(field "$cur" 3)
+    n=$((n + 1))
+    stage_base="$logdir/$(printf '%02d' $n)-$cur"
+    log="$stage_base.log"
+    t_start=$(date +%s)
+    status=; note=; cut=
+    if [ "$(field "$cur" 4)" = 1 ] && [ "$build_status" != ok ]; then
+        status=SKIP; note="needs the build (build: $build_status)"
+    elif [ "$cur" != after ]; then
+        left=$((deadline - t_start - reserve))
+        half=$(( (exp + 1) / 2 ))
+        [ $half -lt 5 ] && half=5
+        if [ $left -lt $half ]; then status=SKIP; note="not started: ${left} s of the budget left, ${exp} s expected"
+        elif [ $left -lt "$lim" ]; then lim=$left; cut=" (the budget's)"; fi
+    fi
+    if [ -z "$status" ]; then
+        stage_limit=$lim
+        export stage_base stage_limit
+        limited "$lim" sh "$self" --body "$cur" > "$log" 2>&1
+        rc=$?
+        case $rc in
+        0) status=ok ;;
+        77) status=SKIP; note=$(sed -n 's/^skip: //p' "$log" | tail -n 1) ;;
+        124|137) status=TIMEOUT; note="stopped at the ${lim} s limit$cut" ;;
+        *) status=FAIL ;;
+        esac
+    else
+        echo "$note" > "$log"
+    fi
+    [ "$cur" = build ] && build_status=$status
+    secs=$(( $(date +%s) - t_start ))
+    k=$(sed -n 's/^key: //p' "$log" | awk 'NF { printf "%s%s", sep, $0; sep = "; " }')
+    [ -n "$k" ] || [ -n "$note" ] || k=$(grep -v -e '^[[:space:]]*$' -e '^key:' "$log" | tail -n 1)
+    [ -n "$note" ] && k="${k:+$k; }$note"
+    printf '%-13s %-7s %5s  %s\n' "$cur" "$status" "$secs" "$(echo "$k" | cut -c1-400)" | tee -a "$summary"
+    case $status in ok|SKIP) ;; *) unpassed="$unpassed $cur" ;; esac
+    archive
+done
+trap - INT TERM HUP
+finish
+[ -z "$unpassed" ]

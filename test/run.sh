@@ -7,6 +7,9 @@ dir=${1:-build}
 for p in float double; do
     for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
+run "$dir/test_attn_model-double"
+run "$dir/test_attn_check"
+run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
 for p in float double; do
@@ -23,4 +26,5 @@ for p in float double; do
     run "$dir/train-$p" --check --dp 2 --dp-groups 1 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --dp-groups 2 --pp 2 --aux-scope group
 done
+run python3 test/test_importers.py "$dir/train-float"
 report

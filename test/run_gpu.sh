@@ -2,8 +2,9 @@
 # The GPU tests (make test-gpu), from the repository root:
 #   build/test_gpu      every CUDA kernel and the two-region attention against the double CPU
 #                       path, and bitwise reproducibility of the backward and of whole steps;
-#   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too), and
-#                       with offload on: reuse with and without offload bitwise equal (copy stream);
+#   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too;
+#                       microbatches of 1, 2 and 3), and with offload on: reuse with and without
+#                       offload bitwise equal (copy stream);
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer).
 # Last line: "N passed, N failed".
@@ -12,6 +13,8 @@ run build/test_gpu
 for m in tiny tiny-qwen3; do
     for lay in padded packed; do run ./train_cuda --config model/$m --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run ./train_cuda --config model/$m --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+    # one suffix per microbatch: gK/gV summed over the most Phase-B passes (fp32 on the GPU)
+    run ./train_cuda --config model/$m --check --microbatch 1
 done
 for scope in microbatch group; do
     run ./train_cuda --config model/tiny-moe --check --microbatch 3 --aux-scope $scope

@@ -548,6 +548,25 @@ static void test_bad_input(void) {
         free(p1); free(g1);
     }
 
+    /* AdamW settings out of range: refused before anything moves */
+    struct { const char *what; double lr, wd, clip, eps, beta1; } bad_adam[] = {
+        { "lr inf", INFINITY, 0, 0, 1e-8, 0.9 }, { "lr nan", NAN, 0, 0, 1e-8, 0.9 }, { "lr < 0", -1e-3, 0, 0, 1e-8, 0.9 },
+        { "weight decay inf", 1e-3, INFINITY, 0, 1e-8, 0.9 }, { "weight decay < 0", 1e-3, -0.1, 0, 1e-8, 0.9 },
+        { "clip nan", 1e-3, 0, NAN, 1e-8, 0.9 }, { "clip < 0", 1e-3, 0, -3, 1e-8, 0.9 }, { "eps 0", 1e-3, 0, 0, 0, 0.9 },
+        { "eps inf", 1e-3, 0, 0, INFINITY, 0.9 }, { "beta1 1", 1e-3, 0, 0, 1e-8, 1.0 },
+    };
+    for (size_t k = 0; k < sizeof bad_adam / sizeof *bad_adam; k++) {
+        pr_adamw_opts a = pr_adamw_opts_default();
+        a.lr = bad_adam[k].lr; a.weight_decay = bad_adam[k].wd; a.max_grad_norm = bad_adam[k].clip;
+        a.eps = bad_adam[k].eps; a.beta1 = bad_adam[k].beta1;
+        memset(&err, 0, sizeof err);
+        CHECK(pr_trainer_adamw_step(tr, &a, NULL, &err) == PR_ERR_ARG && err.message[0], "AdamW %s accepted", bad_adam[k].what);
+        pr_real *p1 = params_of(tr), *g1 = grads_of(tr);
+        CHECK(!memcmp(p0, p1, n * sizeof(pr_real)) && !memcmp(g0, g1, n * sizeof(pr_real)),
+              "AdamW %s: parameters or gradients changed by a refused call", bad_adam[k].what);
+        free(p1); free(g1);
+    }
+
     /* a config that does not validate: no trainer, the out-pointer untouched */
     pr_config badc = c;
     badc.num_key_value_heads = 3;

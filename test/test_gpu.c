@@ -3,10 +3,17 @@
    shapes; bitwise determinism of the attention backward and of a whole training step.
    Inputs are drawn, rounded to bf16, and given to both sides, so the reference sees exactly what
    the GPU sees. Errors are ||gpu - ref|| / ||ref||: bf16 outputs within 1e-2, fp32 outputs within
-   1e-5 (the limits the CUDA backend promises). Needs a GPU: `make test-gpu`. */
+   1e-5 (the limits the CUDA backend promises). The attention backward's outputs are added into
+   (+=): their error is taken on the increment (test/attn_check.h says why, and test_attn_check
+   shows on the CPU that planted faults fail it). Needs a GPU: `make test-gpu`.
+
+     build/test_gpu [kernels] [attention] [steps] [--cases LIST] [--list]
+   runs the named parts only (all by default); --cases (e.g. 0,3,8-10) runs only those attention
+   shapes (the attention part alone, unless parts are named); --list prints the shapes. */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "gpu_ref.h"
+#include "attn_check.h"
 #include "harness.h"
 
 #include <math.h>
@@ -85,16 +92,6 @@ static double *host_bf16(const void *d, size_t n) { return host_copy(d, n, 1); }
 static double *host_f32(const void *d, size_t n) { return host_copy(d, n, 0); }
 static void release(void *d) { be->release(be, d, PR_TIER_DEVICE); }
 
-/* ||a - b|| / ||b||, NaN when any element of a is NaN */
-static double rel_err(const double *a, const double *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (a[i] != a[i]) return NAN;
-        num += (a[i] - b[i]) * (a[i] - b[i]);
-        den += b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
 #define EXPECT_CLOSE(gpu, ref, n, tol, what, ...)                                           \
     do {                                                                                    \
         double e_ = rel_err(gpu, ref, n);                                                   \
@@ -298,75 +295,63 @@ static void test_optimizer(size_t n) {
 }
 
 /* ---------------------------------------------------------------- attention */
-typedef struct { int n_seg, lens[8], n_prefix, NH, NKV, HS; } att_case;
-
-static void test_attention(const att_case *c) {
-    int seg_off[9] = { 0 };
-    for (int s = 0; s < c->n_seg; s++) seg_off[s + 1] = seg_off[s] + c->lens[s];
-    const int N = seg_off[c->n_seg], np = c->n_prefix, qd = c->NH * c->HS, kvd = c->NKV * c->HS;
-    const size_t nq = (size_t)N * qd, nk = (size_t)N * kvd, npk = (size_t)(np ? np : 1) * kvd;
-    double *q = random_bf16(nq, 1), *k = random_bf16(nk, 1), *v = random_bf16(nk, 1);
-    double *kp = random_bf16(npk, 1), *vp = random_bf16(npk, 1), *dout = random_bf16(nq, 1);
+static void test_attention(int index) {
+    const att_case *c = &att_cases[index];
+    att_problem p;
+    att_problem_init(&p, c, ATT_QK_SCALE, (uint64_t)index);
+    const int N = p.N, np = p.np;
+    const size_t nq = p.nq, nk = p.nk, npk = p.npk;
     double *ro = malloc(sizeof(double) * nq), *rl = malloc(sizeof(double) * (size_t)N * c->NH);
-    ref_attention_fwd(ro, rl, q, k, v, np ? kp : NULL, np ? vp : NULL, seg_off, c->n_seg, np, c->NH, c->NKV, c->HS);
-    pr_seq_layout lay = { c->n_seg, seg_off, np, np };
-    void *q_ = dev_bf16(q, nq), *k_ = dev_bf16(k, nk), *v_ = dev_bf16(v, nk), *kp_ = dev_bf16(kp, npk), *vp_ = dev_bf16(vp, npk);
+    ref_attention_fwd(ro, rl, p.q, p.k, p.v, np ? p.kp : NULL, np ? p.vp : NULL, p.seg_off, c->n_seg, np, c->NH, c->NKV, c->HS);
+    pr_seq_layout lay = { c->n_seg, p.seg_off, np, np };
+    void *q_ = dev_bf16(p.q, nq), *k_ = dev_bf16(p.k, nk), *v_ = dev_bf16(p.v, nk), *kp_ = dev_bf16(p.kp, npk), *vp_ = dev_bf16(p.vp, npk);
     void *o_ = dev_poison(nq, 2), *l_ = dev_poison((size_t)N * c->NH, 4);
     be->attention_fwd(be, o_, l_, q_, k_, v_, np ? kp_ : NULL, np ? vp_ : NULL, &lay, c->NH, c->NKV, c->HS);
     expect_backend_ok("attention_fwd");
     double *go = host_bf16(o_, nq), *gl = host_f32(l_, (size_t)N * c->NH);
-    char what[160];
-    int len = snprintf(what, sizeof what, "attention P %d NH %d NKV %d HS %d segments", np, c->NH, c->NKV, c->HS);
-    for (int s = 0; s < c->n_seg && len < 140; s++) len += snprintf(what + len, sizeof what - len, " %d", c->lens[s]);
-    char w2[200];
+    char what[160], w2[200];
+    att_case_name(c, what, sizeof what);
     snprintf(w2, sizeof w2, "%s: out", what);
-    EXPECT_CLOSE(go, ro, nq, TOL_BF16, w2);
+    EXPECT_CLOSE(go, ro, nq, ATT_TOL, w2);
     snprintf(w2, sizeof w2, "%s: lse", what);
-    EXPECT_CLOSE(gl, rl, (size_t)N * c->NH, TOL_FP32, w2);
+    EXPECT_CLOSE(gl, rl, (size_t)N * c->NH, ATT_TOL_LSE, w2);
 
-    /* the backward from the GPU's own forward outputs; gradients start from random values (+=) */
-    double *dq0 = random_bf16(nq, 1), *dk0 = random_bf16(nk, 1), *dv0 = random_bf16(nk, 1);
-    double *dkp0 = random_bf16(npk, 1), *dvp0 = random_bf16(npk, 1);
-    double *rdq = copy_of(dq0, nq), *rdk = copy_of(dk0, nk), *rdv = copy_of(dv0, nk), *rdkp = copy_of(dkp0, npk), *rdvp = copy_of(dvp0, npk);
-    ref_attention_bwd(rdq, rdk, rdv, np ? rdkp : NULL, np ? rdvp : NULL, dout, go, gl, q, k, v, np ? kp : NULL,
-                      np ? vp : NULL, seg_off, c->n_seg, np, c->NH, c->NKV, c->HS);
-    void *dout_ = dev_bf16(dout, nq);
-    void *bits[2][5];
+    /* the backward from the GPU's own forward outputs, twice, adding into start values of the
+       increment's size; errors on the increment */
+    att_problem_reference(&p, go, gl, 0);
+    void *dout_ = dev_bf16(p.dout, nq);
+    void *bits[2][ATT_N_GRADS];
     for (int run = 0; run < 2; run++) {
-        void *dq_ = dev_bf16(dq0, nq), *dk_ = dev_bf16(dk0, nk), *dv_ = dev_bf16(dv0, nk);
-        void *dkp_ = dev_bf16(dkp0, npk), *dvp_ = dev_bf16(dvp0, npk);
-        be->attention_bwd(be, dq_, dk_, dv_, np ? dkp_ : NULL, np ? dvp_ : NULL, dout_, o_, l_, q_, k_, v_,
-                          np ? kp_ : NULL, np ? vp_ : NULL, &lay, c->NH, c->NKV, c->HS);
+        for (int g = 0; g < ATT_N_GRADS; g++)
+            bits[run][g] = g < ATT_DKP ? dev_bf16(p.init[g], p.n[g]) : dev_f32(p.init[g], p.n[g]);
+        be->attention_bwd(be, bits[run][ATT_DQ], bits[run][ATT_DK], bits[run][ATT_DV], np ? bits[run][ATT_DKP] : NULL,
+                          np ? bits[run][ATT_DVP] : NULL, dout_, o_, l_, q_, k_, v_, np ? kp_ : NULL, np ? vp_ : NULL,
+                          &lay, c->NH, c->NKV, c->HS);
         expect_backend_ok("attention_bwd");
-        bits[run][0] = dq_; bits[run][1] = dk_; bits[run][2] = dv_; bits[run][3] = dkp_; bits[run][4] = dvp_;
     }
-    double *gdq = host_bf16(bits[0][0], nq), *gdk = host_bf16(bits[0][1], nk), *gdv = host_bf16(bits[0][2], nk);
-    double *gdkp = host_bf16(bits[0][3], npk), *gdvp = host_bf16(bits[0][4], npk);
-    snprintf(w2, sizeof w2, "%s: dq", what); EXPECT_CLOSE(gdq, rdq, nq, TOL_BF16, w2);
-    snprintf(w2, sizeof w2, "%s: dk", what); EXPECT_CLOSE(gdk, rdk, nk, TOL_BF16, w2);
-    snprintf(w2, sizeof w2, "%s: dv", what); EXPECT_CLOSE(gdv, rdv, nk, TOL_BF16, w2);
-    if (np) {
-        snprintf(w2, sizeof w2, "%s: dk prefix", what); EXPECT_CLOSE(gdkp, rdkp, npk, TOL_BF16, w2);
-        snprintf(w2, sizeof w2, "%s: dv prefix", what); EXPECT_CLOSE(gdvp, rdvp, npk, TOL_BF16, w2);
-    }
+    double *got[ATT_N_GRADS], err[ATT_N_GRADS];
+    for (int g = 0; g < ATT_N_GRADS; g++)
+        got[g] = g < ATT_DKP ? host_bf16(bits[0][g], p.n[g]) : host_f32(bits[0][g], p.n[g]);
+    att_grad_errors(&p, got, err);
+    for (int g = 0; g < (np ? ATT_N_GRADS : ATT_DKP); g++)
+        CHECK(err[g] <= ATT_TOL, "%s: %s: error %.3e of the increment > %.0e", what, att_grad_name[g], err[g], ATT_TOL);
     /* determinism: the second run's bits equal the first's */
-    const size_t sizes[5] = { nq, nk, nk, npk, npk };
     int same = 1;
-    for (int t = 0; t < 5; t++) {
-        uint16_t *a = malloc(2 * sizes[t]), *b = malloc(2 * sizes[t]);
-        be->copy(be, a, bits[0][t], 2 * sizes[t]);
-        be->copy(be, b, bits[1][t], 2 * sizes[t]);
+    for (int g = 0; g < ATT_N_GRADS; g++) {
+        size_t bytes = p.n[g] * (g < ATT_DKP ? 2 : 4);
+        char *a = malloc(bytes), *b = malloc(bytes);
+        be->copy(be, a, bits[0][g], bytes);
+        be->copy(be, b, bits[1][g], bytes);
         be->sync(be);
-        same &= !memcmp(a, b, 2 * sizes[t]);
+        same &= !memcmp(a, b, bytes);
         free(a); free(b);
-        release(bits[0][t]); release(bits[1][t]);
+        release(bits[0][g]); release(bits[1][g]);
+        free(got[g]);
     }
-    snprintf(w2, sizeof w2, "%s: backward bitwise reproducible", what);
-    CHECK(same, "%s", w2);
+    CHECK(same, "%s: backward bitwise reproducible", what);
     release(q_); release(k_); release(v_); release(kp_); release(vp_); release(o_); release(l_); release(dout_);
-    free(q); free(k); free(v); free(kp); free(vp); free(dout); free(ro); free(rl); free(go); free(gl);
-    free(dq0); free(dk0); free(dv0); free(dkp0); free(dvp0); free(rdq); free(rdk); free(rdv); free(rdkp); free(rdvp);
-    free(gdq); free(gdk); free(gdv); free(gdkp); free(gdvp);
+    free(ro); free(rl); free(go); free(gl);
+    att_problem_free(&p);
 }
 
 /* ---------------------------------------------------------------- a whole step, twice */
@@ -400,46 +385,76 @@ static void test_step_determinism(const char *model, pr_schedule sched) {
     pr_trace_free(&trace);
 }
 
-int main(void) {
+static void usage(FILE *f) {
+    fprintf(f, "usage: test_gpu [kernels] [attention] [steps] [--cases LIST] [--list]\n"
+               "  the named parts only (default: all); --cases 0,3,8-10: those attention shapes only\n"
+               "  (and only the attention part unless parts are named); --list: the shapes\n");
+}
+
+int main(int argc, char **argv) {
+    int kernels = 0, attention = 0, steps = 0, cases_given = 0, sel[ATT_N_CASES] = { 0 };
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "kernels")) kernels = 1;
+        else if (!strcmp(argv[i], "attention")) attention = 1;
+        else if (!strcmp(argv[i], "steps")) steps = 1;
+        else if (!strcmp(argv[i], "--cases")) {
+            if (i + 1 == argc || !att_parse_cases(argv[i + 1], sel)) {
+                fprintf(stderr, "test_gpu: --cases wants indices 0..%d, e.g. 0,3,8-10 (--list shows them)\n", ATT_N_CASES - 1);
+                return 2;
+            }
+            cases_given = 1;
+            i++;
+        }
+        else if (!strcmp(argv[i], "--list")) {
+            char name[160];
+            for (int c = 0; c < ATT_N_CASES; c++) { att_case_name(&att_cases[c], name, sizeof name); printf("%2d  %s\n", c, name); }
+            return 0;
+        } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) { usage(stdout); return 0; }
+        else {
+            fprintf(stderr, "test_gpu: unknown argument '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!kernels && !attention && !steps) { attention = 1; kernels = steps = !cases_given; }
+    if (!cases_given) for (int c = 0; c < ATT_N_CASES; c++) sel[c] = 1;
     pr_error err;
     if (pr_backend_cuda_create(&be, 0, &err)) {
         printf("FAIL no CUDA backend: %s\n", err.message);
         printf("0 passed, 1 failed\n");
         return 1;
     }
-    printf("kernels against the double CPU path\n");
-    test_matmul(1, 64, 64);
-    test_matmul(37, 256, 176);
-    test_matmul(200, 512, 1000);
-    test_rmsnorm(1, 64);
-    test_rmsnorm(300, 4096);
-    test_rmsnorm(5000, 128);       /* the q/k norm's shape: many short rows */
-    test_rope(4, 16, 0);
-    test_rope(8, 128, 9000);       /* positions past 8k: the angle is reduced in double */
-    test_elementwise(100003);
-    test_embed_rows(257, 96, 1000);
-    test_loss_head(7, 257, 0);
-    test_loss_head(33, 5000, 0.04);
-    test_optimizer(1000003);
-    printf("attention against the double CPU path, and its backward run twice\n");
-    const att_case cases[] = {
-        { 1, { 1 }, 0, 4, 4, 64 },                    /* S = 1 */
-        { 1, { 200 }, 0, 8, 2, 128 },                 /* Phase A/C: one causal segment */
-        { 2, { 100, 100 }, 0, 4, 1, 64 },             /* baseline, padded */
-        { 1, { 1 }, 1, 4, 4, 64 },                    /* P = 1, S = 1, G = 1 */
-        { 1, { 70 }, 130, 8, 8, 128 },                /* G = 1, GQA 1 */
-        { 4, { 65, 65, 65, 65 }, 63, 8, 2, 128 },     /* padded: equal lengths, GQA 4 */
-        { 5, { 1, 64, 3, 129, 17 }, 97, 16, 2, 64 },  /* packed ragged, GQA 8 */
-        { 3, { 33, 1, 80 }, 64, 32, 8, 128 },         /* Llama 3 heads */
-        { 2, { 9, 40 }, 200, 4, 1, 16 },              /* tiny preset's head dim */
-        { 3, { 50, 20, 7 }, 45, 4, 1, 32 },           /* tiny-qwen3's */
-        { 8, { 5, 6, 7, 8, 9, 10, 11, 12 }, 300, 8, 8, 64 },
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) test_attention(&cases[i]);
-    printf("whole steps, twice each\n");
-    test_step_determinism("model/tiny", PR_SCHEDULE_REUSE);
-    test_step_determinism("model/tiny", PR_SCHEDULE_BASELINE);
-    test_step_determinism("model/tiny-qwen3", PR_SCHEDULE_REUSE);
+    if (kernels) {
+        printf("kernels against the double CPU path\n");
+        test_matmul(1, 64, 64);
+        test_matmul(37, 256, 176);
+        test_matmul(200, 512, 1000);
+        test_rmsnorm(1, 64);
+        test_rmsnorm(300, 4096);
+        test_rmsnorm(5000, 128);       /* the q/k norm's shape: many short rows */
+        test_rope(4, 16, 0);
+        test_rope(8, 128, 9000);       /* positions past 8k: the angle is reduced in double */
+        test_elementwise(100003);
+        test_embed_rows(257, 96, 1000);
+        test_loss_head(7, 257, 0);
+        test_loss_head(33, 5000, 0.04);
+        test_optimizer(1000003);
+    }
+    if (attention) {
+        printf("attention against the double CPU path, and its backward run twice\n");
+        for (int c = 0; c < ATT_N_CASES; c++)
+            if (sel[c]) {
+                printf("attention case %d\n", c);
+                fflush(stdout);
+                test_attention(c);
+            }
+    }
+    if (steps) {
+        printf("whole steps, twice each\n");
+        test_step_determinism("model/tiny", PR_SCHEDULE_REUSE);
+        test_step_determinism("model/tiny", PR_SCHEDULE_BASELINE);
+        test_step_determinism("model/tiny-qwen3", PR_SCHEDULE_REUSE);
+    }
     pr_backend_cuda_destroy(be);
     return test_report();
 }

@@ -1,6 +1,7 @@
 /* The tensor-core attention kernels themselves (prefixreuse_cuda.cu, compiled for the host with
-   PR_CUDA_KERNEL_EMULATION), run on an emulated GPU block and compared with the library's CPU
-   attention in double precision (test/gpu_ref.c), without a GPU.
+   PR_CUDA_KERNEL_EMULATION), run on an emulated GPU block and compared, without a GPU, with the
+   library's CPU attention in double precision (test/gpu_ref.c), and with the tile-level model of
+   the same algorithm (test/attn_model.c), which they must match far more closely.
 
    The emulated block: one fiber (ucontext) per thread, 128 of them, run in turn until each reaches
    a synchronisation point. __syncthreads releases when every thread has arrived. A warp-collective
@@ -18,7 +19,8 @@
    packed and padded segments, GQA 1, 2 and 4, head dims 64 and 128, prefix dK/dV chunked (C > 1,
    with the in-order reduction kernel) and added directly (C = 1): out and lse, and the increments
    of dq, dk, dv, dkp, dvp over random starting contents, with test/test_gpu_attention.c's
-   tolerances. Negative controls: copies that land one wait_group late, and ldmatrix ignoring
+   tolerances against the reference, and a quarter of its absolute part against the model (with
+   one bf16 spacing for a flipped final rounding). Negative controls: copies that land one wait_group late, and ldmatrix ignoring
    .trans, must each be caught. */
 #include <math.h>
 #include <stddef.h>
@@ -33,6 +35,7 @@
 #include "harness.h"
 #include "mma_emu.h"
 extern "C" {
+#include "attn_model.h"
 #include "gpu_ref.h"
 }
 
@@ -356,6 +359,26 @@ static double worst_ratio(const std::vector<double> &after, const std::vector<do
     return worst;
 }
 
+/* The kernels beside the model, which runs the same blocked algorithm with the same roundings
+   (bf16 P and dS, fp32 sums): they differ only by the order of fp32 sums (inside an mma, across the
+   quad) and the bf16 roundings those flip. Worst |got - model| / (MODEL_TOL u max|ref| +
+   rtol |before + model|), increments for the += outputs, rtol one bf16 spacing (2u: a final
+   rounding that flips) or 4 fp32 units; ref is the double reference's increment (the scale), or
+   the model's own output when NULL. */
+#define MODEL_TOL 0.25
+static double model_worst(const std::vector<double> &got, const std::vector<double> *before, const std::vector<double> &model,
+                          const std::vector<double> *ref, size_t n, bool fp32) {
+    const double u = 1.0 / 256, atol = MODEL_TOL * u * max_abs(ref ? *ref : model, n), rtol = fp32 ? 4.0 / 4194304 : 2 * u;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double s0 = before ? (*before)[i] : 0, inc = got[i] - s0;
+        if (inc != inc) return INFINITY;
+        double tol = atol + rtol * fabs(s0 + model[i]), r = fabs(inc - model[i]) / (tol > 0 ? tol : 1e-300);
+        if (r > worst) worst = r;
+    }
+    return worst;
+}
+
 struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
 enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
 static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
@@ -363,7 +386,7 @@ static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
 /* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma make them, on the emulator; returns the
    worst error / tolerance per tensor. */
 template <int HS>
-static void run_shape(const shape &s, double ratio[NT], int backward) {
+static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
     std::vector<int> seg_off(s.n_seg + 1, 0);
     for (int i = 0; i < s.n_seg; i++) seg_off[i + 1] = seg_off[i] + s.lens[i];
     const int N = seg_off[s.n_seg], np = s.n_prefix, NH = s.NH, NKV = s.NKV, qd = NH * HS, kvd = NKV * HS;
@@ -390,6 +413,15 @@ static void run_shape(const shape &s, double ratio[NT], int backward) {
         pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                    np ? vpb.data() : NULL, qt.data(), np, NH, NKV);
     });
+    /* the tile-level model (test/attn_model.c) on the same inputs */
+    std::vector<float> fq(q.begin(), q.end()), fk(k.begin(), k.end()), fv(v.begin(), v.end()), fkp(kp.begin(), kp.end()),
+        fvp(vp.begin(), vp.end()), mo(nq), ml(nl);
+    am_layout alay = { s.n_seg, seg_off.data(), np };
+    CHECK(am_attention_fwd(mo.data(), ml.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL, np ? fvp.data() : NULL,
+                           &alay, NH, NKV, HS, NULL) == 0, "model forward");
+    model_ratio[T_OUT] = model_worst(from_bf16(out), NULL, std::vector<double>(mo.begin(), mo.end()), NULL, nq, false);
+    model_ratio[T_LSE] = model_worst(std::vector<double>(lse.begin(), lse.end()), NULL, std::vector<double>(ml.begin(), ml.end()),
+                                     NULL, nl, true);
     ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
     double wl = 0;
     for (size_t i = 0; i < nl; i++) {
@@ -397,7 +429,7 @@ static void run_shape(const shape &s, double ratio[NT], int backward) {
         wl = r > wl || r != r ? (r != r ? INFINITY : r) : wl;
     }
     ratio[T_LSE] = wl;
-    for (int t = T_DQ; t < NT; t++) ratio[t] = 0;
+    for (int t = T_DQ; t < NT; t++) ratio[t] = model_ratio[t] = 0;
     if (!backward) return;
 
     /* backward from the reference forward in the GPU's formats: D, dQ, dK/dV, the chunk sum */
@@ -442,6 +474,20 @@ static void run_shape(const shape &s, double ratio[NT], int backward) {
     if (C > 1)
         emu_launch(4, 1, 128, 0, [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
     std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
+    /* the model's backward from the same start values */
+    std::vector<float> mg[5];
+    for (int t = 0; t < 5; t++) mg[t].assign(init[t].begin(), init[t].end());
+    std::vector<float> fdo(dout.begin(), dout.end()), fbo(bo.begin(), bo.end()), fbl(bl.begin(), bl.end());
+    CHECK(am_attention_bwd(mg[0].data(), mg[1].data(), mg[2].data(), np ? mg[3].data() : NULL, np ? mg[4].data() : NULL,
+                           fdo.data(), fbo.data(), fbl.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL,
+                           np ? fvp.data() : NULL, &alay, NH, NKV, HS, NULL) == 0, "model backward");
+    const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
+    for (int t = 0; t < 5; t++) {
+        if (t >= 3 && !np) { model_ratio[T_DQ + t] = 0; continue; }
+        std::vector<double> minc(n[t]);
+        for (size_t i = 0; i < n[t]; i++) minc[i] = mg[t][i] - init[t][i];
+        model_ratio[T_DQ + t] = model_worst(got[t], &init[t], minc, &ref[t], n[t], t >= 3);
+    }
     ratio[T_DQ] = worst_ratio(from_bf16(dq), &init[0], ref[0], nq, false);
     ratio[T_DK] = worst_ratio(from_bf16(dk), &init[1], ref[1], nk, false);
     ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
@@ -449,9 +495,9 @@ static void run_shape(const shape &s, double ratio[NT], int backward) {
     ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
 }
 
-static void run(const shape &s, double ratio[NT], int backward) {
-    if (s.HS == 64) run_shape<64>(s, ratio, backward);
-    else run_shape<128>(s, ratio, backward);
+static void run(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
+    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, backward);
+    else run_shape<128>(s, ratio, model_ratio, backward);
 }
 
 int main(void) {
@@ -473,26 +519,29 @@ int main(void) {
 #endif
     for (size_t i = 0; i < n_shapes; i++) {
         const shape &s = shapes[i];
-        double r[NT];
+        double r[NT], mr[NT];
         emu_errors = 0;
-        run(s, r, 1);
+        run(s, r, mr, 1);
         int seg_off_len = 0;
         char what[160];
         int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
         for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]), seg_off_len += s.lens[i];
         printf("%-52s err/tol", what);
         for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], r[t]);
+        printf("\n%52s vs model", "");
+        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], mr[t]);
         printf("\n");
+        for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
         CHECK(emu_errors == 0, "%s: %d errors on the emulated machine", what, emu_errors);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
     }
     /* negative controls: the same kernels on a faulty machine must fail */
     const shape ctl = { 65, 2, { 7, 70 }, 2, 1, 64 };
     for (int f = 0; f < 2; f++) {
-        double r[NT];
+        double r[NT], mr[NT];
         emu_errors = 0;
         fault_late_copies = f == 0, fault_ignore_trans = f == 1;
-        run(ctl, r, 0);
+        run(ctl, r, mr, 0);
         fault_late_copies = fault_ignore_trans = 0;
         printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors\n",
                f == 0 ? "copies land a wait_group late" : "ldmatrix ignores .trans", r[T_OUT], r[T_LSE], emu_errors);

@@ -1,0 +1,35 @@
+#!/bin/sh
+# ./train refuses bad command lines before it loads anything: each row is the flags, then a piece
+# of the message it must print; the exit status must be 2. Usage: sh test/test_flags.sh TRAIN
+train=${1:-./train}
+passed=0; failed=0
+check() {
+    want=$1; shift
+    msg=$("$train" "$@" 2>&1 >/dev/null); rc=$?
+    case "$msg" in
+        *"$want"*) [ "$rc" -eq 2 ] && { passed=$((passed + 1)); return; } ;;
+    esac
+    failed=$((failed + 1))
+    echo "FAIL: train $* -> status $rc, '$msg' (want status 2 and '$want')"
+}
+check "bad value 'inf' for --lr"            --lr inf
+check "bad value 'nan' for --lr"            --lr nan
+check "bad value '-1' for --lr"             --lr -1
+check "bad value 'inf' for --weight-decay"  --weight-decay inf
+check "bad value 'nan' for --clip"          --clip nan
+check "bad value '-3' for --clip"           --clip -3
+check "bad value '1' for --eps-low"         --eps-low 1
+check "bad value '-0.1' for --kl-coef"      --kl-coef -0.1
+check "bad value '1e300' for --offload-pool" --offload-pool 1e300
+check "bad value '0' for --device-budget"   --device-budget 0
+check "bad value '-1' for --seed"           --seed -1
+check "bad value '12x' for --steps"         --steps 12x
+check "bad value '0' for --layers"          --layers 0
+check "the model model/tiny has 2 layers"   --layers 5
+check "unknown flag --bogus"                --steps 1 --bogus
+check "unknown flag --bogus"                --bogus 3
+check "--lr needs a value"                  --steps 1 --lr
+check "--save-grads writes a training step" --save-grads /tmp/never-written.safetensors --check
+check "bad value 'fast' for --schedule"     --schedule fast
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
