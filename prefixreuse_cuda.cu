@@ -2042,15 +2042,19 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
 }
 
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
+    pr_status st = PR_OK;
     const char *why = NULL;
     int major = 0;
-    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA)) why = "pr_backend_cuda_set_attention: bad argument";
-    else if (kind == PR_CUDA_ATTENTION_MMA &&
-             (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr_cu_of(be)->device) != cudaSuccess || major < 8))
+    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA)) {
+        st = PR_ERR_ARG;
+        why = "pr_backend_cuda_set_attention: no backend, or an unknown kind";
+    } else if (kind == PR_CUDA_ATTENTION_MMA &&
+               (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr_cu_of(be)->device) != cudaSuccess ||
+                major < 8)) {
+        st = PR_ERR_UNSUPPORTED;
         why = "the tensor-core attention needs a GPU of compute capability 8.0 or later";
-    if (why) {
-        pr_status st = be ? PR_ERR_UNSUPPORTED : PR_ERR_ARG;
-        if (be && kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA) st = PR_ERR_ARG;
+    }
+    if (st) {
         if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", why); }
         return st;
     }
