@@ -38,15 +38,52 @@
          pr_trainer_adamw_step(tr, &adam, NULL, &err)) { ... }
 
    CONTENTS
-     1. Basics: reals, status and error messages
-     2. Model configuration (Hugging Face config.json: Llama 3, Qwen3, Qwen3-MoE)
-     3. safetensors checkpoints (Hugging Face names, sharded through an index)
-     4. GRPO traces (data/README.md has the format)
-     5. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
-        memory tiers, asynchronous copies); the CPU backend and the measuring backend are below,
-        the CUDA backend in prefixreuse_cuda.cu
-     6. Trainer: parameters, the GRPO loss, the baseline and reuse schedules, gKV hooks, offload
-        of the prefix's dormant state, MoE layers and their load-balancing loss, AdamW
+     The public API comes first, in the order its types need, then the implementation in reading
+     order. A part's number heads its banners in both.
+     1. Basics: reals, status and error messages; the GEMM
+     2. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
+        memory tiers, asynchronous copies); the CPU backend and the measuring backend (the CUDA
+        backend is in prefixreuse_cuda.cu)
+     3. The model: the trainer's data, forward declarations, parameters, activation memory, a
+        pass, one layer forward and backward, batches and the GRPO loss head
+     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW
+     5. Offload of the prefix's dormant state
+     6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
+     7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
+        parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
+        ranks, data parallelism, in-process ranks (NCCL is in prefixreuse_cuda.cu)
+     8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
+        Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
+        GRPO traces (data/README.md has the format), a trainer's checkpoints
+     The API declares 8 before 2 (the backend and the trainer take a pr_config, the trainer a
+     pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
+
+   READING GUIDE: the schedule, in the order to read it
+     3.6  pr__layer_forward            one layer over the rows of a pass (in Phase B attending to
+          pr__layer_backward           the cached prefix K/V too), and its backward
+     4.1  pr__phase_a_prefix_forward   Phase A: the prefix forward once; every layer's K/V stays
+                                       as the cache (hook on_kv_capture)
+     4.2  pr__run_microbatches         Phase B (its function is not named as a phase): each suffix
+                                       microbatch forward and backward (pr__mb_forward,
+                                       pr__mb_backward) against the cache, its prefix dK/dV added
+                                       into gK/gV (hook on_dkv); with no prefix state, the baseline
+     4.3  pr__phase_c_prefix_backward  Phase C: the prefix backward once, gK/gV injected into every
+                                       layer's attention backward (hook on_kv_inject)
+     4.4  pr__compute_grads            the driver: validate, token weights, Phase A, B, C (or the
+                                       baseline alone), the sums over the mesh, the stats
+   Where the rest hooks in (3.2 declares every such call):
+     offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
+                   loads it back before its backward (pr__load_block, pr__prefetch_block)
+     MoE (6)       pr__moe_forward and pr__moe_backward inside the layer; the load-balancing loss's
+                   routing sums in Phase A and pr__mb_forward, its gradient in pr__mb_backward and
+                   Phase C, and in the group scope pr__routing_prepass before Phase B
+     parallel (7)  inside the layer pr__tp_sum and the CP attention (pr__attention_fwd/_bwd);
+                   pr__batch_make cuts a batch to its CP chunk; pipeline stages hand rows on with
+                   pr__pp_swap (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
+                   across DP ranks shares the cache and gathers gK/gV (pr__split_share_kv,
+                   pr__split_reduce_gkv); pr__mesh_sync_grads ends the step;
+                   pr_trainer_compute_grads_dp runs steps over whole or split groups
+
    Conventions: public names pr_, private pr__. Every public function returns pr_status and fills
    a pr_error (may be NULL) with a readable reason; nothing aborts or exits. On failure the
    caller's buffers are left as they were.
@@ -92,7 +129,7 @@ typedef struct {
 PRDEF const char *pr_status_name(pr_status s);
 
 
-/* ---------------------------------------------------------------- 2. Model configuration */
+/* ---------------------------------------------------------------- 8. File formats: model configuration */
 /* The fields of a Hugging Face LlamaConfig / Qwen3Config / Qwen3MoeConfig that decide the math. */
 typedef struct {
     char model_type[32];          /* "llama", "qwen3" or "qwen3_moe" */
@@ -123,7 +160,7 @@ PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err);
    atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err);
 
-/* ---------------------------------------------------------------- 3. safetensors */
+/* ---------------------------------------------------------------- 8. File formats: safetensors */
 typedef enum { PR_DT_F32, PR_DT_F16, PR_DT_BF16, PR_DT_F64 } pr_dtype;
 
 /* One tensor of an opened checkpoint. begin/end are byte offsets into the data buffer of shard
@@ -177,7 +214,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
                                    uint64_t max_shard_bytes, pr_error *err);
 
 
-/* ---------------------------------------------------------------- 4. GRPO traces
+/* ---------------------------------------------------------------- 8. File formats: GRPO traces
    One prompt group: a prefix (P tokens) shared by G sampled suffixes (S_i tokens each).
    The per-token arrays hold the suffixes one after another: token j of suffix i is entry
    suffix_off[i] + j. old_logp/ref_logp of that token are its log-probabilities under the rollout
@@ -228,7 +265,7 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *trace, void **bytes, size_t *
 PRDEF pr_status pr_trace_write(const pr_trace *trace, const char *path, pr_error *err);
 
 
-/* ---------------------------------------------------------------- 5. Backend interface */
+/* ---------------------------------------------------------------- 2. Backend interface */
 /* Where a buffer lives. DEVICE is the compute memory (host RAM for the CPU backend); HOST is
    pinned host memory, the offload tier. */
 typedef enum { PR_TIER_DEVICE = 0, PR_TIER_HOST = 1 } pr_tier;
@@ -393,7 +430,7 @@ void pr_backend_cuda_destroy(const pr_backend *be);
 #define PR_CUDA_ATTENTION_MMA 1
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err);
 
-/* ---------------------------------------------------------------- 6. Trainer */
+/* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */
 /* One parameter tensor: its Hugging Face name, shape and place in the parameter arena. */
 typedef struct {
     char name[96];
@@ -538,7 +575,7 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, 
    and backward), the measure the speed-up bound is computed from. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
 
-/* ---------------------------------------------------------------- 7. Communicator */
+/* ---------------------------------------------------------------- 7. The parallel layer: communicator, DP, device mesh */
 /* The collectives the parallel layouts need, over a group of ranks. Every rank of a communicator
    calls each collective in the same order with the same n and type (as with MPI or NCCL); a rank
    that does not, blocks the others. Sums run in rank order, so every rank gets the same bits.
@@ -682,7 +719,9 @@ pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, in
 #error "prefixreuse.h: define all of PR_MALLOC, PR_REALLOC and PR_FREE, or none"
 #endif
 
-/* ---------------------------------------------------------------- basics */
+
+/* ================================================================ 1. BASICS */
+/* ---------------------------------------------------------------- 1.1 Status, errors, sizes, time */
 PRDEF const char *pr_status_name(pr_status s) {
     switch (s) {
     case PR_OK: return "ok";
@@ -722,8 +761,7 @@ static double pr__now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ---------------------------------------------------------------- GEMM */
-
+/* ---------------------------------------------------------------- 1.2 GEMM */
 #ifdef PR_USE_CBLAS
 #include <cblas.h>
 #endif
@@ -961,6 +999,3526 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
 }
 
 
+/* ================================================================ 2. THE BACKEND */
+/* ---------------------------------------------------------------- 2.1 The CPU backend */
+/* Activations are pr_real; the casts below are the CPU reading of the backend's `void *`. */
+#define PR__R(p) ((pr_real *)(p))
+#define PR__CR(p) ((const pr_real *)(p))
+
+static void *pr__cpu_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
+    (void)be; (void)tier;
+    return PR_MALLOC(bytes ? bytes : 1);
+}
+static void pr__cpu_release(const pr_backend *be, void *p, pr_tier tier) { (void)be; (void)tier; PR_FREE(p); }
+static void pr__cpu_zero(const pr_backend *be, void *p, size_t bytes) { (void)be; memset(p, 0, bytes); }
+static void pr__cpu_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) { (void)be; memcpy(dst, src, bytes); }
+static void pr__cpu_upload(const pr_backend *be, pr_real *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }
+static void pr__cpu_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
+static void pr__cpu_sync(const pr_backend *be) { (void)be; }
+
+static void pr__cpu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC) {
+    (void)be;
+    pr__gemm(0, 1, N, OC, C, PR__CR(inp), C, w, C, 0, PR__R(out), OC);   /* out = inp @ w^T */
+}
+
+static void pr__cpu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
+                               const pr_real *w, int N, int C, int OC) {
+    (void)be;
+    if (dinp) pr__gemm(0, 0, N, C, OC, PR__CR(dout), OC, w, C, 1, PR__R(dinp), C);   /* dinp += dout @ w */
+    pr__gemm(1, 0, OC, C, N, PR__CR(dout), OC, PR__CR(inp), C, 1, dw, C);            /* dw += dout^T @ inp */
+}
+
+/* forward: out = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps) */
+static void pr__cpu_rmsnorm_fwd(const pr_backend *be, void *out_, void *rstd_, const void *inp_, const pr_real *w,
+                                int N, int C, double eps) {
+    (void)be;
+    pr_real *out = PR__R(out_), *rstd = PR__R(rstd_);
+    const pr_real *inp = PR__CR(inp_);
+    for (int n = 0; n < N; n++) {
+        const pr_real *x = inp + (size_t)n * C;
+        double ss = 0;
+        for (int i = 0; i < C; i++) ss += (double)x[i] * x[i];
+        double r = 1.0 / sqrt(ss / C + eps);
+        pr_real *o = out + (size_t)n * C;
+        for (int i = 0; i < C; i++) o[i] = (pr_real)(x[i] * r) * w[i];
+        rstd[n] = (pr_real)r;
+    }
+}
+
+/* backward of out_i = x_i * r * w_i with r = (mean(x^2)+eps)^(-1/2):
+   dx_i = r * (dout_i w_i - x_i * r^2 * mean_j(dout_j w_j x_j)),  dw_i += dout_i * x_i * r */
+static void pr__cpu_rmsnorm_bwd(const pr_backend *be, void *dinp_, pr_real *dw, const void *dout_, const void *inp_,
+                                const pr_real *w, const void *rstd_, int N, int C) {
+    (void)be;
+    pr_real *dinp = PR__R(dinp_);
+    const pr_real *dout = PR__CR(dout_), *inp = PR__CR(inp_), *rstd = PR__CR(rstd_);
+    for (int n = 0; n < N; n++) {
+        const pr_real *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        double r = rstd[n], dot = 0;
+        for (int i = 0; i < C; i++) dot += (double)dy[i] * w[i] * x[i];
+        double k = r * r * r * dot / C;
+        pr_real *dx = dinp + (size_t)n * C;
+        for (int i = 0; i < C; i++) {
+            dx[i] += (pr_real)(r * dy[i] * w[i] - k * x[i]);
+            dw[i] += (pr_real)(dy[i] * x[i] * r);
+        }
+    }
+}
+
+/* RoPE, Hugging Face rotate-half pairing: within a head of HS values, element i (i < HS/2) is
+   rotated together with element i + HS/2 by angle pos * inv_freq[i]:
+       [ x0 x1 .. x(h-1) | xh .. x(2h-1) ]   pairs (x0,xh), (x1,xh+1), ...   ([ccss], not [cscs])
+       y_i = x_i cos - x_{i+h} sin,   y_{i+h} = x_{i+h} cos + x_i sin
+   The backward is the rotation by -angle. */
+static void pr__cpu_rope(void *x_, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq, double sign) {
+    pr_real *x = PR__R(x_);
+    int half = HS / 2;
+    for (int s = 0; s < lay->n_seg; s++)
+        for (int r = lay->seg_off[s]; r < lay->seg_off[s + 1]; r++) {
+            double pos = lay->pos0 + (r - lay->seg_off[s]);
+            for (int i = 0; i < half; i++) {
+                double ang = pos * inv_freq[i];
+                pr_real c = (pr_real)cos(ang), sn = (pr_real)(sign * sin(ang));
+                for (int h = 0; h < heads; h++) {
+                    pr_real *v = x + ((size_t)r * heads + h) * HS;
+                    pr_real a = v[i], b = v[i + half];
+                    v[i] = a * c - b * sn;
+                    v[i + half] = b * c + a * sn;
+                }
+            }
+        }
+}
+static void pr__cpu_rope_fwd(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    (void)be; pr__cpu_rope(x, lay, heads, HS, inv_freq, 1.0);
+}
+static void pr__cpu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    (void)be; pr__cpu_rope(dx, lay, heads, HS, inv_freq, -1.0);
+}
+
+/* exp at the build's precision: expf is about twice as fast as exp on the float build's hot loops. */
+#ifdef PR_DOUBLE
+#define PR__EXP(x) exp(x)
+#else
+#define PR__EXP(x) expf(x)
+#endif
+
+/* Eight independent partial sums: the compiler may keep them in one vector register (a single
+   running sum is a dependency chain it must not reorder). The order is fixed, so results do not
+   depend on the caller or the thread. */
+static pr_real pr__dot(const pr_real *a, const pr_real *b, int n) {
+    pr_real part[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, s = 0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) part[k] += a[i + k] * b[i + k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s + (((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])));
+}
+static void pr__axpy(pr_real *y, pr_real a, const pr_real *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* The keys a query row sees: the n_prefix shared rows (kp), then its own segment's rows up to and
+   including itself (k). Key j < n_prefix is kp row j; key j >= n_prefix is k row seg0 + j - n_prefix. */
+#define PR__KEY(kp, k, j, np, seg0, kvd, hk) \
+    ((j) < (np) ? (kp) + (size_t)(j) * (kvd) + (hk) : (k) + (size_t)((seg0) + (j) - (np)) * (kvd) + (hk))
+
+/* Attention forward, one query row at a time with an online softmax (running max m, running sum,
+   output rescaled when m grows): no score matrix and no scratch memory. Query head h reads
+   key/value head h / (NH/NKV) (GQA). lse keeps each row's log-sum-exp so that the backward can
+   rebuild every probability. Parallel over (segment, head): no two tasks write the same output. */
+static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, const void *q_, const void *k_, const void *v_,
+                                  const void *kp_, const void *vp_, const pr_seq_layout *lay, int NH, int NKV, int HS) {
+    (void)be;
+    pr_real *out = PR__R(out_), *lse = PR__R(lse_);
+    const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
+    const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
+    const double scale = 1.0 / sqrt((double)HS);
+    const int tasks = lay->n_seg * NH;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1)
+#endif
+    for (int t = 0; t < tasks; t++) {
+        int s = t / NH, h = t % NH, hk = (h / group) * HS;
+        int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
+        for (int r = seg0; r < seg1; r++) {
+            const pr_real *qr = q + (size_t)r * qd + (size_t)h * HS;
+            pr_real *o = out + (size_t)r * qd + (size_t)h * HS;
+            int nk = np + (r - seg0) + 1;
+            double m = -INFINITY, sum = 0;
+            memset(o, 0, sizeof(pr_real) * HS);
+            for (int j = 0; j < nk; j++) {
+                double sc = pr__dot(qr, PR__KEY(kp, k, j, np, seg0, kvd, hk), HS) * scale;
+                if (sc > m) {   /* new maximum: rescale what was accumulated under the old one */
+                    double c = exp(m - sc);
+                    for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] * c);
+                    sum *= c;
+                    m = sc;
+                }
+                double pj = PR__EXP((pr_real)(sc - m));
+                sum += pj;
+                pr__axpy(o, (pr_real)pj, PR__KEY(vp, v, j, np, seg0, kvd, hk), HS);
+            }
+            for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] / sum);
+            lse[(size_t)r * NH + h] = (pr_real)(m + log(sum));
+        }
+    }
+}
+
+/* Attention backward (quoting the forward: o = sum_j p_j v_j, p_j = exp(s_j - lse), s_j = q.k_j * scale):
+     dv_j += p_j do;   dp_j = do.v_j;   ds_j = p_j (dp_j - D) with D = do.o;
+     dq += scale ds_j k_j;   dk_j += scale ds_j q.
+   Keys in the prefix region send dk/dv to dkp/dvp: summed over every query row of every segment,
+   this is the prefix-side gradient the reuse schedule accumulates into gK/gV. Parallel over KV
+   heads only, so that each dk/dv/dkp/dvp row has one writer and a fixed summation order. */
+static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, void *dv_, pr_real *dkp, pr_real *dvp,
+                                  const void *dout_, const void *out_, const void *lse_, const void *q_, const void *k_,
+                                  const void *v_, const void *kp_, const void *vp_, const pr_seq_layout *lay,
+                                  int NH, int NKV, int HS) {
+    (void)be;
+    pr_real *dq = PR__R(dq_), *dk = PR__R(dk_), *dv = PR__R(dv_);
+    const pr_real *dout = PR__CR(dout_), *out = PR__CR(out_), *lse = PR__CR(lse_);
+    const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
+    const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
+    const double scale = 1.0 / sqrt((double)HS);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static, 1)
+#endif
+    for (int kh = 0; kh < NKV; kh++) {
+        int hk = kh * HS;
+        for (int s = 0; s < lay->n_seg; s++) {
+            int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
+            for (int h = kh * group; h < (kh + 1) * group; h++)
+                for (int r = seg0; r < seg1; r++) {
+                    size_t qo = (size_t)r * qd + (size_t)h * HS;
+                    const pr_real *qr = q + qo, *dor = dout + qo;
+                    pr_real *dqr = dq + qo;
+                    double D = pr__dot(dor, out + qo, HS), l = lse[(size_t)r * NH + h];
+                    int nk = np + (r - seg0) + 1;
+                    for (int j = 0; j < nk; j++) {
+                        const pr_real *kj = PR__KEY(kp, k, j, np, seg0, kvd, hk);
+                        const pr_real *vj = PR__KEY(vp, v, j, np, seg0, kvd, hk);
+                        double pj = PR__EXP((pr_real)(pr__dot(qr, kj, HS) * scale - l));
+                        double dsj = pj * (pr__dot(dor, vj, HS) - D) * scale;
+                        pr__axpy(PR__KEY(dvp, dv, j, np, seg0, kvd, hk), (pr_real)pj, dor, HS);
+                        pr__axpy(PR__KEY(dkp, dk, j, np, seg0, kvd, hk), (pr_real)dsj, qr, HS);
+                        pr__axpy(dqr, (pr_real)dsj, kj, HS);
+                    }
+                }
+        }
+    }
+}
+
+/* h = silu(g) * u,  silu(g) = g * sigmoid(g) */
+static void pr__cpu_swiglu_fwd(const pr_backend *be, void *h_, const void *gate_, const void *up_, size_t n) {
+    (void)be;
+    pr_real *h = PR__R(h_);
+    const pr_real *g = PR__CR(gate_), *u = PR__CR(up_);
+    for (size_t i = 0; i < n; i++) {
+        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
+        h[i] = (pr_real)(g[i] * sg * u[i]);
+    }
+}
+/* dg += dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  du += dh * silu(g) */
+static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, const void *dh_, const void *gate_,
+                               const void *up_, size_t n) {
+    (void)be;
+    pr_real *dg = PR__R(dgate_), *du = PR__R(dup_);
+    const pr_real *dh = PR__CR(dh_), *g = PR__CR(gate_), *u = PR__CR(up_);
+    for (size_t i = 0; i < n; i++) {
+        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
+        dg[i] += (pr_real)(dh[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg)));
+        du[i] += (pr_real)(dh[i] * g[i] * sg);
+    }
+}
+
+static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
+    (void)be;
+    for (int n = 0; n < N; n++) memcpy(PR__R(out) + (size_t)n * C, emb + (size_t)tokens[n] * C, sizeof(pr_real) * C);
+}
+static void pr__cpu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
+    (void)be;
+    for (int n = 0; n < N; n++) pr__axpy(demb + (size_t)tokens[n] * C, 1, PR__CR(dout) + (size_t)n * C, C);
+}
+
+static void pr__cpu_add(const pr_backend *be, void *y, const void *x, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) PR__R(y)[i] += PR__CR(x)[i];
+}
+static void pr__cpu_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { pr__cpu_add(be, y, x, n); }
+/* Activations are reals here: a copy either way. */
+static void pr__cpu_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
+    (void)be;
+    memcpy(dst, src, n * sizeof(pr_real));
+}
+static void pr__cpu_reals_to_acts(const pr_backend *be, void *dst, const pr_real *src, size_t n) {
+    (void)be;
+    memcpy(dst, src, n * sizeof(pr_real));
+}
+static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    (void)be;
+    for (int m = 0; m < M; m++) {
+        pr_real *d = PR__R(dst) + (size_t)m * C;
+        const pr_real *x = PR__CR(src) + (size_t)rows[m] * C;
+        if (w) for (int i = 0; i < C; i++) d[i] = w[m] * x[i];
+        else memcpy(d, x, sizeof(pr_real) * C);
+    }
+}
+static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    (void)be;
+    for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, w ? w[m] : 1, PR__CR(src) + (size_t)m * C, C);
+}
+
+static void pr__cpu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }
+static void pr__cpu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
+static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
+    (void)be;
+    for (int m = 0; m < M; m++) out[m] = pr__dot(PR__CR(a) + (size_t)m * C, PR__CR(b) + (size_t)m * C, C);
+}
+
+/* The GRPO token loss and its derivative in logp.
+   r = exp(logp - old);  pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)
+   kl = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, >= 0)
+   The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
+PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
+                                double *dloss_dlogp) {
+    double r = exp(logp - old);
+    double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
+    double unclipped = r * adv, clipped = rc * adv, loss, d;
+    if (unclipped <= clipped) { loss = -unclipped; d = -unclipped; }
+    else { loss = -clipped; d = 0; }
+    if (ref && o->kl_coef != 0) {
+        double delta = (double)*ref - logp, e = exp(delta);
+        loss += o->kl_coef * (e - delta - 1);
+        d += o->kl_coef * (1 - e);
+    }
+    *dloss_dlogp = d;
+    return loss;
+}
+
+/* logp = logits[target] - logsumexp(logits);  d(w l)/dlogits = w l'(logp) (onehot(target) - softmax) */
+static void pr__cpu_loss_head(const pr_backend *be, void *logits_, const pr_head_rows *rows, const pr_loss_opts *opt,
+                              int V, pr_real *logp, double *loss) {
+    (void)be;
+    double total = 0;
+    for (int m = 0; m < rows->M; m++) {
+        pr_real *z = PR__R(logits_) + (size_t)m * V;
+        double mx = -INFINITY, sum = 0;
+        for (int i = 0; i < V; i++) if (z[i] > mx) mx = z[i];
+        for (int i = 0; i < V; i++) sum += PR__EXP((pr_real)(z[i] - mx));
+        double lse = mx + log(sum), lp = z[rows->target[m]] - lse, dl;
+        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
+                                       rows->advantage[m], opt, &dl);
+        double w = rows->weight[m], c = w * dl;
+        total += w * l;
+        logp[m] = (pr_real)lp;
+        for (int i = 0; i < V; i++) z[i] = (pr_real)(-c * PR__EXP((pr_real)(z[i] - lse)));
+        z[rows->target[m]] += (pr_real)c;
+    }
+    *loss += total;
+}
+
+static double pr__cpu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
+    (void)be;
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+    return s;
+}
+static void pr__cpu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) x[i] = (pr_real)(x[i] * s);
+}
+/* AdamW (decoupled weight decay, bias-corrected moments), one tensor */
+static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n,
+                          double lr, double b1, double b2, double eps, double wd, long step) {
+    (void)be;
+    double c1 = 1 - pow(b1, (double)step), c2 = 1 - pow(b2, (double)step);
+    for (size_t i = 0; i < n; i++) {
+        m[i] = (pr_real)(b1 * m[i] + (1 - b1) * g[i]);
+        v[i] = (pr_real)(b2 * v[i] + (1 - b2) * (double)g[i] * g[i]);
+        double mh = m[i] / c1, vh = v[i] / c2;
+        p[i] = (pr_real)(p[i] - lr * (mh / (sqrt(vh) + eps) + wd * p[i]));
+    }
+}
+
+#define PR__MEASURE_ADDRESS 4096   /* the measuring backend's placeholder: aligned, never dereferenced */
+
+static const pr_backend pr__cpu_backend = {
+    .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
+    .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
+    .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
+    .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
+    .rmsnorm_fwd = pr__cpu_rmsnorm_fwd, .rmsnorm_bwd = pr__cpu_rmsnorm_bwd,
+    .rope_fwd = pr__cpu_rope_fwd, .rope_bwd = pr__cpu_rope_bwd,
+    .attention_fwd = pr__cpu_attention_fwd, .attention_bwd = pr__cpu_attention_bwd,
+    .swiglu_fwd = pr__cpu_swiglu_fwd, .swiglu_bwd = pr__cpu_swiglu_bwd,
+    .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
+    .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
+    .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
+    .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
+    .adamw = pr__cpu_adamw,
+    .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
+    .row_dots = pr__cpu_row_dots,
+};
+
+PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
+
+/* ---------------------------------------------------------------- 2.2 The measuring backend: no memory, no arithmetic */
+static void *pr__measure_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
+    (void)be; (void)bytes; (void)tier;
+    return (void *)(uintptr_t)PR__MEASURE_ADDRESS;
+}
+static void pr__measure_release(const pr_backend *be, void *p, pr_tier tier) { (void)be; (void)p; (void)tier; }
+static void pr__measure_bytes(const pr_backend *be, void *p, size_t bytes) { (void)be; (void)p; (void)bytes; }
+static void pr__measure_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) { (void)be; (void)dst; (void)src; (void)bytes; }
+static void pr__measure_reals(const pr_backend *be, pr_real *dst, const pr_real *src, size_t n) { (void)be; (void)dst; (void)src; (void)n; }
+static void pr__measure_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) {
+    (void)be; (void)src;
+    memset(host, 0, n * sizeof(pr_real));
+}
+static void pr__measure_sync(const pr_backend *be) { (void)be; }
+static void pr__measure_matmul_fwd(const pr_backend *be, void *o, const void *i, const pr_real *w, int N, int C, int OC) {
+    (void)be; (void)o; (void)i; (void)w; (void)N; (void)C; (void)OC;
+}
+static void pr__measure_matmul_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+                                   int N, int C, int OC) {
+    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)N; (void)C; (void)OC;
+}
+static void pr__measure_rmsnorm_fwd(const pr_backend *be, void *o, void *r, const void *i, const pr_real *w, int N, int C, double e) {
+    (void)be; (void)o; (void)r; (void)i; (void)w; (void)N; (void)C; (void)e;
+}
+static void pr__measure_rmsnorm_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+                                    const void *r, int N, int C) {
+    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)r; (void)N; (void)C;
+}
+static void pr__measure_rope(const pr_backend *be, void *x, const pr_seq_layout *l, int h, int HS, const pr_real *f) {
+    (void)be; (void)x; (void)l; (void)h; (void)HS; (void)f;
+}
+static void pr__measure_attention_fwd(const pr_backend *be, void *o, void *lse, const void *q, const void *k, const void *v,
+                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
+    (void)be; (void)o; (void)lse; (void)q; (void)k; (void)v; (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
+}
+static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, pr_real *dkp, pr_real *dvp, const void *d,
+                                      const void *o, const void *lse, const void *q, const void *k, const void *v,
+                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
+    (void)be; (void)dq; (void)dk; (void)dv; (void)dkp; (void)dvp; (void)d; (void)o; (void)lse; (void)q; (void)k; (void)v;
+    (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
+}
+static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *g, const void *u, size_t n) {
+    (void)be; (void)h; (void)g; (void)u; (void)n;
+}
+static void pr__measure_swiglu_bwd(const pr_backend *be, void *dg, void *du, const void *dh, const void *g, const void *u, size_t n) {
+    (void)be; (void)dg; (void)du; (void)dh; (void)g; (void)u; (void)n;
+}
+static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const pr_real *e, int N, int C) {
+    (void)be; (void)o; (void)t; (void)e; (void)N; (void)C;
+}
+static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void *d, const int32_t *t, int N, int C) {
+    (void)be; (void)de; (void)d; (void)t; (void)N; (void)C;
+}
+static void pr__measure_add(const pr_backend *be, void *y, const void *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
+static void pr__measure_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
+static void pr__measure_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
+    (void)be; (void)dst; (void)src; (void)n;
+}
+static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
+}
+static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_rows *rows, const pr_loss_opts *o, int V,
+                                  pr_real *logp, double *loss) {
+    (void)be; (void)z; (void)o; (void)V; (void)loss;
+    memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
+}
+static void pr__measure_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; (void)dst; (void)host; (void)n; }
+static void pr__measure_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
+    (void)be; (void)src;
+    memset(host, 0, n * sizeof(pr_real));
+}
+static void pr__measure_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
+    (void)be; (void)a; (void)b; (void)C;
+    memset(out, 0, sizeof(pr_real) * (size_t)M);
+}
+static double pr__measure_sum_squares(const pr_backend *be, const pr_real *x, size_t n) { (void)be; (void)x; (void)n; return 0; }
+static void pr__measure_scale(const pr_backend *be, pr_real *x, size_t n, double s) { (void)be; (void)x; (void)n; (void)s; }
+static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n, double lr,
+                              double b1, double b2, double eps, double wd, long step) {
+    (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)b1; (void)b2; (void)eps; (void)wd; (void)step;
+}
+
+PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {
+    memset(be, 0, sizeof *be);
+    be->name = "measure";
+    be->act_bytes = like->act_bytes;
+    be->stat_bytes = like->stat_bytes;
+    be->logit_chunk = like->logit_chunk;
+    be->check_config = like->check_config;
+    be->alloc = pr__measure_alloc; be->release = pr__measure_release; be->zero = pr__measure_bytes;
+    be->copy = pr__measure_copy; be->upload_reals = pr__measure_reals; be->download_reals = pr__measure_download;
+    be->sync = pr__measure_sync;
+    be->matmul_fwd = pr__measure_matmul_fwd; be->matmul_bwd = pr__measure_matmul_bwd;
+    be->rmsnorm_fwd = pr__measure_rmsnorm_fwd; be->rmsnorm_bwd = pr__measure_rmsnorm_bwd;
+    be->rope_fwd = pr__measure_rope; be->rope_bwd = pr__measure_rope;
+    be->attention_fwd = pr__measure_attention_fwd; be->attention_bwd = pr__measure_attention_bwd;
+    be->swiglu_fwd = pr__measure_swiglu_fwd; be->swiglu_bwd = pr__measure_swiglu_bwd;
+    be->embed_fwd = pr__measure_embed_fwd; be->embed_bwd = pr__measure_embed_bwd;
+    be->add = pr__measure_add; be->add_reals = pr__measure_add_reals;
+    be->acts_to_reals = pr__measure_acts_to_reals; be->reals_to_acts = pr__measure_upload_acts;
+    be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
+    be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
+    be->adamw = pr__measure_adamw;
+    be->upload_acts = pr__measure_upload_acts; be->download_acts = pr__measure_download_acts;
+    be->row_dots = pr__measure_row_dots;
+    return be;
+}
+
+
+/* ================================================================ 3. THE MODEL */
+/* ---------------------------------------------------------------- 3.1 The data: the trainer, a pass, a batch, a step's state */
+/* Offsets (in reals) of one layer's tensors in the parameter arena; the gradient, AdamW-moment
+   arenas use the same offsets. qn/kn exist only with per-head q/k norms (Qwen3). */
+/* MoE layers have no wg/wu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
+   and down (C,Fm) stored one after the other from `experts` on. */
+typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd, router, experts; } pr__layer_off;
+typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
+
+/* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
+   phase that runs many microbatches allocates once. Every byte handed out is counted in the
+   trainer's live total, from which each phase's peak is read. */
+typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; } pr__chunk;
+
+/* Offload's device slots: a layer computing (or being backpropagated), the next one receiving its
+   input (or being prefetched), and one whose copy may still be in flight. */
+#define PR__SLOTS 3
+typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
+
+/* Where one of a sharded trainer's tensors sits in the full model: rows row0.. and columns col0..
+   of the full tensor at full_off (full_cols wide). `elsewhere`: another rank of the TP and PP
+   groups holds the same values (TP rank 0 of a tensor every TP rank holds whole; the first
+   stage of the embedding tied to the last stage's LM head), so this copy is left out of norms
+   and gathers; `tp_partial`: its gradient is a partial sum over the TP ranks (the q/k norms,
+   shared by heads on several ranks). */
+typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char elsewhere, tp_partial; } pr__shard;
+
+struct pr_trainer {
+    pr_config cfg;                         /* this rank's shard of the model (all of it without a mesh) */
+    pr_config model;                       /* the full model */
+    const pr_mesh *mesh;                   /* NULL: one rank */
+    int layer0;                            /* PP: the full model's index of this stage's first layer */
+    int has_embed, has_head;               /* PP: the embedding (first stage, and the last if tied), final norm and LM head (last) */
+    int expert0, n_experts;                /* MoE: the experts this rank holds, expert0 .. expert0+n_experts-1 */
+    size_t n_full;                         /* the full model's parameter count */
+    pr__shard *shard;                      /* (n_tensors) mesh only */
+    pr_status comm_st;                     /* the step's first failed collective, its message in comm_err */
+    pr_error comm_err;
+    const pr_backend *be;
+    int n_tensors;
+    pr_tensor_info *tensors;
+    size_t n_params;
+    pr_real *arena;                        /* 4 * n_params: parameters, gradients, AdamW m, AdamW v */
+    pr_real *params, *grads, *adam_m, *adam_v;
+    size_t off_embed, off_norm, off_lm_head;
+    pr__layer_off *layer_off;              /* (L) */
+    pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
+    long adam_step;
+    pr__arena prefix_arena;                /* Phase A..C: prefix saved tensors, K/V cache, gK/gV */
+    pr__arena step_arena;                  /* Phase A's collective buffers, Phase C's backward scratch */
+    pr__arena *mb_arena;                   /* the microbatches in flight through this stage (Phase B, baseline) */
+    int n_mb_arena;                        /* pp + 1: as many as 1F1B keeps in flight */
+    pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
+    size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
+    pr_real *stage;                        /* backend memory host values pass through to a collective */
+    size_t stage_cap;
+    void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
+    size_t pool_cap;
+    char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
+    size_t slot_cap[PR__SLOTS];
+    int phase;
+    int alloc_failed;
+    double *expert_load;                   /* (L,E) MoE: the last step's logical tokens per expert */
+};
+
+/* The tensors a layer's backward reads, saved by its forward (shapes for N rows). */
+typedef struct {
+    void *ln1, *ln1_rstd;     /* (N,C) (N) */
+    void *q_pre, *k_pre;      /* (N,NH*HS) (N,NKV*HS) projections before the q/k norms (Qwen3 only) */
+    void *q_rstd, *k_rstd;    /* (N*NH) (N*NKV) (Qwen3 only) */
+    void *q, *k, *v;          /* (N,NH*HS) (N,NKV*HS) (N,NKV*HS) post-norm, post-RoPE: k, v are the K/V cache */
+    void *att, *lse;          /* (N,NH*HS) (N,NH) */
+    void *x_mid;              /* (N,C) residual after attention */
+    void *ln2, *ln2_rstd;     /* (N,C) (N) */
+    void *gate, *up, *h;      /* (N,F); MoE: (N*k, Fm), the routed rows grouped by expert */
+    void *ye;                 /* MoE: (N*k, C) each routed row's expert output, before its weight */
+    void *router;             /* MoE: (N, E) router logits (read once, on the host) */
+} pr__layer_acts;
+
+/* One MoE layer's routing of one pass, decided on the host and kept for its backward. */
+typedef struct {
+    double *prob;             /* (N,E) the router's softmax */
+    double *wsum;             /* (N) sum of the top-k probabilities: the renormaliser (1 without norm_topk_prob) */
+    int *start;               /* (E+1) expert e owns slots start[e] .. start[e+1]-1 */
+    int *row;                 /* (N*k) each slot's row, slots grouped by expert, rows ascending within one */
+    pr_real *w;               /* (N*k) each slot's combine weight */
+    pr_real *dw;              /* (N*k) backward: d(loss)/d(weight) */
+} pr__route;
+
+/* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
+   stream res[0..L] (res[0] the embeddings, res[l+1] the output of layer l). */
+typedef struct {
+    pr_seq_layout lay;
+    int N;
+    const int32_t *tokens;
+    const uint8_t *real;      /* (N) 1 for a token row, 0 for padding (MoE statistics skip padding) */
+    pr__layer_acts *acts;     /* (L) host array of pointers into the arena */
+    void **res;               /* (L+1) */
+    pr__route *route;         /* (L) MoE only */
+    const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
+    /* CP: the pass is this rank's chunk of a segment split into chunks of cp_chunk rows; its own
+       K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk: the cached
+       prefix the pass reads (Phase B), split the same way (0: none). */
+    int cp_chunk, cp_pre_rows, cp_pre_chunk;
+    void *kreg, *vreg;                   /* CP: gathered attention region */
+    pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
+    pr_real *pad, *shard;                /* CP: a reduce-scatter's input and output */
+    void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
+} pr__pass;
+
+/* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
+   dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
+typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
+
+/* Which rows of a pass predict which suffix tokens, with what the loss needs for each. */
+typedef struct {
+    int M;
+    int *row;           /* row of the pass whose final hidden state predicts the token */
+    long *flat;         /* index of the token in the group's flattened suffix arrays */
+    int32_t *target;
+    pr_real *old_logp, *ref_logp, *advantage, *weight;
+} pr__head_plan;
+
+/* The host side of one pass: layout, tokens, and its loss rows. */
+typedef struct {
+    pr_seq_layout lay;
+    int *seg_off;
+    int32_t *tokens;
+    uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
+    int N, n_traj;            /* rows; trajectories whose rows these are */
+    int cp_chunk;             /* CP: the rows of one chunk (0 without CP) */
+    pr__head_plan head;
+} pr__batch;
+
+typedef enum {
+    PR__BATCH_FULL,          /* baseline: whole [prefix ; suffix] sequences, padded to the longest */
+    PR__BATCH_SUFFIX,        /* Phase B: suffixes after the cached prefix, padded or packed */
+    PR__BATCH_PREFIX         /* Phase A/C: the prefix once; its loss rows are each suffix's first token */
+} pr__batch_kind;
+
+/* The offload of one step's prefix blocks (see pr_offload_opts). */
+typedef struct {
+    int on;
+    size_t block;             /* bytes of one layer's block */
+    void **host;              /* (L) where each block rests between its Phase-A forward and Phase-C backward */
+    unsigned char *own;       /* (L) 1: a host allocation of its own, the pool being full */
+    size_t pool_used, own_live;
+    int slot_layer[PR__SLOTS];     /* the layer each device slot holds, -1 free */
+    unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
+    pr_offload_stats st;
+} pr__offload;
+
+/* State that lives from Phase A to Phase C. */
+typedef struct {
+    pr__batch batch;          /* the prefix as one segment, with the first-suffix-token loss rows */
+    pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are layer l's K/V cache */
+    pr_real **gk, **gv;       /* (L) accumulated prefix dK/dV, (P, NKV*HS) each, in reals: G suffixes'
+                                 sums are never rounded to the activations' precision */
+    pr_real *dk_mb, *dv_mb;   /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
+    pr__offload off;
+} pr__prefix_state;
+
+/* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Routing sums run over MoE layers
+   and real rows, laid out as count[E] (routings to e), prob[E] (router probability of e), M
+   (routings in all): 2E+1 values, one vector to travel between pipeline stages. */
+typedef struct {
+    int on, E, B, G, reuse, prepass;
+    double coef;
+    const pr_moe_opts *opt;
+    double *pre;                           /* the prefix pass's sums, each row once (reuse) */
+    double *own;                           /* scratch: one stage's sums of one pass */
+    double *F, M_tot;                      /* group scope: the group's routing fractions, and M */
+    double *prob_tot;                      /* group scope: probability mass of the passes run so far */
+    double *c;                             /* aux gradient per expert for each prefix row (Phase C) */
+    double aux;                            /* the loss term so far, coefficient applied (last stage) */
+} pr__moe_acc;
+
+typedef struct {
+    const pr_group *g;
+    const pr_step_opts *opt;
+    const pr_real *tok_weight;
+    pr_real *logp;
+    double loss;
+    long rows;
+    pr__moe_acc moe;
+    /* The trajectories this rank runs, t0 .. t1-1 (all G unless the group is split across DP
+       ranks). team: the DP ranks sharing the group, or NULL; its rank 0 (the owner) runs Phase A
+       and C, replicates the prefix K/V to the others and gets their gK/gV back. */
+    int t0, t1;
+    pr_comm *team;
+} pr__step_ctx;
+
+/* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
+   Each microbatch in flight has its own arena (1F1B keeps up to pp + 1), its backward scratch,
+   and with MoE its routing sums (forward) and aux gradient (backward). */
+typedef struct {
+    pr__batch b;
+    pr__pass p;
+    pr__bwd_scratch s;
+    pr__arena *a;
+    int index;
+    double *sums, *g;           /* MoE: (2E+1), (E) */
+} pr__mb;
+
+/* ---------------------------------------------------------------- 3.2 Forward declarations: the calls into sections 5 to 7 */
+/* The model (3) and the schedules (4) come before the offload (5), MoE (6) and parallel (7)
+   code they call, and C wants a function declared before its first call. These are those calls:
+   the seams where the three enter a step, in the order of their definitions. On one rank, with a
+   dense model and offload off, none of them does more than the plain step needs. */
+
+/* 5. Offload: Phase A parks each layer's block on the host, Phase C brings it back */
+static int pr__slot_of(const pr__offload *o, int layer);
+static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s);
+static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err);
+static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_error *err);
+static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err);
+static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err);
+static void pr__block_done(pr_trainer *tr, pr__offload *o, int l);
+static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err);
+static void pr__offload_end(pr_trainer *tr, pr__offload *o);
+
+/* 6. MoE: the sparse MLP inside the layer, the load-balancing loss around the phases */
+static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y);
+static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
+                             const pr__layer_w *g);
+static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult);
+static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g);
+static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n);
+static void pr__moe_group_aux(pr__moe_acc *m);
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err);
+
+/* 7. The parallel layer: the mesh's sizes and sums, sharded parameters, CP attention and
+   batches, pipeline exchanges, groups split across DP ranks */
+static pr_comm_type pr__act_type(const pr_trainer *tr);
+static void pr__comm_done(pr_trainer *tr, pr_status st, pr_error *e);
+static int pr__tp(const pr_trainer *tr);
+static int pr__cp(const pr_trainer *tr);
+static int pr__ep(const pr_trainer *tr);
+static int pr__pp(const pr_trainer *tr);
+static int pr__first_stage(const pr_trainer *tr);
+static int pr__last_stage(const pr_trainer *tr);
+static void pr__tp_sum(pr_trainer *tr, void *x, size_t n);
+static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n);
+static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n);
+static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *layer0, int *expert0,
+                                  int *n_experts, pr_error *err);
+static pr_status pr__build_shards(pr_trainer *tr, pr_error *err);
+static void pr__mesh_sync_grads(pr_trainer *tr);
+static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp);
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
+                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own);
+static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
+                                pr__batch_kind kind, int packed, pr_error *err);
+static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
+static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
+                        size_t nd_out, double *d_in, size_t nd_in);
+static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
+static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back);
+static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
+static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
+
+/* ---------------------------------------------------------------- 3.3 Parameters: layout, creation, access, initialisation */
+static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_norm) {
+    pr__layer_w w;
+    w.ln1 = base + o->ln1; w.wq = base + o->wq; w.wk = base + o->wk; w.wv = base + o->wv;
+    w.qn = qk_norm ? base + o->qn : NULL; w.kn = qk_norm ? base + o->kn : NULL;
+    w.wo = base + o->wo; w.ln2 = base + o->ln2; w.wg = base + o->wg; w.wu = base + o->wu; w.wd = base + o->wd;
+    w.router = base + o->router; w.experts = base + o->experts;
+    return w;
+}
+static pr_real *pr__lm_head(pr_trainer *tr, pr_real *base) {
+    return base + (tr->cfg.tie_word_embeddings ? tr->off_embed : tr->off_lm_head);
+}
+
+/* Appends one tensor to the table (table may be NULL to count) and returns its offset. */
+static size_t pr__add_tensor(pr_tensor_info *table, int *count, size_t *total, const char *name,
+                             int64_t rows, int64_t cols, int decay) {
+    size_t off = *total, numel = (size_t)rows * (size_t)(cols ? cols : 1);
+    if (table) {
+        pr_tensor_info *t = &table[*count];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        t->ndim = cols ? 2 : 1;
+        t->shape[0] = rows; t->shape[1] = cols;
+        t->offset = off; t->numel = numel; t->decay = decay;
+    }
+    (*count)++;
+    *total += numel;
+    return off;
+}
+
+/* The Hugging Face tensor list of a Llama / Qwen3 model, in arena order. */
+static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, size_t *total) {
+    const pr_config *c = &tr->cfg;
+    int64_t C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
+    int64_t qd = (int64_t)c->num_attention_heads * c->head_dim, kvd = (int64_t)c->num_key_value_heads * c->head_dim;
+    char nm[96];
+    *count = 0; *total = 0;
+    if (tr->has_embed) tr->off_embed = pr__add_tensor(table, count, total, "model.embed_tokens.weight", V, C, 1);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        pr__layer_off o;
+        memset(&o, 0, sizeof o);
+#define PR__T(field, suffix, r, cl, d) \
+        (snprintf(nm, sizeof nm, "model.layers.%d.%s", tr->layer0 + l, suffix), o.field = pr__add_tensor(table, count, total, nm, r, cl, d))
+        PR__T(ln1, "input_layernorm.weight", C, 0, 0);
+        PR__T(wq, "self_attn.q_proj.weight", qd, C, 1);
+        PR__T(wk, "self_attn.k_proj.weight", kvd, C, 1);
+        PR__T(wv, "self_attn.v_proj.weight", kvd, C, 1);
+        if (c->qk_norm) {
+            PR__T(qn, "self_attn.q_norm.weight", c->head_dim, 0, 0);
+            PR__T(kn, "self_attn.k_norm.weight", c->head_dim, 0, 0);
+        }
+        PR__T(wo, "self_attn.o_proj.weight", C, qd, 1);
+        PR__T(ln2, "post_attention_layernorm.weight", C, 0, 0);
+        if (c->num_experts) {
+            int64_t Fm = c->moe_intermediate_size;
+            PR__T(router, "mlp.gate.weight", c->num_experts, C, 1);
+            for (int e = tr->expert0; e < tr->expert0 + tr->n_experts; e++) {
+                size_t first;
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", tr->layer0 + l, e);
+                first = pr__add_tensor(table, count, total, nm, Fm, C, 1);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.up_proj.weight", tr->layer0 + l, e);
+                pr__add_tensor(table, count, total, nm, Fm, C, 1);
+                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", tr->layer0 + l, e);
+                pr__add_tensor(table, count, total, nm, C, Fm, 1);
+                if (e == tr->expert0) o.experts = first;
+            }
+        } else {
+            PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
+            PR__T(wu, "mlp.up_proj.weight", F, C, 1);
+            PR__T(wd, "mlp.down_proj.weight", C, F, 1);
+        }
+#undef PR__T
+        if (tr->layer_off) tr->layer_off[l] = o;
+    }
+    if (!tr->has_head) return;
+    tr->off_norm = pr__add_tensor(table, count, total, "model.norm.weight", C, 0, 0);
+    if (!c->tie_word_embeddings) tr->off_lm_head = pr__add_tensor(table, count, total, "lm_head.weight", V, C, 1);
+}
+
+/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory. */
+static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *total) {
+    pr_trainer full;
+    memset(&full, 0, sizeof full);
+    full.cfg = tr->model;
+    full.has_embed = full.has_head = 1;
+    full.n_experts = tr->model.num_experts;
+    pr__build_layout(&full, NULL, count, total);
+    pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
+    if (ft) pr__build_layout(&full, ft, count, total);
+    return ft;
+}
+
+/* inv_freq[i] = theta^(-2i/HS), then Llama 3's scaling when configured: wavelengths longer than
+   original/low_freq_factor are slowed by `factor`, shorter than original/high_freq_factor kept,
+   and the band between interpolated smoothly (Hugging Face's _compute_llama3_parameters). */
+static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
+    const double pi = 3.14159265358979323846;
+    int half = c->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        double f = pow(c->rope_theta, -(2.0 * i) / c->head_dim);
+        if (c->rope_llama3) {
+            double old = c->rope_original_max_position, wavelen = 2 * pi / f;
+            double low_wl = old / c->rope_low_freq_factor, high_wl = old / c->rope_high_freq_factor;
+            if (wavelen > low_wl) f = f / c->rope_factor;
+            else if (wavelen >= high_wl) {
+                double smooth = (old / wavelen - c->rope_low_freq_factor) / (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                f = (1 - smooth) * f / c->rope_factor + smooth * f;
+            }
+        }
+        inv_freq[i] = (pr_real)f;
+    }
+}
+
+#define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
+
+static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
+                                 pr_error *err) {
+    if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
+    pr_config local;
+    int layer0, expert0, n_experts;
+    pr_status st = pr_config_validate(cfg, err);
+    if (!st) st = pr__shard_config(cfg, mesh, &local, &layer0, &expert0, &n_experts, err);
+    if (!st && be->check_config) st = be->check_config(be, &local, err);
+    if (st) return st;
+    if (cfg->head_dim > PR__MAX_HEAD_DIM)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
+    pr_trainer *tr = PR_MALLOC(sizeof *tr);
+    if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
+    memset(tr, 0, sizeof *tr);
+    tr->cfg = local;
+    tr->model = *cfg;
+    tr->mesh = mesh;
+    tr->layer0 = layer0;
+    tr->has_embed = !mesh || mesh->pp_rank == 0 || (cfg->tie_word_embeddings && mesh->pp_rank == mesh->pp - 1);
+    tr->has_head = !mesh || mesh->pp_rank == mesh->pp - 1;
+    tr->expert0 = expert0;
+    tr->n_experts = n_experts;
+    tr->be = be;
+    int count; size_t total;
+    pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
+    size_t arena_bytes;
+    tr->tensors = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
+    tr->layer_off = PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
+    tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
+    tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
+    }
+    pr__build_layout(tr, tr->tensors, &tr->n_tensors, &tr->n_params);
+    tr->n_full = tr->n_params;
+    if (mesh && (st = pr__build_shards(tr, err))) {
+        pr_trainer_destroy(tr);
+        return st;
+    }
+    tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
+    tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
+    if (!tr->arena || !tr->inv_freq) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %zu bytes of parameters, gradients and AdamW state", arena_bytes);
+    }
+    if (cfg->num_experts) {
+        tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
+        if (!tr->expert_load) {
+            pr_trainer_destroy(tr);
+            return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
+        }
+        memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
+    }
+    tr->params = tr->arena;
+    tr->grads = tr->arena + tr->n_params;
+    tr->adam_m = tr->arena + 2 * tr->n_params;
+    tr->adam_v = tr->arena + 3 * tr->n_params;
+    be->zero(be, tr->arena, arena_bytes);
+    pr_real host_freq[PR__MAX_HEAD_DIM / 2];
+    pr__rope_frequencies(cfg, host_freq);
+    be->upload_reals(be, tr->inv_freq, host_freq, (size_t)(cfg->head_dim / 2));
+    *out = tr;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
+    return pr__trainer_new(out, cfg, be, NULL, err);
+}
+
+static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
+    for (pr__chunk *n; c; c = n) {
+        n = c->next;
+        tr->be->release(tr->be, c->mem, PR_TIER_DEVICE);
+        PR_FREE(c);
+    }
+}
+
+PRDEF void pr_trainer_destroy(pr_trainer *tr) {
+    if (!tr) return;
+    pr__chunks_free(tr, tr->prefix_arena.head);
+    pr__chunks_free(tr, tr->step_arena.head);
+    for (int i = 0; tr->mb_arena && i < tr->n_mb_arena; i++) pr__chunks_free(tr, tr->mb_arena[i].head);
+    PR_FREE(tr->mb_arena);
+    pr__chunks_free(tr, tr->spare);
+    if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
+    for (int i = 0; i < PR__SLOTS; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
+    if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
+    if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
+    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
+    PR_FREE(tr->tensors);
+    PR_FREE(tr->layer_off);
+    PR_FREE(tr->expert_load);
+    PR_FREE(tr->shard);
+    PR_FREE(tr);
+}
+
+PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->model; }
+PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr->n_tensors; }
+PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
+    return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
+}
+PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
+
+static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
+    if (n != tr->n_params)
+        return pr__fail(err, PR_ERR_ARG, "%s: buffer holds %zu reals, the model has %zu parameters", fn, n, tr->n_params);
+    return PR_OK;
+}
+PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
+    pr_status st = pr__check_count(tr, n, "pr_trainer_get_params", err);
+    if (!st) tr->be->download_reals(tr->be, dst, tr->params, n);
+    return st;
+}
+PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
+    pr_status st = pr__check_count(tr, n, "pr_trainer_set_params", err);
+    if (!st) tr->be->upload_reals(tr->be, tr->params, src, n);
+    return st;
+}
+PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
+    pr_status st = pr__check_count(tr, n, "pr_trainer_get_grads", err);
+    if (!st) tr->be->download_reals(tr->be, dst, tr->grads, n);
+    return st;
+}
+
+/* splitmix64 drives a Box-Muller normal: the same seed gives the same weights on every machine. */
+#define PR__SPLITMIX_STEP 0x9E3779B97F4A7C15ull
+static uint64_t pr__splitmix(uint64_t *s) {
+    uint64_t z = (*s += PR__SPLITMIX_STEP);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double pr__normal(uint64_t *s) {
+    double u1 = ((pr__splitmix(s) >> 11) + 1.0) / 9007199254740993.0;   /* (0,1] */
+    double u2 = (pr__splitmix(s) >> 11) / 9007199254740992.0;
+    return sqrt(-2 * log(u1)) * cos(2 * 3.14159265358979323846 * u2);
+}
+
+PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err) {
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
+    /* drawn over the full model, so every mesh shard holds its slice of the same weights */
+    int count = tr->n_tensors;
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    if (!host || !table) {
+        PR_FREE(host);
+        if (tr->mesh) PR_FREE(table);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
+    }
+    /* One stream over the matrices in table order, two draws per value. splitmix64's state after k
+       draws is seed + k * its increment, so each value starts from its own state: the loop runs in
+       parallel and gives the bits of the serial one. */
+    uint64_t drawn = 0;
+    for (int t = 0; t < count; t++) {
+        const pr_tensor_info *ti = &table[t];
+        pr_real *dst = host + ti->offset;
+        const long long n = (long long)ti->numel;
+        const uint64_t base = seed + drawn * PR__SPLITMIX_STEP;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (long long i = 0; i < n; i++) {
+            uint64_t s = base + 2 * (uint64_t)i * PR__SPLITMIX_STEP;
+            dst[i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        }
+        if (ti->ndim == 2) drawn += 2 * ti->numel;
+    }
+    pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
+    PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
+    if (st) return st;
+    tr->be->zero(tr->be, tr->grads, 3 * tr->n_params * sizeof(pr_real));
+    tr->adam_step = 0;
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- 3.4 Activation memory */
+#define PR__CHUNK_BYTES ((size_t)16 << 20)
+#define PR__ALIGN 256
+
+/* n elements of elem_bytes each from arena a. Returns NULL and sets alloc_failed
+   when memory runs out, so the schedule finishes its straight-line code and reports one error. */
+static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes) {
+    size_t bytes;
+    if (!pr__mul_size(n ? n : 1, elem_bytes, &bytes) || bytes > SIZE_MAX - PR__ALIGN) {
+        tr->alloc_failed = 1;
+        return NULL;
+    }
+    bytes = (bytes + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
+    pr__chunk *c = a->tail;
+    if (!c || c->cap - c->used < bytes) {
+        pr__chunk **spare = &tr->spare;      /* the first spare chunk that fits, else a new one */
+        while (*spare && (*spare)->cap < bytes) spare = &(*spare)->next;
+        if (*spare) {
+            c = *spare;
+            *spare = c->next;
+        } else {
+            c = PR_MALLOC(sizeof *c);
+            size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
+            char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
+            if (!mem) {
+                PR_FREE(c);
+                tr->alloc_failed = 1;
+                return NULL;
+            }
+            c->mem = mem;
+            c->cap = cap;
+        }
+        c->used = 0;
+        c->next = NULL;
+        if (a->tail) a->tail->next = c;
+        else a->head = c;
+        a->tail = c;
+    }
+    void *p = c->mem + c->used;
+    c->used += bytes;
+    a->used += bytes;
+    tr->live_bytes += bytes;
+    if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
+    return p;
+}
+
+static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
+static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
+static pr_real *pr__reals(pr_trainer *tr, pr__arena *a, size_t n) { return (pr_real *)pr__elems(tr, a, n, sizeof(pr_real)); }
+
+/* Everything in the arena is dead; its chunks go back to the spares, for any arena to reuse. */
+static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
+    if (a->tail) {
+        a->tail->next = tr->spare;
+        tr->spare = a->head;
+    }
+    a->head = a->tail = NULL;
+    tr->live_bytes -= a->used;
+    a->used = 0;
+}
+
+static void pr__enter_phase(pr_trainer *tr, int phase) {
+    tr->phase = phase;
+    if (tr->live_bytes > tr->phase_peak[phase]) tr->phase_peak[phase] = tr->live_bytes;
+}
+
+/* ---------------------------------------------------------------- 3.5 A pass: every layer's saved tensors, the backward's scratch */
+/* The next `count` elements of `elem` bytes in a block being laid out from `base` (NULL: sizes only). */
+static void *pr__carve(char *base, size_t *off, size_t count, size_t elem) {
+    void *p = base ? base + *off : NULL;
+    *off += (count * elem + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
+    return p;
+}
+
+/* Lays out one layer's saved tensors for n rows, all but its K and V, in one block at base: the
+   layer's input (the residual stream entering it) and everything its backward reads besides K/V.
+   A block moves between memory tiers as a unit (the prefix's dormant state). Returns its bytes;
+   base NULL only measures. */
+static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__layer_acts *x, void **res_in) {
+    const pr_config *c = &tr->cfg;
+    const size_t C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads, NKV = c->num_key_value_heads;
+    const size_t qd = NH * c->head_dim, kvd = NKV * c->head_dim, A = tr->be->act_bytes, S = tr->be->stat_bytes;
+    pr__layer_acts t;
+    if (!x) x = &t;
+    size_t off = 0;
+    void *in = pr__carve(base, &off, n * C, A);
+    if (res_in) *res_in = in;
+    x->ln1 = pr__carve(base, &off, n * C, A); x->ln1_rstd = pr__carve(base, &off, n, S);
+    if (c->qk_norm) {
+        x->q_pre = pr__carve(base, &off, n * qd, A); x->k_pre = pr__carve(base, &off, n * kvd, A);
+        x->q_rstd = pr__carve(base, &off, n * NH, S); x->k_rstd = pr__carve(base, &off, n * NKV, S);
+    } else {
+        x->q_pre = x->k_pre = x->q_rstd = x->k_rstd = NULL;
+    }
+    x->q = pr__carve(base, &off, n * qd, A);
+    x->att = pr__carve(base, &off, n * qd, A); x->lse = pr__carve(base, &off, n * NH, S);
+    x->x_mid = pr__carve(base, &off, n * C, A);
+    x->ln2 = pr__carve(base, &off, n * C, A); x->ln2_rstd = pr__carve(base, &off, n, S);
+    if (c->num_experts) {
+        const size_t slots = n * (size_t)c->num_experts_per_tok, Fm = c->moe_intermediate_size;
+        x->gate = pr__carve(base, &off, slots * Fm, A); x->up = pr__carve(base, &off, slots * Fm, A);
+        x->h = pr__carve(base, &off, slots * Fm, A);
+        x->ye = pr__carve(base, &off, slots * C, A);
+        x->router = pr__carve(base, &off, n * (size_t)c->num_experts, A);
+    } else {
+        x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
+        x->ye = x->router = NULL;
+    }
+    return off;
+}
+
+/* A pass of N rows: every layer's block (unless `blocks` is 0: the offloading prefix pass places
+   them itself), every layer's K and V, and the final residual res[L]. */
+static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
+    const int L = c->num_hidden_layers;
+    ps->N = N;
+    ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
+    ps->res = PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
+    if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
+    memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
+    memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
+    const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
+    for (int l = 0; l < L; l++) {
+        pr__layer_acts *x = &ps->acts[l];
+        char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
+        if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
+        x->k = pr__act(tr, a, n_kv * kvd);
+        x->v = pr__act(tr, a, n_kv * kvd);
+    }
+    ps->res[L] = pr__act(tr, a, n * c->hidden_size);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
+    if (c->num_experts) {        /* the routing tables, host memory, one block per layer */
+        const size_t E = (size_t)c->num_experts, slots = n * (size_t)c->num_experts_per_tok;
+        ps->route = PR_MALLOC(sizeof(pr__route) * (size_t)L);
+        if (!ps->route) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
+        memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
+        for (int l = 0; l < L; l++) {
+            pr__route *rt = &ps->route[l];
+            char *m = PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
+            if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
+            rt->prob = (double *)m;
+            rt->wsum = rt->prob + n * E;
+            rt->w = (pr_real *)(rt->wsum + n);
+            rt->dw = rt->w + slots;
+            rt->start = (int *)(rt->dw + slots);
+            rt->row = rt->start + E + 1;
+        }
+    }
+    return PR_OK;
+}
+
+static void pr__pass_free_host(pr__pass *ps, int L) {
+    if (ps->route)
+        for (int l = 0; l < L; l++) PR_FREE(ps->route[l].prob);   /* one allocation per layer */
+    PR_FREE(ps->route);
+    PR_FREE(ps->acts);
+    PR_FREE(ps->res);
+    ps->route = NULL;
+    ps->acts = NULL;
+    ps->res = NULL;
+}
+
+static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scratch *s, int N, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    size_t n = (size_t)N, C = c->hidden_size, F = c->intermediate_size;
+    size_t qd = (size_t)c->num_attention_heads * c->head_dim, kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    memset(s, 0, sizeof *s);
+    s->dres = pr__act(tr, a, n * C); s->dln = pr__act(tr, a, n * C);
+    s->dq = pr__act(tr, a, n * qd); s->dk = pr__act(tr, a, n * kvd); s->dv = pr__act(tr, a, n * kvd);
+    if (c->qk_norm) { s->dq_pre = pr__act(tr, a, n * qd); s->dk_pre = pr__act(tr, a, n * kvd); }
+    s->datt = pr__act(tr, a, n * qd);
+    size_t hidden = n * F;
+    if (c->num_experts) {
+        const size_t slots = n * (size_t)c->num_experts_per_tok;
+        hidden = slots * (size_t)c->moe_intermediate_size;
+        s->dye = pr__act(tr, a, slots * C); s->dxe = pr__act(tr, a, slots * C);
+        s->dlogit = pr__act(tr, a, n * (size_t)c->num_experts);
+    }
+    s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a backward of %d rows", N);
+    return PR_OK;
+}
+
+static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->be, p, n * tr->be->act_bytes); }
+
+/* An activation pointer `elems` elements on. */
+static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
+
+/* ---------------------------------------------------------------- 3.6 One layer, forward and backward */
+/* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
+static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *kp, const void *vp) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
+    const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
+    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
+    pr__layer_acts *a = &ps->acts[l];
+    const void *x = ps->res[l];
+    void *y = ps->res[l + 1];
+
+    be->rmsnorm_fwd(be, a->ln1, a->ln1_rstd, x, w.ln1, N, C, c->rms_norm_eps);
+    if (c->qk_norm) {            /* Qwen3: RMSNorm over each head's HS values, before RoPE */
+        be->matmul_fwd(be, a->q_pre, a->ln1, w.wq, N, C, qd);
+        be->matmul_fwd(be, a->k_pre, a->ln1, w.wk, N, C, kvd);
+        be->rmsnorm_fwd(be, a->q, a->q_rstd, a->q_pre, w.qn, N * NH, HS, c->rms_norm_eps);
+        be->rmsnorm_fwd(be, a->k, a->k_rstd, a->k_pre, w.kn, N * NKV, HS, c->rms_norm_eps);
+    } else {
+        be->matmul_fwd(be, a->q, a->ln1, w.wq, N, C, qd);
+        be->matmul_fwd(be, a->k, a->ln1, w.wk, N, C, kvd);
+    }
+    be->matmul_fwd(be, a->v, a->ln1, w.wv, N, C, kvd);
+    be->rope_fwd(be, a->q, &ps->lay, NH, HS, tr->inv_freq);
+    be->rope_fwd(be, a->k, &ps->lay, NKV, HS, tr->inv_freq);
+    pr__attention_fwd(tr, ps, a, kp, vp);
+    be->matmul_fwd(be, a->x_mid, a->att, w.wo, N, qd, C);      /* x_mid = x + att @ wo^T */
+    pr__tp_sum(tr, a->x_mid, (size_t)N * C);                    /* row-parallel: the heads' shares */
+    be->add(be, a->x_mid, x, (size_t)N * C);
+    be->rmsnorm_fwd(be, a->ln2, a->ln2_rstd, a->x_mid, w.ln2, N, C, c->rms_norm_eps);
+    if (c->num_experts) {
+        pr__moe_forward(tr, ps, l, &w, y);                     /* y = x_mid + sum_k w_k expert_k(ln2) */
+    } else {
+        be->matmul_fwd(be, a->gate, a->ln2, w.wg, N, C, F);
+        be->matmul_fwd(be, a->up, a->ln2, w.wu, N, C, F);
+        be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
+        be->matmul_fwd(be, y, a->h, w.wd, N, F, C);            /* y = x_mid + h @ wd^T */
+    }
+    pr__tp_sum(tr, y, (size_t)N * C);                           /* the columns' (or experts') shares */
+    be->add(be, y, a->x_mid, (size_t)N * C);
+}
+
+/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input).
+   dk/dv: the buffers the attention backward adds this pass's own dK/dV into, already holding
+   whatever must be injected (gK/gV in Phase C, zeros otherwise). dkp/dvp: where dK/dV of the
+   cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
+   rank holds (dkp/dvp get its share). */
+static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
+                               const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
+    const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
+    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
+    pr__layer_w g = pr__layer_view(tr->grads, &tr->layer_off[l], c->qk_norm);
+    pr__layer_acts *a = &ps->acts[l];
+    const size_t nC = (size_t)N * C, nF = (size_t)N * F;
+
+    if (c->num_experts) {
+        pr__moe_backward(tr, ps, l, s, &w, &g);                /* s->dln = d(ln2) */
+    } else {
+        /* y = x_mid + h @ wd^T  (the residual passes dres through unchanged) */
+        pr__zero_acts(tr, s->dh, nF);
+        be->matmul_bwd(be, s->dh, g.wd, s->dres, a->h, w.wd, N, F, C);
+        /* h = silu(gate) * up */
+        pr__zero_acts(tr, s->dgate, nF);
+        pr__zero_acts(tr, s->dup, nF);
+        be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, nF);
+        /* gate = ln2 @ wg^T, up = ln2 @ wu^T */
+        pr__zero_acts(tr, s->dln, nC);
+        be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
+        be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
+        pr__tp_sum(tr, s->dln, nC);                             /* column-parallel: the inputs' shares */
+    }
+    /* ln2 = rmsnorm(x_mid): dres becomes d(x_mid) */
+    be->rmsnorm_bwd(be, s->dres, g.ln2, s->dln, a->x_mid, w.ln2, a->ln2_rstd, N, C);
+    /* x_mid = x + att @ wo^T */
+    pr__zero_acts(tr, s->datt, (size_t)N * qd);
+    be->matmul_bwd(be, s->datt, g.wo, s->dres, a->att, w.wo, N, qd, C);
+    /* att = attention(q, [kp; k], [vp; v]) */
+    pr__zero_acts(tr, s->dq, (size_t)N * qd);
+    pr__attention_bwd(tr, ps, s, a, dk, dv, kp, vp, dkp, dvp, pre_own);
+    /* q, k = rope(...) */
+    be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
+    be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
+    void *dq = s->dq, *dkk = dk;
+    if (c->qk_norm) {            /* q = q_norm(q_pre), k = k_norm(k_pre) */
+        pr__zero_acts(tr, s->dq_pre, (size_t)N * qd);
+        pr__zero_acts(tr, s->dk_pre, (size_t)N * kvd);
+        be->rmsnorm_bwd(be, s->dq_pre, g.qn, s->dq, a->q_pre, w.qn, a->q_rstd, N * NH, HS);
+        be->rmsnorm_bwd(be, s->dk_pre, g.kn, dk, a->k_pre, w.kn, a->k_rstd, N * NKV, HS);
+        dq = s->dq_pre;
+        dkk = s->dk_pre;
+    }
+    /* q_pre/k/v = ln1 @ w^T */
+    pr__zero_acts(tr, s->dln, nC);
+    be->matmul_bwd(be, s->dln, g.wq, dq, a->ln1, w.wq, N, C, qd);
+    be->matmul_bwd(be, s->dln, g.wk, dkk, a->ln1, w.wk, N, C, kvd);
+    be->matmul_bwd(be, s->dln, g.wv, dv, a->ln1, w.wv, N, C, kvd);
+    pr__tp_sum(tr, s->dln, nC);
+    /* ln1 = rmsnorm(x): dres becomes d(x) */
+    be->rmsnorm_bwd(be, s->dres, g.ln1, s->dln, ps->res[l], w.ln1, a->ln1_rstd, N, C);
+}
+
+/* ---------------------------------------------------------------- 3.7 Batches and the loss head */
+static void pr__batch_free(pr__batch *b) {
+    PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real);
+    PR_FREE(b->head.row); PR_FREE(b->head.flat); PR_FREE(b->head.target);
+    PR_FREE(b->head.old_logp); PR_FREE(b->head.ref_logp); PR_FREE(b->head.advantage); PR_FREE(b->head.weight);
+    memset(b, 0, sizeof *b);
+}
+
+static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
+    long f = (long)g->suffix_off[i] + j;
+    int m = h->M++;
+    h->row[m] = row;
+    h->flat[m] = f;
+    h->target[m] = g->tokens[f];
+    h->old_logp[m] = g->old_logp[f];
+    if (h->ref_logp) h->ref_logp[m] = g->ref_logp[f];
+    h->advantage[m] = g->advantage[i];
+    h->weight[m] = tok_weight[f];
+}
+
+/* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind.
+   Token j of suffix i is predicted by the row just before it: the last prefix row for j = 0
+   (which the prefix batch owns under reuse), else the row of suffix token j-1. */
+static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
+                                 pr__batch_kind kind, int packed, pr_error *err) {
+    const int P = g->P;
+    int smax = 0;
+    long sum = 0;
+    for (int i = i0; i < i0 + n; i++) { if (g->suffix_len[i] > smax) smax = g->suffix_len[i]; sum += g->suffix_len[i]; }
+    memset(b, 0, sizeof *b);
+    int nseg = kind == PR__BATCH_PREFIX ? 1 : n;
+    long rows = kind == PR__BATCH_PREFIX ? P : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
+    long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
+    b->N = (int)rows;
+    b->n_traj = n;
+    b->seg_off = PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
+    b->tokens = PR_MALLOC(sizeof(int32_t) * (size_t)rows);
+    b->real = PR_MALLOC((size_t)(rows > 0 ? rows : 1));
+    size_t mr = (size_t)(mrows > 0 ? mrows : 1);
+    b->head.row = PR_MALLOC(sizeof(int) * mr);
+    b->head.flat = PR_MALLOC(sizeof(long) * mr);
+    b->head.target = PR_MALLOC(sizeof(int32_t) * mr);
+    b->head.old_logp = PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.ref_logp = g->ref_logp ? PR_MALLOC(sizeof(pr_real) * mr) : NULL;
+    b->head.advantage = PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.weight = PR_MALLOC(sizeof(pr_real) * mr);
+    if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
+        (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
+        pr__batch_free(b);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a batch of %ld rows", rows);
+    }
+    b->lay.n_seg = nseg;
+    b->lay.seg_off = b->seg_off;
+    b->lay.pos0 = kind == PR__BATCH_SUFFIX ? P : 0;
+    b->lay.n_prefix = kind == PR__BATCH_SUFFIX ? P : 0;
+    if (kind == PR__BATCH_PREFIX) {
+        b->seg_off[0] = 0; b->seg_off[1] = P;
+        memcpy(b->tokens, g->prefix, sizeof(int32_t) * (size_t)P);
+        memset(b->real, 1, (size_t)P);
+        for (int i = i0; i < i0 + n; i++) pr__head_push(&b->head, g, tok_weight, P - 1, i, 0);
+        return PR_OK;
+    }
+    int off = 0;
+    for (int s = 0; s < n; s++) {
+        int i = i0 + s, S = g->suffix_len[i];
+        int len = kind == PR__BATCH_FULL ? P + smax : packed ? S : smax;
+        const int32_t *suf = g->tokens + g->suffix_off[i];
+        int32_t *t = b->tokens + off;
+        b->seg_off[s] = off;
+        if (kind == PR__BATCH_FULL) {
+            memcpy(t, g->prefix, sizeof(int32_t) * (size_t)P);
+            t += P;
+        }
+        memcpy(t, suf, sizeof(int32_t) * (size_t)S);
+        int used = (int)(t - (b->tokens + off)) + S;
+        for (int r = used; r < len; r++) b->tokens[off + r] = 0;   /* padding */
+        memset(b->real + off, 1, (size_t)used);
+        memset(b->real + off + used, 0, (size_t)(len - used));
+        if (kind == PR__BATCH_FULL)
+            for (int j = 0; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + P - 1 + j, i, j);
+        else
+            for (int j = 1; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + j - 1, i, j);
+        off += len;
+    }
+    b->seg_off[n] = off;
+    return PR_OK;
+}
+
+/* A pass's host view of a batch; prefix: the Phase-A state whose cached K/V it reads, or NULL. */
+static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__batch *prefix, int P) {
+    memset(p, 0, sizeof *p);
+    p->lay = b->lay;
+    p->tokens = b->tokens;
+    p->real = b->real;
+    p->cp_chunk = b->cp_chunk;
+    if (prefix && pr__cp(tr) > 1) {
+        p->cp_pre_rows = P;
+        p->cp_pre_chunk = prefix->cp_chunk;
+    }
+}
+
+/* Final norm, LM head and GRPO loss for the plan's rows of x_final, fused with their backward:
+   the loss of a row depends on nothing but that row's log-prob, so d(loss)/d(x_final) is known at
+   once and is added into dx_final. Rows go through in chunks that bound the logits' memory. */
+static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, void *dx_final, const pr__head_plan *hp,
+                          const pr_loss_opts *lo, pr_real *logp_flat, double *loss, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size;
+    if (hp->M == 0) return PR_OK;
+    int ch = (int)(be->logit_chunk / (size_t)V);
+    if (ch < 1) ch = 1;
+    if (ch > hp->M) ch = hp->M;
+    void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
+    void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
+    pr_real *lp = PR_MALLOC(sizeof(pr_real) * (size_t)ch);
+    if (tr->alloc_failed || !lp) {
+        PR_FREE(lp);
+        return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
+    }
+    pr_real *wn = tr->params + tr->off_norm, *gn = tr->grads + tr->off_norm;
+    pr_real *wh = pr__lm_head(tr, tr->params), *gh = pr__lm_head(tr, tr->grads);
+    for (int m0 = 0; m0 < hp->M; m0 += ch) {
+        int n = hp->M - m0 < ch ? hp->M - m0 : ch;
+        pr_head_rows rows = { n, hp->target + m0, hp->old_logp + m0, hp->ref_logp ? hp->ref_logp + m0 : NULL,
+                              hp->advantage + m0, hp->weight + m0 };
+        be->gather_rows(be, xr, x_final, hp->row + m0, NULL, n, C);
+        be->rmsnorm_fwd(be, xn, rstd, xr, wn, n, C, tr->cfg.rms_norm_eps);
+        be->matmul_fwd(be, logits, xn, wh, n, C, V);
+        be->loss_head(be, logits, &rows, lo, V, lp, loss);              /* logits now hold dlogits */
+        pr__zero_acts(tr, dxn, (size_t)n * C);
+        be->matmul_bwd(be, dxn, gh, logits, xn, wh, n, C, V);
+        pr__zero_acts(tr, dxr, (size_t)n * C);
+        be->rmsnorm_bwd(be, dxr, gn, dxn, xr, wn, rstd, n, C);
+        be->scatter_add_rows(be, dx_final, dxr, hp->row + m0, NULL, n, C);
+        if (logp_flat)
+            for (int m = 0; m < n; m++) logp_flat[hp->flat[m0 + m]] = lp[m];
+    }
+    PR_FREE(lp);
+    return PR_OK;
+}
+
+
+/* ================================================================ 4. THE SCHEDULES */
+/* ---------------------------------------------------------------- 4.1 Phase A: the prefix forward, once */
+/* The prefix state's memory: its batch, its pass (with every layer's saved tensors when
+   `compute`, else, on a split group's peer, the K/V cache alone), gK/gV (zeroed) and one
+   microbatch's prefix dK/dV. */
+static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int compute, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
+    if (st) return st;
+    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
+    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
+    ps->gk = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gv = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    pr__offload *o = &ps->off;
+    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
+    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, compute && !o->on, err);
+    if (!st && compute) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
+    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
+    if (st) return st;
+    for (int l = 0; l < L; l++) {
+        ps->gk[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+        ps->gv[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+        if (ps->gk[l] && ps->gv[l]) {
+            tr->be->zero(tr->be, ps->gk[l], (size_t)P * kvd * sizeof(pr_real));
+            tr->be->zero(tr->be, ps->gv[l], (size_t)P * kvd * sizeof(pr_real));
+        }
+    }
+    ps->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+    ps->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
+    return PR_OK;
+}
+
+/* Phase A: the prefix forward once, through this stage's layers (its input from the previous
+   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C;
+   each layer's k/v rows are the K/V cache Phase B reads. */
+static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    const size_t E = (size_t)c->num_experts;
+    const pr_hooks *h = &cx->opt->hooks;
+    pr_status st = pr__prefix_alloc(tr, cx, ps, 1, err);
+    if (st) return st;
+    const int P = ps->pass.N;
+    pr__offload *o = &ps->off;
+    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
+    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
+    for (int l = 0; l < L; l++) {
+        if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
+        pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
+        if (h->on_kv_capture) h->on_kv_capture(h->user, tr->layer0 + l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
+        if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
+    }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
+    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
+    if (!pr__last_stage(tr))
+        pr__pp_swap(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1, NULL, 0);
+    pr__arena_reset(tr, &tr->step_arena);
+    ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
+    ps->pass.ep_send = ps->pass.ep_recv = NULL;
+    cx->rows += P;
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- 4.2 Phase B: the suffix microbatches (and the baseline) */
+static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
+    pr__pass_free_host(&m->p, tr->cfg.num_hidden_layers);
+    pr__batch_free(&m->b);
+    if (m->a) pr__arena_reset(tr, m->a);
+    PR_FREE(m->sums);
+    m->sums = m->g = NULL;
+    m->a = NULL;
+}
+
+/* Microbatch i (trajectories t0 + i*mb ..) of the step: its batch and memory. ps: the prefix state
+   (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
+static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int i, int mb, int backward,
+                             pr_error *err) {
+    const int i0 = cx->t0 + i * mb, E = tr->cfg.num_experts;
+    memset(m, 0, sizeof *m);
+    m->index = i;
+    pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= cx->t1 ? mb : cx->t1 - i0,
+                                  ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL, ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
+    if (st) return st;
+    m->a = &tr->mb_arena[i % tr->n_mb_arena];
+    pr__pass_init(tr, &m->p, &m->b, ps ? &ps->batch : NULL, cx->g->P);
+    st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, err);
+    if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
+    if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
+    if (!st && E) {
+        m->sums = PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
+        if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+        memset(m->sums, 0, sizeof(double) * (3 * (size_t)E + 1));
+        m->g = m->sums + 2 * E + 1;
+    }
+    return st;
+}
+
+/* This stage's layers forward (the first stage embeds; other stages' input has been received);
+   in a training pass (train 1) the last stage then runs the loss head, whose gradient starts the
+   backward, and with MoE works out the microbatch's aux gradient. */
+static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int train, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
+    pr__pass *p = &m->p;
+    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, tr->params + tr->off_embed, p->N, C);
+    for (int l = 0; l < L; l++)
+        pr__layer_forward(tr, p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
+    if (cx->moe.on) {
+        pr__moe_stage_sums(tr, &cx->moe, p, m->sums, train ? 1.0 : 0);   /* a pre-pass leaves the load to the real pass */
+        if (train && pr__last_stage(tr)) pr__moe_mb_grad(&cx->moe, m->sums, m->b.n_traj, m->g);
+    }
+    if (!train || !pr__last_stage(tr)) return PR_OK;
+    pr__zero_acts(tr, m->s.dres, (size_t)p->N * C);
+    return pr__head(tr, m->a, p->res[L], m->s.dres, &m->b.head, &cx->opt->loss, cx->logp, &cx->loss, err);
+}
+
+/* This stage's layers backward from m->s.dres (the head's gradient, or the next stage's). With
+   a prefix state (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this
+   microbatch produces are handed to the hook and added into gK/gV. */
+static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
+    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
+    const size_t kv_n = (size_t)Pl * kvd, kvn_own = (size_t)m->p.N * kvd;
+    const pr_hooks *h = &cx->opt->hooks;
+    pr__pass *p = &m->p;
+    pr__bwd_scratch *s = &m->s;
+    if (cx->moe.on) {
+        pr__moe_take_grad(&cx->moe, m->g, m->b.n_traj);
+        p->aux_g = m->g;
+    }
+    for (int l = L - 1; l >= 0; l--) {
+        pr__zero_acts(tr, s->dk, kvn_own);
+        pr__zero_acts(tr, s->dv, kvn_own);
+        if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
+        pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
+                           ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
+        if (ps) {
+            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
+            be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
+            be->add_reals(be, ps->gv[l], ps->dv_mb, kv_n);
+        }
+    }
+    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s->dres, p->tokens, p->N, c->hidden_size);
+    cx->rows += p->N;
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d rows", p->N);
+    return PR_OK;
+}
+
+/* Phase B (ps: the prefix state) or the baseline (ps NULL): every microbatch through this stage
+   in the 1F1B order. A stage first runs `warm` forwards (as many as the stages after it need to
+   fill up), then one forward and one backward in turn, then the backwards left; its neighbours
+   keep the same order, so each exchange meets its partner: a forward's output goes on as the
+   gradient for the oldest microbatch comes back, that backward's input gradient goes back as
+   the next microbatch's input comes in. With one stage: forward, backward, microbatch by
+   microbatch. Returns the number of microbatches in *n_mb. */
+static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
+    const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
+    const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
+    pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
+    if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(ring, 0, sizeof(pr__mb) * (size_t)(pp + 1));
+#define PR__MB(i) (&ring[(i) % (pp + 1)])
+    pr_status st = PR_OK;
+    int f = 0;                   /* the next microbatch to run forward */
+    for (; f < warm && !st; f++) {
+        st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err);
+        if (st) break;
+        pr__pp_prev(tr, NULL, PR__MB(f));
+        st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+        pr__pp_next(tr, PR__MB(f), NULL);
+    }
+    if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, NULL, PR__MB(f));
+    for (int b = 0; b < n && !st; b++) {
+        if (f < n) {
+            st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+            pr__pp_next(tr, PR__MB(f), PR__MB(b));
+            f++;
+        } else {
+            pr__pp_next(tr, NULL, PR__MB(b));
+        }
+        if (!st) st = pr__mb_backward(tr, cx, ps, PR__MB(b), err);
+        if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, PR__MB(b), PR__MB(f));
+        else if (!st) pr__pp_prev(tr, PR__MB(b), NULL);
+        pr__mb_close(tr, PR__MB(b));
+    }
+    for (int i = 0; i <= pp; i++) pr__mb_close(tr, &ring[i]);    /* after a failure: what is still open */
+#undef PR__MB
+    PR_FREE(ring);
+    *n_mb = n;
+    return st;
+}
+
+/* ---------------------------------------------------------------- 4.3 Phase C: the prefix backward, once */
+/* Phase C: the prefix backward once, through this stage's layers (from the next stage's
+   gradient, on to the previous). The first token of every suffix is predicted from the last
+   prefix row, so its loss enters here directly (the last stage's head at row P-1); everything
+   else the suffixes ask of the prefix arrives through gK/gV, which become the starting dK/dV of
+   each layer's prefix attention backward. */
+static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
+    const pr_hooks *h = &cx->opt->hooks;
+    const size_t budget = cx->opt->offload.device_budget;
+    pr__offload *o = &ps->off;
+    ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
+    pr__bwd_scratch s;
+    pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);
+    if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
+    if (st) return st;
+    pr__zero_acts(tr, s.dres, (size_t)P * C);
+    if (pr__last_stage(tr))
+        st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
+    else
+        pr__pp_swap(tr, tr->mesh->pp_rank + 1, NULL, 0, s.dres, P, NULL, 0, NULL, 0);
+    if (st) return st;
+    for (int l = L - 1; l >= 0; l--) {
+        if (o->on) {
+            if (pr__slot_of(o, l) < 0) {
+                o->st.demand_loads++;
+                if ((st = pr__load_block(tr, o, &ps->pass, l, err))) return st;
+            }
+            pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
+            if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
+        }
+        if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
+        be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
+        be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
+        pr__layer_backward(tr, &ps->pass, l, &s, s.dk, s.dv, NULL, NULL, NULL, NULL, 0);
+        if (o->on) pr__block_done(tr, o, l);
+    }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
+    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
+    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0, NULL, 0, NULL, 0);
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- 4.4 The step: checks, loss weights, the driver, FLOPs */
+PRDEF pr_step_opts pr_step_opts_default(void) {
+    pr_step_opts o;
+    memset(&o, 0, sizeof o);
+    o.schedule = PR_SCHEDULE_REUSE;
+    o.microbatch = 0;
+    o.layout = PR_LAYOUT_PADDED;
+    o.loss.eps_low = 0.2;
+    o.loss.eps_high = 0.28;
+    o.loss.kl_coef = 0.0;
+    o.loss.norm = PR_NORM_TOKEN_MEAN;
+    return o;
+}
+
+static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, const pr_step_opts *o, pr_error *err) {
+    if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
+    pr_status st = pr_group_validate(g, tr->cfg.vocab_size, err);
+    if (st) return st;
+    int smax = 0;
+    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+    if ((long)g->P + smax > tr->cfg.max_position_embeddings)
+        return pr__fail(err, PR_ERR_ARG, "prefix %d + longest suffix %d tokens exceed max_position_embeddings %d",
+                        g->P, smax, tr->cfg.max_position_embeddings);
+    if (o->schedule != PR_SCHEDULE_BASELINE && o->schedule != PR_SCHEDULE_REUSE)
+        return pr__fail(err, PR_ERR_ARG, "unknown schedule %d", (int)o->schedule);
+    if (o->layout != PR_LAYOUT_PADDED && o->layout != PR_LAYOUT_PACKED)
+        return pr__fail(err, PR_ERR_ARG, "unknown layout %d", (int)o->layout);
+    if (o->microbatch < 0) return pr__fail(err, PR_ERR_ARG, "microbatch must be >= 1 (or 0 for the whole group), got %d", o->microbatch);
+    if ((o->moe.scope != PR_AUX_SCOPE_MICROBATCH && o->moe.scope != PR_AUX_SCOPE_GROUP) || o->moe.prefix_multiplicity < 0)
+        return pr__fail(err, PR_ERR_ARG, "MoE options: unknown aux-loss scope %d or negative prefix multiplicity %d",
+                        (int)o->moe.scope, o->moe.prefix_multiplicity);
+    if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
+        return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
+    int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
+    if (pr__cp(tr) > 1 && mb != 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
+    if (pr__cp(tr) > 1 && o->offload.enabled)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
+    if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
+        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
+    const pr_loss_opts *lo = &o->loss;
+    if (!(lo->eps_low >= 0 && lo->eps_low < 1) || !(lo->eps_high >= 0 && lo->eps_high < 1e6))
+        return pr__fail(err, PR_ERR_ARG, "clip range eps_low %g / eps_high %g out of range (eps_low in [0,1), eps_high >= 0)",
+                        lo->eps_low, lo->eps_high);
+    if (!(lo->kl_coef >= 0 && lo->kl_coef < 1e6)) return pr__fail(err, PR_ERR_ARG, "kl_coef %g must be >= 0", lo->kl_coef);
+    if (lo->kl_coef > 0 && !g->ref_logp) return pr__fail(err, PR_ERR_ARG, "kl_coef %g needs reference log-probs, the group has none", lo->kl_coef);
+    if (lo->norm != PR_NORM_TOKEN_MEAN && lo->norm != PR_NORM_SEQ_MEAN_TOKEN_MEAN)
+        return pr__fail(err, PR_ERR_ARG, "unknown loss normalisation %d", (int)lo->norm);
+    return PR_OK;
+}
+
+/* Each suffix token's share of the loss: mask / (masked tokens of the group) for token-mean, or
+   mask / (G * masked tokens of its trajectory) for seq-mean-token-mean. Both are known before any
+   forward runs, which is what lets the loss split over suffixes and microbatches. */
+static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) {
+    long total = 0;
+    for (long f = 0; f < g->suffix_off[g->G]; f++) total += g->loss_mask[f];
+    for (int i = 0; i < g->G; i++) {
+        long n_i = 0;
+        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) n_i += g->loss_mask[f];
+        double denom = norm == PR_NORM_TOKEN_MEAN ? (double)total : (double)g->G * (double)n_i;
+        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++)
+            w[f] = g->loss_mask[f] ? (pr_real)(1.0 / denom) : 0;
+    }
+}
+
+/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
+static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
+                                   pr_real *logp, pr_comm *team, pr_error *err) {
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
+    pr_status st = pr__validate_step(tr, g, opt, err);
+    if (st) return st;
+    const pr_backend *be = tr->be;
+    const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
+    const int owner = !team || team->rank == 0, t = team ? team->size : 1, k = team ? team->rank : 0;
+    int B = 0;                   /* the group's microbatches, over the team */
+    for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
+    long n_tok = g->suffix_off[G];
+    pr_real *tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
+    pr_real *lp = logp ? logp : PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
+    if (!tok_weight || !lp) {
+        PR_FREE(tok_weight);
+        if (!logp) PR_FREE(lp);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
+    }
+    pr__token_weights(g, opt->loss.norm, tok_weight);
+    if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
+        memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);
+    tr->comm_st = PR_OK;
+    pr__step_ctx cx;
+    memset(&cx, 0, sizeof cx);
+    cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
+    cx.t0 = k * G / t; cx.t1 = (k + 1) * G / t; cx.team = team;
+    pr__moe_acc *moe = &cx.moe;
+    double *moe_mem = NULL;
+    if (tr->cfg.num_experts) {
+        const int E = tr->cfg.num_experts;
+        const size_t n_sums = 2 * (size_t)E + 1;
+        moe_mem = PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        if (!moe_mem) {
+            PR_FREE(tok_weight);
+            if (!logp) PR_FREE(lp);
+            return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+        }
+        memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        moe->on = 1; moe->E = E; moe->G = G; moe->B = B; moe->opt = &opt->moe;
+        moe->coef = tr->cfg.router_aux_loss_coef;
+        moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
+        moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
+        moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
+        moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
+        memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
+    }
+    pr_step_stats s;
+    memset(&s, 0, sizeof s);
+    memset(tr->phase_peak, 0, sizeof tr->phase_peak);
+    tr->alloc_failed = 0;
+    if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+    if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
+    double t0 = pr__now();
+    if (opt->schedule == PR_SCHEDULE_BASELINE) {
+        pr__enter_phase(tr, PR_PHASE_B);
+        if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
+        if (!st) st = pr__run_microbatches(tr, &cx, NULL, mb, &s.microbatches, err);
+        be->sync(be);
+        s.seconds[PR_PHASE_B] = pr__now() - t0;
+    } else {
+        pr__prefix_state ps;
+        memset(&ps, 0, sizeof ps);
+        pr__enter_phase(tr, PR_PHASE_A);
+        st = owner ? pr__phase_a_prefix_forward(tr, &cx, &ps, err) : pr__prefix_alloc(tr, &cx, &ps, 0, err);
+        if (!st && team) pr__split_share_kv(tr, &cx, &ps);
+        be->sync(be);
+        double t1 = pr__now();
+        pr__enter_phase(tr, PR_PHASE_B);
+        if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
+        if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
+        if (!st && team) pr__split_reduce_gkv(tr, &cx, &ps);
+        be->sync(be);
+        double t2 = pr__now();
+        pr__enter_phase(tr, PR_PHASE_C);
+        if (!st && owner) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
+        be->sync(be);
+        double t3 = pr__now();
+        s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
+        s.offload = ps.off.st;
+        const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
+        s.prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
+        s.prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
+                               (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
+        pr__offload_end(tr, &ps.off);
+        pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
+        pr__batch_free(&ps.batch);
+        PR_FREE(ps.gk);
+        PR_FREE(ps.gv);
+        pr__arena_reset(tr, &tr->step_arena);
+        pr__arena_reset(tr, &tr->prefix_arena);
+    }
+    for (long f = 0; owner && f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
+    if (team && moe->on && opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, team, moe->prob_tot, (size_t)moe->E);
+    if (pr__last_stage(tr) && owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
+    if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
+        pr_comm *cp = tr->mesh->cp_comm;
+        double r = (double)cx.rows;
+        pr__sum_doubles(tr, cp, &cx.loss, 1);
+        pr__sum_doubles(tr, cp, &r, 1);
+        cx.rows = (long)r;
+        pr__sum_host(tr, cp, lp, (size_t)n_tok);
+        if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
+    }
+    if (pr__pp(tr) > 1) {        /* the last stage's loss, aux term and log-probs, for every stage */
+        pr_comm *pp = tr->mesh->pp_comm;
+        pr__sum_doubles(tr, pp, &cx.loss, 1);
+        pr__sum_doubles(tr, pp, &moe->aux, 1);
+        pr__sum_host(tr, pp, lp, (size_t)n_tok);
+    }
+    if (!opt->accumulate) pr__mesh_sync_grads(tr);
+    PR_FREE(tok_weight);
+    if (!logp) PR_FREE(lp);
+    s.aux_loss = moe->aux;
+    s.routing_prepass = moe->prepass;
+    PR_FREE(moe_mem);
+    if (!st && be->take_error) st = be->take_error(be, err);
+    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the step's collectives");
+    if (st) return st;
+    s.loss = cx.loss + s.aux_loss;
+    s.rows = cx.rows;
+    memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
+    s.flops = owner ? pr_step_flops(&tr->model, g, opt->schedule) : 0;
+    if (stats) *stats = s;
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
+                                         pr_step_stats *stats, pr_real *logp, pr_error *err) {
+    return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
+}
+
+PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
+    double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
+    double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
+    double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
+                                : 3 * C * F;              /* MoE: router, then k experts per token */
+    double per_token = 6 * (C * qd + 2 * C * kvd + qd * C + mlp) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
+    double per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
+    double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
+    for (int i = 0; i < g->G; i++) {
+        double S = g->suffix_len[i], T = P + S;
+        head_rows += S;
+        if (schedule == PR_SCHEDULE_BASELINE) { tokens += T; pairs += T * (T + 1) / 2; }
+        else { tokens += S; pairs += S * P + S * (S + 1) / 2; }
+    }
+    if (schedule == PR_SCHEDULE_REUSE) { tokens += P; pairs += P * (P + 1) / 2; }
+    return tokens * per_token + pairs * per_pair + head_rows * 6 * C * V;
+}
+
+/* ---------------------------------------------------------------- 4.5 AdamW */
+PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
+    pr_adamw_opts o;
+    o.lr = 1e-3; o.beta1 = 0.9; o.beta2 = 0.999; o.eps = 1e-8; o.weight_decay = 0.01; o.max_grad_norm = 1.0;
+    return o;
+}
+
+PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
+    if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
+    if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
+        !(o->eps > 0 && isfinite(o->eps)) || !(o->weight_decay >= 0 && isfinite(o->weight_decay)) || !(o->max_grad_norm >= 0))
+        return pr__fail(err, PR_ERR_ARG,
+                        "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g, max grad norm %g): lr, eps and "
+                        "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
+                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
+    const pr_backend *be = tr->be;
+    double sq = 0;
+    tr->comm_st = PR_OK;
+    if (!tr->mesh) {
+        sq = be->sum_squares(be, tr->grads, tr->n_params);
+    } else {                     /* the full model's norm: each shard once, a tensor held on several ranks once */
+        for (int t = 0; t < tr->n_tensors; t++)
+            if (!tr->shard[t].elsewhere)
+                sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
+        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
+        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
+    }
+    double norm = sqrt(sq);
+    pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
+    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    if (st) return st;
+    if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
+    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
+    tr->adam_step++;
+    for (int t = 0; t < tr->n_tensors; t++) {
+        const pr_tensor_info *ti = &tr->tensors[t];
+        be->adamw(be, tr->params + ti->offset, tr->grads + ti->offset, tr->adam_m + ti->offset, tr->adam_v + ti->offset,
+                  ti->numel, o->lr, o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+    }
+    if (grad_norm) *grad_norm = norm;
+    return be->take_error ? be->take_error(be, err) : PR_OK;
+}
+
+
+/* ================================================================ 5. OFFLOAD: device slots, the host pool, moves between them */
+#define PR__DEVICE_MARGIN ((size_t)256 << 20)   /* free device memory a prefetch must leave */
+
+static void pr__live_add(pr_trainer *tr, size_t bytes) {
+    tr->live_bytes += bytes;
+    if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
+}
+static int pr__slot_of(const pr__offload *o, int layer) {
+    for (int s = 0; s < PR__SLOTS; s++) if (o->slot_layer[s] == layer) return s;
+    return -1;
+}
+/* A free slot, preferring one no copy is still reading. */
+static int pr__slot_free(const pr__offload *o) {
+    int any = -1;
+    for (int s = 0; s < PR__SLOTS; s++)
+        if (o->slot_layer[s] < 0) {
+            if (!o->slot_copying[s]) return s;
+            if (any < 0) any = s;
+        }
+    return any;
+}
+/* A block copy into or out of slot s, on the backend's copy queue when it has one (tagged with
+   the slot); pr__slot_wait makes the compute issued next wait for it. */
+static void pr__block_copy(pr_trainer *tr, pr__offload *o, int s, void *dst, const void *src) {
+    if (tr->be->copy_async) {
+        tr->be->copy_async(tr->be, dst, src, o->block, s);
+        o->slot_copying[s] = 1;
+    } else {
+        tr->be->copy(tr->be, dst, src, o->block);
+    }
+}
+static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s) {
+    if (!o->slot_copying[s]) return;
+    tr->be->copy_wait(tr->be, s);
+    o->slot_copying[s] = 0;
+}
+
+/* Puts layer's block in a free device slot (kept across steps, counted live while held) and points
+   the pass's tensors of that layer into it. */
+static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err) {
+    int s = pr__slot_free(o);
+    if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
+    pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
+    if (tr->slot_cap[s] < o->block) {
+        if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
+        tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
+        tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
+        if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
+    }
+    o->slot_layer[s] = layer;
+    pr__live_add(tr, o->block);
+    pr__layer_block(tr, tr->slot[s], (size_t)ps->N, &ps->acts[layer], &ps->res[layer]);
+    return PR_OK;
+}
+static void pr__slot_give(pr_trainer *tr, pr__offload *o, int layer) {
+    int s = pr__slot_of(o, layer);
+    if (s < 0) return;
+    o->slot_layer[s] = -1;
+    tr->live_bytes -= o->block;
+}
+
+/* Phase A, after layer l's forward: its block goes to the pool (or, when full, to a host
+   allocation of its own) and its slot is free for layer l+2. */
+static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_error *err) {
+    const pr_backend *be = tr->be;
+    if (o->pool_used + o->block <= tr->pool_cap) {
+        o->host[l] = (char *)tr->pool + o->pool_used;
+        o->pool_used += o->block;
+    } else {
+        o->host[l] = be->alloc(be, o->block, PR_TIER_HOST);
+        if (!o->host[l]) return pr__fail(err, PR_ERR_NOMEM, "out of host memory to offload a %zu-byte block", o->block);
+        o->own[l] = 1;
+        o->own_live += o->block;
+        o->st.pool_fallbacks++;
+        if (tr->pool_cap + o->own_live > o->st.host_peak_bytes) o->st.host_peak_bytes = tr->pool_cap + o->own_live;
+    }
+    int s = pr__slot_of(o, l);
+    pr__block_copy(tr, o, s, o->host[l], tr->slot[s]);
+    o->st.offloaded_bytes += o->block;
+    pr__slot_give(tr, o, l);
+    return PR_OK;
+}
+
+/* Phase C: layer l's block back into a device slot (on the copy queue: compute joins it before
+   the layer's backward reads the block). */
+static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err) {
+    pr_status st = pr__slot_take(tr, o, ps, l, err);
+    if (st) return st;
+    int s = pr__slot_of(o, l);
+    pr__block_copy(tr, o, s, tr->slot[s], o->host[l]);
+    o->st.loaded_bytes += o->block;
+    return PR_OK;
+}
+
+/* Prefetches layer l's block when a slot is free and the budget allows; counts a refusal. */
+static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err) {
+    const pr_backend *be = tr->be;
+    if (l < 0 || pr__slot_of(o, l) >= 0 || pr__slot_free(o) < 0) return PR_OK;
+    int fits = (!budget || tr->live_bytes + o->block <= budget) &&
+               (!be->device_free || be->device_free(be) >= o->block + PR__DEVICE_MARGIN);
+    if (!fits) {
+        o->st.prefetches_refused++;
+        return PR_OK;
+    }
+    o->st.prefetches++;
+    return pr__load_block(tr, o, ps, l, err);
+}
+
+/* Phase C, after layer l's backward: its slot and host space are done with. */
+static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
+    pr__slot_give(tr, o, l);
+    if (o->own[l]) {
+        tr->be->release(tr->be, o->host[l], PR_TIER_HOST);
+        o->own[l] = 0;
+        o->own_live -= o->block;
+    }
+    o->host[l] = NULL;
+}
+
+/* Sets up a step's offload: the block size, the host pool (created or resized to the request) and
+   the bookkeeping. With offload off only the footprint is recorded, for the stats. */
+static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err) {
+    const int L = tr->cfg.num_hidden_layers;
+    memset(o, 0, sizeof *o);
+    for (int s = 0; s < PR__SLOTS; s++) o->slot_layer[s] = -1;
+    o->block = pr__layer_block(tr, NULL, (size_t)P, NULL, NULL);
+    o->st.block_bytes = o->block;
+    o->st.dormant_bytes = o->block * (size_t)L;
+    if (!opt->enabled) return PR_OK;
+    o->on = 1;
+    o->host = PR_MALLOC(sizeof(void *) * (size_t)L);
+    o->own = PR_MALLOC((size_t)L);
+    if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(o->host, 0, sizeof(void *) * (size_t)L);
+    memset(o->own, 0, (size_t)L);
+    size_t want = opt->pool_bytes ? opt->pool_bytes : o->st.dormant_bytes + o->st.dormant_bytes / 16;
+    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < o->st.dormant_bytes;
+    if (resize) {
+        if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
+        tr->pool = tr->be->alloc(tr->be, want, PR_TIER_HOST);
+        tr->pool_cap = tr->pool ? want : 0;       /* no pool: every block falls back, still correct */
+    }
+    o->st.pool_bytes = tr->pool_cap;
+    o->st.host_peak_bytes = tr->pool_cap;
+    return PR_OK;
+}
+
+/* Waits for the copies still queued, releases whatever an interrupted step still holds, then the
+   bookkeeping. */
+static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
+    if (o->on) {
+        for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, o, s);
+        tr->be->sync(tr->be);
+        for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
+    }
+    PR_FREE(o->host);
+    PR_FREE(o->own);
+    o->host = NULL;
+    o->own = NULL;
+}
+
+
+/* ================================================================ 6. MOE */
+/* ---------------------------------------------------------------- 6.1 Routing on the host */
+/* Softmax over the router logits in double, the top-k per row (ties to the lower expert index),
+   their weights (renormalised with norm_topk_prob), and the slots grouped by expert. */
+static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
+    const pr_config *c = &tr->cfg;
+    const int E = c->num_experts, k = c->num_experts_per_tok;
+    pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    int *sel = PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
+    if (!z || !sel) {
+        PR_FREE(z);
+        PR_FREE(sel);
+        tr->alloc_failed = 1;
+        return;
+    }
+    tr->be->download_acts(tr->be, z, logits, (size_t)N * E);
+    memset(rt->start, 0, sizeof(int) * (size_t)(E + 1));
+    for (int r = 0; r < N; r++) {
+        const pr_real *zr = z + (size_t)r * E;
+        double *p = rt->prob + (size_t)r * E, mx = -INFINITY, sum = 0;
+        for (int e = 0; e < E; e++) if (zr[e] > mx) mx = zr[e];
+        for (int e = 0; e < E; e++) sum += p[e] = exp((double)zr[e] - mx);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        int *sr = sel + (size_t)r * k;
+        double top = 0;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= sr[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            sr[j] = best;
+            top += p[best];
+            rt->start[best + 1]++;
+        }
+        rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
+    }
+    for (int e = 0; e < E; e++) rt->start[e + 1] += rt->start[e];
+    memcpy(fill, rt->start, sizeof(int) * (size_t)E);
+    for (int r = 0; r < N; r++)            /* rows ascending, so each expert's slots are in row order */
+        for (int j = 0; j < k; j++) {
+            int e = sel[(size_t)r * k + j], slot = fill[e]++;
+            rt->row[slot] = r;
+            rt->w[slot] = (pr_real)(rt->prob[(size_t)r * E + e] / rt->wsum[r]);
+        }
+    PR_FREE(z);
+    PR_FREE(sel);
+}
+
+/* ---------------------------------------------------------------- 6.2 Dispatch to the experts and back (EP) */
+/* EP: the slots (routed rows) of this rank's experts. Slots are grouped by expert, rows
+   ascending within one, so this rank's are global slots slot0 .. slot0+n_slots-1. Under EP
+   (ep > 1, inside the TP group, whose ranks hold the same rows) rank q dispatches the slots of
+   its share of the rows, rows q*N/ep .. (q+1)*N/ep - 1, to the experts' owners by all-to-all,
+   and gets their outputs back the same way; without EP the slots are gathered locally. */
+typedef struct {
+    int ep, me, ne;            /* EP ranks, this rank, experts per rank */
+    int slot0, n_slots;
+    int nmax;                  /* the largest block one rank sends another, in rows */
+    int *mem;                  /* the int arrays below, one allocation */
+    int *send_n, *recv_n;      /* (ep) rows sent to / received from each rank */
+    int *seg;                  /* (ep * ne) rows from source q for local expert e */
+    int *send_row;             /* (ep * nmax) by destination: the rows this rank sends */
+    pr_real *send_w;           /* (ep * nmax) their combine weights */
+} pr__ep_plan;
+
+static void pr__ep_plan_free(pr__ep_plan *p) {
+    PR_FREE(p->mem);
+    PR_FREE(p->send_w);
+    memset(p, 0, sizeof *p);
+}
+
+/* The rank of the EP group whose share of N rows holds row r. */
+static int pr__ep_source(int r, int N, int ep) {
+    int q = (int)((long)r * ep / N);
+    while (q > 0 && (long)q * N / ep > r) q--;
+    while (q + 1 < ep && (long)(q + 1) * N / ep <= r) q++;
+    return q;
+}
+
+/* Every rank knows the whole routing (the TP group's rows and router are the same), so each can
+   count what every other sends: no sizes need exchanging. Returns 0 without host memory. */
+static int pr__ep_plan_build(pr_trainer *tr, const pr__route *rt, int N, pr__ep_plan *p) {
+    const int E = tr->cfg.num_experts, ep = pr__ep(tr);
+    memset(p, 0, sizeof *p);
+    p->ep = ep;
+    p->me = ep > 1 ? tr->mesh->tp_rank : 0;
+    p->ne = tr->n_experts;
+    p->slot0 = rt->start[tr->expert0];
+    p->n_slots = rt->start[tr->expert0 + tr->n_experts] - p->slot0;
+    if (ep == 1) return 1;
+    int *cnt = PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
+    if (!cnt) return 0;
+    memset(cnt, 0, sizeof(int) * (size_t)(ep * ep));
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) cnt[pr__ep_source(rt->row[j], N, ep) * ep + e / p->ne]++;
+    for (int i = 0; i < ep * ep; i++) if (cnt[i] > p->nmax) p->nmax = cnt[i];
+    const size_t nm = (size_t)(p->nmax ? p->nmax : 1);
+    p->mem = PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
+    p->send_w = PR_MALLOC(sizeof(pr_real) * ep * nm);
+    if (!p->mem || !p->send_w) {
+        PR_FREE(cnt);
+        pr__ep_plan_free(p);
+        return 0;
+    }
+    p->send_n = p->mem;
+    p->recv_n = p->send_n + ep;
+    p->seg = p->recv_n + ep;
+    p->send_row = p->seg + ep * p->ne;
+    memset(p->mem, 0, sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne));
+    for (int q = 0; q < ep; q++) p->recv_n[q] = cnt[q * ep + p->me];
+    PR_FREE(cnt);
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
+            const int q = pr__ep_source(rt->row[j], N, ep), o = e / p->ne;
+            if (o == p->me) p->seg[q * p->ne + (e - tr->expert0)]++;
+            if (q != p->me) continue;
+            const int k = p->send_n[o]++;
+            p->send_row[(size_t)o * nm + k] = rt->row[j];
+            p->send_w[(size_t)o * nm + k] = rt->w[j];
+        }
+    return 1;
+}
+
+/* Between slot order (x, this rank's experts' slots) and per-source blocks of nmax rows (blocks),
+   where block q holds source q's rows expert by expert: to_blocks 1 copies x into the blocks. */
+static void pr__ep_reorder(pr_trainer *tr, const pr__ep_plan *p, void *x, void *blocks, int to_blocks) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size, A = be->act_bytes, blk = (size_t)p->nmax * C;
+    size_t at = 0;
+    for (int le = 0; le < p->ne; le++)
+        for (int q = 0; q < p->ep; q++) {
+            size_t n = (size_t)p->seg[q * p->ne + le], from = 0;
+            for (int k = 0; k < le; k++) from += (size_t)p->seg[q * p->ne + k];
+            void *xs = pr__act_at(tr, x, at * C), *bs = pr__act_at(tr, blocks, q * blk + from * C);
+            if (n) be->copy(be, to_blocks ? bs : xs, to_blocks ? xs : bs, n * C * A);
+            at += n;
+        }
+}
+
+/* x (n_slots, C) = the rows of src (N, C) this rank's experts take, in slot order; weighted by
+   their combine weights when `weighted`. */
+static void pr__ep_dispatch(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *x,
+                            const void *src, int weighted) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    if (p->ep == 1) {
+        be->gather_rows(be, x, src, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
+        return;
+    }
+    const size_t blk = (size_t)p->nmax * C;
+    for (int o = 0; o < p->ep; o++)
+        be->gather_rows(be, pr__act_at(tr, ps->ep_send, o * blk), src, p->send_row + (size_t)o * p->nmax,
+                        weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
+    pr__ep_reorder(tr, p, x, ps->ep_recv, 0);
+}
+
+/* dst (N, C) += the outputs y (n_slots, C) of this rank's experts... back at the rows they came
+   from: under EP each rank adds those of its own share of rows (the TP sum that follows completes
+   every row). Weighted by the combine weights when `weighted`. */
+static void pr__ep_combine(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *dst,
+                           const void *y, int weighted) {
+    const pr_backend *be = tr->be;
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    if (p->ep == 1) {
+        be->scatter_add_rows(be, dst, y, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
+        return;
+    }
+    const size_t blk = (size_t)p->nmax * C;
+    pr__ep_reorder(tr, p, (void *)y, ps->ep_send, 1);
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
+    for (int o = 0; o < p->ep; o++)
+        be->scatter_add_rows(be, dst, pr__act_at(tr, ps->ep_recv, o * blk), p->send_row + (size_t)o * p->nmax,
+                             weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
+}
+
+/* ---------------------------------------------------------------- 6.3 The sparse MLP: a loop of GEMMs over each expert's rows */
+/* The sparse MLP of layer l: y = sum over each row's top-k experts of weight * expert(ln2 row).
+   Per expert: gather its rows (into its part of ye), gate/up GEMMs, SwiGLU, the down GEMM into ye
+   (the gathered rows are no longer needed), then a weighted scatter-add into y, experts in order. */
+static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
+    pr__layer_acts *a = &ps->acts[l];
+    pr__route *rt = &ps->route[l];
+    pr__ep_plan p;
+    be->matmul_fwd(be, a->router, a->ln2, w->router, N, C, E);
+    pr__moe_route(tr, rt, a->router, N);
+    pr__zero_acts(tr, y, (size_t)N * C);
+    if (tr->alloc_failed) return;
+    if (!pr__ep_plan_build(tr, rt, N, &p)) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    pr__ep_dispatch(tr, ps, rt, &p, a->ye, a->ln2, 0);         /* ye: the experts' inputs, slot by slot */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
+        if (!M) continue;
+        const pr_real *wg = w->experts + (size_t)le * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
+        void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
+        void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
+        be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
+        be->matmul_fwd(be, ue, ye, wu, M, C, Fm);
+        be->swiglu_fwd(be, he, ge, ue, (size_t)M * Fm);
+        be->matmul_fwd(be, ye, he, wd, M, Fm, C);                  /* ye: now the experts' outputs */
+    }
+    pr__ep_combine(tr, ps, rt, &p, y, a->ye, 1);
+    pr__ep_plan_free(&p);
+}
+
+/* Backward of the sparse MLP: d(ln2) into s->dln from d(y) in s->dres. Each slot's weight gets
+   d/dw = dy . ye; the experts see dy scaled by their weight. On the host the weights' gradients
+   go back through the renormalisation and, with the load-balancing loss's own gradient
+   (ps->aux_g, per expert, for every real row), through the router's softmax. Under TP/EP a rank
+   holds part of every slot's output (column shards) or all of some slots' (its experts): the
+   weight gradients and d(ln2) are summed over the TP group before the router's share, which
+   every rank computes alike, is added. */
+static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
+                             const pr__layer_w *g) {
+    const pr_backend *be = tr->be;
+    const pr_config *c = &tr->cfg;
+    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
+    pr__layer_acts *a = &ps->acts[l];
+    pr__route *rt = &ps->route[l];
+    pr__ep_plan p;
+    pr__zero_acts(tr, s->dln, (size_t)N * C);
+    if (!pr__ep_plan_build(tr, rt, N, &p)) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    const int slots = rt->start[E];
+    memset(rt->dw, 0, sizeof(pr_real) * (size_t)slots);
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 0);
+    be->row_dots(be, rt->dw + p.slot0, s->dye, a->ye, p.n_slots, C);
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 1);       /* the experts' share of dy */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
+        if (!M) continue;
+        const size_t eo = (size_t)le * 3 * Fm * C;
+        const pr_real *wd = w->experts + eo + 2 * (size_t)Fm * C;
+        pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
+        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
+        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
+        void *ge = pr__act_at(tr, a->gate, (size_t)off * Fm), *ue = pr__act_at(tr, a->up, (size_t)off * Fm);
+        void *he = pr__act_at(tr, a->h, (size_t)off * Fm);
+        pr__zero_acts(tr, dh, (size_t)M * Fm);
+        be->matmul_bwd(be, dh, gd, dy, he, wd, M, Fm, C);
+        pr__zero_acts(tr, dg, (size_t)M * Fm);
+        pr__zero_acts(tr, du, (size_t)M * Fm);
+        be->swiglu_bwd(be, dg, du, dh, ge, ue, (size_t)M * Fm);
+    }
+    pr__ep_dispatch(tr, ps, rt, &p, s->dye, a->ln2, 0);        /* dy's room: the experts' inputs again */
+    for (int le = 0; le < tr->n_experts; le++) {
+        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
+        if (!M) continue;
+        const size_t eo = (size_t)le * 3 * Fm * C;
+        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C;
+        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
+        void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
+        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
+        pr__zero_acts(tr, dx, (size_t)M * C);
+        be->matmul_bwd(be, dx, gg, dg, x, wg, M, C, Fm);
+        be->matmul_bwd(be, dx, gu, du, x, wu, M, C, Fm);
+    }
+    pr__ep_combine(tr, ps, rt, &p, s->dln, s->dxe, 0);
+    pr__ep_plan_free(&p);
+    pr__tp_sum(tr, s->dln, (size_t)N * C);
+    if (pr__tp(tr) > 1) pr__sum_host(tr, tr->mesh->tp_comm, rt->dw, (size_t)slots);
+    /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
+       dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
+    double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
+    pr_real *dz = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    if (!dp || !dz) {
+        PR_FREE(dp);
+        PR_FREE(dz);
+        tr->alloc_failed = 1;
+        return;
+    }
+    double *D = dp + (size_t)N * E;
+    memset(dp, 0, sizeof(double) * ((size_t)N * E + N));
+    if (c->norm_topk_prob)
+        for (int j = 0; j < slots; j++) D[rt->row[j]] += (double)rt->dw[j] * rt->w[j];
+    for (int e = 0; e < E; e++)
+        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
+            int r = rt->row[j];
+            dp[(size_t)r * E + e] += ((double)rt->dw[j] - D[r]) / rt->wsum[r];
+        }
+    for (int r = 0; r < N; r++) {
+        const double *p = rt->prob + (size_t)r * E;
+        double *dpr = dp + (size_t)r * E, dot = 0;
+        if (ps->aux_g && ps->real[r])
+            for (int e = 0; e < E; e++) dpr[e] += ps->aux_g[e];
+        for (int e = 0; e < E; e++) dot += p[e] * dpr[e];
+        for (int e = 0; e < E; e++) dz[(size_t)r * E + e] = (pr_real)(p[e] * (dpr[e] - dot));
+    }
+    be->upload_acts(be, s->dlogit, dz, (size_t)N * E);
+    be->matmul_bwd(be, s->dln, g->router, s->dlogit, a->ln2, w->router, N, C, E);
+    PR_FREE(dp);
+    PR_FREE(dz);
+}
+
+/* ---------------------------------------------------------------- 6.4 The load-balancing loss */
+/* How many times a prefix token counts in a scope that holds n trajectories. */
+static double pr__prefix_mult(const pr__moe_acc *m, int n) {
+    return m->opt->prefix_multiplicity > 0 ? m->opt->prefix_multiplicity : n;
+}
+
+/* Adds a pass's routing sums (this rank's MoE layers, real rows) to sums; its load, times
+   load_mult, to the trainer's per-layer expert load. */
+static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *sums, double load_mult) {
+    const int E = tr->cfg.num_experts, L = tr->cfg.num_hidden_layers;
+    for (int l = 0; l < L; l++) {
+        const pr__route *rt = &ps->route[l];
+        for (int e = 0; e < E; e++)
+            for (int j = rt->start[e]; j < rt->start[e + 1]; j++)
+                if (ps->real[rt->row[j]]) {
+                    sums[e] += 1;
+                    if (load_mult > 0) tr->expert_load[(size_t)l * E + e] += load_mult;
+                }
+        for (int r = 0; r < ps->N; r++)
+            if (ps->real[r]) {
+                for (int e = 0; e < E; e++) sums[E + e] += rt->prob[(size_t)r * E + e];
+                sums[2 * E] += 1;
+            }
+    }
+}
+
+/* This stage's routing sums of a pass, made whole over the CP chunks, added to sums (which hold
+   the earlier stages'). */
+static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult) {
+    const size_t n = 2 * (size_t)m->E + 1;
+    memset(m->own, 0, sizeof(double) * n);
+    pr__route_sums(tr, ps, m->own, load_mult);
+    if (pr__cp(tr) > 1) pr__sum_doubles(tr, tr->mesh->cp_comm, m->own, n);
+    for (size_t i = 0; i < n; i++) sums[i] += m->own[i];
+}
+
+/* Last stage, after the forward of one microbatch of n trajectories (suffixes under reuse, whole
+   sequences in the baseline) whose sums now cover every layer: its aux gradient per expert g and,
+   for the microbatch scope, its aux loss. */
+static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g) {
+    const int E = m->E;
+    double M = sums[2 * E];
+    if (m->opt->scope == PR_AUX_SCOPE_MICROBATCH) {
+        double pm = m->reuse ? pr__prefix_mult(m, n) : 0, aux = 0, w = m->coef / m->B;
+        M += pm * m->pre[2 * E];
+        for (int e = 0; e < E; e++) {
+            double f = (sums[e] + pm * m->pre[e]) / M, P = (sums[E + e] + pm * m->pre[E + e]) / M;
+            aux += f * P;
+            g[e] = w * E * f / M;
+        }
+        m->aux += w * E * aux;
+        return;
+    }
+    if (!m->prepass) {           /* one microbatch holds the whole group: its routing is the group's */
+        double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0;
+        m->M_tot = M + pm * m->pre[2 * E];
+        for (int e = 0; e < E; e++) m->F[e] = (sums[e] + pm * m->pre[e]) / m->M_tot;
+    }
+    for (int e = 0; e < E; e++) {
+        m->prob_tot[e] += sums[E + e];
+        g[e] = m->coef * E * m->F[e] / m->M_tot;
+    }
+}
+
+/* Every stage, as a microbatch's backward starts: the prefix's share of its aux gradient (each
+   prefix row stands for the copies the scope counts). In the group scope every microbatch has
+   the group's gradient, which the prefix takes once: each microbatch adds its trajectories'
+   fraction of it, so that the shares of a group split across ranks add up too. */
+static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n) {
+    const int micro = m->opt->scope == PR_AUX_SCOPE_MICROBATCH;
+    const double w = !m->reuse ? 0 : micro ? pr__prefix_mult(m, n) : pr__prefix_mult(m, m->G) * n / m->G;
+    for (int e = 0; e < m->E; e++) m->c[e] += g[e] * w;
+}
+
+/* The group scope's aux loss, once every pass has run (last stage). */
+static void pr__moe_group_aux(pr__moe_acc *m) {
+    if (!m->on || m->opt->scope != PR_AUX_SCOPE_GROUP) return;
+    double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0, aux = 0;
+    for (int e = 0; e < m->E; e++) aux += m->F[e] * (m->prob_tot[e] + pm * m->pre[m->E + e]) / m->M_tot;
+    m->aux = m->coef * m->E * aux;
+}
+
+/* The group scope's routing pre-pass: every microbatch forward only, through the stages in turn,
+   for the routing fractions the backward needs before any microbatch may run it. ps: the prefix
+   state under reuse (its K/V read as in Phase B), or NULL for the baseline's whole sequences. */
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
+    pr__moe_acc *m = &cx->moe;
+    const int G = cx->g->G, E = m->E;
+    double *tot = PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
+    if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
+    pr_status st = PR_OK;
+    for (int i = 0; cx->t0 + i * mb < cx->t1 && !st; i++) {
+        pr__mb x;
+        st = pr__mb_open(tr, cx, ps, &x, i, mb, 0, err);
+        if (!st) {
+            pr__pp_prev(tr, NULL, &x);
+            st = pr__mb_forward(tr, cx, ps, &x, 0, err);
+            pr__pp_next(tr, &x, NULL);
+            for (int k = 0; k <= 2 * E; k++) tot[k] += x.sums[k];
+        }
+        pr__mb_close(tr, &x);
+    }
+    if (!st && cx->team) pr__sum_doubles(tr, cx->team, tot, 2 * (size_t)E + 1);   /* the team's trajectories make the group */
+    if (!st && pr__last_stage(tr)) {     /* the last stage's sums cover every layer */
+        double pm = ps ? pr__prefix_mult(m, G) : 0;
+        m->M_tot = tot[2 * E] + pm * m->pre[2 * E];
+        for (int e = 0; e < E; e++) m->F[e] = (tot[e] + pm * m->pre[e]) / m->M_tot;
+    }
+    PR_FREE(tot);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err) {
+    if (!tr || !load) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: NULL argument");
+    if (!tr->cfg.num_experts) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: the model has no experts");
+    const int l = layer - tr->layer0;
+    if (l < 0 || l >= tr->cfg.num_hidden_layers || n != tr->cfg.num_experts)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: layer %d (this rank holds %d..%d), %d values for %d experts",
+                        layer, tr->layer0, tr->layer0 + tr->cfg.num_hidden_layers - 1, n, tr->cfg.num_experts);
+    memcpy(load, tr->expert_load + (size_t)l * n, sizeof(double) * (size_t)n);
+    return PR_OK;
+}
+
+
+/* ================================================================ 7. THE PARALLEL LAYER */
+/* ---------------------------------------------------------------- 7.1 The device mesh */
+PRDEF void pr_mesh_free(pr_mesh *m) {
+    if (!m) return;
+    pr_comm **c[5] = { &m->dp_comm, &m->pp_comm, &m->cp_comm, &m->tp_comm, &m->ends_comm };
+    for (int i = 0; i < 5; i++)
+        if (*c[i]) {
+            (*c[i])->destroy(*c[i]);
+            *c[i] = NULL;
+        }
+}
+
+PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err) {
+    if (!m || !world) return pr__fail(err, PR_ERR_ARG, "pr_mesh_init: NULL argument");
+    memset(m, 0, sizeof *m);
+    if (dp < 1 || pp < 1 || cp < 1 || tp < 1 || ep < 1)
+        return pr__fail(err, PR_ERR_ARG, "mesh sizes must be >= 1 (dp %d, pp %d, cp %d, tp %d, ep %d)", dp, pp, cp, tp, ep);
+    if ((long)dp * pp * cp * tp != world->size)
+        return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d = %ld ranks, the communicator has %d", dp, pp, cp, tp,
+                        (long)dp * pp * cp * tp, world->size);
+    if (ep != 1 && ep != tp)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
+    const int r = world->rank;
+    m->dp = dp; m->pp = pp; m->cp = cp; m->tp = tp; m->ep = ep;
+    m->world = world;
+    m->tp_rank = r % tp;
+    m->cp_rank = r / tp % cp;
+    m->pp_rank = r / (tp * cp) % pp;
+    m->dp_rank = r / (tp * cp * pp);
+    /* each dimension's group: the ranks equal in every other coordinate (color), ordered by its own */
+    const int others = r - m->tp_rank;
+    pr_status st = world->split(world, others, m->tp_rank, &m->tp_comm, err);
+    if (!st) st = world->split(world, r - m->cp_rank * tp, m->cp_rank, &m->cp_comm, err);
+    if (!st) st = world->split(world, r - m->pp_rank * tp * cp, m->pp_rank, &m->pp_comm, err);
+    const int end = m->pp_rank == 0 || m->pp_rank == pp - 1;
+    if (!st) st = world->split(world, end ? r - m->pp_rank * tp * cp : world->size + r, m->pp_rank, &m->ends_comm, err);
+    if (!st) st = world->split(world, r - m->dp_rank * tp * cp * pp, m->dp_rank, &m->dp_comm, err);
+    if (st) pr_mesh_free(m);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_create_mesh(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
+                                       pr_error *err) {
+    if (!mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL mesh");
+    return pr__trainer_new(out, cfg, be, mesh, err);
+}
+
+/* ---------------------------------------------------------------- 7.2 Collectives inside a step */
+/* The mesh's collectives inside a step. A failure is kept (the first one, reported when the
+   step ends) and later collectives still run, so no peer is left waiting. */
+static pr_comm_type pr__act_type(const pr_trainer *tr) {
+    return tr->be->act_bytes == 8 ? PR_COMM_F64 : tr->be->act_bytes == 4 ? PR_COMM_F32 : PR_COMM_BF16;
+}
+static void pr__comm_done(pr_trainer *tr, pr_status st, pr_error *e) {
+    if (st && !tr->comm_st) {
+        tr->comm_st = st;
+        tr->comm_err = *e;
+    }
+}
+static int pr__tp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->tp : 1; }
+static int pr__cp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->cp : 1; }
+static int pr__ep(const pr_trainer *tr) { return tr->mesh ? tr->mesh->ep : 1; }
+static int pr__pp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->pp : 1; }
+static int pr__first_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == 0; }
+static int pr__last_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == tr->mesh->pp - 1; }
+
+/* Activations (n elements) summed over the TP group: the row-parallel projections' partial outputs. */
+static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
+    if (pr__tp(tr) == 1) return;
+    pr_error e;
+    pr_comm *c = tr->mesh->tp_comm;
+    pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
+}
+
+/* Backend memory for n reals, to stage host values a collective moves (its buffers are backend
+   memory); kept across steps. NULL, with alloc_failed set, without memory. */
+static pr_real *pr__staging(pr_trainer *tr, size_t n) {
+    if (n <= tr->stage_cap) return tr->stage;
+    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
+    tr->stage = tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
+    tr->stage_cap = tr->stage ? n : 0;
+    if (!tr->stage) tr->alloc_failed = 1;
+    return tr->stage;
+}
+
+/* Host values summed over c, staged through backend memory. */
+static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
+    if (c->size == 1 || !n) return;
+    pr_real *dev = pr__staging(tr, n);
+    if (!dev) return;                     /* alloc_failed reports it */
+    pr_error e;
+    tr->be->upload_reals(tr->be, dev, x, n);
+    pr__comm_done(tr, c->all_reduce(c, dev, n, PR_COMM_REAL, &e), &e);
+    tr->be->download_reals(tr->be, x, dev, n);
+}
+static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
+    if (c->size == 1 || !n) return;
+    pr_real *h = PR_MALLOC(sizeof(pr_real) * n);
+    if (!h) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (size_t i = 0; i < n; i++) h[i] = (pr_real)x[i];
+    pr__sum_host(tr, c, h, n);
+    for (size_t i = 0; i < n; i++) x[i] = h[i];
+    PR_FREE(h);
+}
+
+/* ---------------------------------------------------------------- 7.3 Sharded parameters and gradients (TP, EP, PP) */
+/* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
+   the experts divided by ep (each whole), otherwise each expert's columns divided by tp; under PP
+   the stage's layers, layer0 .. layer0 + num_hidden_layers - 1 (as even a split as there is). */
+static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *layer0, int *expert0,
+                                  int *n_experts, pr_error *err) {
+    *local = *cfg;
+    *layer0 = 0;
+    *expert0 = 0;
+    *n_experts = cfg->num_experts;
+    if (!m) return PR_OK;
+    const int tp = m->tp, ep = m->ep, pp = m->pp, L = cfg->num_hidden_layers;
+    if (pp > L) return pr__fail(err, PR_ERR_UNSUPPORTED, "pp %d: more pipeline stages than the model's %d layers", pp, L);
+    *layer0 = (int)((long)m->pp_rank * L / pp);
+    local->num_hidden_layers = (int)((long)(m->pp_rank + 1) * L / pp) - *layer0;
+    if (cfg->num_attention_heads % tp || cfg->num_key_value_heads % tp)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d) and KV heads (%d)", tp,
+                        cfg->num_attention_heads, cfg->num_key_value_heads);
+    local->num_attention_heads /= tp;
+    local->num_key_value_heads /= tp;
+    if (cfg->num_experts) {
+        if (ep > 1 && cfg->num_experts % ep)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d must divide the %d experts", ep, cfg->num_experts);
+        if (ep == 1 && cfg->moe_intermediate_size % tp)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide moe_intermediate_size %d", tp, cfg->moe_intermediate_size);
+        if (ep > 1) {
+            *n_experts = cfg->num_experts / ep;
+            *expert0 = m->tp_rank * *n_experts;
+        } else {
+            local->moe_intermediate_size /= tp;
+        }
+    } else {
+        if (ep > 1) return pr__fail(err, PR_ERR_ARG, "ep %d asks for experts, the model has none", ep);
+        if (cfg->intermediate_size % tp)
+            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide intermediate_size %d", tp, cfg->intermediate_size);
+        local->intermediate_size /= tp;
+    }
+    return PR_OK;
+}
+
+/* The shard table: each local tensor's place in the full model's layout. Names are shared, and the
+   local tensors are a subsequence of the full list, so one walk pairs them. */
+static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
+    int count;
+    pr_tensor_info *ft = pr__full_table(tr, &count, &tr->n_full);
+    tr->shard = PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
+    if (!ft || !tr->shard) {
+        PR_FREE(ft);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
+    }
+    const int tp_rank = tr->mesh->tp_rank, ep = tr->mesh->ep;
+    const int tied_copy = tr->model.tie_word_embeddings && tr->has_embed && tr->has_head && tr->mesh->pp > 1;
+    int j = 0;
+    for (int i = 0; i < tr->n_tensors; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        while (j < count && strcmp(ft[j].name, t->name)) j++;
+        if (j == count) {          /* cannot happen: both lists come from one builder */
+            PR_FREE(ft);
+            return pr__fail(err, PR_ERR_ARG, "shard table: %s is not in the full model", t->name);
+        }
+        pr__shard *sh = &tr->shard[i];
+        const int64_t fc = ft[j].ndim == 2 ? ft[j].shape[1] : 1, lc = t->ndim == 2 ? t->shape[1] : 1;
+        sh->full_off = ft[j].offset;
+        sh->full_cols = fc;
+        sh->row0 = t->shape[0] < ft[j].shape[0] ? tp_rank * t->shape[0] : 0;
+        sh->col0 = lc < fc ? tp_rank * lc : 0;
+        const int whole = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
+        sh->elsewhere = (whole && tp_rank) || (tied_copy && i == 0);    /* the embedding comes first */
+        sh->tp_partial = strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight");
+    }
+    PR_FREE(ft);
+    return PR_OK;
+}
+
+PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
+
+/* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
+   tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
+static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, int to_full) {
+    for (int i = 0; i < tr->n_tensors; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        const pr__shard *sh = &tr->shard[i];
+        if (to_full && sh->elsewhere) continue;
+        const int64_t rows = t->shape[0], cols = t->ndim == 2 ? t->shape[1] : 1;
+        for (int64_t r = 0; r < rows; r++) {
+            pr_real *f = full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0;
+            pr_real *l = local + t->offset + (size_t)r * (size_t)cols;
+            if (to_full) memcpy(f, l, sizeof(pr_real) * (size_t)cols);
+            else memcpy(l, f, sizeof(pr_real) * (size_t)cols);
+        }
+    }
+}
+
+PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
+    if (!tr || !src) return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: NULL argument");
+    if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
+    if (n != tr->n_full)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
+    pr__shard_copy(tr, (pr_real *)src, local, 0);
+    tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
+    PR_FREE(local);
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
+    if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
+    const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
+    if (!tr->mesh) {
+        pr_status st = pr__check_count(tr, n, "pr_trainer_get_full", err);
+        if (!st) tr->be->download_reals(tr->be, dst, arena, n);
+        return st;
+    }
+    if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    const pr_backend *be = tr->be;
+    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
+    pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
+    if (!st) {
+        be->download_reals(be, local, arena, tr->n_params);
+        memset(dst, 0, sizeof(pr_real) * n);
+        pr__shard_copy(tr, dst, local, 1);
+        be->upload_reals(be, dev, dst, n);
+    }
+    /* every rank joins the sums, even one that failed above (it adds zeros and reports) */
+    if (st && dev) be->zero(be, dev, sizeof(pr_real) * n);
+    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    for (int i = 0; i < 2 && dev; i++) {
+        pr_status cs = sum_over[i]->all_reduce(sum_over[i], dev, n, PR_COMM_REAL, st ? NULL : err);
+        if (!st) st = cs;
+    }
+    if (!st) be->download_reals(be, dst, dev, n);
+    PR_FREE(local);
+    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    return st;
+}
+
+/* A mesh step's gradients made whole on every rank: the q/k norms' partial sums over tp (their
+   weights serve heads on every TP rank), every gradient over cp (each chunk's rows gave a share),
+   and a tied embedding's over the pipeline's ends (the first stage's embedding and the last
+   stage's LM head are one tensor). Collective; a failure is kept in comm_st. */
+static void pr__mesh_sync_grads(pr_trainer *tr) {
+    if (!tr->mesh) return;
+    pr_error e;
+    if (pr__tp(tr) > 1)
+        for (int t = 0; t < tr->n_tensors; t++)
+            if (tr->shard[t].tp_partial) {
+                pr_comm *c = tr->mesh->tp_comm;
+                pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel, PR_COMM_REAL, &e), &e);
+            }
+    if (pr__cp(tr) > 1) {
+        pr_comm *c = tr->mesh->cp_comm;
+        pr__comm_done(tr, c->all_reduce(c, tr->grads, tr->n_params, PR_COMM_REAL, &e), &e);
+    }
+    if (pr__pp(tr) > 1 && tr->model.tie_word_embeddings && tr->has_embed) {
+        pr_comm *c = tr->mesh->ends_comm;
+        const size_t n = (size_t)tr->cfg.vocab_size * tr->cfg.hidden_size;
+        pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->off_embed, n, PR_COMM_REAL, &e), &e);
+    }
+}
+
+/* ---------------------------------------------------------------- 7.4 Context parallelism */
+/* CP attention. The chunks before this rank's (and in Phase B the cached prefix, whose
+   shards the ranks hold alike) are gathered into one region the pass's queries see whole, in
+   front of their own causal rows: the two-region attention runs unchanged on it. Its backward
+   returns the region's dK/dV to the chunks' owners by reduce-scatter. */
+static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    const pr_comm_type t = pr__act_type(tr);
+    pr_comm *c = tr->mesh->cp_comm;
+    pr_error e;
+    if (ps->cp_pre_rows) {      /* the prefix first, then the pass's chunks from row cp_pre_rows on */
+        pr__comm_done(tr, c->all_gather(c, ps->kreg, kp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
+        pr__comm_done(tr, c->all_gather(c, ps->vreg, vp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
+    }
+    const size_t at = (size_t)ps->cp_pre_rows * kvd;
+    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, at), a->k, (size_t)ps->cp_chunk * kvd, t, &e), &e);
+    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, at), a->v, (size_t)ps->cp_chunk * kvd, t, &e), &e);
+}
+
+static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp) {
+    const pr_config *c = &tr->cfg;
+    const pr_backend *be = tr->be;
+    if (!ps->kreg) {
+        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, c->num_attention_heads,
+                          c->num_key_value_heads, c->head_dim);
+        return;
+    }
+    pr__cp_gather_region(tr, ps, a, kp, vp);
+    if (ps->N)
+        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, ps->lay.n_prefix ? ps->kreg : NULL,
+                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, c->num_attention_heads, c->num_key_value_heads, c->head_dim);
+}
+
+/* Sends gradient rows back to the ranks that own them: n_before rows of the region gradient g
+   from region row `from` on (the chunks before this rank's, which they tile from block 0), plus
+   this rank's own n_own rows (own, activations, or NULL) in its block. Returns the sum over the
+   ranks of this rank's block, `chunk` rows of reals (ps->shard). */
+static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real *g, size_t from, size_t n_before,
+                                    const void *own, size_t n_own, size_t chunk) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    pr_comm *c = tr->mesh->cp_comm;
+    const pr_backend *be = tr->be;
+    pr_error e;
+    be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * sizeof(pr_real));
+    if (n_before) be->copy(be, ps->pad, g + from * kvd, n_before * kvd * sizeof(pr_real));
+    if (n_own) be->acts_to_reals(be, ps->pad + (size_t)c->rank * chunk * kvd, own, n_own * kvd);
+    pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, PR_COMM_REAL, &e), &e);
+    return ps->shard;
+}
+
+/* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
+   prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
+   rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
+                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+    const pr_config *c = &tr->cfg;
+    const pr_backend *be = tr->be;
+    const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
+    if (!ps->kreg) {
+        be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
+        return;
+    }
+    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
+    pr__cp_gather_region(tr, ps, a, kp, vp);
+    be->zero(be, ps->dkreg, np * kvd * sizeof(pr_real));
+    be->zero(be, ps->dvreg, np * kvd * sizeof(pr_real));
+    if (N)
+        be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
+                          a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
+    /* a rank without rows had no queries: it returns nothing but joins the collectives */
+    const size_t before = N ? np - pre : 0;
+    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
+    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
+    if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
+        const size_t bytes = (size_t)pre_own * kvd * sizeof(pr_real);
+        be->copy(be, dkp, pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
+        be->copy(be, dvp, pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
+    }
+}
+
+/* A batch as pr__batch_build makes it; under CP only this rank's chunk of its one segment: rows
+   r0 .. r0+n-1 of chunks of ceil(N/cp) rows, the loss rows re-indexed, positions and the region
+   its queries see whole moved on by r0. */
+static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
+                                pr__batch_kind kind, int packed, pr_error *err) {
+    pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
+    const int cp = pr__cp(tr);
+    if (st || cp == 1) return st;
+    const int chunk = (b->N + cp - 1) / cp, r0 = tr->mesh->cp_rank * chunk < b->N ? tr->mesh->cp_rank * chunk : b->N;
+    const int rows = b->N - r0 < chunk ? b->N - r0 : chunk;
+    memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);
+    memmove(b->real, b->real + r0, (size_t)rows);
+    b->seg_off[0] = 0;
+    b->seg_off[1] = rows;
+    b->lay.pos0 += r0;
+    b->lay.n_prefix += r0;
+    pr__head_plan *h = &b->head;
+    int m = 0;
+    for (int k = 0; k < h->M; k++) {
+        if (h->row[k] < r0 || h->row[k] >= r0 + rows) continue;
+        h->row[m] = h->row[k] - r0;
+        h->flat[m] = h->flat[k];
+        h->target[m] = h->target[k];
+        h->old_logp[m] = h->old_logp[k];
+        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[k];
+        h->advantage[m] = h->advantage[k];
+        h->weight[m] = h->weight[k];
+        m++;
+    }
+    h->M = m;
+    b->N = rows;
+    b->cp_chunk = chunk;
+    return PR_OK;
+}
+
+/* The buffers a pass's collectives use, from arena a: the CP region, its gradient and a
+   reduce-scatter's blocks; the EP all-to-all blocks. */
+static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
+    if (cp > 1) {
+        const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
+        const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
+        ps->kreg = pr__act(tr, a, region * kvd); ps->vreg = pr__act(tr, a, region * kvd);
+        ps->dkreg = pr__reals(tr, a, region * kvd); ps->dvreg = pr__reals(tr, a, region * kvd);
+        ps->pad = pr__reals(tr, a, cp * big * kvd); ps->shard = pr__reals(tr, a, big * kvd);
+    }
+    if (ep > 1 && c->num_experts) {
+        const size_t blk = ((size_t)ps->N + ep - 1) / ep * (size_t)c->num_experts_per_tok * (size_t)c->hidden_size;
+        ps->ep_send = pr__act(tr, a, ep * blk);
+        ps->ep_recv = pr__act(tr, a, ep * blk);
+    }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for the collectives of a pass of %d rows", ps->N);
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- 7.5 Pipeline stages */
+/* Pipeline stages. A stage runs its own layers; the first embeds, the last runs the loss
+   head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
+   far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
+
+/* One exchange with rank `peer` of c: activations out and/or in (NULL: none; n_out, n_in
+   elements), then host doubles the same way, staged through backend memory. Both sides make the
+   same call with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
+static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in,
+                    const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
+    pr_error e;
+    pr_status st = PR_OK;
+    if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
+    else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
+    else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
+    pr__comm_done(tr, st, &e);
+    if (!d_out && !d_in) return;
+    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
+    if (!host || !dev) {
+        PR_FREE(host);
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (size_t i = 0; i < no; i++) host[i] = (pr_real)d_out[i];
+    tr->be->upload_reals(tr->be, dev, host, no);
+    if (no && ni) st = c->send_recv(c, dev, no, peer, dev + no, ni, peer, PR_COMM_REAL, &e);
+    else if (no) st = c->send(c, dev, no, PR_COMM_REAL, peer, &e);
+    else st = c->recv(c, dev + no, ni, PR_COMM_REAL, peer, &e);
+    pr__comm_done(tr, st, &e);
+    tr->be->download_reals(tr->be, host + no, dev + no, ni);
+    for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
+    PR_FREE(host);
+}
+/* The same with the neighbouring stage `peer`, rows of the residual stream. */
+static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
+                        size_t nd_out, double *d_in, size_t nd_in) {
+    const size_t C = (size_t)tr->cfg.hidden_size;
+    pr__p2p(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C, d_out, nd_out, d_in, nd_in);
+}
+
+/* The microbatch's input from the previous stage, with the previous one's gradient going back
+   (either may be NULL); nothing on the first stage. */
+static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in) {
+    if (pr__first_stage(tr) || (!back && !in)) return;
+    const size_t E = (size_t)tr->cfg.num_experts;
+    pr__pp_swap(tr, tr->mesh->pp_rank - 1, back ? back->s.dres : NULL, back ? back->p.N : 0, in ? in->p.res[0] : NULL,
+                in ? in->p.N : 0, back ? back->g : NULL, E, in ? in->sums : NULL, 2 * E + 1);
+}
+/* The microbatch's output to the next stage, with a gradient coming back (either may be NULL);
+   nothing on the last stage. */
+static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back) {
+    if (pr__last_stage(tr) || (!out && !back)) return;
+    const size_t E = (size_t)tr->cfg.num_experts, L = (size_t)tr->cfg.num_hidden_layers;
+    pr__pp_swap(tr, tr->mesh->pp_rank + 1, out ? out->p.res[L] : NULL, out ? out->p.N : 0, back ? back->s.dres : NULL,
+                back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1, back ? back->g : NULL, E);
+}
+
+/* ---------------------------------------------------------------- 7.6 Groups split across DP ranks */
+/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
+   reals on their way to the group's first rank. */
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+    pr_error e;
+    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
+}
+
+/* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
+   the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
+   activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
+static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+    pr_comm *t = cx->team;
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)(ps->pass.cp_chunk > ps->pass.N ? ps->pass.cp_chunk : ps->pass.N) * c->num_key_value_heads * c->head_dim;
+    const size_t ns = cx->moe.on ? 2 * (size_t)cx->moe.E + 1 : 0;
+    for (int peer = 1; peer < t->size; peer++) {
+        if (t->rank && t->rank != peer) continue;
+        const int other = t->rank ? 0 : peer, send = !t->rank;
+        for (int l = 0; l < c->num_hidden_layers; l++) {
+            pr__layer_acts *a = &ps->pass.acts[l];
+            pr__p2p(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n, NULL, 0, NULL, 0);
+            pr__p2p(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n, NULL, 0, NULL, 0);
+        }
+        if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
+    }
+}
+
+/* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
+   the owner, who adds them to its own before Phase C. */
+static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+    pr_comm *t = cx->team;
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
+    double *peer_c = E ? PR_MALLOC(sizeof(double) * E) : NULL;
+    if (E && !peer_c) {
+        tr->alloc_failed = 1;
+        return;
+    }
+    for (int peer = 1; peer < t->size; peer++) {
+        if (t->rank && t->rank != peer) continue;
+        const int other = t->rank ? 0 : peer, send = t->rank != 0;
+        for (int l = 0; l < c->num_hidden_layers; l++) {
+            pr__send_or_recv_reals(tr, t, other, send ? ps->gk[l] : NULL, send ? NULL : ps->dk_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send ? ps->gv[l] : NULL, send ? NULL : ps->dv_mb, n);
+            if (!send) {
+                tr->be->add_reals(tr->be, ps->gk[l], ps->dk_mb, n);
+                tr->be->add_reals(tr->be, ps->gv[l], ps->dv_mb, n);
+            }
+        }
+        if (E) {
+            pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
+            for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
+        }
+    }
+    PR_FREE(peer_c);
+}
+
+/* ---------------------------------------------------------------- 7.7 Data parallelism */
+PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
+    double *load = PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
+    char *done = PR_MALLOC((size_t)(n > 0 ? n : 1));
+    if (!load || !done || ranks < 1) {         /* no memory: everything on rank 0, still a valid placement */
+        for (int i = 0; i < n; i++) owner[i] = 0;
+        PR_FREE(load);
+        PR_FREE(done);
+        return;
+    }
+    for (int r = 0; r < ranks; r++) load[r] = 0;
+    memset(done, 0, (size_t)n);
+    for (int k = 0; k < n; k++) {              /* the costliest group left, onto the least loaded rank */
+        int best = -1;
+        double cost = -1;
+        for (int i = 0; i < n; i++) {
+            double f = done[i] ? -1 : pr_step_flops(cfg, &groups[i], schedule);
+            if (!done[i] && f > cost) { cost = f; best = i; }
+        }
+        int to = 0;
+        for (int r = 1; r < ranks; r++) if (load[r] < load[to]) to = r;
+        owner[best] = to;
+        load[to] += cost;
+        done[best] = 1;
+    }
+    PR_FREE(load);
+    PR_FREE(done);
+}
+
+PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
+                                            const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
+    if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
+    const int R = dp->size;
+    int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
+    tr->comm_st = PR_OK;
+    pr_step_opts o = *opt;
+    pr_step_stats s, sum;
+    memset(&sum, 0, sizeof sum);
+    tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
+    o.accumulate = 1;
+    if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
+        int gi = 0;
+        while (gi + 1 < n && (long)(gi + 1) * R / n <= dp->rank) gi++;
+        pr_comm *team = NULL;
+        st = dp->split(dp, gi, dp->rank, &team, err);
+        if (!st) st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
+        if (team) {
+            dp->bytes_sent += team->bytes_sent;     /* the team's traffic is the dp dimension's */
+            team->destroy(team);
+        }
+    }
+    for (int i = 0; place && i < n && !st; i++) {
+        if (place[i] != dp->rank) continue;
+        st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
+        if (!st) {
+            double loss = sum.loss + s.loss, flops = sum.flops + s.flops;
+            long rows = sum.rows + s.rows;
+            sum = s;
+            sum.loss = loss;
+            sum.flops = flops;
+            sum.rows = rows;
+        }
+    }
+    PR_FREE(place);
+    /* every rank reaches the collectives, even after a local failure, so that none is left
+       waiting; a failed rank's sum is discarded by its own status */
+    pr__mesh_sync_grads(tr);
+    pr_status cs = dp->size > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
+    if (st) return st;
+    if (cs) return cs;
+    if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    if (stats) *stats = sum;
+    return PR_OK;
+}
+
+/* ---------------------------------------------------------------- 7.8 In-process ranks: the communicator over threads */
+#ifndef PR_NO_THREADS
+#include <threads.h>
+
+static size_t pr__comm_elem(pr_comm_type t) { return t == PR_COMM_F64 ? 8 : t == PR_COMM_F32 ? 4 : 2; }
+
+static double pr__comm_get(const void *p, size_t i, pr_comm_type t) {
+    if (t == PR_COMM_F64) return ((const double *)p)[i];
+    if (t == PR_COMM_F32) return ((const float *)p)[i];
+    return pr_bf16_to_f32(((const uint16_t *)p)[i]);
+}
+static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
+    if (t == PR_COMM_F64) ((double *)p)[i] = v;
+    else if (t == PR_COMM_F32) ((float *)p)[i] = (float)v;
+    else ((uint16_t *)p)[i] = pr_f32_to_bf16((float)v);
+}
+
+/* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer in,
+   and a mailbox per ordered pair of ranks for send/recv. */
+typedef struct pr__world {
+    int size, refs;
+    mtx_t mu;
+    cnd_t cv;
+    int arrived;
+    unsigned gen;
+    int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
+    const void **slot;             /* (size) */
+    int *color, *key;              /* (size) split's exchange */
+    struct pr__world **made;       /* (size) split: the sub-world a group leader made */
+    const void **mail;             /* (size*size) [from*size + to] */
+    size_t *mail_bytes;
+    int *mail_full;
+} pr__world;
+
+typedef struct { pr_comm c; pr__world *w; } pr__local;
+
+static pr__world *pr__world_new(int size) {
+    pr__world *w = PR_MALLOC(sizeof *w);
+    if (!w) return NULL;
+    memset(w, 0, sizeof *w);
+    size_t n = (size_t)size, nn = n * n;
+    w->size = size;
+    w->refs = size;
+    w->slot = PR_MALLOC(sizeof(void *) * n);
+    w->color = PR_MALLOC(sizeof(int) * n);
+    w->key = PR_MALLOC(sizeof(int) * n);
+    w->made = PR_MALLOC(sizeof(pr__world *) * n);
+    w->mail = PR_MALLOC(sizeof(void *) * nn);
+    w->mail_bytes = PR_MALLOC(sizeof(size_t) * nn);
+    w->mail_full = PR_MALLOC(sizeof(int) * nn);
+    int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
+    int mu = ok && mtx_init(&w->mu, mtx_plain) == thrd_success;
+    int cv = mu && cnd_init(&w->cv) == thrd_success;
+    if (!cv) {
+        if (mu) mtx_destroy(&w->mu);
+        PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
+        PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
+        PR_FREE(w);
+        return NULL;
+    }
+    memset(w->made, 0, sizeof(pr__world *) * n);
+    memset(w->mail_full, 0, sizeof(int) * nn);
+    return w;
+}
+static void pr__world_release(pr__world *w) {
+    mtx_lock(&w->mu);
+    int last = --w->refs == 0;
+    mtx_unlock(&w->mu);
+    if (!last) return;
+    cnd_destroy(&w->cv);
+    mtx_destroy(&w->mu);
+    PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
+    PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
+    PR_FREE(w);
+}
+static void pr__world_barrier(pr__world *w) {
+    mtx_lock(&w->mu);
+    unsigned gen = w->gen;
+    if (++w->arrived == w->size) {
+        w->arrived = 0;
+        w->gen++;
+        cnd_broadcast(&w->cv);
+    } else {
+        while (gen == w->gen) cnd_wait(&w->cv, &w->mu);
+    }
+    mtx_unlock(&w->mu);
+}
+
+static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
+
+static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blocks, pr_error *err) {
+    size_t bytes;
+    if (t != PR_COMM_F32 && t != PR_COMM_F64 && t != PR_COMM_BF16) return pr__fail(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
+    if (!pr__mul_size(n, pr__comm_elem(t), &bytes) || !pr__mul_size(bytes, blocks, &bytes))
+        return pr__fail(err, PR_ERR_ARG, "communicator: %zu x %zu elements overflow", blocks, n);
+    (void)c;
+    return PR_OK;
+}
+
+/* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
+static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
+    double *acc = PR_MALLOC(sizeof(double) * (n ? n : 1));
+    if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
+    for (size_t i = 0; i < n; i++) acc[i] = 0;
+    for (int r = 0; r < w->size; r++)
+        for (size_t i = 0; i < n; i++) {
+            double x = pr__comm_get(w->slot[r], blk * n + i, t);
+            /* the sum rounds to the type after every add, as a ring of the type would */
+            acc[i] = t == PR_COMM_F64 ? acc[i] + x : t == PR_COMM_F32 ? (double)(float)(acc[i] + x)
+                                                                     : (double)pr_bf16_to_f32(pr_f32_to_bf16((float)(acc[i] + x)));
+        }
+    for (size_t i = 0; i < n; i++) pr__comm_put(out, i, t, acc[i]);
+    PR_FREE(acc);
+    return PR_OK;
+}
+
+static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, 1, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    void *tmp = PR_MALLOC(bytes ? bytes : 1);
+    w->slot[c->rank] = buf;
+    pr__world_barrier(w);
+    st = tmp ? pr__comm_sum(w, tmp, n, t, 0, err) : pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory");
+    pr__world_barrier(w);                     /* every rank has read every buffer */
+    if (!st) memcpy(buf, tmp, bytes);
+    PR_FREE(tmp);
+    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
+    return st;
+}
+static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
+    pr__world_barrier(w);
+    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
+    return PR_OK;
+}
+static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    st = pr__comm_sum(w, out, n, t, (size_t)c->rank, err);
+    pr__world_barrier(w);
+    c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
+    return st;
+}
+static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
+    if (st) return st;
+    pr__world *w = pr__lw(c);
+    size_t bytes = n * pr__comm_elem(t);
+    w->slot[c->rank] = in;
+    pr__world_barrier(w);
+    for (int r = 0; r < w->size; r++)
+        memcpy((char *)out + (size_t)r * bytes, (const char *)w->slot[r] + (size_t)c->rank * bytes, bytes);
+    pr__world_barrier(w);
+    c->bytes_sent += bytes * (size_t)(c->size - 1);
+    return PR_OK;
+}
+/* A rendezvous: the sender posts its buffer, then waits until the receiver has copied it. */
+static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, const char *what, pr_error *err) {
+    pr_status st = pr__comm_check(c, n, t, 1, err);
+    if (!st && (peer < 0 || peer >= c->size || peer == c->rank))
+        st = pr__fail(err, PR_ERR_ARG, "%s: peer %d is not another rank of %d", what, peer, c->size);
+    return st;
+}
+static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
+    mtx_lock(&w->mu);
+    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    w->mail[box] = buf;
+    w->mail_bytes[box] = n * pr__comm_elem(t);
+    w->mail_full[box] = 1;
+    cnd_broadcast(&w->cv);
+    mtx_unlock(&w->mu);
+    c->bytes_sent += n * pr__comm_elem(t);
+}
+static void pr__local_wait_taken(pr_comm *c, int peer) {
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
+    mtx_lock(&w->mu);
+    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    mtx_unlock(&w->mu);
+}
+static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr__world *w = pr__lw(c);
+    size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
+    mtx_lock(&w->mu);
+    while (!w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    size_t got = w->mail_bytes[box];
+    if (got == bytes) memcpy(buf, w->mail[box], bytes);
+    w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
+    cnd_broadcast(&w->cv);
+    mtx_unlock(&w->mu);
+    if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
+    return PR_OK;
+}
+static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__local_peer(c, n, t, peer, "send", err);
+    if (st) return st;
+    pr__local_post(c, buf, n, t, peer);
+    pr__local_wait_taken(c, peer);
+    return PR_OK;
+}
+static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    pr_status st = pr__local_peer(c, n, t, peer, "recv", err);
+    return st ? st : pr__local_take(c, buf, n, t, peer, err);
+}
+static pr_status pr__local_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
+                                     pr_comm_type t, pr_error *err) {
+    pr_status st = pr__local_peer(c, n_send, t, to, "send_recv", err);
+    if (!st) st = pr__local_peer(c, n_recv, t, from, "send_recv", err);
+    if (st) return st;
+    pr__local_post(c, send, n_send, t, to);
+    st = pr__local_take(c, recv, n_recv, t, from, err);
+    pr__local_wait_taken(c, to);
+    return st;
+}
+static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
+    (void)err;
+    pr__world_barrier(pr__lw(c));
+    return PR_OK;
+}
+
+static pr_comm *pr__local_comm_new(pr__world *w, int rank);
+
+static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
+    pr__world *w = pr__lw(c);
+    w->color[c->rank] = color;
+    w->key[c->rank] = key;
+    pr__world_barrier(w);
+    /* my group, in (key, rank) order: my rank in it, its size, its leader */
+    int size = 0, me = 0, leader = -1;
+    for (int r = 0; r < w->size; r++) {
+        if (w->color[r] != color) continue;
+        if (leader < 0 || w->key[r] < w->key[leader] || (w->key[r] == w->key[leader] && r < leader)) leader = r;
+        size++;
+        if (w->key[r] < key || (w->key[r] == key && r < c->rank)) me++;
+    }
+    w->made[c->rank] = NULL;
+    if (c->rank == leader) w->made[c->rank] = pr__world_new(size);
+    pr__world_barrier(w);
+    pr__world *nw = w->made[leader];
+    pr_comm *nc = nw ? pr__local_comm_new(nw, me) : NULL;
+    int ok = nc != NULL;
+    pr__world_barrier(w);                     /* every member has taken the leader's world */
+    if (!ok) {
+        if (nw) pr__world_release(nw);
+        return pr__fail(err, PR_ERR_NOMEM, "split: out of memory");
+    }
+    *sub = nc;
+    return PR_OK;
+}
+static void pr__local_destroy(pr_comm *c) {
+    if (!c) return;
+    pr__world_release(pr__lw(c));
+    PR_FREE(c);
+}
+
+static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
+    pr__local *l = PR_MALLOC(sizeof *l);
+    if (!l) return NULL;
+    memset(l, 0, sizeof *l);
+    l->w = w;
+    pr_comm *c = &l->c;
+    c->rank = rank;
+    c->size = w->size;
+    c->name = "in-process";
+    c->ctx = l;
+    c->all_reduce = pr__local_all_reduce;
+    c->all_gather = pr__local_all_gather;
+    c->reduce_scatter = pr__local_reduce_scatter;
+    c->all_to_all = pr__local_all_to_all;
+    c->send = pr__local_send;
+    c->recv = pr__local_recv;
+    c->send_recv = pr__local_send_recv;
+    c->barrier = pr__local_barrier;
+    c->split = pr__local_split;
+    c->destroy = pr__local_destroy;
+    return c;
+}
+
+typedef struct {
+    pr_comm *comm;
+    pr_status (*fn)(pr_comm *, void *, pr_error *);
+    void *user;
+    pr_status st;
+    pr_error err;
+} pr__rank_run;
+
+/* A rank starts only once every rank's thread exists: otherwise its first collective could wait
+   for a rank that never comes. */
+static int pr__rank_main(void *arg) {
+    pr__rank_run *r = arg;
+    pr__world *w = pr__lw(r->comm);
+    mtx_lock(&w->mu);
+    while (w->gate == 0) cnd_wait(&w->cv, &w->mu);
+    int go = w->gate > 0;
+    mtx_unlock(&w->mu);
+    r->err.status = PR_OK;
+    r->err.message[0] = 0;
+    r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
+    return 0;
+}
+
+PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
+                                  pr_error *err) {
+    if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
+    pr__world *w = pr__world_new(n);
+    pr__rank_run *runs = PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
+    thrd_t *th = PR_MALLOC(sizeof(thrd_t) * (size_t)n);
+    int made = 0;
+    if (w && runs && th) {
+        memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
+        for (; made < n; made++)
+            if (!(runs[made].comm = pr__local_comm_new(w, made))) break;
+    }
+    if (!w || !runs || !th || made < n) {
+        for (int r = 0; r < made; r++) PR_FREE(runs[r].comm);
+        if (w) { w->refs = 1; pr__world_release(w); }
+        PR_FREE(runs);
+        PR_FREE(th);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: out of memory for %d ranks", n);
+    }
+    int started = 0;
+    for (; started < n; started++) {
+        runs[started].fn = fn;
+        runs[started].user = user;
+        if (thrd_create(&th[started], pr__rank_main, &runs[started]) != thrd_success) break;
+    }
+    mtx_lock(&w->mu);
+    w->gate = started == n ? 1 : -1;
+    cnd_broadcast(&w->cv);
+    mtx_unlock(&w->mu);
+    for (int r = 0; r < started; r++) thrd_join(th[r], NULL);
+    pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
+    for (int r = 0; r < n && !st; r++)
+        if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
+    for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);
+    PR_FREE(runs);
+    PR_FREE(th);
+    return st;
+}
+#endif /* PR_NO_THREADS */
+
+
+/* ================================================================ 8. FILE FORMATS */
+/* ---------------------------------------------------------------- 8.1 Platform i/o */
 #include <errno.h>
 #include <limits.h>
 #include <locale.h>
@@ -976,7 +4534,6 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
 #include <unistd.h>
 #endif
 
-/* ---------------------------------------------------------------- io: platform */
 /* Strict ISO modes (gcc -std=c99) hide fseeko and fileno even on POSIX systems, so the code below
    uses only what stays visible there (stat, open, fsync, mkdir, getpid) and falls back to fseek
    with a long offset, which is 64-bit on every LP64 system, when fseeko is hidden. */
@@ -1076,7 +4633,7 @@ static long pr__io_pid(void) {
 #endif
 }
 
-/* ---------------------------------------------------------------- io: small helpers */
+/* ---------------------------------------------------------------- 8.2 Small helpers */
 static int pr__u64_mul(uint64_t a, uint64_t b, uint64_t *out) {
     if (a != 0 && b > UINT64_MAX / a) return 0;
     *out = a * b;
@@ -1228,7 +4785,7 @@ static void pr__fmt_double(char out[40], double v) {
     if (!strchr(out, '.') && !strchr(out, 'e') && !strchr(out, 'n') && !strchr(out, 'i')) strcat(out, ".0");
 }
 
-/* ---------------------------------------------------------------- io: number formats */
+/* ---------------------------------------------------------------- 8.3 Number formats */
 /* Conversions between float and the 16-bit formats, all round-to-nearest-even, NaN kept NaN. */
 PRDEF float pr_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -1320,7 +4877,7 @@ static void pr__put_u16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v;
 static void pr__put_u32(unsigned char *p, uint32_t v) { pr__put_u16(p, (uint16_t)v); pr__put_u16(p + 2, (uint16_t)(v >> 16)); }
 static void pr__put_u64(unsigned char *p, uint64_t v) { pr__put_u32(p, (uint32_t)v); pr__put_u32(p + 4, (uint32_t)(v >> 32)); }
 
-/* ---------------------------------------------------------------- io: JSON reader */
+/* ---------------------------------------------------------------- 8.4 JSON reader */
 /* A parsed document is one allocation: an array of nodes in document order, followed by the
    decoded strings. A container's children follow it; node->skip (the size of its subtree) jumps
    to the next sibling. The text is parsed twice, first to count nodes and string bytes, then to fill
@@ -1626,7 +5183,7 @@ static const char *pr__json_type_name(const pr__json *v) {
     return v ? names[v->type] : "missing";
 }
 
-/* ---------------------------------------------------------------- io: configuration */
+/* ---------------------------------------------------------------- 8.5 Model configuration */
 static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *err) {
     if (!memchr(c->model_type, 0, sizeof c->model_type)) return pr__fail(err, PR_ERR_CONFIG, "%s: model_type is not a terminated string", what);
     int moe = strcmp(c->model_type, "qwen3_moe") == 0, qwen3 = moe || strcmp(c->model_type, "qwen3") == 0;
@@ -1991,7 +5548,7 @@ static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *wha
     return PR_OK;
 }
 
-/* ---------------------------------------------------------------- io: atomic files */
+/* ---------------------------------------------------------------- 8.6 Atomic files */
 /* Every file goes to "<path>.tmp.<pid>" first and is renamed over path only once complete and on
    disk, so a reader never sees a half-written file and a crash leaves the old one intact. */
 typedef struct {
@@ -2062,7 +5619,7 @@ PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error 
     return st;
 }
 
-/* ---------------------------------------------------------------- io: safetensors reading */
+/* ---------------------------------------------------------------- 8.7 safetensors reading */
 /* Every dtype the format defines at 8 bits or more; `ours` < 0: known but not read here. */
 static const struct { const char *name; int bytes; int ours; } pr__st_dtypes[] = {
     {"F32", 4, PR_DT_F32}, {"F16", 2, PR_DT_F16}, {"BF16", 2, PR_DT_BF16}, {"F64", 8, PR_DT_F64},
@@ -2494,7 +6051,7 @@ PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *
     return st;
 }
 
-/* ---------------------------------------------------------------- io: safetensors writing */
+/* ---------------------------------------------------------------- 8.8 safetensors writing */
 /* Checks entries before anything is written: shapes, sizes, unique names. */
 static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dtype, const char *what, uint64_t *bytes_out, pr_error *err) {
     if (n < 0 || (n > 0 && !en)) return pr__fail(err, PR_ERR_ARG, "%s: bad entry list (n = %d)", what, n);
@@ -2766,7 +6323,7 @@ done:
     return st;
 }
 
-
+/* ---------------------------------------------------------------- 8.9 GRPO traces */
 #include <errno.h>
 #include <limits.h>
 
@@ -3129,2966 +6686,7 @@ PRDEF void pr_trace_free(pr_trace *trace) {
     memset(trace, 0, sizeof *trace);
 }
 
-
-/* ---------------------------------------------------------------- CPU backend */
-/* Activations are pr_real; the casts below are the CPU reading of the backend's `void *`. */
-#define PR__R(p) ((pr_real *)(p))
-#define PR__CR(p) ((const pr_real *)(p))
-
-static void *pr__cpu_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
-    (void)be; (void)tier;
-    return PR_MALLOC(bytes ? bytes : 1);
-}
-static void pr__cpu_release(const pr_backend *be, void *p, pr_tier tier) { (void)be; (void)tier; PR_FREE(p); }
-static void pr__cpu_zero(const pr_backend *be, void *p, size_t bytes) { (void)be; memset(p, 0, bytes); }
-static void pr__cpu_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) { (void)be; memcpy(dst, src, bytes); }
-static void pr__cpu_upload(const pr_backend *be, pr_real *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }
-static void pr__cpu_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
-static void pr__cpu_sync(const pr_backend *be) { (void)be; }
-
-static void pr__cpu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC) {
-    (void)be;
-    pr__gemm(0, 1, N, OC, C, PR__CR(inp), C, w, C, 0, PR__R(out), OC);   /* out = inp @ w^T */
-}
-
-static void pr__cpu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                               const pr_real *w, int N, int C, int OC) {
-    (void)be;
-    if (dinp) pr__gemm(0, 0, N, C, OC, PR__CR(dout), OC, w, C, 1, PR__R(dinp), C);   /* dinp += dout @ w */
-    pr__gemm(1, 0, OC, C, N, PR__CR(dout), OC, PR__CR(inp), C, 1, dw, C);            /* dw += dout^T @ inp */
-}
-
-/* forward: out = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps) */
-static void pr__cpu_rmsnorm_fwd(const pr_backend *be, void *out_, void *rstd_, const void *inp_, const pr_real *w,
-                                int N, int C, double eps) {
-    (void)be;
-    pr_real *out = PR__R(out_), *rstd = PR__R(rstd_);
-    const pr_real *inp = PR__CR(inp_);
-    for (int n = 0; n < N; n++) {
-        const pr_real *x = inp + (size_t)n * C;
-        double ss = 0;
-        for (int i = 0; i < C; i++) ss += (double)x[i] * x[i];
-        double r = 1.0 / sqrt(ss / C + eps);
-        pr_real *o = out + (size_t)n * C;
-        for (int i = 0; i < C; i++) o[i] = (pr_real)(x[i] * r) * w[i];
-        rstd[n] = (pr_real)r;
-    }
-}
-
-/* backward of out_i = x_i * r * w_i with r = (mean(x^2)+eps)^(-1/2):
-   dx_i = r * (dout_i w_i - x_i * r^2 * mean_j(dout_j w_j x_j)),  dw_i += dout_i * x_i * r */
-static void pr__cpu_rmsnorm_bwd(const pr_backend *be, void *dinp_, pr_real *dw, const void *dout_, const void *inp_,
-                                const pr_real *w, const void *rstd_, int N, int C) {
-    (void)be;
-    pr_real *dinp = PR__R(dinp_);
-    const pr_real *dout = PR__CR(dout_), *inp = PR__CR(inp_), *rstd = PR__CR(rstd_);
-    for (int n = 0; n < N; n++) {
-        const pr_real *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-        double r = rstd[n], dot = 0;
-        for (int i = 0; i < C; i++) dot += (double)dy[i] * w[i] * x[i];
-        double k = r * r * r * dot / C;
-        pr_real *dx = dinp + (size_t)n * C;
-        for (int i = 0; i < C; i++) {
-            dx[i] += (pr_real)(r * dy[i] * w[i] - k * x[i]);
-            dw[i] += (pr_real)(dy[i] * x[i] * r);
-        }
-    }
-}
-
-/* RoPE, Hugging Face rotate-half pairing: within a head of HS values, element i (i < HS/2) is
-   rotated together with element i + HS/2 by angle pos * inv_freq[i]:
-       [ x0 x1 .. x(h-1) | xh .. x(2h-1) ]   pairs (x0,xh), (x1,xh+1), ...   ([ccss], not [cscs])
-       y_i = x_i cos - x_{i+h} sin,   y_{i+h} = x_{i+h} cos + x_i sin
-   The backward is the rotation by -angle. */
-static void pr__cpu_rope(void *x_, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq, double sign) {
-    pr_real *x = PR__R(x_);
-    int half = HS / 2;
-    for (int s = 0; s < lay->n_seg; s++)
-        for (int r = lay->seg_off[s]; r < lay->seg_off[s + 1]; r++) {
-            double pos = lay->pos0 + (r - lay->seg_off[s]);
-            for (int i = 0; i < half; i++) {
-                double ang = pos * inv_freq[i];
-                pr_real c = (pr_real)cos(ang), sn = (pr_real)(sign * sin(ang));
-                for (int h = 0; h < heads; h++) {
-                    pr_real *v = x + ((size_t)r * heads + h) * HS;
-                    pr_real a = v[i], b = v[i + half];
-                    v[i] = a * c - b * sn;
-                    v[i + half] = b * c + a * sn;
-                }
-            }
-        }
-}
-static void pr__cpu_rope_fwd(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
-    (void)be; pr__cpu_rope(x, lay, heads, HS, inv_freq, 1.0);
-}
-static void pr__cpu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
-    (void)be; pr__cpu_rope(dx, lay, heads, HS, inv_freq, -1.0);
-}
-
-/* exp at the build's precision: expf is about twice as fast as exp on the float build's hot loops. */
-#ifdef PR_DOUBLE
-#define PR__EXP(x) exp(x)
-#else
-#define PR__EXP(x) expf(x)
-#endif
-
-/* Eight independent partial sums: the compiler may keep them in one vector register (a single
-   running sum is a dependency chain it must not reorder). The order is fixed, so results do not
-   depend on the caller or the thread. */
-static pr_real pr__dot(const pr_real *a, const pr_real *b, int n) {
-    pr_real part[8] = { 0, 0, 0, 0, 0, 0, 0, 0 }, s = 0;
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) part[k] += a[i + k] * b[i + k];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s + (((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])));
-}
-static void pr__axpy(pr_real *y, pr_real a, const pr_real *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-/* The keys a query row sees: the n_prefix shared rows (kp), then its own segment's rows up to and
-   including itself (k). Key j < n_prefix is kp row j; key j >= n_prefix is k row seg0 + j - n_prefix. */
-#define PR__KEY(kp, k, j, np, seg0, kvd, hk) \
-    ((j) < (np) ? (kp) + (size_t)(j) * (kvd) + (hk) : (k) + (size_t)((seg0) + (j) - (np)) * (kvd) + (hk))
-
-/* Attention forward, one query row at a time with an online softmax (running max m, running sum,
-   output rescaled when m grows): no score matrix and no scratch memory. Query head h reads
-   key/value head h / (NH/NKV) (GQA). lse keeps each row's log-sum-exp so that the backward can
-   rebuild every probability. Parallel over (segment, head): no two tasks write the same output. */
-static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, const void *q_, const void *k_, const void *v_,
-                                  const void *kp_, const void *vp_, const pr_seq_layout *lay, int NH, int NKV, int HS) {
-    (void)be;
-    pr_real *out = PR__R(out_), *lse = PR__R(lse_);
-    const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
-    const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
-    const double scale = 1.0 / sqrt((double)HS);
-    const int tasks = lay->n_seg * NH;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1)
-#endif
-    for (int t = 0; t < tasks; t++) {
-        int s = t / NH, h = t % NH, hk = (h / group) * HS;
-        int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
-        for (int r = seg0; r < seg1; r++) {
-            const pr_real *qr = q + (size_t)r * qd + (size_t)h * HS;
-            pr_real *o = out + (size_t)r * qd + (size_t)h * HS;
-            int nk = np + (r - seg0) + 1;
-            double m = -INFINITY, sum = 0;
-            memset(o, 0, sizeof(pr_real) * HS);
-            for (int j = 0; j < nk; j++) {
-                double sc = pr__dot(qr, PR__KEY(kp, k, j, np, seg0, kvd, hk), HS) * scale;
-                if (sc > m) {   /* new maximum: rescale what was accumulated under the old one */
-                    double c = exp(m - sc);
-                    for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] * c);
-                    sum *= c;
-                    m = sc;
-                }
-                double pj = PR__EXP((pr_real)(sc - m));
-                sum += pj;
-                pr__axpy(o, (pr_real)pj, PR__KEY(vp, v, j, np, seg0, kvd, hk), HS);
-            }
-            for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] / sum);
-            lse[(size_t)r * NH + h] = (pr_real)(m + log(sum));
-        }
-    }
-}
-
-/* Attention backward (quoting the forward: o = sum_j p_j v_j, p_j = exp(s_j - lse), s_j = q.k_j * scale):
-     dv_j += p_j do;   dp_j = do.v_j;   ds_j = p_j (dp_j - D) with D = do.o;
-     dq += scale ds_j k_j;   dk_j += scale ds_j q.
-   Keys in the prefix region send dk/dv to dkp/dvp: summed over every query row of every segment,
-   this is the prefix-side gradient the reuse schedule accumulates into gK/gV. Parallel over KV
-   heads only, so that each dk/dv/dkp/dvp row has one writer and a fixed summation order. */
-static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, void *dv_, pr_real *dkp, pr_real *dvp,
-                                  const void *dout_, const void *out_, const void *lse_, const void *q_, const void *k_,
-                                  const void *v_, const void *kp_, const void *vp_, const pr_seq_layout *lay,
-                                  int NH, int NKV, int HS) {
-    (void)be;
-    pr_real *dq = PR__R(dq_), *dk = PR__R(dk_), *dv = PR__R(dv_);
-    const pr_real *dout = PR__CR(dout_), *out = PR__CR(out_), *lse = PR__CR(lse_);
-    const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
-    const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
-    const double scale = 1.0 / sqrt((double)HS);
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static, 1)
-#endif
-    for (int kh = 0; kh < NKV; kh++) {
-        int hk = kh * HS;
-        for (int s = 0; s < lay->n_seg; s++) {
-            int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
-            for (int h = kh * group; h < (kh + 1) * group; h++)
-                for (int r = seg0; r < seg1; r++) {
-                    size_t qo = (size_t)r * qd + (size_t)h * HS;
-                    const pr_real *qr = q + qo, *dor = dout + qo;
-                    pr_real *dqr = dq + qo;
-                    double D = pr__dot(dor, out + qo, HS), l = lse[(size_t)r * NH + h];
-                    int nk = np + (r - seg0) + 1;
-                    for (int j = 0; j < nk; j++) {
-                        const pr_real *kj = PR__KEY(kp, k, j, np, seg0, kvd, hk);
-                        const pr_real *vj = PR__KEY(vp, v, j, np, seg0, kvd, hk);
-                        double pj = PR__EXP((pr_real)(pr__dot(qr, kj, HS) * scale - l));
-                        double dsj = pj * (pr__dot(dor, vj, HS) - D) * scale;
-                        pr__axpy(PR__KEY(dvp, dv, j, np, seg0, kvd, hk), (pr_real)pj, dor, HS);
-                        pr__axpy(PR__KEY(dkp, dk, j, np, seg0, kvd, hk), (pr_real)dsj, qr, HS);
-                        pr__axpy(dqr, (pr_real)dsj, kj, HS);
-                    }
-                }
-        }
-    }
-}
-
-/* h = silu(g) * u,  silu(g) = g * sigmoid(g) */
-static void pr__cpu_swiglu_fwd(const pr_backend *be, void *h_, const void *gate_, const void *up_, size_t n) {
-    (void)be;
-    pr_real *h = PR__R(h_);
-    const pr_real *g = PR__CR(gate_), *u = PR__CR(up_);
-    for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
-        h[i] = (pr_real)(g[i] * sg * u[i]);
-    }
-}
-/* dg += dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  du += dh * silu(g) */
-static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, const void *dh_, const void *gate_,
-                               const void *up_, size_t n) {
-    (void)be;
-    pr_real *dg = PR__R(dgate_), *du = PR__R(dup_);
-    const pr_real *dh = PR__CR(dh_), *g = PR__CR(gate_), *u = PR__CR(up_);
-    for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
-        dg[i] += (pr_real)(dh[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg)));
-        du[i] += (pr_real)(dh[i] * g[i] * sg);
-    }
-}
-
-static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
-    (void)be;
-    for (int n = 0; n < N; n++) memcpy(PR__R(out) + (size_t)n * C, emb + (size_t)tokens[n] * C, sizeof(pr_real) * C);
-}
-static void pr__cpu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
-    (void)be;
-    for (int n = 0; n < N; n++) pr__axpy(demb + (size_t)tokens[n] * C, 1, PR__CR(dout) + (size_t)n * C, C);
-}
-
-static void pr__cpu_add(const pr_backend *be, void *y, const void *x, size_t n) {
-    (void)be;
-    for (size_t i = 0; i < n; i++) PR__R(y)[i] += PR__CR(x)[i];
-}
-static void pr__cpu_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { pr__cpu_add(be, y, x, n); }
-/* Activations are reals here: a copy either way. */
-static void pr__cpu_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
-    (void)be;
-    memcpy(dst, src, n * sizeof(pr_real));
-}
-static void pr__cpu_reals_to_acts(const pr_backend *be, void *dst, const pr_real *src, size_t n) {
-    (void)be;
-    memcpy(dst, src, n * sizeof(pr_real));
-}
-static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
-    (void)be;
-    for (int m = 0; m < M; m++) {
-        pr_real *d = PR__R(dst) + (size_t)m * C;
-        const pr_real *x = PR__CR(src) + (size_t)rows[m] * C;
-        if (w) for (int i = 0; i < C; i++) d[i] = w[m] * x[i];
-        else memcpy(d, x, sizeof(pr_real) * C);
-    }
-}
-static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
-    (void)be;
-    for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, w ? w[m] : 1, PR__CR(src) + (size_t)m * C, C);
-}
-
-static void pr__cpu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }
-static void pr__cpu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
-static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
-    (void)be;
-    for (int m = 0; m < M; m++) out[m] = pr__dot(PR__CR(a) + (size_t)m * C, PR__CR(b) + (size_t)m * C, C);
-}
-
-/* The GRPO token loss and its derivative in logp.
-   r = exp(logp - old);  pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)
-   kl = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, >= 0)
-   The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
-PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
-                                double *dloss_dlogp) {
-    double r = exp(logp - old);
-    double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
-    double unclipped = r * adv, clipped = rc * adv, loss, d;
-    if (unclipped <= clipped) { loss = -unclipped; d = -unclipped; }
-    else { loss = -clipped; d = 0; }
-    if (ref && o->kl_coef != 0) {
-        double delta = (double)*ref - logp, e = exp(delta);
-        loss += o->kl_coef * (e - delta - 1);
-        d += o->kl_coef * (1 - e);
-    }
-    *dloss_dlogp = d;
-    return loss;
-}
-
-/* logp = logits[target] - logsumexp(logits);  d(w l)/dlogits = w l'(logp) (onehot(target) - softmax) */
-static void pr__cpu_loss_head(const pr_backend *be, void *logits_, const pr_head_rows *rows, const pr_loss_opts *opt,
-                              int V, pr_real *logp, double *loss) {
-    (void)be;
-    double total = 0;
-    for (int m = 0; m < rows->M; m++) {
-        pr_real *z = PR__R(logits_) + (size_t)m * V;
-        double mx = -INFINITY, sum = 0;
-        for (int i = 0; i < V; i++) if (z[i] > mx) mx = z[i];
-        for (int i = 0; i < V; i++) sum += PR__EXP((pr_real)(z[i] - mx));
-        double lse = mx + log(sum), lp = z[rows->target[m]] - lse, dl;
-        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
-                                       rows->advantage[m], opt, &dl);
-        double w = rows->weight[m], c = w * dl;
-        total += w * l;
-        logp[m] = (pr_real)lp;
-        for (int i = 0; i < V; i++) z[i] = (pr_real)(-c * PR__EXP((pr_real)(z[i] - lse)));
-        z[rows->target[m]] += (pr_real)c;
-    }
-    *loss += total;
-}
-
-static double pr__cpu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
-    (void)be;
-    double s = 0;
-    for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
-    return s;
-}
-static void pr__cpu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
-    (void)be;
-    for (size_t i = 0; i < n; i++) x[i] = (pr_real)(x[i] * s);
-}
-/* AdamW (decoupled weight decay, bias-corrected moments), one tensor */
-static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n,
-                          double lr, double b1, double b2, double eps, double wd, long step) {
-    (void)be;
-    double c1 = 1 - pow(b1, (double)step), c2 = 1 - pow(b2, (double)step);
-    for (size_t i = 0; i < n; i++) {
-        m[i] = (pr_real)(b1 * m[i] + (1 - b1) * g[i]);
-        v[i] = (pr_real)(b2 * v[i] + (1 - b2) * (double)g[i] * g[i]);
-        double mh = m[i] / c1, vh = v[i] / c2;
-        p[i] = (pr_real)(p[i] - lr * (mh / (sqrt(vh) + eps) + wd * p[i]));
-    }
-}
-
-#define PR__MEASURE_ADDRESS 4096   /* the measuring backend's placeholder: aligned, never dereferenced */
-
-static const pr_backend pr__cpu_backend = {
-    .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
-    .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
-    .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
-    .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
-    .rmsnorm_fwd = pr__cpu_rmsnorm_fwd, .rmsnorm_bwd = pr__cpu_rmsnorm_bwd,
-    .rope_fwd = pr__cpu_rope_fwd, .rope_bwd = pr__cpu_rope_bwd,
-    .attention_fwd = pr__cpu_attention_fwd, .attention_bwd = pr__cpu_attention_bwd,
-    .swiglu_fwd = pr__cpu_swiglu_fwd, .swiglu_bwd = pr__cpu_swiglu_bwd,
-    .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
-    .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
-    .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
-    .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
-    .adamw = pr__cpu_adamw,
-    .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
-    .row_dots = pr__cpu_row_dots,
-};
-
-PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
-
-/* ---- the measuring backend: the same allocation calls, no memory, no arithmetic */
-static void *pr__measure_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
-    (void)be; (void)bytes; (void)tier;
-    return (void *)(uintptr_t)PR__MEASURE_ADDRESS;
-}
-static void pr__measure_release(const pr_backend *be, void *p, pr_tier tier) { (void)be; (void)p; (void)tier; }
-static void pr__measure_bytes(const pr_backend *be, void *p, size_t bytes) { (void)be; (void)p; (void)bytes; }
-static void pr__measure_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) { (void)be; (void)dst; (void)src; (void)bytes; }
-static void pr__measure_reals(const pr_backend *be, pr_real *dst, const pr_real *src, size_t n) { (void)be; (void)dst; (void)src; (void)n; }
-static void pr__measure_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) {
-    (void)be; (void)src;
-    memset(host, 0, n * sizeof(pr_real));
-}
-static void pr__measure_sync(const pr_backend *be) { (void)be; }
-static void pr__measure_matmul_fwd(const pr_backend *be, void *o, const void *i, const pr_real *w, int N, int C, int OC) {
-    (void)be; (void)o; (void)i; (void)w; (void)N; (void)C; (void)OC;
-}
-static void pr__measure_matmul_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
-                                   int N, int C, int OC) {
-    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)N; (void)C; (void)OC;
-}
-static void pr__measure_rmsnorm_fwd(const pr_backend *be, void *o, void *r, const void *i, const pr_real *w, int N, int C, double e) {
-    (void)be; (void)o; (void)r; (void)i; (void)w; (void)N; (void)C; (void)e;
-}
-static void pr__measure_rmsnorm_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
-                                    const void *r, int N, int C) {
-    (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)r; (void)N; (void)C;
-}
-static void pr__measure_rope(const pr_backend *be, void *x, const pr_seq_layout *l, int h, int HS, const pr_real *f) {
-    (void)be; (void)x; (void)l; (void)h; (void)HS; (void)f;
-}
-static void pr__measure_attention_fwd(const pr_backend *be, void *o, void *lse, const void *q, const void *k, const void *v,
-                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
-    (void)be; (void)o; (void)lse; (void)q; (void)k; (void)v; (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
-}
-static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, void *dv, pr_real *dkp, pr_real *dvp, const void *d,
-                                      const void *o, const void *lse, const void *q, const void *k, const void *v,
-                                      const void *kp, const void *vp, const pr_seq_layout *l, int NH, int NKV, int HS) {
-    (void)be; (void)dq; (void)dk; (void)dv; (void)dkp; (void)dvp; (void)d; (void)o; (void)lse; (void)q; (void)k; (void)v;
-    (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
-}
-static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *g, const void *u, size_t n) {
-    (void)be; (void)h; (void)g; (void)u; (void)n;
-}
-static void pr__measure_swiglu_bwd(const pr_backend *be, void *dg, void *du, const void *dh, const void *g, const void *u, size_t n) {
-    (void)be; (void)dg; (void)du; (void)dh; (void)g; (void)u; (void)n;
-}
-static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const pr_real *e, int N, int C) {
-    (void)be; (void)o; (void)t; (void)e; (void)N; (void)C;
-}
-static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void *d, const int32_t *t, int N, int C) {
-    (void)be; (void)de; (void)d; (void)t; (void)N; (void)C;
-}
-static void pr__measure_add(const pr_backend *be, void *y, const void *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
-static void pr__measure_add_reals(const pr_backend *be, pr_real *y, const pr_real *x, size_t n) { (void)be; (void)y; (void)x; (void)n; }
-static void pr__measure_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
-    (void)be; (void)dst; (void)src; (void)n;
-}
-static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
-    (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
-}
-static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_rows *rows, const pr_loss_opts *o, int V,
-                                  pr_real *logp, double *loss) {
-    (void)be; (void)z; (void)o; (void)V; (void)loss;
-    memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
-}
-static void pr__measure_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; (void)dst; (void)host; (void)n; }
-static void pr__measure_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
-    (void)be; (void)src;
-    memset(host, 0, n * sizeof(pr_real));
-}
-static void pr__measure_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
-    (void)be; (void)a; (void)b; (void)C;
-    memset(out, 0, sizeof(pr_real) * (size_t)M);
-}
-static double pr__measure_sum_squares(const pr_backend *be, const pr_real *x, size_t n) { (void)be; (void)x; (void)n; return 0; }
-static void pr__measure_scale(const pr_backend *be, pr_real *x, size_t n, double s) { (void)be; (void)x; (void)n; (void)s; }
-static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n, double lr,
-                              double b1, double b2, double eps, double wd, long step) {
-    (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)b1; (void)b2; (void)eps; (void)wd; (void)step;
-}
-
-PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {
-    memset(be, 0, sizeof *be);
-    be->name = "measure";
-    be->act_bytes = like->act_bytes;
-    be->stat_bytes = like->stat_bytes;
-    be->logit_chunk = like->logit_chunk;
-    be->check_config = like->check_config;
-    be->alloc = pr__measure_alloc; be->release = pr__measure_release; be->zero = pr__measure_bytes;
-    be->copy = pr__measure_copy; be->upload_reals = pr__measure_reals; be->download_reals = pr__measure_download;
-    be->sync = pr__measure_sync;
-    be->matmul_fwd = pr__measure_matmul_fwd; be->matmul_bwd = pr__measure_matmul_bwd;
-    be->rmsnorm_fwd = pr__measure_rmsnorm_fwd; be->rmsnorm_bwd = pr__measure_rmsnorm_bwd;
-    be->rope_fwd = pr__measure_rope; be->rope_bwd = pr__measure_rope;
-    be->attention_fwd = pr__measure_attention_fwd; be->attention_bwd = pr__measure_attention_bwd;
-    be->swiglu_fwd = pr__measure_swiglu_fwd; be->swiglu_bwd = pr__measure_swiglu_bwd;
-    be->embed_fwd = pr__measure_embed_fwd; be->embed_bwd = pr__measure_embed_bwd;
-    be->add = pr__measure_add; be->add_reals = pr__measure_add_reals;
-    be->acts_to_reals = pr__measure_acts_to_reals; be->reals_to_acts = pr__measure_upload_acts;
-    be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
-    be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
-    be->adamw = pr__measure_adamw;
-    be->upload_acts = pr__measure_upload_acts; be->download_acts = pr__measure_download_acts;
-    be->row_dots = pr__measure_row_dots;
-    return be;
-}
-
-/* ---------------------------------------------------------------- trainer: layout of the parameters */
-/* Offsets (in reals) of one layer's tensors in the parameter arena; the gradient, AdamW-moment
-   arenas use the same offsets. qn/kn exist only with per-head q/k norms (Qwen3). */
-/* MoE layers have no wg/wu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
-   and down (C,Fm) stored one after the other from `experts` on. */
-typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd, router, experts; } pr__layer_off;
-typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
-
-/* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
-   phase that runs many microbatches allocates once. Every byte handed out is counted in the
-   trainer's live total, from which each phase's peak is read. */
-typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; } pr__chunk;
-
-/* Offload's device slots: a layer computing (or being backpropagated), the next one receiving its
-   input (or being prefetched), and one whose copy may still be in flight. */
-#define PR__SLOTS 3
-typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
-
-/* Where one of a sharded trainer's tensors sits in the full model: rows row0.. and columns col0..
-   of the full tensor at full_off (full_cols wide). `elsewhere`: another rank of the TP and PP
-   groups holds the same values (TP rank 0 of a tensor every TP rank holds whole; the first
-   stage of the embedding tied to the last stage's LM head), so this copy is left out of norms
-   and gathers; `tp_partial`: its gradient is a partial sum over the TP ranks (the q/k norms,
-   shared by heads on several ranks). */
-typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char elsewhere, tp_partial; } pr__shard;
-
-struct pr_trainer {
-    pr_config cfg;                         /* this rank's shard of the model (all of it without a mesh) */
-    pr_config model;                       /* the full model */
-    const pr_mesh *mesh;                   /* NULL: one rank */
-    int layer0;                            /* PP: the full model's index of this stage's first layer */
-    int has_embed, has_head;               /* PP: the embedding (first stage, and the last if tied), final norm and LM head (last) */
-    int expert0, n_experts;                /* MoE: the experts this rank holds, expert0 .. expert0+n_experts-1 */
-    size_t n_full;                         /* the full model's parameter count */
-    pr__shard *shard;                      /* (n_tensors) mesh only */
-    pr_status comm_st;                     /* the step's first failed collective, its message in comm_err */
-    pr_error comm_err;
-    const pr_backend *be;
-    int n_tensors;
-    pr_tensor_info *tensors;
-    size_t n_params;
-    pr_real *arena;                        /* 4 * n_params: parameters, gradients, AdamW m, AdamW v */
-    pr_real *params, *grads, *adam_m, *adam_v;
-    size_t off_embed, off_norm, off_lm_head;
-    pr__layer_off *layer_off;              /* (L) */
-    pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
-    long adam_step;
-    pr__arena prefix_arena;                /* Phase A..C: prefix saved tensors, K/V cache, gK/gV */
-    pr__arena step_arena;                  /* Phase A's collective buffers, Phase C's backward scratch */
-    pr__arena *mb_arena;                   /* the microbatches in flight through this stage (Phase B, baseline) */
-    int n_mb_arena;                        /* pp + 1: as many as 1F1B keeps in flight */
-    pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
-    size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
-    pr_real *stage;                        /* backend memory host values pass through to a collective */
-    size_t stage_cap;
-    void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
-    size_t pool_cap;
-    char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
-    size_t slot_cap[PR__SLOTS];
-    int phase;
-    int alloc_failed;
-    double *expert_load;                   /* (L,E) MoE: the last step's logical tokens per expert */
-};
-
-static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_norm) {
-    pr__layer_w w;
-    w.ln1 = base + o->ln1; w.wq = base + o->wq; w.wk = base + o->wk; w.wv = base + o->wv;
-    w.qn = qk_norm ? base + o->qn : NULL; w.kn = qk_norm ? base + o->kn : NULL;
-    w.wo = base + o->wo; w.ln2 = base + o->ln2; w.wg = base + o->wg; w.wu = base + o->wu; w.wd = base + o->wd;
-    w.router = base + o->router; w.experts = base + o->experts;
-    return w;
-}
-static pr_real *pr__lm_head(pr_trainer *tr, pr_real *base) {
-    return base + (tr->cfg.tie_word_embeddings ? tr->off_embed : tr->off_lm_head);
-}
-
-/* Appends one tensor to the table (table may be NULL to count) and returns its offset. */
-static size_t pr__add_tensor(pr_tensor_info *table, int *count, size_t *total, const char *name,
-                             int64_t rows, int64_t cols, int decay) {
-    size_t off = *total, numel = (size_t)rows * (size_t)(cols ? cols : 1);
-    if (table) {
-        pr_tensor_info *t = &table[*count];
-        snprintf(t->name, sizeof t->name, "%s", name);
-        t->ndim = cols ? 2 : 1;
-        t->shape[0] = rows; t->shape[1] = cols;
-        t->offset = off; t->numel = numel; t->decay = decay;
-    }
-    (*count)++;
-    *total += numel;
-    return off;
-}
-
-/* The Hugging Face tensor list of a Llama / Qwen3 model, in arena order. */
-static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, size_t *total) {
-    const pr_config *c = &tr->cfg;
-    int64_t C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
-    int64_t qd = (int64_t)c->num_attention_heads * c->head_dim, kvd = (int64_t)c->num_key_value_heads * c->head_dim;
-    char nm[96];
-    *count = 0; *total = 0;
-    if (tr->has_embed) tr->off_embed = pr__add_tensor(table, count, total, "model.embed_tokens.weight", V, C, 1);
-    for (int l = 0; l < c->num_hidden_layers; l++) {
-        pr__layer_off o;
-        memset(&o, 0, sizeof o);
-#define PR__T(field, suffix, r, cl, d) \
-        (snprintf(nm, sizeof nm, "model.layers.%d.%s", tr->layer0 + l, suffix), o.field = pr__add_tensor(table, count, total, nm, r, cl, d))
-        PR__T(ln1, "input_layernorm.weight", C, 0, 0);
-        PR__T(wq, "self_attn.q_proj.weight", qd, C, 1);
-        PR__T(wk, "self_attn.k_proj.weight", kvd, C, 1);
-        PR__T(wv, "self_attn.v_proj.weight", kvd, C, 1);
-        if (c->qk_norm) {
-            PR__T(qn, "self_attn.q_norm.weight", c->head_dim, 0, 0);
-            PR__T(kn, "self_attn.k_norm.weight", c->head_dim, 0, 0);
-        }
-        PR__T(wo, "self_attn.o_proj.weight", C, qd, 1);
-        PR__T(ln2, "post_attention_layernorm.weight", C, 0, 0);
-        if (c->num_experts) {
-            int64_t Fm = c->moe_intermediate_size;
-            PR__T(router, "mlp.gate.weight", c->num_experts, C, 1);
-            for (int e = tr->expert0; e < tr->expert0 + tr->n_experts; e++) {
-                size_t first;
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.gate_proj.weight", tr->layer0 + l, e);
-                first = pr__add_tensor(table, count, total, nm, Fm, C, 1);
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.up_proj.weight", tr->layer0 + l, e);
-                pr__add_tensor(table, count, total, nm, Fm, C, 1);
-                snprintf(nm, sizeof nm, "model.layers.%d.mlp.experts.%d.down_proj.weight", tr->layer0 + l, e);
-                pr__add_tensor(table, count, total, nm, C, Fm, 1);
-                if (e == tr->expert0) o.experts = first;
-            }
-        } else {
-            PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
-            PR__T(wu, "mlp.up_proj.weight", F, C, 1);
-            PR__T(wd, "mlp.down_proj.weight", C, F, 1);
-        }
-#undef PR__T
-        if (tr->layer_off) tr->layer_off[l] = o;
-    }
-    if (!tr->has_head) return;
-    tr->off_norm = pr__add_tensor(table, count, total, "model.norm.weight", C, 0, 0);
-    if (!c->tie_word_embeddings) tr->off_lm_head = pr__add_tensor(table, count, total, "lm_head.weight", V, C, 1);
-}
-
-/* inv_freq[i] = theta^(-2i/HS), then Llama 3's scaling when configured: wavelengths longer than
-   original/low_freq_factor are slowed by `factor`, shorter than original/high_freq_factor kept,
-   and the band between interpolated smoothly (Hugging Face's _compute_llama3_parameters). */
-static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
-    const double pi = 3.14159265358979323846;
-    int half = c->head_dim / 2;
-    for (int i = 0; i < half; i++) {
-        double f = pow(c->rope_theta, -(2.0 * i) / c->head_dim);
-        if (c->rope_llama3) {
-            double old = c->rope_original_max_position, wavelen = 2 * pi / f;
-            double low_wl = old / c->rope_low_freq_factor, high_wl = old / c->rope_high_freq_factor;
-            if (wavelen > low_wl) f = f / c->rope_factor;
-            else if (wavelen >= high_wl) {
-                double smooth = (old / wavelen - c->rope_low_freq_factor) / (c->rope_high_freq_factor - c->rope_low_freq_factor);
-                f = (1 - smooth) * f / c->rope_factor + smooth * f;
-            }
-        }
-        inv_freq[i] = (pr_real)f;
-    }
-}
-
-PRDEF pr_step_opts pr_step_opts_default(void) {
-    pr_step_opts o;
-    memset(&o, 0, sizeof o);
-    o.schedule = PR_SCHEDULE_REUSE;
-    o.microbatch = 0;
-    o.layout = PR_LAYOUT_PADDED;
-    o.loss.eps_low = 0.2;
-    o.loss.eps_high = 0.28;
-    o.loss.kl_coef = 0.0;
-    o.loss.norm = PR_NORM_TOKEN_MEAN;
-    return o;
-}
-PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
-    pr_adamw_opts o;
-    o.lr = 1e-3; o.beta1 = 0.9; o.beta2 = 0.999; o.eps = 1e-8; o.weight_decay = 0.01; o.max_grad_norm = 1.0;
-    return o;
-}
-
-#define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
-
-/* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
-   the experts divided by ep (each whole), otherwise each expert's columns divided by tp; under PP
-   the stage's layers, layer0 .. layer0 + num_hidden_layers - 1 (as even a split as there is). */
-static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *layer0, int *expert0,
-                                  int *n_experts, pr_error *err) {
-    *local = *cfg;
-    *layer0 = 0;
-    *expert0 = 0;
-    *n_experts = cfg->num_experts;
-    if (!m) return PR_OK;
-    const int tp = m->tp, ep = m->ep, pp = m->pp, L = cfg->num_hidden_layers;
-    if (pp > L) return pr__fail(err, PR_ERR_UNSUPPORTED, "pp %d: more pipeline stages than the model's %d layers", pp, L);
-    *layer0 = (int)((long)m->pp_rank * L / pp);
-    local->num_hidden_layers = (int)((long)(m->pp_rank + 1) * L / pp) - *layer0;
-    if (cfg->num_attention_heads % tp || cfg->num_key_value_heads % tp)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d) and KV heads (%d)", tp,
-                        cfg->num_attention_heads, cfg->num_key_value_heads);
-    local->num_attention_heads /= tp;
-    local->num_key_value_heads /= tp;
-    if (cfg->num_experts) {
-        if (ep > 1 && cfg->num_experts % ep)
-            return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d must divide the %d experts", ep, cfg->num_experts);
-        if (ep == 1 && cfg->moe_intermediate_size % tp)
-            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide moe_intermediate_size %d", tp, cfg->moe_intermediate_size);
-        if (ep > 1) {
-            *n_experts = cfg->num_experts / ep;
-            *expert0 = m->tp_rank * *n_experts;
-        } else {
-            local->moe_intermediate_size /= tp;
-        }
-    } else {
-        if (ep > 1) return pr__fail(err, PR_ERR_ARG, "ep %d asks for experts, the model has none", ep);
-        if (cfg->intermediate_size % tp)
-            return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide intermediate_size %d", tp, cfg->intermediate_size);
-        local->intermediate_size /= tp;
-    }
-    return PR_OK;
-}
-
-/* The shard table: each local tensor's place in the full model's layout. Names are shared, and the
-   local tensors are a subsequence of the full list, so one walk pairs them. */
-/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory. */
-static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *total) {
-    pr_trainer full;
-    memset(&full, 0, sizeof full);
-    full.cfg = tr->model;
-    full.has_embed = full.has_head = 1;
-    full.n_experts = tr->model.num_experts;
-    pr__build_layout(&full, NULL, count, total);
-    pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
-    if (ft) pr__build_layout(&full, ft, count, total);
-    return ft;
-}
-
-static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
-    int count;
-    pr_tensor_info *ft = pr__full_table(tr, &count, &tr->n_full);
-    tr->shard = PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
-    if (!ft || !tr->shard) {
-        PR_FREE(ft);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
-    }
-    const int tp_rank = tr->mesh->tp_rank, ep = tr->mesh->ep;
-    const int tied_copy = tr->model.tie_word_embeddings && tr->has_embed && tr->has_head && tr->mesh->pp > 1;
-    int j = 0;
-    for (int i = 0; i < tr->n_tensors; i++) {
-        const pr_tensor_info *t = &tr->tensors[i];
-        while (j < count && strcmp(ft[j].name, t->name)) j++;
-        if (j == count) {          /* cannot happen: both lists come from one builder */
-            PR_FREE(ft);
-            return pr__fail(err, PR_ERR_ARG, "shard table: %s is not in the full model", t->name);
-        }
-        pr__shard *sh = &tr->shard[i];
-        const int64_t fc = ft[j].ndim == 2 ? ft[j].shape[1] : 1, lc = t->ndim == 2 ? t->shape[1] : 1;
-        sh->full_off = ft[j].offset;
-        sh->full_cols = fc;
-        sh->row0 = t->shape[0] < ft[j].shape[0] ? tp_rank * t->shape[0] : 0;
-        sh->col0 = lc < fc ? tp_rank * lc : 0;
-        const int whole = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
-        sh->elsewhere = (whole && tp_rank) || (tied_copy && i == 0);    /* the embedding comes first */
-        sh->tp_partial = strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight");
-    }
-    PR_FREE(ft);
-    return PR_OK;
-}
-
-static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
-                                 pr_error *err) {
-    if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
-    pr_config local;
-    int layer0, expert0, n_experts;
-    pr_status st = pr_config_validate(cfg, err);
-    if (!st) st = pr__shard_config(cfg, mesh, &local, &layer0, &expert0, &n_experts, err);
-    if (!st && be->check_config) st = be->check_config(be, &local, err);
-    if (st) return st;
-    if (cfg->head_dim > PR__MAX_HEAD_DIM)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
-    pr_trainer *tr = PR_MALLOC(sizeof *tr);
-    if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
-    memset(tr, 0, sizeof *tr);
-    tr->cfg = local;
-    tr->model = *cfg;
-    tr->mesh = mesh;
-    tr->layer0 = layer0;
-    tr->has_embed = !mesh || mesh->pp_rank == 0 || (cfg->tie_word_embeddings && mesh->pp_rank == mesh->pp - 1);
-    tr->has_head = !mesh || mesh->pp_rank == mesh->pp - 1;
-    tr->expert0 = expert0;
-    tr->n_experts = n_experts;
-    tr->be = be;
-    int count; size_t total;
-    pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
-    size_t arena_bytes;
-    tr->tensors = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
-    tr->layer_off = PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
-    tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
-    tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
-    if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
-    if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
-        pr_trainer_destroy(tr);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
-    }
-    pr__build_layout(tr, tr->tensors, &tr->n_tensors, &tr->n_params);
-    tr->n_full = tr->n_params;
-    if (mesh && (st = pr__build_shards(tr, err))) {
-        pr_trainer_destroy(tr);
-        return st;
-    }
-    tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
-    tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
-    if (!tr->arena || !tr->inv_freq) {
-        pr_trainer_destroy(tr);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %zu bytes of parameters, gradients and AdamW state", arena_bytes);
-    }
-    if (cfg->num_experts) {
-        tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
-        if (!tr->expert_load) {
-            pr_trainer_destroy(tr);
-            return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
-        }
-        memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
-    }
-    tr->params = tr->arena;
-    tr->grads = tr->arena + tr->n_params;
-    tr->adam_m = tr->arena + 2 * tr->n_params;
-    tr->adam_v = tr->arena + 3 * tr->n_params;
-    be->zero(be, tr->arena, arena_bytes);
-    pr_real host_freq[PR__MAX_HEAD_DIM / 2];
-    pr__rope_frequencies(cfg, host_freq);
-    be->upload_reals(be, tr->inv_freq, host_freq, (size_t)(cfg->head_dim / 2));
-    *out = tr;
-    return PR_OK;
-}
-
-PRDEF pr_status pr_trainer_create(pr_trainer **out, const pr_config *cfg, const pr_backend *be, pr_error *err) {
-    return pr__trainer_new(out, cfg, be, NULL, err);
-}
-
-static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
-    for (pr__chunk *n; c; c = n) {
-        n = c->next;
-        tr->be->release(tr->be, c->mem, PR_TIER_DEVICE);
-        PR_FREE(c);
-    }
-}
-
-PRDEF void pr_trainer_destroy(pr_trainer *tr) {
-    if (!tr) return;
-    pr__chunks_free(tr, tr->prefix_arena.head);
-    pr__chunks_free(tr, tr->step_arena.head);
-    for (int i = 0; tr->mb_arena && i < tr->n_mb_arena; i++) pr__chunks_free(tr, tr->mb_arena[i].head);
-    PR_FREE(tr->mb_arena);
-    pr__chunks_free(tr, tr->spare);
-    if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
-    for (int i = 0; i < PR__SLOTS; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
-    if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
-    if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
-    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
-    PR_FREE(tr->tensors);
-    PR_FREE(tr->layer_off);
-    PR_FREE(tr->expert_load);
-    PR_FREE(tr->shard);
-    PR_FREE(tr);
-}
-
-PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->model; }
-PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr->n_tensors; }
-PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
-    return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
-}
-PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
-
-static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
-    if (n != tr->n_params)
-        return pr__fail(err, PR_ERR_ARG, "%s: buffer holds %zu reals, the model has %zu parameters", fn, n, tr->n_params);
-    return PR_OK;
-}
-PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_params", err);
-    if (!st) tr->be->download_reals(tr->be, dst, tr->params, n);
-    return st;
-}
-PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_set_params", err);
-    if (!st) tr->be->upload_reals(tr->be, tr->params, src, n);
-    return st;
-}
-PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_grads", err);
-    if (!st) tr->be->download_reals(tr->be, dst, tr->grads, n);
-    return st;
-}
-
-PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
-
-/* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
-   tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
-static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, int to_full) {
-    for (int i = 0; i < tr->n_tensors; i++) {
-        const pr_tensor_info *t = &tr->tensors[i];
-        const pr__shard *sh = &tr->shard[i];
-        if (to_full && sh->elsewhere) continue;
-        const int64_t rows = t->shape[0], cols = t->ndim == 2 ? t->shape[1] : 1;
-        for (int64_t r = 0; r < rows; r++) {
-            pr_real *f = full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0;
-            pr_real *l = local + t->offset + (size_t)r * (size_t)cols;
-            if (to_full) memcpy(f, l, sizeof(pr_real) * (size_t)cols);
-            else memcpy(l, f, sizeof(pr_real) * (size_t)cols);
-        }
-    }
-}
-
-PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
-    if (!tr || !src) return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: NULL argument");
-    if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
-    if (n != tr->n_full)
-        return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
-    pr__shard_copy(tr, (pr_real *)src, local, 0);
-    tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
-    PR_FREE(local);
-    return PR_OK;
-}
-
-PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
-    if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
-    const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
-    if (!tr->mesh) {
-        pr_status st = pr__check_count(tr, n, "pr_trainer_get_full", err);
-        if (!st) tr->be->download_reals(tr->be, dst, arena, n);
-        return st;
-    }
-    if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    const pr_backend *be = tr->be;
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
-    pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
-    if (!st) {
-        be->download_reals(be, local, arena, tr->n_params);
-        memset(dst, 0, sizeof(pr_real) * n);
-        pr__shard_copy(tr, dst, local, 1);
-        be->upload_reals(be, dev, dst, n);
-    }
-    /* every rank joins the sums, even one that failed above (it adds zeros and reports) */
-    if (st && dev) be->zero(be, dev, sizeof(pr_real) * n);
-    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
-    for (int i = 0; i < 2 && dev; i++) {
-        pr_status cs = sum_over[i]->all_reduce(sum_over[i], dev, n, PR_COMM_REAL, st ? NULL : err);
-        if (!st) st = cs;
-    }
-    if (!st) be->download_reals(be, dst, dev, n);
-    PR_FREE(local);
-    if (dev) be->release(be, dev, PR_TIER_DEVICE);
-    return st;
-}
-
-/* splitmix64 drives a Box-Muller normal: the same seed gives the same weights on every machine. */
-#define PR__SPLITMIX_STEP 0x9E3779B97F4A7C15ull
-static uint64_t pr__splitmix(uint64_t *s) {
-    uint64_t z = (*s += PR__SPLITMIX_STEP);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double pr__normal(uint64_t *s) {
-    double u1 = ((pr__splitmix(s) >> 11) + 1.0) / 9007199254740993.0;   /* (0,1] */
-    double u2 = (pr__splitmix(s) >> 11) / 9007199254740992.0;
-    return sqrt(-2 * log(u1)) * cos(2 * 3.14159265358979323846 * u2);
-}
-
-PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err) {
-    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
-    /* drawn over the full model, so every mesh shard holds its slice of the same weights */
-    int count = tr->n_tensors;
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    if (!host || !table) {
-        PR_FREE(host);
-        if (tr->mesh) PR_FREE(table);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
-    }
-    /* One stream over the matrices in table order, two draws per value. splitmix64's state after k
-       draws is seed + k * its increment, so each value starts from its own state: the loop runs in
-       parallel and gives the bits of the serial one. */
-    uint64_t drawn = 0;
-    for (int t = 0; t < count; t++) {
-        const pr_tensor_info *ti = &table[t];
-        pr_real *dst = host + ti->offset;
-        const long long n = (long long)ti->numel;
-        const uint64_t base = seed + drawn * PR__SPLITMIX_STEP;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-        for (long long i = 0; i < n; i++) {
-            uint64_t s = base + 2 * (uint64_t)i * PR__SPLITMIX_STEP;
-            dst[i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
-        }
-        if (ti->ndim == 2) drawn += 2 * ti->numel;
-    }
-    pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
-    PR_FREE(host);
-    if (tr->mesh) PR_FREE(table);
-    if (st) return st;
-    tr->be->zero(tr->be, tr->grads, 3 * tr->n_params * sizeof(pr_real));
-    tr->adam_step = 0;
-    return PR_OK;
-}
-
-/* ---------------------------------------------------------------- trainer: activation memory */
-#define PR__CHUNK_BYTES ((size_t)16 << 20)
-#define PR__ALIGN 256
-
-/* n elements of elem_bytes each from arena a. Returns NULL and sets alloc_failed
-   when memory runs out, so the schedule finishes its straight-line code and reports one error. */
-static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes) {
-    size_t bytes;
-    if (!pr__mul_size(n ? n : 1, elem_bytes, &bytes) || bytes > SIZE_MAX - PR__ALIGN) {
-        tr->alloc_failed = 1;
-        return NULL;
-    }
-    bytes = (bytes + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
-    pr__chunk *c = a->tail;
-    if (!c || c->cap - c->used < bytes) {
-        pr__chunk **spare = &tr->spare;      /* the first spare chunk that fits, else a new one */
-        while (*spare && (*spare)->cap < bytes) spare = &(*spare)->next;
-        if (*spare) {
-            c = *spare;
-            *spare = c->next;
-        } else {
-            c = PR_MALLOC(sizeof *c);
-            size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
-            char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
-            if (!mem) {
-                PR_FREE(c);
-                tr->alloc_failed = 1;
-                return NULL;
-            }
-            c->mem = mem;
-            c->cap = cap;
-        }
-        c->used = 0;
-        c->next = NULL;
-        if (a->tail) a->tail->next = c;
-        else a->head = c;
-        a->tail = c;
-    }
-    void *p = c->mem + c->used;
-    c->used += bytes;
-    a->used += bytes;
-    tr->live_bytes += bytes;
-    if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
-    return p;
-}
-
-static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
-static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
-static pr_real *pr__reals(pr_trainer *tr, pr__arena *a, size_t n) { return (pr_real *)pr__elems(tr, a, n, sizeof(pr_real)); }
-
-/* Everything in the arena is dead; its chunks go back to the spares, for any arena to reuse. */
-static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
-    if (a->tail) {
-        a->tail->next = tr->spare;
-        tr->spare = a->head;
-    }
-    a->head = a->tail = NULL;
-    tr->live_bytes -= a->used;
-    a->used = 0;
-}
-
-static void pr__enter_phase(pr_trainer *tr, int phase) {
-    tr->phase = phase;
-    if (tr->live_bytes > tr->phase_peak[phase]) tr->phase_peak[phase] = tr->live_bytes;
-}
-
-/* ---------------------------------------------------------------- trainer: one pass through the model */
-/* The tensors a layer's backward reads, saved by its forward (shapes for N rows). */
-typedef struct {
-    void *ln1, *ln1_rstd;     /* (N,C) (N) */
-    void *q_pre, *k_pre;      /* (N,NH*HS) (N,NKV*HS) projections before the q/k norms (Qwen3 only) */
-    void *q_rstd, *k_rstd;    /* (N*NH) (N*NKV) (Qwen3 only) */
-    void *q, *k, *v;          /* (N,NH*HS) (N,NKV*HS) (N,NKV*HS) post-norm, post-RoPE: k, v are the K/V cache */
-    void *att, *lse;          /* (N,NH*HS) (N,NH) */
-    void *x_mid;              /* (N,C) residual after attention */
-    void *ln2, *ln2_rstd;     /* (N,C) (N) */
-    void *gate, *up, *h;      /* (N,F); MoE: (N*k, Fm), the routed rows grouped by expert */
-    void *ye;                 /* MoE: (N*k, C) each routed row's expert output, before its weight */
-    void *router;             /* MoE: (N, E) router logits (read once, on the host) */
-} pr__layer_acts;
-
-/* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
-   stream res[0..L] (res[0] the embeddings, res[l+1] the output of layer l). */
-/* One MoE layer's routing of one pass, decided on the host and kept for its backward. */
-typedef struct {
-    double *prob;             /* (N,E) the router's softmax */
-    double *wsum;             /* (N) sum of the top-k probabilities: the renormaliser (1 without norm_topk_prob) */
-    int *start;               /* (E+1) expert e owns slots start[e] .. start[e+1]-1 */
-    int *row;                 /* (N*k) each slot's row, slots grouped by expert, rows ascending within one */
-    pr_real *w;               /* (N*k) each slot's combine weight */
-    pr_real *dw;              /* (N*k) backward: d(loss)/d(weight) */
-} pr__route;
-
-typedef struct {
-    pr_seq_layout lay;
-    int N;
-    const int32_t *tokens;
-    const uint8_t *real;      /* (N) 1 for a token row, 0 for padding (MoE statistics skip padding) */
-    pr__layer_acts *acts;     /* (L) host array of pointers into the arena */
-    void **res;               /* (L+1) */
-    pr__route *route;         /* (L) MoE only */
-    const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
-    /* CP: the pass is this rank's chunk of a segment split into chunks of cp_chunk rows; its own
-       K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk: the cached
-       prefix the pass reads (Phase B), split the same way (0: none). */
-    int cp_chunk, cp_pre_rows, cp_pre_chunk;
-    void *kreg, *vreg;                   /* CP: gathered attention region */
-    pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
-    pr_real *pad, *shard;                /* CP: a reduce-scatter's input and output */
-    void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
-} pr__pass;
-
-/* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
-   dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
-typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
-
-/* The next `count` elements of `elem` bytes in a block being laid out from `base` (NULL: sizes only). */
-static void *pr__carve(char *base, size_t *off, size_t count, size_t elem) {
-    void *p = base ? base + *off : NULL;
-    *off += (count * elem + PR__ALIGN - 1) / PR__ALIGN * PR__ALIGN;
-    return p;
-}
-
-/* Lays out one layer's saved tensors for n rows, all but its K and V, in one block at base: the
-   layer's input (the residual stream entering it) and everything its backward reads besides K/V.
-   A block moves between memory tiers as a unit (the prefix's dormant state). Returns its bytes;
-   base NULL only measures. */
-static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__layer_acts *x, void **res_in) {
-    const pr_config *c = &tr->cfg;
-    const size_t C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads, NKV = c->num_key_value_heads;
-    const size_t qd = NH * c->head_dim, kvd = NKV * c->head_dim, A = tr->be->act_bytes, S = tr->be->stat_bytes;
-    pr__layer_acts t;
-    if (!x) x = &t;
-    size_t off = 0;
-    void *in = pr__carve(base, &off, n * C, A);
-    if (res_in) *res_in = in;
-    x->ln1 = pr__carve(base, &off, n * C, A); x->ln1_rstd = pr__carve(base, &off, n, S);
-    if (c->qk_norm) {
-        x->q_pre = pr__carve(base, &off, n * qd, A); x->k_pre = pr__carve(base, &off, n * kvd, A);
-        x->q_rstd = pr__carve(base, &off, n * NH, S); x->k_rstd = pr__carve(base, &off, n * NKV, S);
-    } else {
-        x->q_pre = x->k_pre = x->q_rstd = x->k_rstd = NULL;
-    }
-    x->q = pr__carve(base, &off, n * qd, A);
-    x->att = pr__carve(base, &off, n * qd, A); x->lse = pr__carve(base, &off, n * NH, S);
-    x->x_mid = pr__carve(base, &off, n * C, A);
-    x->ln2 = pr__carve(base, &off, n * C, A); x->ln2_rstd = pr__carve(base, &off, n, S);
-    if (c->num_experts) {
-        const size_t slots = n * (size_t)c->num_experts_per_tok, Fm = c->moe_intermediate_size;
-        x->gate = pr__carve(base, &off, slots * Fm, A); x->up = pr__carve(base, &off, slots * Fm, A);
-        x->h = pr__carve(base, &off, slots * Fm, A);
-        x->ye = pr__carve(base, &off, slots * C, A);
-        x->router = pr__carve(base, &off, n * (size_t)c->num_experts, A);
-    } else {
-        x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
-        x->ye = x->router = NULL;
-    }
-    return off;
-}
-
-/* A pass of N rows: every layer's block (unless `blocks` is 0: the offloading prefix pass places
-   them itself), every layer's K and V, and the final residual res[L]. */
-static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
-    const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
-    const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
-    const int L = c->num_hidden_layers;
-    ps->N = N;
-    ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
-    ps->res = PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
-    if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
-    memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
-    memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
-    const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
-    for (int l = 0; l < L; l++) {
-        pr__layer_acts *x = &ps->acts[l];
-        char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
-        if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
-        x->k = pr__act(tr, a, n_kv * kvd);
-        x->v = pr__act(tr, a, n_kv * kvd);
-    }
-    ps->res[L] = pr__act(tr, a, n * c->hidden_size);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
-    if (c->num_experts) {        /* the routing tables, host memory, one block per layer */
-        const size_t E = (size_t)c->num_experts, slots = n * (size_t)c->num_experts_per_tok;
-        ps->route = PR_MALLOC(sizeof(pr__route) * (size_t)L);
-        if (!ps->route) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
-        memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
-        for (int l = 0; l < L; l++) {
-            pr__route *rt = &ps->route[l];
-            char *m = PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
-            if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
-            rt->prob = (double *)m;
-            rt->wsum = rt->prob + n * E;
-            rt->w = (pr_real *)(rt->wsum + n);
-            rt->dw = rt->w + slots;
-            rt->start = (int *)(rt->dw + slots);
-            rt->row = rt->start + E + 1;
-        }
-    }
-    return PR_OK;
-}
-
-static void pr__pass_free_host(pr__pass *ps, int L) {
-    if (ps->route)
-        for (int l = 0; l < L; l++) PR_FREE(ps->route[l].prob);   /* one allocation per layer */
-    PR_FREE(ps->route);
-    PR_FREE(ps->acts);
-    PR_FREE(ps->res);
-    ps->route = NULL;
-    ps->acts = NULL;
-    ps->res = NULL;
-}
-
-static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scratch *s, int N, pr_error *err) {
-    const pr_config *c = &tr->cfg;
-    size_t n = (size_t)N, C = c->hidden_size, F = c->intermediate_size;
-    size_t qd = (size_t)c->num_attention_heads * c->head_dim, kvd = (size_t)c->num_key_value_heads * c->head_dim;
-    memset(s, 0, sizeof *s);
-    s->dres = pr__act(tr, a, n * C); s->dln = pr__act(tr, a, n * C);
-    s->dq = pr__act(tr, a, n * qd); s->dk = pr__act(tr, a, n * kvd); s->dv = pr__act(tr, a, n * kvd);
-    if (c->qk_norm) { s->dq_pre = pr__act(tr, a, n * qd); s->dk_pre = pr__act(tr, a, n * kvd); }
-    s->datt = pr__act(tr, a, n * qd);
-    size_t hidden = n * F;
-    if (c->num_experts) {
-        const size_t slots = n * (size_t)c->num_experts_per_tok;
-        hidden = slots * (size_t)c->moe_intermediate_size;
-        s->dye = pr__act(tr, a, slots * C); s->dxe = pr__act(tr, a, slots * C);
-        s->dlogit = pr__act(tr, a, n * (size_t)c->num_experts);
-    }
-    s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a backward of %d rows", N);
-    return PR_OK;
-}
-
-static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->be, p, n * tr->be->act_bytes); }
-
-/* ---- MoE: routing on the host, experts as a loop of GEMMs over their gathered rows */
-/* An activation pointer `elems` elements on. */
-static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
-
-/* ---- the mesh's collectives inside a step. A failure is kept (the first one, reported when the
-   step ends) and later collectives still run, so no peer is left waiting. */
-static pr_comm_type pr__act_type(const pr_trainer *tr) {
-    return tr->be->act_bytes == 8 ? PR_COMM_F64 : tr->be->act_bytes == 4 ? PR_COMM_F32 : PR_COMM_BF16;
-}
-static void pr__comm_done(pr_trainer *tr, pr_status st, pr_error *e) {
-    if (st && !tr->comm_st) {
-        tr->comm_st = st;
-        tr->comm_err = *e;
-    }
-}
-static int pr__tp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->tp : 1; }
-static int pr__cp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->cp : 1; }
-static int pr__ep(const pr_trainer *tr) { return tr->mesh ? tr->mesh->ep : 1; }
-static int pr__pp(const pr_trainer *tr) { return tr->mesh ? tr->mesh->pp : 1; }
-static int pr__first_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == 0; }
-static int pr__last_stage(const pr_trainer *tr) { return !tr->mesh || tr->mesh->pp_rank == tr->mesh->pp - 1; }
-
-/* Activations (n elements) summed over the TP group: the row-parallel projections' partial outputs. */
-static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
-    if (pr__tp(tr) == 1) return;
-    pr_error e;
-    pr_comm *c = tr->mesh->tp_comm;
-    pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
-}
-
-/* Backend memory for n reals, to stage host values a collective moves (its buffers are backend
-   memory); kept across steps. NULL, with alloc_failed set, without memory. */
-static pr_real *pr__staging(pr_trainer *tr, size_t n) {
-    if (n <= tr->stage_cap) return tr->stage;
-    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
-    tr->stage = tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
-    tr->stage_cap = tr->stage ? n : 0;
-    if (!tr->stage) tr->alloc_failed = 1;
-    return tr->stage;
-}
-
-/* Host values summed over c, staged through backend memory. */
-static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
-    if (c->size == 1 || !n) return;
-    pr_real *dev = pr__staging(tr, n);
-    if (!dev) return;                     /* alloc_failed reports it */
-    pr_error e;
-    tr->be->upload_reals(tr->be, dev, x, n);
-    pr__comm_done(tr, c->all_reduce(c, dev, n, PR_COMM_REAL, &e), &e);
-    tr->be->download_reals(tr->be, x, dev, n);
-}
-static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
-    if (c->size == 1 || !n) return;
-    pr_real *h = PR_MALLOC(sizeof(pr_real) * n);
-    if (!h) {
-        tr->alloc_failed = 1;
-        return;
-    }
-    for (size_t i = 0; i < n; i++) h[i] = (pr_real)x[i];
-    pr__sum_host(tr, c, h, n);
-    for (size_t i = 0; i < n; i++) x[i] = h[i];
-    PR_FREE(h);
-}
-
-/* ---- CP attention. The chunks before this rank's (and in Phase B the cached prefix, whose
-   shards the ranks hold alike) are gathered into one region the pass's queries see whole, in
-   front of their own causal rows: the two-region attention runs unchanged on it. Its backward
-   returns the region's dK/dV to the chunks' owners by reduce-scatter. */
-static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
-    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
-    const pr_comm_type t = pr__act_type(tr);
-    pr_comm *c = tr->mesh->cp_comm;
-    pr_error e;
-    if (ps->cp_pre_rows) {      /* the prefix first, then the pass's chunks from row cp_pre_rows on */
-        pr__comm_done(tr, c->all_gather(c, ps->kreg, kp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
-        pr__comm_done(tr, c->all_gather(c, ps->vreg, vp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
-    }
-    const size_t at = (size_t)ps->cp_pre_rows * kvd;
-    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, at), a->k, (size_t)ps->cp_chunk * kvd, t, &e), &e);
-    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, at), a->v, (size_t)ps->cp_chunk * kvd, t, &e), &e);
-}
-
-static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp) {
-    const pr_config *c = &tr->cfg;
-    const pr_backend *be = tr->be;
-    if (!ps->kreg) {
-        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, c->num_attention_heads,
-                          c->num_key_value_heads, c->head_dim);
-        return;
-    }
-    pr__cp_gather_region(tr, ps, a, kp, vp);
-    if (ps->N)
-        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, ps->lay.n_prefix ? ps->kreg : NULL,
-                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, c->num_attention_heads, c->num_key_value_heads, c->head_dim);
-}
-
-/* Sends gradient rows back to the ranks that own them: n_before rows of the region gradient g
-   from region row `from` on (the chunks before this rank's, which they tile from block 0), plus
-   this rank's own n_own rows (own, activations, or NULL) in its block. Returns the sum over the
-   ranks of this rank's block, `chunk` rows of reals (ps->shard). */
-static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real *g, size_t from, size_t n_before,
-                                    const void *own, size_t n_own, size_t chunk) {
-    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
-    pr_comm *c = tr->mesh->cp_comm;
-    const pr_backend *be = tr->be;
-    pr_error e;
-    be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * sizeof(pr_real));
-    if (n_before) be->copy(be, ps->pad, g + from * kvd, n_before * kvd * sizeof(pr_real));
-    if (n_own) be->acts_to_reals(be, ps->pad + (size_t)c->rank * chunk * kvd, own, n_own * kvd);
-    pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, PR_COMM_REAL, &e), &e);
-    return ps->shard;
-}
-
-/* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
-   prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
-   rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
-static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
-    const pr_config *c = &tr->cfg;
-    const pr_backend *be = tr->be;
-    const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
-    if (!ps->kreg) {
-        be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
-        return;
-    }
-    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
-    pr__cp_gather_region(tr, ps, a, kp, vp);
-    be->zero(be, ps->dkreg, np * kvd * sizeof(pr_real));
-    be->zero(be, ps->dvreg, np * kvd * sizeof(pr_real));
-    if (N)
-        be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
-                          a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
-    /* a rank without rows had no queries: it returns nothing but joins the collectives */
-    const size_t before = N ? np - pre : 0;
-    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
-    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
-    if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
-        const size_t bytes = (size_t)pre_own * kvd * sizeof(pr_real);
-        be->copy(be, dkp, pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
-        be->copy(be, dvp, pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
-    }
-}
-
-/* ---- EP: the slots (routed rows) of this rank's experts. Slots are grouped by expert, rows
-   ascending within one, so this rank's are global slots slot0 .. slot0+n_slots-1. Under EP
-   (ep > 1, inside the TP group, whose ranks hold the same rows) rank q dispatches the slots of
-   its share of the rows, rows q*N/ep .. (q+1)*N/ep - 1, to the experts' owners by all-to-all,
-   and gets their outputs back the same way; without EP the slots are gathered locally. */
-typedef struct {
-    int ep, me, ne;            /* EP ranks, this rank, experts per rank */
-    int slot0, n_slots;
-    int nmax;                  /* the largest block one rank sends another, in rows */
-    int *mem;                  /* the int arrays below, one allocation */
-    int *send_n, *recv_n;      /* (ep) rows sent to / received from each rank */
-    int *seg;                  /* (ep * ne) rows from source q for local expert e */
-    int *send_row;             /* (ep * nmax) by destination: the rows this rank sends */
-    pr_real *send_w;           /* (ep * nmax) their combine weights */
-} pr__ep_plan;
-
-static void pr__ep_plan_free(pr__ep_plan *p) {
-    PR_FREE(p->mem);
-    PR_FREE(p->send_w);
-    memset(p, 0, sizeof *p);
-}
-
-/* The rank of the EP group whose share of N rows holds row r. */
-static int pr__ep_source(int r, int N, int ep) {
-    int q = (int)((long)r * ep / N);
-    while (q > 0 && (long)q * N / ep > r) q--;
-    while (q + 1 < ep && (long)(q + 1) * N / ep <= r) q++;
-    return q;
-}
-
-/* Every rank knows the whole routing (the TP group's rows and router are the same), so each can
-   count what every other sends: no sizes need exchanging. Returns 0 without host memory. */
-static int pr__ep_plan_build(pr_trainer *tr, const pr__route *rt, int N, pr__ep_plan *p) {
-    const int E = tr->cfg.num_experts, ep = pr__ep(tr);
-    memset(p, 0, sizeof *p);
-    p->ep = ep;
-    p->me = ep > 1 ? tr->mesh->tp_rank : 0;
-    p->ne = tr->n_experts;
-    p->slot0 = rt->start[tr->expert0];
-    p->n_slots = rt->start[tr->expert0 + tr->n_experts] - p->slot0;
-    if (ep == 1) return 1;
-    int *cnt = PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
-    if (!cnt) return 0;
-    memset(cnt, 0, sizeof(int) * (size_t)(ep * ep));
-    for (int e = 0; e < E; e++)
-        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) cnt[pr__ep_source(rt->row[j], N, ep) * ep + e / p->ne]++;
-    for (int i = 0; i < ep * ep; i++) if (cnt[i] > p->nmax) p->nmax = cnt[i];
-    const size_t nm = (size_t)(p->nmax ? p->nmax : 1);
-    p->mem = PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
-    p->send_w = PR_MALLOC(sizeof(pr_real) * ep * nm);
-    if (!p->mem || !p->send_w) {
-        PR_FREE(cnt);
-        pr__ep_plan_free(p);
-        return 0;
-    }
-    p->send_n = p->mem;
-    p->recv_n = p->send_n + ep;
-    p->seg = p->recv_n + ep;
-    p->send_row = p->seg + ep * p->ne;
-    memset(p->mem, 0, sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne));
-    for (int q = 0; q < ep; q++) p->recv_n[q] = cnt[q * ep + p->me];
-    PR_FREE(cnt);
-    for (int e = 0; e < E; e++)
-        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
-            const int q = pr__ep_source(rt->row[j], N, ep), o = e / p->ne;
-            if (o == p->me) p->seg[q * p->ne + (e - tr->expert0)]++;
-            if (q != p->me) continue;
-            const int k = p->send_n[o]++;
-            p->send_row[(size_t)o * nm + k] = rt->row[j];
-            p->send_w[(size_t)o * nm + k] = rt->w[j];
-        }
-    return 1;
-}
-
-/* Between slot order (x, this rank's experts' slots) and per-source blocks of nmax rows (blocks),
-   where block q holds source q's rows expert by expert: to_blocks 1 copies x into the blocks. */
-static void pr__ep_reorder(pr_trainer *tr, const pr__ep_plan *p, void *x, void *blocks, int to_blocks) {
-    const pr_backend *be = tr->be;
-    const size_t C = (size_t)tr->cfg.hidden_size, A = be->act_bytes, blk = (size_t)p->nmax * C;
-    size_t at = 0;
-    for (int le = 0; le < p->ne; le++)
-        for (int q = 0; q < p->ep; q++) {
-            size_t n = (size_t)p->seg[q * p->ne + le], from = 0;
-            for (int k = 0; k < le; k++) from += (size_t)p->seg[q * p->ne + k];
-            void *xs = pr__act_at(tr, x, at * C), *bs = pr__act_at(tr, blocks, q * blk + from * C);
-            if (n) be->copy(be, to_blocks ? bs : xs, to_blocks ? xs : bs, n * C * A);
-            at += n;
-        }
-}
-
-/* x (n_slots, C) = the rows of src (N, C) this rank's experts take, in slot order; weighted by
-   their combine weights when `weighted`. */
-static void pr__ep_dispatch(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *x,
-                            const void *src, int weighted) {
-    const pr_backend *be = tr->be;
-    const size_t C = (size_t)tr->cfg.hidden_size;
-    if (p->ep == 1) {
-        be->gather_rows(be, x, src, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
-        return;
-    }
-    const size_t blk = (size_t)p->nmax * C;
-    for (int o = 0; o < p->ep; o++)
-        be->gather_rows(be, pr__act_at(tr, ps->ep_send, o * blk), src, p->send_row + (size_t)o * p->nmax,
-                        weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
-    pr_error e;
-    pr_comm *c = tr->mesh->tp_comm;
-    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
-    pr__ep_reorder(tr, p, x, ps->ep_recv, 0);
-}
-
-/* dst (N, C) += the outputs y (n_slots, C) of this rank's experts... back at the rows they came
-   from: under EP each rank adds those of its own share of rows (the TP sum that follows completes
-   every row). Weighted by the combine weights when `weighted`. */
-static void pr__ep_combine(pr_trainer *tr, pr__pass *ps, const pr__route *rt, const pr__ep_plan *p, void *dst,
-                           const void *y, int weighted) {
-    const pr_backend *be = tr->be;
-    const size_t C = (size_t)tr->cfg.hidden_size;
-    if (p->ep == 1) {
-        be->scatter_add_rows(be, dst, y, rt->row + p->slot0, weighted ? rt->w + p->slot0 : NULL, p->n_slots, (int)C);
-        return;
-    }
-    const size_t blk = (size_t)p->nmax * C;
-    pr__ep_reorder(tr, p, (void *)y, ps->ep_send, 1);
-    pr_error e;
-    pr_comm *c = tr->mesh->tp_comm;
-    pr__comm_done(tr, c->all_to_all(c, ps->ep_recv, ps->ep_send, blk, pr__act_type(tr), &e), &e);
-    for (int o = 0; o < p->ep; o++)
-        be->scatter_add_rows(be, dst, pr__act_at(tr, ps->ep_recv, o * blk), p->send_row + (size_t)o * p->nmax,
-                             weighted ? p->send_w + (size_t)o * p->nmax : NULL, p->send_n[o], (int)C);
-}
-
-/* Softmax over the router logits in double, the top-k per row (ties to the lower expert index),
-   their weights (renormalised with norm_topk_prob), and the slots grouped by expert. */
-static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
-    const pr_config *c = &tr->cfg;
-    const int E = c->num_experts, k = c->num_experts_per_tok;
-    pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
-    int *sel = PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
-    if (!z || !sel) {
-        PR_FREE(z);
-        PR_FREE(sel);
-        tr->alloc_failed = 1;
-        return;
-    }
-    tr->be->download_acts(tr->be, z, logits, (size_t)N * E);
-    memset(rt->start, 0, sizeof(int) * (size_t)(E + 1));
-    for (int r = 0; r < N; r++) {
-        const pr_real *zr = z + (size_t)r * E;
-        double *p = rt->prob + (size_t)r * E, mx = -INFINITY, sum = 0;
-        for (int e = 0; e < E; e++) if (zr[e] > mx) mx = zr[e];
-        for (int e = 0; e < E; e++) sum += p[e] = exp((double)zr[e] - mx);
-        for (int e = 0; e < E; e++) p[e] /= sum;
-        int *sr = sel + (size_t)r * k;
-        double top = 0;
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int i = 0; i < j; i++) taken |= sr[i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            sr[j] = best;
-            top += p[best];
-            rt->start[best + 1]++;
-        }
-        rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
-    }
-    for (int e = 0; e < E; e++) rt->start[e + 1] += rt->start[e];
-    memcpy(fill, rt->start, sizeof(int) * (size_t)E);
-    for (int r = 0; r < N; r++)            /* rows ascending, so each expert's slots are in row order */
-        for (int j = 0; j < k; j++) {
-            int e = sel[(size_t)r * k + j], slot = fill[e]++;
-            rt->row[slot] = r;
-            rt->w[slot] = (pr_real)(rt->prob[(size_t)r * E + e] / rt->wsum[r]);
-        }
-    PR_FREE(z);
-    PR_FREE(sel);
-}
-
-/* The sparse MLP of layer l: y = sum over each row's top-k experts of weight * expert(ln2 row).
-   Per expert: gather its rows (into its part of ye), gate/up GEMMs, SwiGLU, the down GEMM into ye
-   (the gathered rows are no longer needed), then a weighted scatter-add into y, experts in order. */
-static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
-    pr__layer_acts *a = &ps->acts[l];
-    pr__route *rt = &ps->route[l];
-    pr__ep_plan p;
-    be->matmul_fwd(be, a->router, a->ln2, w->router, N, C, E);
-    pr__moe_route(tr, rt, a->router, N);
-    pr__zero_acts(tr, y, (size_t)N * C);
-    if (tr->alloc_failed) return;
-    if (!pr__ep_plan_build(tr, rt, N, &p)) {
-        tr->alloc_failed = 1;
-        return;
-    }
-    pr__ep_dispatch(tr, ps, rt, &p, a->ye, a->ln2, 0);         /* ye: the experts' inputs, slot by slot */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
-        const pr_real *wg = w->experts + (size_t)le * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
-        void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
-        void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
-        be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
-        be->matmul_fwd(be, ue, ye, wu, M, C, Fm);
-        be->swiglu_fwd(be, he, ge, ue, (size_t)M * Fm);
-        be->matmul_fwd(be, ye, he, wd, M, Fm, C);                  /* ye: now the experts' outputs */
-    }
-    pr__ep_combine(tr, ps, rt, &p, y, a->ye, 1);
-    pr__ep_plan_free(&p);
-}
-
-/* Backward of the sparse MLP: d(ln2) into s->dln from d(y) in s->dres. Each slot's weight gets
-   d/dw = dy . ye; the experts see dy scaled by their weight. On the host the weights' gradients
-   go back through the renormalisation and, with the load-balancing loss's own gradient
-   (ps->aux_g, per expert, for every real row), through the router's softmax. Under TP/EP a rank
-   holds part of every slot's output (column shards) or all of some slots' (its experts): the
-   weight gradients and d(ln2) are summed over the TP group before the router's share, which
-   every rank computes alike, is added. */
-static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
-                             const pr__layer_w *g) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
-    pr__layer_acts *a = &ps->acts[l];
-    pr__route *rt = &ps->route[l];
-    pr__ep_plan p;
-    pr__zero_acts(tr, s->dln, (size_t)N * C);
-    if (!pr__ep_plan_build(tr, rt, N, &p)) {
-        tr->alloc_failed = 1;
-        return;
-    }
-    const int slots = rt->start[E];
-    memset(rt->dw, 0, sizeof(pr_real) * (size_t)slots);
-    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 0);
-    be->row_dots(be, rt->dw + p.slot0, s->dye, a->ye, p.n_slots, C);
-    pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 1);       /* the experts' share of dy */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
-        const size_t eo = (size_t)le * 3 * Fm * C;
-        const pr_real *wd = w->experts + eo + 2 * (size_t)Fm * C;
-        pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
-        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
-        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
-        void *ge = pr__act_at(tr, a->gate, (size_t)off * Fm), *ue = pr__act_at(tr, a->up, (size_t)off * Fm);
-        void *he = pr__act_at(tr, a->h, (size_t)off * Fm);
-        pr__zero_acts(tr, dh, (size_t)M * Fm);
-        be->matmul_bwd(be, dh, gd, dy, he, wd, M, Fm, C);
-        pr__zero_acts(tr, dg, (size_t)M * Fm);
-        pr__zero_acts(tr, du, (size_t)M * Fm);
-        be->swiglu_bwd(be, dg, du, dh, ge, ue, (size_t)M * Fm);
-    }
-    pr__ep_dispatch(tr, ps, rt, &p, s->dye, a->ln2, 0);        /* dy's room: the experts' inputs again */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
-        const size_t eo = (size_t)le * 3 * Fm * C;
-        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C;
-        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
-        void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
-        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
-        pr__zero_acts(tr, dx, (size_t)M * C);
-        be->matmul_bwd(be, dx, gg, dg, x, wg, M, C, Fm);
-        be->matmul_bwd(be, dx, gu, du, x, wu, M, C, Fm);
-    }
-    pr__ep_combine(tr, ps, rt, &p, s->dln, s->dxe, 0);
-    pr__ep_plan_free(&p);
-    pr__tp_sum(tr, s->dln, (size_t)N * C);
-    if (pr__tp(tr) > 1) pr__sum_host(tr, tr->mesh->tp_comm, rt->dw, (size_t)slots);
-    /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
-       dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
-    double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
-    pr_real *dz = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
-    if (!dp || !dz) {
-        PR_FREE(dp);
-        PR_FREE(dz);
-        tr->alloc_failed = 1;
-        return;
-    }
-    double *D = dp + (size_t)N * E;
-    memset(dp, 0, sizeof(double) * ((size_t)N * E + N));
-    if (c->norm_topk_prob)
-        for (int j = 0; j < slots; j++) D[rt->row[j]] += (double)rt->dw[j] * rt->w[j];
-    for (int e = 0; e < E; e++)
-        for (int j = rt->start[e]; j < rt->start[e + 1]; j++) {
-            int r = rt->row[j];
-            dp[(size_t)r * E + e] += ((double)rt->dw[j] - D[r]) / rt->wsum[r];
-        }
-    for (int r = 0; r < N; r++) {
-        const double *p = rt->prob + (size_t)r * E;
-        double *dpr = dp + (size_t)r * E, dot = 0;
-        if (ps->aux_g && ps->real[r])
-            for (int e = 0; e < E; e++) dpr[e] += ps->aux_g[e];
-        for (int e = 0; e < E; e++) dot += p[e] * dpr[e];
-        for (int e = 0; e < E; e++) dz[(size_t)r * E + e] = (pr_real)(p[e] * (dpr[e] - dot));
-    }
-    be->upload_acts(be, s->dlogit, dz, (size_t)N * E);
-    be->matmul_bwd(be, s->dln, g->router, s->dlogit, a->ln2, w->router, N, C, E);
-    PR_FREE(dp);
-    PR_FREE(dz);
-}
-
-/* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
-static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *kp, const void *vp) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
-    const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
-    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
-    pr__layer_acts *a = &ps->acts[l];
-    const void *x = ps->res[l];
-    void *y = ps->res[l + 1];
-
-    be->rmsnorm_fwd(be, a->ln1, a->ln1_rstd, x, w.ln1, N, C, c->rms_norm_eps);
-    if (c->qk_norm) {            /* Qwen3: RMSNorm over each head's HS values, before RoPE */
-        be->matmul_fwd(be, a->q_pre, a->ln1, w.wq, N, C, qd);
-        be->matmul_fwd(be, a->k_pre, a->ln1, w.wk, N, C, kvd);
-        be->rmsnorm_fwd(be, a->q, a->q_rstd, a->q_pre, w.qn, N * NH, HS, c->rms_norm_eps);
-        be->rmsnorm_fwd(be, a->k, a->k_rstd, a->k_pre, w.kn, N * NKV, HS, c->rms_norm_eps);
-    } else {
-        be->matmul_fwd(be, a->q, a->ln1, w.wq, N, C, qd);
-        be->matmul_fwd(be, a->k, a->ln1, w.wk, N, C, kvd);
-    }
-    be->matmul_fwd(be, a->v, a->ln1, w.wv, N, C, kvd);
-    be->rope_fwd(be, a->q, &ps->lay, NH, HS, tr->inv_freq);
-    be->rope_fwd(be, a->k, &ps->lay, NKV, HS, tr->inv_freq);
-    pr__attention_fwd(tr, ps, a, kp, vp);
-    be->matmul_fwd(be, a->x_mid, a->att, w.wo, N, qd, C);      /* x_mid = x + att @ wo^T */
-    pr__tp_sum(tr, a->x_mid, (size_t)N * C);                    /* row-parallel: the heads' shares */
-    be->add(be, a->x_mid, x, (size_t)N * C);
-    be->rmsnorm_fwd(be, a->ln2, a->ln2_rstd, a->x_mid, w.ln2, N, C, c->rms_norm_eps);
-    if (c->num_experts) {
-        pr__moe_forward(tr, ps, l, &w, y);                     /* y = x_mid + sum_k w_k expert_k(ln2) */
-    } else {
-        be->matmul_fwd(be, a->gate, a->ln2, w.wg, N, C, F);
-        be->matmul_fwd(be, a->up, a->ln2, w.wu, N, C, F);
-        be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
-        be->matmul_fwd(be, y, a->h, w.wd, N, F, C);            /* y = x_mid + h @ wd^T */
-    }
-    pr__tp_sum(tr, y, (size_t)N * C);                           /* the columns' (or experts') shares */
-    be->add(be, y, a->x_mid, (size_t)N * C);
-}
-
-/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input).
-   dk/dv: the buffers the attention backward adds this pass's own dK/dV into, already holding
-   whatever must be injected (gK/gV in Phase C, zeros otherwise). dkp/dvp: where dK/dV of the
-   cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
-   rank holds (dkp/dvp get its share). */
-static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
-                               const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
-    const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
-    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
-    pr__layer_w g = pr__layer_view(tr->grads, &tr->layer_off[l], c->qk_norm);
-    pr__layer_acts *a = &ps->acts[l];
-    const size_t nC = (size_t)N * C, nF = (size_t)N * F;
-
-    if (c->num_experts) {
-        pr__moe_backward(tr, ps, l, s, &w, &g);                /* s->dln = d(ln2) */
-    } else {
-        /* y = x_mid + h @ wd^T  (the residual passes dres through unchanged) */
-        pr__zero_acts(tr, s->dh, nF);
-        be->matmul_bwd(be, s->dh, g.wd, s->dres, a->h, w.wd, N, F, C);
-        /* h = silu(gate) * up */
-        pr__zero_acts(tr, s->dgate, nF);
-        pr__zero_acts(tr, s->dup, nF);
-        be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, nF);
-        /* gate = ln2 @ wg^T, up = ln2 @ wu^T */
-        pr__zero_acts(tr, s->dln, nC);
-        be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
-        be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
-        pr__tp_sum(tr, s->dln, nC);                             /* column-parallel: the inputs' shares */
-    }
-    /* ln2 = rmsnorm(x_mid): dres becomes d(x_mid) */
-    be->rmsnorm_bwd(be, s->dres, g.ln2, s->dln, a->x_mid, w.ln2, a->ln2_rstd, N, C);
-    /* x_mid = x + att @ wo^T */
-    pr__zero_acts(tr, s->datt, (size_t)N * qd);
-    be->matmul_bwd(be, s->datt, g.wo, s->dres, a->att, w.wo, N, qd, C);
-    /* att = attention(q, [kp; k], [vp; v]) */
-    pr__zero_acts(tr, s->dq, (size_t)N * qd);
-    pr__attention_bwd(tr, ps, s, a, dk, dv, kp, vp, dkp, dvp, pre_own);
-    /* q, k = rope(...) */
-    be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
-    be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
-    void *dq = s->dq, *dkk = dk;
-    if (c->qk_norm) {            /* q = q_norm(q_pre), k = k_norm(k_pre) */
-        pr__zero_acts(tr, s->dq_pre, (size_t)N * qd);
-        pr__zero_acts(tr, s->dk_pre, (size_t)N * kvd);
-        be->rmsnorm_bwd(be, s->dq_pre, g.qn, s->dq, a->q_pre, w.qn, a->q_rstd, N * NH, HS);
-        be->rmsnorm_bwd(be, s->dk_pre, g.kn, dk, a->k_pre, w.kn, a->k_rstd, N * NKV, HS);
-        dq = s->dq_pre;
-        dkk = s->dk_pre;
-    }
-    /* q_pre/k/v = ln1 @ w^T */
-    pr__zero_acts(tr, s->dln, nC);
-    be->matmul_bwd(be, s->dln, g.wq, dq, a->ln1, w.wq, N, C, qd);
-    be->matmul_bwd(be, s->dln, g.wk, dkk, a->ln1, w.wk, N, C, kvd);
-    be->matmul_bwd(be, s->dln, g.wv, dv, a->ln1, w.wv, N, C, kvd);
-    pr__tp_sum(tr, s->dln, nC);
-    /* ln1 = rmsnorm(x): dres becomes d(x) */
-    be->rmsnorm_bwd(be, s->dres, g.ln1, s->dln, ps->res[l], w.ln1, a->ln1_rstd, N, C);
-}
-
-/* ---------------------------------------------------------------- trainer: batches and the loss head */
-/* Which rows of a pass predict which suffix tokens, with what the loss needs for each. */
-typedef struct {
-    int M;
-    int *row;           /* row of the pass whose final hidden state predicts the token */
-    long *flat;         /* index of the token in the group's flattened suffix arrays */
-    int32_t *target;
-    pr_real *old_logp, *ref_logp, *advantage, *weight;
-} pr__head_plan;
-
-/* The host side of one pass: layout, tokens, and its loss rows. */
-typedef struct {
-    pr_seq_layout lay;
-    int *seg_off;
-    int32_t *tokens;
-    uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
-    int N, n_traj;            /* rows; trajectories whose rows these are */
-    int cp_chunk;             /* CP: the rows of one chunk (0 without CP) */
-    pr__head_plan head;
-} pr__batch;
-
-typedef enum {
-    PR__BATCH_FULL,          /* baseline: whole [prefix ; suffix] sequences, padded to the longest */
-    PR__BATCH_SUFFIX,        /* Phase B: suffixes after the cached prefix, padded or packed */
-    PR__BATCH_PREFIX         /* Phase A/C: the prefix once; its loss rows are each suffix's first token */
-} pr__batch_kind;
-
-static void pr__batch_free(pr__batch *b) {
-    PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real);
-    PR_FREE(b->head.row); PR_FREE(b->head.flat); PR_FREE(b->head.target);
-    PR_FREE(b->head.old_logp); PR_FREE(b->head.ref_logp); PR_FREE(b->head.advantage); PR_FREE(b->head.weight);
-    memset(b, 0, sizeof *b);
-}
-
-static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
-    long f = (long)g->suffix_off[i] + j;
-    int m = h->M++;
-    h->row[m] = row;
-    h->flat[m] = f;
-    h->target[m] = g->tokens[f];
-    h->old_logp[m] = g->old_logp[f];
-    if (h->ref_logp) h->ref_logp[m] = g->ref_logp[f];
-    h->advantage[m] = g->advantage[i];
-    h->weight[m] = tok_weight[f];
-}
-
-/* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind.
-   Token j of suffix i is predicted by the row just before it: the last prefix row for j = 0
-   (which the prefix batch owns under reuse), else the row of suffix token j-1. */
-static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
-                                 pr__batch_kind kind, int packed, pr_error *err) {
-    const int P = g->P;
-    int smax = 0;
-    long sum = 0;
-    for (int i = i0; i < i0 + n; i++) { if (g->suffix_len[i] > smax) smax = g->suffix_len[i]; sum += g->suffix_len[i]; }
-    memset(b, 0, sizeof *b);
-    int nseg = kind == PR__BATCH_PREFIX ? 1 : n;
-    long rows = kind == PR__BATCH_PREFIX ? P : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
-    long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
-    b->N = (int)rows;
-    b->n_traj = n;
-    b->seg_off = PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
-    b->tokens = PR_MALLOC(sizeof(int32_t) * (size_t)rows);
-    b->real = PR_MALLOC((size_t)(rows > 0 ? rows : 1));
-    size_t mr = (size_t)(mrows > 0 ? mrows : 1);
-    b->head.row = PR_MALLOC(sizeof(int) * mr);
-    b->head.flat = PR_MALLOC(sizeof(long) * mr);
-    b->head.target = PR_MALLOC(sizeof(int32_t) * mr);
-    b->head.old_logp = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.ref_logp = g->ref_logp ? PR_MALLOC(sizeof(pr_real) * mr) : NULL;
-    b->head.advantage = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.weight = PR_MALLOC(sizeof(pr_real) * mr);
-    if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
-        (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
-        pr__batch_free(b);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a batch of %ld rows", rows);
-    }
-    b->lay.n_seg = nseg;
-    b->lay.seg_off = b->seg_off;
-    b->lay.pos0 = kind == PR__BATCH_SUFFIX ? P : 0;
-    b->lay.n_prefix = kind == PR__BATCH_SUFFIX ? P : 0;
-    if (kind == PR__BATCH_PREFIX) {
-        b->seg_off[0] = 0; b->seg_off[1] = P;
-        memcpy(b->tokens, g->prefix, sizeof(int32_t) * (size_t)P);
-        memset(b->real, 1, (size_t)P);
-        for (int i = i0; i < i0 + n; i++) pr__head_push(&b->head, g, tok_weight, P - 1, i, 0);
-        return PR_OK;
-    }
-    int off = 0;
-    for (int s = 0; s < n; s++) {
-        int i = i0 + s, S = g->suffix_len[i];
-        int len = kind == PR__BATCH_FULL ? P + smax : packed ? S : smax;
-        const int32_t *suf = g->tokens + g->suffix_off[i];
-        int32_t *t = b->tokens + off;
-        b->seg_off[s] = off;
-        if (kind == PR__BATCH_FULL) {
-            memcpy(t, g->prefix, sizeof(int32_t) * (size_t)P);
-            t += P;
-        }
-        memcpy(t, suf, sizeof(int32_t) * (size_t)S);
-        int used = (int)(t - (b->tokens + off)) + S;
-        for (int r = used; r < len; r++) b->tokens[off + r] = 0;   /* padding */
-        memset(b->real + off, 1, (size_t)used);
-        memset(b->real + off + used, 0, (size_t)(len - used));
-        if (kind == PR__BATCH_FULL)
-            for (int j = 0; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + P - 1 + j, i, j);
-        else
-            for (int j = 1; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + j - 1, i, j);
-        off += len;
-    }
-    b->seg_off[n] = off;
-    return PR_OK;
-}
-
-/* A batch as pr__batch_build makes it; under CP only this rank's chunk of its one segment: rows
-   r0 .. r0+n-1 of chunks of ceil(N/cp) rows, the loss rows re-indexed, positions and the region
-   its queries see whole moved on by r0. */
-static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
-                                pr__batch_kind kind, int packed, pr_error *err) {
-    pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
-    const int cp = pr__cp(tr);
-    if (st || cp == 1) return st;
-    const int chunk = (b->N + cp - 1) / cp, r0 = tr->mesh->cp_rank * chunk < b->N ? tr->mesh->cp_rank * chunk : b->N;
-    const int rows = b->N - r0 < chunk ? b->N - r0 : chunk;
-    memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);
-    memmove(b->real, b->real + r0, (size_t)rows);
-    b->seg_off[0] = 0;
-    b->seg_off[1] = rows;
-    b->lay.pos0 += r0;
-    b->lay.n_prefix += r0;
-    pr__head_plan *h = &b->head;
-    int m = 0;
-    for (int k = 0; k < h->M; k++) {
-        if (h->row[k] < r0 || h->row[k] >= r0 + rows) continue;
-        h->row[m] = h->row[k] - r0;
-        h->flat[m] = h->flat[k];
-        h->target[m] = h->target[k];
-        h->old_logp[m] = h->old_logp[k];
-        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[k];
-        h->advantage[m] = h->advantage[k];
-        h->weight[m] = h->weight[k];
-        m++;
-    }
-    h->M = m;
-    b->N = rows;
-    b->cp_chunk = chunk;
-    return PR_OK;
-}
-
-/* The buffers a pass's collectives use, from arena a: the CP region, its gradient and a
-   reduce-scatter's blocks; the EP all-to-all blocks. */
-static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err) {
-    const pr_config *c = &tr->cfg;
-    const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
-    const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
-    if (cp > 1) {
-        const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
-        const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
-        ps->kreg = pr__act(tr, a, region * kvd); ps->vreg = pr__act(tr, a, region * kvd);
-        ps->dkreg = pr__reals(tr, a, region * kvd); ps->dvreg = pr__reals(tr, a, region * kvd);
-        ps->pad = pr__reals(tr, a, cp * big * kvd); ps->shard = pr__reals(tr, a, big * kvd);
-    }
-    if (ep > 1 && c->num_experts) {
-        const size_t blk = ((size_t)ps->N + ep - 1) / ep * (size_t)c->num_experts_per_tok * (size_t)c->hidden_size;
-        ps->ep_send = pr__act(tr, a, ep * blk);
-        ps->ep_recv = pr__act(tr, a, ep * blk);
-    }
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for the collectives of a pass of %d rows", ps->N);
-    return PR_OK;
-}
-
-/* A pass's host view of a batch; prefix: the Phase-A state whose cached K/V it reads, or NULL. */
-static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__batch *prefix, int P) {
-    memset(p, 0, sizeof *p);
-    p->lay = b->lay;
-    p->tokens = b->tokens;
-    p->real = b->real;
-    p->cp_chunk = b->cp_chunk;
-    if (prefix && pr__cp(tr) > 1) {
-        p->cp_pre_rows = P;
-        p->cp_pre_chunk = prefix->cp_chunk;
-    }
-}
-
-/* Final norm, LM head and GRPO loss for the plan's rows of x_final, fused with their backward:
-   the loss of a row depends on nothing but that row's log-prob, so d(loss)/d(x_final) is known at
-   once and is added into dx_final. Rows go through in chunks that bound the logits' memory. */
-static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, void *dx_final, const pr__head_plan *hp,
-                          const pr_loss_opts *lo, pr_real *logp_flat, double *loss, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size;
-    if (hp->M == 0) return PR_OK;
-    int ch = (int)(be->logit_chunk / (size_t)V);
-    if (ch < 1) ch = 1;
-    if (ch > hp->M) ch = hp->M;
-    void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
-    void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
-    pr_real *lp = PR_MALLOC(sizeof(pr_real) * (size_t)ch);
-    if (tr->alloc_failed || !lp) {
-        PR_FREE(lp);
-        return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
-    }
-    pr_real *wn = tr->params + tr->off_norm, *gn = tr->grads + tr->off_norm;
-    pr_real *wh = pr__lm_head(tr, tr->params), *gh = pr__lm_head(tr, tr->grads);
-    for (int m0 = 0; m0 < hp->M; m0 += ch) {
-        int n = hp->M - m0 < ch ? hp->M - m0 : ch;
-        pr_head_rows rows = { n, hp->target + m0, hp->old_logp + m0, hp->ref_logp ? hp->ref_logp + m0 : NULL,
-                              hp->advantage + m0, hp->weight + m0 };
-        be->gather_rows(be, xr, x_final, hp->row + m0, NULL, n, C);
-        be->rmsnorm_fwd(be, xn, rstd, xr, wn, n, C, tr->cfg.rms_norm_eps);
-        be->matmul_fwd(be, logits, xn, wh, n, C, V);
-        be->loss_head(be, logits, &rows, lo, V, lp, loss);              /* logits now hold dlogits */
-        pr__zero_acts(tr, dxn, (size_t)n * C);
-        be->matmul_bwd(be, dxn, gh, logits, xn, wh, n, C, V);
-        pr__zero_acts(tr, dxr, (size_t)n * C);
-        be->rmsnorm_bwd(be, dxr, gn, dxn, xr, wn, rstd, n, C);
-        be->scatter_add_rows(be, dx_final, dxr, hp->row + m0, NULL, n, C);
-        if (logp_flat)
-            for (int m = 0; m < n; m++) logp_flat[hp->flat[m0 + m]] = lp[m];
-    }
-    PR_FREE(lp);
-    return PR_OK;
-}
-
-/* ---------------------------------------------------------------- trainer: the schedules */
-/* The offload of one step's prefix blocks (see pr_offload_opts). */
-typedef struct {
-    int on;
-    size_t block;             /* bytes of one layer's block */
-    void **host;              /* (L) where each block rests between its Phase-A forward and Phase-C backward */
-    unsigned char *own;       /* (L) 1: a host allocation of its own, the pool being full */
-    size_t pool_used, own_live;
-    int slot_layer[PR__SLOTS];     /* the layer each device slot holds, -1 free */
-    unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
-    pr_offload_stats st;
-} pr__offload;
-
-/* State that lives from Phase A to Phase C. */
-typedef struct {
-    pr__batch batch;          /* the prefix as one segment, with the first-suffix-token loss rows */
-    pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are layer l's K/V cache */
-    pr_real **gk, **gv;       /* (L) accumulated prefix dK/dV, (P, NKV*HS) each, in reals: G suffixes'
-                                 sums are never rounded to the activations' precision */
-    pr_real *dk_mb, *dv_mb;   /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
-    pr__offload off;
-} pr__prefix_state;
-
-/* ---- offload: device slots, the host pool, moves between them */
-#define PR__DEVICE_MARGIN ((size_t)256 << 20)   /* free device memory a prefetch must leave */
-
-static void pr__live_add(pr_trainer *tr, size_t bytes) {
-    tr->live_bytes += bytes;
-    if (tr->live_bytes > tr->phase_peak[tr->phase]) tr->phase_peak[tr->phase] = tr->live_bytes;
-}
-static int pr__slot_of(const pr__offload *o, int layer) {
-    for (int s = 0; s < PR__SLOTS; s++) if (o->slot_layer[s] == layer) return s;
-    return -1;
-}
-/* A free slot, preferring one no copy is still reading. */
-static int pr__slot_free(const pr__offload *o) {
-    int any = -1;
-    for (int s = 0; s < PR__SLOTS; s++)
-        if (o->slot_layer[s] < 0) {
-            if (!o->slot_copying[s]) return s;
-            if (any < 0) any = s;
-        }
-    return any;
-}
-/* A block copy into or out of slot s, on the backend's copy queue when it has one (tagged with
-   the slot); pr__slot_wait makes the compute issued next wait for it. */
-static void pr__block_copy(pr_trainer *tr, pr__offload *o, int s, void *dst, const void *src) {
-    if (tr->be->copy_async) {
-        tr->be->copy_async(tr->be, dst, src, o->block, s);
-        o->slot_copying[s] = 1;
-    } else {
-        tr->be->copy(tr->be, dst, src, o->block);
-    }
-}
-static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s) {
-    if (!o->slot_copying[s]) return;
-    tr->be->copy_wait(tr->be, s);
-    o->slot_copying[s] = 0;
-}
-
-/* Puts layer's block in a free device slot (kept across steps, counted live while held) and points
-   the pass's tensors of that layer into it. */
-static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err) {
-    int s = pr__slot_free(o);
-    if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
-    pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
-    if (tr->slot_cap[s] < o->block) {
-        if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
-        tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
-        tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
-        if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
-    }
-    o->slot_layer[s] = layer;
-    pr__live_add(tr, o->block);
-    pr__layer_block(tr, tr->slot[s], (size_t)ps->N, &ps->acts[layer], &ps->res[layer]);
-    return PR_OK;
-}
-static void pr__slot_give(pr_trainer *tr, pr__offload *o, int layer) {
-    int s = pr__slot_of(o, layer);
-    if (s < 0) return;
-    o->slot_layer[s] = -1;
-    tr->live_bytes -= o->block;
-}
-
-/* Phase A, after layer l's forward: its block goes to the pool (or, when full, to a host
-   allocation of its own) and its slot is free for layer l+2. */
-static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_error *err) {
-    const pr_backend *be = tr->be;
-    if (o->pool_used + o->block <= tr->pool_cap) {
-        o->host[l] = (char *)tr->pool + o->pool_used;
-        o->pool_used += o->block;
-    } else {
-        o->host[l] = be->alloc(be, o->block, PR_TIER_HOST);
-        if (!o->host[l]) return pr__fail(err, PR_ERR_NOMEM, "out of host memory to offload a %zu-byte block", o->block);
-        o->own[l] = 1;
-        o->own_live += o->block;
-        o->st.pool_fallbacks++;
-        if (tr->pool_cap + o->own_live > o->st.host_peak_bytes) o->st.host_peak_bytes = tr->pool_cap + o->own_live;
-    }
-    int s = pr__slot_of(o, l);
-    pr__block_copy(tr, o, s, o->host[l], tr->slot[s]);
-    o->st.offloaded_bytes += o->block;
-    pr__slot_give(tr, o, l);
-    return PR_OK;
-}
-
-/* Phase C: layer l's block back into a device slot (on the copy queue: compute joins it before
-   the layer's backward reads the block). */
-static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err) {
-    pr_status st = pr__slot_take(tr, o, ps, l, err);
-    if (st) return st;
-    int s = pr__slot_of(o, l);
-    pr__block_copy(tr, o, s, tr->slot[s], o->host[l]);
-    o->st.loaded_bytes += o->block;
-    return PR_OK;
-}
-
-/* Prefetches layer l's block when a slot is free and the budget allows; counts a refusal. */
-static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err) {
-    const pr_backend *be = tr->be;
-    if (l < 0 || pr__slot_of(o, l) >= 0 || pr__slot_free(o) < 0) return PR_OK;
-    int fits = (!budget || tr->live_bytes + o->block <= budget) &&
-               (!be->device_free || be->device_free(be) >= o->block + PR__DEVICE_MARGIN);
-    if (!fits) {
-        o->st.prefetches_refused++;
-        return PR_OK;
-    }
-    o->st.prefetches++;
-    return pr__load_block(tr, o, ps, l, err);
-}
-
-/* Phase C, after layer l's backward: its slot and host space are done with. */
-static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
-    pr__slot_give(tr, o, l);
-    if (o->own[l]) {
-        tr->be->release(tr->be, o->host[l], PR_TIER_HOST);
-        o->own[l] = 0;
-        o->own_live -= o->block;
-    }
-    o->host[l] = NULL;
-}
-
-/* Sets up a step's offload: the block size, the host pool (created or resized to the request) and
-   the bookkeeping. With offload off only the footprint is recorded, for the stats. */
-static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err) {
-    const int L = tr->cfg.num_hidden_layers;
-    memset(o, 0, sizeof *o);
-    for (int s = 0; s < PR__SLOTS; s++) o->slot_layer[s] = -1;
-    o->block = pr__layer_block(tr, NULL, (size_t)P, NULL, NULL);
-    o->st.block_bytes = o->block;
-    o->st.dormant_bytes = o->block * (size_t)L;
-    if (!opt->enabled) return PR_OK;
-    o->on = 1;
-    o->host = PR_MALLOC(sizeof(void *) * (size_t)L);
-    o->own = PR_MALLOC((size_t)L);
-    if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    memset(o->host, 0, sizeof(void *) * (size_t)L);
-    memset(o->own, 0, (size_t)L);
-    size_t want = opt->pool_bytes ? opt->pool_bytes : o->st.dormant_bytes + o->st.dormant_bytes / 16;
-    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < o->st.dormant_bytes;
-    if (resize) {
-        if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
-        tr->pool = tr->be->alloc(tr->be, want, PR_TIER_HOST);
-        tr->pool_cap = tr->pool ? want : 0;       /* no pool: every block falls back, still correct */
-    }
-    o->st.pool_bytes = tr->pool_cap;
-    o->st.host_peak_bytes = tr->pool_cap;
-    return PR_OK;
-}
-
-/* Waits for the copies still queued, releases whatever an interrupted step still holds, then the
-   bookkeeping. */
-static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
-    if (o->on) {
-        for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, o, s);
-        tr->be->sync(tr->be);
-        for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
-    }
-    PR_FREE(o->host);
-    PR_FREE(o->own);
-    o->host = NULL;
-    o->own = NULL;
-}
-
-/* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Routing sums run over MoE layers
-   and real rows, laid out as count[E] (routings to e), prob[E] (router probability of e), M
-   (routings in all): 2E+1 values, one vector to travel between pipeline stages. */
-typedef struct {
-    int on, E, B, G, reuse, prepass;
-    double coef;
-    const pr_moe_opts *opt;
-    double *pre;                           /* the prefix pass's sums, each row once (reuse) */
-    double *own;                           /* scratch: one stage's sums of one pass */
-    double *F, M_tot;                      /* group scope: the group's routing fractions, and M */
-    double *prob_tot;                      /* group scope: probability mass of the passes run so far */
-    double *c;                             /* aux gradient per expert for each prefix row (Phase C) */
-    double aux;                            /* the loss term so far, coefficient applied (last stage) */
-} pr__moe_acc;
-
-typedef struct {
-    const pr_group *g;
-    const pr_step_opts *opt;
-    const pr_real *tok_weight;
-    pr_real *logp;
-    double loss;
-    long rows;
-    pr__moe_acc moe;
-    /* The trajectories this rank runs, t0 .. t1-1 (all G unless the group is split across DP
-       ranks). team: the DP ranks sharing the group, or NULL; its rank 0 (the owner) runs Phase A
-       and C, replicates the prefix K/V to the others and gets their gK/gV back. */
-    int t0, t1;
-    pr_comm *team;
-} pr__step_ctx;
-
-/* How many times a prefix token counts in a scope that holds n trajectories. */
-static double pr__prefix_mult(const pr__moe_acc *m, int n) {
-    return m->opt->prefix_multiplicity > 0 ? m->opt->prefix_multiplicity : n;
-}
-
-/* Adds a pass's routing sums (this rank's MoE layers, real rows) to sums; its load, times
-   load_mult, to the trainer's per-layer expert load. */
-static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *sums, double load_mult) {
-    const int E = tr->cfg.num_experts, L = tr->cfg.num_hidden_layers;
-    for (int l = 0; l < L; l++) {
-        const pr__route *rt = &ps->route[l];
-        for (int e = 0; e < E; e++)
-            for (int j = rt->start[e]; j < rt->start[e + 1]; j++)
-                if (ps->real[rt->row[j]]) {
-                    sums[e] += 1;
-                    if (load_mult > 0) tr->expert_load[(size_t)l * E + e] += load_mult;
-                }
-        for (int r = 0; r < ps->N; r++)
-            if (ps->real[r]) {
-                for (int e = 0; e < E; e++) sums[E + e] += rt->prob[(size_t)r * E + e];
-                sums[2 * E] += 1;
-            }
-    }
-}
-
-/* This stage's routing sums of a pass, made whole over the CP chunks, added to sums (which hold
-   the earlier stages'). */
-static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult) {
-    const size_t n = 2 * (size_t)m->E + 1;
-    memset(m->own, 0, sizeof(double) * n);
-    pr__route_sums(tr, ps, m->own, load_mult);
-    if (pr__cp(tr) > 1) pr__sum_doubles(tr, tr->mesh->cp_comm, m->own, n);
-    for (size_t i = 0; i < n; i++) sums[i] += m->own[i];
-}
-
-/* Last stage, after the forward of one microbatch of n trajectories (suffixes under reuse, whole
-   sequences in the baseline) whose sums now cover every layer: its aux gradient per expert g and,
-   for the microbatch scope, its aux loss. */
-static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g) {
-    const int E = m->E;
-    double M = sums[2 * E];
-    if (m->opt->scope == PR_AUX_SCOPE_MICROBATCH) {
-        double pm = m->reuse ? pr__prefix_mult(m, n) : 0, aux = 0, w = m->coef / m->B;
-        M += pm * m->pre[2 * E];
-        for (int e = 0; e < E; e++) {
-            double f = (sums[e] + pm * m->pre[e]) / M, P = (sums[E + e] + pm * m->pre[E + e]) / M;
-            aux += f * P;
-            g[e] = w * E * f / M;
-        }
-        m->aux += w * E * aux;
-        return;
-    }
-    if (!m->prepass) {           /* one microbatch holds the whole group: its routing is the group's */
-        double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0;
-        m->M_tot = M + pm * m->pre[2 * E];
-        for (int e = 0; e < E; e++) m->F[e] = (sums[e] + pm * m->pre[e]) / m->M_tot;
-    }
-    for (int e = 0; e < E; e++) {
-        m->prob_tot[e] += sums[E + e];
-        g[e] = m->coef * E * m->F[e] / m->M_tot;
-    }
-}
-
-/* Every stage, as a microbatch's backward starts: the prefix's share of its aux gradient (each
-   prefix row stands for the copies the scope counts). In the group scope every microbatch has
-   the group's gradient, which the prefix takes once: each microbatch adds its trajectories'
-   fraction of it, so that the shares of a group split across ranks add up too. */
-static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n) {
-    const int micro = m->opt->scope == PR_AUX_SCOPE_MICROBATCH;
-    const double w = !m->reuse ? 0 : micro ? pr__prefix_mult(m, n) : pr__prefix_mult(m, m->G) * n / m->G;
-    for (int e = 0; e < m->E; e++) m->c[e] += g[e] * w;
-}
-
-/* The group scope's aux loss, once every pass has run (last stage). */
-static void pr__moe_group_aux(pr__moe_acc *m) {
-    if (!m->on || m->opt->scope != PR_AUX_SCOPE_GROUP) return;
-    double pm = m->reuse ? pr__prefix_mult(m, m->G) : 0, aux = 0;
-    for (int e = 0; e < m->E; e++) aux += m->F[e] * (m->prob_tot[e] + pm * m->pre[m->E + e]) / m->M_tot;
-    m->aux = m->coef * m->E * aux;
-}
-
-/* ---- pipeline stages. A stage runs its own layers; the first embeds, the last runs the loss
-   head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
-   far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
-
-/* One exchange with rank `peer` of c: activations out and/or in (NULL: none; n_out, n_in
-   elements), then host doubles the same way, staged through backend memory. Both sides make the
-   same call with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
-static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in,
-                    const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
-    pr_error e;
-    pr_status st = PR_OK;
-    if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
-    else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
-    else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
-    pr__comm_done(tr, st, &e);
-    if (!d_out && !d_in) return;
-    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
-    if (!host || !dev) {
-        PR_FREE(host);
-        tr->alloc_failed = 1;
-        return;
-    }
-    for (size_t i = 0; i < no; i++) host[i] = (pr_real)d_out[i];
-    tr->be->upload_reals(tr->be, dev, host, no);
-    if (no && ni) st = c->send_recv(c, dev, no, peer, dev + no, ni, peer, PR_COMM_REAL, &e);
-    else if (no) st = c->send(c, dev, no, PR_COMM_REAL, peer, &e);
-    else st = c->recv(c, dev + no, ni, PR_COMM_REAL, peer, &e);
-    pr__comm_done(tr, st, &e);
-    tr->be->download_reals(tr->be, host + no, dev + no, ni);
-    for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
-    PR_FREE(host);
-}
-/* The same with the neighbouring stage `peer`, rows of the residual stream. */
-static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
-                        size_t nd_out, double *d_in, size_t nd_in) {
-    const size_t C = (size_t)tr->cfg.hidden_size;
-    pr__p2p(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C, d_out, nd_out, d_in, nd_in);
-}
-
-/* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
-   Each microbatch in flight has its own arena (1F1B keeps up to pp + 1), its backward scratch,
-   and with MoE its routing sums (forward) and aux gradient (backward). */
-typedef struct {
-    pr__batch b;
-    pr__pass p;
-    pr__bwd_scratch s;
-    pr__arena *a;
-    int index;
-    double *sums, *g;           /* MoE: (2E+1), (E) */
-} pr__mb;
-
-static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
-    pr__pass_free_host(&m->p, tr->cfg.num_hidden_layers);
-    pr__batch_free(&m->b);
-    if (m->a) pr__arena_reset(tr, m->a);
-    PR_FREE(m->sums);
-    m->sums = m->g = NULL;
-    m->a = NULL;
-}
-
-/* Microbatch i (trajectories t0 + i*mb ..) of the step: its batch and memory. ps: the prefix state
-   (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
-static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int i, int mb, int backward,
-                             pr_error *err) {
-    const int i0 = cx->t0 + i * mb, E = tr->cfg.num_experts;
-    memset(m, 0, sizeof *m);
-    m->index = i;
-    pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= cx->t1 ? mb : cx->t1 - i0,
-                                  ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL, ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
-    if (st) return st;
-    m->a = &tr->mb_arena[i % tr->n_mb_arena];
-    pr__pass_init(tr, &m->p, &m->b, ps ? &ps->batch : NULL, cx->g->P);
-    st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, err);
-    if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
-    if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
-    if (!st && E) {
-        m->sums = PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
-        if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-        memset(m->sums, 0, sizeof(double) * (3 * (size_t)E + 1));
-        m->g = m->sums + 2 * E + 1;
-    }
-    return st;
-}
-
-/* The microbatch's input from the previous stage, with the previous one's gradient going back
-   (either may be NULL); nothing on the first stage. */
-static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in) {
-    if (pr__first_stage(tr) || (!back && !in)) return;
-    const size_t E = (size_t)tr->cfg.num_experts;
-    pr__pp_swap(tr, tr->mesh->pp_rank - 1, back ? back->s.dres : NULL, back ? back->p.N : 0, in ? in->p.res[0] : NULL,
-                in ? in->p.N : 0, back ? back->g : NULL, E, in ? in->sums : NULL, 2 * E + 1);
-}
-/* The microbatch's output to the next stage, with a gradient coming back (either may be NULL);
-   nothing on the last stage. */
-static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back) {
-    if (pr__last_stage(tr) || (!out && !back)) return;
-    const size_t E = (size_t)tr->cfg.num_experts, L = (size_t)tr->cfg.num_hidden_layers;
-    pr__pp_swap(tr, tr->mesh->pp_rank + 1, out ? out->p.res[L] : NULL, out ? out->p.N : 0, back ? back->s.dres : NULL,
-                back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1, back ? back->g : NULL, E);
-}
-
-/* This stage's layers forward (the first stage embeds; other stages' input has been received);
-   in a training pass (train 1) the last stage then runs the loss head, whose gradient starts the
-   backward, and with MoE works out the microbatch's aux gradient. */
-static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int train, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
-    pr__pass *p = &m->p;
-    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, tr->params + tr->off_embed, p->N, C);
-    for (int l = 0; l < L; l++)
-        pr__layer_forward(tr, p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
-    if (cx->moe.on) {
-        pr__moe_stage_sums(tr, &cx->moe, p, m->sums, train ? 1.0 : 0);   /* a pre-pass leaves the load to the real pass */
-        if (train && pr__last_stage(tr)) pr__moe_mb_grad(&cx->moe, m->sums, m->b.n_traj, m->g);
-    }
-    if (!train || !pr__last_stage(tr)) return PR_OK;
-    pr__zero_acts(tr, m->s.dres, (size_t)p->N * C);
-    return pr__head(tr, m->a, p->res[L], m->s.dres, &m->b.head, &cx->opt->loss, cx->logp, &cx->loss, err);
-}
-
-/* This stage's layers backward from m->s.dres (the head's gradient, or the next stage's). With
-   a prefix state (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this
-   microbatch produces are handed to the hook and added into gK/gV. */
-static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
-    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
-    const size_t kv_n = (size_t)Pl * kvd, kvn_own = (size_t)m->p.N * kvd;
-    const pr_hooks *h = &cx->opt->hooks;
-    pr__pass *p = &m->p;
-    pr__bwd_scratch *s = &m->s;
-    if (cx->moe.on) {
-        pr__moe_take_grad(&cx->moe, m->g, m->b.n_traj);
-        p->aux_g = m->g;
-    }
-    for (int l = L - 1; l >= 0; l--) {
-        pr__zero_acts(tr, s->dk, kvn_own);
-        pr__zero_acts(tr, s->dv, kvn_own);
-        if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
-        pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
-                           ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
-        if (ps) {
-            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
-            be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
-            be->add_reals(be, ps->gv[l], ps->dv_mb, kv_n);
-        }
-    }
-    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s->dres, p->tokens, p->N, c->hidden_size);
-    cx->rows += p->N;
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d rows", p->N);
-    return PR_OK;
-}
-
-/* Phase B (ps: the prefix state) or the baseline (ps NULL): every microbatch through this stage
-   in the 1F1B order. A stage first runs `warm` forwards (as many as the stages after it need to
-   fill up), then one forward and one backward in turn, then the backwards left; its neighbours
-   keep the same order, so each exchange meets its partner: a forward's output goes on as the
-   gradient for the oldest microbatch comes back, that backward's input gradient goes back as
-   the next microbatch's input comes in. With one stage: forward, backward, microbatch by
-   microbatch. Returns the number of microbatches in *n_mb. */
-static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
-    const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
-    const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
-    pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
-    if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    memset(ring, 0, sizeof(pr__mb) * (size_t)(pp + 1));
-#define PR__MB(i) (&ring[(i) % (pp + 1)])
-    pr_status st = PR_OK;
-    int f = 0;                   /* the next microbatch to run forward */
-    for (; f < warm && !st; f++) {
-        st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err);
-        if (st) break;
-        pr__pp_prev(tr, NULL, PR__MB(f));
-        st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
-        pr__pp_next(tr, PR__MB(f), NULL);
-    }
-    if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, NULL, PR__MB(f));
-    for (int b = 0; b < n && !st; b++) {
-        if (f < n) {
-            st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
-            pr__pp_next(tr, PR__MB(f), PR__MB(b));
-            f++;
-        } else {
-            pr__pp_next(tr, NULL, PR__MB(b));
-        }
-        if (!st) st = pr__mb_backward(tr, cx, ps, PR__MB(b), err);
-        if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, PR__MB(b), PR__MB(f));
-        else if (!st) pr__pp_prev(tr, PR__MB(b), NULL);
-        pr__mb_close(tr, PR__MB(b));
-    }
-    for (int i = 0; i <= pp; i++) pr__mb_close(tr, &ring[i]);    /* after a failure: what is still open */
-#undef PR__MB
-    PR_FREE(ring);
-    *n_mb = n;
-    return st;
-}
-
-/* The group scope's routing pre-pass: every microbatch forward only, through the stages in turn,
-   for the routing fractions the backward needs before any microbatch may run it. ps: the prefix
-   state under reuse (its K/V read as in Phase B), or NULL for the baseline's whole sequences. */
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
-    pr__moe_acc *m = &cx->moe;
-    const int G = cx->g->G, E = m->E;
-    double *tot = PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
-    if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
-    pr_status st = PR_OK;
-    for (int i = 0; cx->t0 + i * mb < cx->t1 && !st; i++) {
-        pr__mb x;
-        st = pr__mb_open(tr, cx, ps, &x, i, mb, 0, err);
-        if (!st) {
-            pr__pp_prev(tr, NULL, &x);
-            st = pr__mb_forward(tr, cx, ps, &x, 0, err);
-            pr__pp_next(tr, &x, NULL);
-            for (int k = 0; k <= 2 * E; k++) tot[k] += x.sums[k];
-        }
-        pr__mb_close(tr, &x);
-    }
-    if (!st && cx->team) pr__sum_doubles(tr, cx->team, tot, 2 * (size_t)E + 1);   /* the team's trajectories make the group */
-    if (!st && pr__last_stage(tr)) {     /* the last stage's sums cover every layer */
-        double pm = ps ? pr__prefix_mult(m, G) : 0;
-        m->M_tot = tot[2 * E] + pm * m->pre[2 * E];
-        for (int e = 0; e < E; e++) m->F[e] = (tot[e] + pm * m->pre[e]) / m->M_tot;
-    }
-    PR_FREE(tot);
-    return st;
-}
-
-/* The prefix state's memory: its batch, its pass (with every layer's saved tensors when
-   `compute`, else, on a split group's peer, the K/V cache alone), gK/gV (zeroed) and one
-   microbatch's prefix dK/dV. */
-static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int compute, pr_error *err) {
-    const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
-    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
-    if (st) return st;
-    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
-    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->gk = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    ps->gv = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    pr__offload *o = &ps->off;
-    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
-    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, compute && !o->on, err);
-    if (!st && compute) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
-    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
-    if (st) return st;
-    for (int l = 0; l < L; l++) {
-        ps->gk[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-        ps->gv[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-        if (ps->gk[l] && ps->gv[l]) {
-            tr->be->zero(tr->be, ps->gk[l], (size_t)P * kvd * sizeof(pr_real));
-            tr->be->zero(tr->be, ps->gv[l], (size_t)P * kvd * sizeof(pr_real));
-        }
-    }
-    ps->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-    ps->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
-    return PR_OK;
-}
-
-/* Phase A: the prefix forward once, through this stage's layers (its input from the previous
-   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C;
-   each layer's k/v rows are the K/V cache Phase B reads. */
-static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
-    const size_t E = (size_t)c->num_experts;
-    const pr_hooks *h = &cx->opt->hooks;
-    pr_status st = pr__prefix_alloc(tr, cx, ps, 1, err);
-    if (st) return st;
-    const int P = ps->pass.N;
-    pr__offload *o = &ps->off;
-    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
-    for (int l = 0; l < L; l++) {
-        if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
-        pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
-        if (h->on_kv_capture) h->on_kv_capture(h->user, tr->layer0 + l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
-        if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
-    }
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
-    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
-    if (!pr__last_stage(tr))
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1, NULL, 0);
-    pr__arena_reset(tr, &tr->step_arena);
-    ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
-    ps->pass.ep_send = ps->pass.ep_recv = NULL;
-    cx->rows += P;
-    return PR_OK;
-}
-
-/* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
-   reals on their way to the group's first rank. */
-static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
-    pr_error e;
-    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
-}
-
-/* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
-   the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
-   activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
-static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
-    pr_comm *t = cx->team;
-    const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)(ps->pass.cp_chunk > ps->pass.N ? ps->pass.cp_chunk : ps->pass.N) * c->num_key_value_heads * c->head_dim;
-    const size_t ns = cx->moe.on ? 2 * (size_t)cx->moe.E + 1 : 0;
-    for (int peer = 1; peer < t->size; peer++) {
-        if (t->rank && t->rank != peer) continue;
-        const int other = t->rank ? 0 : peer, send = !t->rank;
-        for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__layer_acts *a = &ps->pass.acts[l];
-            pr__p2p(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n, NULL, 0, NULL, 0);
-            pr__p2p(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n, NULL, 0, NULL, 0);
-        }
-        if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
-    }
-}
-
-/* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
-   the owner, who adds them to its own before Phase C. */
-static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
-    pr_comm *t = cx->team;
-    const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
-    double *peer_c = E ? PR_MALLOC(sizeof(double) * E) : NULL;
-    if (E && !peer_c) {
-        tr->alloc_failed = 1;
-        return;
-    }
-    for (int peer = 1; peer < t->size; peer++) {
-        if (t->rank && t->rank != peer) continue;
-        const int other = t->rank ? 0 : peer, send = t->rank != 0;
-        for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__send_or_recv_reals(tr, t, other, send ? ps->gk[l] : NULL, send ? NULL : ps->dk_mb, n);
-            pr__send_or_recv_reals(tr, t, other, send ? ps->gv[l] : NULL, send ? NULL : ps->dv_mb, n);
-            if (!send) {
-                tr->be->add_reals(tr->be, ps->gk[l], ps->dk_mb, n);
-                tr->be->add_reals(tr->be, ps->gv[l], ps->dv_mb, n);
-            }
-        }
-        if (E) {
-            pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
-            for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
-        }
-    }
-    PR_FREE(peer_c);
-}
-
-/* Phase C: the prefix backward once, through this stage's layers (from the next stage's
-   gradient, on to the previous). The first token of every suffix is predicted from the last
-   prefix row, so its loss enters here directly (the last stage's head at row P-1); everything
-   else the suffixes ask of the prefix arrives through gK/gV, which become the starting dK/dV of
-   each layer's prefix attention backward. */
-static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
-    const pr_backend *be = tr->be;
-    const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
-    const pr_hooks *h = &cx->opt->hooks;
-    const size_t budget = cx->opt->offload.device_budget;
-    pr__offload *o = &ps->off;
-    ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
-    pr__bwd_scratch s;
-    pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
-    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);
-    if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
-    if (st) return st;
-    pr__zero_acts(tr, s.dres, (size_t)P * C);
-    if (pr__last_stage(tr))
-        st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
-    else
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, NULL, 0, s.dres, P, NULL, 0, NULL, 0);
-    if (st) return st;
-    for (int l = L - 1; l >= 0; l--) {
-        if (o->on) {
-            if (pr__slot_of(o, l) < 0) {
-                o->st.demand_loads++;
-                if ((st = pr__load_block(tr, o, &ps->pass, l, err))) return st;
-            }
-            pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
-            if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
-        }
-        if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
-        be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
-        be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
-        pr__layer_backward(tr, &ps->pass, l, &s, s.dk, s.dv, NULL, NULL, NULL, NULL, 0);
-        if (o->on) pr__block_done(tr, o, l);
-    }
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
-    if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0, NULL, 0, NULL, 0);
-    return PR_OK;
-}
-
-static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, const pr_step_opts *o, pr_error *err) {
-    if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
-    pr_status st = pr_group_validate(g, tr->cfg.vocab_size, err);
-    if (st) return st;
-    int smax = 0;
-    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
-    if ((long)g->P + smax > tr->cfg.max_position_embeddings)
-        return pr__fail(err, PR_ERR_ARG, "prefix %d + longest suffix %d tokens exceed max_position_embeddings %d",
-                        g->P, smax, tr->cfg.max_position_embeddings);
-    if (o->schedule != PR_SCHEDULE_BASELINE && o->schedule != PR_SCHEDULE_REUSE)
-        return pr__fail(err, PR_ERR_ARG, "unknown schedule %d", (int)o->schedule);
-    if (o->layout != PR_LAYOUT_PADDED && o->layout != PR_LAYOUT_PACKED)
-        return pr__fail(err, PR_ERR_ARG, "unknown layout %d", (int)o->layout);
-    if (o->microbatch < 0) return pr__fail(err, PR_ERR_ARG, "microbatch must be >= 1 (or 0 for the whole group), got %d", o->microbatch);
-    if ((o->moe.scope != PR_AUX_SCOPE_MICROBATCH && o->moe.scope != PR_AUX_SCOPE_GROUP) || o->moe.prefix_multiplicity < 0)
-        return pr__fail(err, PR_ERR_ARG, "MoE options: unknown aux-loss scope %d or negative prefix multiplicity %d",
-                        (int)o->moe.scope, o->moe.prefix_multiplicity);
-    if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
-        return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
-    int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
-    if (pr__cp(tr) > 1 && mb != 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
-    if (pr__cp(tr) > 1 && o->offload.enabled)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
-    if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
-        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
-    const pr_loss_opts *lo = &o->loss;
-    if (!(lo->eps_low >= 0 && lo->eps_low < 1) || !(lo->eps_high >= 0 && lo->eps_high < 1e6))
-        return pr__fail(err, PR_ERR_ARG, "clip range eps_low %g / eps_high %g out of range (eps_low in [0,1), eps_high >= 0)",
-                        lo->eps_low, lo->eps_high);
-    if (!(lo->kl_coef >= 0 && lo->kl_coef < 1e6)) return pr__fail(err, PR_ERR_ARG, "kl_coef %g must be >= 0", lo->kl_coef);
-    if (lo->kl_coef > 0 && !g->ref_logp) return pr__fail(err, PR_ERR_ARG, "kl_coef %g needs reference log-probs, the group has none", lo->kl_coef);
-    if (lo->norm != PR_NORM_TOKEN_MEAN && lo->norm != PR_NORM_SEQ_MEAN_TOKEN_MEAN)
-        return pr__fail(err, PR_ERR_ARG, "unknown loss normalisation %d", (int)lo->norm);
-    return PR_OK;
-}
-
-/* Each suffix token's share of the loss: mask / (masked tokens of the group) for token-mean, or
-   mask / (G * masked tokens of its trajectory) for seq-mean-token-mean. Both are known before any
-   forward runs, which is what lets the loss split over suffixes and microbatches. */
-static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) {
-    long total = 0;
-    for (long f = 0; f < g->suffix_off[g->G]; f++) total += g->loss_mask[f];
-    for (int i = 0; i < g->G; i++) {
-        long n_i = 0;
-        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) n_i += g->loss_mask[f];
-        double denom = norm == PR_NORM_TOKEN_MEAN ? (double)total : (double)g->G * (double)n_i;
-        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++)
-            w[f] = g->loss_mask[f] ? (pr_real)(1.0 / denom) : 0;
-    }
-}
-
-/* A mesh step's gradients made whole on every rank: the q/k norms' partial sums over tp (their
-   weights serve heads on every TP rank), every gradient over cp (each chunk's rows gave a share),
-   and a tied embedding's over the pipeline's ends (the first stage's embedding and the last
-   stage's LM head are one tensor). Collective; a failure is kept in comm_st. */
-static void pr__mesh_sync_grads(pr_trainer *tr) {
-    if (!tr->mesh) return;
-    pr_error e;
-    if (pr__tp(tr) > 1)
-        for (int t = 0; t < tr->n_tensors; t++)
-            if (tr->shard[t].tp_partial) {
-                pr_comm *c = tr->mesh->tp_comm;
-                pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel, PR_COMM_REAL, &e), &e);
-            }
-    if (pr__cp(tr) > 1) {
-        pr_comm *c = tr->mesh->cp_comm;
-        pr__comm_done(tr, c->all_reduce(c, tr->grads, tr->n_params, PR_COMM_REAL, &e), &e);
-    }
-    if (pr__pp(tr) > 1 && tr->model.tie_word_embeddings && tr->has_embed) {
-        pr_comm *c = tr->mesh->ends_comm;
-        const size_t n = (size_t)tr->cfg.vocab_size * tr->cfg.hidden_size;
-        pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->off_embed, n, PR_COMM_REAL, &e), &e);
-    }
-}
-
-/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
-static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
-                                   pr_real *logp, pr_comm *team, pr_error *err) {
-    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
-    pr_status st = pr__validate_step(tr, g, opt, err);
-    if (st) return st;
-    const pr_backend *be = tr->be;
-    const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
-    const int owner = !team || team->rank == 0, t = team ? team->size : 1, k = team ? team->rank : 0;
-    int B = 0;                   /* the group's microbatches, over the team */
-    for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
-    long n_tok = g->suffix_off[G];
-    pr_real *tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    pr_real *lp = logp ? logp : PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    if (!tok_weight || !lp) {
-        PR_FREE(tok_weight);
-        if (!logp) PR_FREE(lp);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
-    }
-    pr__token_weights(g, opt->loss.norm, tok_weight);
-    if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
-        memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);
-    tr->comm_st = PR_OK;
-    pr__step_ctx cx;
-    memset(&cx, 0, sizeof cx);
-    cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
-    cx.t0 = k * G / t; cx.t1 = (k + 1) * G / t; cx.team = team;
-    pr__moe_acc *moe = &cx.moe;
-    double *moe_mem = NULL;
-    if (tr->cfg.num_experts) {
-        const int E = tr->cfg.num_experts;
-        const size_t n_sums = 2 * (size_t)E + 1;
-        moe_mem = PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
-        if (!moe_mem) {
-            PR_FREE(tok_weight);
-            if (!logp) PR_FREE(lp);
-            return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-        }
-        memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
-        moe->on = 1; moe->E = E; moe->G = G; moe->B = B; moe->opt = &opt->moe;
-        moe->coef = tr->cfg.router_aux_loss_coef;
-        moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
-        moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
-        moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
-        moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
-        memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
-    }
-    pr_step_stats s;
-    memset(&s, 0, sizeof s);
-    memset(tr->phase_peak, 0, sizeof tr->phase_peak);
-    tr->alloc_failed = 0;
-    if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
-    if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
-    double t0 = pr__now();
-    if (opt->schedule == PR_SCHEDULE_BASELINE) {
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, NULL, mb, &s.microbatches, err);
-        be->sync(be);
-        s.seconds[PR_PHASE_B] = pr__now() - t0;
-    } else {
-        pr__prefix_state ps;
-        memset(&ps, 0, sizeof ps);
-        pr__enter_phase(tr, PR_PHASE_A);
-        st = owner ? pr__phase_a_prefix_forward(tr, &cx, &ps, err) : pr__prefix_alloc(tr, &cx, &ps, 0, err);
-        if (!st && team) pr__split_share_kv(tr, &cx, &ps);
-        be->sync(be);
-        double t1 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
-        if (!st && team) pr__split_reduce_gkv(tr, &cx, &ps);
-        be->sync(be);
-        double t2 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_C);
-        if (!st && owner) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
-        be->sync(be);
-        double t3 = pr__now();
-        s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
-        s.offload = ps.off.st;
-        const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
-        s.prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
-        s.prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
-                               (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
-        pr__offload_end(tr, &ps.off);
-        pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
-        pr__batch_free(&ps.batch);
-        PR_FREE(ps.gk);
-        PR_FREE(ps.gv);
-        pr__arena_reset(tr, &tr->step_arena);
-        pr__arena_reset(tr, &tr->prefix_arena);
-    }
-    for (long f = 0; owner && f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
-    if (team && moe->on && opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, team, moe->prob_tot, (size_t)moe->E);
-    if (pr__last_stage(tr) && owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
-    if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
-        pr_comm *cp = tr->mesh->cp_comm;
-        double r = (double)cx.rows;
-        pr__sum_doubles(tr, cp, &cx.loss, 1);
-        pr__sum_doubles(tr, cp, &r, 1);
-        cx.rows = (long)r;
-        pr__sum_host(tr, cp, lp, (size_t)n_tok);
-        if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
-    }
-    if (pr__pp(tr) > 1) {        /* the last stage's loss, aux term and log-probs, for every stage */
-        pr_comm *pp = tr->mesh->pp_comm;
-        pr__sum_doubles(tr, pp, &cx.loss, 1);
-        pr__sum_doubles(tr, pp, &moe->aux, 1);
-        pr__sum_host(tr, pp, lp, (size_t)n_tok);
-    }
-    if (!opt->accumulate) pr__mesh_sync_grads(tr);
-    PR_FREE(tok_weight);
-    if (!logp) PR_FREE(lp);
-    s.aux_loss = moe->aux;
-    s.routing_prepass = moe->prepass;
-    PR_FREE(moe_mem);
-    if (!st && be->take_error) st = be->take_error(be, err);
-    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
-    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the step's collectives");
-    if (st) return st;
-    s.loss = cx.loss + s.aux_loss;
-    s.rows = cx.rows;
-    memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
-    s.flops = owner ? pr_step_flops(&tr->model, g, opt->schedule) : 0;
-    if (stats) *stats = s;
-    return PR_OK;
-}
-
-PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
-                                         pr_step_stats *stats, pr_real *logp, pr_error *err) {
-    return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
-}
-
-PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err) {
-    if (!tr || !load) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: NULL argument");
-    if (!tr->cfg.num_experts) return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: the model has no experts");
-    const int l = layer - tr->layer0;
-    if (l < 0 || l >= tr->cfg.num_hidden_layers || n != tr->cfg.num_experts)
-        return pr__fail(err, PR_ERR_ARG, "pr_trainer_expert_load: layer %d (this rank holds %d..%d), %d values for %d experts",
-                        layer, tr->layer0, tr->layer0 + tr->cfg.num_hidden_layers - 1, n, tr->cfg.num_experts);
-    memcpy(load, tr->expert_load + (size_t)l * n, sizeof(double) * (size_t)n);
-    return PR_OK;
-}
-
-PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
-    if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
-    if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
-        !(o->eps > 0 && isfinite(o->eps)) || !(o->weight_decay >= 0 && isfinite(o->weight_decay)) || !(o->max_grad_norm >= 0))
-        return pr__fail(err, PR_ERR_ARG,
-                        "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g, max grad norm %g): lr, eps and "
-                        "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
-                        o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
-    const pr_backend *be = tr->be;
-    double sq = 0;
-    tr->comm_st = PR_OK;
-    if (!tr->mesh) {
-        sq = be->sum_squares(be, tr->grads, tr->n_params);
-    } else {                     /* the full model's norm: each shard once, a tensor held on several ranks once */
-        for (int t = 0; t < tr->n_tensors; t++)
-            if (!tr->shard[t].elsewhere)
-                sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
-        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
-        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
-    }
-    double norm = sqrt(sq);
-    pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
-    if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
-    if (st) return st;
-    if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
-    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
-    tr->adam_step++;
-    for (int t = 0; t < tr->n_tensors; t++) {
-        const pr_tensor_info *ti = &tr->tensors[t];
-        be->adamw(be, tr->params + ti->offset, tr->grads + ti->offset, tr->adam_m + ti->offset, tr->adam_v + ti->offset,
-                  ti->numel, o->lr, o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
-    }
-    if (grad_norm) *grad_norm = norm;
-    return be->take_error ? be->take_error(be, err) : PR_OK;
-}
-
-PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
-    double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
-    double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
-    double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
-                                : 3 * C * F;              /* MoE: router, then k experts per token */
-    double per_token = 6 * (C * qd + 2 * C * kvd + qd * C + mlp) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
-    double per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
-    double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
-    for (int i = 0; i < g->G; i++) {
-        double S = g->suffix_len[i], T = P + S;
-        head_rows += S;
-        if (schedule == PR_SCHEDULE_BASELINE) { tokens += T; pairs += T * (T + 1) / 2; }
-        else { tokens += S; pairs += S * P + S * (S + 1) / 2; }
-    }
-    if (schedule == PR_SCHEDULE_REUSE) { tokens += P; pairs += P * (P + 1) / 2; }
-    return tokens * per_token + pairs * per_pair + head_rows * 6 * C * V;
-}
-
-/* ---------------------------------------------------------------- trainer: checkpoints */
+/* ---------------------------------------------------------------- 8.10 A trainer's checkpoints */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
     pr_checkpoint *ck;
@@ -6188,482 +6786,5 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     pr__export_free(tr, &x);
     return st;
 }
-
-/* ---------------------------------------------------------------- 7. The device mesh */
-PRDEF void pr_mesh_free(pr_mesh *m) {
-    if (!m) return;
-    pr_comm **c[5] = { &m->dp_comm, &m->pp_comm, &m->cp_comm, &m->tp_comm, &m->ends_comm };
-    for (int i = 0; i < 5; i++)
-        if (*c[i]) {
-            (*c[i])->destroy(*c[i]);
-            *c[i] = NULL;
-        }
-}
-
-PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err) {
-    if (!m || !world) return pr__fail(err, PR_ERR_ARG, "pr_mesh_init: NULL argument");
-    memset(m, 0, sizeof *m);
-    if (dp < 1 || pp < 1 || cp < 1 || tp < 1 || ep < 1)
-        return pr__fail(err, PR_ERR_ARG, "mesh sizes must be >= 1 (dp %d, pp %d, cp %d, tp %d, ep %d)", dp, pp, cp, tp, ep);
-    if ((long)dp * pp * cp * tp != world->size)
-        return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d = %ld ranks, the communicator has %d", dp, pp, cp, tp,
-                        (long)dp * pp * cp * tp, world->size);
-    if (ep != 1 && ep != tp)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
-    const int r = world->rank;
-    m->dp = dp; m->pp = pp; m->cp = cp; m->tp = tp; m->ep = ep;
-    m->world = world;
-    m->tp_rank = r % tp;
-    m->cp_rank = r / tp % cp;
-    m->pp_rank = r / (tp * cp) % pp;
-    m->dp_rank = r / (tp * cp * pp);
-    /* each dimension's group: the ranks equal in every other coordinate (color), ordered by its own */
-    const int others = r - m->tp_rank;
-    pr_status st = world->split(world, others, m->tp_rank, &m->tp_comm, err);
-    if (!st) st = world->split(world, r - m->cp_rank * tp, m->cp_rank, &m->cp_comm, err);
-    if (!st) st = world->split(world, r - m->pp_rank * tp * cp, m->pp_rank, &m->pp_comm, err);
-    const int end = m->pp_rank == 0 || m->pp_rank == pp - 1;
-    if (!st) st = world->split(world, end ? r - m->pp_rank * tp * cp : world->size + r, m->pp_rank, &m->ends_comm, err);
-    if (!st) st = world->split(world, r - m->dp_rank * tp * cp * pp, m->dp_rank, &m->dp_comm, err);
-    if (st) pr_mesh_free(m);
-    return st;
-}
-
-PRDEF pr_status pr_trainer_create_mesh(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
-                                       pr_error *err) {
-    if (!mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL mesh");
-    return pr__trainer_new(out, cfg, be, mesh, err);
-}
-
-/* ---------------------------------------------------------------- 7. Data parallelism */
-PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
-    double *load = PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
-    char *done = PR_MALLOC((size_t)(n > 0 ? n : 1));
-    if (!load || !done || ranks < 1) {         /* no memory: everything on rank 0, still a valid placement */
-        for (int i = 0; i < n; i++) owner[i] = 0;
-        PR_FREE(load);
-        PR_FREE(done);
-        return;
-    }
-    for (int r = 0; r < ranks; r++) load[r] = 0;
-    memset(done, 0, (size_t)n);
-    for (int k = 0; k < n; k++) {              /* the costliest group left, onto the least loaded rank */
-        int best = -1;
-        double cost = -1;
-        for (int i = 0; i < n; i++) {
-            double f = done[i] ? -1 : pr_step_flops(cfg, &groups[i], schedule);
-            if (!done[i] && f > cost) { cost = f; best = i; }
-        }
-        int to = 0;
-        for (int r = 1; r < ranks; r++) if (load[r] < load[to]) to = r;
-        owner[best] = to;
-        load[to] += cost;
-        done[best] = 1;
-    }
-    PR_FREE(load);
-    PR_FREE(done);
-}
-
-PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
-                                            const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
-    if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
-    const int R = dp->size;
-    int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
-    pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
-    tr->comm_st = PR_OK;
-    pr_step_opts o = *opt;
-    pr_step_stats s, sum;
-    memset(&sum, 0, sizeof sum);
-    tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
-    o.accumulate = 1;
-    if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
-        int gi = 0;
-        while (gi + 1 < n && (long)(gi + 1) * R / n <= dp->rank) gi++;
-        pr_comm *team = NULL;
-        st = dp->split(dp, gi, dp->rank, &team, err);
-        if (!st) st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
-        if (team) {
-            dp->bytes_sent += team->bytes_sent;     /* the team's traffic is the dp dimension's */
-            team->destroy(team);
-        }
-    }
-    for (int i = 0; place && i < n && !st; i++) {
-        if (place[i] != dp->rank) continue;
-        st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
-        if (!st) {
-            double loss = sum.loss + s.loss, flops = sum.flops + s.flops;
-            long rows = sum.rows + s.rows;
-            sum = s;
-            sum.loss = loss;
-            sum.flops = flops;
-            sum.rows = rows;
-        }
-    }
-    PR_FREE(place);
-    /* every rank reaches the collectives, even after a local failure, so that none is left
-       waiting; a failed rank's sum is discarded by its own status */
-    pr__mesh_sync_grads(tr);
-    pr_status cs = dp->size > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
-    if (st) return st;
-    if (cs) return cs;
-    if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
-    if (stats) *stats = sum;
-    return PR_OK;
-}
-
-/* ---------------------------------------------------------------- 7. Communicator: in-process */
-#ifndef PR_NO_THREADS
-#include <threads.h>
-
-static size_t pr__comm_elem(pr_comm_type t) { return t == PR_COMM_F64 ? 8 : t == PR_COMM_F32 ? 4 : 2; }
-
-static double pr__comm_get(const void *p, size_t i, pr_comm_type t) {
-    if (t == PR_COMM_F64) return ((const double *)p)[i];
-    if (t == PR_COMM_F32) return ((const float *)p)[i];
-    return pr_bf16_to_f32(((const uint16_t *)p)[i]);
-}
-static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
-    if (t == PR_COMM_F64) ((double *)p)[i] = v;
-    else if (t == PR_COMM_F32) ((float *)p)[i] = (float)v;
-    else ((uint16_t *)p)[i] = pr_f32_to_bf16((float)v);
-}
-
-/* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer in,
-   and a mailbox per ordered pair of ranks for send/recv. */
-typedef struct pr__world {
-    int size, refs;
-    mtx_t mu;
-    cnd_t cv;
-    int arrived;
-    unsigned gen;
-    int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
-    const void **slot;             /* (size) */
-    int *color, *key;              /* (size) split's exchange */
-    struct pr__world **made;       /* (size) split: the sub-world a group leader made */
-    const void **mail;             /* (size*size) [from*size + to] */
-    size_t *mail_bytes;
-    int *mail_full;
-} pr__world;
-
-typedef struct { pr_comm c; pr__world *w; } pr__local;
-
-static pr__world *pr__world_new(int size) {
-    pr__world *w = PR_MALLOC(sizeof *w);
-    if (!w) return NULL;
-    memset(w, 0, sizeof *w);
-    size_t n = (size_t)size, nn = n * n;
-    w->size = size;
-    w->refs = size;
-    w->slot = PR_MALLOC(sizeof(void *) * n);
-    w->color = PR_MALLOC(sizeof(int) * n);
-    w->key = PR_MALLOC(sizeof(int) * n);
-    w->made = PR_MALLOC(sizeof(pr__world *) * n);
-    w->mail = PR_MALLOC(sizeof(void *) * nn);
-    w->mail_bytes = PR_MALLOC(sizeof(size_t) * nn);
-    w->mail_full = PR_MALLOC(sizeof(int) * nn);
-    int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
-    int mu = ok && mtx_init(&w->mu, mtx_plain) == thrd_success;
-    int cv = mu && cnd_init(&w->cv) == thrd_success;
-    if (!cv) {
-        if (mu) mtx_destroy(&w->mu);
-        PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
-        PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
-        PR_FREE(w);
-        return NULL;
-    }
-    memset(w->made, 0, sizeof(pr__world *) * n);
-    memset(w->mail_full, 0, sizeof(int) * nn);
-    return w;
-}
-static void pr__world_release(pr__world *w) {
-    mtx_lock(&w->mu);
-    int last = --w->refs == 0;
-    mtx_unlock(&w->mu);
-    if (!last) return;
-    cnd_destroy(&w->cv);
-    mtx_destroy(&w->mu);
-    PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
-    PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
-    PR_FREE(w);
-}
-static void pr__world_barrier(pr__world *w) {
-    mtx_lock(&w->mu);
-    unsigned gen = w->gen;
-    if (++w->arrived == w->size) {
-        w->arrived = 0;
-        w->gen++;
-        cnd_broadcast(&w->cv);
-    } else {
-        while (gen == w->gen) cnd_wait(&w->cv, &w->mu);
-    }
-    mtx_unlock(&w->mu);
-}
-
-static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
-
-static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blocks, pr_error *err) {
-    size_t bytes;
-    if (t != PR_COMM_F32 && t != PR_COMM_F64 && t != PR_COMM_BF16) return pr__fail(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
-    if (!pr__mul_size(n, pr__comm_elem(t), &bytes) || !pr__mul_size(bytes, blocks, &bytes))
-        return pr__fail(err, PR_ERR_ARG, "communicator: %zu x %zu elements overflow", blocks, n);
-    (void)c;
-    return PR_OK;
-}
-
-/* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
-static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
-    double *acc = PR_MALLOC(sizeof(double) * (n ? n : 1));
-    if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
-    for (size_t i = 0; i < n; i++) acc[i] = 0;
-    for (int r = 0; r < w->size; r++)
-        for (size_t i = 0; i < n; i++) {
-            double x = pr__comm_get(w->slot[r], blk * n + i, t);
-            /* the sum rounds to the type after every add, as a ring of the type would */
-            acc[i] = t == PR_COMM_F64 ? acc[i] + x : t == PR_COMM_F32 ? (double)(float)(acc[i] + x)
-                                                                     : (double)pr_bf16_to_f32(pr_f32_to_bf16((float)(acc[i] + x)));
-        }
-    for (size_t i = 0; i < n; i++) pr__comm_put(out, i, t, acc[i]);
-    PR_FREE(acc);
-    return PR_OK;
-}
-
-static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, 1, err);
-    if (st) return st;
-    pr__world *w = pr__lw(c);
-    size_t bytes = n * pr__comm_elem(t);
-    void *tmp = PR_MALLOC(bytes ? bytes : 1);
-    w->slot[c->rank] = buf;
-    pr__world_barrier(w);
-    st = tmp ? pr__comm_sum(w, tmp, n, t, 0, err) : pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory");
-    pr__world_barrier(w);                     /* every rank has read every buffer */
-    if (!st) memcpy(buf, tmp, bytes);
-    PR_FREE(tmp);
-    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
-    return st;
-}
-static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
-    pr__world *w = pr__lw(c);
-    size_t bytes = n * pr__comm_elem(t);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
-    for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
-    pr__world_barrier(w);
-    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
-    return PR_OK;
-}
-static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
-    pr__world *w = pr__lw(c);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
-    st = pr__comm_sum(w, out, n, t, (size_t)c->rank, err);
-    pr__world_barrier(w);
-    c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
-    return st;
-}
-static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
-    pr__world *w = pr__lw(c);
-    size_t bytes = n * pr__comm_elem(t);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
-    for (int r = 0; r < w->size; r++)
-        memcpy((char *)out + (size_t)r * bytes, (const char *)w->slot[r] + (size_t)c->rank * bytes, bytes);
-    pr__world_barrier(w);
-    c->bytes_sent += bytes * (size_t)(c->size - 1);
-    return PR_OK;
-}
-/* A rendezvous: the sender posts its buffer, then waits until the receiver has copied it. */
-static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, const char *what, pr_error *err) {
-    pr_status st = pr__comm_check(c, n, t, 1, err);
-    if (!st && (peer < 0 || peer >= c->size || peer == c->rank))
-        st = pr__fail(err, PR_ERR_ARG, "%s: peer %d is not another rank of %d", what, peer, c->size);
-    return st;
-}
-static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
-    w->mail[box] = buf;
-    w->mail_bytes[box] = n * pr__comm_elem(t);
-    w->mail_full[box] = 1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
-    c->bytes_sent += n * pr__comm_elem(t);
-}
-static void pr__local_wait_taken(pr_comm *c, int peer) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
-    mtx_unlock(&w->mu);
-}
-static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
-    mtx_lock(&w->mu);
-    while (!w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
-    size_t got = w->mail_bytes[box];
-    if (got == bytes) memcpy(buf, w->mail[box], bytes);
-    w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
-    if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
-    return PR_OK;
-}
-static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
-    pr_status st = pr__local_peer(c, n, t, peer, "send", err);
-    if (st) return st;
-    pr__local_post(c, buf, n, t, peer);
-    pr__local_wait_taken(c, peer);
-    return PR_OK;
-}
-static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
-    pr_status st = pr__local_peer(c, n, t, peer, "recv", err);
-    return st ? st : pr__local_take(c, buf, n, t, peer, err);
-}
-static pr_status pr__local_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
-                                     pr_comm_type t, pr_error *err) {
-    pr_status st = pr__local_peer(c, n_send, t, to, "send_recv", err);
-    if (!st) st = pr__local_peer(c, n_recv, t, from, "send_recv", err);
-    if (st) return st;
-    pr__local_post(c, send, n_send, t, to);
-    st = pr__local_take(c, recv, n_recv, t, from, err);
-    pr__local_wait_taken(c, to);
-    return st;
-}
-static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
-    (void)err;
-    pr__world_barrier(pr__lw(c));
-    return PR_OK;
-}
-
-static pr_comm *pr__local_comm_new(pr__world *w, int rank);
-
-static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
-    pr__world *w = pr__lw(c);
-    w->color[c->rank] = color;
-    w->key[c->rank] = key;
-    pr__world_barrier(w);
-    /* my group, in (key, rank) order: my rank in it, its size, its leader */
-    int size = 0, me = 0, leader = -1;
-    for (int r = 0; r < w->size; r++) {
-        if (w->color[r] != color) continue;
-        if (leader < 0 || w->key[r] < w->key[leader] || (w->key[r] == w->key[leader] && r < leader)) leader = r;
-        size++;
-        if (w->key[r] < key || (w->key[r] == key && r < c->rank)) me++;
-    }
-    w->made[c->rank] = NULL;
-    if (c->rank == leader) w->made[c->rank] = pr__world_new(size);
-    pr__world_barrier(w);
-    pr__world *nw = w->made[leader];
-    pr_comm *nc = nw ? pr__local_comm_new(nw, me) : NULL;
-    int ok = nc != NULL;
-    pr__world_barrier(w);                     /* every member has taken the leader's world */
-    if (!ok) {
-        if (nw) pr__world_release(nw);
-        return pr__fail(err, PR_ERR_NOMEM, "split: out of memory");
-    }
-    *sub = nc;
-    return PR_OK;
-}
-static void pr__local_destroy(pr_comm *c) {
-    if (!c) return;
-    pr__world_release(pr__lw(c));
-    PR_FREE(c);
-}
-
-static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
-    pr__local *l = PR_MALLOC(sizeof *l);
-    if (!l) return NULL;
-    memset(l, 0, sizeof *l);
-    l->w = w;
-    pr_comm *c = &l->c;
-    c->rank = rank;
-    c->size = w->size;
-    c->name = "in-process";
-    c->ctx = l;
-    c->all_reduce = pr__local_all_reduce;
-    c->all_gather = pr__local_all_gather;
-    c->reduce_scatter = pr__local_reduce_scatter;
-    c->all_to_all = pr__local_all_to_all;
-    c->send = pr__local_send;
-    c->recv = pr__local_recv;
-    c->send_recv = pr__local_send_recv;
-    c->barrier = pr__local_barrier;
-    c->split = pr__local_split;
-    c->destroy = pr__local_destroy;
-    return c;
-}
-
-typedef struct {
-    pr_comm *comm;
-    pr_status (*fn)(pr_comm *, void *, pr_error *);
-    void *user;
-    pr_status st;
-    pr_error err;
-} pr__rank_run;
-
-/* A rank starts only once every rank's thread exists: otherwise its first collective could wait
-   for a rank that never comes. */
-static int pr__rank_main(void *arg) {
-    pr__rank_run *r = arg;
-    pr__world *w = pr__lw(r->comm);
-    mtx_lock(&w->mu);
-    while (w->gate == 0) cnd_wait(&w->cv, &w->mu);
-    int go = w->gate > 0;
-    mtx_unlock(&w->mu);
-    r->err.status = PR_OK;
-    r->err.message[0] = 0;
-    r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
-    return 0;
-}
-
-PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
-                                  pr_error *err) {
-    if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
-    pr__world *w = pr__world_new(n);
-    pr__rank_run *runs = PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
-    thrd_t *th = PR_MALLOC(sizeof(thrd_t) * (size_t)n);
-    int made = 0;
-    if (w && runs && th) {
-        memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
-        for (; made < n; made++)
-            if (!(runs[made].comm = pr__local_comm_new(w, made))) break;
-    }
-    if (!w || !runs || !th || made < n) {
-        for (int r = 0; r < made; r++) PR_FREE(runs[r].comm);
-        if (w) { w->refs = 1; pr__world_release(w); }
-        PR_FREE(runs);
-        PR_FREE(th);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: out of memory for %d ranks", n);
-    }
-    int started = 0;
-    for (; started < n; started++) {
-        runs[started].fn = fn;
-        runs[started].user = user;
-        if (thrd_create(&th[started], pr__rank_main, &runs[started]) != thrd_success) break;
-    }
-    mtx_lock(&w->mu);
-    w->gate = started == n ? 1 : -1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
-    for (int r = 0; r < started; r++) thrd_join(th[r], NULL);
-    pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
-    for (int r = 0; r < n && !st; r++)
-        if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
-    for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);
-    PR_FREE(runs);
-    PR_FREE(th);
-    return st;
-}
-#endif /* PR_NO_THREADS */
 
 #endif /* PREFIXREUSE_IMPLEMENTATION */

@@ -23,7 +23,6 @@ one JSON object on one line:
 Any other key is an error (it catches a misspelt optional field). data/README.md has the rules
 and a recipe for verl, OpenRLHF and TRL.
 """
-import json
 import sys
 
 import numpy as np
@@ -36,41 +35,31 @@ FIELDS = ("group", "prompt_ids", "response_ids", "advantage", "old_logprobs", "r
 
 def read(path, file_index, args):
     trajs = []
-    with open(path, "r", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            where = f"{path}: line {n}"
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            unknown = [k for k in rec if k not in FIELDS]
-            if unknown:
-                raise InputError(f"{where}: {unknown[0]}: unknown field (the fields are {', '.join(FIELDS)})")
-            group = rec.get("group")
-            if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
-                raise InputError(f"{where}: group: must be a string, an integer or null, got {group!r:.60}")
-            prompt = primport.tokens(where, "prompt_ids", primport.require(where, rec, "prompt_ids"), args.vocab_size)
-            if prompt.shape[0] == 0:
-                raise InputError(f"{where}: prompt_ids: empty (the prefix needs at least one token)")
-            resp = primport.tokens(where, "response_ids", primport.require(where, rec, "response_ids"),
-                                   args.vocab_size)
-            S = resp.shape[0]
-            if S == 0 and not args.drop_empty:
-                raise InputError(f"{where}: response_ids: empty (every suffix needs at least one token; "
-                                 f"--drop-empty drops such records)")
-            adv = primport.real(where, "advantage", primport.require(where, rec, "advantage"))
-            old = primport.reals(where, "old_logprobs", primport.require(where, rec, "old_logprobs"), S,
-                                 logp=True, logp_tolerance=args.logp_tolerance)
-            ref = rec.get("ref_logprobs")
-            if ref is not None:
-                ref = primport.reals(where, "ref_logprobs", ref, S, logp=True, logp_tolerance=args.logp_tolerance)
-            lm = rec.get("loss_mask")
-            lm = np.ones(S, np.uint8) if lm is None else primport.mask(where, "loss_mask", lm, S)
-            trajs.append(primport.Traj(where, file_index, group, prompt, resp, old, ref, lm, advantage=adv))
+    for where, rec in primport.jsonl_records(path):
+        unknown = [k for k in rec if k not in FIELDS]
+        if unknown:
+            raise InputError(f"{where}: {unknown[0]}: unknown field (the fields are {', '.join(FIELDS)})")
+        group = rec.get("group")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
+            raise InputError(f"{where}: group: must be a string, an integer or null, got {group!r:.60}")
+        prompt = primport.tokens(where, "prompt_ids", primport.require(where, rec, "prompt_ids"), args.vocab_size)
+        if prompt.shape[0] == 0:
+            raise InputError(f"{where}: prompt_ids: empty (the prefix needs at least one token)")
+        resp = primport.tokens(where, "response_ids", primport.require(where, rec, "response_ids"),
+                               args.vocab_size)
+        S = resp.shape[0]
+        if S == 0 and not args.drop_empty:
+            raise InputError(f"{where}: response_ids: empty (every suffix needs at least one token; "
+                             f"--drop-empty drops such records)")
+        adv = primport.real(where, "advantage", primport.require(where, rec, "advantage"))
+        old = primport.reals(where, "old_logprobs", primport.require(where, rec, "old_logprobs"), S,
+                             logp=True, logp_tolerance=args.logp_tolerance)
+        ref = rec.get("ref_logprobs")
+        if ref is not None:
+            ref = primport.reals(where, "ref_logprobs", ref, S, logp=True, logp_tolerance=args.logp_tolerance)
+        lm = rec.get("loss_mask")
+        lm = np.ones(S, np.uint8) if lm is None else primport.mask(where, "loss_mask", lm, S)
+        trajs.append(primport.Traj(where, file_index, group, prompt, resp, old, ref, lm, advantage=adv))
     return trajs
 
 

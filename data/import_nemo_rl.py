@@ -23,7 +23,6 @@ sequences with identical prompts, as NeMo-RL's own baseline groups them
 (calculate_baseline_and_std_per_prompt). Dumps of NeMo-RL before v0.6.0 hold no token ids and
 cannot be imported.
 """
-import json
 import sys
 
 import numpy as np
@@ -48,73 +47,63 @@ def read(path, file_index, args, notes):
     trajs = []
     zero_prev = True        # every prev_logprob of every generated token is exactly 0
     logp_field = "prev_logprobs" if args.logprobs == "prev" else "generation_logprobs"
-    with open(path, "r", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            where = f"{path}: line {n}"
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            if "token_ids" not in rec and "generation_logprobs" in rec:
-                raise InputError(f"{where}: token_ids: missing (dumps of NeMo-RL before v0.6.0 hold no token ids "
-                                 f"and cannot be imported)")
-            ids = _row(where, "token_ids", primport.require(where, rec, "token_ids"), True)
-            T = len(ids)
-            L = primport.integer(where, "input_lengths",
-                                 _row(where, "input_lengths", primport.require(where, rec, "input_lengths"), False), 1)
-            if L > T:
-                raise InputError(f"{where}: input_lengths = {L} exceeds the {T} entries of token_ids")
-            ids = primport.tokens(where, "token_ids", ids[:L], args.vocab_size)   # padding is not read
+    for where, rec in primport.jsonl_records(path):
+        if "token_ids" not in rec and "generation_logprobs" in rec:
+            raise InputError(f"{where}: token_ids: missing (dumps of NeMo-RL before v0.6.0 hold no token ids "
+                             f"and cannot be imported)")
+        ids = _row(where, "token_ids", primport.require(where, rec, "token_ids"), True)
+        T = len(ids)
+        L = primport.integer(where, "input_lengths",
+                             _row(where, "input_lengths", primport.require(where, rec, "input_lengths"), False), 1)
+        if L > T:
+            raise InputError(f"{where}: input_lengths = {L} exceeds the {T} entries of token_ids")
+        ids = primport.tokens(where, "token_ids", ids[:L], args.vocab_size)   # padding is not read
 
-            def per_token(field, kind):
-                v = _row(where, field, primport.require(where, rec, field), True)
-                if len(v) != T:
-                    raise InputError(f"{where}: {field}: has {len(v)} entries, token_ids has {T}")
-                if kind == "mask":
-                    return primport.mask(where, field, v[:L], L)
-                return primport.reals(where, field, v[:L], L, logp=kind == "logp",
-                                      logp_tolerance=args.logp_tolerance)
+        def per_token(field, kind):
+            v = _row(where, field, primport.require(where, rec, field), True)
+            if len(v) != T:
+                raise InputError(f"{where}: {field}: has {len(v)} entries, token_ids has {T}")
+            if kind == "mask":
+                return primport.mask(where, field, v[:L], L)
+            return primport.reals(where, field, v[:L], L, logp=kind == "logp",
+                                  logp_tolerance=args.logp_tolerance)
 
-            tmask = per_token("token_loss_mask", "mask")
-            gen = np.flatnonzero(tmask)
-            if gen.size == 0:
-                if not args.drop_empty:
-                    raise InputError(f"{where}: token_loss_mask: no token is marked 1, so the sequence has no "
-                                     f"generated response (--drop-empty drops such sequences)")
-                k = L
-            else:
-                k = int(gen[0])
-            if k == 0:
-                raise InputError(f"{where}: token_loss_mask[0] = 1: the sequence has no prompt tokens before its "
-                                 f"response")
-            smask = 1
-            if "sample_loss_mask" in rec:
-                sm = _row(where, "sample_loss_mask", rec["sample_loss_mask"], False)
-                smask = int(primport.mask(where, "sample_loss_mask", [sm], 1)[0])
-            old = per_token(logp_field, "logp")[k:]
-            if logp_field == "prev_logprobs" and np.any(old[tmask[k:] == 1] != 0):
-                zero_prev = False
-            ref = per_token("reference_policy_logprobs", "logp")[k:] if "reference_policy_logprobs" in rec else None
-            adv_tok = per_token("advantages", "real")[k:]
-            on = adv_tok[tmask[k:] == 1]
-            if on.size == 0:
-                adv = 0.0
-            elif args.varying_advantage == "mean":
-                adv = float(on.mean())
-            else:
-                d = np.flatnonzero(np.abs(on - on[0]) > 1e-6 * max(1.0, abs(on[0])))
-                if d.size:
-                    j = int(k + np.flatnonzero(tmask[k:] == 1)[d[0]])
-                    raise InputError(f"{where}: advantages[{j}] = {float(adv_tok[j - k])!r} differs from advantages[{k}] = "
-                                     f"{float(on[0])!r}: the trace holds one advantage per response "
-                                     f"(--varying-advantage mean takes their mean over the trained tokens)")
-                adv = float(on[0])
-            trajs.append(primport.Traj(where, file_index, None, ids[:k], ids[k:], old, ref,
-                                       tmask[k:] * np.uint8(smask), advantage=adv))
+        tmask = per_token("token_loss_mask", "mask")
+        gen = np.flatnonzero(tmask)
+        if gen.size == 0:
+            if not args.drop_empty:
+                raise InputError(f"{where}: token_loss_mask: no token is marked 1, so the sequence has no "
+                                 f"generated response (--drop-empty drops such sequences)")
+            k = L
+        else:
+            k = int(gen[0])
+        if k == 0:
+            raise InputError(f"{where}: token_loss_mask[0] = 1: the sequence has no prompt tokens before its "
+                             f"response")
+        smask = 1
+        if "sample_loss_mask" in rec:
+            sm = _row(where, "sample_loss_mask", rec["sample_loss_mask"], False)
+            smask = int(primport.mask(where, "sample_loss_mask", [sm], 1)[0])
+        old = per_token(logp_field, "logp")[k:]
+        if logp_field == "prev_logprobs" and np.any(old[tmask[k:] == 1] != 0):
+            zero_prev = False
+        ref = per_token("reference_policy_logprobs", "logp")[k:] if "reference_policy_logprobs" in rec else None
+        adv_tok = per_token("advantages", "real")[k:]
+        on = adv_tok[tmask[k:] == 1]
+        if on.size == 0:
+            adv = 0.0
+        elif args.varying_advantage == "mean":
+            adv = float(on.mean())
+        else:
+            d = np.flatnonzero(np.abs(on - on[0]) > 1e-6 * max(1.0, abs(on[0])))
+            if d.size:
+                j = int(k + np.flatnonzero(tmask[k:] == 1)[d[0]])
+                raise InputError(f"{where}: advantages[{j}] = {float(adv_tok[j - k])!r} differs from advantages[{k}] = "
+                                 f"{float(on[0])!r}: the trace holds one advantage per response "
+                                 f"(--varying-advantage mean takes their mean over the trained tokens)")
+            adv = float(on[0])
+        trajs.append(primport.Traj(where, file_index, None, ids[:k], ids[k:], old, ref,
+                                   tmask[k:] * np.uint8(smask), advantage=adv))
     if trajs and logp_field == "prev_logprobs" and zero_prev:
         notes.append(f"{path}: every prev_logprob of a generated token is 0 (the run skipped them, e.g. "
                      f"force_on_policy_ratio): --logprobs generation takes the generation engine's instead")

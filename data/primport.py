@@ -21,6 +21,7 @@ field. Nothing is written until every input has been read and checked; prtrace.w
 then writes the trace atomically (a temporary file and os.replace).
 """
 import argparse
+import json
 import os
 import sys
 
@@ -58,6 +59,23 @@ class Traj:
 
 
 # ---------------------------------------------------------------- field checks
+
+def jsonl_records(path):
+    """(where, record) for each non-blank line of a JSON-lines file; a line that is not a JSON
+    object is an InputError naming the file and line."""
+    with open(path, "r", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            where = f"{path}: line {n}"
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            yield where, rec
+
 
 def _array(where, field, value, what):
     try:
