@@ -84,13 +84,28 @@ ATTN_MODEL = test/test_attn_model.c test/attn_model.c test/attn_model.h $(HEADER
 build/test_attn_model-double: $(ATTN_MODEL) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
 TEST_BINS += build/test_attn_model-double
+TEST_BINS += build/test_mma_emul build/test_mma_kernels
+
+# The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
+# of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
+# CPU attention (test_mma_kernels; prefixreuse_cuda.cu compiled with PR_CUDA_HOST_EMULATION).
+CXX ?= c++
+MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h
+build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
+build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
+	$(CC) $(WARN) $(CFLAGS) -c -o $@ test/gpu_ref.c
+build/attn_model_host.o: test/attn_model.c test/attn_model.h | build
+	$(CC) $(WARN) $(CFLAGS) -c -o $@ test/attn_model.c
+build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o test/gpu_ref.h test/attn_model.h $(MMA_EMU_DEPS) | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o -lm
 
 test: $(TEST_BINS)
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 asan: | build
-	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan
+	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels
 	@sh test/run.sh build/asan
 
 build/asan: $(HEADER) test/*.c train.c
@@ -105,6 +120,13 @@ build/asan: $(HEADER) test/*.c train.c
 build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan
 	$(CC) $(WARN) -O1 -g $(SAN) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
 asan: build/asan/test_attn_model-double
+
+build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
+build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h $(MMA_EMU_DEPS) build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/gpu_ref_host.o test/gpu_ref.c
+	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/attn_model_host.o test/attn_model.c
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/asan/gpu_ref_host.o build/asan/attn_model_host.o -lm
 
 bench-gemm: | build
 	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS $(LDFLAGS) -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
@@ -206,3 +228,19 @@ sass: build/prefixreuse_cuda.o
 
 clean:
 	rm -rf build train train_cuda
+
+# The tensor-core attention kernels' SASS: HMMA present, no local memory (needs cuobjdump and
+# nvdisasm; says so and passes without them).
+.PHONY: check-sass
+check-sass: build/prefixreuse_cuda.o
+	@sh test/check_sass.sh build/prefixreuse_cuda.o
+
+# The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
+.PHONY: test-gpu-attention
+build/test_gpu_attention: test/test_gpu_attention.c test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu_attention.o test/test_gpu_attention.c
+	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref_attention.o test/gpu_ref.c
+	$(CC) $(WARN) $(CFLAGS) -c -o build/attn_model_attention.o test/attn_model.c
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu_attention.o build/gpu_ref_attention.o build/attn_model_attention.o build/prefixreuse_cuda.o $(CUDA_LIBS)
+test-gpu-attention: build/test_gpu_attention
+	./build/test_gpu_attention

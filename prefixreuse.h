@@ -421,6 +421,14 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *s
    on one stream; destroy it after every trainer that uses it. */
 pr_status pr_backend_cuda_create(const pr_backend **be, int device, pr_error *err);
 void pr_backend_cuda_destroy(const pr_backend *be);
+/* The CUDA backend's attention kernels for head dims 64 and 128 (16 and 32 always run the FFMA
+   kernels): PR_CUDA_ATTENTION_FFMA, the CUDA-core kernels, the default and the reference;
+   PR_CUDA_ATTENTION_MMA, the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later:
+   PR_ERR_UNSUPPORTED below). The tensor-core kernels have not yet run on a GPU: the default stays
+   FFMA until test/test_gpu_attention.c has validated them on one. */
+#define PR_CUDA_ATTENTION_FFMA 0
+#define PR_CUDA_ATTENTION_MMA 1
+pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err);
 
 /* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */
 /* One parameter tensor: its Hugging Face name, shape and place in the parameter arena. */

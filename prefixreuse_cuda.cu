@@ -18,7 +18,13 @@
    travel through a pinned staging ring. Kernels cannot return a status: the first failure is kept
    and handed to the trainer through take_error.
 
-   Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`). */
+   Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`).
+
+   PR_CUDA_HOST_EMULATION: defined before including this file from a host C++17 program, it
+   compiles only the WARP-LEVEL PIECES section below (no CUDA header, no kernel), so that a test
+   can run the tensor-core kernels' fragment, ldmatrix, swizzle and repacking rules through an
+   emulation of the instructions (test/test_mma_emul.cc). */
+#ifndef PR_CUDA_HOST_EMULATION
 #include "prefixreuse.h"
 
 #include <cublasLt.h>
@@ -42,6 +48,640 @@
 #endif
 
 typedef __nv_bfloat16 bf16;
+#endif /* PR_CUDA_HOST_EMULATION */
+
+/* ================================================================ WARP-LEVEL PIECES
+   The tensor-core attention kernels (ATTENTION ON TENSOR CORES, below) are built from a few
+   warp-level rules: where each lane's values sit in an mma fragment, which shared-memory row each
+   lane hands ldmatrix, where a tile's elements sit in swizzled shared memory, how the fp32
+   accumulators of P (or dS) become the bf16 A operand of the next product, and which lanes a quad
+   reduction combines. A wrong lane order is the usual bug of hand-written MMA code and shows on no
+   compiler, so each rule is written here once, as a plain function compiled for the device and,
+   with PR_CUDA_HOST_EMULATION, for the host: test/test_mma_emul.cc runs them through an emulation
+   of ldmatrix and mma.sync written from the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+   floating point type"; "Warp-level matrix load instruction: ldmatrix") and checks tile products
+   against a naive product, with planted wrong rules as negative controls.
+
+   Shapes: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, D (16x8) = A (16x16) B (16x8) + C.
+   With g = lane >> 2 (the PTX "groupID") and t = lane & 3 ("threadID_in_group"):
+     A: 4 .b32 registers = 8 bf16, element i in register i/2 (even i in the low half)
+          row g + 8*((i>>1)&1),  col 2t + (i&1) + 8*(i>>2)
+     B: 2 registers = 4 bf16, element i in register i/2:  row (k) 2t + (i&1) + 8*(i>>1),  col (n) g
+     C, D: 4 fp32:  row g + 8*(i>>1),  col 2t + (i&1)
+   Shared-memory tiles hold rows of W = HS bf16 (64 or 128): 128 or 256 bytes, that is 8 or 16
+   chunks of 16 bytes. Chunk c of row r is stored at chunk (c & ~7) | ((c ^ r) & 7): an XOR
+   swizzle inside each 128-byte group. The 32 banks of 4 bytes cover 128 bytes, so a 16-byte
+   access touches one of 8 bank groups, the chunk index mod 8. ldmatrix reads, per phase, one
+   16-byte row of 8 consecutive tile rows at the same logical chunk: unswizzled those all fall in
+   one bank group (8-way conflict); swizzled they fall in 8 different ones. The cp.async copies
+   write, per quarter warp, 8 consecutive chunks of one row: a permutation of the 8 groups either
+   way. (Padding rows by 16 bytes would also avoid the conflicts, at 6-12% more shared memory.) */
+#include <stdint.h>
+#include <string.h>
+#ifdef __CUDACC__
+#define PR_HD __host__ __device__
+#define PR_UNROLL _Pragma("unroll")
+#define PR_UNROLL_1 _Pragma("unroll 1")
+#else
+#define PR_HD
+#define PR_UNROLL
+#define PR_UNROLL_1
+#endif
+
+/* mma.m16n8k16 fragments: (lane, element) -> (row, col) of A (16x16), B (16x8, row = k), C/D. */
+inline PR_HD int pr_mma_a_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
+inline PR_HD int pr_mma_a_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
+inline PR_HD int pr_mma_b_row(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 1); }
+inline PR_HD int pr_mma_b_col(int lane, int i) { (void)i; return lane >> 2; }
+inline PR_HD int pr_mma_c_row(int lane, int i) { return (lane >> 2) + 8 * (i >> 1); }
+inline PR_HD int pr_mma_c_col(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
+
+/* ldmatrix.m8n8.x4 row addresses: lane l supplies row l%8 of 8x8 matrix l/8, and register m of every
+   lane receives matrix m. Each rule gives the (row, col) of the tile row lane l addresses, relative
+   to the 16x16 block being loaded; .x2 and .x1 read only lanes 0-15 and 0-7 of the same rule.
+   A operand, array [m][k] (Q, dO, K, V as rows): matrices (rows 0-7, k 0-7), (8-15, 0-7),
+     (0-7, 8-15), (8-15, 8-15) are registers a0..a3 of the k16 block.
+   B operand without .trans, array [n][k] (K or V for Q K^T, dO V^T; Q, dO for K Q^T, V dO^T):
+     matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15): registers b0, b1
+     of n8 tile 0, then of n8 tile 1.
+   B operand with .trans, array [k][n] (V for P V; K for dS K; dO, Q for P^T dO, dS^T Q):
+     matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15): b0, b1 of n8
+     tile 0, then of n8 tile 1. */
+inline PR_HD int pr_ldm_a_row(int lane) { return lane & 15; }
+inline PR_HD int pr_ldm_a_col(int lane) { return (lane >> 4) * 8; }
+inline PR_HD int pr_ldm_bn_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+inline PR_HD int pr_ldm_bn_col(int lane) { return ((lane >> 3) & 1) * 8; }
+inline PR_HD int pr_ldm_bt_row(int lane) { return lane & 15; }
+inline PR_HD int pr_ldm_bt_col(int lane) { return (lane >> 4) * 8; }
+
+/* The element offset of (row, col) in a swizzled tile of rows of W bf16 (W a multiple of 64). */
+inline PR_HD int pr_swz(int row, int col, int W) {
+    const int c = col >> 3;
+    return row * W + (((c & ~7) | ((c ^ row) & 7)) << 3) + (col & 7);
+}
+/* The copy of a rows x W tile in 16-byte chunks: chunk e (thread e % threads, step e / threads)
+   is row e / (W/8), chunk e % (W/8): consecutive threads copy consecutive chunks of a row. */
+inline PR_HD int pr_chunk_row(int e, int W) { return e / (W >> 3); }
+inline PR_HD int pr_chunk_col(int e, int W) { return (e % (W >> 3)) << 3; }
+
+/* fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN). */
+inline PR_HD uint32_t pr_bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+/* Two fp32 as one .b32 register of two bf16: lo in bits 0-15 (the even element), hi in 16-31. */
+inline PR_HD uint32_t pr_pack_bf16x2(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pr_bf16_bits(lo) | (pr_bf16_bits(hi) << 16);
+#endif
+}
+/* The accumulators of n8 tiles c0 (columns 0-7) and c1 (8-15) of a 16-row result (P or dS) as the A
+   fragment of the k16 block those 16 columns form, rounded to bf16: the element (row, col) a lane
+   holds in C is the one it must hold in A, so no value moves between lanes. */
+inline PR_HD void pr_c_to_a(uint32_t a[4], const float c0[4], const float c1[4]) {
+    a[0] = pr_pack_bf16x2(c0[0], c0[1]);   /* row g,   cols 2t, 2t+1 */
+    a[1] = pr_pack_bf16x2(c0[2], c0[3]);   /* row g+8, cols 2t, 2t+1 */
+    a[2] = pr_pack_bf16x2(c1[0], c1[1]);   /* row g,   cols 8+2t, 8+2t+1 */
+    a[3] = pr_pack_bf16x2(c1[2], c1[3]);   /* row g+8, cols 8+2t, 8+2t+1 */
+}
+/* Quad reductions: a row of C lives in the four lanes of one group (same g); shfl.bfly with masks
+   1 then 2 combines them, every lane ends with the quad's value, in the same order on each lane. */
+#define PR_QUAD_STEPS 2
+inline PR_HD int pr_quad_xor(int step) { return 1 << step; }
+
+#ifdef __CUDACC__
+/* The instructions (sm_80+). Addresses are shared-state-space byte addresses. */
+__device__ __forceinline__ uint32_t pr_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+/* d += a b */
+__device__ __forceinline__ void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* 16 bytes global -> shared, asynchronously; zero-filled when !fill (src must still be valid). */
+__device__ __forceinline__ void pr_cp_async16(uint32_t dst, const void *src, bool fill) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void pr_cp_async4(uint32_t dst, const void *src, bool fill) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(fill ? 4 : 0));
+}
+__device__ __forceinline__ void pr_cp_async_commit(void) { asm volatile("cp.async.commit_group;" ::); }
+template <int N> __device__ __forceinline__ void pr_cp_async_wait(void) { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ float pr_quad_max(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
+    return v;
+}
+__device__ __forceinline__ float pr_quad_add(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v += __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s));
+    return v;
+}
+#endif
+/* ================================================================ end of WARP-LEVEL PIECES */
+
+#if !defined(PR_CUDA_HOST_EMULATION) || defined(PR_CUDA_KERNEL_EMULATION)
+/* With PR_CUDA_KERNEL_EMULATION beside PR_CUDA_HOST_EMULATION, the tensor-core kernels below also
+   compile for the host, where test/test_mma_kernels.cc runs them on an emulated block (it defines
+   bf16, the CUDA built-ins and the instructions of the WARP-LEVEL PIECES). */
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- attention on tensor cores */
+/* The same attention as the kernels above (two key regions, causal own segment, GQA, one writer
+   per output row, no atomics), on the tensor cores: bf16 mma.sync.m16n8k16 with fp32 accumulation,
+   ldmatrix from XOR-swizzled shared memory, cp.async double buffering (FlashAttention-2's route,
+   sm_80 and later; H100 runs it from the compute_80 PTX or the sm_90a build). Head dims 64 and 128;
+   16 and 32 keep the kernels above, where a 16-wide k step would leave most of an mma idle and the
+   FFMA kernels are already memory-bound.
+
+   NOT YET VALIDATED ON A GPU. They compile warning-free, ptxas reports no spills, the SASS holds
+   HMMA and no local memory (test/check_sass.sh); their warp-level rules pass an emulation of the
+   instructions (test/test_mma_emul.cc), and the kernels themselves, compiled for the host, match
+   the double CPU attention on an emulated block (test/test_mma_kernels.cc), which cannot show
+   what only the real machine's timing or numerics would. The backend runs the FFMA kernels unless
+   pr_backend_cuda_set_attention selects these, until test/test_gpu_attention.c has passed on a GPU.
+
+   The algorithm is test/attn_model.h's, with its names:
+     Query tiles: 64-row pieces of one segment, a block of 4 warps x 16 rows. Key tiles: 64 keys,
+     region 0 (prefix rows [0, n_prefix), tail masked), then region 1 (the segment's rows from its
+     first, up to the tile holding the query tile's last row; causal mask where a key can pass a
+     row, past-the-segment keys masked). Scores in fp32 scaled by scale*log2(e), exp2, online
+     softmax (a row with nothing visible yet subtracts 0, so P = 0, never NaN); P rounded to bf16
+     for P V; l summed from the fp32 P; out = bf16(acc / l); lse = (m + log2 l) ln 2.
+   Backward: D = rowsum(dO o O) (the rowdot kernel above). dQ blocks own a query tile and walk the
+     forward's key tiles: S = Q K^T, P = exp2(S scale log2e - lse log2e), dP = dO V^T,
+     dS = P (dP - D), dQ += bf16(dS) K; dq = bf16(dq + scale dQ). dK/dV blocks own a 64-key tile of
+     one KV head and hold its K, V for the whole GQA group: for each query head of the group in
+     order, for each query tile that sees the key tile in ascending order, in the transposed
+     orientation (keys as the mma rows): S^T = K Q^T, dP^T = V dO^T, dV += bf16(P^T) dO,
+     dK += bf16(dS^T) Q. Own keys: dk = bf16(dk + scale dK), dv = bf16(dv + dV). Prefix keys: the
+     query tiles are cut into C chunks (the chunk rule, attn_model.h; C from the shape alone), block
+     (tile, head, chunk) stores scale dK, dV in fp32 to partial buffer `chunk`, and a last kernel
+     adds the partials, summed in chunk order, into dkp/dvp. With C = 1 the block adds into
+     dkp/dvp itself (the same bits). Every sum has one order fixed by the shape: bitwise
+     reproducible. */
+#define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
+#define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
+#define PR_MMA_PREFIX_BLOCKS 256       /* the chunk rule's target of prefix dK/dV blocks */
+#define PR_LOG2E 1.4426950408889634f
+#define PR_LN2 0.6931471805599453f
+
+/* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1) (the FFMA kernels' prefix key
+   tiles have seg0 = seg1 = -1). */
+typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
+/* A dK/dV block's work: keys [j0, min(j0 + 64, end)) of region 0 (prefix, chunk >= 0) or of a
+   segment (region 1, chunk -1), seen by query tiles [qlo, qhi) of the query-tile list. */
+typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
+
+/* The query tiles of segments seg_off (n_seg + 1 offsets): 64-row pieces of each segment, in
+   segment order, then row order. Writes them to out unless NULL; returns their count. */
+static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off) {
+    int n = 0;
+    for (int s = 0; s < n_seg; s++)
+        for (int r0 = seg_off[s]; r0 < seg_off[s + 1]; r0 += PR_MMA_ROWS, n++)
+            if (out) {
+                pr_att_tile x = { r0, r0 + PR_MMA_ROWS < seg_off[s + 1] ? r0 + PR_MMA_ROWS : seg_off[s + 1], seg_off[s], seg_off[s + 1] };
+                out[n] = x;
+            }
+    return n;
+}
+
+/* Rows [row0, row0 + n) (0 < n <= 64) of one head (column col, row stride ld) into a swizzled
+   64 x HS tile, rows n..63 zero-filled: 16-byte cp.async by the whole block (not yet committed). */
+template <int HS>
+__device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
+    const uint32_t base = pr_smem_u32(dst);
+PR_UNROLL
+    for (int e = threadIdx.x; e < PR_MMA_ROWS * HS / 8; e += PR_MMA_THREADS) {
+        const int r = pr_chunk_row(e, HS), c = pr_chunk_col(e, HS);
+        const bool in = r < n;
+        pr_cp_async16(base + 2u * (uint32_t)pr_swz(r, c, HS), src + (size_t)(row0 + (in ? r : 0)) * ld + col + c, in);
+    }
+}
+
+/* Key tile `it` of query tile t's walk: region 0 tiles first, then region 1. */
+typedef struct { const bf16 *k, *v; int j0, end, own; } pr_mma_keys;
+__device__ __forceinline__ pr_mma_keys pr_mma_key_tile(int it, int npt, const pr_att_tile &t, int n_prefix,
+                                                        const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp) {
+    pr_mma_keys x;
+    if (it < npt) { x.k = kp; x.v = vp; x.j0 = it * PR_MMA_ROWS; x.end = n_prefix; x.own = 0; }
+    else { x.k = k; x.v = v; x.j0 = t.seg0 + (it - npt) * PR_MMA_ROWS; x.end = t.seg1; x.own = 1; }
+    return x;
+}
+/* The walk's length: every prefix tile, and the own tiles starting at or before the last row. */
+__device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
+    return (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS + (t.r1 - 1 - t.seg0) / PR_MMA_ROWS + 1;
+}
+
+/* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, from a swizzled [row][k] tile at rows
+   16*warp) B (16k x 16*np2, from a swizzled [n][k] tile, without .trans) over K = 16*KC. */
+template <int W, int KC, int NP>
+__device__ __forceinline__ void pr_mma_abt(float (*acc)[4], uint32_t a_base, int a_row0, uint32_t b_base, int b_row0, int lane) {
+PR_UNROLL
+    for (int kc = 0; kc < KC; kc++) {
+        uint32_t a[4];
+        pr_ldsm_x4(a, a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+PR_UNROLL
+        for (int np = 0; np < NP; np++) {
+            uint32_t b[4];
+            pr_ldsm_x4(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), W));
+            pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
+            pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+/* acc (16 x W, W/8 n8 tiles) += bf16(X) (16 x 16*KC, the accumulators x of 2*KC n8 tiles, repacked)
+   V (a swizzled [k][n] tile at rows b_row0, with .trans). */
+template <int W, int KC>
+__device__ __forceinline__ void pr_mma_pv(float (*acc)[4], float (*x)[4], uint32_t b_base, int b_row0, int lane) {
+PR_UNROLL
+    for (int kc = 0; kc < KC; kc++) {
+        uint32_t a[4];
+        pr_c_to_a(a, x[2 * kc], x[2 * kc + 1]);
+PR_UNROLL
+        for (int dp = 0; dp < W / 16; dp++) {
+            uint32_t b[4];
+            pr_ldsm_x4_trans(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * kc + pr_ldm_bt_row(lane), 16 * dp + pr_ldm_bt_col(lane), W));
+            pr_mma_bf16(acc[2 * dp], a, b[0], b[1]);
+            pr_mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+__device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+
+/* Forward. Grid (query tiles, NH); the tiles run in reverse, so the longest walks start first.
+   Shared memory: Q (64 x HS), then K and V (two stages each). */
+template <int HS>
+__global__ void __launch_bounds__(PR_MMA_THREADS)
+pr_k_attention_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
+                       const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
+    constexpr int T = PR_MMA_ROWS * HS;
+    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
+    bf16 *qs = (bf16 *)pr_mma_smem, *ks = qs + T, *vs = ks + 2 * T;
+    const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float sl2 = rsqrtf((float)HS) * PR_LOG2E;
+    const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
+
+    pr_mma_copy<HS>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
+    pr_cp_async_commit();
+    {
+        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
+        pr_mma_copy<HS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_cp_async_commit();
+    }
+    pr_cp_async_wait<1>();
+    __syncthreads();
+    uint32_t qf[HS / 16][4];                      /* this warp's 16 query rows, as A fragments */
+PR_UNROLL
+    for (int kc = 0; kc < HS / 16; kc++)
+        pr_ldsm_x4(qf[kc], pr_smem_u32(qs) + 2u * (uint32_t)pr_swz(16 * warp + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), HS));
+
+    float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+PR_UNROLL
+    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    for (int it = 0; it < nkt; it++) {
+        const int st = it & 1;
+        if (it + 1 < nkt) {                         /* the next tile loads while this one computes */
+            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
+            pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        }
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();
+        __syncthreads();
+        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+
+        /* S = Q K^T (16 rows x 64 keys per warp) */
+        float s[8][4];
+PR_UNROLL
+        for (int nt = 0; nt < 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        const uint32_t kb = pr_smem_u32(ks + st * T);
+PR_UNROLL
+        for (int kc = 0; kc < HS / 16; kc++)
+PR_UNROLL
+            for (int np = 0; np < 4; np++) {
+                uint32_t b[4];
+                pr_ldsm_x4(b, kb + 2u * (uint32_t)pr_swz(16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), HS));
+                pr_mma_bf16(s[2 * np], qf[kc], b[0], b[1]);
+                pr_mma_bf16(s[2 * np + 1], qf[kc], b[2], b[3]);
+            }
+        /* scale to the log2 domain; mask the prefix's tail, keys past the segment, the causal upper part */
+        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
+PR_UNROLL
+        for (int nt = 0; nt < 8; nt++)
+PR_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
+                s[nt][i] = whole || (key < x.end && (!x.own || key <= row)) ? s[nt][i] * sl2 : -INFINITY;
+            }
+        /* online softmax, rows g (rr 0) and g+8 (rr 1) */
+PR_UNROLL
+        for (int rr = 0; rr < 2; rr++) {
+            float mx = m[rr];
+PR_UNROLL
+            for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rr], s[nt][2 * rr + 1]));
+            mx = pr_quad_max(mx);
+            const float base = mx == -INFINITY ? 0.0f : mx, corr = exp2f(m[rr] - base);
+            m[rr] = mx;
+            float sum = 0.0f;
+PR_UNROLL
+            for (int nt = 0; nt < 8; nt++)
+PR_UNROLL
+                for (int j = 0; j < 2; j++) {
+                    s[nt][2 * rr + j] = exp2f(s[nt][2 * rr + j] - base);
+                    sum += s[nt][2 * rr + j];
+                }
+            l[rr] = l[rr] * corr + sum;               /* this lane's part of the row; the quad's sum at the end */
+PR_UNROLL
+            for (int dt = 0; dt < HS / 8; dt++) acc[dt][2 * rr] *= corr, acc[dt][2 * rr + 1] *= corr;
+        }
+        /* O += bf16(P) V */
+        pr_mma_pv<HS, 4>(acc, s, pr_smem_u32(vs + st * T), 0, lane);
+        __syncthreads();                             /* this stage is refilled next iteration */
+    }
+    /* epilogue: out = bf16(acc / l), lse = (m + log2 l) ln 2; a row that saw nothing: 0, +inf */
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const float lt = pr_quad_add(l[rr]);
+        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
+        if (row >= t.r1) continue;
+        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+        bf16 *o = out + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr);
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++)
+            *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[dt][2 * rr] * inv, acc[dt][2 * rr + 1] * inv);
+        if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[rr] + log2f(lt)) * PR_LN2 : INFINITY;
+    }
+}
+
+/* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
+   then K and V (two stages each). dq = bf16(dq + scale * sum over keys of bf16(dS) K). A key tile
+   is taken in sub-tiles of KN keys, so that S and dP of HS 128 fit the registers beside dQ. */
+template <int HS>
+__global__ void __launch_bounds__(PR_MMA_THREADS)
+pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
+                          const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
+                          int NH, int NKV) {
+    constexpr int T = PR_MMA_ROWS * HS, KN = HS == 128 ? 32 : 64;
+    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
+    bf16 *qs = (bf16 *)pr_mma_smem, *dos = qs + T, *ks = dos + T, *vs = ks + 2 * T;
+    const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS), sl2 = scale * PR_LOG2E;
+    const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
+
+    pr_mma_copy<HS>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
+    pr_mma_copy<HS>(dos, dout, t.r0, t.r1 - t.r0, qd, h * HS);
+    pr_cp_async_commit();
+    {
+        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
+        pr_mma_copy<HS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_cp_async_commit();
+    }
+    float lse2[2], Drow[2];                           /* rows g and g+8: lse*log2e and D */
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
+        lse2[rr] = row < t.r1 ? lse[(size_t)row * NH + h] * PR_LOG2E : 0.0f;
+        Drow[rr] = row < t.r1 ? Dr[(size_t)row * NH + h] : 0.0f;
+    }
+    float acc[HS / 8][4];
+PR_UNROLL
+    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    for (int it = 0; it < nkt; it++) {
+        const int st = it & 1;
+        if (it + 1 < nkt) {
+            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
+            pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        }
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();
+        __syncthreads();
+        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+        const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+PR_UNROLL
+        for (int sub = 0; sub < PR_MMA_ROWS / KN; sub++) {
+            /* S = Q K^T, dP = dO V^T: 16 rows x KN keys */
+            float s[KN / 8][4], dp[KN / 8][4];
+PR_UNROLL
+            for (int nt = 0; nt < KN / 8; nt++)
+PR_UNROLL
+                for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
+            pr_mma_abt<HS, HS / 16, KN / 16>(s, pr_smem_u32(qs), 16 * warp, kb, sub * KN, lane);
+            pr_mma_abt<HS, HS / 16, KN / 16>(dp, pr_smem_u32(dos), 16 * warp, vb, sub * KN, lane);
+            /* P = exp2(S scale log2e - lse log2e) where visible, else 0;  dS = P (dP - D), into s */
+PR_UNROLL
+            for (int nt = 0; nt < KN / 8; nt++)
+PR_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const int key = x.j0 + sub * KN + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
+                    const bool vis = key < x.end && row < t.r1 && (!x.own || key <= row);
+                    const float p = vis ? exp2f(s[nt][i] * sl2 - lse2[i >> 1]) : 0.0f;
+                    s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
+                }
+            /* dQ += bf16(dS) K: K as the [k][n] operand, .trans */
+            pr_mma_pv<HS, KN / 16>(acc, s, kb, sub * KN, lane);
+        }
+        __syncthreads();
+    }
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
+        if (row >= t.r1) continue;
+        uint32_t *g = (uint32_t *)(dq + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr));
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) {
+            const float2 o = pr_bf16x2_unpack(g[4 * dt]);
+            g[4 * dt] = pr_pack_bf16x2(o.x + scale * acc[dt][2 * rr], o.y + scale * acc[dt][2 * rr + 1]);
+        }
+    }
+}
+
+/* dK/dV. Grid (key-tile work units, NKV). Shared memory: K, V (64 x HS), then Q, dO (two stages
+   each) and lse, D of the query tile's 64 rows (two stages). The query tile is taken in sub-tiles
+   of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK and dV. */
+template <int HS>
+__global__ void __launch_bounds__(PR_MMA_THREADS)
+pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, const bf16 *dout,
+                           const float *lse, const float *Dr, const bf16 *q, const bf16 *k, const bf16 *v,
+                           const bf16 *kp, const bf16 *vp, const pr_att_ktile *ktiles, const pr_att_tile *qtiles,
+                           int n_prefix, int NH, int NKV) {
+    constexpr int T = PR_MMA_ROWS * HS, QN = HS == 128 ? 16 : 64;
+    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
+    bf16 *ks = (bf16 *)pr_mma_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
+    float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
+    const pr_att_ktile kt = ktiles[blockIdx.x];
+    const int hk = blockIdx.y, group = NH / NKV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool own = kt.chunk < 0;
+    const int nq = kt.qhi - kt.qlo, steps = group * nq;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS), sl2 = scale * PR_LOG2E;
+
+    pr_mma_copy<HS>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
+    pr_mma_copy<HS>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
+    pr_cp_async_commit();
+    /* step s: query head hk*group + s/nq, query tile kt.qlo + s%nq */
+    auto load_step = [&](int s, int st) {
+        const pr_att_tile qt = qtiles[kt.qlo + s % nq];
+        const int h = hk * group + s / nq, n = qt.r1 - qt.r0;
+        pr_mma_copy<HS>(qs + st * T, q, qt.r0, n, qd, h * HS);
+        pr_mma_copy<HS>(dos + st * T, dout, qt.r0, n, qd, h * HS);
+        for (int e = threadIdx.x; e < PR_MMA_ROWS; e += PR_MMA_THREADS) {
+            const size_t o = (size_t)(qt.r0 + (e < n ? e : 0)) * NH + h;
+            pr_cp_async4(pr_smem_u32(ls + st * PR_MMA_ROWS + e), lse + o, e < n);
+            pr_cp_async4(pr_smem_u32(ds + st * PR_MMA_ROWS + e), Dr + o, e < n);
+        }
+    };
+    load_step(0, 0);
+    pr_cp_async_commit();
+
+    float gk[HS / 8][4], gv[HS / 8][4];
+PR_UNROLL
+    for (int dt = 0; dt < HS / 8; dt++)
+PR_UNROLL
+        for (int i = 0; i < 4; i++) gk[dt][i] = gv[dt][i] = 0.0f;
+    const int key0 = kt.j0 + 16 * warp;               /* this warp's 16 keys */
+    for (int s = 0; s < steps; s++) {
+        const int st = s & 1;
+        if (s + 1 < steps) load_step(s + 1, st ^ 1);
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();
+        __syncthreads();
+        const pr_att_tile qt = qtiles[kt.qlo + s % nq];
+        const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
+        const float *lst = ls + st * PR_MMA_ROWS, *dst = ds + st * PR_MMA_ROWS;
+PR_UNROLL_1
+        for (int sub = 0; sub < PR_MMA_ROWS / QN; sub++) {
+            /* S^T = K Q^T, dP^T = V dO^T: 16 keys x QN queries */
+            float p[QN / 8][4], dp[QN / 8][4];
+PR_UNROLL
+            for (int nt = 0; nt < QN / 8; nt++)
+PR_UNROLL
+                for (int i = 0; i < 4; i++) p[nt][i] = dp[nt][i] = 0.0f;
+            pr_mma_abt<HS, HS / 16, QN / 16>(p, pr_smem_u32(ks), 16 * warp, qb, sub * QN, lane);
+            pr_mma_abt<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
+            /* P^T where visible, else 0;  dS^T = P^T (dP^T - D), into dp */
+PR_UNROLL
+            for (int nt = 0; nt < QN / 8; nt++)
+PR_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, i), row = qt.r0 + c;
+                    const int key = key0 + pr_mma_c_row(lane, i);
+                    const bool vis = key < kt.end && row < qt.r1 && (!own || key <= row);
+                    const float pv = vis ? exp2f(p[nt][i] * sl2 - lst[c] * PR_LOG2E) : 0.0f;
+                    p[nt][i] = pv;
+                    dp[nt][i] = pv * (dp[nt][i] - dst[c]);
+                }
+            /* dV += bf16(P^T) dO,  dK += bf16(dS^T) Q: dO and Q as [k][n] operands, .trans */
+            pr_mma_pv<HS, QN / 16>(gv, p, db, sub * QN, lane);
+            pr_mma_pv<HS, QN / 16>(gk, dp, qb, sub * QN, lane);
+        }
+        __syncthreads();
+    }
+    /* own keys: into the bf16 dk/dv once; prefix keys: scale dK, dV into dkp/dvp (C = 1) or partial `chunk` */
+    const size_t np_elems = (size_t)n_prefix * kvd;
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int key = key0 + pr_mma_c_row(lane, 2 * rr);
+        if (key >= kt.end) continue;
+        const size_t o = (size_t)key * kvd + (size_t)hk * HS + pr_mma_c_col(lane, 2 * rr);
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) {
+            const float k0 = scale * gk[dt][2 * rr], k1 = scale * gk[dt][2 * rr + 1];
+            const float v0 = gv[dt][2 * rr], v1 = gv[dt][2 * rr + 1];
+            if (own) {
+                uint32_t *a = (uint32_t *)(dk + o + 8 * dt), *b = (uint32_t *)(dv + o + 8 * dt);
+                const float2 ka = pr_bf16x2_unpack(*a), vb = pr_bf16x2_unpack(*b);
+                *a = pr_pack_bf16x2(ka.x + k0, ka.y + k1);
+                *b = pr_pack_bf16x2(vb.x + v0, vb.y + v1);
+            } else if (!part) {
+                float2 *a = (float2 *)(dkp + o + 8 * dt), *b = (float2 *)(dvp + o + 8 * dt);
+                const float2 ka = *a, vb = *b;
+                *a = make_float2(ka.x + k0, ka.y + k1);
+                *b = make_float2(vb.x + v0, vb.y + v1);
+            } else {
+                *(float2 *)(part + (size_t)kt.chunk * np_elems + o + 8 * dt) = make_float2(k0, k1);
+                *(float2 *)(part + (size_t)(C + kt.chunk) * np_elems + o + 8 * dt) = make_float2(v0, v1);
+            }
+        }
+    }
+}
+
+/* dkp, dvp (n each) += the C partials (part: dK's C, then dV's C), summed in chunk order. */
+__global__ void pr_k_attention_chunk_sum(float *dkp, float *dvp, const float *part, int C, size_t n) {
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * n; e += (size_t)gridDim.x * blockDim.x) {
+        const int which = e >= n;
+        const size_t i = e - (which ? n : 0);
+        const float *p = part + (size_t)which * C * n + i;
+        float s = p[0];
+        for (int c = 1; c < C; c++) s += p[(size_t)c * n];
+        (which ? dvp : dkp)[i] += s;
+    }
+}
+
+/* The chunk rule (attn_model.h): C = ceil(256 / (prefix key tiles * NKV)) in [1, query tiles]. */
+static int pr_mma_prefix_chunks(int n_prefix, int NKV, int n_qtiles) {
+    const int kt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS;
+    if (kt == 0) return 0;
+    long long C = (PR_MMA_PREFIX_BLOCKS + (long long)kt * NKV - 1) / ((long long)kt * NKV);
+    if (C > n_qtiles) C = n_qtiles;
+    return C < 1 ? 1 : (int)C;
+}
+
+/* Dynamic shared memory of the kernels: 0 forward (Q, K and V twice), 1 dQ (Q, dO, K and V twice),
+   2 dK/dV (K, V, Q and dO twice, lse and D twice). */
+static size_t pr_mma_smem_bytes(int HS, int kernel) {
+    const size_t T = 2 * PR_MMA_ROWS * (size_t)HS;
+    return kernel == 0 ? 5 * T : kernel == 1 ? 6 * T : 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
+}
+
+/* The dK/dV blocks' work: each of the prefix's key tiles in C chunks of the nq query tiles qt,
+   then each own key tile (one per query tile: both are 64-row pieces of a segment from its first
+   row), seen by the query tiles from its own to its segment's last. Writes them to out unless
+   NULL; returns their count (prefix tiles * C + nq). */
+static long long pr_mma_key_tiles(pr_att_ktile *out, const pr_att_tile *qt, int nq, int n_prefix, int C) {
+    const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS;
+    long long n = 0;
+    for (int t = 0; t < npt; t++)
+        for (int c = 0; c < C; c++, n++)
+            if (out) {
+                pr_att_ktile x = { t * PR_MMA_ROWS, n_prefix, (int)((long long)c * nq / C), (int)((long long)(c + 1) * nq / C), c };
+                out[n] = x;
+            }
+    for (int a = 0, b; a < nq; a = b) {
+        for (b = a; b < nq && qt[b].seg0 == qt[a].seg0; b++) {}
+        for (int u = a; u < b; u++, n++)
+            if (out) {
+                pr_att_ktile x = { qt[u].r0, qt[u].seg1, u, b, -1 };
+                out[n] = x;
+            }
+    }
+    return n;
+}
+
+#endif /* tensor-core kernels */
+
+#ifndef PR_CUDA_HOST_EMULATION
 
 /* ---------------------------------------------------------------- backend state */
 #define PR_CU_ALGO_CACHE 128
@@ -75,6 +715,7 @@ typedef struct {
     size_t logp_cap;               /* rows it holds */
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
+    int attention_kind;            /* PR_CUDA_ATTENTION_FFMA or _MMA (pr_backend_cuda_set_attention) */
     pr_status failed;              /* first failure since take_error */
     char message[512];
 } pr_cu;
@@ -501,10 +1142,7 @@ static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *
    seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal). */
 #define PR_ATT_ROWS 64
 #define PR_ATT_THREADS (PR_ATT_ROWS * 4)
-
-/* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1). For key tiles of the prefix
-   region seg0 = seg1 = -1. */
-typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
+static_assert(PR_ATT_ROWS == PR_MMA_ROWS, "both kernel families take their query tiles from pr_att_query_tiles");
 
 __device__ __forceinline__ float pr_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -714,19 +1352,12 @@ pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, float *dkp, float *dvp, const bf16 *d
     }
 }
 
-/* The query tiles of a layout: 64-row pieces of each segment. Returns the count, or -1. */
+/* The query tiles of a layout (pr_att_query_tiles) in host memory the caller frees; the count, or -1. */
 static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay) {
-    int n = 0;
-    for (int s = 0; s < lay->n_seg; s++) n += (lay->seg_off[s + 1] - lay->seg_off[s] + PR_ATT_ROWS - 1) / PR_ATT_ROWS;
+    int n = pr_att_query_tiles(NULL, lay->n_seg, lay->seg_off);
     pr_att_tile *t = (pr_att_tile *)malloc(sizeof(pr_att_tile) * (size_t)(n ? n : 1));
     if (!t) return -1;
-    n = 0;
-    for (int s = 0; s < lay->n_seg; s++)
-        for (int r0 = lay->seg_off[s]; r0 < lay->seg_off[s + 1]; r0 += PR_ATT_ROWS) {
-            int r1 = r0 + PR_ATT_ROWS < lay->seg_off[s + 1] ? r0 + PR_ATT_ROWS : lay->seg_off[s + 1];
-            pr_att_tile x = { r0, r1, lay->seg_off[s], lay->seg_off[s + 1] };
-            t[n++] = x;
-        }
+    pr_att_query_tiles(t, lay->n_seg, lay->seg_off);
     *out = t;
     return n;
 }
@@ -804,12 +1435,110 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
     pr_cu_launched(cx, "attention_bwd_dkv");
 }
 
+/* a * b, or 0 with *ok cleared when it overflows size_t */
+static size_t pr_cu_mul(size_t a, size_t b, int *ok) {
+    if (a && b > (size_t)-1 / a) { *ok = 0; return 0; }
+    return a * b;
+}
+
+
+template <typename K>
+static int pr_cu_smem_attr(pr_cu *cx, K kernel, size_t smem, const char *what) {
+    return pr_cu_ok(cx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), what);
+}
+
+template <int HS>
+static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
+                                    const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
+    pr_att_tile *tiles;
+    int nt = pr_cu_query_tiles(&tiles, lay);
+    if (nt < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
+    free(tiles);
+    if (!dt) return;
+    const size_t smem = pr_mma_smem_bytes(HS, 0);
+    if (!pr_cu_smem_attr(cx, pr_k_attention_fwd_mma<HS>, smem, "attention_fwd_mma shared memory")) return;
+    pr_k_attention_fwd_mma<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
+        (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
+        (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
+    pr_cu_launched(cx, "attention_fwd_mma");
+}
+
+template <int HS>
+static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, float *dkp, float *dvp, const void *dout,
+                                    const void *out, const void *lse, const void *q, const void *k, const void *v,
+                                    const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
+    const int N = lay->seg_off[lay->n_seg], np = lay->n_prefix;
+    pr_att_tile *qt;
+    const int nq = pr_cu_query_tiles(&qt, lay);
+    if (nq < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    /* the dK/dV blocks' work (pr_mma_key_tiles) */
+    const int C = pr_mma_prefix_chunks(np, NKV, nq);
+    const long long nk_ll = pr_mma_key_tiles(NULL, qt, nq, np, C);
+    if (nk_ll > 0x7fffffffLL) { free(qt); pr_cu_fail(cx, PR_ERR_ARG, "attention: %lld key-tile blocks", nk_ll); return; }
+    const int nk = (int)nk_ll;
+    pr_att_ktile *kt = (pr_att_ktile *)malloc(sizeof(pr_att_ktile) * (size_t)(nk ? nk : 1));
+    if (!kt) { free(qt); pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
+    pr_mma_key_tiles(kt, qt, nq, np, C);
+    int ok = pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nq) + pr_cu_stage_size(sizeof(pr_att_ktile) * (size_t)nk));
+    const pr_att_tile *dqt = ok && nq ? (const pr_att_tile *)pr_cu_stage(cx, qt, sizeof(pr_att_tile) * (size_t)nq) : NULL;
+    const pr_att_ktile *dkt = ok && nk ? (const pr_att_ktile *)pr_cu_stage(cx, kt, sizeof(pr_att_ktile) * (size_t)nk) : NULL;
+    free(qt);
+    free(kt);
+    if (!dqt || !dkt) return;
+    /* scratch: D (N, NH), then, with C > 1, the partials (2, C, n_prefix, NKV*HS), all fp32 */
+    int fits = 1;
+    const size_t d_bytes = pr_cu_stage_size(pr_cu_mul(pr_cu_mul((size_t)N, (size_t)NH, &fits), sizeof(float), &fits));
+    const size_t np_elems = pr_cu_mul((size_t)np, pr_cu_mul((size_t)NKV, (size_t)HS, &fits), &fits);
+    const size_t part_bytes = C > 1 ? pr_cu_mul(pr_cu_mul(2 * (size_t)C, np_elems, &fits), sizeof(float), &fits) : 0;
+    if (!fits || d_bytes > (size_t)-1 - part_bytes) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: scratch size overflows"); return; }
+    char *scratch = (char *)pr_cu_scratch(cx, d_bytes + part_bytes);
+    if (!scratch) return;
+    float *Dr = (float *)scratch, *part = C > 1 ? (float *)(scratch + d_bytes) : NULL;
+
+    pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
+                                                                                    (const bf16 *)out, N, NH, HS);
+    pr_cu_launched(cx, "attention_rowdot");
+    size_t smem = pr_mma_smem_bytes(HS, 1);
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, smem, "attention_bwd_dq_mma shared memory")) return;
+    pr_k_attention_bwd_dq_mma<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
+        (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
+        (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
+    pr_cu_launched(cx, "attention_bwd_dq_mma");
+    smem = pr_mma_smem_bytes(HS, 2);
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, smem, "attention_bwd_dkv_mma shared memory")) return;
+    pr_k_attention_bwd_dkv_mma<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
+        (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
+        (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
+    pr_cu_launched(cx, "attention_bwd_dkv_mma");
+    if (part) {
+        unsigned blocks = pr_cu_blocks(2 * np_elems, 256);
+        pr_k_attention_chunk_sum<<<blocks < 4096 ? blocks : 4096, 256, 0, cx->stream>>>(dkp, dvp, part, C, np_elems);
+        pr_cu_launched(cx, "attention_chunk_sum");
+    }
+}
+
+/* The tensor-core kernels run when selected, for head dims 64 and 128, on 16-byte aligned
+   activations (their 16-byte copies) and 8-byte aligned dkp/dvp. */
+static int pr_cu_use_mma(const pr_cu *cx, int HS, const void *const *p, int n, const float *dkp, const float *dvp) {
+    if (cx->attention_kind != PR_CUDA_ATTENTION_MMA || (HS != 64 && HS != 128)) return 0;
+    for (int i = 0; i < n; i++)
+        if ((uintptr_t)p[i] & 15) return 0;
+    return !((uintptr_t)dkp & 7) && !((uintptr_t)dvp & 7);
+}
+
 #define PR_CU_HEAD_DIMS(X) X(16) X(32) X(64) X(128)
 
 static void pr_cu_attention_fwd(const pr_backend *be, void *out, void *lse, const void *q, const void *k, const void *v,
                                 const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV, int HS) {
     pr_cu *cx = pr_cu_of(be);
     if (lay->seg_off[lay->n_seg] <= 0) return;
+    const void *ptrs[] = { out, q, k, v, kp, vp };
+    if (pr_cu_use_mma(cx, HS, ptrs, 6, NULL, NULL)) {
+        if (HS == 64) pr_cu_attention_fwd_mma<64>(cx, out, lse, q, k, v, kp, vp, lay, NH, NKV);
+        else pr_cu_attention_fwd_mma<128>(cx, out, lse, q, k, v, kp, vp, lay, NH, NKV);
+        return;
+    }
     switch (HS) {
 #define PR_CU_CASE(hs) case hs: pr_cu_attention_fwd_hs<hs>(cx, out, lse, q, k, v, kp, vp, lay, NH, NKV); break;
     PR_CU_HEAD_DIMS(PR_CU_CASE)
@@ -823,6 +1552,12 @@ static void pr_cu_attention_bwd(const pr_backend *be, void *dq, void *dk, void *
                                 int NH, int NKV, int HS) {
     pr_cu *cx = pr_cu_of(be);
     if (lay->seg_off[lay->n_seg] <= 0) return;
+    const void *ptrs[] = { dq, dk, dv, dout, out, q, k, v, kp, vp };
+    if (pr_cu_use_mma(cx, HS, ptrs, 10, dkp, dvp)) {
+        if (HS == 64) pr_cu_attention_bwd_mma<64>(cx, dq, dk, dv, dkp, dvp, dout, out, lse, q, k, v, kp, vp, lay, NH, NKV);
+        else pr_cu_attention_bwd_mma<128>(cx, dq, dk, dv, dkp, dvp, dout, out, lse, q, k, v, kp, vp, lay, NH, NKV);
+        return;
+    }
     switch (HS) {
 #define PR_CU_CASE(hs) case hs: pr_cu_attention_bwd_hs<hs>(cx, dq, dk, dv, dkp, dvp, dout, out, lse, q, k, v, kp, vp, lay, NH, NKV); break;
     PR_CU_HEAD_DIMS(PR_CU_CASE)
@@ -1306,6 +2041,27 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     return PR_OK;
 }
 
+pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
+    pr_status st = PR_OK;
+    const char *why = NULL;
+    int major = 0;
+    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA)) {
+        st = PR_ERR_ARG;
+        why = "pr_backend_cuda_set_attention: no backend, or an unknown kind";
+    } else if (kind == PR_CUDA_ATTENTION_MMA &&
+               (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr_cu_of(be)->device) != cudaSuccess ||
+                major < 8)) {
+        st = PR_ERR_UNSUPPORTED;
+        why = "the tensor-core attention needs a GPU of compute capability 8.0 or later";
+    }
+    if (st) {
+        if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", why); }
+        return st;
+    }
+    pr_cu_of(be)->attention_kind = kind;
+    return PR_OK;
+}
+
 /* ---------------------------------------------------------------- the NCCL communicator */
 #ifndef PR_NO_NCCL
 /* A communicator is bound to one CUDA backend: its collectives are queued on the backend's stream,
@@ -1550,3 +2306,4 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     return PR_ERR_UNSUPPORTED;
 }
 #endif
+#endif /* PR_CUDA_HOST_EMULATION */

@@ -1,0 +1,552 @@
+/* The tensor-core attention kernels themselves (prefixreuse_cuda.cu, compiled for the host with
+   PR_CUDA_KERNEL_EMULATION), run on an emulated GPU block and compared, without a GPU, with the
+   library's CPU attention in double precision (test/gpu_ref.c), and with the tile-level model of
+   the same algorithm (test/attn_model.c), which they must match far more closely.
+
+   The emulated block: one fiber (ucontext) per thread, 128 of them, run in turn until each reaches
+   a synchronisation point. __syncthreads releases when every thread has arrived. A warp-collective
+   instruction (ldmatrix, mma.sync, shfl) executes when all 32 lanes of the warp have arrived at it,
+   through test/mma_emu.h's emulation written from the PTX ISA; lanes of one warp arriving at
+   different ones is reported as divergence, threads that never meet as a deadlock. cp.async
+   copies land only when the issuing thread's cp.async.wait_group lets their group complete (the
+   latest moment the hardware allows), zero-filled when asked; their sources are checked against
+   the input buffers and their destinations, like every ldmatrix address, against the launch's
+   dynamic shared memory, which starts filled with NaN bytes. Blocks run one after another.
+   Not emulated: the timing of the real machine (so a race that the barriers do not order cannot
+   show), and the approximate exp2/log2 (the host's are exact to an fp32 rounding).
+
+   Checked, forward and backward, over shapes with prefixes 0, 1, 63, 64, 65 and 130, ragged
+   packed and padded segments, GQA 1, 2 and 4, head dims 64 and 128, prefix dK/dV chunked (C > 1,
+   with the in-order reduction kernel) and added directly (C = 1): out and lse, and the increments
+   of dq, dk, dv, dkp, dvp over random starting contents, with test/test_gpu_attention.c's
+   tolerances against the reference, and a quarter of its absolute part against the model (with
+   one bf16 spacing for a flipped final rounding). Negative controls: copies that land one wait_group late, and ldmatrix ignoring
+   .trans, must each be caught. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <functional>
+#include <vector>
+
+#include "harness.h"
+#include "mma_emu.h"
+extern "C" {
+#include "attn_model.h"
+#include "gpu_ref.h"
+}
+
+/* ================================================================ the CUDA built-ins on the host */
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+typedef struct pr_emu_bf16 { uint16_t bits; } bf16;
+struct pr_emu_dim3 { unsigned x, y, z; };
+struct float2 { float x, y; };
+static inline float2 make_float2(float x, float y) { float2 r = { x, y }; return r; }
+static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline int min(int a, int b) { return a < b ? a : b; }
+
+#define EMU_SMEM_MAX (232 * 1024)
+__attribute__((aligned(128))) unsigned char pr_mma_smem[EMU_SMEM_MAX];
+
+enum { T_RUN, T_BAR, T_WARP, T_DONE };
+enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL };
+struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
+/* Switching between fibers: ucontext, or on x86-64 (outside AddressSanitizer, which follows
+   ucontext only) a plain switch of the callee-saved registers and the stack pointer, without
+   glibc's signal-mask system call: the emulation makes tens of millions of switches. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_SANITIZED 1
+#endif
+#endif
+#ifndef EMU_SANITIZED
+#define EMU_SANITIZED 0
+#endif
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !EMU_SANITIZED && !defined(EMU_UCONTEXT)
+#define EMU_FAST_SWITCH 1
+extern "C" void emu_switch(void **save_sp, void *load_sp);
+__asm__(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+        ".size emu_switch, .-emu_switch\n");
+#else
+#define EMU_FAST_SWITCH 0
+#endif
+struct emu_thread {
+#if EMU_FAST_SWITCH
+    void *sp;                                    /* its stack pointer while switched out */
+#else
+    ucontext_t ctx;
+#endif
+    pr_emu_dim3 idx;
+    int state, op;
+    uint32_t addr, *regs;                        /* ldmatrix */
+    float *d;                                    /* mma */
+    const uint32_t *a;
+    uint32_t b0, b1;
+    float val;                                   /* shfl */
+    int mask;
+    std::vector<emu_copy> open;                  /* cp.async: the group being issued, and the committed ones */
+    std::vector<std::vector<emu_copy>> groups;
+};
+static std::vector<emu_thread> emu_threads;
+static std::vector<char> emu_stacks;
+#if EMU_FAST_SWITCH
+static void *emu_sched_sp;
+#else
+static ucontext_t emu_sched;
+#endif
+static emu_thread *emu_cur;
+static pr_emu_dim3 emu_block, emu_grid, emu_bdim;
+static std::function<void()> *emu_body;
+static size_t emu_smem_bytes;
+static int emu_errors;                           /* divergence, deadlock, bad addresses */
+static int fault_late_copies, fault_ignore_trans;  /* negative controls */
+struct emu_buffer { const char *p; size_t bytes; };
+static std::vector<emu_buffer> emu_inputs;       /* where cp.async may read */
+
+#define threadIdx (emu_cur->idx)
+#define blockIdx emu_block
+#define gridDim emu_grid
+#define blockDim emu_bdim
+
+static void emu_error(const char *what) {
+    if (emu_errors++ < 5) CHECK(0, "emulated block (%u, %u) thread %u: %s", emu_block.x, emu_block.y, emu_cur ? emu_cur->idx.x : 0, what);
+}
+static void emu_to_scheduler(void) {
+#if EMU_FAST_SWITCH
+    emu_switch(&emu_cur->sp, emu_sched_sp);
+#else
+    swapcontext(&emu_cur->ctx, &emu_sched);
+#endif
+}
+static void emu_to_fiber(emu_thread *t) {
+    emu_cur = t;
+#if EMU_FAST_SWITCH
+    emu_switch(&emu_sched_sp, t->sp);
+#else
+    swapcontext(&emu_sched, &t->ctx);
+#endif
+}
+static void emu_yield(int state) {
+    emu_cur->state = state;
+    emu_to_scheduler();
+}
+static void __syncthreads(void) { emu_yield(T_BAR); }
+
+static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_mma_smem); }
+static void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
+    emu_cur->op = OP_LDSM, emu_cur->addr = addr, emu_cur->regs = r;
+    emu_yield(T_WARP);
+}
+static void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    emu_cur->op = OP_LDSM_T, emu_cur->addr = addr, emu_cur->regs = r;
+    emu_yield(T_WARP);
+}
+static void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    emu_cur->op = OP_MMA, emu_cur->d = d, emu_cur->a = a, emu_cur->b0 = b0, emu_cur->b1 = b1;
+    emu_yield(T_WARP);
+}
+static float emu_shfl_xor(float v, int mask) {
+    emu_cur->op = OP_SHFL, emu_cur->val = v, emu_cur->mask = mask;
+    emu_yield(T_WARP);
+    return emu_cur->val;
+}
+static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
+    emu_copy c = { dst, src, bytes, fill };
+    emu_cur->open.push_back(c);
+}
+static void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
+static void pr_cp_async4(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 4, fill); }
+static void pr_cp_async_commit(void) {
+    emu_cur->groups.push_back(emu_cur->open);
+    emu_cur->open.clear();
+}
+static void emu_land(const std::vector<emu_copy> &g) {
+    for (const emu_copy &c : g) {
+        if (c.dst % c.bytes || c.dst + c.bytes > emu_smem_bytes) { emu_error("cp.async destination outside shared memory"); continue; }
+        bool inside = false;
+        for (const emu_buffer &b : emu_inputs)
+            inside |= (const char *)c.src >= b.p && (const char *)c.src + c.bytes <= b.p + b.bytes;
+        if (!inside || (uintptr_t)c.src % c.bytes) { emu_error("cp.async source outside the inputs or misaligned"); continue; }
+        if (c.fill) memcpy(pr_mma_smem + c.dst, c.src, c.bytes);
+        else memset(pr_mma_smem + c.dst, 0, c.bytes);
+    }
+}
+/* cp.async.wait_group N: all but the newest N committed groups complete (one more stays pending
+   under the planted fault). */
+template <int N> static void pr_cp_async_wait(void) {
+    const size_t keep = N + (fault_late_copies ? 1 : 0);
+    while (emu_cur->groups.size() > keep) {
+        emu_land(emu_cur->groups.front());
+        emu_cur->groups.erase(emu_cur->groups.begin());
+    }
+}
+static float pr_quad_max(float v);
+static float pr_quad_add(float v);
+
+#define PR_CUDA_HOST_EMULATION
+#define PR_CUDA_KERNEL_EMULATION
+#include "../prefixreuse_cuda.cu"
+
+/* the device code's quad reductions (prefixreuse_cuda.cu), with shfl.bfly emulated */
+static float pr_quad_max(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, emu_shfl_xor(v, pr_quad_xor(s)));
+    return v;
+}
+static float pr_quad_add(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v += emu_shfl_xor(v, pr_quad_xor(s));
+    return v;
+}
+
+/* ================================================================ the block scheduler */
+static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the same op */
+    const int op = lane[0].op;
+    for (int l = 1; l < 32; l++)
+        if (lane[l].op != op) { emu_cur = &lane[l]; emu_error("lanes of a warp at different instructions"); return; }
+    if (op == OP_LDSM || op == OP_LDSM_T) {
+        uint32_t addr[32], out[32][4];
+        for (int l = 0; l < 32; l++) addr[l] = lane[l].addr;
+        for (int l = 0; l < 32; l++)
+            if ((size_t)addr[l] + 16 > emu_smem_bytes) { emu_cur = &lane[l]; emu_error("ldmatrix address outside shared memory"); return; }
+        emu_ldmatrix(out, (const uint16_t *)pr_mma_smem, emu_smem_bytes / 2, addr, 4, op == OP_LDSM_T && !fault_ignore_trans);
+        for (int l = 0; l < 32; l++) memcpy(lane[l].regs, out[l], sizeof out[l]);
+    } else if (op == OP_MMA) {
+        uint32_t a[32][4], b[32][2];
+        float c[32][4], d[32][4];
+        for (int l = 0; l < 32; l++) {
+            memcpy(a[l], lane[l].a, sizeof a[l]);
+            b[l][0] = lane[l].b0, b[l][1] = lane[l].b1;
+            memcpy(c[l], lane[l].d, sizeof c[l]);
+        }
+        emu_mma(d, a, b, c);
+        for (int l = 0; l < 32; l++) memcpy(lane[l].d, d[l], sizeof d[l]);
+    } else {
+        float v[32];
+        for (int l = 0; l < 32; l++) v[l] = lane[l].val;
+        for (int l = 0; l < 32; l++) lane[l].val = v[l ^ lane[l].mask];   /* shfl.sync.bfly */
+    }
+    for (int l = 0; l < 32; l++) lane[l].state = T_RUN;
+}
+
+static void emu_fiber(void) {
+    (*emu_body)();
+    emu_cur->state = T_DONE;
+    emu_to_scheduler();
+    abort();                                     /* never resumed */
+}
+
+/* Runs one block of `threads` threads (a multiple of 32) to its end. */
+static void emu_run_block(unsigned threads) {
+    const size_t stack = 128 * 1024;
+    emu_threads.resize(threads);
+    emu_stacks.resize(stack * threads);
+    for (unsigned t = 0; t < threads; t++) {
+        emu_thread &e = emu_threads[t];
+        e.idx.x = t, e.idx.y = e.idx.z = 0;
+        e.state = T_RUN;
+        e.open.clear();
+        e.groups.clear();
+#if EMU_FAST_SWITCH
+        /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
+           stack as a called function does (rsp = 8 mod 16) */
+        uintptr_t top = ((uintptr_t)&emu_stacks[stack * (t + 1)] & ~(uintptr_t)15) - 8;
+        void **sp = (void **)top;
+        *--sp = (void *)emu_fiber;
+        for (int r = 0; r < 6; r++) *--sp = NULL;
+        e.sp = sp;
+#else
+        getcontext(&e.ctx);
+        e.ctx.uc_stack.ss_sp = &emu_stacks[stack * t];
+        e.ctx.uc_stack.ss_size = stack;
+        e.ctx.uc_link = &emu_sched;
+        makecontext(&e.ctx, emu_fiber, 0);
+#endif
+    }
+    for (;;) {
+        for (unsigned t = 0; t < threads; t++)
+            if (emu_threads[t].state == T_RUN) emu_to_fiber(&emu_threads[t]);
+        int progress = 0;
+        for (unsigned w = 0; w < threads / 32; w++) {
+            int at = 0;
+            for (int l = 0; l < 32; l++) at += emu_threads[32 * w + l].state == T_WARP;
+            if (at == 32) emu_warp_op(&emu_threads[32 * w]), progress = 1;
+            else if (at) { emu_cur = &emu_threads[32 * w]; emu_error("warp divergence at a warp-collective instruction"); return; }
+        }
+        if (progress) continue;
+        unsigned bar = 0, done = 0;
+        for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
+        if (done == threads) return;
+        if (bar == threads) {
+            for (unsigned t = 0; t < threads; t++) emu_threads[t].state = T_RUN;
+            continue;
+        }
+        emu_cur = &emu_threads[0];
+        emu_error("deadlock: threads at a barrier while others have ended");
+        return;
+    }
+}
+
+template <typename F> static void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, F f) {
+    std::function<void()> body = f;
+    emu_body = &body;
+    emu_smem_bytes = smem;
+    if (smem > EMU_SMEM_MAX) { emu_error("dynamic shared memory over the emulator's"); return; }
+    emu_grid.x = gx, emu_grid.y = gy, emu_grid.z = 1;
+    emu_bdim.x = threads, emu_bdim.y = emu_bdim.z = 1;
+    for (unsigned y = 0; y < gy && emu_errors == 0; y++)
+        for (unsigned x = 0; x < gx && emu_errors == 0; x++) {
+            emu_block.x = x, emu_block.y = y, emu_block.z = 0;
+            memset(pr_mma_smem, 0xFF, smem);
+            emu_run_block(threads);
+        }
+}
+
+/* ================================================================ the attention on the emulator */
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double uniform(void) {
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return ((rng >> 11) / 9007199254740992.0) * 2 - 1;
+}
+static double gaussian(void) {
+    double u = 0.5 * (uniform() + 1), v = 0.5 * (uniform() + 1);
+    return sqrt(-2 * log(u > 1e-300 ? u : 1e-300)) * cos(6.283185307179586 * v);
+}
+static std::vector<double> draw(size_t n, double sd, bool normal, bool bf16_values) {
+    std::vector<double> x(n ? n : 1);
+    for (size_t i = 0; i < n; i++) {
+        double y = sd * (normal ? gaussian() : uniform());
+        x[i] = bf16_values ? emu_round_bf16(y) : (double)(float)y;
+    }
+    return x;
+}
+static std::vector<bf16> to_bf16(const std::vector<double> &x) {
+    std::vector<bf16> y(x.size());
+    for (size_t i = 0; i < x.size(); i++) y[i].bits = (uint16_t)pr_bf16_bits((float)x[i]);
+    return y;
+}
+static std::vector<double> from_bf16(const std::vector<bf16> &x) {
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); i++) y[i] = bf16_value(x[i].bits);
+    return y;
+}
+static double max_abs(const std::vector<double> &x, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
+    return m;
+}
+/* test_gpu_attention.c's tolerance: worst |inc - ref| / (2 u max|ref| + rtol |before + ref|) */
+static double worst_ratio(const std::vector<double> &after, const std::vector<double> *before, const std::vector<double> &ref,
+                          size_t n, bool fp32) {
+    const double u = 1.0 / 256, atol = 2 * u * max_abs(ref, n), rtol = fp32 ? 4.0 / 4194304 : u;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double s0 = before ? (*before)[i] : 0, inc = after[i] - s0;
+        if (inc != inc) return INFINITY;
+        double tol = atol + rtol * fabs(s0 + ref[i]), r = fabs(inc - ref[i]) / (tol > 0 ? tol : 1e-300);
+        if (r > worst) worst = r;
+    }
+    return worst;
+}
+
+/* The kernels beside the model, which runs the same blocked algorithm with the same roundings
+   (bf16 P and dS, fp32 sums): they differ only by the order of fp32 sums (inside an mma, across the
+   quad) and the bf16 roundings those flip. Worst |got - model| / (MODEL_TOL u max|ref| +
+   rtol |before + model|), increments for the += outputs, rtol one bf16 spacing (2u: a final
+   rounding that flips) or 4 fp32 units; ref is the double reference's increment (the scale), or
+   the model's own output when NULL. */
+#define MODEL_TOL 0.25
+static double model_worst(const std::vector<double> &got, const std::vector<double> *before, const std::vector<double> &model,
+                          const std::vector<double> *ref, size_t n, bool fp32) {
+    const double u = 1.0 / 256, atol = MODEL_TOL * u * max_abs(ref ? *ref : model, n), rtol = fp32 ? 4.0 / 4194304 : 2 * u;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double s0 = before ? (*before)[i] : 0, inc = got[i] - s0;
+        if (inc != inc) return INFINITY;
+        double tol = atol + rtol * fabs(s0 + model[i]), r = fabs(inc - model[i]) / (tol > 0 ? tol : 1e-300);
+        if (r > worst) worst = r;
+    }
+    return worst;
+}
+
+struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
+enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
+static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
+
+/* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma make them, on the emulator; returns the
+   worst error / tolerance per tensor. */
+template <int HS>
+static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
+    std::vector<int> seg_off(s.n_seg + 1, 0);
+    for (int i = 0; i < s.n_seg; i++) seg_off[i + 1] = seg_off[i] + s.lens[i];
+    const int N = seg_off[s.n_seg], np = s.n_prefix, NH = s.NH, NKV = s.NKV, qd = NH * HS, kvd = NKV * HS;
+    const size_t nq = (size_t)N * qd, nk = (size_t)N * kvd, npk = (size_t)(np ? np : 1) * kvd, nl = (size_t)N * NH;
+    const double sd = sqrt(2.5);
+    std::vector<double> q = draw(nq, sd, true, true), k = draw(nk, sd, true, true), kp = draw(npk, sd, true, true);
+    std::vector<double> v = draw(nk, 1, false, true), vp = draw(npk, 1, false, true), dout = draw(nq, 1, false, true);
+    std::vector<double> ro(nq), rl(nl);
+    ref_attention_fwd(ro.data(), rl.data(), q.data(), k.data(), v.data(), np ? kp.data() : NULL, np ? vp.data() : NULL,
+                      seg_off.data(), s.n_seg, np, NH, NKV, HS);
+    std::vector<bf16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), kpb = to_bf16(kp), vpb = to_bf16(vp), dob = to_bf16(dout);
+    emu_inputs.clear();
+    const std::vector<bf16> *ins[] = { &qb, &kb, &vb, &kpb, &vpb, &dob };
+    for (const std::vector<bf16> *b : ins) emu_inputs.push_back(emu_buffer{ (const char *)b->data(), 2 * b->size() });
+
+    /* forward: grid (query tiles, NH) */
+    const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data());
+    std::vector<pr_att_tile> qt(nqt);
+    pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data());
+    std::vector<bf16> out(nq);
+    std::vector<float> lse(nl, NAN);
+    for (bf16 &x : out) x.bits = 0xFFFF;
+    emu_launch(nqt, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 0), [&] {
+        pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                   np ? vpb.data() : NULL, qt.data(), np, NH, NKV);
+    });
+    /* the tile-level model (test/attn_model.c) on the same inputs */
+    std::vector<float> fq(q.begin(), q.end()), fk(k.begin(), k.end()), fv(v.begin(), v.end()), fkp(kp.begin(), kp.end()),
+        fvp(vp.begin(), vp.end()), mo(nq), ml(nl);
+    am_layout alay = { s.n_seg, seg_off.data(), np };
+    CHECK(am_attention_fwd(mo.data(), ml.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL, np ? fvp.data() : NULL,
+                           &alay, NH, NKV, HS, NULL) == 0, "model forward");
+    model_ratio[T_OUT] = model_worst(from_bf16(out), NULL, std::vector<double>(mo.begin(), mo.end()), NULL, nq, false);
+    model_ratio[T_LSE] = model_worst(std::vector<double>(lse.begin(), lse.end()), NULL, std::vector<double>(ml.begin(), ml.end()),
+                                     NULL, nl, true);
+    ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
+    double wl = 0;
+    for (size_t i = 0; i < nl; i++) {
+        double r = fabs(lse[i] - rl[i]) / (2e-5 * (fabs(rl[i]) + 1));
+        wl = r > wl || r != r ? (r != r ? INFINITY : r) : wl;
+    }
+    ratio[T_LSE] = wl;
+    for (int t = T_DQ; t < NT; t++) ratio[t] = model_ratio[t] = 0;
+    if (!backward) return;
+
+    /* backward from the reference forward in the GPU's formats: D, dQ, dK/dV, the chunk sum */
+    std::vector<double> bo(nq), bl(nl);
+    for (size_t i = 0; i < nq; i++) bo[i] = emu_round_bf16(ro[i]);
+    for (size_t i = 0; i < nl; i++) bl[i] = (float)rl[i];
+    const size_t n[5] = { nq, nk, nk, npk, npk };
+    std::vector<double> ref[5], init[5];
+    for (int t = 0; t < 5; t++) ref[t].assign(n[t], 0.0);
+    ref_attention_bwd(ref[0].data(), ref[1].data(), ref[2].data(), np ? ref[3].data() : NULL, np ? ref[4].data() : NULL,
+                      dout.data(), bo.data(), bl.data(), q.data(), k.data(), v.data(), np ? kp.data() : NULL,
+                      np ? vp.data() : NULL, seg_off.data(), s.n_seg, np, NH, NKV, HS);
+    for (int t = 0; t < 5; t++) {
+        const double scale = 0.5 * max_abs(ref[t], n[t]);
+        init[t] = draw(n[t], scale > 0 ? scale : 1, false, t < 3);
+    }
+    std::vector<bf16> ob = to_bf16(bo), dq = to_bf16(init[0]), dk = to_bf16(init[1]), dv = to_bf16(init[2]);
+    std::vector<float> lsef(nl), D(nl), dkp(npk), dvp(npk);
+    for (size_t i = 0; i < nl; i++) lsef[i] = (float)bl[i];
+    for (size_t i = 0; i < npk; i++) dkp[i] = (float)init[3][i], dvp[i] = (float)init[4][i];
+    for (size_t rh = 0; rh < nl; rh++) {               /* the rowdot kernel: D = dO . O in fp32 */
+        float acc = 0;
+        for (int d = 0; d < HS; d++) acc += bf16_value(dob[rh * HS + d].bits) * bf16_value(ob[rh * HS + d].bits);
+        D[rh] = acc;
+    }
+    emu_inputs.push_back(emu_buffer{ (const char *)lsef.data(), 4 * lsef.size() });
+    emu_inputs.push_back(emu_buffer{ (const char *)D.data(), 4 * D.size() });
+    const int C = pr_mma_prefix_chunks(np, NKV, nqt);
+    const int nkt = (int)pr_mma_key_tiles(NULL, qt.data(), nqt, np, C);
+    std::vector<pr_att_ktile> kt(nkt);
+    pr_mma_key_tiles(kt.data(), qt.data(), nqt, np, C);
+    std::vector<float> part(C > 1 ? 2 * (size_t)C * npk : 1, NAN);
+    emu_launch(nqt, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 1), [&] {
+        pr_k_attention_bwd_dq_mma<HS>(dq.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                      np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt.data(), np, NH, NKV);
+    });
+    emu_launch(nkt, NKV, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 2), [&] {
+        pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, dob.data(),
+                                       lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                       np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
+    });
+    if (C > 1)
+        emu_launch(4, 1, 128, 0, [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
+    std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
+    /* the model's backward from the same start values */
+    std::vector<float> mg[5];
+    for (int t = 0; t < 5; t++) mg[t].assign(init[t].begin(), init[t].end());
+    std::vector<float> fdo(dout.begin(), dout.end()), fbo(bo.begin(), bo.end()), fbl(bl.begin(), bl.end());
+    CHECK(am_attention_bwd(mg[0].data(), mg[1].data(), mg[2].data(), np ? mg[3].data() : NULL, np ? mg[4].data() : NULL,
+                           fdo.data(), fbo.data(), fbl.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL,
+                           np ? fvp.data() : NULL, &alay, NH, NKV, HS, NULL) == 0, "model backward");
+    const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
+    for (int t = 0; t < 5; t++) {
+        if (t >= 3 && !np) { model_ratio[T_DQ + t] = 0; continue; }
+        std::vector<double> minc(n[t]);
+        for (size_t i = 0; i < n[t]; i++) minc[i] = mg[t][i] - init[t][i];
+        model_ratio[T_DQ + t] = model_worst(got[t], &init[t], minc, &ref[t], n[t], t >= 3);
+    }
+    ratio[T_DQ] = worst_ratio(from_bf16(dq), &init[0], ref[0], nq, false);
+    ratio[T_DK] = worst_ratio(from_bf16(dk), &init[1], ref[1], nk, false);
+    ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
+    ratio[T_DKP] = np ? worst_ratio(dkpd, &init[3], ref[3], npk, true) : 0;
+    ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
+}
+
+static void run(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
+    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, backward);
+    else run_shape<128>(s, ratio, model_ratio, backward);
+}
+
+int main(void) {
+    printf("tensor-core attention kernels on an emulated block, against the double CPU attention\n");
+    const shape shapes[] = {
+        { 0, 1, { 1 }, 2, 2, 64 },                        /* S = 1 */
+        { 0, 3, { 130, 1, 64 }, 2, 1, 128 },              /* causal, packed ragged, GQA 2 */
+        { 1, 2, { 65, 65 }, 4, 1, 64 },                   /* P = 1, padded, GQA 4 */
+        { 63, 3, { 1, 64, 70 }, 2, 1, 128 },              /* the prefix's tail tile, C > 1 */
+        { 64, 2, { 63, 100 }, 2, 2, 64 },                 /* one whole prefix tile */
+        { 65, 2, { 7, 128 }, 2, 1, 128 },
+        { 130, 2, { 40, 65 }, 4, 4, 64 },                 /* three prefix tiles x 4 KV heads, C = 3 */
+        { 130, 1, { 20 }, 2, 2, 64 },                     /* C = 1: added into dkp/dvp directly */
+    };
+#if defined(__SANITIZE_ADDRESS__) || EMU_SANITIZED
+    const size_t n_shapes = 4;                    /* ucontext under AddressSanitizer: slower */
+#else
+    const size_t n_shapes = sizeof shapes / sizeof *shapes;
+#endif
+    for (size_t i = 0; i < n_shapes; i++) {
+        const shape &s = shapes[i];
+        double r[NT], mr[NT];
+        emu_errors = 0;
+        run(s, r, mr, 1);
+        int seg_off_len = 0;
+        char what[160];
+        int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
+        for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]), seg_off_len += s.lens[i];
+        printf("%-52s err/tol", what);
+        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], r[t]);
+        printf("\n%52s vs model", "");
+        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], mr[t]);
+        printf("\n");
+        for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
+        CHECK(emu_errors == 0, "%s: %d errors on the emulated machine", what, emu_errors);
+        for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
+    }
+    /* negative controls: the same kernels on a faulty machine must fail */
+    const shape ctl = { 65, 2, { 7, 70 }, 2, 1, 64 };
+    for (int f = 0; f < 2; f++) {
+        double r[NT], mr[NT];
+        emu_errors = 0;
+        fault_late_copies = f == 0, fault_ignore_trans = f == 1;
+        run(ctl, r, mr, 0);
+        fault_late_copies = fault_ignore_trans = 0;
+        printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors\n",
+               f == 0 ? "copies land a wait_group late" : "ldmatrix ignores .trans", r[T_OUT], r[T_LSE], emu_errors);
+        CHECK(r[T_OUT] > 1 || r[T_LSE] > 1 || emu_errors, "planted fault '%s' not detected (out %.2f, lse %.2f)",
+              f == 0 ? "copies land a wait_group late" : "ldmatrix ignores .trans", r[T_OUT], r[T_LSE]);
+    }
+    return test_report();
+}
