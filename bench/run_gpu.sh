@@ -65,9 +65,10 @@ export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS R
 stages() {
     cat <<'EOF'
 preflight|5|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
-build|35|300|0|make -j$JOBS train_cuda build/test_gpu build/bench_cuda build/compare_st build/train-double; make sass
+build|35|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
 smoke|10|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
 test-gpu|45|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
+mma|40|150|1|build/test_gpu_attention: tensor-core attention vs CPU double, FFMA and the tile model; memcheck and racecheck --quick
 memcheck|40|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|30|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
 initcheck|25|120|1|compute-sanitizer initcheck: train_cuda --check on model/tiny with offload; test_gpu attention
@@ -168,11 +169,15 @@ body_preflight() {
 body_build() {
     make info
     t0=$(date +%s)
-    make -j"$JOBS" train_cuda build/test_gpu build/bench_cuda build/compare_st build/train-double
+    make -j"$JOBS" train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double
     rc=$?
     if [ $rc -eq 0 ]; then
         key "built in $(( $(date +%s) - t0 )) s with -j$JOBS"
-        if have cuobjdump; then sub sass 60 make -s sass && key "make sass: $(grep -c . "$stage_base.sass.log") lines"; fi
+        if have cuobjdump; then
+            sub sass 60 make -s sass && key "make sass: $(grep -c . "$stage_base.sass.log") lines"
+            sub check-sass 60 make -s check-sass
+            key "check-sass: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.check-sass.log" | tail -n 1)"
+        fi
         return 0
     fi
     # the first errors last, where the summary's tail of this log finds them
@@ -197,6 +202,21 @@ body_test_gpu() {
     n=$(grep -c '^FAIL' "$stage_base.log")
     [ "$n" -gt 0 ] && key "$n FAIL lines, the first: $(grep -m 1 '^FAIL' "$stage_base.log" | cut -c1-140)"
     return $rc
+}
+
+# The tensor-core attention (not the default until this passes): its tests, then memcheck and
+# racecheck on the first six shapes.
+body_mma() {
+    fail=0
+    sub tests 80 ./build/test_gpu_attention || fail=1
+    key "tests: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.tests.log" | tail -n 1)"
+    if have compute-sanitizer; then
+        for tool in memcheck racecheck; do
+            sub "$tool" 30 compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/test_gpu_attention --quick || fail=1
+            key "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$tool.log" | sed 's/^=* *//' | tr '\n' ' ')"
+        done
+    fi
+    return $fail
 }
 
 # compute-sanitizer TOOL on a tiny training step and on the attention tests, half the stage's time each
