@@ -32,6 +32,7 @@ typedef struct {
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
     int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
     const char *nccl_id;
+    int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA or _MMA */
 } options;
 
 static int mesh_ranks(const options *o) { return o->dp * o->pp * o->cp * o->tp; }
@@ -78,6 +79,8 @@ static void usage(FILE *f) {
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
+        "  --attention K          train_cuda: ffma (the CUDA-core kernels, default) | mma (tensor cores, sm_80+;\n"
+        "                         not yet validated on a GPU)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
@@ -188,6 +191,11 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
         else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
+        else if (!strcmp(a, "--attention")) {
+            if (!strcmp(v, "ffma")) o->attention = 0;
+            else if (!strcmp(v, "mma")) o->attention = 1;
+            else ok = 0;
+        }
         else if (!strcmp(a, "--aux-scope")) {
             if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
             else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
@@ -248,6 +256,22 @@ static int parse_args(int argc, char **argv, options *o) {
 static int fail(const pr_error *err) {
     fprintf(stderr, "train: %s\n", err->message);
     return 1;
+}
+
+static const pr_backend *backend(pr_error *err);
+
+/* train_cuda: the attention kernels --attention chose; the CPU build has one kind (ffma refers to it). */
+static pr_status select_attention(const options *o, pr_error *err) {
+#ifdef PR_CUDA
+    const pr_backend *be = backend(err);
+    if (!be) return err->status;
+    return pr_backend_cuda_set_attention(be, o->attention ? PR_CUDA_ATTENTION_MMA : PR_CUDA_ATTENTION_FFMA, err);
+#else
+    if (!o->attention) return PR_OK;
+    err->status = PR_ERR_UNSUPPORTED;
+    snprintf(err->message, sizeof err->message, "--attention mma: the tensor-core kernels are train_cuda's (make cuda)");
+    return err->status;
+#endif
 }
 
 /* The backend of this build: the CPU's, or one CUDA backend on device 0 for the whole run. */
@@ -917,7 +941,7 @@ int main(int argc, char **argv) {
     snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
     FILE *probe = o.init && !o.config_given ? fopen(init_config, "r") : NULL;
     if (probe) { fclose(probe); o.config = init_config; }
-    if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
+    if (pr_config_load(&cfg, o.config, &err) || select_attention(&o, &err)) return fail(&err);
     if (o.layers > cfg.num_hidden_layers) {
         fprintf(stderr, "train: --layers %d: the model %s has %d layers\n", o.layers, o.config, cfg.num_hidden_layers);
         return 2;
