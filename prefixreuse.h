@@ -205,7 +205,7 @@ typedef struct { const char *name; const pr_real *data; int ndim; int64_t shape[
    the temporary file is removed on failure. */
 PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
                                      const char *metadata_json_object_or_null, pr_error *err);
-/* Writes a Hugging Face checkpoint folder (created if missing): model.safetensors when all tensor
+/* Writes a Hugging Face checkpoint folder (created if missing; its parent must exist): model.safetensors when all tensor
    data fits in max_shard_bytes (0 = no limit), else model-00001-of-0000N.safetensors ... and
    model.safetensors.index.json, written last. Shards are filled in entry order; a tensor larger than
    the limit gets a shard of its own. Every file is written atomically; a stale single file or index
@@ -539,10 +539,55 @@ PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
 /* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json). */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
-/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, atomically. */
+/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
+   atomically. dir is created when missing, its parent is not: a path with a missing folder above
+   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"). */
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err);
+
+/* Training state: everything a run needs to go on exactly where it stopped. The trainer holds the
+   parameters, AdamW's m and v and its step count (the bias correction); the caller's run loop holds
+   the rest: its place in the trace and the settings it ran with. Nothing random runs after the
+   initialisation (the trace is replayed in order, the schedules are deterministic), so the seed is
+   the run's only RNG state, kept for the record. */
+typedef struct {
+    long step;               /* AdamW steps taken (save: ignored, the trainer's count is written) */
+    long next_group;         /* the trace position: index of the next group the run loop takes */
+    uint64_t seed;           /* the initialisation seed */
+    pr_adamw_opts adamw;     /* the AdamW settings the steps ran with */
+} pr_train_state;
+
+/* Optional settings of a save (NULL: none). on_write is called after every block written with the
+   bytes this save has written so far: a progress report, and the fault-injection point of the
+   tests, which kill the process there to show that an interrupted save loses nothing. */
+typedef struct {
+    void (*on_write)(void *user, uint64_t bytes);
+    void *user;
+} pr_save_opts;
+
+#define PR_TRAIN_STATE_VERSION 1
+/* Saves the training state into dir (created when missing, its parent is not):
+     dir/latest                    one line, the name of the current state folder
+     dir/step-00000004/            one complete state, named after its step count:
+         config.json               the full model's configuration
+         model.safetensors         fp32 parameters, Hugging Face names (what pr_trainer_load reads)
+         optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
+         trainer_state.json        format, version, step, next_group, seed, AdamW settings
+   A state folder is written as step-N.tmp.<pid> and renamed into place once every file is on disk;
+   then `latest` is replaced atomically, and only then the previous state folder is removed. A
+   process killed at any point leaves `latest` naming a complete state (at worst a stray
+   *.tmp.* folder). On a mesh the state is assembled on world rank 0, which writes it (collective
+   over tp and pp, like pr_trainer_get_full). */
+PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err);
+/* Loads a state saved by pr_trainer_save_state: dir is the folder given to the save (its `latest`
+   is followed) or one state folder. Parameters, m, v and the step count replace the trainer's;
+   *state (optional) gets the rest. Everything is read and checked before the trainer is touched:
+   another format or version, a missing file or tensor, or a tensor of another shape (named, with
+   both shapes) is refused and the trainer is left as it was. On a mesh each rank reads the full
+   tensors and keeps its shard. */
+PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
 
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
@@ -3755,18 +3800,30 @@ static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, 
     }
 }
 
+/* This rank's part of a full-model host vector (n_full reals) into one of its arenas (parameters,
+   m or v). */
+static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_error *err) {
+    if (!tr->mesh) {
+        tr->be->upload_reals(tr->be, arena, src, tr->n_params);
+        return PR_OK;
+    }
+    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    if (!local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+    pr__shard_copy(tr, (pr_real *)src, local, 0);
+    tr->be->upload_reals(tr->be, arena, local, tr->n_params);
+    PR_FREE(local);
+    return PR_OK;
+}
+
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
     if (!tr || !src) return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: NULL argument");
     if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
     if (n != tr->n_full)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
-    pr__shard_copy(tr, (pr_real *)src, local, 0);
-    tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
-    PR_FREE(local);
-    return PR_OK;
+    return pr__set_full_arena(tr, tr->params, src, err);
 }
+
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -3777,6 +3834,16 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         return st;
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    return pr__get_full_arena(tr, arena, dst, n, err);
+}
+
+/* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
+   every rank: collective over tp and pp. */
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
+    if (!tr->mesh) {
+        tr->be->download_reals(tr->be, dst, arena, n);
+        return PR_OK;
+    }
     const pr_backend *be = tr->be;
     pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
     pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
@@ -5544,15 +5611,22 @@ static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *wha
 /* Every file goes to "<path>.tmp.<pid>" first and is renamed over path only once complete and on
    disk, so a reader never sees a half-written file and a crash leaves the old one intact. */
 typedef struct {
+    const pr_save_opts *opts;  /* the save's on_write hook (NULL: none) */
+    uint64_t bytes;            /* bytes the save has written so far, over all its files */
+} pr__progress;
+
+typedef struct {
     FILE *f;
     char *tmp;
     const char *path;
+    pr__progress *progress;    /* NULL: none */
 } pr__atomic;
 
 static pr_status pr__atomic_open(pr__atomic *a, const char *path, pr_error *err) {
     size_t n = strlen(path);
     a->path = path;
     a->f = NULL;
+    a->progress = NULL;
     a->tmp = n < SIZE_MAX - 32 ? (char *)PR_MALLOC(n + 32) : NULL;
     if (!a->tmp) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
     snprintf(a->tmp, n + 32, "%s.tmp.%ld", path, pr__io_pid());
@@ -5568,6 +5642,10 @@ static pr_status pr__atomic_open(pr__atomic *a, const char *path, pr_error *err)
 
 static pr_status pr__atomic_write(pr__atomic *a, const void *p, size_t n, pr_error *err) {
     if (n && fwrite(p, 1, n, a->f) != n) return pr__fail(err, PR_ERR_IO, "%s: write failed: %s", a->tmp, strerror(errno));
+    if (a->progress && a->progress->opts && a->progress->opts->on_write) {
+        a->progress->bytes += n;
+        a->progress->opts->on_write(a->progress->opts->user, a->progress->bytes);
+    }
     return PR_OK;
 }
 
@@ -5594,12 +5672,17 @@ static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
     return PR_OK;
 }
 
-static pr_status pr__write_file_atomic(const char *path, const void *data, size_t n, pr_error *err) {
+static pr_status pr__write_file_progress(const char *path, const void *data, size_t n, pr__progress *progress, pr_error *err) {
     pr__atomic a;
     pr_status st = pr__atomic_open(&a, path, err);
     if (st) return st;
+    a.progress = progress;
     if ((st = pr__atomic_write(&a, data, n, err))) { pr__atomic_abort(&a); return st; }
     return pr__atomic_commit(&a, err);
+}
+
+static pr_status pr__write_file_atomic(const char *path, const void *data, size_t n, pr_error *err) {
+    return pr__write_file_progress(path, data, n, NULL, err);
 }
 
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err) {
@@ -6107,7 +6190,8 @@ static void pr__st_encode(unsigned char *dst, const pr_real *src, size_t n, pr_d
 }
 
 /* Writes the file; entries already checked, meta NULL or a parsed object of strings. */
-static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta, pr_error *err) {
+static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta,
+                              pr__progress *progress, pr_error *err) {
     pr__buf h = {NULL, 0, 0, 0};
     uint64_t off = 0;
     int es = pr__dtype_size(dtype);
@@ -6150,6 +6234,7 @@ static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr
     pr__atomic a;
     pr_status st = pr__atomic_open(&a, path, err);
     if (st) { PR_FREE(h.p); return st; }
+    a.progress = progress;
     const size_t chunk_elems = 1 << 16;
     unsigned char len8[8], *buf = (unsigned char *)PR_MALLOC(chunk_elems * 8);
     pr__put_u64(len8, (uint64_t)h.len);
@@ -6198,7 +6283,7 @@ PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entrie
     if (st) return st;
     pr__json *meta;
     if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
-    st = pr__st_write(path, entries, n, dtype, meta, err);
+    st = pr__st_write(path, entries, n, dtype, meta, NULL, err);
     PR_FREE(meta);
     return st;
 }
@@ -6207,24 +6292,23 @@ static int pr__st_cmp_entry(const void *a, const void *b) {
     return strcmp((*(const pr_st_entry *const *)a)->name, (*(const pr_st_entry *const *)b)->name);
 }
 
-/* mkdir -p: create every missing folder of path. */
-static pr_status pr__mkdirs(const char *path, pr_error *err) {
-    char *p = pr__strdup(path);
-    if (!p) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
-    size_t n = strlen(p);
-    for (size_t i = 1; i <= n; i++) {
-        if (p[i] != '/' && p[i] != '\\' && p[i] != 0) continue;
-        char c = p[i];
-        p[i] = 0;
-        uint64_t size;
-        int is_dir = 0;
-        pr_status st = PR_OK;
-        if (!pr__io_mkdir(p)) st = pr__fail(err, PR_ERR_IO, "%s: cannot create folder %s: %s", path, p, strerror(errno));
-        else if (!pr__io_stat(p, &size, &is_dir) || !is_dir) st = pr__fail(err, PR_ERR_IO, "%s: %s exists and is not a folder", path, p);
-        if (st) { PR_FREE(p); return st; }
-        p[i] = c;
+/* Creates the folder dir itself when missing (never its parents: a missing parent is an error that
+   names it), and checks that what is there is a folder. */
+static pr_status pr__mkdir_one(const char *dir, pr_error *err) {
+    uint64_t size;
+    int is_dir = 0;
+    if (!pr__io_mkdir(dir)) {
+        int e = errno;
+        if (e == ENOENT) {
+            char *parent = pr__path_dir(dir);
+            pr_status st = pr__fail(err, PR_ERR_IO, "%s: cannot create the folder: its parent %s does not exist (folders above the "
+                                    "one asked for are not created)", dir, parent ? parent : "");
+            PR_FREE(parent);
+            return st;
+        }
+        return pr__fail(err, PR_ERR_IO, "%s: cannot create the folder: %s", dir, strerror(e));
     }
-    PR_FREE(p);
+    if (!pr__io_stat(dir, &size, &is_dir) || !is_dir) return pr__fail(err, PR_ERR_IO, "%s: exists and is not a folder", dir);
     return PR_OK;
 }
 
@@ -6265,11 +6349,11 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
         shard[i] = n_shards - 1;
     }
     if (n_shards > 99999) { st = pr__fail(err, PR_ERR_ARG, "%s: %d shards are more than the 99999 the naming allows", dir, n_shards); goto done; }
-    if ((st = pr__mkdirs(dir, err))) goto done;
+    if ((st = pr__mkdir_one(dir, err))) goto done;
     if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
     if (n_shards == 1) {
         if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries, n, dtype, meta, err))) goto done;
+        if ((st = pr__st_write(file, entries, n, dtype, meta, NULL, err))) goto done;
         st = pr__remove_stale(dir, "model.safetensors.index.json", err);
         goto done;
     }
@@ -6279,7 +6363,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
         while (last < n && shard[last] == s) last++;
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         if (!(file = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, err))) goto done;
+        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, NULL, err))) goto done;
         PR_FREE(file);
         file = NULL;
         first = last;
@@ -6679,56 +6763,100 @@ PRDEF void pr_trace_free(pr_trace *trace) {
 }
 
 /* ---------------------------------------------------------------- 8.10 A trainer's checkpoints */
-PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
-    if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
+/* The full model's tensor table (the trainer's own without a mesh; a copy to free on a mesh). */
+static pr_tensor_info *pr__table_of(pr_trainer *tr, int *count) {
+    *count = tr->n_tensors;
+    return tr->mesh ? pr__full_table(tr, count, &(size_t){0}) : tr->tensors;
+}
+
+static void pr__shape_text(char *out, size_t cap, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(out, cap, "[");
+    for (int d = 0; d < ndim && k < cap; d++) k += (size_t)snprintf(out + k, cap - k, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+/* Reads every tensor of the table, named prefix + its name, from ck into host (n_full reals at the
+   table's offsets). A checkpoint of another model is refused by name: a tensor missing, one of
+   another shape (both shapes given), or one the model does not have. */
+static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
+                                  pr_real *host, pr_error *err) {
+    char name[400];
+    for (int i = 0; i < count; i++) {
+        const pr_tensor_info *ti = &table[i];
+        snprintf(name, sizeof name, "%s%s", prefix, ti->name);
+        const pr_st_tensor *t = pr_checkpoint_find(ck, name);
+        if (!t) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s is missing (a checkpoint of another model?)", path, name);
+        int same = t->ndim == ti->ndim;
+        for (int d = 0; same && d < ti->ndim; d++) same = t->shape[d] == ti->shape[d];
+        if (!same) {
+            char have[128], want[128];
+            pr__shape_text(have, sizeof have, t->ndim, t->shape);
+            pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
+            return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a checkpoint of another shape)", path, name,
+                            have, want);
+        }
+        pr_status st = pr_checkpoint_read(ck, t, host + ti->offset, ti->numel, err);
+        if (st) return st;
+    }
+    if (pr_checkpoint_count(ck) != count) {     /* every table name was found: one more tensor is extra */
+        for (int k = 0; k < pr_checkpoint_count(ck); k++) {
+            const char *nm = pr_checkpoint_tensor(ck, k)->name;
+            int known = 0;
+            for (int i = 0; i < count && !known; i++) {
+                snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
+                known = !strcmp(name, nm);
+            }
+            if (!known) return pr__fail(err, PR_ERR_ARG, "%s: holds tensor %s, which the model does not have (a checkpoint of another model)", path, nm);
+        }
+    }
+    return PR_OK;
+}
+
+/* Opens path and reads the table's tensors (prefix + name) into host. */
+static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, pr_real *host,
+                                     pr_error *err) {
     pr_checkpoint *ck;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
-    int count = tr->n_tensors;          /* a mesh shard reads the full tensors and keeps its slices */
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    for (int i = 0; i < count && !st; i++) {
-        const pr_tensor_info *ti = &table[i];
-        const pr_st_tensor *t = pr_checkpoint_find(ck, ti->name);
-        if (!t) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s is missing", path, ti->name); break; }
-        int64_t numel = 1;
-        for (int d = 0; d < t->ndim; d++) numel *= t->shape[d];
-        int same = t->ndim == ti->ndim && t->shape[0] == ti->shape[0] && (ti->ndim == 1 || t->shape[1] == ti->shape[1]);
-        if (!same) {
-            st = pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s has shape [%lld%s%lld], the config asks for [%lld%s%lld]", path, ti->name,
-                          (long long)t->shape[0], t->ndim > 1 ? ", " : "", t->ndim > 1 ? (long long)t->shape[1] : 0LL,
-                          (long long)ti->shape[0], ti->ndim > 1 ? ", " : "", ti->ndim > 1 ? (long long)ti->shape[1] : 0LL);
-            break;
-        }
-        st = pr_checkpoint_read(ck, t, host + ti->offset, (size_t)numel, err);
-    }
-    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
-    PR_FREE(host);
-    if (tr->mesh) PR_FREE(table);
+    st = pr__read_tensors(ck, path, prefix, table, count, host, err);
     pr_checkpoint_close(ck);
     return st;
 }
 
-/* A host copy of the full model's parameters or gradients with its safetensors entries. On a mesh
-   it is assembled (collective over tp) and only world rank 0 writes: *n is 0 on the others. */
-typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; int n; } pr__host_copy;
+PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
+    if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
+    int count;                          /* a mesh shard reads the full tensors and keeps its slices */
+    pr_tensor_info *table = pr__table_of(tr, &count);
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_status st = host && table ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
+    if (!st) st = pr__read_checkpoint(path, "", table, count, host, err);
+    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
+    PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
+    return st;
+}
+
+/* A host copy of the full model's parameters, gradients or moments with its safetensors entries
+   (named prefix + the tensor's name). On a mesh it is assembled (collective over tp) and only
+   world rank 0 writes: *n is 0 on the others. */
+typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; char *names; int n; } pr__host_copy;
 
 static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
     PR_FREE(x->host);
     PR_FREE(x->entries);
+    PR_FREE(x->names);
     if (tr->mesh) PR_FREE(x->table);
 }
 
-static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_copy *x, pr_error *err) {
+#define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
+static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, pr_error *err) {
     memset(x, 0, sizeof *x);
-    x->n = tr->n_tensors;
-    x->table = tr->mesh ? pr__full_table(tr, &x->n, &(size_t){0}) : tr->tensors;
+    x->table = pr__table_of(tr, &x->n);
     x->host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
     x->entries = x->table ? PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
-    pr_status st = x->host && x->entries ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
-    if (!st && tr->mesh) st = pr_trainer_get_full(tr, which, x->host, tr->n_full, err);
-    else if (!st) tr->be->download_reals(tr->be, x->host, which == PR_ARENA_GRADS ? tr->grads : tr->params, tr->n_params);
+    x->names = x->table ? PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
+    pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
+    if (!st) st = pr__get_full_arena(tr, arena, x->host, tr->n_full, err);
     if (st) {
         pr__export_free(tr, x);
         return st;
@@ -6736,8 +6864,10 @@ static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_
     for (int i = 0; i < x->n; i++) {
         const pr_tensor_info *ti = &x->table[i];
         pr_st_entry *e = &x->entries[i];
+        char *name = x->names + (size_t)PR__NAME_CAP * (size_t)i;
+        snprintf(name, PR__NAME_CAP, "%s%s", prefix, ti->name);
         memset(e, 0, sizeof *e);
-        e->name = ti->name;
+        e->name = name;
         e->data = x->host + ti->offset;
         e->ndim = ti->ndim;
         e->shape[0] = ti->shape[0];
@@ -6750,7 +6880,7 @@ static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, PR_ARENA_PARAMS, &x, err);
+    pr_status st = pr__export_arena(tr, tr->params, "", &x, err);
     if (st || !x.n) {
         if (!st) pr__export_free(tr, &x);
         return st;
@@ -6768,7 +6898,7 @@ PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype,
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_grads: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, PR_ARENA_GRADS, &x, err);
+    pr_status st = pr__export_arena(tr, tr->grads, "", &x, err);
     if (st || !x.n) {
         if (!st) pr__export_free(tr, &x);
         return st;
@@ -6776,6 +6906,271 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32,
                               "{\"content\": \"gradients\"}", err);
     pr__export_free(tr, &x);
+    return st;
+}
+
+/* ---- training state: a folder of complete states and a pointer to the current one */
+#define PR__STATE_FORMAT "prefixreuse-train-state"
+#define PR__STATE_REAL (sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32)   /* exact: the build's own precision */
+static const char *const pr__state_files[] = { "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json" };
+
+/* The model dimensions a state must agree on, compared before any tensor: a state of another model
+   is refused by naming the first field that differs. */
+static pr_status pr__state_same_model(const pr_config *have, const pr_config *want, const char *path, pr_error *err) {
+    static const struct { const char *name; size_t off; } fields[] = {
+        { "vocab_size", offsetof(pr_config, vocab_size) }, { "hidden_size", offsetof(pr_config, hidden_size) },
+        { "intermediate_size", offsetof(pr_config, intermediate_size) }, { "num_hidden_layers", offsetof(pr_config, num_hidden_layers) },
+        { "num_attention_heads", offsetof(pr_config, num_attention_heads) },
+        { "num_key_value_heads", offsetof(pr_config, num_key_value_heads) }, { "head_dim", offsetof(pr_config, head_dim) },
+        { "tie_word_embeddings", offsetof(pr_config, tie_word_embeddings) }, { "qk_norm", offsetof(pr_config, qk_norm) },
+        { "num_experts", offsetof(pr_config, num_experts) }, { "num_experts_per_tok", offsetof(pr_config, num_experts_per_tok) },
+        { "moe_intermediate_size", offsetof(pr_config, moe_intermediate_size) },
+    };
+    if (strcmp(have->model_type, want->model_type))
+        return pr__fail(err, PR_ERR_ARG, "%s: a %s model, this trainer's is %s", path, have->model_type, want->model_type);
+    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++) {
+        int a, b;
+        memcpy(&a, (const char *)have + fields[k].off, sizeof a);
+        memcpy(&b, (const char *)want + fields[k].off, sizeof b);
+        if (a != b) return pr__fail(err, PR_ERR_ARG, "%s: %s is %d, this trainer's model has %d (a state of another shape)", path, fields[k].name, a, b);
+    }
+    return PR_OK;
+}
+
+static pr_status pr__state_json(const pr_train_state *s, long step, pr__buf *b) {
+    char line[160];
+    pr__buf_str(b, "{\n  \"format\": \"" PR__STATE_FORMAT "\",\n");
+    snprintf(line, sizeof line, "  \"version\": %d,\n  \"step\": %ld,\n  \"next_group\": %ld,\n  \"seed\": \"%llu\",\n",
+             PR_TRAIN_STATE_VERSION, step, s->next_group, (unsigned long long)s->seed);
+    pr__buf_str(b, line);
+    snprintf(line, sizeof line, "  \"real\": \"%s\",\n", sizeof(pr_real) == 8 ? "F64" : "F32");
+    pr__buf_str(b, line);
+    const pr_adamw_opts *o = &s->adamw;
+    snprintf(line, sizeof line, "  \"adamw\": {\"lr\": %.17g, \"beta1\": %.17g, \"beta2\": %.17g, \"eps\": %.17g,\n", o->lr, o->beta1,
+             o->beta2, o->eps);
+    pr__buf_str(b, line);
+    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %.17g}\n}\n", o->weight_decay, o->max_grad_norm);
+    pr__buf_str(b, line);
+    return b->failed ? PR_ERR_NOMEM : PR_OK;
+}
+
+/* Removes a state folder's files and the folder (best effort: what stays is only disk space). */
+static void pr__state_remove(const char *dir, const char *name) {
+    char path[4400];
+    for (size_t k = 0; k < sizeof pr__state_files / sizeof pr__state_files[0]; k++) {
+        snprintf(path, sizeof path, "%s/%s/%s", dir, name, pr__state_files[k]);
+        remove(path);
+    }
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    remove(path);
+}
+
+/* The name `latest` holds (a plain folder name), or "" when there is none. */
+static pr_status pr__state_latest(const char *dir, char *name, size_t cap, int must, pr_error *err) {
+    char path[4000], *text = NULL;
+    size_t len = 0;
+    uint64_t size;
+    int is_dir;
+    name[0] = 0;
+    snprintf(path, sizeof path, "%s/latest", dir);
+    if (!must && !pr__io_stat(path, &size, &is_dir)) return PR_OK;
+    pr_status st = pr__read_small_file(path, 4096, &text, &len, err);
+    if (st) return st;
+    while (len && (text[len - 1] == '\n' || text[len - 1] == '\r' || text[len - 1] == ' ')) text[--len] = 0;
+    if (!len || len >= cap || strchr(text, '/') || strchr(text, '\\') || !strcmp(text, ".") || !strcmp(text, ".."))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: does not name a state folder of %s", path, dir);
+    else memcpy(name, text, len + 1);
+    PR_FREE(text);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err) {
+    if (!tr || !dir || !dir[0] || !state) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: path too long");
+    pr__host_copy x[3];
+    const pr_real *arenas[3] = { tr->params, tr->adam_m, tr->adam_v };
+    const char *prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
+    pr_status st = PR_OK;
+    int got = 0;
+    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], err);   /* collective */
+    if (st) got--;
+    pr__buf js = {NULL, 0, 0, 0};
+    char old[256], name[64], tmp[4000], path[4100], final[3980];
+    pr__progress progress = { opts, 0 };
+    pr__json *meta = NULL;
+    if (st || !x[0].n) goto done;                 /* not the writing rank */
+    if ((st = pr__mkdir_one(dir, err))) goto done;
+    if ((st = pr__state_latest(dir, old, sizeof old, 0, err))) old[0] = 0, st = PR_OK;   /* a broken pointer is replaced */
+    /* a fresh folder name: step-N, or step-N.K when a state of that step exists already */
+    snprintf(name, sizeof name, "step-%08ld", tr->adam_step);
+    for (int k = 1;; k++) {
+        uint64_t size;
+        int is_dir;
+        snprintf(final, sizeof final, "%s/%s", dir, name);
+        if (!pr__io_stat(final, &size, &is_dir)) break;
+        snprintf(name, sizeof name, "step-%08ld.%d", tr->adam_step, k);
+    }
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", final, pr__io_pid());
+    if ((st = pr__mkdir_one(tmp, err))) goto done;
+    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", tmp, err))) goto done;
+    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+    st = pr__st_write(path, x[0].entries, x[0].n, PR__STATE_REAL, meta, &progress, err);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+    if (!st) {      /* m and v in one file: the entries side by side */
+        pr_st_entry *both = PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
+        if (!both) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+        else {
+            memcpy(both, x[1].entries, sizeof(pr_st_entry) * (size_t)x[1].n);
+            memcpy(both + x[1].n, x[2].entries, sizeof(pr_st_entry) * (size_t)x[2].n);
+            st = pr__st_write(path, both, 2 * x[1].n, PR__STATE_REAL, meta, &progress, err);
+            PR_FREE(both);
+        }
+    }
+    if (!st) {
+        snprintf(path, sizeof path, "%s/config.json", tmp);
+        pr__buf b = {NULL, 0, 0, 0};
+        st = pr__config_json(&tr->model, &b, path, err);
+        if (!st) st = pr__write_file_progress(path, b.p, b.len, &progress, err);
+        PR_FREE(b.p);
+    }
+    if (!st && pr__state_json(state, tr->adam_step, &js)) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
+    snprintf(path, sizeof path, "%s/trainer_state.json", tmp);
+    if (!st) st = pr__write_file_progress(path, js.p, js.len, &progress, err);
+    /* the folder into place, then the pointer: the commit */
+    if (!st) {
+        pr__io_sync_parent(path);
+        if (!pr__io_rename(tmp, final)) st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", final, tmp, strerror(errno));
+    }
+    if (!st) {
+        pr__io_sync_parent(final);
+        char line[80];
+        snprintf(line, sizeof line, "%s\n", name);
+        snprintf(path, sizeof path, "%s/latest", dir);
+        st = pr__write_file_progress(path, line, strlen(line), &progress, err);
+    }
+    if (!st && old[0] && strcmp(old, name)) pr__state_remove(dir, old);
+    if (st) {          /* nothing half-written stays behind */
+        char *slash = strrchr(tmp, '/');
+        *slash = 0;
+        pr__state_remove(tmp, slash + 1);
+    }
+done:
+    PR_FREE(meta);
+    PR_FREE(js.p);
+    for (int k = 0; k < got; k++) pr__export_free(tr, &x[k]);
+    return st;
+}
+
+/* trainer_state.json: the format and version first, so that another file or an older state is
+   named as such. */
+static pr_status pr__state_parse(const char *path, pr_train_state *s, pr_error *err) {
+    char *text;
+    size_t len;
+    pr__json *j = NULL;
+    pr_status st = pr__read_small_file(path, (size_t)1 << 20, &text, &len, err);
+    if (st) return st;
+    st = pr__json_parse(&j, text, len, path, 0, err);
+    PR_FREE(text);
+    if (st) return st;
+    const pr__json *f = pr__json_get(j, "format"), *a = pr__json_get(j, "adamw"), *seed = pr__json_get(j, "seed");
+    const pr__json *real = pr__json_get(j, "real");
+    int64_t version = 0, step = -1, next = -1;
+    if (!f || f->type != PR__JSON_STRING || strcmp(f->str, PR__STATE_FORMAT))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse training state (its \"format\" is %s%s%s, expected \"" PR__STATE_FORMAT "\")",
+                      path, f && f->type == PR__JSON_STRING ? "\"" : "", f && f->type == PR__JSON_STRING ? f->str : pr__json_type_name(f),
+                      f && f->type == PR__JSON_STRING ? "\"" : "");
+    else if (!pr__json_int(pr__json_get(j, "version"), &version) || version < 1)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"version\" must be a positive integer", path);
+    else if (version != PR_TRAIN_STATE_VERSION)
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: training state format version %lld is %s; this build reads version %d", path,
+                      (long long)version, version < PR_TRAIN_STATE_VERSION ? "older" : "newer", PR_TRAIN_STATE_VERSION);
+    else if (!pr__json_int(pr__json_get(j, "step"), &step) || step < 0 || !pr__json_int(pr__json_get(j, "next_group"), &next) || next < 0)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"step\" and \"next_group\" must be integers >= 0", path);
+    else if (!real || real->type != PR__JSON_STRING || strcmp(real->str, sizeof(pr_real) == 8 ? "F64" : "F32"))
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: saved by a %s build; this build is %s (resume in the same precision)", path,
+                      real && real->type == PR__JSON_STRING ? real->str : "?", sizeof(pr_real) == 8 ? "F64" : "F32");
+    else if (!seed || seed->type != PR__JSON_STRING || !seed->count || strspn(seed->str, "0123456789") != seed->count)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"seed\" must be a string of decimal digits", path);
+    else if (!a || a->type != PR__JSON_OBJECT)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\" must be an object", path);
+    if (!st) {
+        static const char *const keys[6] = { "lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm" };
+        double *dst[6] = { &s->adamw.lr, &s->adamw.beta1, &s->adamw.beta2, &s->adamw.eps, &s->adamw.weight_decay, &s->adamw.max_grad_norm };
+        for (int k = 0; k < 6 && !st; k++) {
+            const pr__json *v = pr__json_get(a, keys[k]);
+            if (!v || v->type != PR__JSON_NUMBER) st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\".\"%s\" must be a number", path, keys[k]);
+            else *dst[k] = v->num;
+        }
+        s->step = (long)step;
+        s->next_group = (long)next;
+        s->seed = strtoull(seed->str, NULL, 10);
+    }
+    PR_FREE(j);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
+    if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
+    char folder[4200], path[4300], name[256];
+    uint64_t size;
+    int is_dir;
+    pr_status st = PR_OK;
+    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
+    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
+    else if (!(st = pr__state_latest(dir, name, sizeof name, 1, err))) snprintf(folder, sizeof folder, "%s/%s", dir, name);
+    if (st) return st;
+    pr_train_state s;
+    pr_config cfg;
+    memset(&s, 0, sizeof s);
+    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
+    if ((st = pr__state_parse(path, &s, err))) return st;
+    snprintf(path, sizeof path, "%s/config.json", folder);
+    if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
+    int count;
+    pr_tensor_info *table = pr__table_of(tr, &count);
+    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full * 3);
+    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
+    snprintf(path, sizeof path, "%s/model.safetensors", folder);
+    if (!st) st = pr__read_checkpoint(path, "", table, count, host, err);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", folder);
+    if (!st) {           /* m and v share one file: each read through the prefixes, then the count checked */
+        pr_checkpoint *ck = NULL;
+        st = pr_checkpoint_open(&ck, path, err);
+        for (int k = 0; k < 2 && !st; k++) {
+            const char *prefix = k ? "exp_avg_sq." : "exp_avg.";
+            char nm[PR__NAME_CAP];
+            for (int i = 0; i < count && !st; i++) {
+                const pr_tensor_info *ti = &table[i];
+                snprintf(nm, sizeof nm, "%s%s", prefix, ti->name);
+                const pr_st_tensor *t = pr_checkpoint_find(ck, nm);
+                int same = t && t->ndim == ti->ndim;
+                for (int d = 0; same && d < ti->ndim; d++) same = t->shape[d] == ti->shape[d];
+                if (!t) st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s is missing", path, nm);
+                else if (!same) {
+                    char have[128], want[128];
+                    pr__shape_text(have, sizeof have, t->ndim, t->shape);
+                    pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
+                    st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a state of another shape)", path, nm, have, want);
+                } else st = pr_checkpoint_read(ck, t, host + (size_t)(k + 1) * tr->n_full + ti->offset, ti->numel, err);
+            }
+        }
+        if (!st && pr_checkpoint_count(ck) != 2 * count)
+            st = pr__fail(err, PR_ERR_ARG, "%s: holds %d tensors, the model's moments are %d (a state of another model)", path,
+                          pr_checkpoint_count(ck), 2 * count);
+        if (ck) pr_checkpoint_close(ck);
+    }
+    /* every check passed: the trainer takes the state */
+    if (!st) st = pr__set_full_arena(tr, tr->params, host, err);
+    if (!st) st = pr__set_full_arena(tr, tr->adam_m, host + tr->n_full, err);
+    if (!st) st = pr__set_full_arena(tr, tr->adam_v, host + 2 * tr->n_full, err);
+    if (!st) {
+        tr->adam_step = s.step;
+        if (state) *state = s;
+    }
+    PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
     return st;
 }
 

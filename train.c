@@ -6,6 +6,7 @@
 
 #include <ctype.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,9 @@
 
 typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
+    const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
+    int save_every;                  /* steps between state saves (0: only at the end) */
+    long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
     pr_adamw_opts adam;
     int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
@@ -84,6 +88,14 @@ static void usage(FILE *f) {
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
         "  --save-grads FILE      write the last step's raw gradients (before clipping and the AdamW step;\n"
         "                         Hugging Face names) as safetensors\n"
+        "  --save-state DIR       write the training state (parameters, AdamW moments and step, the trace\n"
+        "                         position) into DIR at the end, atomically; DIR/latest names the current one\n"
+        "  --save-every N         also every N steps (with --save-state)\n"
+        "  --resume DIR           go on from a training state (DIR as given to --save-state, or one state\n"
+        "                         folder): --steps N more steps, bit-identical to a run that never stopped\n"
+        "  --loss-log FILE        append one line a step: step, loss and grad norm as exact hex floats\n"
+        "  --fault-kill-after-bytes N  tests only: kill this process (SIGKILL) once a state save has written\n"
+        "                         N bytes, to show that an interrupted save leaves the previous state loadable\n"
         "comparisons\n"
         "  --check                from the same weights and each group of the trace, run both schedules\n"
         "                         and one AdamW step; compare gradients and updated parameters with\n"
@@ -175,6 +187,11 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--init")) o->init = v;
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--save-grads")) o->save_grads = v;
+        else if (!strcmp(a, "--save-state")) o->save_state = v;
+        else if (!strcmp(a, "--resume")) o->resume = v;
+        else if (!strcmp(a, "--loss-log")) o->loss_log = v;
+        else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
+        else if (!strcmp(a, "--fault-kill-after-bytes")) { char *e; o->fault_kill_bytes = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
@@ -234,6 +251,12 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --save-grads writes a training step's gradients: it needs --steps >= 1, without --check or --bench\n");
         return 0;
     }
+    if ((o->save_state || o->resume || o->loss_log) && (o->check || o->bench)) {
+        fprintf(stderr, "train: --save-state, --resume and --loss-log belong to a training run, not --check or --bench\n");
+        return 0;
+    }
+    if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
+    if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
     if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
     if (o->cp > 1 && o->step.microbatch != 1) {
@@ -279,6 +302,55 @@ static int make_trainer(const options *o, const pr_config *cfg, pr_trainer **tr,
         return 0;
     }
     return 1;
+}
+
+/* ------------------------------------------------------------------ training state */
+/* --fault-kill-after-bytes: the save's progress hook ends the process where it stands, as a crash
+   or an out-of-memory kill would, with files half written. */
+static void kill_after(void *user, uint64_t bytes) {
+    const options *o = user;
+    if (bytes < (uint64_t)o->fault_kill_bytes) return;
+    fflush(stdout);
+#ifdef SIGKILL
+    raise(SIGKILL);
+#endif
+    abort();
+}
+
+/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. The
+   run's AdamW settings are the command line's; a state that ran with others gets a note. */
+static pr_status start_state(const options *o, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
+    memset(s, 0, sizeof *s);
+    s->seed = o->seed;
+    s->adamw = o->adam;
+    if (!o->resume) return PR_OK;
+    pr_status st = pr_trainer_load_state(tr, o->resume, s, err);
+    if (st || !lead) return st;
+    printf("resumed %s: %ld steps taken, next group %ld (seed %llu)\n", o->resume, s->step, s->next_group, (unsigned long long)s->seed);
+    const pr_adamw_opts *a = &s->adamw, *b = &o->adam;
+    if (a->lr != b->lr || a->beta1 != b->beta1 || a->beta2 != b->beta2 || a->eps != b->eps || a->weight_decay != b->weight_decay ||
+        a->max_grad_norm != b->max_grad_norm)
+        fprintf(stderr, "train: note: the state ran with lr %g, weight decay %g, clip %g; going on with lr %g, weight decay %g, clip %g\n",
+                a->lr, a->weight_decay, a->max_grad_norm, b->lr, b->weight_decay, b->max_grad_norm);
+    s->adamw = o->adam;
+    return PR_OK;
+}
+
+/* --save-state, every --save-every steps and at the end (collective on a mesh). */
+static pr_status save_state(const options *o, pr_trainer *tr, const pr_train_state *s, int lead, pr_error *err) {
+    pr_save_opts so = { o->fault_kill_bytes ? kill_after : NULL, (void *)o };
+    pr_status st = pr_trainer_save_state(tr, o->save_state, s, &so, err);
+    if (!st && lead) printf("saved state %s (%ld steps, next group %ld)\n", o->save_state, s->step, s->next_group);
+    return st;
+}
+
+static int save_due(const options *o, int k) {
+    return o->save_state && ((o->save_every && (k + 1) % o->save_every == 0) || k == o->steps - 1);
+}
+
+/* --loss-log: exact values, so that two runs can be compared byte for byte. */
+static void log_step(FILE *f, long step, double loss, double gnorm) {
+    if (f) fprintf(f, "step %ld loss %a grad-norm %a\n", step, loss, gnorm);
 }
 
 /* ------------------------------------------------------------------ the mesh */
@@ -350,24 +422,35 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         r->stack_bytes = ss.prefix_stack_bytes;
         if (!lead) { free(g); free(p); }
     }
-    for (int step = 0; !st && !j->check && step < o->steps; step++) {
+    pr_train_state ts;
+    if (!st && !j->check) st = start_state(o, tr, &ts, lead, err);
+    FILE *log = !st && !j->check && lead && o->loss_log ? fopen(o->loss_log, "a") : NULL;
+    if (!st && !j->check && lead && o->loss_log && !log) st = set_error(err, PR_ERR_IO, "cannot open the --loss-log file");
+    for (int k = 0; !st && !j->check && k < o->steps; k++) {
         pr_group batch[64];
         double gnorm;
-        const int nb = o->dp_groups;
-        for (int k = 0; k < nb; k++) batch[k] = j->trace->groups[(step * nb + k) % j->trace->n_groups];
+        const int nb = o->dp_groups, ng = j->trace->n_groups;
+        const long step = ts.step, pos = ts.next_group;
+        for (int b = 0; b < nb; b++) batch[b] = j->trace->groups[(pos + b) % ng];
         st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &o->step, &ss, err);
-        if (!st && step == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
+        if (!st && k == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (st) break;
-        for (int k = 0; k < 3; k++) r->seconds[k] += ss.seconds[k];
+        ts.step++;
+        ts.next_group += nb;
+        for (int q = 0; q < 3; q++) r->seconds[q] += ss.seconds[q];
         r->kv_bytes = ss.prefix_kv_bytes;
         r->stack_bytes = ss.prefix_stack_bytes;
-        if (lead)
-            printf("step %3d  groups %d..%d  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
-                   step * nb % j->trace->n_groups, (step * nb + nb - 1) % j->trace->n_groups, ss.loss, gnorm,
-                   1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+        if (lead) {
+            printf("step %3ld  groups %ld..%ld  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
+                   pos % ng, (pos + nb - 1) % ng, ss.loss, gnorm, 1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+            log_step(log, step, ss.loss, gnorm);
+        }
+        if (save_due(o, k)) st = save_state(o, tr, &ts, lead, err);
     }
+    if (log) fclose(log);
+    if (!st && !j->check && o->steps == 0 && o->save_state) st = save_state(o, tr, &ts, lead, err);
     if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
         printf("saved %s\n", o->save);
     pr_comm *dims[4] = { m.dp_comm, m.pp_comm, m.cp_comm, m.tp_comm };
@@ -495,25 +578,44 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
            sizeof(pr_real) == 8 ? "double" : "float");
-    for (int step = 0; step < o->steps; step++) {
-        const pr_group *g = &trace->groups[step % trace->n_groups];
+    pr_train_state ts;
+    FILE *log = NULL;
+    if (start_state(o, tr, &ts, 1, &err) || (o->loss_log && !(log = fopen(o->loss_log, "a")) &&
+                                              set_error(&err, PR_ERR_IO, "cannot open the --loss-log file"))) {
+        pr_trainer_destroy(tr);
+        return fail(&err);
+    }
+    for (int k = 0; k < o->steps; k++) {
+        const long step = ts.step, gi = ts.next_group % trace->n_groups;
+        const pr_group *g = &trace->groups[gi];
         pr_step_stats st;
         double gnorm;
         if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) ||
-            (step == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
+            (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
             pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
+            if (log) fclose(log);
             pr_trainer_destroy(tr);
             return fail(&err);
         }
+        ts.step++;
+        ts.next_group++;
         double total = st.seconds[0] + st.seconds[1] + st.seconds[2];
-        printf("step %3d  group %d (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
-               step, step % trace->n_groups, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
+        printf("step %3ld  group %ld (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
+               step, gi, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
                1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
                st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
+        log_step(log, step, st.loss, gnorm);
         if (o->step.offload.enabled) print_offload("          ", &st.offload);
         if (cfg->num_experts) print_routing(tr, cfg, &st);
+        if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) {
+            if (log) fclose(log);
+            pr_trainer_destroy(tr);
+            return fail(&err);
+        }
     }
+    if (log) fclose(log);
     int rc = 0;
+    if (o->steps == 0 && o->save_state && save_state(o, tr, &ts, 1, &err)) rc = fail(&err);
     if (o->save) {
         if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
         else printf("saved %s\n", o->save);
@@ -908,6 +1010,21 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     return rc;
 }
 
+/* The model of a --resume folder: its config.json, through DIR/latest unless DIR is a state folder. */
+static void resume_config(const char *dir, char *path, size_t cap) {
+    char name[256] = "";
+    snprintf(path, cap, "%s/trainer_state.json", dir);
+    FILE *f = fopen(path, "r");
+    if (f) { fclose(f); snprintf(path, cap, "%s/config.json", dir); return; }
+    snprintf(path, cap, "%s/latest", dir);
+    if ((f = fopen(path, "r"))) {
+        if (!fgets(name, sizeof name, f)) name[0] = 0;
+        fclose(f);
+    }
+    name[strcspn(name, "\r\n")] = 0;
+    snprintf(path, cap, "%s/%s/config.json", dir, name);
+}
+
 int main(int argc, char **argv) {
     options o;
     if (!parse_args(argc, argv, &o)) return 2;
@@ -915,7 +1032,8 @@ int main(int argc, char **argv) {
     pr_config cfg;
     char init_config[4096];
     snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
-    FILE *probe = o.init && !o.config_given ? fopen(init_config, "r") : NULL;
+    if (o.resume) resume_config(o.resume, init_config, sizeof init_config);
+    FILE *probe = (o.init || o.resume) && !o.config_given ? fopen(init_config, "r") : NULL;
     if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err)) return fail(&err);
     if (o.layers > cfg.num_hidden_layers) {
