@@ -6775,11 +6775,19 @@ static void pr__shape_text(char *out, size_t cap, int ndim, const int64_t *shape
     if (k < cap) snprintf(out + k, cap - k, "]");
 }
 
+/* The layer index of a name "model.layers.<i>.", or -1. */
+static int pr__layer_of(const char *name) {
+    if (strncmp(name, "model.layers.", 13) || name[13] < '0' || name[13] > '9') return -1;
+    return atoi(name + 13);
+}
+
 /* Reads every tensor of the table, named prefix + its name, from ck into host (n_full reals at the
    table's offsets). A checkpoint of another model is refused by name: a tensor missing, one of
-   another shape (both shapes given), or one the model does not have. */
+   another shape (both shapes given), a layer past the model's last. Other tensors are passed over
+   (Hugging Face files may carry buffers such as rotary_emb.inv_freq) unless `exact`, for the
+   trainer's own files, which hold nothing else. */
 static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
-                                  pr_real *host, pr_error *err) {
+                                  int n_layers, int exact, pr_real *host, pr_error *err) {
     char name[400];
     for (int i = 0; i < count; i++) {
         const pr_tensor_info *ti = &table[i];
@@ -6798,27 +6806,27 @@ static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const cha
         pr_status st = pr_checkpoint_read(ck, t, host + ti->offset, ti->numel, err);
         if (st) return st;
     }
-    if (pr_checkpoint_count(ck) != count) {     /* every table name was found: one more tensor is extra */
-        for (int k = 0; k < pr_checkpoint_count(ck); k++) {
-            const char *nm = pr_checkpoint_tensor(ck, k)->name;
-            int known = 0;
-            for (int i = 0; i < count && !known; i++) {
-                snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
-                known = !strcmp(name, nm);
-            }
-            if (!known) return pr__fail(err, PR_ERR_ARG, "%s: holds tensor %s, which the model does not have (a checkpoint of another model)", path, nm);
+    const size_t plen = strlen(prefix);
+    for (int k = 0; k < pr_checkpoint_count(ck); k++) {    /* every table name was found: the rest is extra */
+        const char *nm = pr_checkpoint_tensor(ck, k)->name;
+        int known = 0;
+        if (!exact && (strncmp(nm, prefix, plen) || pr__layer_of(nm + plen) < n_layers)) continue;
+        for (int i = 0; i < count && !known; i++) {
+            snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
+            known = !strcmp(name, nm);
         }
+        if (!known) return pr__fail(err, PR_ERR_ARG, "%s: holds tensor %s, which the model does not have (a checkpoint of another model)", path, nm);
     }
     return PR_OK;
 }
 
 /* Opens path and reads the table's tensors (prefix + name) into host. */
-static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, pr_real *host,
-                                     pr_error *err) {
+static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, int n_layers,
+                                     int exact, pr_real *host, pr_error *err) {
     pr_checkpoint *ck;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
-    st = pr__read_tensors(ck, path, prefix, table, count, host, err);
+    st = pr__read_tensors(ck, path, prefix, table, count, n_layers, exact, host, err);
     pr_checkpoint_close(ck);
     return st;
 }
@@ -6829,7 +6837,7 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
     pr_tensor_info *table = pr__table_of(tr, &count);
     pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
     pr_status st = host && table ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    if (!st) st = pr__read_checkpoint(path, "", table, count, host, err);
+    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 0, host, err);
     if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
     PR_FREE(host);
     if (tr->mesh) PR_FREE(table);
@@ -7133,7 +7141,7 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full * 3);
     if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
     snprintf(path, sizeof path, "%s/model.safetensors", folder);
-    if (!st) st = pr__read_checkpoint(path, "", table, count, host, err);
+    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, host, err);
     snprintf(path, sizeof path, "%s/optimizer.safetensors", folder);
     if (!st) {           /* m and v share one file: each read through the prefixes, then the count checked */
         pr_checkpoint *ck = NULL;

@@ -582,7 +582,7 @@ static void test_bad_input(void) {
     other.intermediate_size = 44;
     pr_trainer *o2 = make_model(&other, 1);
     CHECK(!pr_trainer_save(o2, dir, PR_DT_F32, 0, &err), "save: %s", err.message);
-    CHECK(pr_trainer_load(tr, dir, &err) == PR_ERR_FORMAT && strstr(err.message, "mlp"), "mismatched checkpoint accepted: %s", err.message);
+    CHECK(pr_trainer_load(tr, dir, &err) == PR_ERR_ARG && strstr(err.message, "mlp"), "mismatched checkpoint accepted: %s", err.message);
     pr_real *p1 = params_of(tr);
     CHECK(!memcmp(p0, p1, n * sizeof(pr_real)), "a refused load changed the parameters");
     CHECK(pr_trainer_load(tr, "/nonexistent/checkpoint", &err) == PR_ERR_IO, "missing checkpoint: %s", err.message);
@@ -1175,6 +1175,161 @@ static void test_checkpoints(void) {
     remove_tree(dir, 1);
 }
 
+/* A well-formed checkpoint of another model is refused by naming the tensor and both shapes (or the
+   tensor the model lacks), as a bad argument, not a malformed file; the trainer keeps its weights. */
+static void test_other_shape(void) {
+    const pr_config base = small_config(1, 1, 2);
+    static const struct { const char *what; int field; int value; const char *needle; } rows[] = {
+        { "hidden size", 0, 32, "model.embed_tokens.weight has shape [61, 32], the model's is [61, 24]" },
+        { "MLP width", 1, 48, "mlp.gate_proj.weight has shape [48, 24], the model's is [40, 24]" },
+        { "vocabulary", 2, 70, "model.embed_tokens.weight has shape [70, 24], the model's is [61, 24]" },
+        { "KV heads", 3, 1, "self_attn.k_proj.weight has shape [8, 24], the model's is [16, 24]" },
+        { "more layers", 4, 3, "model.layers.2." },
+        { "fewer layers", 4, 1, "model.layers.1." },
+        { "query heads", 5, 2, "self_attn.q_proj.weight has shape [16, 24], the model's is [32, 24]" },
+    };
+    pr_trainer *b = make_model(&base, 5);
+    size_t n = pr_trainer_param_count(b);
+    pr_real *before = params_of(b);
+    char dir[] = "/tmp/prtest_shapeXXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        pr_config c = base;
+        int *f[] = { &c.hidden_size, &c.intermediate_size, &c.vocab_size, &c.num_key_value_heads, &c.num_hidden_layers,
+                     &c.num_attention_heads };
+        *f[rows[r].field] = rows[r].value;
+        pr_trainer *a = make_model(&c, 9);
+        pr_error err;
+        char sub[600];
+        snprintf(sub, sizeof sub, "%s/%zu", dir, r);
+        CHECK(!pr_trainer_save(a, sub, PR_DT_F32, 0, &err), "save %s: %s", rows[r].what, err.message);
+        pr_status st = pr_trainer_load(b, sub, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, rows[r].needle), "%s: status %s, '%s' (want '%s')", rows[r].what,
+              pr_status_name(st), err.message, rows[r].needle);
+        pr_trainer_destroy(a);
+    }
+    pr_real *after = params_of(b);
+    CHECK(!memcmp(before, after, sizeof(pr_real) * n), "a refused checkpoint left the weights alone");
+    free(before); free(after);
+    pr_trainer_destroy(b);
+    remove_tree(dir, 1);
+}
+
+/* One GRPO step and AdamW on a trainer. */
+static void train_step(pr_trainer *tr, const pr_group *g) {
+    pr_step_opts o = pr_step_opts_default();
+    pr_adamw_opts a = pr_adamw_opts_default();
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, g, &o, NULL, NULL, &err) && !pr_trainer_adamw_step(tr, &a, NULL, &err), "step: %s", err.message);
+}
+
+static int same_state(pr_trainer *a, pr_trainer *b) {
+    size_t bytes = sizeof(pr_real) * a->n_params;
+    return a->adam_step == b->adam_step && !memcmp(a->params, b->params, bytes) && !memcmp(a->adam_m, b->adam_m, bytes) &&
+           !memcmp(a->adam_v, b->adam_v, bytes);
+}
+
+static void rewrite_file(const char *path, const char *from, const char *to) {
+    FILE *f = fopen(path, "rb");
+    char buf[4096], out[4096];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    char *at = strstr(buf, from);
+    if (!at) { snprintf(out, sizeof out, "%s", buf); }
+    else snprintf(out, sizeof out, "%.*s%s%s", (int)(at - buf), buf, to, at + strlen(from));
+    f = fopen(path, "wb");
+    if (f) { fputs(out, f); fclose(f); }
+}
+
+/* The training state: saved and loaded, a trainer goes on bit for bit as the one that never stopped;
+   every refusal names its reason and leaves the trainer as it was. */
+static void test_train_state(void) {
+    pr_config c = small_config(1, 0, 2);
+    const int S[3] = { 3, 5, 2 };
+    test_group t;
+    make_group(&t, 5, 3, S, c.vocab_size, 11);
+    pr_trainer *a = make_model(&c, 31), *b = make_model(&c, 77);
+    pr_error err;
+    char dir[] = "/tmp/prtest_stateXXXXXX", sd[600], path[700], path2[700];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(sd, sizeof sd, "%s/run", dir);
+    train_step(a, &t.g);
+    train_step(a, &t.g);
+    pr_train_state s = { 0, 7, 1234, pr_adamw_opts_default() }, back;
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "save state: %s", err.message);
+    snprintf(path, sizeof path, "%s/latest", sd);
+    CHECK(access(path, F_OK) == 0, "latest written");
+    memset(&back, 0, sizeof back);
+    CHECK(!pr_trainer_load_state(b, sd, &back, &err), "load state: %s", err.message);
+    CHECK(same_state(a, b), "parameters, m, v and step come back bit for bit");
+    CHECK(back.step == 2 && back.next_group == 7 && back.seed == 1234 && back.adamw.lr == s.adamw.lr &&
+          back.adamw.beta1 == s.adamw.beta1 && back.adamw.eps == s.adamw.eps, "the run's position and settings come back");
+    train_step(a, &t.g);
+    train_step(b, &t.g);
+    CHECK(same_state(a, b), "the resumed trainer's next step is the same bits");
+
+    /* a second save replaces the first: latest moves, the old folder goes */
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "second save: %s", err.message);
+    snprintf(path, sizeof path, "%s/step-00000002", sd);
+    snprintf(path2, sizeof path2, "%s/step-00000003/optimizer.safetensors", sd);
+    CHECK(access(path, F_OK) != 0 && access(path2, F_OK) == 0, "the previous state folder is removed once latest moved");
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "same step again: %s", err.message);
+    snprintf(path, sizeof path, "%s/step-00000003.1", sd);
+    CHECK(access(path, F_OK) == 0, "a state of the same step gets a fresh folder");
+    CHECK(!pr_trainer_load_state(b, path, NULL, &err) && same_state(a, b), "a state folder loads directly: %s", err.message);
+
+    /* refusals: the trainer keeps what it had */
+    train_step(b, &t.g);
+    pr_trainer *keep = make_model(&c, 1);
+    CHECK(!pr_trainer_load_state(keep, path, NULL, &err), "%s", err.message);
+    train_step(keep, &t.g);
+    snprintf(path, sizeof path, "%s/nowhere/run", dir);
+    pr_status st = pr_trainer_save_state(a, path, &s, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "does not exist"), "missing parent: %s", err.message);
+    snprintf(path, sizeof path, "%s/nowhere", dir);
+    CHECK(access(path, F_OK) != 0, "no parent created");
+    pr_config other = c;
+    other.intermediate_size = 48;
+    pr_trainer *o = make_model(&other, 3);
+    st = pr_trainer_load_state(o, sd, NULL, &err);
+    CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "other shape: %s", err.message);
+    pr_trainer_destroy(o);
+    snprintf(path, sizeof path, "%s/step-00000003.1/trainer_state.json", sd);
+    rewrite_file(path, "\"version\": 1", "\"version\": 2");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "version 2 is newer; this build reads version 1"), "newer: %s", err.message);
+    rewrite_file(path, "\"version\": 2", "\"version\": 0");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "version"), "version 0: %s", err.message);
+    rewrite_file(path, "\"version\": 0", "\"version\": 1");
+    rewrite_file(path, "prefixreuse-train-state", "something-else");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "not a prefixreuse training state"), "other format: %s", err.message);
+    rewrite_file(path, "something-else", "prefixreuse-train-state");
+    rewrite_file(path, IS_DOUBLE ? "\"F64\"" : "\"F32\"", IS_DOUBLE ? "\"F32\"" : "\"F64\"");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "same precision"), "other precision: %s", err.message);
+    rewrite_file(path, IS_DOUBLE ? "\"F32\"" : "\"F64\"", IS_DOUBLE ? "\"F64\"" : "\"F32\"");
+    snprintf(path, sizeof path, "%s/step-00000003.1/optimizer.safetensors", sd);
+    snprintf(path2, sizeof path2, "%s/step-00000003.1/optimizer.hidden", sd);
+    CHECK(rename(path, path2) == 0, "rename");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "optimizer.safetensors"), "missing optimizer file: %s", err.message);
+    CHECK(rename(path2, path) == 0, "rename back");
+    snprintf(path, sizeof path, "%s/latest", sd);
+    rewrite_file(path, "step", "../step");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "does not name a state folder"), "a latest that leaves the folder: %s", err.message);
+    st = pr_trainer_load_state(b, dir, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "latest"), "a folder without a state: %s", err.message);
+    CHECK(same_state(b, keep), "every refused load left the trainer as it was");
+    pr_trainer_destroy(keep);
+    pr_trainer_destroy(a);
+    pr_trainer_destroy(b);
+    remove_tree(dir, 2);
+}
+
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
@@ -1186,6 +1341,8 @@ int main(void) {
     test_dp();
     test_mesh();
     test_checkpoints();
+    test_other_shape();
+    test_train_state();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
         test_gradcheck(&l, "llama");
