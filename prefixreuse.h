@@ -687,6 +687,15 @@ typedef struct {
     int dp_rank, pp_rank, cp_rank, tp_rank;
     pr_comm *world, *dp_comm, *pp_comm, *cp_comm, *tp_comm;
     pr_comm *ends_comm;      /* the pipeline's first and last stage (a tied embedding lives on both); alone elsewhere */
+    /* Sharded training state over the dp ranks (ZeRO), set after pr_mesh_init (which makes it 0)
+       and before pr_trainer_create_mesh. 0: every dp rank holds all of its arena's AdamW state.
+       1: the arena is cut into dp slices; each rank keeps m and v of its slice only, clips and
+       updates that slice, and the updated parameters are all-gathered over dp. 2: as 1, and the
+       step's gradient sum over dp is a reduce-scatter, so that after it a rank holds the summed
+       gradient of its slice only (pr_trainer_get_full gathers the rest). The gradient buffer is
+       still whole, for the step's accumulation: stage 2 saves traffic here, not memory. Results
+       are bitwise those of stage 0 (the norm is summed over the same pieces in the same order). */
+    int zero;
 } pr_mesh;
 /* Collective over world. On failure nothing is left allocated. */
 PRDEF pr_status pr_mesh_init(pr_mesh *mesh, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err);
@@ -1550,8 +1559,15 @@ struct pr_trainer {
     int n_tensors;
     pr_tensor_info *tensors;
     size_t n_params;
-    pr_real *arena;                        /* 4 * n_params: parameters, gradients, AdamW m, AdamW v */
+    pr_real *arena;                        /* parameters, gradients (n_pad each), AdamW m and v (slice_cap each) */
     pr_real *params, *grads, *adam_m, *adam_v;
+    /* ZeRO (mesh->zero > 0 and dp > 1): the arena in dp slices of slice_cap reals (whole units, the
+       pieces the gradient norm is summed over), this rank's [slice_lo, slice_lo + slice_n); the
+       parameter and gradient buffers padded to n_pad = dp * slice_cap for the collectives. Without
+       it: one slice, the whole arena. m and v hold this rank's slice. */
+    int zero;                              /* the stage in effect: 0 unless sharded */
+    size_t unit, n_pad, slice_cap, slice_lo, slice_n;
+    int grads_scattered;                   /* stage 2: only this rank's slice of grads holds the sum */
     size_t off_embed, off_norm, off_lm_head;
     pr__layer_off *layer_off;              /* (L) */
     pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
@@ -1883,6 +1899,27 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
 
 #define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
 
+/* The AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
+   that depends on the arena's size only, so that every stage cuts the same way), the units dealt
+   out in dp contiguous runs of equal length (the last ones shorter, or empty). */
+static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
+    const size_t n = tr->n_params;
+    size_t unit = 256;
+    while (unit < ((size_t)1 << 22) && unit * 4096 < n) unit *= 2;
+    tr->unit = unit;
+    tr->zero = zero;
+    if (!zero) {
+        tr->n_pad = tr->slice_cap = tr->slice_n = n;
+        tr->slice_lo = 0;
+        return;
+    }
+    const size_t units = (n + unit - 1) / unit, per = (units + (size_t)dp - 1) / (size_t)dp;
+    tr->slice_cap = per * unit;
+    tr->n_pad = tr->slice_cap * (size_t)dp;
+    tr->slice_lo = (size_t)rank * tr->slice_cap < n ? (size_t)rank * tr->slice_cap : n;
+    tr->slice_n = n - tr->slice_lo < tr->slice_cap ? n - tr->slice_lo : tr->slice_cap;
+}
+
 static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
@@ -1914,12 +1951,22 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
     tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
-    if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
+    if (!tr->tensors || !tr->layer_off || !tr->mb_arena) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     }
     pr__build_layout(tr, tr->tensors, &tr->n_tensors, &tr->n_params);
     tr->n_full = tr->n_params;
+    if (mesh && (mesh->zero < 0 || mesh->zero > 2)) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_ARG, "mesh zero stage %d: 0, 1 or 2", mesh->zero);
+    }
+    pr__plan_slices(tr, mesh && mesh->dp > 1 ? mesh->zero : 0, mesh ? mesh->dp : 1, mesh ? mesh->dp_rank : 0);
+    size_t reals = 2 * tr->n_pad + 2 * tr->slice_cap;
+    if (reals < 2 * tr->n_pad || !pr__mul_size(reals, sizeof(pr_real), &arena_bytes)) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: the parameter arena's size overflows");
+    }
     if (mesh && (st = pr__build_shards(tr, err))) {
         pr_trainer_destroy(tr);
         return st;
@@ -1939,9 +1986,9 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
     }
     tr->params = tr->arena;
-    tr->grads = tr->arena + tr->n_params;
-    tr->adam_m = tr->arena + 2 * tr->n_params;
-    tr->adam_v = tr->arena + 3 * tr->n_params;
+    tr->grads = tr->arena + tr->n_pad;
+    tr->adam_m = tr->arena + 2 * tr->n_pad;
+    tr->adam_v = tr->adam_m + tr->slice_cap;
     be->zero(be, tr->arena, arena_bytes);
     pr_real host_freq[PR__MAX_HEAD_DIM / 2];
     pr__rope_frequencies(cfg, host_freq);
@@ -2056,7 +2103,8 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
     PR_FREE(host);
     if (tr->mesh) PR_FREE(table);
     if (st) return st;
-    tr->be->zero(tr->be, tr->grads, 3 * tr->n_params * sizeof(pr_real));
+    tr->be->zero(tr->be, tr->grads, (tr->n_pad + 2 * tr->slice_cap) * sizeof(pr_real));
+    tr->grads_scattered = 0;
     tr->adam_step = 0;
     return PR_OK;
 }
@@ -2860,7 +2908,10 @@ static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_s
     memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
-    if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+    if (!opt->accumulate) {
+        be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+        tr->grads_scattered = 0;
+    }
     if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
     double t0 = pr__now();
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
@@ -2967,6 +3018,60 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
     return o;
 }
 
+/* The squared norm of the full model's gradient. The arena is summed in pieces, each a tensor's
+   part of one unit (a tensor held on several ranks counted on one), every piece's sum of squares
+   added in arena order: sharded, each rank sums the pieces of its slice, the pieces are gathered
+   over dp (padded with zeros, which add nothing), and the same additions run in the same order,
+   so every stage gets the same bits. Then the sums of the TP and PP shards. */
+static size_t pr__grad_pieces(pr_trainer *tr, size_t lo, size_t hi, double *piece) {
+    const pr_backend *be = tr->be;
+    size_t k = 0;
+    for (int t = 0; t < tr->n_tensors; t++) {
+        const pr_tensor_info *ti = &tr->tensors[t];
+        if (tr->mesh && tr->shard[t].elsewhere) continue;
+        size_t a = ti->offset > lo ? ti->offset : lo, b = ti->offset + ti->numel < hi ? ti->offset + ti->numel : hi;
+        while (a < b) {
+            size_t e = (a / tr->unit + 1) * tr->unit;
+            if (e > b) e = b;
+            if (piece) piece[k] = be->sum_squares(be, tr->grads + a, e - a);
+            k++;
+            a = e;
+        }
+    }
+    return k;
+}
+
+static double pr__grad_sum_squares(pr_trainer *tr) {
+    const pr_backend *be = tr->be;
+    const int R = tr->zero ? tr->mesh->dp : 1;
+    const size_t cap = tr->slice_cap / tr->unit + (size_t)tr->n_tensors + 1;   /* pieces a slice can hold */
+    double *piece = PR_MALLOC(sizeof(double) * cap * (size_t)R), sq = 0;
+    double *dev = R > 1 ? be->alloc(be, sizeof(double) * cap * (size_t)R, PR_TIER_DEVICE) : NULL;
+    if (!piece || (R > 1 && !dev)) {
+        tr->alloc_failed = 1;
+    } else {
+        const size_t mine = (size_t)(R > 1 ? tr->mesh->dp_rank : 0) * cap;
+        memset(piece, 0, sizeof(double) * cap * (size_t)R);
+        pr__grad_pieces(tr, tr->slice_lo, tr->slice_lo + tr->slice_n, piece + mine);
+        if (R > 1) {
+            pr_comm *c = tr->mesh->dp_comm;
+            pr_error e;
+            be->copy(be, dev + mine, piece + mine, sizeof(double) * cap);
+            pr__comm_done(tr, c->all_gather(c, dev, dev + mine, cap, PR_COMM_F64, &e), &e);
+            be->copy(be, piece, dev, sizeof(double) * cap * (size_t)R);
+            be->sync(be);
+        }
+        for (size_t k = 0; k < cap * (size_t)R; k++) sq += piece[k];
+    }
+    PR_FREE(piece);
+    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    if (tr->mesh) {
+        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
+        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
+    }
+    return sq;
+}
+
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
     if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
     if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
@@ -2976,28 +3081,30 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
                         "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
                         o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
     const pr_backend *be = tr->be;
-    double sq = 0;
+    const size_t lo = tr->slice_lo, hi = tr->slice_lo + tr->slice_n;
     tr->comm_st = PR_OK;
-    if (!tr->mesh) {
-        sq = be->sum_squares(be, tr->grads, tr->n_params);
-    } else {                     /* the full model's norm: each shard once, a tensor held on several ranks once */
-        for (int t = 0; t < tr->n_tensors; t++)
-            if (!tr->shard[t].elsewhere)
-                sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
-        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
-        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
-    }
-    double norm = sqrt(sq);
+    double norm = sqrt(pr__grad_sum_squares(tr));
     pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
+    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the gradient norm's pieces");
+    tr->alloc_failed = 0;
     if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (st) return st;
     if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
-    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
+    /* this rank's slice (all of the arena unless sharded): clip, then AdamW tensor by tensor, a
+       tensor cut by the slice's ends updated over its part, with its own weight decay */
+    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads + lo, tr->slice_n, o->max_grad_norm / norm);
     tr->adam_step++;
     for (int t = 0; t < tr->n_tensors; t++) {
         const pr_tensor_info *ti = &tr->tensors[t];
-        be->adamw(be, tr->params + ti->offset, tr->grads + ti->offset, tr->adam_m + ti->offset, tr->adam_v + ti->offset,
-                  ti->numel, o->lr, o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+        size_t a = ti->offset > lo ? ti->offset : lo, b = ti->offset + ti->numel < hi ? ti->offset + ti->numel : hi;
+        if (a >= b) continue;
+        be->adamw(be, tr->params + a, tr->grads + a, tr->adam_m + (a - lo), tr->adam_v + (a - lo), b - a, o->lr, o->beta1,
+                  o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+    }
+    if (tr->zero) {              /* every rank's updated slice to every rank */
+        pr_comm *c = tr->mesh->dp_comm;
+        st = c->all_gather(c, tr->params, tr->params + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, err);
+        if (st) return st;
     }
     if (grad_norm) *grad_norm = norm;
     return be->take_error ? be->take_error(be, err) : PR_OK;
@@ -3803,14 +3910,16 @@ static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, 
 /* This rank's part of a full-model host vector (n_full reals) into one of its arenas (parameters,
    m or v). */
 static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_error *err) {
+    const int moment = arena == tr->adam_m || arena == tr->adam_v;    /* this rank's slice only */
+    const size_t lo = moment ? tr->slice_lo : 0, n = moment ? tr->slice_n : tr->n_params;
     if (!tr->mesh) {
-        tr->be->upload_reals(tr->be, arena, src, tr->n_params);
+        tr->be->upload_reals(tr->be, arena, src + lo, n);
         return PR_OK;
     }
     pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
     if (!local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
     pr__shard_copy(tr, (pr_real *)src, local, 0);
-    tr->be->upload_reals(tr->be, arena, local, tr->n_params);
+    tr->be->upload_reals(tr->be, arena, local + lo, n);
     PR_FREE(local);
     return PR_OK;
 }
@@ -3838,8 +3947,32 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 }
 
 /* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
-   every rank: collective over tp and pp. */
+   every rank: collective over tp and pp, and under ZeRO over dp for the moments and a scattered
+   gradient. */
+static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
 static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
+    pr_comm *dp = tr->mesh ? tr->mesh->dp_comm : NULL;
+    const size_t mine = tr->mesh ? (size_t)tr->mesh->dp_rank * tr->slice_cap : 0;
+    if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
+        pr_status st = dp->all_gather(dp, tr->grads, tr->grads + mine, tr->slice_cap, PR_COMM_REAL, err);
+        if (st) return st;
+        tr->grads_scattered = 0;
+    }
+    if (!tr->zero || (arena != tr->adam_m && arena != tr->adam_v)) return pr__get_full_arena_local(tr, arena, dst, n, err);
+    /* a moment: the slices gathered into a whole arena first */
+    const pr_backend *be = tr->be;
+    pr_real *whole = be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
+    pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered AdamW moment (%zu reals)", tr->n_pad);
+    if (whole) {
+        be->copy(be, whole + mine, arena, sizeof(pr_real) * tr->slice_cap);
+        st = dp->all_gather(dp, whole, whole + mine, tr->slice_cap, PR_COMM_REAL, err);
+    }
+    if (!st) st = pr__get_full_arena_local(tr, whole, dst, n, err);
+    if (whole) be->release(be, whole, PR_TIER_DEVICE);
+    return st;
+}
+
+static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
     if (!tr->mesh) {
         tr->be->download_reals(tr->be, dst, arena, n);
         return PR_OK;
@@ -4176,6 +4309,8 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
+    if (tr->zero && dp != tr->mesh->dp_comm)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
     int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
@@ -4185,6 +4320,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     pr_step_stats s, sum;
     memset(&sum, 0, sizeof sum);
     tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
+    tr->grads_scattered = 0;
     o.accumulate = 1;
     if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
         int gi = 0;
@@ -4213,7 +4349,13 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
     pr__mesh_sync_grads(tr);
-    pr_status cs = dp->size > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
+    pr_status cs = PR_OK;
+    if (tr->zero == 2) {         /* ZeRO-2: each rank gets the sum of its own slice only */
+        cs = dp->reduce_scatter(dp, tr->grads + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->grads, tr->slice_cap, PR_COMM_REAL, err);
+        tr->grads_scattered = 1;
+    } else if (dp->size > 1) {
+        cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
+    }
     if (st) return st;
     if (cs) return cs;
     if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);

@@ -34,6 +34,7 @@ typedef struct {
     int bench_groups[8], n_bench_groups;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
+    int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
     int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
     const char *nccl_id;
 } options;
@@ -79,6 +80,9 @@ static void usage(FILE *f) {
         "                         which get its prefix K/V from the first of them\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
+        "  --zero 0|1|2           shard the AdamW state over dp (README \"Training state\"): 1 keeps m and v of\n"
+        "                         a 1/dp slice per rank and all-gathers the updated weights, 2 also reduce-scatters\n"
+        "                         the gradients; bitwise the same results as 0 (default 0)\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
@@ -205,6 +209,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
         else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
+        else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
         else if (!strcmp(a, "--aux-scope")) {
             if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
             else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
@@ -400,6 +405,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     if (!be) return err->status;
     pr_status st = pr_mesh_init(&m, world, o->dp, o->pp, o->cp, o->tp, o->ep, err);
     if (st) return st;
+    m.zero = o->zero;
     if (!(st = pr_trainer_create_mesh(&tr, j->cfg, be, &m, err)))
         st = o->init ? pr_trainer_load(tr, o->init, err) : pr_trainer_init_params(tr, o->seed, err);
     rank_report *r = &j->rep[world->rank < 256 ? world->rank : 255];
@@ -485,7 +491,7 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
 }
 
 static void print_mesh(const options *o) {
-    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep,
+    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep, o->zero,
 #ifdef PR_CUDA
            ", NCCL, one process per GPU"
 #else
