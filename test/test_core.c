@@ -805,6 +805,7 @@ typedef struct {
     int n;
     pr_step_opts opt;
     const pr_real *init;          /* the full model's starting parameters */
+    int zero, steps;              /* ZeRO stage; AdamW steps (0: 1) */
     double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
 } mesh_run;
@@ -817,21 +818,24 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     const mesh_shape sh = m->shape;
     pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
     if (s) return s;
+    mesh.zero = m->zero;
     size_t n = 0;
     if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) {
         n = pr_trainer_full_param_count(tr);
         s = pr_trainer_set_full_params(tr, m->init, n, err);
     }
-    if (!s) s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
-                          : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
     pr_real *grads = world->rank ? malloc(sizeof(pr_real) * n) : m->grads;   /* every rank gathers; rank 0 keeps */
     pr_real *params = world->rank ? malloc(sizeof(pr_real) * n) : m->params;
-    if (!s) {
-        m->loss[world->rank] = st.loss;
-        s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
-    }
     pr_adamw_opts adam = pr_adamw_opts_default();
-    if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    for (int k = 0; k < (m->steps ? m->steps : 1) && !s; k++) {
+        s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
+                      : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
+        if (!s) {
+            m->loss[world->rank] = st.loss;
+            s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
+        }
+        if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    }
     if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, params, n, err);
     if (world->rank) {
         free(grads);
@@ -883,6 +887,65 @@ static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *grou
     }
     free(m.grads); free(m.params); free(init); free(gref); free(pref);
     pr_trainer_destroy(ref);
+}
+
+/* ZeRO: the same mesh run with the AdamW state unsharded and sharded over dp, three steps: the
+   gathered gradients and the parameters after every AdamW step are the same bits. */
+static void zero_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_schedule sched, const char *label) {
+    pr_trainer *ref = make_model(c, 5);
+    pr_real *init = params_of(ref);
+    size_t np = pr_trainer_param_count(ref);
+    pr_real *out[3][2];
+    for (int z = 0; z < 3; z++) {
+        mesh_run m;
+        pr_error err;
+        memset(&m, 0, sizeof m);
+        m.c = c; m.shape = shape; m.groups = groups; m.n = n; m.init = init;
+        m.opt = pr_step_opts_default();
+        m.opt.schedule = sched;
+        m.opt.microbatch = shape.mb;
+        m.zero = z;
+        m.steps = 3;
+        m.grads = out[z][0] = calloc(np, sizeof(pr_real));
+        m.params = out[z][1] = calloc(np, sizeof(pr_real));
+        pr_status st = pr_comm_local_run(mesh_size(shape), mesh_rank, &m, &err);
+        CHECK(st == PR_OK, "%s zero %d: %s", label, z, err.message);
+    }
+    for (int z = 1; z < 3; z++) {
+        CHECK(!memcmp(out[0][0], out[z][0], sizeof(pr_real) * np), "%s: zero %d gathered gradients differ from zero 0", label, z);
+        CHECK(!memcmp(out[0][1], out[z][1], sizeof(pr_real) * np), "%s: zero %d parameters after AdamW differ from zero 0", label, z);
+    }
+    for (int z = 0; z < 3; z++) { free(out[z][0]); free(out[z][1]); }
+    free(init);
+    pr_trainer_destroy(ref);
+}
+
+static void test_zero(void) {
+    const int S[8] = { 5, 1, 8, 3, 6, 2, 4, 7 };
+    static test_group tg[8];
+    pr_group groups[8];
+    for (int i = 0; i < 8; i++) {
+        make_group(&tg[i], 5 + i, 2 + i % 3, S + i % 4, 61, 900 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 4), qwen = small_config(1, 1, 4), moe = moe_config(1);
+    qwen.num_hidden_layers = 4;
+    moe.num_experts = 8;
+    static const int dps[4] = { 2, 3, 4, 8 };
+    char label[96];
+    for (int k = 0; k < 4; k++)
+        for (int sched = 0; sched < 2; sched++) {
+            mesh_shape sh = { dps[k], 1, 1, 1, 1, 2, 0 };
+            snprintf(label, sizeof label, "zero: dp %d, %s", dps[k], sched ? "reuse" : "baseline");
+            zero_case(&llama, sh, groups, dps[k], sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE, label);
+        }
+    mesh_shape mix = { 2, 2, 1, 2, 1, 1, 0 }, cpmix = { 2, 1, 2, 1, 1, 1, 0 }, split = { 4, 1, 1, 1, 1, 2, 0 }, ep = { 2, 1, 1, 2, 2, 2, 0 };
+    zero_case(&qwen, mix, groups, 3, PR_SCHEDULE_REUSE, "zero: dp 2 x pp 2 x tp 2, qwen3, tied");
+    zero_case(&llama, cpmix, groups, 2, PR_SCHEDULE_REUSE, "zero: dp 2 x cp 2");
+    zero_case(&llama, split, groups, 2, PR_SCHEDULE_REUSE, "zero: dp 4, groups split over 2 ranks");
+    zero_case(&moe, ep, groups, 2, PR_SCHEDULE_REUSE, "zero: MoE, dp 2 x tp 2 x ep 2");
+    zero_case(&moe, (mesh_shape){ 3, 1, 1, 1, 1, 2, 0 }, groups, 4, PR_SCHEDULE_BASELINE, "zero: MoE, dp 3, baseline");
+    printf("zero: stages 1 and 2 bitwise equal to stage 0 over dp 2, 3, 4, 8, both schedules, tp/cp/pp, split groups, MoE\n");
 }
 
 static void test_mesh(void) {
@@ -1340,6 +1403,7 @@ int main(void) {
     test_moe();
     test_dp();
     test_mesh();
+    test_zero();
     test_checkpoints();
     test_other_shape();
     test_train_state();

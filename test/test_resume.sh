@@ -27,7 +27,17 @@ resume_case one
 resume_case one-baseline --schedule baseline --microbatch 3
 resume_case moe --config model/tiny-moe --microbatch 2
 resume_case dp2 --dp 2
+resume_case dp2-zero2 --dp 2 --zero 2
+resume_case dp3-zero1-tp2 --dp 3 --tp 2 --zero 1
 resume_case mesh --dp 2 --tp 2 --cp 2
+
+# the files do not depend on the stage: a state saved with --zero 2 resumes with --zero 0 exactly
+d=$tmp/dp2-zero2
+"$train" --dp 2 --steps 4 --zero 2 --save-state "$d/z2" >/dev/null 2>&1 &&
+"$train" --dp 2 --steps 4 --zero 0 --resume "$d/z2" --save-state "$d/z2" --loss-log "$d/z0.log" >/dev/null 2>&1 || bad "zero 2 to zero 0"
+sed -n '5,8p' "$d/straight.log" >"$d/straight-tail.log"
+cmp -s "$d/straight-tail.log" "$d/z0.log" && cmp -s "$d/z2/step-00000008/optimizer.safetensors" "$d/straight/step-00000008/optimizer.safetensors" &&
+    ok || bad "a zero-2 state resumed with zero 0 is not the straight run"
 
 # a save killed part way: the state it was replacing still loads, and resuming from it is exact
 d=$tmp/one
