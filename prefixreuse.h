@@ -592,6 +592,10 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
+/* Bytes this rank holds for training state: parameters and gradients (padded under ZeRO) and
+   AdamW's m and v (a 1/dp slice under ZeRO). Divided by pr_trainer_param_count: 16 unsharded
+   (4 each), 8 + 8/dp under ZeRO; the CUDA backend adds its bf16 weight copy, 2 more. */
+PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr);
 /* Host copies of the whole arena (n = pr_trainer_param_count reals). */
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -2034,6 +2038,7 @@ PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
     return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
 }
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
+PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr) { return sizeof(pr_real) * (2 * tr->n_pad + 2 * tr->slice_cap); }
 
 static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
     if (n != tr->n_params)

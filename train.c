@@ -367,7 +367,7 @@ static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
 
 /* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
    its communicators put on the wire. */
-typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes; } rank_report;
+typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes, state_bytes, params; } rank_report;
 
 /* What every rank of a mesh run does. check: one step over `groups` (dp of them, placed whole),
    the gathered gradients and updated parameters left in grads/params; otherwise o->steps
@@ -410,6 +410,10 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         st = o->init ? pr_trainer_load(tr, o->init, err) : pr_trainer_init_params(tr, o->seed, err);
     rank_report *r = &j->rep[world->rank < 256 ? world->rank : 255];
     const int lead = world->rank == 0;
+    if (!st) {
+        r->state_bytes = pr_trainer_state_bytes(tr);
+        r->params = pr_trainer_param_count(tr);
+    }
     const size_t n = st ? 0 : pr_trainer_full_param_count(tr);
     pr_step_stats ss;
     if (!st && j->check) {
@@ -514,6 +518,11 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
                "tp %.3f MiB\n", r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
                1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[1] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
     }
+    const rank_report *s = &j->rep[r0];
+    if (s->params)
+        printf("  training state on rank %d: %.2f MiB for %zu parameters, %.2f bytes a parameter (weights, gradients, AdamW m and v%s)\n",
+               r0, s->state_bytes / 1048576.0, s->params, (double)s->state_bytes / (double)s->params,
+               o->zero ? ", the moments sharded over dp" : "");
     const rank_report *p = &j->rep[r0];
     if (o->dp_groups < o->dp && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
         printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
