@@ -46,15 +46,18 @@
         backend is in prefixreuse_cuda.cu)
      3. The model: the trainer's data, forward declarations, parameters, activation memory, a
         pass, one layer forward and backward, batches and the GRPO loss head
-     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW
+     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW (over this
+        rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces)
      5. Offload of the prefix's dormant state
      6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
      7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
         parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
-        ranks, data parallelism, in-process ranks (NCCL is in prefixreuse_cuda.cu)
+        ranks, data parallelism (ZeRO: AdamW state sharded over dp, pr_mesh.zero), in-process
+        ranks (NCCL is in prefixreuse_cuda.cu)
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
-        GRPO traces (data/README.md has the format), a trainer's checkpoints
+        GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
+        (pr_trainer_save_state / pr_trainer_load_state: exact resume, saved atomically)
      The API declares 8 before 2 (the backend and the trainer take a pr_config, the trainer a
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
@@ -609,7 +612,9 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
    token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
-/* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm. */
+/* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm.
+   Under ZeRO (pr_mesh.zero) each dp rank clips and updates its slice and the weights are
+   all-gathered over dp, bitwise as without; collective over the mesh. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
@@ -716,7 +721,9 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
    set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
-   rank (collective over tp). Without a mesh they are get/set_params and get_grads. */
+   rank (collective over tp and pp, and over dp after a ZeRO-2 step, whose reduce-scatter left
+   each rank its slice of the summed gradient). Without a mesh they are get/set_params and
+   get_grads. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
