@@ -3057,8 +3057,8 @@ static double pr__grad_sum_squares(pr_trainer *tr) {
     const pr_backend *be = tr->be;
     const int R = tr->zero ? tr->mesh->dp : 1;
     const size_t cap = tr->slice_cap / tr->unit + (size_t)tr->n_tensors + 1;   /* pieces a slice can hold */
-    double *piece = PR_MALLOC(sizeof(double) * cap * (size_t)R), sq = 0;
-    double *dev = R > 1 ? be->alloc(be, sizeof(double) * cap * (size_t)R, PR_TIER_DEVICE) : NULL;
+    double *piece = (double *)PR_MALLOC(sizeof(double) * cap * (size_t)R), sq = 0;
+    double *dev = R > 1 ? (double *)be->alloc(be, sizeof(double) * cap * (size_t)R, PR_TIER_DEVICE) : NULL;
     if (!piece || (R > 1 && !dev)) {
         tr->alloc_failed = 1;
     } else {
@@ -3928,7 +3928,7 @@ static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_rea
         tr->be->upload_reals(tr->be, arena, src + lo, n);
         return PR_OK;
     }
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
     if (!local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
     pr__shard_copy(tr, (pr_real *)src, local, 0);
     tr->be->upload_reals(tr->be, arena, local + lo, n);
@@ -3973,7 +3973,7 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
     if (!tr->zero || (arena != tr->adam_m && arena != tr->adam_v)) return pr__get_full_arena_local(tr, arena, dst, n, err);
     /* a moment: the slices gathered into a whole arena first */
     const pr_backend *be = tr->be;
-    pr_real *whole = be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
+    pr_real *whole = (pr_real *)be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
     pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered AdamW moment (%zu reals)", tr->n_pad);
     if (whole) {
         be->copy(be, whole + mine, arena, sizeof(pr_real) * tr->slice_cap);
@@ -6989,7 +6989,7 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
     int count;                          /* a mesh shard reads the full tensors and keeps its slices */
     pr_tensor_info *table = pr__table_of(tr, &count);
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     pr_status st = host && table ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
     if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 0, host, err);
     if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
@@ -7014,9 +7014,9 @@ static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
 static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, pr_error *err) {
     memset(x, 0, sizeof *x);
     x->table = pr__table_of(tr, &x->n);
-    x->host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    x->entries = x->table ? PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
-    x->names = x->table ? PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
+    x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
+    x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
     pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
     if (!st) st = pr__get_full_arena(tr, arena, x->host, tr->n_full, err);
     if (st) {
@@ -7180,7 +7180,7 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
     st = pr__st_write(path, x[0].entries, x[0].n, PR__STATE_REAL, meta, &progress, err);
     snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
     if (!st) {      /* m and v in one file: the entries side by side */
-        pr_st_entry *both = PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
+        pr_st_entry *both = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
         if (!both) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
         else {
             memcpy(both, x[1].entries, sizeof(pr_st_entry) * (size_t)x[1].n);
@@ -7292,7 +7292,8 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
     int count;
     pr_tensor_info *table = pr__table_of(tr, &count);
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full * 3);
+    size_t bytes;
+    pr_real *host = pr__mul_size(sizeof(pr_real) * 3, tr->n_full, &bytes) ? (pr_real *)PR_MALLOC(bytes) : NULL;
     if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
     snprintf(path, sizeof path, "%s/model.safetensors", folder);
     if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, host, err);
