@@ -46,15 +46,18 @@
         backend is in prefixreuse_cuda.cu)
      3. The model: the trainer's data, forward declarations, parameters, activation memory, a
         pass, one layer forward and backward, batches and the GRPO loss head
-     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW
+     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW (over this
+        rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces)
      5. Offload of the prefix's dormant state
      6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
      7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
         parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
-        ranks, data parallelism, in-process ranks (NCCL is in prefixreuse_cuda.cu)
+        ranks, data parallelism (ZeRO: AdamW state sharded over dp, pr_mesh.zero), in-process
+        ranks (NCCL is in prefixreuse_cuda.cu)
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
-        GRPO traces (data/README.md has the format), a trainer's checkpoints
+        GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
+        (pr_trainer_save_state / pr_trainer_load_state: exact resume, saved atomically)
      The API declares 8 before 2 (the backend and the trainer take a pr_config, the trainer a
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
@@ -205,7 +208,7 @@ typedef struct { const char *name; const pr_real *data; int ndim; int64_t shape[
    the temporary file is removed on failure. */
 PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
                                      const char *metadata_json_object_or_null, pr_error *err);
-/* Writes a Hugging Face checkpoint folder (created if missing): model.safetensors when all tensor
+/* Writes a Hugging Face checkpoint folder (created if missing; its parent must exist): model.safetensors when all tensor
    data fits in max_shard_bytes (0 = no limit), else model-00001-of-0000N.safetensors ... and
    model.safetensors.index.json, written last. Shards are filled in entry order; a tensor larger than
    the limit gets a shard of its own. Every file is written atomically; a stale single file or index
@@ -547,14 +550,63 @@ PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
 /* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json). */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
-/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, atomically. */
+/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
+   atomically. dir is created when missing, its parent is not: a path with a missing folder above
+   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"). */
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err);
 
+/* Training state: everything a run needs to go on exactly where it stopped. The trainer holds the
+   parameters, AdamW's m and v and its step count (the bias correction); the caller's run loop holds
+   the rest: its place in the trace and the settings it ran with. Nothing random runs after the
+   initialisation (the trace is replayed in order, the schedules are deterministic), so the seed is
+   the run's only RNG state, kept for the record. */
+typedef struct {
+    long step;               /* AdamW steps taken (save: ignored, the trainer's count is written) */
+    long next_group;         /* the trace position: index of the next group the run loop takes */
+    uint64_t seed;           /* the initialisation seed */
+    pr_adamw_opts adamw;     /* the AdamW settings the steps ran with */
+} pr_train_state;
+
+/* Optional settings of a save (NULL: none). on_write is called after every block written with the
+   bytes this save has written so far: a progress report, and the fault-injection point of the
+   tests, which kill the process there to show that an interrupted save loses nothing. */
+typedef struct {
+    void (*on_write)(void *user, uint64_t bytes);
+    void *user;
+} pr_save_opts;
+
+#define PR_TRAIN_STATE_VERSION 1
+/* Saves the training state into dir (created when missing, its parent is not):
+     dir/latest                    one line, the name of the current state folder
+     dir/step-00000004/            one complete state, named after its step count:
+         config.json               the full model's configuration
+         model.safetensors         fp32 parameters, Hugging Face names (what pr_trainer_load reads)
+         optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
+         trainer_state.json        format, version, step, next_group, seed, AdamW settings
+   A state folder is written as step-N.tmp.<pid> and renamed into place once every file is on disk;
+   then `latest` is replaced atomically, and only then the previous state folder is removed. A
+   process killed at any point leaves `latest` naming a complete state (at worst a stray
+   *.tmp.* folder). On a mesh the state is assembled on world rank 0, which writes it (collective
+   over tp and pp, like pr_trainer_get_full). */
+PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err);
+/* Loads a state saved by pr_trainer_save_state: dir is the folder given to the save (its `latest`
+   is followed) or one state folder. Parameters, m, v and the step count replace the trainer's;
+   *state (optional) gets the rest. Everything is read and checked before the trainer is touched:
+   another format or version, a missing file or tensor, or a tensor of another shape (named, with
+   both shapes) is refused and the trainer is left as it was. On a mesh each rank reads the full
+   tensors and keeps its shard. */
+PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
+
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
+/* Bytes this rank holds for training state: parameters and gradients (padded under ZeRO) and
+   AdamW's m and v (a 1/dp slice under ZeRO). Divided by pr_trainer_param_count: 16 unsharded
+   (4 each), 8 + 8/dp under ZeRO; the CUDA backend adds its bf16 weight copy, 2 more. */
+PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr);
 /* Host copies of the whole arena (n = pr_trainer_param_count reals). */
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -568,7 +620,9 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
    token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
-/* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm. */
+/* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm.
+   Under ZeRO (pr_mesh.zero) each dp rank clips and updates its slice and the weights are
+   all-gathered over dp, bitwise as without; collective over the mesh. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
@@ -650,6 +704,15 @@ typedef struct {
     int dp_rank, pp_rank, cp_rank, tp_rank;
     pr_comm *world, *dp_comm, *pp_comm, *cp_comm, *tp_comm;
     pr_comm *ends_comm;      /* the pipeline's first and last stage (a tied embedding lives on both); alone elsewhere */
+    /* Sharded training state over the dp ranks (ZeRO), set after pr_mesh_init (which makes it 0)
+       and before pr_trainer_create_mesh. 0: every dp rank holds all of its arena's AdamW state.
+       1: the arena is cut into dp slices; each rank keeps m and v of its slice only, clips and
+       updates that slice, and the updated parameters are all-gathered over dp. 2: as 1, and the
+       step's gradient sum over dp is a reduce-scatter, so that after it a rank holds the summed
+       gradient of its slice only (pr_trainer_get_full gathers the rest). The gradient buffer is
+       still whole, for the step's accumulation: stage 2 saves traffic here, not memory. Results
+       are bitwise those of stage 0 (the norm is summed over the same pieces in the same order). */
+    int zero;
 } pr_mesh;
 /* Collective over world. On failure nothing is left allocated. */
 PRDEF pr_status pr_mesh_init(pr_mesh *mesh, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err);
@@ -666,7 +729,9 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
    set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
-   rank (collective over tp). Without a mesh they are get/set_params and get_grads. */
+   rank (collective over tp and pp, and over dp after a ZeRO-2 step, whose reduce-scatter left
+   each rank its slice of the summed gradient). Without a mesh they are get/set_params and
+   get_grads. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -1513,8 +1578,15 @@ struct pr_trainer {
     int n_tensors;
     pr_tensor_info *tensors;
     size_t n_params;
-    pr_real *arena;                        /* 4 * n_params: parameters, gradients, AdamW m, AdamW v */
+    pr_real *arena;                        /* parameters, gradients (n_pad each), AdamW m and v (slice_cap each) */
     pr_real *params, *grads, *adam_m, *adam_v;
+    /* ZeRO (mesh->zero > 0 and dp > 1): the arena in dp slices of slice_cap reals (whole units, the
+       pieces the gradient norm is summed over), this rank's [slice_lo, slice_lo + slice_n); the
+       parameter and gradient buffers padded to n_pad = dp * slice_cap for the collectives. Without
+       it: one slice, the whole arena. m and v hold this rank's slice. */
+    int zero;                              /* the stage in effect: 0 unless sharded */
+    size_t unit, n_pad, slice_cap, slice_lo, slice_n;
+    int grads_scattered;                   /* stage 2: only this rank's slice of grads holds the sum */
     size_t off_embed, off_norm, off_lm_head;
     pr__layer_off *layer_off;              /* (L) */
     pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
@@ -1846,6 +1918,27 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
 
 #define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
 
+/* The AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
+   that depends on the arena's size only, so that every stage cuts the same way), the units dealt
+   out in dp contiguous runs of equal length (the last ones shorter, or empty). */
+static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
+    const size_t n = tr->n_params;
+    size_t unit = 256;
+    while (unit < ((size_t)1 << 22) && unit * 4096 < n) unit *= 2;
+    tr->unit = unit;
+    tr->zero = zero;
+    if (!zero) {
+        tr->n_pad = tr->slice_cap = tr->slice_n = n;
+        tr->slice_lo = 0;
+        return;
+    }
+    const size_t units = (n + unit - 1) / unit, per = (units + (size_t)dp - 1) / (size_t)dp;
+    tr->slice_cap = per * unit;
+    tr->n_pad = tr->slice_cap * (size_t)dp;
+    tr->slice_lo = (size_t)rank * tr->slice_cap < n ? (size_t)rank * tr->slice_cap : n;
+    tr->slice_n = n - tr->slice_lo < tr->slice_cap ? n - tr->slice_lo : tr->slice_cap;
+}
+
 static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
@@ -1877,12 +1970,22 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
     tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
-    if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
+    if (!tr->tensors || !tr->layer_off || !tr->mb_arena) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     }
     pr__build_layout(tr, tr->tensors, &tr->n_tensors, &tr->n_params);
     tr->n_full = tr->n_params;
+    if (mesh && (mesh->zero < 0 || mesh->zero > 2)) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_ARG, "mesh zero stage %d: 0, 1 or 2", mesh->zero);
+    }
+    pr__plan_slices(tr, mesh && mesh->dp > 1 ? mesh->zero : 0, mesh ? mesh->dp : 1, mesh ? mesh->dp_rank : 0);
+    size_t reals = 2 * tr->n_pad + 2 * tr->slice_cap;
+    if (reals < 2 * tr->n_pad || !pr__mul_size(reals, sizeof(pr_real), &arena_bytes)) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: the parameter arena's size overflows");
+    }
     if (mesh && (st = pr__build_shards(tr, err))) {
         pr_trainer_destroy(tr);
         return st;
@@ -1902,9 +2005,9 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
     }
     tr->params = tr->arena;
-    tr->grads = tr->arena + tr->n_params;
-    tr->adam_m = tr->arena + 2 * tr->n_params;
-    tr->adam_v = tr->arena + 3 * tr->n_params;
+    tr->grads = tr->arena + tr->n_pad;
+    tr->adam_m = tr->arena + 2 * tr->n_pad;
+    tr->adam_v = tr->adam_m + tr->slice_cap;
     be->zero(be, tr->arena, arena_bytes);
     pr_real host_freq[PR__MAX_HEAD_DIM / 2];
     pr__rope_frequencies(cfg, host_freq);
@@ -1950,6 +2053,7 @@ PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
     return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
 }
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
+PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr) { return sizeof(pr_real) * (2 * tr->n_pad + 2 * tr->slice_cap); }
 
 static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
     if (n != tr->n_params)
@@ -2019,7 +2123,8 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
     PR_FREE(host);
     if (tr->mesh) PR_FREE(table);
     if (st) return st;
-    tr->be->zero(tr->be, tr->grads, 3 * tr->n_params * sizeof(pr_real));
+    tr->be->zero(tr->be, tr->grads, (tr->n_pad + 2 * tr->slice_cap) * sizeof(pr_real));
+    tr->grads_scattered = 0;
     tr->adam_step = 0;
     return PR_OK;
 }
@@ -2823,7 +2928,10 @@ static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_s
     memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
-    if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+    if (!opt->accumulate) {
+        be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
+        tr->grads_scattered = 0;
+    }
     if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
     double t0 = pr__now();
     if (opt->schedule == PR_SCHEDULE_BASELINE) {
@@ -2930,6 +3038,60 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
     return o;
 }
 
+/* The squared norm of the full model's gradient. The arena is summed in pieces, each a tensor's
+   part of one unit (a tensor held on several ranks counted on one), every piece's sum of squares
+   added in arena order: sharded, each rank sums the pieces of its slice, the pieces are gathered
+   over dp (padded with zeros, which add nothing), and the same additions run in the same order,
+   so every stage gets the same bits. Then the sums of the TP and PP shards. */
+static size_t pr__grad_pieces(pr_trainer *tr, size_t lo, size_t hi, double *piece) {
+    const pr_backend *be = tr->be;
+    size_t k = 0;
+    for (int t = 0; t < tr->n_tensors; t++) {
+        const pr_tensor_info *ti = &tr->tensors[t];
+        if (tr->mesh && tr->shard[t].elsewhere) continue;
+        size_t a = ti->offset > lo ? ti->offset : lo, b = ti->offset + ti->numel < hi ? ti->offset + ti->numel : hi;
+        while (a < b) {
+            size_t e = (a / tr->unit + 1) * tr->unit;
+            if (e > b) e = b;
+            if (piece) piece[k] = be->sum_squares(be, tr->grads + a, e - a);
+            k++;
+            a = e;
+        }
+    }
+    return k;
+}
+
+static double pr__grad_sum_squares(pr_trainer *tr) {
+    const pr_backend *be = tr->be;
+    const int R = tr->zero ? tr->mesh->dp : 1;
+    const size_t cap = tr->slice_cap / tr->unit + (size_t)tr->n_tensors + 1;   /* pieces a slice can hold */
+    double *piece = (double *)PR_MALLOC(sizeof(double) * cap * (size_t)R), sq = 0;
+    double *dev = R > 1 ? (double *)be->alloc(be, sizeof(double) * cap * (size_t)R, PR_TIER_DEVICE) : NULL;
+    if (!piece || (R > 1 && !dev)) {
+        tr->alloc_failed = 1;
+    } else {
+        const size_t mine = (size_t)(R > 1 ? tr->mesh->dp_rank : 0) * cap;
+        memset(piece, 0, sizeof(double) * cap * (size_t)R);
+        pr__grad_pieces(tr, tr->slice_lo, tr->slice_lo + tr->slice_n, piece + mine);
+        if (R > 1) {
+            pr_comm *c = tr->mesh->dp_comm;
+            pr_error e;
+            be->copy(be, dev + mine, piece + mine, sizeof(double) * cap);
+            pr__comm_done(tr, c->all_gather(c, dev, dev + mine, cap, PR_COMM_F64, &e), &e);
+            be->copy(be, piece, dev, sizeof(double) * cap * (size_t)R);
+            be->sync(be);
+        }
+        for (size_t k = 0; k < cap * (size_t)R; k++) sq += piece[k];
+    }
+    PR_FREE(piece);
+    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    if (tr->mesh) {
+        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
+        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
+    }
+    return sq;
+}
+
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
     if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
     if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
@@ -2939,28 +3101,30 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
                         "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
                         o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
     const pr_backend *be = tr->be;
-    double sq = 0;
+    const size_t lo = tr->slice_lo, hi = tr->slice_lo + tr->slice_n;
     tr->comm_st = PR_OK;
-    if (!tr->mesh) {
-        sq = be->sum_squares(be, tr->grads, tr->n_params);
-    } else {                     /* the full model's norm: each shard once, a tensor held on several ranks once */
-        for (int t = 0; t < tr->n_tensors; t++)
-            if (!tr->shard[t].elsewhere)
-                sq += be->sum_squares(be, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel);
-        pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
-        pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
-    }
-    double norm = sqrt(sq);
+    double norm = sqrt(pr__grad_sum_squares(tr));
     pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
+    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the gradient norm's pieces");
+    tr->alloc_failed = 0;
     if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (st) return st;
     if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);
-    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads, tr->n_params, o->max_grad_norm / norm);
+    /* this rank's slice (all of the arena unless sharded): clip, then AdamW tensor by tensor, a
+       tensor cut by the slice's ends updated over its part, with its own weight decay */
+    if (o->max_grad_norm > 0 && norm > o->max_grad_norm) be->scale(be, tr->grads + lo, tr->slice_n, o->max_grad_norm / norm);
     tr->adam_step++;
     for (int t = 0; t < tr->n_tensors; t++) {
         const pr_tensor_info *ti = &tr->tensors[t];
-        be->adamw(be, tr->params + ti->offset, tr->grads + ti->offset, tr->adam_m + ti->offset, tr->adam_v + ti->offset,
-                  ti->numel, o->lr, o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+        size_t a = ti->offset > lo ? ti->offset : lo, b = ti->offset + ti->numel < hi ? ti->offset + ti->numel : hi;
+        if (a >= b) continue;
+        be->adamw(be, tr->params + a, tr->grads + a, tr->adam_m + (a - lo), tr->adam_v + (a - lo), b - a, o->lr, o->beta1,
+                  o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+    }
+    if (tr->zero) {              /* every rank's updated slice to every rank */
+        pr_comm *c = tr->mesh->dp_comm;
+        st = c->all_gather(c, tr->params, tr->params + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, err);
+        if (st) return st;
     }
     if (grad_norm) *grad_norm = norm;
     return be->take_error ? be->take_error(be, err) : PR_OK;
@@ -3763,18 +3927,32 @@ static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, 
     }
 }
 
+/* This rank's part of a full-model host vector (n_full reals) into one of its arenas (parameters,
+   m or v). */
+static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_error *err) {
+    const int moment = arena == tr->adam_m || arena == tr->adam_v;    /* this rank's slice only */
+    const size_t lo = moment ? tr->slice_lo : 0, n = moment ? tr->slice_n : tr->n_params;
+    if (!tr->mesh) {
+        tr->be->upload_reals(tr->be, arena, src + lo, n);
+        return PR_OK;
+    }
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    if (!local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+    pr__shard_copy(tr, (pr_real *)src, local, 0);
+    tr->be->upload_reals(tr->be, arena, local + lo, n);
+    PR_FREE(local);
+    return PR_OK;
+}
+
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
     if (!tr || !src) return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: NULL argument");
     if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
     if (n != tr->n_full)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
-    pr__shard_copy(tr, (pr_real *)src, local, 0);
-    tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
-    PR_FREE(local);
-    return PR_OK;
+    return pr__set_full_arena(tr, tr->params, src, err);
 }
+
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -3785,6 +3963,40 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         return st;
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
+    return pr__get_full_arena(tr, arena, dst, n, err);
+}
+
+/* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
+   every rank: collective over tp and pp, and under ZeRO over dp for the moments and a scattered
+   gradient. */
+static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
+    pr_comm *dp = tr->mesh ? tr->mesh->dp_comm : NULL;
+    const size_t mine = tr->mesh ? (size_t)tr->mesh->dp_rank * tr->slice_cap : 0;
+    if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
+        pr_status st = dp->all_gather(dp, tr->grads, tr->grads + mine, tr->slice_cap, PR_COMM_REAL, err);
+        if (st) return st;
+        tr->grads_scattered = 0;
+    }
+    if (!tr->zero || (arena != tr->adam_m && arena != tr->adam_v)) return pr__get_full_arena_local(tr, arena, dst, n, err);
+    /* a moment: the slices gathered into a whole arena first */
+    const pr_backend *be = tr->be;
+    pr_real *whole = (pr_real *)be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
+    pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered AdamW moment (%zu reals)", tr->n_pad);
+    if (whole) {
+        be->copy(be, whole + mine, arena, sizeof(pr_real) * tr->slice_cap);
+        st = dp->all_gather(dp, whole, whole + mine, tr->slice_cap, PR_COMM_REAL, err);
+    }
+    if (!st) st = pr__get_full_arena_local(tr, whole, dst, n, err);
+    if (whole) be->release(be, whole, PR_TIER_DEVICE);
+    return st;
+}
+
+static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
+    if (!tr->mesh) {
+        tr->be->download_reals(tr->be, dst, arena, n);
+        return PR_OK;
+    }
     const pr_backend *be = tr->be;
     pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
     pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
@@ -4117,6 +4329,8 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
+    if (tr->zero && dp != tr->mesh->dp_comm)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
     int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
@@ -4126,6 +4340,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     pr_step_stats s, sum;
     memset(&sum, 0, sizeof sum);
     tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
+    tr->grads_scattered = 0;
     o.accumulate = 1;
     if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
         int gi = 0;
@@ -4154,7 +4369,13 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
     pr__mesh_sync_grads(tr);
-    pr_status cs = dp->size > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
+    pr_status cs = PR_OK;
+    if (tr->zero == 2) {         /* ZeRO-2: each rank gets the sum of its own slice only */
+        cs = dp->reduce_scatter(dp, tr->grads + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->grads, tr->slice_cap, PR_COMM_REAL, err);
+        tr->grads_scattered = 1;
+    } else if (dp->size > 1) {
+        cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
+    }
     if (st) return st;
     if (cs) return cs;
     if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
@@ -5552,15 +5773,22 @@ static pr_status pr__config_json(const pr_config *c, pr__buf *b, const char *wha
 /* Every file goes to "<path>.tmp.<pid>" first and is renamed over path only once complete and on
    disk, so a reader never sees a half-written file and a crash leaves the old one intact. */
 typedef struct {
+    const pr_save_opts *opts;  /* the save's on_write hook (NULL: none) */
+    uint64_t bytes;            /* bytes the save has written so far, over all its files */
+} pr__progress;
+
+typedef struct {
     FILE *f;
     char *tmp;
     const char *path;
+    pr__progress *progress;    /* NULL: none */
 } pr__atomic;
 
 static pr_status pr__atomic_open(pr__atomic *a, const char *path, pr_error *err) {
     size_t n = strlen(path);
     a->path = path;
     a->f = NULL;
+    a->progress = NULL;
     a->tmp = n < SIZE_MAX - 32 ? (char *)PR_MALLOC(n + 32) : NULL;
     if (!a->tmp) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
     snprintf(a->tmp, n + 32, "%s.tmp.%ld", path, pr__io_pid());
@@ -5576,6 +5804,10 @@ static pr_status pr__atomic_open(pr__atomic *a, const char *path, pr_error *err)
 
 static pr_status pr__atomic_write(pr__atomic *a, const void *p, size_t n, pr_error *err) {
     if (n && fwrite(p, 1, n, a->f) != n) return pr__fail(err, PR_ERR_IO, "%s: write failed: %s", a->tmp, strerror(errno));
+    if (a->progress && a->progress->opts && a->progress->opts->on_write) {
+        a->progress->bytes += n;
+        a->progress->opts->on_write(a->progress->opts->user, a->progress->bytes);
+    }
     return PR_OK;
 }
 
@@ -5602,12 +5834,17 @@ static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
     return PR_OK;
 }
 
-static pr_status pr__write_file_atomic(const char *path, const void *data, size_t n, pr_error *err) {
+static pr_status pr__write_file_progress(const char *path, const void *data, size_t n, pr__progress *progress, pr_error *err) {
     pr__atomic a;
     pr_status st = pr__atomic_open(&a, path, err);
     if (st) return st;
+    a.progress = progress;
     if ((st = pr__atomic_write(&a, data, n, err))) { pr__atomic_abort(&a); return st; }
     return pr__atomic_commit(&a, err);
+}
+
+static pr_status pr__write_file_atomic(const char *path, const void *data, size_t n, pr_error *err) {
+    return pr__write_file_progress(path, data, n, NULL, err);
 }
 
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err) {
@@ -6115,7 +6352,8 @@ static void pr__st_encode(unsigned char *dst, const pr_real *src, size_t n, pr_d
 }
 
 /* Writes the file; entries already checked, meta NULL or a parsed object of strings. */
-static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta, pr_error *err) {
+static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta,
+                              pr__progress *progress, pr_error *err) {
     pr__buf h = {NULL, 0, 0, 0};
     uint64_t off = 0;
     int es = pr__dtype_size(dtype);
@@ -6158,6 +6396,7 @@ static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr
     pr__atomic a;
     pr_status st = pr__atomic_open(&a, path, err);
     if (st) { PR_FREE(h.p); return st; }
+    a.progress = progress;
     const size_t chunk_elems = 1 << 16;
     unsigned char len8[8], *buf = (unsigned char *)PR_MALLOC(chunk_elems * 8);
     pr__put_u64(len8, (uint64_t)h.len);
@@ -6206,7 +6445,7 @@ PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entrie
     if (st) return st;
     pr__json *meta;
     if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
-    st = pr__st_write(path, entries, n, dtype, meta, err);
+    st = pr__st_write(path, entries, n, dtype, meta, NULL, err);
     PR_FREE(meta);
     return st;
 }
@@ -6215,24 +6454,23 @@ static int pr__st_cmp_entry(const void *a, const void *b) {
     return strcmp((*(const pr_st_entry *const *)a)->name, (*(const pr_st_entry *const *)b)->name);
 }
 
-/* mkdir -p: create every missing folder of path. */
-static pr_status pr__mkdirs(const char *path, pr_error *err) {
-    char *p = pr__strdup(path);
-    if (!p) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
-    size_t n = strlen(p);
-    for (size_t i = 1; i <= n; i++) {
-        if (p[i] != '/' && p[i] != '\\' && p[i] != 0) continue;
-        char c = p[i];
-        p[i] = 0;
-        uint64_t size;
-        int is_dir = 0;
-        pr_status st = PR_OK;
-        if (!pr__io_mkdir(p)) st = pr__fail(err, PR_ERR_IO, "%s: cannot create folder %s: %s", path, p, strerror(errno));
-        else if (!pr__io_stat(p, &size, &is_dir) || !is_dir) st = pr__fail(err, PR_ERR_IO, "%s: %s exists and is not a folder", path, p);
-        if (st) { PR_FREE(p); return st; }
-        p[i] = c;
+/* Creates the folder dir itself when missing (never its parents: a missing parent is an error that
+   names it), and checks that what is there is a folder. */
+static pr_status pr__mkdir_one(const char *dir, pr_error *err) {
+    uint64_t size;
+    int is_dir = 0;
+    if (!pr__io_mkdir(dir)) {
+        int e = errno;
+        if (e == ENOENT) {
+            char *parent = pr__path_dir(dir);
+            pr_status st = pr__fail(err, PR_ERR_IO, "%s: cannot create the folder: its parent %s does not exist (folders above the "
+                                    "one asked for are not created)", dir, parent ? parent : "");
+            PR_FREE(parent);
+            return st;
+        }
+        return pr__fail(err, PR_ERR_IO, "%s: cannot create the folder: %s", dir, strerror(e));
     }
-    PR_FREE(p);
+    if (!pr__io_stat(dir, &size, &is_dir) || !is_dir) return pr__fail(err, PR_ERR_IO, "%s: exists and is not a folder", dir);
     return PR_OK;
 }
 
@@ -6273,11 +6511,11 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
         shard[i] = n_shards - 1;
     }
     if (n_shards > 99999) { st = pr__fail(err, PR_ERR_ARG, "%s: %d shards are more than the 99999 the naming allows", dir, n_shards); goto done; }
-    if ((st = pr__mkdirs(dir, err))) goto done;
+    if ((st = pr__mkdir_one(dir, err))) goto done;
     if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
     if (n_shards == 1) {
         if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries, n, dtype, meta, err))) goto done;
+        if ((st = pr__st_write(file, entries, n, dtype, meta, NULL, err))) goto done;
         st = pr__remove_stale(dir, "model.safetensors.index.json", err);
         goto done;
     }
@@ -6287,7 +6525,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
         while (last < n && shard[last] == s) last++;
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         if (!(file = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, err))) goto done;
+        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, NULL, err))) goto done;
         PR_FREE(file);
         file = NULL;
         first = last;
@@ -6687,56 +6925,108 @@ PRDEF void pr_trace_free(pr_trace *trace) {
 }
 
 /* ---------------------------------------------------------------- 8.10 A trainer's checkpoints */
-PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
-    if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
+/* The full model's tensor table (the trainer's own without a mesh; a copy to free on a mesh). */
+static pr_tensor_info *pr__table_of(pr_trainer *tr, int *count) {
+    *count = tr->n_tensors;
+    return tr->mesh ? pr__full_table(tr, count, &(size_t){0}) : tr->tensors;
+}
+
+static void pr__shape_text(char *out, size_t cap, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(out, cap, "[");
+    for (int d = 0; d < ndim && k < cap; d++) k += (size_t)snprintf(out + k, cap - k, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+/* The layer index of a name "model.layers.<i>.", or -1. */
+static int pr__layer_of(const char *name) {
+    if (strncmp(name, "model.layers.", 13) || name[13] < '0' || name[13] > '9') return -1;
+    return atoi(name + 13);
+}
+
+/* Reads every tensor of the table, named prefix + its name, from ck into host (n_full reals at the
+   table's offsets). A checkpoint of another model is refused by name: a tensor missing, one of
+   another shape (both shapes given), a layer past the model's last. Other tensors are passed over
+   (Hugging Face files may carry buffers such as rotary_emb.inv_freq) unless `exact`, for the
+   trainer's own files, which hold nothing else. */
+static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
+                                  int n_layers, int exact, pr_real *host, pr_error *err) {
+    char name[400];
+    for (int i = 0; i < count; i++) {
+        const pr_tensor_info *ti = &table[i];
+        snprintf(name, sizeof name, "%s%s", prefix, ti->name);
+        const pr_st_tensor *t = pr_checkpoint_find(ck, name);
+        if (!t) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s is missing (a checkpoint of another model?)", path, name);
+        int same = t->ndim == ti->ndim;
+        for (int d = 0; same && d < ti->ndim; d++) same = t->shape[d] == ti->shape[d];
+        if (!same) {
+            char have[128], want[128];
+            pr__shape_text(have, sizeof have, t->ndim, t->shape);
+            pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
+            return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a checkpoint of another shape)", path, name,
+                            have, want);
+        }
+        pr_status st = pr_checkpoint_read(ck, t, host + ti->offset, ti->numel, err);
+        if (st) return st;
+    }
+    const size_t plen = strlen(prefix);
+    for (int k = 0; k < pr_checkpoint_count(ck); k++) {    /* every table name was found: the rest is extra */
+        const char *nm = pr_checkpoint_tensor(ck, k)->name;
+        int known = 0;
+        if (!exact && (strncmp(nm, prefix, plen) || pr__layer_of(nm + plen) < n_layers)) continue;
+        for (int i = 0; i < count && !known; i++) {
+            snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
+            known = !strcmp(name, nm);
+        }
+        if (!known) return pr__fail(err, PR_ERR_ARG, "%s: holds tensor %s, which the model does not have (a checkpoint of another model)", path, nm);
+    }
+    return PR_OK;
+}
+
+/* Opens path and reads the table's tensors (prefix + name) into host. */
+static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, int n_layers,
+                                     int exact, pr_real *host, pr_error *err) {
     pr_checkpoint *ck;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
-    int count = tr->n_tensors;          /* a mesh shard reads the full tensors and keeps its slices */
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    for (int i = 0; i < count && !st; i++) {
-        const pr_tensor_info *ti = &table[i];
-        const pr_st_tensor *t = pr_checkpoint_find(ck, ti->name);
-        if (!t) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s is missing", path, ti->name); break; }
-        int64_t numel = 1;
-        for (int d = 0; d < t->ndim; d++) numel *= t->shape[d];
-        int same = t->ndim == ti->ndim && t->shape[0] == ti->shape[0] && (ti->ndim == 1 || t->shape[1] == ti->shape[1]);
-        if (!same) {
-            st = pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s has shape [%lld%s%lld], the config asks for [%lld%s%lld]", path, ti->name,
-                          (long long)t->shape[0], t->ndim > 1 ? ", " : "", t->ndim > 1 ? (long long)t->shape[1] : 0LL,
-                          (long long)ti->shape[0], ti->ndim > 1 ? ", " : "", ti->ndim > 1 ? (long long)ti->shape[1] : 0LL);
-            break;
-        }
-        st = pr_checkpoint_read(ck, t, host + ti->offset, (size_t)numel, err);
-    }
-    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
-    PR_FREE(host);
-    if (tr->mesh) PR_FREE(table);
+    st = pr__read_tensors(ck, path, prefix, table, count, n_layers, exact, host, err);
     pr_checkpoint_close(ck);
     return st;
 }
 
-/* A host copy of the full model's parameters or gradients with its safetensors entries. On a mesh
-   it is assembled (collective over tp) and only world rank 0 writes: *n is 0 on the others. */
-typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; int n; } pr__host_copy;
+PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
+    if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
+    int count;                          /* a mesh shard reads the full tensors and keeps its slices */
+    pr_tensor_info *table = pr__table_of(tr, &count);
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_status st = host && table ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
+    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 0, host, err);
+    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
+    PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
+    return st;
+}
+
+/* A host copy of the full model's parameters, gradients or moments with its safetensors entries
+   (named prefix + the tensor's name). On a mesh it is assembled (collective over tp) and only
+   world rank 0 writes: *n is 0 on the others. */
+typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; char *names; int n; } pr__host_copy;
 
 static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
     PR_FREE(x->host);
     PR_FREE(x->entries);
+    PR_FREE(x->names);
     if (tr->mesh) PR_FREE(x->table);
 }
 
-static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_copy *x, pr_error *err) {
+#define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
+static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, pr_error *err) {
     memset(x, 0, sizeof *x);
-    x->n = tr->n_tensors;
-    x->table = tr->mesh ? pr__full_table(tr, &x->n, &(size_t){0}) : tr->tensors;
-    x->host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    x->entries = x->table ? PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
-    pr_status st = x->host && x->entries ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
-    if (!st && tr->mesh) st = pr_trainer_get_full(tr, which, x->host, tr->n_full, err);
-    else if (!st) tr->be->download_reals(tr->be, x->host, which == PR_ARENA_GRADS ? tr->grads : tr->params, tr->n_params);
+    x->table = pr__table_of(tr, &x->n);
+    x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
+    x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
+    pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
+    if (!st) st = pr__get_full_arena(tr, arena, x->host, tr->n_full, err);
     if (st) {
         pr__export_free(tr, x);
         return st;
@@ -6744,8 +7034,10 @@ static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_
     for (int i = 0; i < x->n; i++) {
         const pr_tensor_info *ti = &x->table[i];
         pr_st_entry *e = &x->entries[i];
+        char *name = x->names + (size_t)PR__NAME_CAP * (size_t)i;
+        snprintf(name, PR__NAME_CAP, "%s%s", prefix, ti->name);
         memset(e, 0, sizeof *e);
-        e->name = ti->name;
+        e->name = name;
         e->data = x->host + ti->offset;
         e->ndim = ti->ndim;
         e->shape[0] = ti->shape[0];
@@ -6758,7 +7050,7 @@ static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, PR_ARENA_PARAMS, &x, err);
+    pr_status st = pr__export_arena(tr, tr->params, "", &x, err);
     if (st || !x.n) {
         if (!st) pr__export_free(tr, &x);
         return st;
@@ -6776,7 +7068,7 @@ PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype,
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_grads: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, PR_ARENA_GRADS, &x, err);
+    pr_status st = pr__export_arena(tr, tr->grads, "", &x, err);
     if (st || !x.n) {
         if (!st) pr__export_free(tr, &x);
         return st;
@@ -6784,6 +7076,272 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32,
                               "{\"content\": \"gradients\"}", err);
     pr__export_free(tr, &x);
+    return st;
+}
+
+/* ---- training state: a folder of complete states and a pointer to the current one */
+#define PR__STATE_FORMAT "prefixreuse-train-state"
+#define PR__STATE_REAL (sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32)   /* exact: the build's own precision */
+static const char *const pr__state_files[] = { "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json" };
+
+/* The model dimensions a state must agree on, compared before any tensor: a state of another model
+   is refused by naming the first field that differs. */
+static pr_status pr__state_same_model(const pr_config *have, const pr_config *want, const char *path, pr_error *err) {
+    static const struct { const char *name; size_t off; } fields[] = {
+        { "vocab_size", offsetof(pr_config, vocab_size) }, { "hidden_size", offsetof(pr_config, hidden_size) },
+        { "intermediate_size", offsetof(pr_config, intermediate_size) }, { "num_hidden_layers", offsetof(pr_config, num_hidden_layers) },
+        { "num_attention_heads", offsetof(pr_config, num_attention_heads) },
+        { "num_key_value_heads", offsetof(pr_config, num_key_value_heads) }, { "head_dim", offsetof(pr_config, head_dim) },
+        { "tie_word_embeddings", offsetof(pr_config, tie_word_embeddings) }, { "qk_norm", offsetof(pr_config, qk_norm) },
+        { "num_experts", offsetof(pr_config, num_experts) }, { "num_experts_per_tok", offsetof(pr_config, num_experts_per_tok) },
+        { "moe_intermediate_size", offsetof(pr_config, moe_intermediate_size) },
+    };
+    if (strcmp(have->model_type, want->model_type))
+        return pr__fail(err, PR_ERR_ARG, "%s: a %s model, this trainer's is %s", path, have->model_type, want->model_type);
+    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++) {
+        int a, b;
+        memcpy(&a, (const char *)have + fields[k].off, sizeof a);
+        memcpy(&b, (const char *)want + fields[k].off, sizeof b);
+        if (a != b) return pr__fail(err, PR_ERR_ARG, "%s: %s is %d, this trainer's model has %d (a state of another shape)", path, fields[k].name, a, b);
+    }
+    return PR_OK;
+}
+
+static pr_status pr__state_json(const pr_train_state *s, long step, pr__buf *b) {
+    char line[160];
+    pr__buf_str(b, "{\n  \"format\": \"" PR__STATE_FORMAT "\",\n");
+    snprintf(line, sizeof line, "  \"version\": %d,\n  \"step\": %ld,\n  \"next_group\": %ld,\n  \"seed\": \"%llu\",\n",
+             PR_TRAIN_STATE_VERSION, step, s->next_group, (unsigned long long)s->seed);
+    pr__buf_str(b, line);
+    snprintf(line, sizeof line, "  \"real\": \"%s\",\n", sizeof(pr_real) == 8 ? "F64" : "F32");
+    pr__buf_str(b, line);
+    const pr_adamw_opts *o = &s->adamw;
+    snprintf(line, sizeof line, "  \"adamw\": {\"lr\": %.17g, \"beta1\": %.17g, \"beta2\": %.17g, \"eps\": %.17g,\n", o->lr, o->beta1,
+             o->beta2, o->eps);
+    pr__buf_str(b, line);
+    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %.17g}\n}\n", o->weight_decay, o->max_grad_norm);
+    pr__buf_str(b, line);
+    return b->failed ? PR_ERR_NOMEM : PR_OK;
+}
+
+/* Removes a state folder's files and the folder (best effort: what stays is only disk space). */
+static void pr__state_remove(const char *dir, const char *name) {
+    char path[4400];
+    for (size_t k = 0; k < sizeof pr__state_files / sizeof pr__state_files[0]; k++) {
+        snprintf(path, sizeof path, "%s/%s/%s", dir, name, pr__state_files[k]);
+        remove(path);
+    }
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    remove(path);
+}
+
+/* The name `latest` holds (a plain folder name), or "" when there is none. */
+static pr_status pr__state_latest(const char *dir, char *name, size_t cap, int must, pr_error *err) {
+    char path[4000], *text = NULL;
+    size_t len = 0;
+    uint64_t size;
+    int is_dir;
+    name[0] = 0;
+    snprintf(path, sizeof path, "%s/latest", dir);
+    if (!must && !pr__io_stat(path, &size, &is_dir)) return PR_OK;
+    pr_status st = pr__read_small_file(path, 4096, &text, &len, err);
+    if (st) return st;
+    while (len && (text[len - 1] == '\n' || text[len - 1] == '\r' || text[len - 1] == ' ')) text[--len] = 0;
+    if (!len || len >= cap || strchr(text, '/') || strchr(text, '\\') || !strcmp(text, ".") || !strcmp(text, ".."))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: does not name a state folder of %s", path, dir);
+    else memcpy(name, text, len + 1);
+    PR_FREE(text);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err) {
+    if (!tr || !dir || !dir[0] || !state) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: path too long");
+    pr__host_copy x[3];
+    const pr_real *arenas[3] = { tr->params, tr->adam_m, tr->adam_v };
+    const char *prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
+    pr_status st = PR_OK;
+    int got = 0;
+    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], err);   /* collective */
+    if (st) got--;
+    pr__buf js = {NULL, 0, 0, 0};
+    char old[256], name[64], tmp[4000], path[4100], final[3980];
+    pr__progress progress = { opts, 0 };
+    pr__json *meta = NULL;
+    if (st || !x[0].n) goto done;                 /* not the writing rank */
+    if ((st = pr__mkdir_one(dir, err))) goto done;
+    if ((st = pr__state_latest(dir, old, sizeof old, 0, err))) old[0] = 0, st = PR_OK;   /* a broken pointer is replaced */
+    /* a fresh folder name: step-N, or step-N.K when a state of that step exists already */
+    snprintf(name, sizeof name, "step-%08ld", tr->adam_step);
+    for (int k = 1;; k++) {
+        uint64_t size;
+        int is_dir;
+        snprintf(final, sizeof final, "%s/%s", dir, name);
+        if (!pr__io_stat(final, &size, &is_dir)) break;
+        snprintf(name, sizeof name, "step-%08ld.%d", tr->adam_step, k);
+    }
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", final, pr__io_pid());
+    if ((st = pr__mkdir_one(tmp, err))) goto done;
+    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", tmp, err))) goto done;
+    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+    st = pr__st_write(path, x[0].entries, x[0].n, PR__STATE_REAL, meta, &progress, err);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+    if (!st) {      /* m and v in one file: the entries side by side */
+        pr_st_entry *both = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
+        if (!both) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+        else {
+            memcpy(both, x[1].entries, sizeof(pr_st_entry) * (size_t)x[1].n);
+            memcpy(both + x[1].n, x[2].entries, sizeof(pr_st_entry) * (size_t)x[2].n);
+            st = pr__st_write(path, both, 2 * x[1].n, PR__STATE_REAL, meta, &progress, err);
+            PR_FREE(both);
+        }
+    }
+    if (!st) {
+        snprintf(path, sizeof path, "%s/config.json", tmp);
+        pr__buf b = {NULL, 0, 0, 0};
+        st = pr__config_json(&tr->model, &b, path, err);
+        if (!st) st = pr__write_file_progress(path, b.p, b.len, &progress, err);
+        PR_FREE(b.p);
+    }
+    if (!st && pr__state_json(state, tr->adam_step, &js)) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
+    snprintf(path, sizeof path, "%s/trainer_state.json", tmp);
+    if (!st) st = pr__write_file_progress(path, js.p, js.len, &progress, err);
+    /* the folder into place, then the pointer: the commit */
+    if (!st) {
+        pr__io_sync_parent(path);
+        if (!pr__io_rename(tmp, final)) st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", final, tmp, strerror(errno));
+    }
+    if (!st) {
+        pr__io_sync_parent(final);
+        char line[80];
+        snprintf(line, sizeof line, "%s\n", name);
+        snprintf(path, sizeof path, "%s/latest", dir);
+        st = pr__write_file_progress(path, line, strlen(line), &progress, err);
+    }
+    if (!st && old[0] && strcmp(old, name)) pr__state_remove(dir, old);
+    if (st) {          /* nothing half-written stays behind */
+        char *slash = strrchr(tmp, '/');
+        *slash = 0;
+        pr__state_remove(tmp, slash + 1);
+    }
+done:
+    PR_FREE(meta);
+    PR_FREE(js.p);
+    for (int k = 0; k < got; k++) pr__export_free(tr, &x[k]);
+    return st;
+}
+
+/* trainer_state.json: the format and version first, so that another file or an older state is
+   named as such. */
+static pr_status pr__state_parse(const char *path, pr_train_state *s, pr_error *err) {
+    char *text;
+    size_t len;
+    pr__json *j = NULL;
+    pr_status st = pr__read_small_file(path, (size_t)1 << 20, &text, &len, err);
+    if (st) return st;
+    st = pr__json_parse(&j, text, len, path, 0, err);
+    PR_FREE(text);
+    if (st) return st;
+    const pr__json *f = pr__json_get(j, "format"), *a = pr__json_get(j, "adamw"), *seed = pr__json_get(j, "seed");
+    const pr__json *real = pr__json_get(j, "real");
+    int64_t version = 0, step = -1, next = -1;
+    if (!f || f->type != PR__JSON_STRING || strcmp(f->str, PR__STATE_FORMAT))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse training state (its \"format\" is %s%s%s, expected \"" PR__STATE_FORMAT "\")",
+                      path, f && f->type == PR__JSON_STRING ? "\"" : "", f && f->type == PR__JSON_STRING ? f->str : pr__json_type_name(f),
+                      f && f->type == PR__JSON_STRING ? "\"" : "");
+    else if (!pr__json_int(pr__json_get(j, "version"), &version) || version < 1)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"version\" must be a positive integer", path);
+    else if (version != PR_TRAIN_STATE_VERSION)
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: training state format version %lld is %s; this build reads version %d", path,
+                      (long long)version, version < PR_TRAIN_STATE_VERSION ? "older" : "newer", PR_TRAIN_STATE_VERSION);
+    else if (!pr__json_int(pr__json_get(j, "step"), &step) || step < 0 || !pr__json_int(pr__json_get(j, "next_group"), &next) || next < 0)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"step\" and \"next_group\" must be integers >= 0", path);
+    else if (!real || real->type != PR__JSON_STRING || strcmp(real->str, sizeof(pr_real) == 8 ? "F64" : "F32"))
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: saved by a %s build; this build is %s (resume in the same precision)", path,
+                      real && real->type == PR__JSON_STRING ? real->str : "?", sizeof(pr_real) == 8 ? "F64" : "F32");
+    else if (!seed || seed->type != PR__JSON_STRING || !seed->count || strspn(seed->str, "0123456789") != seed->count)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"seed\" must be a string of decimal digits", path);
+    else if (!a || a->type != PR__JSON_OBJECT)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\" must be an object", path);
+    if (!st) {
+        static const char *const keys[6] = { "lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm" };
+        double *dst[6] = { &s->adamw.lr, &s->adamw.beta1, &s->adamw.beta2, &s->adamw.eps, &s->adamw.weight_decay, &s->adamw.max_grad_norm };
+        for (int k = 0; k < 6 && !st; k++) {
+            const pr__json *v = pr__json_get(a, keys[k]);
+            if (!v || v->type != PR__JSON_NUMBER) st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\".\"%s\" must be a number", path, keys[k]);
+            else *dst[k] = v->num;
+        }
+        s->step = (long)step;
+        s->next_group = (long)next;
+        s->seed = strtoull(seed->str, NULL, 10);
+    }
+    PR_FREE(j);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
+    if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
+    char folder[4200], path[4300], name[256];
+    uint64_t size;
+    int is_dir;
+    pr_status st = PR_OK;
+    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
+    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
+    else if (!(st = pr__state_latest(dir, name, sizeof name, 1, err))) snprintf(folder, sizeof folder, "%s/%s", dir, name);
+    if (st) return st;
+    pr_train_state s;
+    pr_config cfg;
+    memset(&s, 0, sizeof s);
+    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
+    if ((st = pr__state_parse(path, &s, err))) return st;
+    snprintf(path, sizeof path, "%s/config.json", folder);
+    if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
+    int count;
+    pr_tensor_info *table = pr__table_of(tr, &count);
+    size_t bytes;
+    pr_real *host = pr__mul_size(sizeof(pr_real) * 3, tr->n_full, &bytes) ? (pr_real *)PR_MALLOC(bytes) : NULL;
+    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
+    snprintf(path, sizeof path, "%s/model.safetensors", folder);
+    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, host, err);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", folder);
+    if (!st) {           /* m and v share one file: each read through the prefixes, then the count checked */
+        pr_checkpoint *ck = NULL;
+        st = pr_checkpoint_open(&ck, path, err);
+        for (int k = 0; k < 2 && !st; k++) {
+            const char *prefix = k ? "exp_avg_sq." : "exp_avg.";
+            char nm[PR__NAME_CAP];
+            for (int i = 0; i < count && !st; i++) {
+                const pr_tensor_info *ti = &table[i];
+                snprintf(nm, sizeof nm, "%s%s", prefix, ti->name);
+                const pr_st_tensor *t = pr_checkpoint_find(ck, nm);
+                int same = t && t->ndim == ti->ndim;
+                for (int d = 0; same && d < ti->ndim; d++) same = t->shape[d] == ti->shape[d];
+                if (!t) st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s is missing", path, nm);
+                else if (!same) {
+                    char have[128], want[128];
+                    pr__shape_text(have, sizeof have, t->ndim, t->shape);
+                    pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
+                    st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a state of another shape)", path, nm, have, want);
+                } else st = pr_checkpoint_read(ck, t, host + (size_t)(k + 1) * tr->n_full + ti->offset, ti->numel, err);
+            }
+        }
+        if (!st && pr_checkpoint_count(ck) != 2 * count)
+            st = pr__fail(err, PR_ERR_ARG, "%s: holds %d tensors, the model's moments are %d (a state of another model)", path,
+                          pr_checkpoint_count(ck), 2 * count);
+        if (ck) pr_checkpoint_close(ck);
+    }
+    /* every check passed: the trainer takes the state */
+    if (!st) st = pr__set_full_arena(tr, tr->params, host, err);
+    if (!st) st = pr__set_full_arena(tr, tr->adam_m, host + tr->n_full, err);
+    if (!st) st = pr__set_full_arena(tr, tr->adam_v, host + 2 * tr->n_full, err);
+    if (!st) {
+        tr->adam_step = s.step;
+        if (state) *state = s;
+    }
+    PR_FREE(host);
+    if (tr->mesh) PR_FREE(table);
     return st;
 }
 

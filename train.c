@@ -6,6 +6,7 @@
 
 #include <ctype.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,9 @@
 
 typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
+    const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
+    int save_every;                  /* steps between state saves (0: only at the end) */
+    long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
     pr_adamw_opts adam;
     int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
@@ -30,6 +34,7 @@ typedef struct {
     int bench_groups[8], n_bench_groups;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
+    int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
     int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
     const char *nccl_id;
     int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA or _MMA */
@@ -76,6 +81,9 @@ static void usage(FILE *f) {
         "                         which get its prefix K/V from the first of them\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
+        "  --zero 0|1|2           shard the AdamW state over dp (README \"Training state\"): 1 keeps m and v of\n"
+        "                         a 1/dp slice per rank and all-gathers the updated weights, 2 also reduce-scatters\n"
+        "                         the gradients; bitwise the same results as 0 (default 0)\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
@@ -87,6 +95,14 @@ static void usage(FILE *f) {
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
         "  --save-grads FILE      write the last step's raw gradients (before clipping and the AdamW step;\n"
         "                         Hugging Face names) as safetensors\n"
+        "  --save-state DIR       write the training state (parameters, AdamW moments and step, the trace\n"
+        "                         position) into DIR at the end, atomically; DIR/latest names the current one\n"
+        "  --save-every N         also every N steps (with --save-state)\n"
+        "  --resume DIR           go on from a training state (DIR as given to --save-state, or one state\n"
+        "                         folder): --steps N more steps, bit-identical to a run that never stopped\n"
+        "  --loss-log FILE        append one line a step: step, loss and grad norm as exact hex floats\n"
+        "  --fault-kill-after-bytes N  tests only: kill this process (SIGKILL) once a state save has written\n"
+        "                         N bytes, to show that an interrupted save leaves the previous state loadable\n"
         "comparisons\n"
         "  --check                from the same weights and each group of the trace, run both schedules\n"
         "                         and one AdamW step; compare gradients and updated parameters with\n"
@@ -178,6 +194,11 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--init")) o->init = v;
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--save-grads")) o->save_grads = v;
+        else if (!strcmp(a, "--save-state")) o->save_state = v;
+        else if (!strcmp(a, "--resume")) o->resume = v;
+        else if (!strcmp(a, "--loss-log")) o->loss_log = v;
+        else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
+        else if (!strcmp(a, "--fault-kill-after-bytes")) { char *e; o->fault_kill_bytes = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
@@ -196,6 +217,7 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "mma")) o->attention = 1;
             else ok = 0;
         }
+        else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
         else if (!strcmp(a, "--aux-scope")) {
             if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
             else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
@@ -242,6 +264,12 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --save-grads writes a training step's gradients: it needs --steps >= 1, without --check or --bench\n");
         return 0;
     }
+    if ((o->save_state || o->resume || o->loss_log) && (o->check || o->bench)) {
+        fprintf(stderr, "train: --save-state, --resume and --loss-log belong to a training run, not --check or --bench\n");
+        return 0;
+    }
+    if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
+    if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
     if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
     if (o->cp > 1 && o->step.microbatch != 1) {
@@ -305,6 +333,55 @@ static int make_trainer(const options *o, const pr_config *cfg, pr_trainer **tr,
     return 1;
 }
 
+/* ------------------------------------------------------------------ training state */
+/* --fault-kill-after-bytes: the save's progress hook ends the process where it stands, as a crash
+   or an out-of-memory kill would, with files half written. */
+static void kill_after(void *user, uint64_t bytes) {
+    const options *o = user;
+    if (bytes < (uint64_t)o->fault_kill_bytes) return;
+    fflush(stdout);
+#ifdef SIGKILL
+    raise(SIGKILL);
+#endif
+    abort();
+}
+
+/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. The
+   run's AdamW settings are the command line's; a state that ran with others gets a note. */
+static pr_status start_state(const options *o, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
+    memset(s, 0, sizeof *s);
+    s->seed = o->seed;
+    s->adamw = o->adam;
+    if (!o->resume) return PR_OK;
+    pr_status st = pr_trainer_load_state(tr, o->resume, s, err);
+    if (st || !lead) return st;
+    printf("resumed %s: %ld steps taken, next group %ld (seed %llu)\n", o->resume, s->step, s->next_group, (unsigned long long)s->seed);
+    const pr_adamw_opts *a = &s->adamw, *b = &o->adam;
+    if (a->lr != b->lr || a->beta1 != b->beta1 || a->beta2 != b->beta2 || a->eps != b->eps || a->weight_decay != b->weight_decay ||
+        a->max_grad_norm != b->max_grad_norm)
+        fprintf(stderr, "train: note: the state ran with lr %g, weight decay %g, clip %g; going on with lr %g, weight decay %g, clip %g\n",
+                a->lr, a->weight_decay, a->max_grad_norm, b->lr, b->weight_decay, b->max_grad_norm);
+    s->adamw = o->adam;
+    return PR_OK;
+}
+
+/* --save-state, every --save-every steps and at the end (collective on a mesh). */
+static pr_status save_state(const options *o, pr_trainer *tr, const pr_train_state *s, int lead, pr_error *err) {
+    pr_save_opts so = { o->fault_kill_bytes ? kill_after : NULL, (void *)o };
+    pr_status st = pr_trainer_save_state(tr, o->save_state, s, &so, err);
+    if (!st && lead) printf("saved state %s (%ld steps, next group %ld)\n", o->save_state, s->step, s->next_group);
+    return st;
+}
+
+static int save_due(const options *o, int k) {
+    return o->save_state && ((o->save_every && (k + 1) % o->save_every == 0) || k == o->steps - 1);
+}
+
+/* --loss-log: exact values, so that two runs can be compared byte for byte. */
+static void log_step(FILE *f, long step, double loss, double gnorm) {
+    if (f) fprintf(f, "step %ld loss %a grad-norm %a\n", step, loss, gnorm);
+}
+
 /* ------------------------------------------------------------------ the mesh */
 static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
     err->status = st;
@@ -314,7 +391,7 @@ static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
 
 /* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
    its communicators put on the wire. */
-typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes; } rank_report;
+typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes, state_bytes, params; } rank_report;
 
 /* What every rank of a mesh run does. check: one step over `groups` (dp of them, placed whole),
    the gathered gradients and updated parameters left in grads/params; otherwise o->steps
@@ -352,10 +429,15 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     if (!be) return err->status;
     pr_status st = pr_mesh_init(&m, world, o->dp, o->pp, o->cp, o->tp, o->ep, err);
     if (st) return st;
+    m.zero = o->zero;
     if (!(st = pr_trainer_create_mesh(&tr, j->cfg, be, &m, err)))
         st = o->init ? pr_trainer_load(tr, o->init, err) : pr_trainer_init_params(tr, o->seed, err);
     rank_report *r = &j->rep[world->rank < 256 ? world->rank : 255];
     const int lead = world->rank == 0;
+    if (!st) {
+        r->state_bytes = pr_trainer_state_bytes(tr);
+        r->params = pr_trainer_param_count(tr);
+    }
     const size_t n = st ? 0 : pr_trainer_full_param_count(tr);
     pr_step_stats ss;
     if (!st && j->check) {
@@ -374,24 +456,35 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         r->stack_bytes = ss.prefix_stack_bytes;
         if (!lead) { free(g); free(p); }
     }
-    for (int step = 0; !st && !j->check && step < o->steps; step++) {
+    pr_train_state ts;
+    if (!st && !j->check) st = start_state(o, tr, &ts, lead, err);
+    FILE *log = !st && !j->check && lead && o->loss_log ? fopen(o->loss_log, "a") : NULL;
+    if (!st && !j->check && lead && o->loss_log && !log) st = set_error(err, PR_ERR_IO, "cannot open the --loss-log file");
+    for (int k = 0; !st && !j->check && k < o->steps; k++) {
         pr_group batch[64];
         double gnorm;
-        const int nb = o->dp_groups;
-        for (int k = 0; k < nb; k++) batch[k] = j->trace->groups[(step * nb + k) % j->trace->n_groups];
+        const int nb = o->dp_groups, ng = j->trace->n_groups;
+        const long step = ts.step, pos = ts.next_group;
+        for (int b = 0; b < nb; b++) batch[b] = j->trace->groups[(pos + b) % ng];
         st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &o->step, &ss, err);
-        if (!st && step == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
+        if (!st && k == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (st) break;
-        for (int k = 0; k < 3; k++) r->seconds[k] += ss.seconds[k];
+        ts.step++;
+        ts.next_group += nb;
+        for (int q = 0; q < 3; q++) r->seconds[q] += ss.seconds[q];
         r->kv_bytes = ss.prefix_kv_bytes;
         r->stack_bytes = ss.prefix_stack_bytes;
-        if (lead)
-            printf("step %3d  groups %d..%d  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
-                   step * nb % j->trace->n_groups, (step * nb + nb - 1) % j->trace->n_groups, ss.loss, gnorm,
-                   1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+        if (lead) {
+            printf("step %3ld  groups %ld..%ld  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
+                   pos % ng, (pos + nb - 1) % ng, ss.loss, gnorm, 1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+            log_step(log, step, ss.loss, gnorm);
+        }
+        if (save_due(o, k)) st = save_state(o, tr, &ts, lead, err);
     }
+    if (log) fclose(log);
+    if (!st && !j->check && o->steps == 0 && o->save_state) st = save_state(o, tr, &ts, lead, err);
     if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
         printf("saved %s\n", o->save);
     pr_comm *dims[4] = { m.dp_comm, m.pp_comm, m.cp_comm, m.tp_comm };
@@ -426,7 +519,7 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
 }
 
 static void print_mesh(const options *o) {
-    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep,
+    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep, o->zero,
 #ifdef PR_CUDA
            ", NCCL, one process per GPU"
 #else
@@ -449,6 +542,11 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
                "tp %.3f MiB\n", r, p->coord[0], p->coord[1], p->coord[2], p->coord[3], 1e3 * p->seconds[0], 1e3 * p->seconds[1],
                1e3 * p->seconds[2], p->sent[0] / 1048576.0, p->sent[1] / 1048576.0, p->sent[2] / 1048576.0, p->sent[3] / 1048576.0);
     }
+    const rank_report *s = &j->rep[r0];
+    if (s->params)
+        printf("  training state on rank %d: %.2f MiB for %zu parameters, %.2f bytes a parameter (weights, gradients, AdamW m and v%s)\n",
+               r0, s->state_bytes / 1048576.0, s->params, (double)s->state_bytes / (double)s->params,
+               o->zero ? ", the moments sharded over dp" : "");
     const rank_report *p = &j->rep[r0];
     if (o->dp_groups < o->dp && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
         printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
@@ -519,25 +617,44 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
            sizeof(pr_real) == 8 ? "double" : "float");
-    for (int step = 0; step < o->steps; step++) {
-        const pr_group *g = &trace->groups[step % trace->n_groups];
+    pr_train_state ts;
+    FILE *log = NULL;
+    if (start_state(o, tr, &ts, 1, &err) || (o->loss_log && !(log = fopen(o->loss_log, "a")) &&
+                                              set_error(&err, PR_ERR_IO, "cannot open the --loss-log file"))) {
+        pr_trainer_destroy(tr);
+        return fail(&err);
+    }
+    for (int k = 0; k < o->steps; k++) {
+        const long step = ts.step, gi = ts.next_group % trace->n_groups;
+        const pr_group *g = &trace->groups[gi];
         pr_step_stats st;
         double gnorm;
         if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) ||
-            (step == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
+            (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
             pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
+            if (log) fclose(log);
             pr_trainer_destroy(tr);
             return fail(&err);
         }
+        ts.step++;
+        ts.next_group++;
         double total = st.seconds[0] + st.seconds[1] + st.seconds[2];
-        printf("step %3d  group %d (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
-               step, step % trace->n_groups, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
+        printf("step %3ld  group %ld (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
+               step, gi, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
                1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
                st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
+        log_step(log, step, st.loss, gnorm);
         if (o->step.offload.enabled) print_offload("          ", &st.offload);
         if (cfg->num_experts) print_routing(tr, cfg, &st);
+        if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) {
+            if (log) fclose(log);
+            pr_trainer_destroy(tr);
+            return fail(&err);
+        }
     }
+    if (log) fclose(log);
     int rc = 0;
+    if (o->steps == 0 && o->save_state && save_state(o, tr, &ts, 1, &err)) rc = fail(&err);
     if (o->save) {
         if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
         else printf("saved %s\n", o->save);
@@ -932,6 +1049,21 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     return rc;
 }
 
+/* The model of a --resume folder: its config.json, through DIR/latest unless DIR is a state folder. */
+static void resume_config(const char *dir, char *path, size_t cap) {
+    char name[256] = "";
+    snprintf(path, cap, "%s/trainer_state.json", dir);
+    FILE *f = fopen(path, "r");
+    if (f) { fclose(f); snprintf(path, cap, "%s/config.json", dir); return; }
+    snprintf(path, cap, "%s/latest", dir);
+    if ((f = fopen(path, "r"))) {
+        if (!fgets(name, sizeof name, f)) name[0] = 0;
+        fclose(f);
+    }
+    name[strcspn(name, "\r\n")] = 0;
+    snprintf(path, cap, "%s/%s/config.json", dir, name);
+}
+
 int main(int argc, char **argv) {
     options o;
     if (!parse_args(argc, argv, &o)) return 2;
@@ -939,7 +1071,8 @@ int main(int argc, char **argv) {
     pr_config cfg;
     char init_config[4096];
     snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
-    FILE *probe = o.init && !o.config_given ? fopen(init_config, "r") : NULL;
+    if (o.resume) resume_config(o.resume, init_config, sizeof init_config);
+    FILE *probe = (o.init || o.resume) && !o.config_given ? fopen(init_config, "r") : NULL;
     if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err) || select_attention(&o, &err)) return fail(&err);
     if (o.layers > cfg.num_hidden_layers) {

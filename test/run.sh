@@ -12,6 +12,7 @@ run "$dir/test_attn_check"
 run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
+for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4

@@ -582,7 +582,7 @@ static void test_bad_input(void) {
     other.intermediate_size = 44;
     pr_trainer *o2 = make_model(&other, 1);
     CHECK(!pr_trainer_save(o2, dir, PR_DT_F32, 0, &err), "save: %s", err.message);
-    CHECK(pr_trainer_load(tr, dir, &err) == PR_ERR_FORMAT && strstr(err.message, "mlp"), "mismatched checkpoint accepted: %s", err.message);
+    CHECK(pr_trainer_load(tr, dir, &err) == PR_ERR_ARG && strstr(err.message, "mlp"), "mismatched checkpoint accepted: %s", err.message);
     pr_real *p1 = params_of(tr);
     CHECK(!memcmp(p0, p1, n * sizeof(pr_real)), "a refused load changed the parameters");
     CHECK(pr_trainer_load(tr, "/nonexistent/checkpoint", &err) == PR_ERR_IO, "missing checkpoint: %s", err.message);
@@ -805,6 +805,7 @@ typedef struct {
     int n;
     pr_step_opts opt;
     const pr_real *init;          /* the full model's starting parameters */
+    int zero, steps;              /* ZeRO stage; AdamW steps (0: 1) */
     double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
 } mesh_run;
@@ -817,21 +818,24 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     const mesh_shape sh = m->shape;
     pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
     if (s) return s;
+    mesh.zero = m->zero;
     size_t n = 0;
     if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) {
         n = pr_trainer_full_param_count(tr);
         s = pr_trainer_set_full_params(tr, m->init, n, err);
     }
-    if (!s) s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
-                          : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
     pr_real *grads = world->rank ? malloc(sizeof(pr_real) * n) : m->grads;   /* every rank gathers; rank 0 keeps */
     pr_real *params = world->rank ? malloc(sizeof(pr_real) * n) : m->params;
-    if (!s) {
-        m->loss[world->rank] = st.loss;
-        s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
-    }
     pr_adamw_opts adam = pr_adamw_opts_default();
-    if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    for (int k = 0; k < (m->steps ? m->steps : 1) && !s; k++) {
+        s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
+                      : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
+        if (!s) {
+            m->loss[world->rank] = st.loss;
+            s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
+        }
+        if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    }
     if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, params, n, err);
     if (world->rank) {
         free(grads);
@@ -883,6 +887,65 @@ static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *grou
     }
     free(m.grads); free(m.params); free(init); free(gref); free(pref);
     pr_trainer_destroy(ref);
+}
+
+/* ZeRO: the same mesh run with the AdamW state unsharded and sharded over dp, three steps: the
+   gathered gradients and the parameters after every AdamW step are the same bits. */
+static void zero_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_schedule sched, const char *label) {
+    pr_trainer *ref = make_model(c, 5);
+    pr_real *init = params_of(ref);
+    size_t np = pr_trainer_param_count(ref);
+    pr_real *out[3][2];
+    for (int z = 0; z < 3; z++) {
+        mesh_run m;
+        pr_error err;
+        memset(&m, 0, sizeof m);
+        m.c = c; m.shape = shape; m.groups = groups; m.n = n; m.init = init;
+        m.opt = pr_step_opts_default();
+        m.opt.schedule = sched;
+        m.opt.microbatch = shape.mb;
+        m.zero = z;
+        m.steps = 3;
+        m.grads = out[z][0] = calloc(np, sizeof(pr_real));
+        m.params = out[z][1] = calloc(np, sizeof(pr_real));
+        pr_status st = pr_comm_local_run(mesh_size(shape), mesh_rank, &m, &err);
+        CHECK(st == PR_OK, "%s zero %d: %s", label, z, err.message);
+    }
+    for (int z = 1; z < 3; z++) {
+        CHECK(!memcmp(out[0][0], out[z][0], sizeof(pr_real) * np), "%s: zero %d gathered gradients differ from zero 0", label, z);
+        CHECK(!memcmp(out[0][1], out[z][1], sizeof(pr_real) * np), "%s: zero %d parameters after AdamW differ from zero 0", label, z);
+    }
+    for (int z = 0; z < 3; z++) { free(out[z][0]); free(out[z][1]); }
+    free(init);
+    pr_trainer_destroy(ref);
+}
+
+static void test_zero(void) {
+    const int S[8] = { 5, 1, 8, 3, 6, 2, 4, 7 };
+    static test_group tg[8];
+    pr_group groups[8];
+    for (int i = 0; i < 8; i++) {
+        make_group(&tg[i], 5 + i, 2 + i % 3, S + i % 4, 61, 900 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 4), qwen = small_config(1, 1, 4), moe = moe_config(1);
+    qwen.num_hidden_layers = 4;
+    moe.num_experts = 8;
+    static const int dps[4] = { 2, 3, 4, 8 };
+    char label[96];
+    for (int k = 0; k < 4; k++)
+        for (int sched = 0; sched < 2; sched++) {
+            mesh_shape sh = { dps[k], 1, 1, 1, 1, 2, 0 };
+            snprintf(label, sizeof label, "zero: dp %d, %s", dps[k], sched ? "reuse" : "baseline");
+            zero_case(&llama, sh, groups, dps[k], sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE, label);
+        }
+    mesh_shape mix = { 2, 2, 1, 2, 1, 1, 0 }, cpmix = { 2, 1, 2, 1, 1, 1, 0 }, split = { 4, 1, 1, 1, 1, 2, 0 }, ep = { 2, 1, 1, 2, 2, 2, 0 };
+    zero_case(&qwen, mix, groups, 3, PR_SCHEDULE_REUSE, "zero: dp 2 x pp 2 x tp 2, qwen3, tied");
+    zero_case(&llama, cpmix, groups, 2, PR_SCHEDULE_REUSE, "zero: dp 2 x cp 2");
+    zero_case(&llama, split, groups, 2, PR_SCHEDULE_REUSE, "zero: dp 4, groups split over 2 ranks");
+    zero_case(&moe, ep, groups, 2, PR_SCHEDULE_REUSE, "zero: MoE, dp 2 x tp 2 x ep 2");
+    zero_case(&moe, (mesh_shape){ 3, 1, 1, 1, 1, 2, 0 }, groups, 4, PR_SCHEDULE_BASELINE, "zero: MoE, dp 3, baseline");
+    printf("zero: stages 1 and 2 bitwise equal to stage 0 over dp 2, 3, 4, 8, both schedules, tp/cp/pp, split groups, MoE\n");
 }
 
 static void test_mesh(void) {
@@ -1175,6 +1238,161 @@ static void test_checkpoints(void) {
     remove_tree(dir, 1);
 }
 
+/* A well-formed checkpoint of another model is refused by naming the tensor and both shapes (or the
+   tensor the model lacks), as a bad argument, not a malformed file; the trainer keeps its weights. */
+static void test_other_shape(void) {
+    const pr_config base = small_config(1, 1, 2);
+    static const struct { const char *what; int field; int value; const char *needle; } rows[] = {
+        { "hidden size", 0, 32, "model.embed_tokens.weight has shape [61, 32], the model's is [61, 24]" },
+        { "MLP width", 1, 48, "mlp.gate_proj.weight has shape [48, 24], the model's is [40, 24]" },
+        { "vocabulary", 2, 70, "model.embed_tokens.weight has shape [70, 24], the model's is [61, 24]" },
+        { "KV heads", 3, 1, "self_attn.k_proj.weight has shape [8, 24], the model's is [16, 24]" },
+        { "more layers", 4, 3, "model.layers.2." },
+        { "fewer layers", 4, 1, "model.layers.1." },
+        { "query heads", 5, 2, "self_attn.q_proj.weight has shape [16, 24], the model's is [32, 24]" },
+    };
+    pr_trainer *b = make_model(&base, 5);
+    size_t n = pr_trainer_param_count(b);
+    pr_real *before = params_of(b);
+    char dir[] = "/tmp/prtest_shapeXXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        pr_config c = base;
+        int *f[] = { &c.hidden_size, &c.intermediate_size, &c.vocab_size, &c.num_key_value_heads, &c.num_hidden_layers,
+                     &c.num_attention_heads };
+        *f[rows[r].field] = rows[r].value;
+        pr_trainer *a = make_model(&c, 9);
+        pr_error err;
+        char sub[600];
+        snprintf(sub, sizeof sub, "%s/%zu", dir, r);
+        CHECK(!pr_trainer_save(a, sub, PR_DT_F32, 0, &err), "save %s: %s", rows[r].what, err.message);
+        pr_status st = pr_trainer_load(b, sub, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, rows[r].needle), "%s: status %s, '%s' (want '%s')", rows[r].what,
+              pr_status_name(st), err.message, rows[r].needle);
+        pr_trainer_destroy(a);
+    }
+    pr_real *after = params_of(b);
+    CHECK(!memcmp(before, after, sizeof(pr_real) * n), "a refused checkpoint left the weights alone");
+    free(before); free(after);
+    pr_trainer_destroy(b);
+    remove_tree(dir, 1);
+}
+
+/* One GRPO step and AdamW on a trainer. */
+static void train_step(pr_trainer *tr, const pr_group *g) {
+    pr_step_opts o = pr_step_opts_default();
+    pr_adamw_opts a = pr_adamw_opts_default();
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, g, &o, NULL, NULL, &err) && !pr_trainer_adamw_step(tr, &a, NULL, &err), "step: %s", err.message);
+}
+
+static int same_state(pr_trainer *a, pr_trainer *b) {
+    size_t bytes = sizeof(pr_real) * a->n_params;
+    return a->adam_step == b->adam_step && !memcmp(a->params, b->params, bytes) && !memcmp(a->adam_m, b->adam_m, bytes) &&
+           !memcmp(a->adam_v, b->adam_v, bytes);
+}
+
+static void rewrite_file(const char *path, const char *from, const char *to) {
+    FILE *f = fopen(path, "rb");
+    char buf[4096], out[4096];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    char *at = strstr(buf, from);
+    if (!at) { snprintf(out, sizeof out, "%s", buf); }
+    else snprintf(out, sizeof out, "%.*s%s%s", (int)(at - buf), buf, to, at + strlen(from));
+    f = fopen(path, "wb");
+    if (f) { fputs(out, f); fclose(f); }
+}
+
+/* The training state: saved and loaded, a trainer goes on bit for bit as the one that never stopped;
+   every refusal names its reason and leaves the trainer as it was. */
+static void test_train_state(void) {
+    pr_config c = small_config(1, 0, 2);
+    const int S[3] = { 3, 5, 2 };
+    test_group t;
+    make_group(&t, 5, 3, S, c.vocab_size, 11);
+    pr_trainer *a = make_model(&c, 31), *b = make_model(&c, 77);
+    pr_error err;
+    char dir[] = "/tmp/prtest_stateXXXXXX", sd[600], path[700], path2[700];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(sd, sizeof sd, "%s/run", dir);
+    train_step(a, &t.g);
+    train_step(a, &t.g);
+    pr_train_state s = { 0, 7, 1234, pr_adamw_opts_default() }, back;
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "save state: %s", err.message);
+    snprintf(path, sizeof path, "%s/latest", sd);
+    CHECK(access(path, F_OK) == 0, "latest written");
+    memset(&back, 0, sizeof back);
+    CHECK(!pr_trainer_load_state(b, sd, &back, &err), "load state: %s", err.message);
+    CHECK(same_state(a, b), "parameters, m, v and step come back bit for bit");
+    CHECK(back.step == 2 && back.next_group == 7 && back.seed == 1234 && back.adamw.lr == s.adamw.lr &&
+          back.adamw.beta1 == s.adamw.beta1 && back.adamw.eps == s.adamw.eps, "the run's position and settings come back");
+    train_step(a, &t.g);
+    train_step(b, &t.g);
+    CHECK(same_state(a, b), "the resumed trainer's next step is the same bits");
+
+    /* a second save replaces the first: latest moves, the old folder goes */
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "second save: %s", err.message);
+    snprintf(path, sizeof path, "%s/step-00000002", sd);
+    snprintf(path2, sizeof path2, "%s/step-00000003/optimizer.safetensors", sd);
+    CHECK(access(path, F_OK) != 0 && access(path2, F_OK) == 0, "the previous state folder is removed once latest moved");
+    CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "same step again: %s", err.message);
+    snprintf(path, sizeof path, "%s/step-00000003.1", sd);
+    CHECK(access(path, F_OK) == 0, "a state of the same step gets a fresh folder");
+    CHECK(!pr_trainer_load_state(b, path, NULL, &err) && same_state(a, b), "a state folder loads directly: %s", err.message);
+
+    /* refusals: the trainer keeps what it had */
+    train_step(b, &t.g);
+    pr_trainer *keep = make_model(&c, 1);
+    CHECK(!pr_trainer_load_state(keep, path, NULL, &err), "%s", err.message);
+    train_step(keep, &t.g);
+    snprintf(path, sizeof path, "%s/nowhere/run", dir);
+    pr_status st = pr_trainer_save_state(a, path, &s, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "does not exist"), "missing parent: %s", err.message);
+    snprintf(path, sizeof path, "%s/nowhere", dir);
+    CHECK(access(path, F_OK) != 0, "no parent created");
+    pr_config other = c;
+    other.intermediate_size = 48;
+    pr_trainer *o = make_model(&other, 3);
+    st = pr_trainer_load_state(o, sd, NULL, &err);
+    CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "other shape: %s", err.message);
+    pr_trainer_destroy(o);
+    snprintf(path, sizeof path, "%s/step-00000003.1/trainer_state.json", sd);
+    rewrite_file(path, "\"version\": 1", "\"version\": 2");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "version 2 is newer; this build reads version 1"), "newer: %s", err.message);
+    rewrite_file(path, "\"version\": 2", "\"version\": 0");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "version"), "version 0: %s", err.message);
+    rewrite_file(path, "\"version\": 0", "\"version\": 1");
+    rewrite_file(path, "prefixreuse-train-state", "something-else");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "not a prefixreuse training state"), "other format: %s", err.message);
+    rewrite_file(path, "something-else", "prefixreuse-train-state");
+    rewrite_file(path, IS_DOUBLE ? "\"F64\"" : "\"F32\"", IS_DOUBLE ? "\"F32\"" : "\"F64\"");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "same precision"), "other precision: %s", err.message);
+    rewrite_file(path, IS_DOUBLE ? "\"F32\"" : "\"F64\"", IS_DOUBLE ? "\"F64\"" : "\"F32\"");
+    snprintf(path, sizeof path, "%s/step-00000003.1/optimizer.safetensors", sd);
+    snprintf(path2, sizeof path2, "%s/step-00000003.1/optimizer.hidden", sd);
+    CHECK(rename(path, path2) == 0, "rename");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "optimizer.safetensors"), "missing optimizer file: %s", err.message);
+    CHECK(rename(path2, path) == 0, "rename back");
+    snprintf(path, sizeof path, "%s/latest", sd);
+    rewrite_file(path, "step", "../step");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "does not name a state folder"), "a latest that leaves the folder: %s", err.message);
+    st = pr_trainer_load_state(b, dir, NULL, &err);
+    CHECK(st == PR_ERR_IO && strstr(err.message, "latest"), "a folder without a state: %s", err.message);
+    CHECK(same_state(b, keep), "every refused load left the trainer as it was");
+    pr_trainer_destroy(keep);
+    pr_trainer_destroy(a);
+    pr_trainer_destroy(b);
+    remove_tree(dir, 2);
+}
+
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
@@ -1185,7 +1403,10 @@ int main(void) {
     test_moe();
     test_dp();
     test_mesh();
+    test_zero();
     test_checkpoints();
+    test_other_shape();
+    test_train_state();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
         test_gradcheck(&l, "llama");

@@ -31,5 +31,10 @@ check "unknown flag --bogus"                --bogus 3
 check "--lr needs a value"                  --steps 1 --lr
 check "--save-grads writes a training step" --save-grads /tmp/never-written.safetensors --check
 check "bad value 'fast' for --schedule"     --schedule fast
+check "--save-every needs --save-state"     --save-every 2
+check "bad value '3' for --zero"            --zero 3
+check "bad value '0' for --save-every"      --save-every 0 --save-state /tmp/never-written
+check "--resume and --init"                 --resume /tmp/never-read --init /tmp/never-read
+check "not --check or --bench"              --check --save-state /tmp/never-written
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

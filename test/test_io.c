@@ -376,8 +376,13 @@ static void test_sharded(void) {
         en[i].ndim = 1;
         en[i].shape[0] = sizes[i];
     }
-    char *dir = tmp_path("ck/nested/dir"); /* created with its parents */
-    char dirc[512], p[600];
+    /* the folder asked for is created, the folders above it never */
+    char nested[512], p[600];
+    snprintf(nested, sizeof nested, "%s", tmp_path("ck_parent/dir"));
+    EXPECT_FAIL(pr_checkpoint_save(nested, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "does not exist", "missing parent refused");
+    CHECK(!file_exists(tmp_path("ck_parent")), "no parent folder created");
+    char *dir = tmp_path("ck_dir");
+    char dirc[512];
     snprintf(dirc, sizeof dirc, "%s", dir);
     pr_status st = pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err);
     CHECK(st == PR_OK, "sharded save: %s", err.message);
@@ -543,7 +548,7 @@ static void test_malformed(void) {
     free(whole);
     EXPECT_FAIL(pr_checkpoint_open(&ck, tmp_path("does-not-exist.safetensors"), &e_), PR_ERR_IO, "does-not-exist", "missing file");
     char *empty_dir = tmp_path("emptydir");
-    pr__mkdirs(empty_dir, NULL);
+    pr__mkdir_one(empty_dir, NULL);
     EXPECT_FAIL(pr_checkpoint_open(&ck, empty_dir, &e_), PR_ERR_IO, "neither model.safetensors", "folder without checkpoint");
     EXPECT_FAIL(pr_checkpoint_open(NULL, p, &e_), PR_ERR_ARG, "NULL", "NULL out");
 }
@@ -552,7 +557,7 @@ static void test_malformed(void) {
 static void test_bad_index(void) {
     char *dir = tmp_path("badix");
     char ip[600], sp[600], sp2[600];
-    pr__mkdirs(dir, NULL);
+    pr__mkdir_one(dir, NULL);
     snprintf(ip, sizeof ip, "%s/model.safetensors.index.json", dir);
     snprintf(sp, sizeof sp, "%s/s1.safetensors", dir);
     snprintf(sp2, sizeof sp2, "%s/s2.safetensors", dir);
@@ -847,7 +852,7 @@ static void test_out_of_memory(void) {
 int main(int argc, char **argv) {
     const char *tmpdir = getenv("TMPDIR");
     snprintf(g_tmp, sizeof g_tmp, "%s/pr_io_test.%ld", tmpdir && tmpdir[0] ? tmpdir : "/tmp", pr__io_pid());
-    if (pr__mkdirs(g_tmp, NULL) != PR_OK) { printf("cannot create %s\n0 passed, 1 failed\n", g_tmp); return 1; }
+    if (pr__mkdir_one(g_tmp, NULL) != PR_OK) { printf("cannot create %s\n0 passed, 1 failed\n", g_tmp); return 1; }
     const char *cands[] = {argc > 1 ? argv[1] : "model", "model", "../model", "../../model"};
     for (int k = 0; k < 4; k++) {
         char p[400];
