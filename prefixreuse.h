@@ -59,18 +59,22 @@
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
    READING GUIDE: the schedule, in the order to read it
-     3.6  pr__layer_forward            one layer over the rows of a pass (in Phase B attending to
-          pr__layer_backward           the cached prefix K/V too), and its backward
-     4.1  pr__phase_a_prefix_forward   Phase A: the prefix forward once; every layer's K/V stays
-                                       as the cache (hook on_kv_capture)
-     4.2  pr__run_microbatches         Phase B (its function is not named as a phase): each suffix
-                                       microbatch forward and backward (pr__mb_forward,
-                                       pr__mb_backward) against the cache, its prefix dK/dV added
-                                       into gK/gV (hook on_dkv); with no prefix state, the baseline
-     4.3  pr__phase_c_prefix_backward  Phase C: the prefix backward once, gK/gV injected into every
-                                       layer's attention backward (hook on_kv_inject)
-     4.4  pr__compute_grads            the driver: validate, token weights, Phase A, B, C (or the
-                                       baseline alone), the sums over the mesh, the stats
+     3.6  pr__layer_forward               one layer over the rows of a pass (in Phase B attending
+          pr__layer_backward              to the cached prefix K/V too), and its backward (the K/V
+                                          gradients it writes named in a pr__kv_grads)
+     4.1  pr__phase_a_prefix_forward      Phase A: the prefix forward once; every layer's K/V
+                                          stays as the cache (hook on_kv_capture)
+     4.2  pr__phase_b_suffix_microbatches Phase B: each suffix microbatch forward and backward
+                                          (pr__mb_forward, pr__mb_backward) against the cache,
+                                          its prefix dK/dV added into gK/gV (hook on_dkv); with
+                                          no prefix state, the baseline
+     4.3  pr__phase_c_prefix_backward     Phase C: the prefix backward once, gK/gV injected into
+                                          every layer's attention backward (hook on_kv_inject)
+     4.4  pr__compute_grads               the driver, one named step each: pr__validate_step,
+                                          pr__step_begin (token weights, log-probs, MoE sums),
+                                          pr__step_reuse (A, B, C) or pr__step_baseline,
+                                          pr__step_reduce (the sums over the mesh), pr__step_end
+                                          (the stats)
    Where the rest hooks in (3.2 declares every such call):
      offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
                    loads it back before its backward (pr__load_block, pr__prefetch_block)
@@ -79,7 +83,7 @@
                    Phase C, and in the group scope pr__routing_prepass before Phase B
      parallel (7)  inside the layer pr__tp_sum and the CP attention (pr__attention_fwd/_bwd);
                    pr__batch_make cuts a batch to its CP chunk; pipeline stages hand rows on with
-                   pr__pp_swap (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
+                   pr__pp_send/pr__pp_recv (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
                    across DP ranks shares the cache and gathers gK/gV (pr__split_share_kv,
                    pr__split_reduce_gkv); pr__mesh_sync_grads ends the step;
                    pr_trainer_compute_grads_dp runs steps over whole or split groups
@@ -1577,6 +1581,24 @@ typedef struct {
    dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
 typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
 
+/* The K/V gradients one layer's attention backward writes: this pass's own rows always, the
+   cached prefix's in Phase B. pr__kv_own gives the own part with no prefix (Phase C, baseline). */
+typedef struct {
+    void *dk, *dv;               /* (N, NKV*HS) acts: the pass's own dK/dV, added into; they already
+                                    hold what must be injected (gK/gV in Phase C, zeros otherwise) */
+    const void *kp, *vp;         /* (P, NKV*HS) the cached prefix K/V the pass attends to, or NULL */
+    pr_real *dkp, *dvp;          /* (P, NKV*HS) where the cached prefix's dK/dV go, or NULL */
+    int pre_own;                 /* under CP: the prefix shard's rows on this rank (dkp/dvp's share) */
+} pr__kv_grads;
+
+static pr__kv_grads pr__kv_own(void *dk, void *dv) {
+    pr__kv_grads kv;
+    memset(&kv, 0, sizeof kv);
+    kv.dk = dk;
+    kv.dv = dv;
+    return kv;
+}
+
 /* Which rows of a pass predict which suffix tokens, with what the loss needs for each. */
 typedef struct {
     int M;
@@ -1653,6 +1675,12 @@ typedef struct {
        and C, replicates the prefix K/V to the others and gets their gK/gV back. */
     int t0, t1;
     pr_comm *team;
+    int mb;                      /* trajectories per microbatch */
+    int owner;                   /* 1 on the rank that runs Phases A and C (rank 0 of a team) */
+    long n_tok;                  /* the group's suffix tokens */
+    /* What pr__step_begin allocated (NULL: nothing, or the caller's log-probs buffer) */
+    pr_real *mem_tok_weight, *mem_logp;
+    double *mem_moe;
 } pr__step_ctx;
 
 /* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
@@ -1712,13 +1740,12 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
 static pr_status pr__build_shards(pr_trainer *tr, pr_error *err);
 static void pr__mesh_sync_grads(pr_trainer *tr);
 static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp);
-static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own);
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv);
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err);
 static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
-static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
-                        size_t nd_out, double *d_in, size_t nd_in);
+static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd);
+static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd);
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
 static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back);
 static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
@@ -2249,13 +2276,10 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     be->add(be, y, a->x_mid, (size_t)N * C);
 }
 
-/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input).
-   dk/dv: the buffers the attention backward adds this pass's own dK/dV into, already holding
-   whatever must be injected (gK/gV in Phase C, zeros otherwise). dkp/dvp: where dK/dV of the
-   cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
-   rank holds (dkp/dvp get its share). */
-static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
-                               const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input). kv: the
+   K/V gradients the attention backward writes (the pass's own, holding whatever must be injected,
+   and in Phase B the cached prefix's). */
+static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__kv_grads *kv) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
@@ -2288,8 +2312,9 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     be->matmul_bwd(be, s->datt, g.wo, s->dres, a->att, w.wo, N, qd, C);
     /* att = attention(q, [kp; k], [vp; v]) */
     pr__zero_acts(tr, s->dq, (size_t)N * qd);
-    pr__attention_bwd(tr, ps, s, a, dk, dv, kp, vp, dkp, dvp, pre_own);
+    pr__attention_bwd(tr, ps, s, a, kv);
     /* q, k = rope(...) */
+    void *dk = kv->dk, *dv = kv->dv;
     be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
     be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
     void *dq = s->dq, *dkk = dk;
@@ -2502,7 +2527,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     const int P = ps->pass.N;
     pr__offload *o = &ps->off;
     if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
+    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
@@ -2512,7 +2537,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
     if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
     if (!pr__last_stage(tr))
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1, NULL, 0);
+        pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     pr__arena_reset(tr, &tr->step_arena);
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
@@ -2594,8 +2619,13 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
         pr__zero_acts(tr, s->dk, kvn_own);
         pr__zero_acts(tr, s->dv, kvn_own);
         if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
-        pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
-                           ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
+        pr__kv_grads kv = pr__kv_own(s->dk, s->dv);
+        if (ps) {                /* the cached prefix: its K/V read, its dK/dV into dk_mb/dv_mb */
+            kv.kp = ps->pass.acts[l].k; kv.vp = ps->pass.acts[l].v;
+            kv.dkp = ps->dk_mb; kv.dvp = ps->dv_mb;
+            kv.pre_own = Pl;
+        }
+        pr__layer_backward(tr, p, l, s, &kv);
         if (ps) {
             if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
             be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
@@ -2615,7 +2645,8 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
    gradient for the oldest microbatch comes back, that backward's input gradient goes back as
    the next microbatch's input comes in. With one stage: forward, backward, microbatch by
    microbatch. Returns the number of microbatches in *n_mb. */
-static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
+static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb,
+                                                 pr_error *err) {
     const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
     pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
@@ -2675,7 +2706,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     if (pr__last_stage(tr))
         st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
     else
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, NULL, 0, s.dres, P, NULL, 0, NULL, 0);
+        pr__pp_recv(tr, tr->mesh->pp_rank + 1, s.dres, P, NULL, 0);
     if (st) return st;
     for (int l = L - 1; l >= 0; l--) {
         if (o->on) {
@@ -2689,12 +2720,13 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
         be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
         be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
-        pr__layer_backward(tr, &ps->pass, l, &s, s.dk, s.dv, NULL, NULL, NULL, NULL, 0);
+        pr__kv_grads kv = pr__kv_own(s.dk, s.dv);               /* no cached prefix above the prefix */
+        pr__layer_backward(tr, &ps->pass, l, &s, &kv);
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
     if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0, NULL, 0, NULL, 0);
+    else pr__pp_send(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0);
     return PR_OK;
 }
 
@@ -2764,132 +2796,182 @@ static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) 
     }
 }
 
-/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
-static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
-                                   pr_real *logp, pr_comm *team, pr_error *err) {
-    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
-    pr_status st = pr__validate_step(tr, g, opt, err);
-    if (st) return st;
+/* The step's own memory, from pr__step_begin to pr__step_end (NULL-safe). */
+static void pr__step_free(pr__step_ctx *cx) {
+    PR_FREE(cx->mem_tok_weight);
+    PR_FREE(cx->mem_logp);
+    PR_FREE(cx->mem_moe);
+    cx->mem_tok_weight = cx->mem_logp = NULL;
+    cx->mem_moe = NULL;
+}
+
+/* Step 2, weights: the context of one group's step (its trajectories on this rank, the token
+   weights, the log-probs, the MoE sums), the gradients zeroed unless accumulating, the backend's
+   weights prepared. logp: the caller's buffer for the log-probs, or NULL. */
+static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group *g, const pr_step_opts *opt, pr_real *logp,
+                                pr_comm *team, pr_error *err) {
     const pr_backend *be = tr->be;
     const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
-    const int owner = !team || team->rank == 0, t = team ? team->size : 1, k = team ? team->rank : 0;
+    const int t = team ? team->size : 1, k = team ? team->rank : 0;
     int B = 0;                   /* the group's microbatches, over the team */
     for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
-    long n_tok = g->suffix_off[G];
-    pr_real *tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    pr_real *lp = logp ? logp : PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    if (!tok_weight || !lp) {
-        PR_FREE(tok_weight);
-        if (!logp) PR_FREE(lp);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
+    memset(cx, 0, sizeof *cx);
+    cx->n_tok = g->suffix_off[G];
+    cx->mem_tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    if (!logp) cx->mem_logp = PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    pr_real *lp = logp ? logp : cx->mem_logp;
+    if (!cx->mem_tok_weight || !lp) {
+        pr__step_free(cx);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", cx->n_tok);
     }
-    pr__token_weights(g, opt->loss.norm, tok_weight);
+    pr__token_weights(g, opt->loss.norm, cx->mem_tok_weight);
     if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
-        memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);
+        memset(lp, 0, sizeof(pr_real) * (size_t)cx->n_tok);
     tr->comm_st = PR_OK;
-    pr__step_ctx cx;
-    memset(&cx, 0, sizeof cx);
-    cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
-    cx.t0 = k * G / t; cx.t1 = (k + 1) * G / t; cx.team = team;
-    pr__moe_acc *moe = &cx.moe;
-    double *moe_mem = NULL;
+    cx->g = g; cx->opt = opt; cx->tok_weight = cx->mem_tok_weight; cx->logp = lp;
+    cx->t0 = k * G / t; cx->t1 = (k + 1) * G / t; cx->team = team;
+    cx->mb = mb; cx->owner = !team || team->rank == 0;
+    pr__moe_acc *moe = &cx->moe;
     if (tr->cfg.num_experts) {
         const int E = tr->cfg.num_experts;
         const size_t n_sums = 2 * (size_t)E + 1;
-        moe_mem = PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
-        if (!moe_mem) {
-            PR_FREE(tok_weight);
-            if (!logp) PR_FREE(lp);
+        cx->mem_moe = (double *)PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        if (!cx->mem_moe) {
+            pr__step_free(cx);
             return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         }
-        memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        memset(cx->mem_moe, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
         moe->on = 1; moe->E = E; moe->G = G; moe->B = B; moe->opt = &opt->moe;
         moe->coef = tr->cfg.router_aux_loss_coef;
         moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
         moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
-        moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
+        moe->pre = cx->mem_moe; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
         moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
         memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
     }
-    pr_step_stats s;
-    memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
     if (!opt->accumulate) be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
     if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
+    return PR_OK;
+}
+
+/* Step 3, the schedule without reuse: every trajectory whole, as Phase B's microbatches with no
+   prefix state. */
+static pr_status pr__step_baseline(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
+    const pr_backend *be = tr->be;
+    pr_status st = PR_OK;
     double t0 = pr__now();
-    if (opt->schedule == PR_SCHEDULE_BASELINE) {
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, NULL, mb, &s.microbatches, err);
-        be->sync(be);
-        s.seconds[PR_PHASE_B] = pr__now() - t0;
-    } else {
-        pr__prefix_state ps;
-        memset(&ps, 0, sizeof ps);
-        pr__enter_phase(tr, PR_PHASE_A);
-        st = owner ? pr__phase_a_prefix_forward(tr, &cx, &ps, err) : pr__prefix_alloc(tr, &cx, &ps, 0, err);
-        if (!st && team) pr__split_share_kv(tr, &cx, &ps);
-        be->sync(be);
-        double t1 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
-        if (!st && team) pr__split_reduce_gkv(tr, &cx, &ps);
-        be->sync(be);
-        double t2 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_C);
-        if (!st && owner) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
-        be->sync(be);
-        double t3 = pr__now();
-        s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
-        s.offload = ps.off.st;
-        const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
-        s.prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
-        s.prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
-                               (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
-        pr__offload_end(tr, &ps.off);
-        pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
-        pr__batch_free(&ps.batch);
-        PR_FREE(ps.gk);
-        PR_FREE(ps.gv);
-        pr__arena_reset(tr, &tr->step_arena);
-        pr__arena_reset(tr, &tr->prefix_arena);
-    }
-    for (long f = 0; owner && f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
-    if (team && moe->on && opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, team, moe->prob_tot, (size_t)moe->E);
-    if (pr__last_stage(tr) && owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
-    if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
+    pr__enter_phase(tr, PR_PHASE_B);
+    if (cx->moe.prepass) st = pr__routing_prepass(tr, cx, NULL, cx->mb, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, NULL, cx->mb, &s->microbatches, err);
+    be->sync(be);
+    s->seconds[PR_PHASE_B] = pr__now() - t0;
+    return st;
+}
+
+/* Step 3, the reuse schedule: Phase A (the owner of a split group; its peers only make room for
+   the cache it shares), Phase B, Phase C (the owner, after the peers' gK/gV came back), each
+   timed; then the prefix state's sizes and its memory given back. */
+static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
+    const pr_backend *be = tr->be;
+    pr_status st;
+    pr__prefix_state ps;
+    memset(&ps, 0, sizeof ps);
+    double t0 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_A);
+    st = cx->owner ? pr__phase_a_prefix_forward(tr, cx, &ps, err) : pr__prefix_alloc(tr, cx, &ps, 0, err);
+    if (!st && cx->team) pr__split_share_kv(tr, cx, &ps);
+    be->sync(be);
+    double t1 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_B);
+    if (!st && cx->moe.prepass) st = pr__routing_prepass(tr, cx, &ps, cx->mb, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &ps, cx->mb, &s->microbatches, err);
+    if (!st && cx->team) pr__split_reduce_gkv(tr, cx, &ps);
+    be->sync(be);
+    double t2 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_C);
+    if (!st && cx->owner) st = pr__phase_c_prefix_backward(tr, cx, &ps, err);
+    be->sync(be);
+    double t3 = pr__now();
+    s->seconds[PR_PHASE_A] = t1 - t0; s->seconds[PR_PHASE_B] = t2 - t1; s->seconds[PR_PHASE_C] = t3 - t2;
+    s->offload = ps.off.st;
+    const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
+    s->prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
+    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
+                            (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
+    pr__offload_end(tr, &ps.off);
+    pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
+    pr__batch_free(&ps.batch);
+    PR_FREE(ps.gk);
+    PR_FREE(ps.gv);
+    pr__arena_reset(tr, &tr->step_arena);
+    pr__arena_reset(tr, &tr->prefix_arena);
+    return st;
+}
+
+/* Step 4, the sums over the mesh: a split group's routing totals over its team and the group's
+   aux term; the CP chunks' shares of the loss, log-probs, rows and expert load; the last stage's
+   loss, aux term and log-probs for every stage; the gradients over the mesh. */
+static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
+    pr__moe_acc *moe = &cx->moe;
+    const size_t n_tok = (size_t)cx->n_tok;
+    if (cx->team && moe->on && cx->opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, cx->team, moe->prob_tot, (size_t)moe->E);
+    if (pr__last_stage(tr) && cx->owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
+    if (pr__cp(tr) > 1) {
         pr_comm *cp = tr->mesh->cp_comm;
-        double r = (double)cx.rows;
-        pr__sum_doubles(tr, cp, &cx.loss, 1);
+        double r = (double)cx->rows;
+        pr__sum_doubles(tr, cp, &cx->loss, 1);
         pr__sum_doubles(tr, cp, &r, 1);
-        cx.rows = (long)r;
-        pr__sum_host(tr, cp, lp, (size_t)n_tok);
+        cx->rows = (long)r;
+        pr__sum_host(tr, cp, cx->logp, n_tok);
         if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
     }
-    if (pr__pp(tr) > 1) {        /* the last stage's loss, aux term and log-probs, for every stage */
+    if (pr__pp(tr) > 1) {
         pr_comm *pp = tr->mesh->pp_comm;
-        pr__sum_doubles(tr, pp, &cx.loss, 1);
+        pr__sum_doubles(tr, pp, &cx->loss, 1);
         pr__sum_doubles(tr, pp, &moe->aux, 1);
-        pr__sum_host(tr, pp, lp, (size_t)n_tok);
+        pr__sum_host(tr, pp, cx->logp, n_tok);
     }
-    if (!opt->accumulate) pr__mesh_sync_grads(tr);
-    PR_FREE(tok_weight);
-    if (!logp) PR_FREE(lp);
-    s.aux_loss = moe->aux;
-    s.routing_prepass = moe->prepass;
-    PR_FREE(moe_mem);
+    if (!cx->opt->accumulate) pr__mesh_sync_grads(tr);
+}
+
+/* Step 5, the stats: the step's status (the schedule's, else the backend's, the collectives',
+   an allocation's), and on success the loss, rows, peaks and FLOPs in *stats (may be NULL). The
+   step's memory is given back either way. */
+static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_status st, pr_step_stats *stats,
+                              pr_error *err) {
+    const pr_backend *be = tr->be;
+    for (long f = 0; cx->owner && f < cx->n_tok; f++) s->loss_tokens += cx->tok_weight[f] != 0;
+    s->aux_loss = cx->moe.aux;
+    s->routing_prepass = cx->moe.prepass;
+    pr__step_free(cx);
     if (!st && be->take_error) st = be->take_error(be, err);
     if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the step's collectives");
     if (st) return st;
-    s.loss = cx.loss + s.aux_loss;
-    s.rows = cx.rows;
-    memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
-    s.flops = owner ? pr_step_flops(&tr->model, g, opt->schedule) : 0;
-    if (stats) *stats = s;
+    s->loss = cx->loss + s->aux_loss;
+    s->rows = cx->rows;
+    memcpy(s->peak_bytes, tr->phase_peak, sizeof s->peak_bytes);
+    s->flops = cx->owner ? pr_step_flops(&tr->model, cx->g, cx->opt->schedule) : 0;
+    if (stats) *stats = *s;
     return PR_OK;
+}
+
+/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
+static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
+                                   pr_real *logp, pr_comm *team, pr_error *err) {
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
+    pr_status st = pr__validate_step(tr, g, opt, err);          /* 1. the group and the options */
+    if (st) return st;
+    pr__step_ctx cx;
+    if ((st = pr__step_begin(tr, &cx, g, opt, logp, team, err))) return st;   /* 2. weights, buffers */
+    pr_step_stats s;
+    memset(&s, 0, sizeof s);
+    if (opt->schedule == PR_SCHEDULE_BASELINE) st = pr__step_baseline(tr, &cx, &s, err);   /* 3. the schedule */
+    else st = pr__step_reuse(tr, &cx, &s, err);
+    pr__step_reduce(tr, &cx);                                   /* 4. the sums over the mesh */
+    return pr__step_end(tr, &cx, &s, st, stats, err);           /* 5. the stats */
 }
 
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
@@ -3874,14 +3956,17 @@ static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real 
     return ps->shard;
 }
 
-/* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
-   prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
-   rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
-static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+/* kv: the own rows' gradient buffers (holding what must be injected) and the cached prefix
+   shard's (Phase B), pre_own its rows on this rank. The region is gathered again rather than
+   kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv) {
     const pr_config *c = &tr->cfg;
     const pr_backend *be = tr->be;
     const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
+    void *dk = kv->dk, *dv = kv->dv;
+    const void *kp = kv->kp, *vp = kv->vp;
+    pr_real *dkp = kv->dkp, *dvp = kv->dvp;
+    const int pre_own = kv->pre_own;
     if (!ps->kreg) {
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
@@ -3966,17 +4051,21 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
    head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
    far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
 
-/* One exchange with rank `peer` of c: activations out and/or in (NULL: none; n_out, n_in
-   elements), then host doubles the same way, staged through backend memory. Both sides make the
-   same call with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
-static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in,
-                    const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
+/* One exchange of activations with rank `peer` of c: out and/or in (NULL: none; n_out, n_in
+   elements). Both sides make the same call with the roles swapped, so a send meets its recv and a
+   send_recv its send_recv. */
+static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in) {
     pr_error e;
     pr_status st = PR_OK;
     if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
     else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
     else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
+}
+/* The same for host doubles (nd_out, nd_in of them), staged through backend memory. */
+static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
+    pr_error e;
+    pr_status st;
     if (!d_out && !d_in) return;
     const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
     pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
@@ -3995,11 +4084,20 @@ static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
 }
-/* The same with the neighbouring stage `peer`, rows of the residual stream. */
+/* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in,
+   then host doubles (MoE routing sums or aux gradients) the same way. */
 static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
                         size_t nd_out, double *d_in, size_t nd_in) {
     const size_t C = (size_t)tr->cfg.hidden_size;
-    pr__p2p(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C, d_out, nd_out, d_in, nd_in);
+    pr__p2p_acts(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C);
+    pr__p2p_doubles(tr, tr->mesh->pp_comm, peer, d_out, nd_out, d_in, nd_in);
+}
+/* Its one-way halves, as Phases A and C use them: n rows (and nd doubles, d may be NULL). */
+static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd) {
+    pr__pp_swap(tr, peer, rows, n, NULL, 0, d, nd, NULL, 0);
+}
+static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd) {
+    pr__pp_swap(tr, peer, NULL, 0, rows, n, NULL, 0, d, nd);
 }
 
 /* The microbatch's input from the previous stage, with the previous one's gradient going back
@@ -4040,10 +4138,10 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_stat
         const int other = t->rank ? 0 : peer, send = !t->rank;
         for (int l = 0; l < c->num_hidden_layers; l++) {
             pr__layer_acts *a = &ps->pass.acts[l];
-            pr__p2p(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n, NULL, 0, NULL, 0);
-            pr__p2p(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n, NULL, 0, NULL, 0);
+            pr__p2p_acts(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n);
+            pr__p2p_acts(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n);
         }
-        if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
+        if (ns) pr__p2p_doubles(tr, t, other, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
 }
 
@@ -4070,7 +4168,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
             }
         }
         if (E) {
-            pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
+            pr__p2p_doubles(tr, t, other, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
             for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
         }
     }
