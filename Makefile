@@ -5,7 +5,7 @@
 #   make NATIVE=0            without -march=native
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
-#   make fuzz                the trace and safetensors/config parsers under libFuzzer (clang)
+#   make fuzz                the trace and safetensors/config parsers and the config size checks under libFuzzer (clang)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
@@ -116,6 +116,8 @@ fuzz: | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	mkdir -p build/corpus_trace build/corpus_st
 	cp data/sample.trace build/corpus_trace/
+	for f in model/*/config.json; do { printf '\002'; cat $$f; } > build/corpus_st/config-$$(basename $$(dirname $$f)); done
+	printf '\006\000\000\001\000\000\100\000\000\000\260\000\000\000\002\000\000\000\004\000\000\000\002\000\000\000\020\000\000\000\000\002\000\000\000\000\000\000\000\000\000\000\000\000\000\000' > build/corpus_st/sizes-tiny
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 

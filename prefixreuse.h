@@ -159,7 +159,21 @@ typedef struct {
 PRDEF pr_status pr_config_parse(pr_config *cfg, const char *json, size_t len, pr_error *err);
 /* path: a folder holding config.json, or the path of a config.json. */
 PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err);
+/* Checks every field, then the sizes the config implies, before any caller allocates or names
+   anything: each count within its limit below (PR_ERR_CONFIG naming the field, its value and the
+   limit), head counts times head_dim within int, the parameter count within PR_MAX_PARAMS, and
+   the arena (parameters, gradients, two AdamW moments) within size_t. */
 PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err);
+/* The limits: far above every released Llama/Qwen model, low enough that a pass's row counts
+   times these widths stay inside the int and size_t arithmetic of the code. */
+#define PR_MAX_LAYERS     1024              /* num_hidden_layers */
+#define PR_MAX_HEADS      1024              /* num_attention_heads, num_key_value_heads */
+#define PR_MAX_HEAD_DIM   2048              /* head_dim */
+#define PR_MAX_WIDTH      (1 << 20)         /* hidden_size, intermediate_size, moe_intermediate_size */
+#define PR_MAX_VOCAB      (1 << 24)         /* vocab_size */
+#define PR_MAX_POSITIONS  (1 << 26)         /* max_position_embeddings, rope original_max_position */
+#define PR_MAX_EXPERTS    65536             /* num_experts */
+#define PR_MAX_PARAMS     (1ull << 40)      /* the parameter count (about 1.1e12) */
 /* Writes a Hugging Face style config.json that pr_config_parse reads back to the same struct;
    atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err);
@@ -313,7 +327,8 @@ typedef struct {
 } pr_head_rows;
 
 /* One token's GRPO loss and d(loss)/d(logp), the formula above: every backend's loss head uses it.
-   ref_logp may be NULL (no KL term). */
+   ref_logp may be NULL (no KL term); opt NULL: the defaults of pr_step_opts_default; dloss_dlogp
+   may be NULL (not written). */
 PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref_logp, double advantage,
                                 const pr_loss_opts *opt, double *dloss_dlogp);
 
@@ -417,7 +432,7 @@ PRDEF const pr_backend *pr_backend_cpu(void);
    logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
    nothing may read, and every kernel returns at once (log-probs come back as 0). The trainer's
    memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
-   at any model size, in milliseconds. Fills *storage and returns it. */
+   at any model size, in milliseconds. Fills *storage and returns it (NULL if either is NULL). */
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
 
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
@@ -536,8 +551,12 @@ typedef struct pr_trainer pr_trainer;
 PRDEF pr_step_opts pr_step_opts_default(void);
 PRDEF pr_adamw_opts pr_adamw_opts_default(void);
 
+/* The config is validated (pr_config_validate: every size it implies within the limits above)
+   before anything is allocated. */
 PRDEF pr_status pr_trainer_create(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, pr_error *err);
-PRDEF void pr_trainer_destroy(pr_trainer *tr);
+PRDEF void pr_trainer_destroy(pr_trainer *tr);       /* NULL: nothing */
+/* The accessors take NULL and answer neutrally: pr_trainer_config NULL, the counts 0,
+   pr_trainer_tensor NULL (also for i out of range). */
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 /* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state zeroed. */
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
@@ -551,7 +570,8 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
-/* Host copies of the whole arena (n = pr_trainer_param_count reals). */
+/* Host copies of the whole arena (n = pr_trainer_param_count reals). A NULL trainer or buffer or
+   another n is PR_ERR_ARG, and nothing is copied. */
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
@@ -568,7 +588,7 @@ PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
-   and backward), the measure the speed-up bound is computed from. */
+   and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
 
 /* ---------------------------------------------------------------- 7. The parallel layer: communicator, DP, device mesh */
@@ -610,7 +630,8 @@ struct pr_comm {
 
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
-   schedule charges each prefix once): every rank computes the same placement. */
+   schedule charges each prefix once): every rank computes the same placement. owner NULL:
+   nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. */
 PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner);
 /* Every rank of dp calls it with the same groups: the rank's trainer accumulates the gradients of
    the groups placed on it, then the gradient arenas are summed over dp, so every rank ends with
@@ -662,7 +683,8 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
    set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
-   rank (collective over tp). Without a mesh they are get/set_params and get_grads. */
+   rank (collective over tp). Without a mesh they are get/set_params and get_grads. The count
+   of a NULL trainer is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -696,6 +718,7 @@ pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, in
 
 #include <errno.h>
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -1277,6 +1300,11 @@ static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, 
    The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
 PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
                                 double *dloss_dlogp) {
+    pr_step_opts def;
+    if (!o) {
+        def = pr_step_opts_default();
+        o = &def.loss;
+    }
     double r = exp(logp - old);
     double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
     double unclipped = r * adv, clipped = rc * adv, loss, d;
@@ -1287,7 +1315,7 @@ PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, dou
         loss += o->kl_coef * (e - delta - 1);
         d += o->kl_coef * (1 - e);
     }
-    *dloss_dlogp = d;
+    if (dloss_dlogp) *dloss_dlogp = d;
     return loss;
 }
 
@@ -1441,6 +1469,7 @@ static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g
 }
 
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {
+    if (!like || !be) return NULL;
     memset(be, 0, sizeof *be);
     be->name = "measure";
     be->act_bytes = like->act_bytes;
@@ -1863,7 +1892,7 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
     }
 }
 
-#define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
+#define PR__MAX_HEAD_DIM PR_MAX_HEAD_DIM   /* bounds the host copy of the RoPE frequencies */
 
 static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                  pr_error *err) {
@@ -1909,8 +1938,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
     tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
     if (!tr->arena || !tr->inv_freq) {
+        const size_t n_params = tr->n_params;
         pr_trainer_destroy(tr);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %zu bytes of parameters, gradients and AdamW state", arena_bytes);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %.2f GiB (%zu bytes) for %zu parameters, their "
+                        "gradients and AdamW state", (double)arena_bytes / (1 << 30), arena_bytes, n_params);
     }
     if (cfg->num_experts) {
         tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
@@ -1963,30 +1994,32 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     PR_FREE(tr);
 }
 
-PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->model; }
-PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr->n_tensors; }
+PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return tr ? &tr->model : NULL; }
+PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr ? tr->n_tensors : 0; }
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
-    return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
+    return tr && i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
 }
-PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
+PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr ? tr->n_params : 0; }
 
-static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
+/* A whole-arena copy's arguments: a trainer, a buffer, and the arena's count. */
+static pr_status pr__check_count(const pr_trainer *tr, const void *buf, size_t n, const char *fn, pr_error *err) {
+    if (!tr || !buf) return pr__fail(err, PR_ERR_ARG, "%s: NULL %s", fn, tr ? "buffer" : "trainer");
     if (n != tr->n_params)
         return pr__fail(err, PR_ERR_ARG, "%s: buffer holds %zu reals, the model has %zu parameters", fn, n, tr->n_params);
     return PR_OK;
 }
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_params", err);
+    pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_params", err);
     if (!st) tr->be->download_reals(tr->be, dst, tr->params, n);
     return st;
 }
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_set_params", err);
+    pr_status st = pr__check_count(tr, src, n, "pr_trainer_set_params", err);
     if (!st) tr->be->upload_reals(tr->be, tr->params, src, n);
     return st;
 }
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_grads", err);
+    pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_grads", err);
     if (!st) tr->be->download_reals(tr->be, dst, tr->grads, n);
     return st;
 }
@@ -2768,8 +2801,12 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
     if (pr__cp(tr) > 1 && o->offload.enabled)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
-    if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
-        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
+    const double rows = (double)mb * ((double)g->P + smax);   /* a pass's rows, times any per-row count must fit an int */
+    const int per_row = tr->cfg.num_attention_heads > tr->cfg.num_experts_per_tok ? tr->cfg.num_attention_heads
+                                                                                    : tr->cfg.num_experts_per_tok;
+    if (rows * tr->cfg.intermediate_size > 4e18 || rows > 2e9 || rows * per_row > INT_MAX)
+        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large (rows times %d heads or experts must be at most %d)",
+                        mb, g->P + smax, per_row, INT_MAX);
     const pr_loss_opts *lo = &o->loss;
     if (!(lo->eps_low >= 0 && lo->eps_low < 1) || !(lo->eps_high >= 0 && lo->eps_high < 1e6))
         return pr__fail(err, PR_ERR_ARG, "clip range eps_low %g / eps_high %g out of range (eps_low in [0,1), eps_high >= 0)",
@@ -2980,6 +3017,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
 }
 
 PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
+    if (!c || !g) return 0;
     double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
     double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
     double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
@@ -3818,7 +3856,7 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
     return PR_OK;
 }
 
-PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
+PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr ? tr->n_full : 0; }
 
 /* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
    tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
@@ -3854,7 +3892,7 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
     const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
     if (!tr->mesh) {
-        pr_status st = pr__check_count(tr, n, "pr_trainer_get_full", err);
+        pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_full", err);
         if (!st) tr->be->download_reals(tr->be, dst, arena, n);
         return st;
     }
@@ -4177,9 +4215,10 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
 
 /* ---------------------------------------------------------------- 7.7 Data parallelism */
 PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
-    double *load = PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
-    char *done = PR_MALLOC((size_t)(n > 0 ? n : 1));
-    if (!load || !done || ranks < 1) {         /* no memory: everything on rank 0, still a valid placement */
+    if (!owner) return;
+    double *load = (double *)PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
+    char *done = (char *)PR_MALLOC((size_t)(n > 0 ? n : 1));
+    if (!load || !done || ranks < 1 || !cfg || !groups) {   /* everything on rank 0, still a valid placement */
         for (int i = 0; i < n; i++) owner[i] = 0;
         PR_FREE(load);
         PR_FREE(done);
@@ -5284,7 +5323,7 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
                         c->num_experts, c->model_type);
     if (moe && (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_experts || c->moe_intermediate_size <= 0 ||
                 (c->norm_topk_prob != 0 && c->norm_topk_prob != 1) || !(c->router_aux_loss_coef >= 0) ||
-                !isfinite(c->router_aux_loss_coef) || c->num_experts > 65536))
+                !isfinite(c->router_aux_loss_coef) || c->num_experts > PR_MAX_EXPERTS))
         return pr__fail(err, PR_ERR_CONFIG, "%s: MoE needs 1 <= num_experts_per_tok (%d) <= num_experts (%d) <= 65536, "
                         "moe_intermediate_size > 0 (%d) and router_aux_loss_coef >= 0 (%g)", what, c->num_experts_per_tok,
                         c->num_experts, c->moe_intermediate_size, c->router_aux_loss_coef);
@@ -5295,6 +5334,17 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
         {"max_position_embeddings", c->max_position_embeddings}};
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
         if (pos[i].v <= 0) return pr__fail(err, PR_ERR_CONFIG, "%s: %s = %d must be positive", what, pos[i].name, pos[i].v);
+    /* Upper limits, before any size is computed from them (see PR_MAX_LAYERS and the rest). */
+    struct { const char *name; int v; long long max; } lim[] = {
+        {"num_hidden_layers", c->num_hidden_layers, PR_MAX_LAYERS}, {"vocab_size", c->vocab_size, PR_MAX_VOCAB},
+        {"hidden_size", c->hidden_size, PR_MAX_WIDTH}, {"intermediate_size", c->intermediate_size, PR_MAX_WIDTH},
+        {"moe_intermediate_size", c->moe_intermediate_size, PR_MAX_WIDTH},
+        {"num_attention_heads", c->num_attention_heads, PR_MAX_HEADS}, {"num_key_value_heads", c->num_key_value_heads, PR_MAX_HEADS},
+        {"head_dim", c->head_dim, PR_MAX_HEAD_DIM}, {"max_position_embeddings", c->max_position_embeddings, PR_MAX_POSITIONS},
+        {"rope_scaling original_max_position_embeddings", c->rope_original_max_position, PR_MAX_POSITIONS}};
+    for (size_t i = 0; i < sizeof lim / sizeof lim[0]; i++)
+        if (lim[i].v > lim[i].max)
+            return pr__fail(err, PR_ERR_CONFIG, "%s: %s = %d is larger than the limit %lld", what, lim[i].name, lim[i].v, lim[i].max);
     if (c->num_attention_heads % c->num_key_value_heads)
         return pr__fail(err, PR_ERR_CONFIG, "%s: num_attention_heads %d is not a multiple of num_key_value_heads %d", what,
                         c->num_attention_heads, c->num_key_value_heads);
@@ -5335,8 +5385,13 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
     ok = ok && pr__u64_add(layer, 2 * C + (qwen3 ? 2 * HS : 0), &layer);                   /* norms */
     ok = ok && pr__u64_mul(layer, L, &total) && pr__u64_add(total, emb, &total) && pr__u64_add(total, C, &total);
     ok = ok && (c->tie_word_embeddings || pr__u64_add(total, emb, &total));
-    if (!ok || total > (uint64_t)INT64_MAX / 32 || total > (uint64_t)(SIZE_MAX / 32))
-        return pr__fail(err, PR_ERR_CONFIG, "%s: the model is too large for this machine's size arithmetic", what);
+    if (!ok || total > PR_MAX_PARAMS)
+        return pr__fail(err, PR_ERR_CONFIG, "%s: %s%.4g parameters, more than the limit %llu (PR_MAX_PARAMS)", what,
+                        ok ? "" : "over ", ok ? (double)total : 1.8e19, (unsigned long long)PR_MAX_PARAMS);
+    if (total > (uint64_t)(SIZE_MAX / 32))   /* parameters, gradients and two moments, up to 8 bytes each */
+        return pr__fail(err, PR_ERR_CONFIG, "%s: %llu parameters need %.4g bytes of parameters, gradients and AdamW state, "
+                        "more than this machine's size_t holds (%zu)", what, (unsigned long long)total, (double)total * 32,
+                        (size_t)SIZE_MAX);
     return PR_OK;
 }
 
