@@ -11,11 +11,17 @@
 #   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
 #   make NCCL=0 cuda         without NCCL (found in NCCL_HOME, the CUDA toolkit or PyTorch's nvidia-nccl wheel)
 #   make info                what was found: compiler, OpenMP, BLAS, nvcc, NCCL
+#   make STD=c99 CFLAGS="-O2 -DPR_NO_THREADS" train   the C99 build (no in-process ranks)
+#   make CXX=clang++ CXXSTD=c++20 build/test_cxx      the C++ program with another compiler or standard
 # LDFLAGS is passed to every link.
 
 CC      ?= cc
 CFLAGS  ?= -O2
-WARN    := -std=c11 -Wall -Wextra
+STD     ?= c11
+WARN    := -std=$(STD) -Wall -Wextra
+# C++ (test/test_cxx.cc: the header compiled into a C++ program); its threads are POSIX threads
+CXXSTD  ?= c++17
+CXXWARN := -std=$(CXXSTD) -Wall -Wextra
 LDLIBS  := -lm
 PRECISION ?= float
 OMP     ?= 1
@@ -70,12 +76,15 @@ build/train-double: train.c $(HEADER) | build
 # faults in a scalar attention must fail it, the same attention without them must pass.
 build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
+# The header in a C++ program (C++17 and later, g++ or clang++).
+build/test_cxx: test/test_cxx.cc $(HEADER) test/harness.h | build
+	$(CXX) $(CXXWARN) $(CFLAGS) $(ARCH) $(OPENMP) -pthread $(LDFLAGS) -o $@ test/test_cxx.cc -lm
 build:
 	mkdir -p build
 
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
-            build/test_comm-float build/test_comm-double build/test_attn_check \
+            build/test_comm-float build/test_comm-double build/test_attn_check build/test_cxx \
             build/train-float build/train-double
 # The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
 # program, in double, since the library's CPU attention it is also compared with is the double
@@ -93,13 +102,14 @@ asan: | build
 	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan
 	@sh test/run.sh build/asan
 
-build/asan: $(HEADER) test/*.c train.c
+build/asan: $(HEADER) test/*.c test/test_cxx.cc train.c
 	mkdir -p build/asan
 	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
 	  for t in test_core test_gemm test_io test_trace test_comm; do \
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/train-$$p train.c -lm || exit 1; done
 	$(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS) -o build/asan/test_attn_check test/test_attn_check.c test/gpu_ref.c -lm
+	$(CXX) $(CXXWARN) -O1 -g $(SAN) -pthread $(LDFLAGS) -o build/asan/test_cxx test/test_cxx.cc -lm
 	touch build/asan
 # (after the rest of the sanitizer build, which build/asan's time stamp stands for)
 build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan

@@ -21,9 +21,21 @@
      Options, defined before the include:
        PR_DOUBLE        every real number is a double (exact-equivalence checks)
        PR_USE_CBLAS     route GEMMs to the system CBLAS (link e.g. -lopenblas)
-       PRDEF            storage class of the public functions (e.g. `static`)
+       PRDEF            storage class of the public functions (e.g. `static`: the implementation
+                        then raises no unused-function warnings for what the file does not call)
        PR_MALLOC/PR_REALLOC/PR_FREE   allocator, all three or none
+       PR_NO_THREADS    leaves out the in-process ranks (pr_comm_local_run)
      OpenMP (-fopenmp) parallelises the GEMM and attention loops when enabled.
+
+   LANGUAGES
+     The implementation compiles warning-free (-Wall -Wextra, gcc and clang) as:
+       C11 and later    the default; the in-process ranks use C11 <threads.h>
+       C++17 and later  g++ and clang++; the in-process ranks use POSIX threads (link -pthread);
+                        the declarations sit in extern "C", so a C++ and a C translation unit mix
+       C99              with PR_NO_THREADS (C99 has no threads); phase timings are then processor
+                        time (clock()), not wall time. Without PR_NO_THREADS a C99 build stops at
+                        an #error that says so.
+     The CUDA backend (prefixreuse_cuda.cu) is C++17 for nvcc.
 
    EXAMPLE
      pr_error err; pr_config cfg; pr_trace trace; pr_trainer *tr;
@@ -101,6 +113,8 @@
 
 #ifndef PRDEF
 #define PRDEF extern
+#else
+#define PR__PRDEF_GIVEN          /* e.g. static: see the start of the implementation */
 #endif
 
 #ifdef __cplusplus
@@ -692,9 +706,12 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 
 /* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
    memory, and waits for all. Returns the first failing rank's status, its message prefixed with
-   the rank. Needs C11 threads (define PR_NO_THREADS to leave it out). */
+   the rank. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
+   (and is what a C99 build needs). */
+#ifndef PR_NO_THREADS
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
                                   pr_error *err);
+#endif
 
 /* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU. The communicator
    is bound to `be`, a CUDA backend: it runs on the backend's device and queues every collective on
@@ -727,6 +744,14 @@ pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, in
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+/* PRDEF given (static, as stb's static builds do): the public functions this translation unit
+   does not call are not warnings. */
+#if defined(PR__PRDEF_GIVEN) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#define PR__POP_DIAGNOSTICS
 #endif
 
 #if defined(PR_MALLOC) && defined(PR_REALLOC) && defined(PR_FREE)
@@ -773,12 +798,17 @@ static int pr__mul_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
-/* Wall-clock seconds (C11 timespec_get: no POSIX feature macros needed). */
+/* Wall-clock seconds: timespec_get (C11, C++17; no POSIX feature macros needed). A C99 build has
+   only clock(), processor time: its phase timings then add up the time of every thread. */
+#if (defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L) || (defined(__cplusplus) && __cplusplus >= 201703L)
 static double pr__now(void) {
     struct timespec ts;
     timespec_get(&ts, TIME_UTC);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+#else
+static double pr__now(void) { return (double)clock() / CLOCKS_PER_SEC; }
+#endif
 
 /* ---------------------------------------------------------------- 1.2 GEMM */
 #ifdef PR_USE_CBLAS
@@ -1366,8 +1396,12 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
 
 #define PR__MEASURE_ADDRESS 4096   /* the measuring backend's placeholder: aligned, never dereferenced */
 
+/* Every field in declaration order, so that C++ (20, and 17 as the compilers' extension) takes
+   the designators too; the optional slots the CPU does without are NULL. */
 static const pr_backend pr__cpu_backend = {
     .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
+    .ctx = NULL, .check_config = NULL, .prepare_weights = NULL, .take_error = NULL, .device_free = NULL,
+    .copy_async = NULL, .copy_wait = NULL,
     .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
     .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
     .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
@@ -1378,10 +1412,10 @@ static const pr_backend pr__cpu_backend = {
     .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
     .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
     .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
-    .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
-    .adamw = pr__cpu_adamw,
+    .loss_head = pr__cpu_loss_head,
     .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
     .row_dots = pr__cpu_row_dots,
+    .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale, .adamw = pr__cpu_adamw,
 };
 
 PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
@@ -1858,15 +1892,18 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
     if (!c->tie_word_embeddings) tr->off_lm_head = pr__add_tensor(table, count, total, "lm_head.weight", V, C, 1);
 }
 
-/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory. */
+/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory.
+   total (may be NULL): its parameter count. */
 static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *total) {
+    size_t unused;
+    if (!total) total = &unused;
     pr_trainer full;
     memset(&full, 0, sizeof full);
     full.cfg = tr->model;
     full.has_embed = full.has_head = 1;
     full.n_experts = tr->model.num_experts;
     pr__build_layout(&full, NULL, count, total);
-    pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
+    pr_tensor_info *ft = (pr_tensor_info *)PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
     if (ft) pr__build_layout(&full, ft, count, total);
     return ft;
 }
@@ -1905,7 +1942,7 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
-    pr_trainer *tr = PR_MALLOC(sizeof *tr);
+    pr_trainer *tr = (pr_trainer *)PR_MALLOC(sizeof *tr);
     if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     memset(tr, 0, sizeof *tr);
     tr->cfg = local;
@@ -1920,10 +1957,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     int count; size_t total;
     pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
     size_t arena_bytes;
-    tr->tensors = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
-    tr->layer_off = PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
+    tr->tensors = (pr_tensor_info *)PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
+    tr->layer_off = (pr__layer_off *)PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
     tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
-    tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    tr->mb_arena = (pr__arena *)PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (!tr->tensors || !tr->layer_off || !tr->mb_arena || !pr__mul_size(total, 4 * sizeof(pr_real), &arena_bytes)) {
         pr_trainer_destroy(tr);
@@ -1935,8 +1972,8 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         pr_trainer_destroy(tr);
         return st;
     }
-    tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
-    tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
+    tr->arena = (pr_real *)be->alloc(be, arena_bytes, PR_TIER_DEVICE);
+    tr->inv_freq = (pr_real *)be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
     if (!tr->arena || !tr->inv_freq) {
         const size_t n_params = tr->n_params;
         pr_trainer_destroy(tr);
@@ -1944,7 +1981,7 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
                         "gradients and AdamW state", (double)arena_bytes / (1 << 30), arena_bytes, n_params);
     }
     if (cfg->num_experts) {
-        tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
+        tr->expert_load = (double *)PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
         if (!tr->expert_load) {
             pr_trainer_destroy(tr);
             return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
@@ -2042,8 +2079,8 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
     /* drawn over the full model, so every mesh shard holds its slice of the same weights */
     int count = tr->n_tensors;
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, NULL) : tr->tensors;
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     if (!host || !table) {
         PR_FREE(host);
         if (tr->mesh) PR_FREE(table);
@@ -2097,9 +2134,9 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
             c = *spare;
             *spare = c->next;
         } else {
-            c = PR_MALLOC(sizeof *c);
+            c = (pr__chunk *)PR_MALLOC(sizeof *c);
             size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
-            char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
+            char *mem = c ? (char *)tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
             if (!mem) {
                 PR_FREE(c);
                 tr->alloc_failed = 1;
@@ -2195,15 +2232,15 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
     const int L = c->num_hidden_layers;
     ps->N = N;
-    ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
-    ps->res = PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
+    ps->acts = (pr__layer_acts *)PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
+    ps->res = (void **)PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
     if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
     memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
     memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
     const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
     for (int l = 0; l < L; l++) {
         pr__layer_acts *x = &ps->acts[l];
-        char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
+        char *b = blocks ? (char *)pr__elems(tr, a, block, 1) : NULL;
         if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
         x->k = pr__act(tr, a, n_kv * kvd);
         x->v = pr__act(tr, a, n_kv * kvd);
@@ -2212,12 +2249,12 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
     if (c->num_experts) {        /* the routing tables, host memory, one block per layer */
         const size_t E = (size_t)c->num_experts, slots = n * (size_t)c->num_experts_per_tok;
-        ps->route = PR_MALLOC(sizeof(pr__route) * (size_t)L);
+        ps->route = (pr__route *)PR_MALLOC(sizeof(pr__route) * (size_t)L);
         if (!ps->route) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
         memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
         for (int l = 0; l < L; l++) {
             pr__route *rt = &ps->route[l];
-            char *m = PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
+            char *m = (char *)PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
             if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
             rt->prob = (double *)m;
             rt->wsum = rt->prob + n * E;
@@ -2404,17 +2441,17 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
     b->N = (int)rows;
     b->n_traj = n;
-    b->seg_off = PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
-    b->tokens = PR_MALLOC(sizeof(int32_t) * (size_t)rows);
-    b->real = PR_MALLOC((size_t)(rows > 0 ? rows : 1));
+    b->seg_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
+    b->tokens = (int32_t *)PR_MALLOC(sizeof(int32_t) * (size_t)rows);
+    b->real = (uint8_t *)PR_MALLOC((size_t)(rows > 0 ? rows : 1));
     size_t mr = (size_t)(mrows > 0 ? mrows : 1);
-    b->head.row = PR_MALLOC(sizeof(int) * mr);
-    b->head.flat = PR_MALLOC(sizeof(long) * mr);
-    b->head.target = PR_MALLOC(sizeof(int32_t) * mr);
-    b->head.old_logp = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.ref_logp = g->ref_logp ? PR_MALLOC(sizeof(pr_real) * mr) : NULL;
-    b->head.advantage = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.weight = PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.row = (int *)PR_MALLOC(sizeof(int) * mr);
+    b->head.flat = (long *)PR_MALLOC(sizeof(long) * mr);
+    b->head.target = (int32_t *)PR_MALLOC(sizeof(int32_t) * mr);
+    b->head.old_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.ref_logp = g->ref_logp ? (pr_real *)PR_MALLOC(sizeof(pr_real) * mr) : NULL;
+    b->head.advantage = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
     if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
         (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
         pr__batch_free(b);
@@ -2483,7 +2520,7 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
     if (ch > hp->M) ch = hp->M;
     void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
     void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
-    pr_real *lp = PR_MALLOC(sizeof(pr_real) * (size_t)ch);
+    pr_real *lp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)ch);
     if (tr->alloc_failed || !lp) {
         PR_FREE(lp);
         return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
@@ -2523,8 +2560,8 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     if (st) return st;
     const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
     pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->gk = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    ps->gv = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gk = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gv = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     pr__offload *o = &ps->off;
     if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
@@ -2604,7 +2641,7 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state 
     if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
     if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
     if (!st && E) {
-        m->sums = PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
+        m->sums = (double *)PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
         if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         memset(m->sums, 0, sizeof(double) * (3 * (size_t)E + 1));
         m->g = m->sums + 2 * E + 1;
@@ -2682,7 +2719,7 @@ static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *c
                                                  pr_error *err) {
     const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
-    pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
+    pr__mb *ring = (pr__mb *)PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
     if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(ring, 0, sizeof(pr__mb) * (size_t)(pp + 1));
 #define PR__MB(i) (&ring[(i) % (pp + 1)])
@@ -2854,8 +2891,8 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
     for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
     memset(cx, 0, sizeof *cx);
     cx->n_tok = g->suffix_off[G];
-    cx->mem_tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
-    if (!logp) cx->mem_logp = PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    cx->mem_tok_weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    if (!logp) cx->mem_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
     pr_real *lp = logp ? logp : cx->mem_logp;
     if (!cx->mem_tok_weight || !lp) {
         pr__step_free(cx);
@@ -3124,7 +3161,7 @@ static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int
     pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
     if (tr->slot_cap[s] < o->block) {
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
-        tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
+        tr->slot[s] = (char *)tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
         tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
         if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
     }
@@ -3209,8 +3246,8 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     o->st.dormant_bytes = o->block * (size_t)L;
     if (!opt->enabled) return PR_OK;
     o->on = 1;
-    o->host = PR_MALLOC(sizeof(void *) * (size_t)L);
-    o->own = PR_MALLOC((size_t)L);
+    o->host = (void **)PR_MALLOC(sizeof(void *) * (size_t)L);
+    o->own = (unsigned char *)PR_MALLOC((size_t)L);
     if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(o->host, 0, sizeof(void *) * (size_t)L);
     memset(o->own, 0, (size_t)L);
@@ -3248,8 +3285,8 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
 static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
     const pr_config *c = &tr->cfg;
     const int E = c->num_experts, k = c->num_experts_per_tok;
-    pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
-    int *sel = PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
+    pr_real *z = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    int *sel = (int *)PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
     if (!z || !sel) {
         PR_FREE(z);
         PR_FREE(sel);
@@ -3333,15 +3370,15 @@ static int pr__ep_plan_build(pr_trainer *tr, const pr__route *rt, int N, pr__ep_
     p->slot0 = rt->start[tr->expert0];
     p->n_slots = rt->start[tr->expert0 + tr->n_experts] - p->slot0;
     if (ep == 1) return 1;
-    int *cnt = PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
+    int *cnt = (int *)PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
     if (!cnt) return 0;
     memset(cnt, 0, sizeof(int) * (size_t)(ep * ep));
     for (int e = 0; e < E; e++)
         for (int j = rt->start[e]; j < rt->start[e + 1]; j++) cnt[pr__ep_source(rt->row[j], N, ep) * ep + e / p->ne]++;
     for (int i = 0; i < ep * ep; i++) if (cnt[i] > p->nmax) p->nmax = cnt[i];
     const size_t nm = (size_t)(p->nmax ? p->nmax : 1);
-    p->mem = PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
-    p->send_w = PR_MALLOC(sizeof(pr_real) * ep * nm);
+    p->mem = (int *)PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
+    p->send_w = (pr_real *)PR_MALLOC(sizeof(pr_real) * ep * nm);
     if (!p->mem || !p->send_w) {
         PR_FREE(cnt);
         pr__ep_plan_free(p);
@@ -3518,8 +3555,8 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     if (pr__tp(tr) > 1) pr__sum_host(tr, tr->mesh->tp_comm, rt->dw, (size_t)slots);
     /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
        dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
-    double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
-    pr_real *dz = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    double *dp = (double *)PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
+    pr_real *dz = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
     if (!dp || !dz) {
         PR_FREE(dp);
         PR_FREE(dz);
@@ -3637,7 +3674,7 @@ static void pr__moe_group_aux(pr__moe_acc *m) {
 static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
     pr__moe_acc *m = &cx->moe;
     const int G = cx->g->G, E = m->E;
-    double *tot = PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
+    double *tot = (double *)PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
     if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
     pr_status st = PR_OK;
@@ -3753,7 +3790,7 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
 static pr_real *pr__staging(pr_trainer *tr, size_t n) {
     if (n <= tr->stage_cap) return tr->stage;
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
-    tr->stage = tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
+    tr->stage = (pr_real *)tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
     tr->stage_cap = tr->stage ? n : 0;
     if (!tr->stage) tr->alloc_failed = 1;
     return tr->stage;
@@ -3771,7 +3808,7 @@ static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
 }
 static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
     if (c->size == 1 || !n) return;
-    pr_real *h = PR_MALLOC(sizeof(pr_real) * n);
+    pr_real *h = (pr_real *)PR_MALLOC(sizeof(pr_real) * n);
     if (!h) {
         tr->alloc_failed = 1;
         return;
@@ -3827,7 +3864,7 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
 static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
     int count;
     pr_tensor_info *ft = pr__full_table(tr, &count, &tr->n_full);
-    tr->shard = PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
+    tr->shard = (pr__shard *)PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
     if (!ft || !tr->shard) {
         PR_FREE(ft);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
@@ -3880,7 +3917,7 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
     if (n != tr->n_full)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
     if (!local) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_set_full_params: out of host memory");
     pr__shard_copy(tr, (pr_real *)src, local, 0);
     tr->be->upload_reals(tr->be, tr->params, local, tr->n_params);
@@ -3898,8 +3935,8 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
     const pr_backend *be = tr->be;
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *dev = (pr_real *)be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
     pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
     if (!st) {
         be->download_reals(be, local, arena, tr->n_params);
@@ -4106,7 +4143,7 @@ static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *
     pr_status st;
     if (!d_out && !d_in) return;
     const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
     if (!host || !dev) {
         PR_FREE(host);
         tr->alloc_failed = 1;
@@ -4189,7 +4226,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
-    double *peer_c = E ? PR_MALLOC(sizeof(double) * E) : NULL;
+    double *peer_c = E ? (double *)PR_MALLOC(sizeof(double) * E) : NULL;
     if (E && !peer_c) {
         tr->alloc_failed = 1;
         return;
@@ -4247,7 +4284,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
     const int R = dp->size;
-    int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
     tr->comm_st = PR_OK;
@@ -4293,7 +4330,44 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
 
 /* ---------------------------------------------------------------- 7.8 In-process ranks: the communicator over threads */
 #ifndef PR_NO_THREADS
+/* The threads behind the ranks: C11 <threads.h> in C, POSIX threads in C++ (whose standard has no
+   <threads.h>; every C++ toolchain on Linux and macOS has <pthread.h>). The communicator uses
+   these few calls only. */
+#if defined(__cplusplus)
+#include <pthread.h>
+typedef pthread_mutex_t pr__mtx;
+typedef pthread_cond_t pr__cnd;
+typedef pthread_t pr__thrd;
+typedef void *pr__thrd_result;
+static int pr__mtx_init(pr__mtx *m) { return pthread_mutex_init(m, NULL) == 0; }
+static void pr__mtx_destroy(pr__mtx *m) { pthread_mutex_destroy(m); }
+static void pr__mtx_lock(pr__mtx *m) { pthread_mutex_lock(m); }
+static void pr__mtx_unlock(pr__mtx *m) { pthread_mutex_unlock(m); }
+static int pr__cnd_init(pr__cnd *c) { return pthread_cond_init(c, NULL) == 0; }
+static void pr__cnd_destroy(pr__cnd *c) { pthread_cond_destroy(c); }
+static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { pthread_cond_wait(c, m); }
+static void pr__cnd_broadcast(pr__cnd *c) { pthread_cond_broadcast(c); }
+static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return pthread_create(t, NULL, fn, arg) == 0; }
+static void pr__thrd_join(pr__thrd t) { pthread_join(t, NULL); }
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L && !defined(__STDC_NO_THREADS__)
 #include <threads.h>
+typedef mtx_t pr__mtx;
+typedef cnd_t pr__cnd;
+typedef thrd_t pr__thrd;
+typedef int pr__thrd_result;
+static int pr__mtx_init(pr__mtx *m) { return mtx_init(m, mtx_plain) == thrd_success; }
+static void pr__mtx_destroy(pr__mtx *m) { mtx_destroy(m); }
+static void pr__mtx_lock(pr__mtx *m) { mtx_lock(m); }
+static void pr__mtx_unlock(pr__mtx *m) { mtx_unlock(m); }
+static int pr__cnd_init(pr__cnd *c) { return cnd_init(c) == thrd_success; }
+static void pr__cnd_destroy(pr__cnd *c) { cnd_destroy(c); }
+static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { cnd_wait(c, m); }
+static void pr__cnd_broadcast(pr__cnd *c) { cnd_broadcast(c); }
+static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return thrd_create(t, fn, arg) == thrd_success; }
+static void pr__thrd_join(pr__thrd t) { thrd_join(t, NULL); }
+#else
+#error "prefixreuse.h: the in-process ranks (pr_comm_local_run) need C11 <threads.h> or C++; compile as C11 or later, or define PR_NO_THREADS to leave them out"
+#endif
 
 static size_t pr__comm_elem(pr_comm_type t) { return t == PR_COMM_F64 ? 8 : t == PR_COMM_F32 ? 4 : 2; }
 
@@ -4312,8 +4386,8 @@ static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
    and a mailbox per ordered pair of ranks for send/recv. */
 typedef struct pr__world {
     int size, refs;
-    mtx_t mu;
-    cnd_t cv;
+    pr__mtx mu;
+    pr__cnd cv;
     int arrived;
     unsigned gen;
     int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
@@ -4328,24 +4402,24 @@ typedef struct pr__world {
 typedef struct { pr_comm c; pr__world *w; } pr__local;
 
 static pr__world *pr__world_new(int size) {
-    pr__world *w = PR_MALLOC(sizeof *w);
+    pr__world *w = (pr__world *)PR_MALLOC(sizeof *w);
     if (!w) return NULL;
     memset(w, 0, sizeof *w);
     size_t n = (size_t)size, nn = n * n;
     w->size = size;
     w->refs = size;
-    w->slot = PR_MALLOC(sizeof(void *) * n);
-    w->color = PR_MALLOC(sizeof(int) * n);
-    w->key = PR_MALLOC(sizeof(int) * n);
-    w->made = PR_MALLOC(sizeof(pr__world *) * n);
-    w->mail = PR_MALLOC(sizeof(void *) * nn);
-    w->mail_bytes = PR_MALLOC(sizeof(size_t) * nn);
-    w->mail_full = PR_MALLOC(sizeof(int) * nn);
+    w->slot = (const void **)PR_MALLOC(sizeof(void *) * n);
+    w->color = (int *)PR_MALLOC(sizeof(int) * n);
+    w->key = (int *)PR_MALLOC(sizeof(int) * n);
+    w->made = (pr__world **)PR_MALLOC(sizeof(pr__world *) * n);
+    w->mail = (const void **)PR_MALLOC(sizeof(void *) * nn);
+    w->mail_bytes = (size_t *)PR_MALLOC(sizeof(size_t) * nn);
+    w->mail_full = (int *)PR_MALLOC(sizeof(int) * nn);
     int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
-    int mu = ok && mtx_init(&w->mu, mtx_plain) == thrd_success;
-    int cv = mu && cnd_init(&w->cv) == thrd_success;
+    int mu = ok && pr__mtx_init(&w->mu);
+    int cv = mu && pr__cnd_init(&w->cv);
     if (!cv) {
-        if (mu) mtx_destroy(&w->mu);
+        if (mu) pr__mtx_destroy(&w->mu);
         PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
         PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
         PR_FREE(w);
@@ -4356,27 +4430,27 @@ static pr__world *pr__world_new(int size) {
     return w;
 }
 static void pr__world_release(pr__world *w) {
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     int last = --w->refs == 0;
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
     if (!last) return;
-    cnd_destroy(&w->cv);
-    mtx_destroy(&w->mu);
+    pr__cnd_destroy(&w->cv);
+    pr__mtx_destroy(&w->mu);
     PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
     PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
     PR_FREE(w);
 }
 static void pr__world_barrier(pr__world *w) {
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     unsigned gen = w->gen;
     if (++w->arrived == w->size) {
         w->arrived = 0;
         w->gen++;
-        cnd_broadcast(&w->cv);
+        pr__cnd_broadcast(&w->cv);
     } else {
-        while (gen == w->gen) cnd_wait(&w->cv, &w->mu);
+        while (gen == w->gen) pr__cnd_wait(&w->cv, &w->mu);
     }
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
 }
 
 static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
@@ -4392,7 +4466,7 @@ static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blo
 
 /* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
 static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
-    double *acc = PR_MALLOC(sizeof(double) * (n ? n : 1));
+    double *acc = (double *)PR_MALLOC(sizeof(double) * (n ? n : 1));
     if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
     for (size_t i = 0; i < n; i++) acc[i] = 0;
     for (int r = 0; r < w->size; r++)
@@ -4468,32 +4542,32 @@ static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, 
 static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
     w->mail[box] = buf;
     w->mail_bytes[box] = n * pr__comm_elem(t);
     w->mail_full[box] = 1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
     c->bytes_sent += n * pr__comm_elem(t);
 }
 static void pr__local_wait_taken(pr_comm *c, int peer) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
-    mtx_unlock(&w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
+    pr__mtx_unlock(&w->mu);
 }
 static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
-    mtx_lock(&w->mu);
-    while (!w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (!w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
     size_t got = w->mail_bytes[box];
     if (got == bytes) memcpy(buf, w->mail[box], bytes);
     w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
     if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
     return PR_OK;
 }
@@ -4560,7 +4634,7 @@ static void pr__local_destroy(pr_comm *c) {
 }
 
 static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
-    pr__local *l = PR_MALLOC(sizeof *l);
+    pr__local *l = (pr__local *)PR_MALLOC(sizeof *l);
     if (!l) return NULL;
     memset(l, 0, sizeof *l);
     l->w = w;
@@ -4592,13 +4666,13 @@ typedef struct {
 
 /* A rank starts only once every rank's thread exists: otherwise its first collective could wait
    for a rank that never comes. */
-static int pr__rank_main(void *arg) {
-    pr__rank_run *r = arg;
+static pr__thrd_result pr__rank_main(void *arg) {
+    pr__rank_run *r = (pr__rank_run *)arg;
     pr__world *w = pr__lw(r->comm);
-    mtx_lock(&w->mu);
-    while (w->gate == 0) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->gate == 0) pr__cnd_wait(&w->cv, &w->mu);
     int go = w->gate > 0;
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
     r->err.status = PR_OK;
     r->err.message[0] = 0;
     r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
@@ -4609,8 +4683,8 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
                                   pr_error *err) {
     if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
     pr__world *w = pr__world_new(n);
-    pr__rank_run *runs = PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
-    thrd_t *th = PR_MALLOC(sizeof(thrd_t) * (size_t)n);
+    pr__rank_run *runs = (pr__rank_run *)PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
+    pr__thrd *th = (pr__thrd *)PR_MALLOC(sizeof(pr__thrd) * (size_t)n);
     int made = 0;
     if (w && runs && th) {
         memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
@@ -4628,13 +4702,13 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     for (; started < n; started++) {
         runs[started].fn = fn;
         runs[started].user = user;
-        if (thrd_create(&th[started], pr__rank_main, &runs[started]) != thrd_success) break;
+        if (!pr__thrd_create(&th[started], pr__rank_main, &runs[started])) break;
     }
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     w->gate = started == n ? 1 : -1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
-    for (int r = 0; r < started; r++) thrd_join(th[r], NULL);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
+    for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
     for (int r = 0; r < n && !st; r++)
         if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
@@ -5572,7 +5646,7 @@ static pr_status pr__cfg_from_json(pr_config *out, const pr__json *root, const c
 }
 
 static pr_status pr__config_parse_named(pr_config *cfg, const char *json, size_t len, const char *what, pr_error *err) {
-    pr__json *root;
+    pr__json *root = NULL;
     pr_status st = pr__json_parse(&root, json, len, what, 0, err);
     if (st) return st;
     st = pr__cfg_from_json(cfg, root, what, err);
@@ -5613,8 +5687,8 @@ PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) 
     if (!cfg || !path) return pr__fail(err, PR_ERR_ARG, "pr_config_load: NULL argument");
     uint64_t size;
     int is_dir = 0;
-    char *file = NULL, *text;
-    size_t len;
+    char *file = NULL, *text = NULL;
+    size_t len = 0;
     if (pr__io_stat(path, &size, &is_dir) && is_dir) {
         file = pr__path_join(path, "config.json");
         if (!file) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
@@ -5852,6 +5926,7 @@ static pr_status pr__st_parse_header(pr_st_tensor **out, int *out_n, const char 
     if (st) return st;
     pr_st_tensor *ts = NULL, **order = NULL, t;
     size_t nt = 0, cap = 0;
+    uint64_t at = 0;             /* the layout check's position */
     const pr__json *m;
     if (root->type != PR__JSON_OBJECT) { st = pr__fail(err, PR_ERR_FORMAT, "%s: the header is %s, not a JSON object", what, pr__json_type_name(root)); goto done; }
     m = pr__json_first(root);
@@ -5883,7 +5958,6 @@ static pr_status pr__st_parse_header(pr_st_tensor **out, int *out_n, const char 
     if (!order) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what); goto done; }
     for (size_t i = 0; i < nt; i++) order[i] = &ts[i];
     if (nt > 1) qsort(order, nt, sizeof *order, pr__st_cmp_range);
-    uint64_t at = 0;
     for (size_t i = 0; i < nt; i++) {
         if (order[i]->begin < at) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensors %s and %s overlap", what, order[i - 1]->name, order[i]->name); goto done; }
         if (order[i]->begin > at) {
@@ -6402,11 +6476,11 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
     char *file = NULL;
     pr__json *meta = NULL;
     pr_status st = PR_OK;
+    int n_shards = 1;
+    uint64_t in_shard = 0, total = 0;
     if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
     if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, err))) goto done;
     /* shards in entry order: a new one when the next tensor would pass the limit */
-    int n_shards = 1;
-    uint64_t in_shard = 0, total = 0;
     for (int i = 0; i < n; i++) {
         /* in_shard can exceed the limit after an oversized tensor: test before subtracting */
         if (max_shard_bytes && in_shard > 0 && (in_shard >= max_shard_bytes || bytes[i] > max_shard_bytes - in_shard)) {
@@ -6582,7 +6656,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
     void *at[8] = {0};   /* addresses from pr__trace_take (filling pass only) */
     pr_status st;
     if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0])) goto too_big;
-    if (block) groups = at[0];
+    if (block) groups = (pr_group *)at[0];
     for (int gi = 0; gi < t->n_groups; gi++) {
         char where[320];
         uint32_t P, G, i;
@@ -6629,14 +6703,14 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             pr_group *g = &groups[gi];
             g->P = (int)P;
             g->G = (int)G;
-            g->suffix_off = at[0];
-            g->advantage = at[1];
-            g->old_logp = at[2];
-            g->ref_logp = t->has_ref ? at[3] : NULL;
-            g->prefix = at[4];
-            g->tokens = at[5];
-            g->suffix_len = at[6];
-            g->loss_mask = at[7];
+            g->suffix_off = (int64_t *)at[0];
+            g->advantage = (pr_real *)at[1];
+            g->old_logp = (pr_real *)at[2];
+            g->ref_logp = t->has_ref ? (pr_real *)at[3] : NULL;
+            g->prefix = (int32_t *)at[4];
+            g->tokens = (int32_t *)at[5];
+            g->suffix_len = (int *)at[6];
+            g->loss_mask = (uint8_t *)at[7];
             p = buf + pos;
             for (i = 0; i < P; i++) g->prefix[i] = pr__le_i32(p + 4 * (size_t)i);
             p = lens + 4 * (size_t)G;
@@ -6704,7 +6778,7 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.has_ref = (int)(flags & 1u);
     t.groups = NULL;
     if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, err))) return st;   /* check, size */
-    block = PR_MALLOC(used);
+    block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
@@ -6802,7 +6876,7 @@ PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) 
         if (len == cap) {
             unsigned char *nb;
             size_t ncap = cap ? cap * 2 : 1 << 16;
-            if (ncap < cap || !(nb = PR_REALLOC(buf, ncap))) {
+            if (ncap < cap || !(nb = (unsigned char *)PR_REALLOC(buf, ncap))) {
                 PR_FREE(buf);
                 fclose(f);
                 return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory reading the file (%zu bytes so far)", path, len);
@@ -6834,12 +6908,12 @@ PRDEF void pr_trace_free(pr_trace *trace) {
 /* ---------------------------------------------------------------- 8.10 A trainer's checkpoints */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
-    pr_checkpoint *ck;
+    pr_checkpoint *ck = NULL;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
     int count = tr->n_tensors;          /* a mesh shard reads the full tensors and keeps its slices */
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, NULL) : tr->tensors;
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
     for (int i = 0; i < count && !st; i++) {
         const pr_tensor_info *ti = &table[i];
@@ -6876,9 +6950,9 @@ static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
 static pr_status pr__export_arena(pr_trainer *tr, pr_arena_kind which, pr__host_copy *x, pr_error *err) {
     memset(x, 0, sizeof *x);
     x->n = tr->n_tensors;
-    x->table = tr->mesh ? pr__full_table(tr, &x->n, &(size_t){0}) : tr->tensors;
-    x->host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    x->entries = x->table ? PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
+    x->table = tr->mesh ? pr__full_table(tr, &x->n, NULL) : tr->tensors;
+    x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
     pr_status st = x->host && x->entries ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
     if (!st && tr->mesh) st = pr_trainer_get_full(tr, which, x->host, tr->n_full, err);
     else if (!st) tr->be->download_reals(tr->be, x->host, which == PR_ARENA_GRADS ? tr->grads : tr->params, tr->n_params);
@@ -6932,4 +7006,8 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     return st;
 }
 
+#ifdef PR__POP_DIAGNOSTICS
+#pragma GCC diagnostic pop
+#undef PR__POP_DIAGNOSTICS
+#endif
 #endif /* PREFIXREUSE_IMPLEMENTATION */
