@@ -5395,7 +5395,7 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
     int moe = strcmp(c->model_type, "qwen3_moe") == 0, qwen3 = moe || strcmp(c->model_type, "qwen3") == 0;
     if (!qwen3 && strcmp(c->model_type, "llama") != 0)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not supported (llama, qwen3, qwen3_moe)", what, c->model_type);
-    if (moe != (c->num_experts > 0))
+    if (moe ? c->num_experts <= 0 : c->num_experts != 0)
         return pr__fail(err, PR_ERR_CONFIG, "%s: num_experts %d does not fit model_type %s (experts exactly for qwen3_moe)", what,
                         c->num_experts, c->model_type);
     if (moe && (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_experts || c->moe_intermediate_size <= 0 ||

@@ -69,7 +69,7 @@ static void fuzz_config(const char *text, size_t n) {
 static double param_count(const pr_config *c) {
     double V = c->vocab_size, C = c->hidden_size, L = c->num_hidden_layers, HS = c->head_dim;
     double qd = c->num_attention_heads * HS, kvd = c->num_key_value_heads * HS, emb = V * C;
-    double mlp = c->num_experts ? C * c->num_experts + 3 * C * c->moe_intermediate_size * c->num_experts : 3 * C * c->intermediate_size;
+    double mlp = strcmp(c->model_type, "qwen3_moe") == 0 ? C * c->num_experts + 3 * C * c->moe_intermediate_size * c->num_experts : 3 * C * c->intermediate_size;
     double layer = C * (2 * qd + 2 * kvd) + mlp + 2 * C + (c->qk_norm ? 2 * HS : 0);
     return L * layer + emb + C + (c->tie_word_embeddings ? 0 : emb);
 }
@@ -103,7 +103,7 @@ static void fuzz_config_sizes(const uint8_t *p, size_t n) {
         c.head_dim > PR_MAX_HEAD_DIM || c.max_position_embeddings > PR_MAX_POSITIONS || c.num_experts > PR_MAX_EXPERTS)
         abort();
     double want = param_count(&c);
-    if (want > (double)PR_MAX_PARAMS) abort();
+    if (want > (double)PR_MAX_PARAMS || (strcmp(c.model_type, "qwen3_moe") != 0) != (c.num_experts == 0)) abort();
     if ((double)c.num_hidden_layers * c.num_experts > 1e6) return;   /* the expert-load table would dominate the run */
     pr_backend storage;
     const pr_backend *be = pr_backend_measure(pr_backend_cpu(), &storage);

@@ -783,6 +783,8 @@ static void test_config(void) {
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "qk_norm must be 0", "llama with qk_norm");
     d = v; memcpy(d.model_type, "llamallamallamallamallamallamalla", 32);
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "terminated", "unterminated model_type");
+    d = v; d.num_experts = -4;   /* a dense model has exactly none (the fuzzer found -4 accepted) */
+    EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "num_experts -4 does not fit model_type llama", "negative experts");
     d = v; d.rms_norm_eps = NAN;
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "rms_norm_eps", "NaN eps");
     d = v; d.rope_llama3 = 1; d.rope_factor = 8; d.rope_low_freq_factor = 1; d.rope_high_freq_factor = 4; d.rope_original_max_position = 0;
