@@ -5,17 +5,23 @@
 #   make NATIVE=0            without -march=native
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
-#   make fuzz                the trace and safetensors/config parsers under libFuzzer (clang)
+#   make fuzz                the trace and safetensors/config parsers and the config size checks under libFuzzer (clang)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
 #   make NCCL=0 cuda         without NCCL (found in NCCL_HOME, the CUDA toolkit or PyTorch's nvidia-nccl wheel)
 #   make info                what was found: compiler, OpenMP, BLAS, nvcc, NCCL
+#   make STD=c99 CFLAGS="-O2 -DPR_NO_THREADS" train   the C99 build (no in-process ranks)
+#   make CXX=clang++ CXXSTD=c++20 build/test_cxx      the C++ program with another compiler or standard
 # LDFLAGS is passed to every link.
 
 CC      ?= cc
 CFLAGS  ?= -O2
-WARN    := -std=c11 -Wall -Wextra
+STD     ?= c11
+WARN    := -std=$(STD) -Wall -Wextra
+# C++ (test/test_cxx.cc: the header compiled into a C++ program); its threads are POSIX threads
+CXXSTD  ?= c++17
+CXXWARN := -std=$(CXXSTD) -Wall -Wextra
 LDLIBS  := -lm
 PRECISION ?= float
 OMP     ?= 1
@@ -70,12 +76,15 @@ build/train-double: train.c $(HEADER) | build
 # faults in a scalar attention must fail it, the same attention without them must pass.
 build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
+# The header in a C++ program (C++17 and later, g++ or clang++).
+build/test_cxx: test/test_cxx.cc $(HEADER) test/harness.h | build
+	$(CXX) $(CXXWARN) $(CFLAGS) $(ARCH) $(OPENMP) -pthread $(LDFLAGS) -o $@ test/test_cxx.cc -lm
 build:
 	mkdir -p build
 
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
-            build/test_comm-float build/test_comm-double build/test_attn_check \
+            build/test_comm-float build/test_comm-double build/test_attn_check build/test_cxx \
             build/train-float build/train-double
 # The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
 # program, in double, since the library's CPU attention it is also compared with is the double
@@ -108,13 +117,14 @@ asan: | build
 	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels
 	@sh test/run.sh build/asan
 
-build/asan: $(HEADER) test/*.c train.c
+build/asan: $(HEADER) test/*.c test/test_cxx.cc train.c
 	mkdir -p build/asan
 	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
 	  for t in test_core test_gemm test_io test_trace test_comm; do \
 	    $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
 	  $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/train-$$p train.c -lm || exit 1; done
 	$(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS) -o build/asan/test_attn_check test/test_attn_check.c test/gpu_ref.c -lm
+	$(CXX) $(CXXWARN) -O1 -g $(SAN) -pthread $(LDFLAGS) -o build/asan/test_cxx test/test_cxx.cc -lm
 	touch build/asan
 # (after the rest of the sanitizer build, which build/asan's time stamp stands for)
 build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan
@@ -138,6 +148,8 @@ fuzz: | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	mkdir -p build/corpus_trace build/corpus_st
 	cp data/sample.trace build/corpus_trace/
+	for f in model/*/config.json; do { printf '\002'; cat $$f; } > build/corpus_st/config-$$(basename $$(dirname $$f)); done
+	printf '\006\000\000\001\000\000\100\000\000\000\260\000\000\000\002\000\000\000\004\000\000\000\002\000\000\000\020\000\000\000\000\002\000\000\000\000\000\000\000\000\000\000\000\000\000\000' > build/corpus_st/sizes-tiny
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 

@@ -12,7 +12,10 @@
 
    Prefix backward is a vector-Jacobian product on a fixed forward trace, so it is linear in its
    incoming adjoints: one backward on the summed gK/gV equals the sum of G separate backwards.
-   The two schedules agree exactly over the reals; the double build shows it to ~1e-12.
+   The two schedules agree exactly over the reals; only the order of the sums differs. On the
+   sample trace `./train --check` finds, in the double build, the losses 6e-17 apart and the worst
+   gradient and updated parameter 3e-11 apart relative to their size (float build: 7e-17 for the
+   loss, which is summed in double, and 6e-3 for the worst gradient element).
 
    USAGE
      #define PREFIXREUSE_IMPLEMENTATION   (in exactly one C file)
@@ -21,9 +24,21 @@
      Options, defined before the include:
        PR_DOUBLE        every real number is a double (exact-equivalence checks)
        PR_USE_CBLAS     route GEMMs to the system CBLAS (link e.g. -lopenblas)
-       PRDEF            storage class of the public functions (e.g. `static`)
+       PRDEF            storage class of the public functions (e.g. `static`: the implementation
+                        then raises no unused-function warnings for what the file does not call)
        PR_MALLOC/PR_REALLOC/PR_FREE   allocator, all three or none
+       PR_NO_THREADS    leaves out the in-process ranks (pr_comm_local_run)
      OpenMP (-fopenmp) parallelises the GEMM and attention loops when enabled.
+
+   LANGUAGES
+     The implementation compiles warning-free (-Wall -Wextra, gcc and clang) as:
+       C11 and later    the default; the in-process ranks use C11 <threads.h>
+       C++17 and later  g++ and clang++; the in-process ranks use POSIX threads (link -pthread);
+                        the declarations sit in extern "C", so a C++ and a C translation unit mix
+       C99              with PR_NO_THREADS (C99 has no threads); phase timings are then processor
+                        time (clock()), not wall time. Without PR_NO_THREADS a C99 build stops at
+                        an #error that says so.
+     The CUDA backend (prefixreuse_cuda.cu) is C++17 for nvcc.
 
    EXAMPLE
      pr_error err; pr_config cfg; pr_trace trace; pr_trainer *tr;
@@ -62,18 +77,22 @@
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
    READING GUIDE: the schedule, in the order to read it
-     3.6  pr__layer_forward            one layer over the rows of a pass (in Phase B attending to
-          pr__layer_backward           the cached prefix K/V too), and its backward
-     4.1  pr__phase_a_prefix_forward   Phase A: the prefix forward once; every layer's K/V stays
-                                       as the cache (hook on_kv_capture)
-     4.2  pr__run_microbatches         Phase B (its function is not named as a phase): each suffix
-                                       microbatch forward and backward (pr__mb_forward,
-                                       pr__mb_backward) against the cache, its prefix dK/dV added
-                                       into gK/gV (hook on_dkv); with no prefix state, the baseline
-     4.3  pr__phase_c_prefix_backward  Phase C: the prefix backward once, gK/gV injected into every
-                                       layer's attention backward (hook on_kv_inject)
-     4.4  pr__compute_grads            the driver: validate, token weights, Phase A, B, C (or the
-                                       baseline alone), the sums over the mesh, the stats
+     3.6  pr__layer_forward               one layer over the rows of a pass (in Phase B attending
+          pr__layer_backward              to the cached prefix K/V too), and its backward (the K/V
+                                          gradients it writes named in a pr__kv_grads)
+     4.1  pr__phase_a_prefix_forward      Phase A: the prefix forward once; every layer's K/V
+                                          stays as the cache (hook on_kv_capture)
+     4.2  pr__phase_b_suffix_microbatches Phase B: each suffix microbatch forward and backward
+                                          (pr__mb_forward, pr__mb_backward) against the cache,
+                                          its prefix dK/dV added into gK/gV (hook on_dkv); with
+                                          no prefix state, the baseline
+     4.3  pr__phase_c_prefix_backward     Phase C: the prefix backward once, gK/gV injected into
+                                          every layer's attention backward (hook on_kv_inject)
+     4.4  pr__compute_grads               the driver, one named step each: pr__validate_step,
+                                          pr__step_begin (token weights, log-probs, MoE sums),
+                                          pr__step_reuse (A, B, C) or pr__step_baseline,
+                                          pr__step_reduce (the sums over the mesh), pr__step_end
+                                          (the stats)
    Where the rest hooks in (3.2 declares every such call):
      offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
                    loads it back before its backward (pr__load_block, pr__prefetch_block)
@@ -82,7 +101,7 @@
                    Phase C, and in the group scope pr__routing_prepass before Phase B
      parallel (7)  inside the layer pr__tp_sum and the CP attention (pr__attention_fwd/_bwd);
                    pr__batch_make cuts a batch to its CP chunk; pipeline stages hand rows on with
-                   pr__pp_swap (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
+                   pr__pp_send/pr__pp_recv (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
                    across DP ranks shares the cache and gathers gK/gV (pr__split_share_kv,
                    pr__split_reduce_gkv); pr__mesh_sync_grads ends the step;
                    pr_trainer_compute_grads_dp runs steps over whole or split groups
@@ -100,6 +119,8 @@
 
 #ifndef PRDEF
 #define PRDEF extern
+#else
+#define PR__PRDEF_GIVEN          /* e.g. static: see the start of the implementation */
 #endif
 
 #ifdef __cplusplus
@@ -158,7 +179,21 @@ typedef struct {
 PRDEF pr_status pr_config_parse(pr_config *cfg, const char *json, size_t len, pr_error *err);
 /* path: a folder holding config.json, or the path of a config.json. */
 PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err);
+/* Checks every field, then the sizes the config implies, before any caller allocates or names
+   anything: each count within its limit below (PR_ERR_CONFIG naming the field, its value and the
+   limit), head counts times head_dim within int, the parameter count within PR_MAX_PARAMS, and
+   the arena (parameters, gradients, two AdamW moments) within size_t. */
 PRDEF pr_status pr_config_validate(const pr_config *cfg, pr_error *err);
+/* The limits: far above every released Llama/Qwen model, low enough that a pass's row counts
+   times these widths stay inside the int and size_t arithmetic of the code. */
+#define PR_MAX_LAYERS     1024              /* num_hidden_layers */
+#define PR_MAX_HEADS      1024              /* num_attention_heads, num_key_value_heads */
+#define PR_MAX_HEAD_DIM   2048              /* head_dim */
+#define PR_MAX_WIDTH      (1 << 20)         /* hidden_size, intermediate_size, moe_intermediate_size */
+#define PR_MAX_VOCAB      (1 << 24)         /* vocab_size */
+#define PR_MAX_POSITIONS  (1 << 26)         /* max_position_embeddings, rope original_max_position */
+#define PR_MAX_EXPERTS    65536             /* num_experts */
+#define PR_MAX_PARAMS     (1ull << 40)      /* the parameter count (about 1.1e12) */
 /* Writes a Hugging Face style config.json that pr_config_parse reads back to the same struct;
    atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_config_save(const pr_config *cfg, const char *path, pr_error *err);
@@ -312,7 +347,8 @@ typedef struct {
 } pr_head_rows;
 
 /* One token's GRPO loss and d(loss)/d(logp), the formula above: every backend's loss head uses it.
-   ref_logp may be NULL (no KL term). */
+   ref_logp may be NULL (no KL term); opt NULL: the defaults of pr_step_opts_default; dloss_dlogp
+   may be NULL (not written). */
 PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref_logp, double advantage,
                                 const pr_loss_opts *opt, double *dloss_dlogp);
 
@@ -416,7 +452,7 @@ PRDEF const pr_backend *pr_backend_cpu(void);
    logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
    nothing may read, and every kernel returns at once (log-probs come back as 0). The trainer's
    memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
-   at any model size, in milliseconds. Fills *storage and returns it. */
+   at any model size, in milliseconds. Fills *storage and returns it (NULL if either is NULL). */
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
 
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
@@ -543,8 +579,12 @@ typedef struct pr_trainer pr_trainer;
 PRDEF pr_step_opts pr_step_opts_default(void);
 PRDEF pr_adamw_opts pr_adamw_opts_default(void);
 
+/* The config is validated (pr_config_validate: every size it implies within the limits above)
+   before anything is allocated. */
 PRDEF pr_status pr_trainer_create(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, pr_error *err);
-PRDEF void pr_trainer_destroy(pr_trainer *tr);
+PRDEF void pr_trainer_destroy(pr_trainer *tr);       /* NULL: nothing */
+/* The accessors take NULL and answer neutrally: pr_trainer_config NULL, the counts 0,
+   pr_trainer_tensor NULL (also for i out of range). */
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 /* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state zeroed. */
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
@@ -605,9 +645,11 @@ PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
 /* Bytes this rank holds for training state: parameters and gradients (padded under ZeRO) and
    AdamW's m and v (a 1/dp slice under ZeRO). Divided by pr_trainer_param_count: 16 unsharded
-   (4 each), 8 + 8/dp under ZeRO; the CUDA backend adds its bf16 weight copy, 2 more. */
+   (4 each), 8 + 8/dp under ZeRO; the CUDA backend adds its bf16 weight copy, 2 more. 0 for a NULL
+   trainer. */
 PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr);
-/* Host copies of the whole arena (n = pr_trainer_param_count reals). */
+/* Host copies of the whole arena (n = pr_trainer_param_count reals). A NULL trainer or buffer or
+   another n is PR_ERR_ARG, and nothing is copied. */
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
@@ -626,7 +668,7 @@ PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
-   and backward), the measure the speed-up bound is computed from. */
+   and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
 
 /* ---------------------------------------------------------------- 7. The parallel layer: communicator, DP, device mesh */
@@ -668,7 +710,8 @@ struct pr_comm {
 
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
-   schedule charges each prefix once): every rank computes the same placement. */
+   schedule charges each prefix once): every rank computes the same placement. owner NULL:
+   nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. */
 PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner);
 /* Every rank of dp calls it with the same groups: the rank's trainer accumulates the gradients of
    the groups placed on it, then the gradient arenas are summed over dp, so every rank ends with
@@ -731,7 +774,7 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
    set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
    rank (collective over tp and pp, and over dp after a ZeRO-2 step, whose reduce-scatter left
    each rank its slice of the summed gradient). Without a mesh they are get/set_params and
-   get_grads. */
+   get_grads. The count of a NULL trainer is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -739,9 +782,12 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 
 /* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
    memory, and waits for all. Returns the first failing rank's status, its message prefixed with
-   the rank. Needs C11 threads (define PR_NO_THREADS to leave it out). */
+   the rank. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
+   (and is what a C99 build needs). */
+#ifndef PR_NO_THREADS
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
                                   pr_error *err);
+#endif
 
 /* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU. The communicator
    is bound to `be`, a CUDA backend: it runs on the backend's device and queues every collective on
@@ -765,6 +811,7 @@ pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, in
 
 #include <errno.h>
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -773,6 +820,14 @@ pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, in
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+/* PRDEF given (static, as stb's static builds do): the public functions this translation unit
+   does not call are not warnings. */
+#if defined(PR__PRDEF_GIVEN) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#define PR__POP_DIAGNOSTICS
 #endif
 
 #if defined(PR_MALLOC) && defined(PR_REALLOC) && defined(PR_FREE)
@@ -819,12 +874,17 @@ static int pr__mul_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
-/* Wall-clock seconds (C11 timespec_get: no POSIX feature macros needed). */
+/* Wall-clock seconds: timespec_get (C11, C++17; no POSIX feature macros needed). A C99 build has
+   only clock(), processor time: its phase timings then add up the time of every thread. */
+#if (defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L) || (defined(__cplusplus) && __cplusplus >= 201703L)
 static double pr__now(void) {
     struct timespec ts;
     timespec_get(&ts, TIME_UTC);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+#else
+static double pr__now(void) { return (double)clock() / CLOCKS_PER_SEC; }
+#endif
 
 /* ---------------------------------------------------------------- 1.2 GEMM */
 #ifdef PR_USE_CBLAS
@@ -1346,6 +1406,11 @@ static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, 
    The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
 PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
                                 double *dloss_dlogp) {
+    pr_step_opts def;
+    if (!o) {
+        def = pr_step_opts_default();
+        o = &def.loss;
+    }
     double r = exp(logp - old);
     double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
     double unclipped = r * adv, clipped = rc * adv, loss, d;
@@ -1356,7 +1421,7 @@ PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, dou
         loss += o->kl_coef * (e - delta - 1);
         d += o->kl_coef * (1 - e);
     }
-    *dloss_dlogp = d;
+    if (dloss_dlogp) *dloss_dlogp = d;
     return loss;
 }
 
@@ -1407,8 +1472,12 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
 
 #define PR__MEASURE_ADDRESS 4096   /* the measuring backend's placeholder: aligned, never dereferenced */
 
+/* Every field in declaration order, so that C++ (20, and 17 as the compilers' extension) takes
+   the designators too; the optional slots the CPU does without are NULL. */
 static const pr_backend pr__cpu_backend = {
     .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
+    .ctx = NULL, .check_config = NULL, .prepare_weights = NULL, .take_error = NULL, .device_free = NULL,
+    .copy_async = NULL, .copy_wait = NULL,
     .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
     .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
     .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
@@ -1419,10 +1488,10 @@ static const pr_backend pr__cpu_backend = {
     .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
     .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
     .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
-    .loss_head = pr__cpu_loss_head, .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale,
-    .adamw = pr__cpu_adamw,
+    .loss_head = pr__cpu_loss_head,
     .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
     .row_dots = pr__cpu_row_dots,
+    .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale, .adamw = pr__cpu_adamw,
 };
 
 PRDEF const pr_backend *pr_backend_cpu(void) { return &pr__cpu_backend; }
@@ -1510,6 +1579,7 @@ static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g
 }
 
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {
+    if (!like || !be) return NULL;
     memset(be, 0, sizeof *be);
     be->name = "measure";
     be->act_bytes = like->act_bytes;
@@ -1657,6 +1727,24 @@ typedef struct {
    dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
 typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
 
+/* The K/V gradients one layer's attention backward writes: this pass's own rows always, the
+   cached prefix's in Phase B. pr__kv_own gives the own part with no prefix (Phase C, baseline). */
+typedef struct {
+    void *dk, *dv;               /* (N, NKV*HS) acts: the pass's own dK/dV, added into; they already
+                                    hold what must be injected (gK/gV in Phase C, zeros otherwise) */
+    const void *kp, *vp;         /* (P, NKV*HS) the cached prefix K/V the pass attends to, or NULL */
+    pr_real *dkp, *dvp;          /* (P, NKV*HS) where the cached prefix's dK/dV go, or NULL */
+    int pre_own;                 /* under CP: the prefix shard's rows on this rank (dkp/dvp's share) */
+} pr__kv_grads;
+
+static pr__kv_grads pr__kv_own(void *dk, void *dv) {
+    pr__kv_grads kv;
+    memset(&kv, 0, sizeof kv);
+    kv.dk = dk;
+    kv.dv = dv;
+    return kv;
+}
+
 /* Which rows of a pass predict which suffix tokens, with what the loss needs for each. */
 typedef struct {
     int M;
@@ -1733,6 +1821,12 @@ typedef struct {
        and C, replicates the prefix K/V to the others and gets their gK/gV back. */
     int t0, t1;
     pr_comm *team;
+    int mb;                      /* trajectories per microbatch */
+    int owner;                   /* 1 on the rank that runs Phases A and C (rank 0 of a team) */
+    long n_tok;                  /* the group's suffix tokens */
+    /* What pr__step_begin allocated (NULL: nothing, or the caller's log-probs buffer) */
+    pr_real *mem_tok_weight, *mem_logp;
+    double *mem_moe;
 } pr__step_ctx;
 
 /* Forward, loss and backward of one microbatch, written as the pieces a pipeline interleaves.
@@ -1792,13 +1886,12 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
 static pr_status pr__build_shards(pr_trainer *tr, pr_error *err);
 static void pr__mesh_sync_grads(pr_trainer *tr);
 static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp);
-static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own);
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv);
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err);
 static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
-static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
-                        size_t nd_out, double *d_in, size_t nd_in);
+static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd);
+static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd);
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
 static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back);
 static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
@@ -1882,15 +1975,18 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
     if (!c->tie_word_embeddings) tr->off_lm_head = pr__add_tensor(table, count, total, "lm_head.weight", V, C, 1);
 }
 
-/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory. */
+/* The full model's tensor table (what an unsharded trainer of it holds); NULL without memory.
+   total (may be NULL): its parameter count. */
 static pr_tensor_info *pr__full_table(const pr_trainer *tr, int *count, size_t *total) {
+    size_t unused;
+    if (!total) total = &unused;
     pr_trainer full;
     memset(&full, 0, sizeof full);
     full.cfg = tr->model;
     full.has_embed = full.has_head = 1;
     full.n_experts = tr->model.num_experts;
     pr__build_layout(&full, NULL, count, total);
-    pr_tensor_info *ft = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
+    pr_tensor_info *ft = (pr_tensor_info *)PR_MALLOC(sizeof(pr_tensor_info) * (size_t)*count);
     if (ft) pr__build_layout(&full, ft, count, total);
     return ft;
 }
@@ -1916,7 +2012,7 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
     }
 }
 
-#define PR__MAX_HEAD_DIM 2048   /* bounds the host copy of the RoPE frequencies */
+#define PR__MAX_HEAD_DIM PR_MAX_HEAD_DIM   /* bounds the host copy of the RoPE frequencies */
 
 /* The AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
    that depends on the arena's size only, so that every stage cuts the same way), the units dealt
@@ -1950,7 +2046,7 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
-    pr_trainer *tr = PR_MALLOC(sizeof *tr);
+    pr_trainer *tr = (pr_trainer *)PR_MALLOC(sizeof *tr);
     if (!tr) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
     memset(tr, 0, sizeof *tr);
     tr->cfg = local;
@@ -1965,10 +2061,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     int count; size_t total;
     pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
     size_t arena_bytes;
-    tr->tensors = PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
-    tr->layer_off = PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
+    tr->tensors = (pr_tensor_info *)PR_MALLOC(sizeof(pr_tensor_info) * (size_t)count);
+    tr->layer_off = (pr__layer_off *)PR_MALLOC(sizeof(pr__layer_off) * (size_t)cfg->num_hidden_layers);
     tr->n_mb_arena = (mesh ? mesh->pp : 1) + 1;
-    tr->mb_arena = PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
+    tr->mb_arena = (pr__arena *)PR_MALLOC(sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (tr->mb_arena) memset(tr->mb_arena, 0, sizeof(pr__arena) * (size_t)tr->n_mb_arena);
     if (!tr->tensors || !tr->layer_off || !tr->mb_arena) {
         pr_trainer_destroy(tr);
@@ -1990,14 +2086,16 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         pr_trainer_destroy(tr);
         return st;
     }
-    tr->arena = be->alloc(be, arena_bytes, PR_TIER_DEVICE);
-    tr->inv_freq = be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
+    tr->arena = (pr_real *)be->alloc(be, arena_bytes, PR_TIER_DEVICE);
+    tr->inv_freq = (pr_real *)be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
     if (!tr->arena || !tr->inv_freq) {
+        const size_t n_params = tr->n_params;
         pr_trainer_destroy(tr);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %zu bytes of parameters, gradients and AdamW state", arena_bytes);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %.2f GiB (%zu bytes) for %zu parameters, their "
+                        "gradients and AdamW state", (double)arena_bytes / (1 << 30), arena_bytes, n_params);
     }
     if (cfg->num_experts) {
-        tr->expert_load = PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
+        tr->expert_load = (double *)PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
         if (!tr->expert_load) {
             pr_trainer_destroy(tr);
             return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory");
@@ -2047,31 +2145,35 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     PR_FREE(tr);
 }
 
-PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return &tr->model; }
-PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr->n_tensors; }
+PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr) { return tr ? &tr->model : NULL; }
+PRDEF int pr_trainer_tensor_count(const pr_trainer *tr) { return tr ? tr->n_tensors : 0; }
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
-    return i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
+    return tr && i >= 0 && i < tr->n_tensors ? &tr->tensors[i] : NULL;
 }
-PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr->n_params; }
-PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr) { return sizeof(pr_real) * (2 * tr->n_pad + 2 * tr->slice_cap); }
+PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr ? tr->n_params : 0; }
+PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr) {
+    return tr ? sizeof(pr_real) * (2 * tr->n_pad + 2 * tr->slice_cap) : 0;
+}
 
-static pr_status pr__check_count(const pr_trainer *tr, size_t n, const char *fn, pr_error *err) {
+/* A whole-arena copy's arguments: a trainer, a buffer, and the arena's count. */
+static pr_status pr__check_count(const pr_trainer *tr, const void *buf, size_t n, const char *fn, pr_error *err) {
+    if (!tr || !buf) return pr__fail(err, PR_ERR_ARG, "%s: NULL %s", fn, tr ? "buffer" : "trainer");
     if (n != tr->n_params)
         return pr__fail(err, PR_ERR_ARG, "%s: buffer holds %zu reals, the model has %zu parameters", fn, n, tr->n_params);
     return PR_OK;
 }
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_params", err);
+    pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_params", err);
     if (!st) tr->be->download_reals(tr->be, dst, tr->params, n);
     return st;
 }
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_set_params", err);
+    pr_status st = pr__check_count(tr, src, n, "pr_trainer_set_params", err);
     if (!st) tr->be->upload_reals(tr->be, tr->params, src, n);
     return st;
 }
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
-    pr_status st = pr__check_count(tr, n, "pr_trainer_get_grads", err);
+    pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_grads", err);
     if (!st) tr->be->download_reals(tr->be, dst, tr->grads, n);
     return st;
 }
@@ -2094,8 +2196,8 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
     /* drawn over the full model, so every mesh shard holds its slice of the same weights */
     int count = tr->n_tensors;
-    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, &(size_t){0}) : tr->tensors;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, NULL) : tr->tensors;
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     if (!host || !table) {
         PR_FREE(host);
         if (tr->mesh) PR_FREE(table);
@@ -2150,9 +2252,9 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
             c = *spare;
             *spare = c->next;
         } else {
-            c = PR_MALLOC(sizeof *c);
+            c = (pr__chunk *)PR_MALLOC(sizeof *c);
             size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
-            char *mem = c ? tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
+            char *mem = c ? (char *)tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
             if (!mem) {
                 PR_FREE(c);
                 tr->alloc_failed = 1;
@@ -2248,15 +2350,15 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
     const int L = c->num_hidden_layers;
     ps->N = N;
-    ps->acts = PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
-    ps->res = PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
+    ps->acts = (pr__layer_acts *)PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
+    ps->res = (void **)PR_MALLOC(sizeof(void *) * (size_t)(L + 1));
     if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
     memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
     memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
     const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
     for (int l = 0; l < L; l++) {
         pr__layer_acts *x = &ps->acts[l];
-        char *b = blocks ? pr__elems(tr, a, block, 1) : NULL;
+        char *b = blocks ? (char *)pr__elems(tr, a, block, 1) : NULL;
         if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
         x->k = pr__act(tr, a, n_kv * kvd);
         x->v = pr__act(tr, a, n_kv * kvd);
@@ -2265,12 +2367,12 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
     if (c->num_experts) {        /* the routing tables, host memory, one block per layer */
         const size_t E = (size_t)c->num_experts, slots = n * (size_t)c->num_experts_per_tok;
-        ps->route = PR_MALLOC(sizeof(pr__route) * (size_t)L);
+        ps->route = (pr__route *)PR_MALLOC(sizeof(pr__route) * (size_t)L);
         if (!ps->route) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
         memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
         for (int l = 0; l < L; l++) {
             pr__route *rt = &ps->route[l];
-            char *m = PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
+            char *m = (char *)PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
             if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
             rt->prob = (double *)m;
             rt->wsum = rt->prob + n * E;
@@ -2362,13 +2464,10 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     be->add(be, y, a->x_mid, (size_t)N * C);
 }
 
-/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input).
-   dk/dv: the buffers the attention backward adds this pass's own dK/dV into, already holding
-   whatever must be injected (gK/gV in Phase C, zeros otherwise). dkp/dvp: where dK/dV of the
-   cached prefix rows go (Phase B), or NULL; pre_own: under CP, the rows of the prefix shard this
-   rank holds (dkp/dvp get its share). */
-static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, void *dk, void *dv,
-                               const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+/* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input). kv: the
+   K/V gradients the attention backward writes (the pass's own, holding whatever must be injected,
+   and in Phase B the cached prefix's). */
+static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__kv_grads *kv) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
@@ -2401,8 +2500,9 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     be->matmul_bwd(be, s->datt, g.wo, s->dres, a->att, w.wo, N, qd, C);
     /* att = attention(q, [kp; k], [vp; v]) */
     pr__zero_acts(tr, s->dq, (size_t)N * qd);
-    pr__attention_bwd(tr, ps, s, a, dk, dv, kp, vp, dkp, dvp, pre_own);
+    pr__attention_bwd(tr, ps, s, a, kv);
     /* q, k = rope(...) */
+    void *dk = kv->dk, *dv = kv->dv;
     be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
     be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
     void *dq = s->dq, *dkk = dk;
@@ -2459,17 +2559,17 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
     b->N = (int)rows;
     b->n_traj = n;
-    b->seg_off = PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
-    b->tokens = PR_MALLOC(sizeof(int32_t) * (size_t)rows);
-    b->real = PR_MALLOC((size_t)(rows > 0 ? rows : 1));
+    b->seg_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
+    b->tokens = (int32_t *)PR_MALLOC(sizeof(int32_t) * (size_t)rows);
+    b->real = (uint8_t *)PR_MALLOC((size_t)(rows > 0 ? rows : 1));
     size_t mr = (size_t)(mrows > 0 ? mrows : 1);
-    b->head.row = PR_MALLOC(sizeof(int) * mr);
-    b->head.flat = PR_MALLOC(sizeof(long) * mr);
-    b->head.target = PR_MALLOC(sizeof(int32_t) * mr);
-    b->head.old_logp = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.ref_logp = g->ref_logp ? PR_MALLOC(sizeof(pr_real) * mr) : NULL;
-    b->head.advantage = PR_MALLOC(sizeof(pr_real) * mr);
-    b->head.weight = PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.row = (int *)PR_MALLOC(sizeof(int) * mr);
+    b->head.flat = (long *)PR_MALLOC(sizeof(long) * mr);
+    b->head.target = (int32_t *)PR_MALLOC(sizeof(int32_t) * mr);
+    b->head.old_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.ref_logp = g->ref_logp ? (pr_real *)PR_MALLOC(sizeof(pr_real) * mr) : NULL;
+    b->head.advantage = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
+    b->head.weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
     if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
         (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
         pr__batch_free(b);
@@ -2538,7 +2638,7 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
     if (ch > hp->M) ch = hp->M;
     void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
     void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
-    pr_real *lp = PR_MALLOC(sizeof(pr_real) * (size_t)ch);
+    pr_real *lp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)ch);
     if (tr->alloc_failed || !lp) {
         PR_FREE(lp);
         return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
@@ -2578,8 +2678,8 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     if (st) return st;
     const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
     pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->gk = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    ps->gv = PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gk = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
+    ps->gv = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     pr__offload *o = &ps->off;
     if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
@@ -2615,7 +2715,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     const int P = ps->pass.N;
     pr__offload *o = &ps->off;
     if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, NULL, 0, ps->pass.res[0], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
+    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
@@ -2625,7 +2725,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
     if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
     if (!pr__last_stage(tr))
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, NULL, 0, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1, NULL, 0);
+        pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     pr__arena_reset(tr, &tr->step_arena);
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
@@ -2659,7 +2759,7 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state 
     if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
     if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
     if (!st && E) {
-        m->sums = PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
+        m->sums = (double *)PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
         if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         memset(m->sums, 0, sizeof(double) * (3 * (size_t)E + 1));
         m->g = m->sums + 2 * E + 1;
@@ -2707,8 +2807,13 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
         pr__zero_acts(tr, s->dk, kvn_own);
         pr__zero_acts(tr, s->dv, kvn_own);
         if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
-        pr__layer_backward(tr, p, l, s, s->dk, s->dv, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL,
-                           ps ? ps->dk_mb : NULL, ps ? ps->dv_mb : NULL, Pl);
+        pr__kv_grads kv = pr__kv_own(s->dk, s->dv);
+        if (ps) {                /* the cached prefix: its K/V read, its dK/dV into dk_mb/dv_mb */
+            kv.kp = ps->pass.acts[l].k; kv.vp = ps->pass.acts[l].v;
+            kv.dkp = ps->dk_mb; kv.dvp = ps->dv_mb;
+            kv.pre_own = Pl;
+        }
+        pr__layer_backward(tr, p, l, s, &kv);
         if (ps) {
             if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
             be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
@@ -2728,10 +2833,11 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
    gradient for the oldest microbatch comes back, that backward's input gradient goes back as
    the next microbatch's input comes in. With one stage: forward, backward, microbatch by
    microbatch. Returns the number of microbatches in *n_mb. */
-static pr_status pr__run_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb, pr_error *err) {
+static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb,
+                                                 pr_error *err) {
     const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
-    pr__mb *ring = PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
+    pr__mb *ring = (pr__mb *)PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
     if (!ring) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(ring, 0, sizeof(pr__mb) * (size_t)(pp + 1));
 #define PR__MB(i) (&ring[(i) % (pp + 1)])
@@ -2788,7 +2894,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     if (pr__last_stage(tr))
         st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
     else
-        pr__pp_swap(tr, tr->mesh->pp_rank + 1, NULL, 0, s.dres, P, NULL, 0, NULL, 0);
+        pr__pp_recv(tr, tr->mesh->pp_rank + 1, s.dres, P, NULL, 0);
     if (st) return st;
     for (int l = L - 1; l >= 0; l--) {
         if (o->on) {
@@ -2802,12 +2908,13 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
         be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
         be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
-        pr__layer_backward(tr, &ps->pass, l, &s, s.dk, s.dv, NULL, NULL, NULL, NULL, 0);
+        pr__kv_grads kv = pr__kv_own(s.dk, s.dv);               /* no cached prefix above the prefix */
+        pr__layer_backward(tr, &ps->pass, l, &s, &kv);
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
     if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s.dres, ps->pass.tokens, P, C);
-    else pr__pp_swap(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0, NULL, 0, NULL, 0);
+    else pr__pp_send(tr, tr->mesh->pp_rank - 1, s.dres, P, NULL, 0);
     return PR_OK;
 }
 
@@ -2849,8 +2956,12 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
     if (pr__cp(tr) > 1 && o->offload.enabled)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
-    if ((double)mb * ((double)g->P + smax) * tr->cfg.intermediate_size > 4e18 || (double)mb * ((double)g->P + smax) > 2e9)
-        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large", mb, g->P + smax);
+    const double rows = (double)mb * ((double)g->P + smax);   /* a pass's rows, times any per-row count must fit an int */
+    const int per_row = tr->cfg.num_attention_heads > tr->cfg.num_experts_per_tok ? tr->cfg.num_attention_heads
+                                                                                    : tr->cfg.num_experts_per_tok;
+    if (rows * tr->cfg.intermediate_size > 4e18 || rows > 2e9 || rows * per_row > INT_MAX)
+        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large (rows times %d heads or experts must be at most %d)",
+                        mb, g->P + smax, per_row, INT_MAX);
     const pr_loss_opts *lo = &o->loss;
     if (!(lo->eps_low >= 0 && lo->eps_low < 1) || !(lo->eps_high >= 0 && lo->eps_high < 1e6))
         return pr__fail(err, PR_ERR_ARG, "clip range eps_low %g / eps_high %g out of range (eps_low in [0,1), eps_high >= 0)",
@@ -2877,55 +2988,59 @@ static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) 
     }
 }
 
-/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
-static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
-                                   pr_real *logp, pr_comm *team, pr_error *err) {
-    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
-    pr_status st = pr__validate_step(tr, g, opt, err);
-    if (st) return st;
+/* The step's own memory, from pr__step_begin to pr__step_end (NULL-safe). */
+static void pr__step_free(pr__step_ctx *cx) {
+    PR_FREE(cx->mem_tok_weight);
+    PR_FREE(cx->mem_logp);
+    PR_FREE(cx->mem_moe);
+    cx->mem_tok_weight = cx->mem_logp = NULL;
+    cx->mem_moe = NULL;
+}
+
+/* Step 2, weights: the context of one group's step (its trajectories on this rank, the token
+   weights, the log-probs, the MoE sums), the gradients zeroed unless accumulating, the backend's
+   weights prepared. logp: the caller's buffer for the log-probs, or NULL. */
+static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group *g, const pr_step_opts *opt, pr_real *logp,
+                                pr_comm *team, pr_error *err) {
     const pr_backend *be = tr->be;
     const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
-    const int owner = !team || team->rank == 0, t = team ? team->size : 1, k = team ? team->rank : 0;
+    const int t = team ? team->size : 1, k = team ? team->rank : 0;
     int B = 0;                   /* the group's microbatches, over the team */
     for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
-    long n_tok = g->suffix_off[G];
-    pr_real *tok_weight = PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    pr_real *lp = logp ? logp : PR_MALLOC(sizeof(pr_real) * (size_t)n_tok);
-    if (!tok_weight || !lp) {
-        PR_FREE(tok_weight);
-        if (!logp) PR_FREE(lp);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", n_tok);
+    memset(cx, 0, sizeof *cx);
+    cx->n_tok = g->suffix_off[G];
+    cx->mem_tok_weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    if (!logp) cx->mem_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    pr_real *lp = logp ? logp : cx->mem_logp;
+    if (!cx->mem_tok_weight || !lp) {
+        pr__step_free(cx);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", cx->n_tok);
     }
-    pr__token_weights(g, opt->loss.norm, tok_weight);
+    pr__token_weights(g, opt->loss.norm, cx->mem_tok_weight);
     if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
-        memset(lp, 0, sizeof(pr_real) * (size_t)n_tok);
+        memset(lp, 0, sizeof(pr_real) * (size_t)cx->n_tok);
     tr->comm_st = PR_OK;
-    pr__step_ctx cx;
-    memset(&cx, 0, sizeof cx);
-    cx.g = g; cx.opt = opt; cx.tok_weight = tok_weight; cx.logp = lp;
-    cx.t0 = k * G / t; cx.t1 = (k + 1) * G / t; cx.team = team;
-    pr__moe_acc *moe = &cx.moe;
-    double *moe_mem = NULL;
+    cx->g = g; cx->opt = opt; cx->tok_weight = cx->mem_tok_weight; cx->logp = lp;
+    cx->t0 = k * G / t; cx->t1 = (k + 1) * G / t; cx->team = team;
+    cx->mb = mb; cx->owner = !team || team->rank == 0;
+    pr__moe_acc *moe = &cx->moe;
     if (tr->cfg.num_experts) {
         const int E = tr->cfg.num_experts;
         const size_t n_sums = 2 * (size_t)E + 1;
-        moe_mem = PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
-        if (!moe_mem) {
-            PR_FREE(tok_weight);
-            if (!logp) PR_FREE(lp);
+        cx->mem_moe = (double *)PR_MALLOC(sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        if (!cx->mem_moe) {
+            pr__step_free(cx);
             return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
         }
-        memset(moe_mem, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
+        memset(cx->mem_moe, 0, sizeof(double) * (2 * n_sums + 3 * (size_t)E));
         moe->on = 1; moe->E = E; moe->G = G; moe->B = B; moe->opt = &opt->moe;
         moe->coef = tr->cfg.router_aux_loss_coef;
         moe->reuse = opt->schedule == PR_SCHEDULE_REUSE;
         moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
-        moe->pre = moe_mem; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
+        moe->pre = cx->mem_moe; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
         moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
         memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
     }
-    pr_step_stats s;
-    memset(&s, 0, sizeof s);
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
     if (!opt->accumulate) {
@@ -2933,79 +3048,125 @@ static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_s
         tr->grads_scattered = 0;
     }
     if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
+    return PR_OK;
+}
+
+/* Step 3, the schedule without reuse: every trajectory whole, as Phase B's microbatches with no
+   prefix state. */
+static pr_status pr__step_baseline(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
+    const pr_backend *be = tr->be;
+    pr_status st = PR_OK;
     double t0 = pr__now();
-    if (opt->schedule == PR_SCHEDULE_BASELINE) {
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (moe->prepass) st = pr__routing_prepass(tr, &cx, NULL, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, NULL, mb, &s.microbatches, err);
-        be->sync(be);
-        s.seconds[PR_PHASE_B] = pr__now() - t0;
-    } else {
-        pr__prefix_state ps;
-        memset(&ps, 0, sizeof ps);
-        pr__enter_phase(tr, PR_PHASE_A);
-        st = owner ? pr__phase_a_prefix_forward(tr, &cx, &ps, err) : pr__prefix_alloc(tr, &cx, &ps, 0, err);
-        if (!st && team) pr__split_share_kv(tr, &cx, &ps);
-        be->sync(be);
-        double t1 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_B);
-        if (!st && moe->prepass) st = pr__routing_prepass(tr, &cx, &ps, mb, err);
-        if (!st) st = pr__run_microbatches(tr, &cx, &ps, mb, &s.microbatches, err);
-        if (!st && team) pr__split_reduce_gkv(tr, &cx, &ps);
-        be->sync(be);
-        double t2 = pr__now();
-        pr__enter_phase(tr, PR_PHASE_C);
-        if (!st && owner) st = pr__phase_c_prefix_backward(tr, &cx, &ps, err);
-        be->sync(be);
-        double t3 = pr__now();
-        s.seconds[PR_PHASE_A] = t1 - t0; s.seconds[PR_PHASE_B] = t2 - t1; s.seconds[PR_PHASE_C] = t3 - t2;
-        s.offload = ps.off.st;
-        const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
-        s.prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
-        s.prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
-                               (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
-        pr__offload_end(tr, &ps.off);
-        pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
-        pr__batch_free(&ps.batch);
-        PR_FREE(ps.gk);
-        PR_FREE(ps.gv);
-        pr__arena_reset(tr, &tr->step_arena);
-        pr__arena_reset(tr, &tr->prefix_arena);
-    }
-    for (long f = 0; owner && f < n_tok; f++) s.loss_tokens += tok_weight[f] != 0;
-    if (team && moe->on && opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, team, moe->prob_tot, (size_t)moe->E);
-    if (pr__last_stage(tr) && owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
-    if (pr__cp(tr) > 1) {        /* the chunks' shares of the loss, log-probs, rows and expert load */
+    pr__enter_phase(tr, PR_PHASE_B);
+    if (cx->moe.prepass) st = pr__routing_prepass(tr, cx, NULL, cx->mb, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, NULL, cx->mb, &s->microbatches, err);
+    be->sync(be);
+    s->seconds[PR_PHASE_B] = pr__now() - t0;
+    return st;
+}
+
+/* Step 3, the reuse schedule: Phase A (the owner of a split group; its peers only make room for
+   the cache it shares), Phase B, Phase C (the owner, after the peers' gK/gV came back), each
+   timed; then the prefix state's sizes and its memory given back. */
+static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
+    const pr_backend *be = tr->be;
+    pr_status st;
+    pr__prefix_state ps;
+    memset(&ps, 0, sizeof ps);
+    double t0 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_A);
+    st = cx->owner ? pr__phase_a_prefix_forward(tr, cx, &ps, err) : pr__prefix_alloc(tr, cx, &ps, 0, err);
+    if (!st && cx->team) pr__split_share_kv(tr, cx, &ps);
+    be->sync(be);
+    double t1 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_B);
+    if (!st && cx->moe.prepass) st = pr__routing_prepass(tr, cx, &ps, cx->mb, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &ps, cx->mb, &s->microbatches, err);
+    if (!st && cx->team) pr__split_reduce_gkv(tr, cx, &ps);
+    be->sync(be);
+    double t2 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_C);
+    if (!st && cx->owner) st = pr__phase_c_prefix_backward(tr, cx, &ps, err);
+    be->sync(be);
+    double t3 = pr__now();
+    s->seconds[PR_PHASE_A] = t1 - t0; s->seconds[PR_PHASE_B] = t2 - t1; s->seconds[PR_PHASE_C] = t3 - t2;
+    s->offload = ps.off.st;
+    const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
+    s->prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
+    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
+                            (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
+    pr__offload_end(tr, &ps.off);
+    pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
+    pr__batch_free(&ps.batch);
+    PR_FREE(ps.gk);
+    PR_FREE(ps.gv);
+    pr__arena_reset(tr, &tr->step_arena);
+    pr__arena_reset(tr, &tr->prefix_arena);
+    return st;
+}
+
+/* Step 4, the sums over the mesh: a split group's routing totals over its team and the group's
+   aux term; the CP chunks' shares of the loss, log-probs, rows and expert load; the last stage's
+   loss, aux term and log-probs for every stage; the gradients over the mesh. */
+static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
+    pr__moe_acc *moe = &cx->moe;
+    const size_t n_tok = (size_t)cx->n_tok;
+    if (cx->team && moe->on && cx->opt->moe.scope == PR_AUX_SCOPE_GROUP) pr__sum_doubles(tr, cx->team, moe->prob_tot, (size_t)moe->E);
+    if (pr__last_stage(tr) && cx->owner) pr__moe_group_aux(moe);   /* the group's aux term, counted once */
+    if (pr__cp(tr) > 1) {
         pr_comm *cp = tr->mesh->cp_comm;
-        double r = (double)cx.rows;
-        pr__sum_doubles(tr, cp, &cx.loss, 1);
+        double r = (double)cx->rows;
+        pr__sum_doubles(tr, cp, &cx->loss, 1);
         pr__sum_doubles(tr, cp, &r, 1);
-        cx.rows = (long)r;
-        pr__sum_host(tr, cp, lp, (size_t)n_tok);
+        cx->rows = (long)r;
+        pr__sum_host(tr, cp, cx->logp, n_tok);
         if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
     }
-    if (pr__pp(tr) > 1) {        /* the last stage's loss, aux term and log-probs, for every stage */
+    if (pr__pp(tr) > 1) {
         pr_comm *pp = tr->mesh->pp_comm;
-        pr__sum_doubles(tr, pp, &cx.loss, 1);
+        pr__sum_doubles(tr, pp, &cx->loss, 1);
         pr__sum_doubles(tr, pp, &moe->aux, 1);
-        pr__sum_host(tr, pp, lp, (size_t)n_tok);
+        pr__sum_host(tr, pp, cx->logp, n_tok);
     }
-    if (!opt->accumulate) pr__mesh_sync_grads(tr);
-    PR_FREE(tok_weight);
-    if (!logp) PR_FREE(lp);
-    s.aux_loss = moe->aux;
-    s.routing_prepass = moe->prepass;
-    PR_FREE(moe_mem);
+    if (!cx->opt->accumulate) pr__mesh_sync_grads(tr);
+}
+
+/* Step 5, the stats: the step's status (the schedule's, else the backend's, the collectives',
+   an allocation's), and on success the loss, rows, peaks and FLOPs in *stats (may be NULL). The
+   step's memory is given back either way. */
+static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_status st, pr_step_stats *stats,
+                              pr_error *err) {
+    const pr_backend *be = tr->be;
+    for (long f = 0; cx->owner && f < cx->n_tok; f++) s->loss_tokens += cx->tok_weight[f] != 0;
+    s->aux_loss = cx->moe.aux;
+    s->routing_prepass = cx->moe.prepass;
+    pr__step_free(cx);
     if (!st && be->take_error) st = be->take_error(be, err);
     if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the step's collectives");
     if (st) return st;
-    s.loss = cx.loss + s.aux_loss;
-    s.rows = cx.rows;
-    memcpy(s.peak_bytes, tr->phase_peak, sizeof s.peak_bytes);
-    s.flops = owner ? pr_step_flops(&tr->model, g, opt->schedule) : 0;
-    if (stats) *stats = s;
+    s->loss = cx->loss + s->aux_loss;
+    s->rows = cx->rows;
+    memcpy(s->peak_bytes, tr->phase_peak, sizeof s->peak_bytes);
+    s->flops = cx->owner ? pr_step_flops(&tr->model, cx->g, cx->opt->schedule) : 0;
+    if (stats) *stats = *s;
     return PR_OK;
+}
+
+/* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
+static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
+                                   pr_real *logp, pr_comm *team, pr_error *err) {
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL trainer");
+    pr_status st = pr__validate_step(tr, g, opt, err);          /* 1. the group and the options */
+    if (st) return st;
+    pr__step_ctx cx;
+    if ((st = pr__step_begin(tr, &cx, g, opt, logp, team, err))) return st;   /* 2. weights, buffers */
+    pr_step_stats s;
+    memset(&s, 0, sizeof s);
+    if (opt->schedule == PR_SCHEDULE_BASELINE) st = pr__step_baseline(tr, &cx, &s, err);   /* 3. the schedule */
+    else st = pr__step_reuse(tr, &cx, &s, err);
+    pr__step_reduce(tr, &cx);                                   /* 4. the sums over the mesh */
+    return pr__step_end(tr, &cx, &s, st, stats, err);           /* 5. the stats */
 }
 
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
@@ -3014,6 +3175,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
 }
 
 PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
+    if (!c || !g) return 0;
     double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
     double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
     double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
@@ -3176,7 +3338,7 @@ static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int
     pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
     if (tr->slot_cap[s] < o->block) {
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
-        tr->slot[s] = tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
+        tr->slot[s] = (char *)tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
         tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
         if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
     }
@@ -3261,8 +3423,8 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     o->st.dormant_bytes = o->block * (size_t)L;
     if (!opt->enabled) return PR_OK;
     o->on = 1;
-    o->host = PR_MALLOC(sizeof(void *) * (size_t)L);
-    o->own = PR_MALLOC((size_t)L);
+    o->host = (void **)PR_MALLOC(sizeof(void *) * (size_t)L);
+    o->own = (unsigned char *)PR_MALLOC((size_t)L);
     if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(o->host, 0, sizeof(void *) * (size_t)L);
     memset(o->own, 0, (size_t)L);
@@ -3300,8 +3462,8 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
 static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int N) {
     const pr_config *c = &tr->cfg;
     const int E = c->num_experts, k = c->num_experts_per_tok;
-    pr_real *z = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
-    int *sel = PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
+    pr_real *z = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    int *sel = (int *)PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
     if (!z || !sel) {
         PR_FREE(z);
         PR_FREE(sel);
@@ -3385,15 +3547,15 @@ static int pr__ep_plan_build(pr_trainer *tr, const pr__route *rt, int N, pr__ep_
     p->slot0 = rt->start[tr->expert0];
     p->n_slots = rt->start[tr->expert0 + tr->n_experts] - p->slot0;
     if (ep == 1) return 1;
-    int *cnt = PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
+    int *cnt = (int *)PR_MALLOC(sizeof(int) * (size_t)(ep * ep));
     if (!cnt) return 0;
     memset(cnt, 0, sizeof(int) * (size_t)(ep * ep));
     for (int e = 0; e < E; e++)
         for (int j = rt->start[e]; j < rt->start[e + 1]; j++) cnt[pr__ep_source(rt->row[j], N, ep) * ep + e / p->ne]++;
     for (int i = 0; i < ep * ep; i++) if (cnt[i] > p->nmax) p->nmax = cnt[i];
     const size_t nm = (size_t)(p->nmax ? p->nmax : 1);
-    p->mem = PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
-    p->send_w = PR_MALLOC(sizeof(pr_real) * ep * nm);
+    p->mem = (int *)PR_MALLOC(sizeof(int) * (2 * (size_t)ep + (size_t)ep * p->ne + ep * nm));
+    p->send_w = (pr_real *)PR_MALLOC(sizeof(pr_real) * ep * nm);
     if (!p->mem || !p->send_w) {
         PR_FREE(cnt);
         pr__ep_plan_free(p);
@@ -3570,8 +3732,8 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     if (pr__tp(tr) > 1) pr__sum_host(tr, tr->mesh->tp_comm, rt->dw, (size_t)slots);
     /* host: d(prob) from the weights (w_j = p_j / S, S the top-k sum when renormalised:
        dp_j = (dw_j - sum_i dw_i w_i) / S) plus the aux gradient, then the softmax backward */
-    double *dp = PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
-    pr_real *dz = PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    double *dp = (double *)PR_MALLOC(sizeof(double) * ((size_t)N * E + N));
+    pr_real *dz = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
     if (!dp || !dz) {
         PR_FREE(dp);
         PR_FREE(dz);
@@ -3689,7 +3851,7 @@ static void pr__moe_group_aux(pr__moe_acc *m) {
 static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
     pr__moe_acc *m = &cx->moe;
     const int G = cx->g->G, E = m->E;
-    double *tot = PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
+    double *tot = (double *)PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
     if (!tot) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(tot, 0, sizeof(double) * (2 * (size_t)E + 1));
     pr_status st = PR_OK;
@@ -3805,7 +3967,7 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
 static pr_real *pr__staging(pr_trainer *tr, size_t n) {
     if (n <= tr->stage_cap) return tr->stage;
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
-    tr->stage = tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
+    tr->stage = (pr_real *)tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
     tr->stage_cap = tr->stage ? n : 0;
     if (!tr->stage) tr->alloc_failed = 1;
     return tr->stage;
@@ -3823,7 +3985,7 @@ static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
 }
 static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
     if (c->size == 1 || !n) return;
-    pr_real *h = PR_MALLOC(sizeof(pr_real) * n);
+    pr_real *h = (pr_real *)PR_MALLOC(sizeof(pr_real) * n);
     if (!h) {
         tr->alloc_failed = 1;
         return;
@@ -3879,7 +4041,7 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
 static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
     int count;
     pr_tensor_info *ft = pr__full_table(tr, &count, &tr->n_full);
-    tr->shard = PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
+    tr->shard = (pr__shard *)PR_MALLOC(sizeof(pr__shard) * (size_t)tr->n_tensors);
     if (!ft || !tr->shard) {
         PR_FREE(ft);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
@@ -3908,7 +4070,7 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
     return PR_OK;
 }
 
-PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr->n_full; }
+PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr ? tr->n_full : 0; }
 
 /* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
    tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
@@ -3958,7 +4120,7 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
     const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
     if (!tr->mesh) {
-        pr_status st = pr__check_count(tr, n, "pr_trainer_get_full", err);
+        pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_full", err);
         if (!st) tr->be->download_reals(tr->be, dst, arena, n);
         return st;
     }
@@ -3998,8 +4160,8 @@ static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, 
         return PR_OK;
     }
     const pr_backend *be = tr->be;
-    pr_real *local = PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    pr_real *dev = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
+    pr_real *dev = (pr_real *)be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
     pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
     if (!st) {
         be->download_reals(be, local, arena, tr->n_params);
@@ -4094,14 +4256,17 @@ static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real 
     return ps->shard;
 }
 
-/* dk/dv: own rows' gradient buffers (holding what must be injected); dkp/dvp: the cached
-   prefix shard's (Phase B), or NULL; pre_own its rows on this rank. The region is gathered again
-   rather than kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
-static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, void *dk, void *dv,
-                              const void *kp, const void *vp, pr_real *dkp, pr_real *dvp, int pre_own) {
+/* kv: the own rows' gradient buffers (holding what must be injected) and the cached prefix
+   shard's (Phase B), pre_own its rows on this rank. The region is gathered again rather than
+   kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
+static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv) {
     const pr_config *c = &tr->cfg;
     const pr_backend *be = tr->be;
     const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
+    void *dk = kv->dk, *dv = kv->dv;
+    const void *kp = kv->kp, *vp = kv->vp;
+    pr_real *dkp = kv->dkp, *dvp = kv->dvp;
+    const int pre_own = kv->pre_own;
     if (!ps->kreg) {
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
@@ -4186,20 +4351,24 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
    head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
    far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
 
-/* One exchange with rank `peer` of c: activations out and/or in (NULL: none; n_out, n_in
-   elements), then host doubles the same way, staged through backend memory. Both sides make the
-   same call with the roles swapped, so a send meets its recv and a send_recv its send_recv. */
-static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in,
-                    const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
+/* One exchange of activations with rank `peer` of c: out and/or in (NULL: none; n_out, n_in
+   elements). Both sides make the same call with the roles swapped, so a send meets its recv and a
+   send_recv its send_recv. */
+static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in) {
     pr_error e;
     pr_status st = PR_OK;
     if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
     else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
     else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
+}
+/* The same for host doubles (nd_out, nd_in of them), staged through backend memory. */
+static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
+    pr_error e;
+    pr_status st;
     if (!d_out && !d_in) return;
     const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
-    pr_real *host = PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
     if (!host || !dev) {
         PR_FREE(host);
         tr->alloc_failed = 1;
@@ -4215,11 +4384,20 @@ static void pr__p2p(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_
     for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
     PR_FREE(host);
 }
-/* The same with the neighbouring stage `peer`, rows of the residual stream. */
+/* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in,
+   then host doubles (MoE routing sums or aux gradients) the same way. */
 static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
                         size_t nd_out, double *d_in, size_t nd_in) {
     const size_t C = (size_t)tr->cfg.hidden_size;
-    pr__p2p(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C, d_out, nd_out, d_in, nd_in);
+    pr__p2p_acts(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C);
+    pr__p2p_doubles(tr, tr->mesh->pp_comm, peer, d_out, nd_out, d_in, nd_in);
+}
+/* Its one-way halves, as Phases A and C use them: n rows (and nd doubles, d may be NULL). */
+static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd) {
+    pr__pp_swap(tr, peer, rows, n, NULL, 0, d, nd, NULL, 0);
+}
+static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd) {
+    pr__pp_swap(tr, peer, NULL, 0, rows, n, NULL, 0, d, nd);
 }
 
 /* The microbatch's input from the previous stage, with the previous one's gradient going back
@@ -4260,10 +4438,10 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_stat
         const int other = t->rank ? 0 : peer, send = !t->rank;
         for (int l = 0; l < c->num_hidden_layers; l++) {
             pr__layer_acts *a = &ps->pass.acts[l];
-            pr__p2p(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n, NULL, 0, NULL, 0);
-            pr__p2p(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n, NULL, 0, NULL, 0);
+            pr__p2p_acts(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n);
+            pr__p2p_acts(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n);
         }
-        if (ns) pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
+        if (ns) pr__p2p_doubles(tr, t, other, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
 }
 
@@ -4273,7 +4451,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
-    double *peer_c = E ? PR_MALLOC(sizeof(double) * E) : NULL;
+    double *peer_c = E ? (double *)PR_MALLOC(sizeof(double) * E) : NULL;
     if (E && !peer_c) {
         tr->alloc_failed = 1;
         return;
@@ -4290,7 +4468,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
             }
         }
         if (E) {
-            pr__p2p(tr, t, other, NULL, 0, NULL, 0, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
+            pr__p2p_doubles(tr, t, other, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
             for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
         }
     }
@@ -4299,9 +4477,10 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
 
 /* ---------------------------------------------------------------- 7.7 Data parallelism */
 PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
-    double *load = PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
-    char *done = PR_MALLOC((size_t)(n > 0 ? n : 1));
-    if (!load || !done || ranks < 1) {         /* no memory: everything on rank 0, still a valid placement */
+    if (!owner) return;
+    double *load = (double *)PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
+    char *done = (char *)PR_MALLOC((size_t)(n > 0 ? n : 1));
+    if (!load || !done || ranks < 1 || !cfg || !groups) {   /* everything on rank 0, still a valid placement */
         for (int i = 0; i < n; i++) owner[i] = 0;
         PR_FREE(load);
         PR_FREE(done);
@@ -4332,7 +4511,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     if (tr->zero && dp != tr->mesh->dp_comm)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
-    int *place = n >= R ? PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
     tr->comm_st = PR_OK;
@@ -4385,7 +4564,44 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
 
 /* ---------------------------------------------------------------- 7.8 In-process ranks: the communicator over threads */
 #ifndef PR_NO_THREADS
+/* The threads behind the ranks: C11 <threads.h> in C, POSIX threads in C++ (whose standard has no
+   <threads.h>; every C++ toolchain on Linux and macOS has <pthread.h>). The communicator uses
+   these few calls only. */
+#if defined(__cplusplus)
+#include <pthread.h>
+typedef pthread_mutex_t pr__mtx;
+typedef pthread_cond_t pr__cnd;
+typedef pthread_t pr__thrd;
+typedef void *pr__thrd_result;
+static int pr__mtx_init(pr__mtx *m) { return pthread_mutex_init(m, NULL) == 0; }
+static void pr__mtx_destroy(pr__mtx *m) { pthread_mutex_destroy(m); }
+static void pr__mtx_lock(pr__mtx *m) { pthread_mutex_lock(m); }
+static void pr__mtx_unlock(pr__mtx *m) { pthread_mutex_unlock(m); }
+static int pr__cnd_init(pr__cnd *c) { return pthread_cond_init(c, NULL) == 0; }
+static void pr__cnd_destroy(pr__cnd *c) { pthread_cond_destroy(c); }
+static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { pthread_cond_wait(c, m); }
+static void pr__cnd_broadcast(pr__cnd *c) { pthread_cond_broadcast(c); }
+static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return pthread_create(t, NULL, fn, arg) == 0; }
+static void pr__thrd_join(pr__thrd t) { pthread_join(t, NULL); }
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L && !defined(__STDC_NO_THREADS__)
 #include <threads.h>
+typedef mtx_t pr__mtx;
+typedef cnd_t pr__cnd;
+typedef thrd_t pr__thrd;
+typedef int pr__thrd_result;
+static int pr__mtx_init(pr__mtx *m) { return mtx_init(m, mtx_plain) == thrd_success; }
+static void pr__mtx_destroy(pr__mtx *m) { mtx_destroy(m); }
+static void pr__mtx_lock(pr__mtx *m) { mtx_lock(m); }
+static void pr__mtx_unlock(pr__mtx *m) { mtx_unlock(m); }
+static int pr__cnd_init(pr__cnd *c) { return cnd_init(c) == thrd_success; }
+static void pr__cnd_destroy(pr__cnd *c) { cnd_destroy(c); }
+static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { cnd_wait(c, m); }
+static void pr__cnd_broadcast(pr__cnd *c) { cnd_broadcast(c); }
+static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return thrd_create(t, fn, arg) == thrd_success; }
+static void pr__thrd_join(pr__thrd t) { thrd_join(t, NULL); }
+#else
+#error "prefixreuse.h: the in-process ranks (pr_comm_local_run) need C11 <threads.h> or C++; compile as C11 or later, or define PR_NO_THREADS to leave them out"
+#endif
 
 static size_t pr__comm_elem(pr_comm_type t) { return t == PR_COMM_F64 ? 8 : t == PR_COMM_F32 ? 4 : 2; }
 
@@ -4404,8 +4620,8 @@ static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
    and a mailbox per ordered pair of ranks for send/recv. */
 typedef struct pr__world {
     int size, refs;
-    mtx_t mu;
-    cnd_t cv;
+    pr__mtx mu;
+    pr__cnd cv;
     int arrived;
     unsigned gen;
     int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
@@ -4420,24 +4636,24 @@ typedef struct pr__world {
 typedef struct { pr_comm c; pr__world *w; } pr__local;
 
 static pr__world *pr__world_new(int size) {
-    pr__world *w = PR_MALLOC(sizeof *w);
+    pr__world *w = (pr__world *)PR_MALLOC(sizeof *w);
     if (!w) return NULL;
     memset(w, 0, sizeof *w);
     size_t n = (size_t)size, nn = n * n;
     w->size = size;
     w->refs = size;
-    w->slot = PR_MALLOC(sizeof(void *) * n);
-    w->color = PR_MALLOC(sizeof(int) * n);
-    w->key = PR_MALLOC(sizeof(int) * n);
-    w->made = PR_MALLOC(sizeof(pr__world *) * n);
-    w->mail = PR_MALLOC(sizeof(void *) * nn);
-    w->mail_bytes = PR_MALLOC(sizeof(size_t) * nn);
-    w->mail_full = PR_MALLOC(sizeof(int) * nn);
+    w->slot = (const void **)PR_MALLOC(sizeof(void *) * n);
+    w->color = (int *)PR_MALLOC(sizeof(int) * n);
+    w->key = (int *)PR_MALLOC(sizeof(int) * n);
+    w->made = (pr__world **)PR_MALLOC(sizeof(pr__world *) * n);
+    w->mail = (const void **)PR_MALLOC(sizeof(void *) * nn);
+    w->mail_bytes = (size_t *)PR_MALLOC(sizeof(size_t) * nn);
+    w->mail_full = (int *)PR_MALLOC(sizeof(int) * nn);
     int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
-    int mu = ok && mtx_init(&w->mu, mtx_plain) == thrd_success;
-    int cv = mu && cnd_init(&w->cv) == thrd_success;
+    int mu = ok && pr__mtx_init(&w->mu);
+    int cv = mu && pr__cnd_init(&w->cv);
     if (!cv) {
-        if (mu) mtx_destroy(&w->mu);
+        if (mu) pr__mtx_destroy(&w->mu);
         PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
         PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
         PR_FREE(w);
@@ -4448,27 +4664,27 @@ static pr__world *pr__world_new(int size) {
     return w;
 }
 static void pr__world_release(pr__world *w) {
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     int last = --w->refs == 0;
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
     if (!last) return;
-    cnd_destroy(&w->cv);
-    mtx_destroy(&w->mu);
+    pr__cnd_destroy(&w->cv);
+    pr__mtx_destroy(&w->mu);
     PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
     PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
     PR_FREE(w);
 }
 static void pr__world_barrier(pr__world *w) {
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     unsigned gen = w->gen;
     if (++w->arrived == w->size) {
         w->arrived = 0;
         w->gen++;
-        cnd_broadcast(&w->cv);
+        pr__cnd_broadcast(&w->cv);
     } else {
-        while (gen == w->gen) cnd_wait(&w->cv, &w->mu);
+        while (gen == w->gen) pr__cnd_wait(&w->cv, &w->mu);
     }
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
 }
 
 static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
@@ -4484,7 +4700,7 @@ static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blo
 
 /* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
 static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
-    double *acc = PR_MALLOC(sizeof(double) * (n ? n : 1));
+    double *acc = (double *)PR_MALLOC(sizeof(double) * (n ? n : 1));
     if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
     for (size_t i = 0; i < n; i++) acc[i] = 0;
     for (int r = 0; r < w->size; r++)
@@ -4560,32 +4776,32 @@ static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, 
 static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
     w->mail[box] = buf;
     w->mail_bytes[box] = n * pr__comm_elem(t);
     w->mail_full[box] = 1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
     c->bytes_sent += n * pr__comm_elem(t);
 }
 static void pr__local_wait_taken(pr_comm *c, int peer) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    mtx_lock(&w->mu);
-    while (w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
-    mtx_unlock(&w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
+    pr__mtx_unlock(&w->mu);
 }
 static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr__world *w = pr__lw(c);
     size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
-    mtx_lock(&w->mu);
-    while (!w->mail_full[box]) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (!w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
     size_t got = w->mail_bytes[box];
     if (got == bytes) memcpy(buf, w->mail[box], bytes);
     w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
     if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
     return PR_OK;
 }
@@ -4652,7 +4868,7 @@ static void pr__local_destroy(pr_comm *c) {
 }
 
 static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
-    pr__local *l = PR_MALLOC(sizeof *l);
+    pr__local *l = (pr__local *)PR_MALLOC(sizeof *l);
     if (!l) return NULL;
     memset(l, 0, sizeof *l);
     l->w = w;
@@ -4684,13 +4900,13 @@ typedef struct {
 
 /* A rank starts only once every rank's thread exists: otherwise its first collective could wait
    for a rank that never comes. */
-static int pr__rank_main(void *arg) {
-    pr__rank_run *r = arg;
+static pr__thrd_result pr__rank_main(void *arg) {
+    pr__rank_run *r = (pr__rank_run *)arg;
     pr__world *w = pr__lw(r->comm);
-    mtx_lock(&w->mu);
-    while (w->gate == 0) cnd_wait(&w->cv, &w->mu);
+    pr__mtx_lock(&w->mu);
+    while (w->gate == 0) pr__cnd_wait(&w->cv, &w->mu);
     int go = w->gate > 0;
-    mtx_unlock(&w->mu);
+    pr__mtx_unlock(&w->mu);
     r->err.status = PR_OK;
     r->err.message[0] = 0;
     r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
@@ -4701,8 +4917,8 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
                                   pr_error *err) {
     if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
     pr__world *w = pr__world_new(n);
-    pr__rank_run *runs = PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
-    thrd_t *th = PR_MALLOC(sizeof(thrd_t) * (size_t)n);
+    pr__rank_run *runs = (pr__rank_run *)PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
+    pr__thrd *th = (pr__thrd *)PR_MALLOC(sizeof(pr__thrd) * (size_t)n);
     int made = 0;
     if (w && runs && th) {
         memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
@@ -4720,13 +4936,13 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     for (; started < n; started++) {
         runs[started].fn = fn;
         runs[started].user = user;
-        if (thrd_create(&th[started], pr__rank_main, &runs[started]) != thrd_success) break;
+        if (!pr__thrd_create(&th[started], pr__rank_main, &runs[started])) break;
     }
-    mtx_lock(&w->mu);
+    pr__mtx_lock(&w->mu);
     w->gate = started == n ? 1 : -1;
-    cnd_broadcast(&w->cv);
-    mtx_unlock(&w->mu);
-    for (int r = 0; r < started; r++) thrd_join(th[r], NULL);
+    pr__cnd_broadcast(&w->cv);
+    pr__mtx_unlock(&w->mu);
+    for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
     for (int r = 0; r < n && !st; r++)
         if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
@@ -5410,12 +5626,12 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
     int moe = strcmp(c->model_type, "qwen3_moe") == 0, qwen3 = moe || strcmp(c->model_type, "qwen3") == 0;
     if (!qwen3 && strcmp(c->model_type, "llama") != 0)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: model_type \"%s\" is not supported (llama, qwen3, qwen3_moe)", what, c->model_type);
-    if (moe != (c->num_experts > 0))
+    if (moe ? c->num_experts <= 0 : c->num_experts != 0)
         return pr__fail(err, PR_ERR_CONFIG, "%s: num_experts %d does not fit model_type %s (experts exactly for qwen3_moe)", what,
                         c->num_experts, c->model_type);
     if (moe && (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_experts || c->moe_intermediate_size <= 0 ||
                 (c->norm_topk_prob != 0 && c->norm_topk_prob != 1) || !(c->router_aux_loss_coef >= 0) ||
-                !isfinite(c->router_aux_loss_coef) || c->num_experts > 65536))
+                !isfinite(c->router_aux_loss_coef) || c->num_experts > PR_MAX_EXPERTS))
         return pr__fail(err, PR_ERR_CONFIG, "%s: MoE needs 1 <= num_experts_per_tok (%d) <= num_experts (%d) <= 65536, "
                         "moe_intermediate_size > 0 (%d) and router_aux_loss_coef >= 0 (%g)", what, c->num_experts_per_tok,
                         c->num_experts, c->moe_intermediate_size, c->router_aux_loss_coef);
@@ -5426,6 +5642,17 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
         {"max_position_embeddings", c->max_position_embeddings}};
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
         if (pos[i].v <= 0) return pr__fail(err, PR_ERR_CONFIG, "%s: %s = %d must be positive", what, pos[i].name, pos[i].v);
+    /* Upper limits, before any size is computed from them (see PR_MAX_LAYERS and the rest). */
+    struct { const char *name; int v; long long max; } lim[] = {
+        {"num_hidden_layers", c->num_hidden_layers, PR_MAX_LAYERS}, {"vocab_size", c->vocab_size, PR_MAX_VOCAB},
+        {"hidden_size", c->hidden_size, PR_MAX_WIDTH}, {"intermediate_size", c->intermediate_size, PR_MAX_WIDTH},
+        {"moe_intermediate_size", c->moe_intermediate_size, PR_MAX_WIDTH},
+        {"num_attention_heads", c->num_attention_heads, PR_MAX_HEADS}, {"num_key_value_heads", c->num_key_value_heads, PR_MAX_HEADS},
+        {"head_dim", c->head_dim, PR_MAX_HEAD_DIM}, {"max_position_embeddings", c->max_position_embeddings, PR_MAX_POSITIONS},
+        {"rope_scaling original_max_position_embeddings", c->rope_original_max_position, PR_MAX_POSITIONS}};
+    for (size_t i = 0; i < sizeof lim / sizeof lim[0]; i++)
+        if (lim[i].v > lim[i].max)
+            return pr__fail(err, PR_ERR_CONFIG, "%s: %s = %d is larger than the limit %lld", what, lim[i].name, lim[i].v, lim[i].max);
     if (c->num_attention_heads % c->num_key_value_heads)
         return pr__fail(err, PR_ERR_CONFIG, "%s: num_attention_heads %d is not a multiple of num_key_value_heads %d", what,
                         c->num_attention_heads, c->num_key_value_heads);
@@ -5466,8 +5693,13 @@ static pr_status pr__cfg_check(const pr_config *c, const char *what, pr_error *e
     ok = ok && pr__u64_add(layer, 2 * C + (qwen3 ? 2 * HS : 0), &layer);                   /* norms */
     ok = ok && pr__u64_mul(layer, L, &total) && pr__u64_add(total, emb, &total) && pr__u64_add(total, C, &total);
     ok = ok && (c->tie_word_embeddings || pr__u64_add(total, emb, &total));
-    if (!ok || total > (uint64_t)INT64_MAX / 32 || total > (uint64_t)(SIZE_MAX / 32))
-        return pr__fail(err, PR_ERR_CONFIG, "%s: the model is too large for this machine's size arithmetic", what);
+    if (!ok || total > PR_MAX_PARAMS)
+        return pr__fail(err, PR_ERR_CONFIG, "%s: %s%.4g parameters, more than the limit %llu (PR_MAX_PARAMS)", what,
+                        ok ? "" : "over ", ok ? (double)total : 1.8e19, (unsigned long long)PR_MAX_PARAMS);
+    if (total > (uint64_t)(SIZE_MAX / 32))   /* parameters, gradients and two moments, up to 8 bytes each */
+        return pr__fail(err, PR_ERR_CONFIG, "%s: %llu parameters need %.4g bytes of parameters, gradients and AdamW state, "
+                        "more than this machine's size_t holds (%zu)", what, (unsigned long long)total, (double)total * 32,
+                        (size_t)SIZE_MAX);
     return PR_OK;
 }
 
@@ -5648,7 +5880,7 @@ static pr_status pr__cfg_from_json(pr_config *out, const pr__json *root, const c
 }
 
 static pr_status pr__config_parse_named(pr_config *cfg, const char *json, size_t len, const char *what, pr_error *err) {
-    pr__json *root;
+    pr__json *root = NULL;
     pr_status st = pr__json_parse(&root, json, len, what, 0, err);
     if (st) return st;
     st = pr__cfg_from_json(cfg, root, what, err);
@@ -5689,8 +5921,8 @@ PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) 
     if (!cfg || !path) return pr__fail(err, PR_ERR_ARG, "pr_config_load: NULL argument");
     uint64_t size;
     int is_dir = 0;
-    char *file = NULL, *text;
-    size_t len;
+    char *file = NULL, *text = NULL;
+    size_t len = 0;
     if (pr__io_stat(path, &size, &is_dir) && is_dir) {
         file = pr__path_join(path, "config.json");
         if (!file) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
@@ -5944,6 +6176,7 @@ static pr_status pr__st_parse_header(pr_st_tensor **out, int *out_n, const char 
     if (st) return st;
     pr_st_tensor *ts = NULL, **order = NULL, t;
     size_t nt = 0, cap = 0;
+    uint64_t at = 0;             /* the layout check's position */
     const pr__json *m;
     if (root->type != PR__JSON_OBJECT) { st = pr__fail(err, PR_ERR_FORMAT, "%s: the header is %s, not a JSON object", what, pr__json_type_name(root)); goto done; }
     m = pr__json_first(root);
@@ -5975,7 +6208,6 @@ static pr_status pr__st_parse_header(pr_st_tensor **out, int *out_n, const char 
     if (!order) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", what); goto done; }
     for (size_t i = 0; i < nt; i++) order[i] = &ts[i];
     if (nt > 1) qsort(order, nt, sizeof *order, pr__st_cmp_range);
-    uint64_t at = 0;
     for (size_t i = 0; i < nt; i++) {
         if (order[i]->begin < at) { st = pr__fail(err, PR_ERR_FORMAT, "%s: tensors %s and %s overlap", what, order[i - 1]->name, order[i]->name); goto done; }
         if (order[i]->begin > at) {
@@ -6495,11 +6727,11 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
     char *file = NULL;
     pr__json *meta = NULL;
     pr_status st = PR_OK;
+    int n_shards = 1;
+    uint64_t in_shard = 0, total = 0;
     if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
     if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, err))) goto done;
     /* shards in entry order: a new one when the next tensor would pass the limit */
-    int n_shards = 1;
-    uint64_t in_shard = 0, total = 0;
     for (int i = 0; i < n; i++) {
         /* in_shard can exceed the limit after an oversized tensor: test before subtracting */
         if (max_shard_bytes && in_shard > 0 && (in_shard >= max_shard_bytes || bytes[i] > max_shard_bytes - in_shard)) {
@@ -6675,7 +6907,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
     void *at[8] = {0};   /* addresses from pr__trace_take (filling pass only) */
     pr_status st;
     if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0])) goto too_big;
-    if (block) groups = at[0];
+    if (block) groups = (pr_group *)at[0];
     for (int gi = 0; gi < t->n_groups; gi++) {
         char where[320];
         uint32_t P, G, i;
@@ -6722,14 +6954,14 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             pr_group *g = &groups[gi];
             g->P = (int)P;
             g->G = (int)G;
-            g->suffix_off = at[0];
-            g->advantage = at[1];
-            g->old_logp = at[2];
-            g->ref_logp = t->has_ref ? at[3] : NULL;
-            g->prefix = at[4];
-            g->tokens = at[5];
-            g->suffix_len = at[6];
-            g->loss_mask = at[7];
+            g->suffix_off = (int64_t *)at[0];
+            g->advantage = (pr_real *)at[1];
+            g->old_logp = (pr_real *)at[2];
+            g->ref_logp = t->has_ref ? (pr_real *)at[3] : NULL;
+            g->prefix = (int32_t *)at[4];
+            g->tokens = (int32_t *)at[5];
+            g->suffix_len = (int *)at[6];
+            g->loss_mask = (uint8_t *)at[7];
             p = buf + pos;
             for (i = 0; i < P; i++) g->prefix[i] = pr__le_i32(p + 4 * (size_t)i);
             p = lens + 4 * (size_t)G;
@@ -6797,7 +7029,7 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.has_ref = (int)(flags & 1u);
     t.groups = NULL;
     if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, err))) return st;   /* check, size */
-    block = PR_MALLOC(used);
+    block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
@@ -6895,7 +7127,7 @@ PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) 
         if (len == cap) {
             unsigned char *nb;
             size_t ncap = cap ? cap * 2 : 1 << 16;
-            if (ncap < cap || !(nb = PR_REALLOC(buf, ncap))) {
+            if (ncap < cap || !(nb = (unsigned char *)PR_REALLOC(buf, ncap))) {
                 PR_FREE(buf);
                 fclose(f);
                 return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory reading the file (%zu bytes so far)", path, len);
@@ -6928,7 +7160,7 @@ PRDEF void pr_trace_free(pr_trace *trace) {
 /* The full model's tensor table (the trainer's own without a mesh; a copy to free on a mesh). */
 static pr_tensor_info *pr__table_of(pr_trainer *tr, int *count) {
     *count = tr->n_tensors;
-    return tr->mesh ? pr__full_table(tr, count, &(size_t){0}) : tr->tensors;
+    return tr->mesh ? pr__full_table(tr, count, NULL) : tr->tensors;
 }
 
 static void pr__shape_text(char *out, size_t cap, int ndim, const int64_t *shape) {
@@ -6985,7 +7217,7 @@ static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const cha
 /* Opens path and reads the table's tensors (prefix + name) into host. */
 static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, int n_layers,
                                      int exact, pr_real *host, pr_error *err) {
-    pr_checkpoint *ck;
+    pr_checkpoint *ck = NULL;
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
     st = pr__read_tensors(ck, path, prefix, table, count, n_layers, exact, host, err);
@@ -7345,4 +7577,8 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     return st;
 }
 
+#ifdef PR__POP_DIAGNOSTICS
+#pragma GCC diagnostic pop
+#undef PR__POP_DIAGNOSTICS
+#endif
 #endif /* PREFIXREUSE_IMPLEMENTATION */

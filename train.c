@@ -513,6 +513,10 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
     st = mesh_rank(world, j, err);
     world->destroy(world);
     return st;
+#elif defined(PR_NO_THREADS)
+    (void)j;
+    (void)mesh_rank;
+    return set_error(err, PR_ERR_UNSUPPORTED, "this build has no in-process ranks (compiled with PR_NO_THREADS)");
 #else
     return pr_comm_local_run(mesh_ranks(j->o), mesh_rank, j, err);
 #endif

@@ -6,6 +6,10 @@
      3  the JSON reader; every node's links are walked and checked
      4  a model.safetensors.index.json (shard list; no files are opened)
      5  float -> bf16/f16 rounding (4 bytes) against a slow reference
+     6  config sizes: a model type and 11 little-endian int32 counts (vocabulary, widths, layers,
+        heads, head_dim, positions, experts) into pr_config_validate; a config it accepts is within
+        every limit, and a trainer on the measuring backend is created with exactly the parameter
+        count worked out here independently; one it refuses says why
    Any crash, sanitizer report or abort() is a finding.
 
    fuzz:   make fuzz   (clang -fsanitize=fuzzer,address,undefined test/fuzz_safetensors.c)
@@ -59,6 +63,60 @@ static void fuzz_config(const char *text, size_t n) {
         c.rope_high_freq_factor != back.rope_high_freq_factor || c.rope_original_max_position != back.rope_original_max_position ||
         c.tie_word_embeddings != back.tie_word_embeddings || c.qk_norm != back.qk_norm)
         abort();
+}
+
+/* The parameter count of a config, worked out apart from the library (in double: exact below 2^53). */
+static double param_count(const pr_config *c) {
+    double V = c->vocab_size, C = c->hidden_size, L = c->num_hidden_layers, HS = c->head_dim;
+    double qd = c->num_attention_heads * HS, kvd = c->num_key_value_heads * HS, emb = V * C;
+    double mlp = strcmp(c->model_type, "qwen3_moe") == 0 ? C * c->num_experts + 3 * C * c->moe_intermediate_size * c->num_experts : 3 * C * c->intermediate_size;
+    double layer = C * (2 * qd + 2 * kvd) + mlp + 2 * C + (c->qk_norm ? 2 * HS : 0);
+    return L * layer + emb + C + (c->tie_word_embeddings ? 0 : emb);
+}
+
+static void fuzz_config_sizes(const uint8_t *p, size_t n) {
+    if (n < 1 + 11 * 4) return;
+    static const char *const types[] = {"llama", "qwen3", "qwen3_moe"};
+    pr_config c;
+    memset(&c, 0, sizeof c);
+    strcpy(c.model_type, types[p[0] % 3]);
+    c.qk_norm = p[0] % 3 != 0;
+    c.tie_word_embeddings = (p[0] >> 2) & 1;
+    c.rms_norm_eps = 1e-6;
+    c.rope_theta = 10000;
+    int *f[11] = {&c.vocab_size, &c.hidden_size, &c.intermediate_size, &c.num_hidden_layers, &c.num_attention_heads,
+                  &c.num_key_value_heads, &c.head_dim, &c.max_position_embeddings, &c.num_experts, &c.num_experts_per_tok,
+                  &c.moe_intermediate_size};
+    for (int i = 0; i < 11; i++) {
+        const uint8_t *q = p + 1 + 4 * i;
+        *f[i] = (int)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24);
+    }
+    pr_error err;
+    memset(&err, 0, sizeof err);
+    if (pr_config_validate(&c, &err) != PR_OK) {
+        if (!err.message[0]) abort();
+        return;
+    }
+    /* accepted: every count within its limit, the parameter count too */
+    if (c.num_hidden_layers > PR_MAX_LAYERS || c.vocab_size > PR_MAX_VOCAB || c.hidden_size > PR_MAX_WIDTH ||
+        c.intermediate_size > PR_MAX_WIDTH || c.num_attention_heads > PR_MAX_HEADS || c.num_key_value_heads > PR_MAX_HEADS ||
+        c.head_dim > PR_MAX_HEAD_DIM || c.max_position_embeddings > PR_MAX_POSITIONS || c.num_experts > PR_MAX_EXPERTS)
+        abort();
+    double want = param_count(&c);
+    if (want > (double)PR_MAX_PARAMS || (strcmp(c.model_type, "qwen3_moe") != 0) != (c.num_experts == 0)) abort();
+    if ((double)c.num_hidden_layers * c.num_experts > 1e6) return;   /* the expert-load table would dominate the run */
+    pr_backend storage;
+    const pr_backend *be = pr_backend_measure(pr_backend_cpu(), &storage);
+    pr_trainer *tr;
+    if (pr_trainer_create(&tr, &c, be, &err) != PR_OK) {
+        if (!err.message[0]) abort();
+        return;
+    }
+    if ((double)pr_trainer_param_count(tr) != want) {
+        fprintf(stderr, "%zu parameters, want %.0f\n", pr_trainer_param_count(tr), want);
+        abort();
+    }
+    pr_trainer_destroy(tr);
 }
 
 /* Walks a subtree and checks that skip/count links stay inside the node array. */
@@ -149,7 +207,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
     const char *rest = (const char *)data + 1;
     size_t n = size - 1;
-    switch (data[0] % 6) {
+    switch (data[0] % 7) {
     case 0: { /* a whole file: the same checks as pr__st_open_file, on memory */
         uint64_t hlen;
         pr_error err;
@@ -165,6 +223,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     case 3: fuzz_json(rest, n); break;
     case 4: fuzz_index(rest, n); break;
     case 5: if (n >= 4) fuzz_rounding((const uint8_t *)rest); break;
+    case 6: fuzz_config_sizes((const uint8_t *)rest, n); break;
     }
     return 0;
 }

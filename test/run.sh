@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs every test program of a build folder and ./train --check in both precisions (offload off
+# Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
 # and on, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints each program's output, then the
 # total as the last line: "N passed, N failed".
 dir=${1:-build}
@@ -9,6 +9,7 @@ for p in float double; do
 done
 run "$dir/test_attn_model-double"
 run "$dir/test_attn_check"
+run "$dir/test_cxx"
 run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"

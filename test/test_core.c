@@ -7,6 +7,7 @@
 #include "harness.h"
 
 #include <math.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
@@ -575,6 +576,127 @@ static void test_bad_input(void) {
           "heads not divisible by KV heads accepted (%s)", err.message);
     /* wrong buffer sizes */
     CHECK(pr_trainer_set_params(tr, p0, n - 1, &err) == PR_ERR_ARG, "short parameter buffer accepted");
+
+    /* bad calls, one a row: NULL trainers and buffers, counts that are not the model's. Each is
+       refused with its status and a message naming the problem; nothing moves. */
+    pr_real *buf = malloc(n * sizeof(pr_real));
+    double load[4];
+    pr_backend mb;
+    struct { const char *what; pr_status want; const char *needle; } calls[] = {
+        { "get_params NULL trainer", PR_ERR_ARG, "NULL trainer" }, { "get_params NULL buffer", PR_ERR_ARG, "NULL buffer" },
+        { "set_params NULL trainer", PR_ERR_ARG, "NULL trainer" }, { "set_params NULL buffer", PR_ERR_ARG, "NULL buffer" },
+        { "get_grads NULL trainer", PR_ERR_ARG, "NULL trainer" }, { "get_grads NULL buffer", PR_ERR_ARG, "NULL buffer" },
+        { "get_params n + 1", PR_ERR_ARG, "the model has" }, { "get_grads n = 0", PR_ERR_ARG, "the model has" },
+        { "set_full_params NULL", PR_ERR_ARG, "NULL" }, { "get_full NULL buffer", PR_ERR_ARG, "NULL" },
+        { "init_params NULL trainer", PR_ERR_ARG, "NULL trainer" }, { "compute_grads NULL trainer", PR_ERR_ARG, "NULL trainer" },
+        { "compute_grads NULL options", PR_ERR_ARG, "NULL" }, { "expert_load NULL trainer", PR_ERR_ARG, "NULL" },
+        { "expert_load dense model", PR_ERR_ARG, "no experts" }, { "create NULL out", PR_ERR_ARG, "NULL" },
+        { "create NULL config", PR_ERR_ARG, "NULL" }, { "create NULL backend", PR_ERR_ARG, "NULL" },
+        { "create_mesh NULL mesh", PR_ERR_ARG, "NULL mesh" }, { "config_validate NULL", PR_ERR_ARG, "NULL" },
+        { "compute_grads_dp NULL comm", PR_ERR_ARG, "NULL" }, { "mesh_init NULL", PR_ERR_ARG, "NULL" },
+        { "comm_local_run NULL fn", PR_ERR_ARG, "fn NULL" }, { "comm_local_run 0 ranks", PR_ERR_ARG, "0 ranks" },
+    };
+    for (size_t k = 0; k < sizeof calls / sizeof *calls; k++) {
+        pr_trainer *out = NULL;
+        pr_status st = PR_OK;
+        memset(&err, 0, sizeof err);
+        for (size_t i = 0; i < n; i++) buf[i] = (pr_real)i;
+        switch (k) {
+        case 0: st = pr_trainer_get_params(NULL, buf, n, &err); break;
+        case 1: st = pr_trainer_get_params(tr, NULL, n, &err); break;
+        case 2: st = pr_trainer_set_params(NULL, buf, n, &err); break;
+        case 3: st = pr_trainer_set_params(tr, NULL, n, &err); break;
+        case 4: st = pr_trainer_get_grads(NULL, buf, n, &err); break;
+        case 5: st = pr_trainer_get_grads(tr, NULL, n, &err); break;
+        case 6: st = pr_trainer_get_params(tr, buf, n + 1, &err); break;
+        case 7: st = pr_trainer_get_grads(tr, buf, 0, &err); break;
+        case 8: st = pr_trainer_set_full_params(tr, NULL, n, &err); break;
+        case 9: st = pr_trainer_get_full(tr, PR_ARENA_GRADS, NULL, n, &err); break;
+        case 10: st = pr_trainer_init_params(NULL, 1, &err); break;
+        case 11: st = pr_trainer_compute_grads(NULL, &t.g, &o, NULL, NULL, &err); break;
+        case 12: st = pr_trainer_compute_grads(tr, &t.g, NULL, NULL, NULL, &err); break;
+        case 13: st = pr_trainer_expert_load(NULL, 0, load, 4, &err); break;
+        case 14: st = pr_trainer_expert_load(tr, 0, load, 4, &err); break;
+        case 15: st = pr_trainer_create(NULL, &c, pr_backend_cpu(), &err); break;
+        case 16: st = pr_trainer_create(&out, NULL, pr_backend_cpu(), &err); break;
+        case 17: st = pr_trainer_create(&out, &c, NULL, &err); break;
+        case 18: st = pr_trainer_create_mesh(&out, &c, pr_backend_cpu(), NULL, &err); break;
+        case 19: st = pr_config_validate(NULL, &err); break;
+        case 20: st = pr_trainer_compute_grads_dp(tr, NULL, &t.g, 1, &o, NULL, &err); break;
+        case 21: st = pr_mesh_init(NULL, NULL, 1, 1, 1, 1, 1, &err); break;
+#ifndef PR_NO_THREADS
+        case 22: st = pr_comm_local_run(2, NULL, NULL, &err); break;
+        case 23: st = pr_comm_local_run(0, NULL, NULL, &err); break;
+#else
+        case 22: case 23: st = calls[k].want; snprintf(err.message, sizeof err.message, "%s", calls[k].needle); break;
+#endif
+        default: break;
+        }
+        CHECK(st == calls[k].want && strstr(err.message, calls[k].needle), "%s: status %d (%s), want %d and \"%s\"",
+              calls[k].what, st, err.message, calls[k].want, calls[k].needle);
+        CHECK(out == NULL, "%s: a trainer came back", calls[k].what);
+        pr_real *p1 = params_of(tr), *g1 = grads_of(tr);
+        CHECK(!memcmp(p0, p1, n * sizeof(pr_real)) && !memcmp(g0, g1, n * sizeof(pr_real)),
+              "%s: parameters or gradients changed by a refused call", calls[k].what);
+        free(p1); free(g1);
+    }
+    /* the same failures with a NULL error record, and the neutral answers of the accessors */
+    CHECK(pr_trainer_get_params(tr, NULL, n, NULL) == PR_ERR_ARG, "NULL buffer, NULL err");
+    CHECK(pr_trainer_config(NULL) == NULL, "pr_trainer_config(NULL) is NULL");
+    CHECK(pr_trainer_param_count(NULL) == 0 && pr_trainer_full_param_count(NULL) == 0 && pr_trainer_tensor_count(NULL) == 0,
+          "counts of a NULL trainer are 0");
+    CHECK(pr_trainer_tensor(NULL, 0) == NULL && pr_trainer_tensor(tr, -1) == NULL && pr_trainer_tensor(tr, 1 << 30) == NULL,
+          "tensor of a NULL trainer or out of range is NULL");
+    CHECK(pr_step_flops(NULL, &t.g, PR_SCHEDULE_REUSE) == 0 && pr_step_flops(&c, NULL, PR_SCHEDULE_REUSE) == 0, "flops of NULL are 0");
+    CHECK(pr_backend_measure(NULL, &mb) == NULL && pr_backend_measure(pr_backend_cpu(), NULL) == NULL, "measure backend of NULL");
+    double d_ll = 7;
+    CHECK(isfinite(pr_grpo_token_loss(-1.0, -1.1, NULL, 0.5, NULL, NULL)), "token loss with NULL options and slope");
+    pr_loss_opts lo = pr_step_opts_default().loss;
+    CHECK(pr_grpo_token_loss(-1.0, -1.1, NULL, 0.5, NULL, &d_ll) == pr_grpo_token_loss(-1.0, -1.1, NULL, 0.5, &lo, NULL),
+          "NULL options are the defaults");
+    int owners[2] = { 5, 5 };
+    pr_dp_place(&c, NULL, 2, 2, PR_SCHEDULE_REUSE, owners);
+    CHECK(owners[0] == 0 && owners[1] == 0, "dp_place without groups: rank 0");
+    pr_dp_place(&c, &t.g, 1, 2, PR_SCHEDULE_REUSE, NULL);   /* no owner array: nothing, no crash */
+    pr_trainer_destroy(NULL);
+    free(buf);
+
+    /* configs whose implied sizes are impossible: refused by pr_trainer_create before anything is
+       allocated or named, with the field, its value and the limit. The 10^8-layer config returns
+       at once (it used to format a name for every tensor first). */
+    struct { const char *what; pr_status want; const char *needle; } cfgs[] = {
+        { "num_hidden_layers 100000000", PR_ERR_CONFIG, "num_hidden_layers = 100000000 is larger than the limit 1024" },
+        { "vocab_size 50000000", PR_ERR_CONFIG, "vocab_size = 50000000 is larger than the limit 16777216" },
+        { "hidden_size 4000000", PR_ERR_CONFIG, "hidden_size = 4000000 is larger than the limit 1048576" },
+        { "intermediate_size INT_MAX", PR_ERR_CONFIG, "intermediate_size = 2147483647 is larger than the limit 1048576" },
+        { "heads 1024 x head_dim 4096", PR_ERR_CONFIG, "head_dim = 4096 is larger than the limit 2048" },
+        { "parameters over PR_MAX_PARAMS", PR_ERR_CONFIG, "more than the limit 1099511627776" },
+        { "max_position_embeddings INT_MAX", PR_ERR_CONFIG, "max_position_embeddings = 2147483647" },
+    };
+    for (size_t k = 0; k < sizeof cfgs / sizeof *cfgs; k++) {
+        pr_config b = c;
+        switch (k) {
+        case 0: b.num_hidden_layers = 100000000; break;
+        case 1: b.vocab_size = 50000000; break;
+        case 2: b.hidden_size = 4000000; break;
+        case 3: b.intermediate_size = 2147483647; break;
+        case 4: b.num_attention_heads = b.num_key_value_heads = 1024; b.head_dim = 4096; break;
+        case 5: b.vocab_size = 1 << 24; b.hidden_size = 1 << 20; b.num_attention_heads = 1024; b.num_key_value_heads = 1024; break;
+        case 6: b.max_position_embeddings = 2147483647; break;
+        default: break;
+        }
+        pr_trainer *out = (pr_trainer *)&b;
+        memset(&err, 0, sizeof err);
+        struct timespec t0, t1;
+        timespec_get(&t0, TIME_UTC);
+        pr_status st = pr_trainer_create(&out, &b, pr_backend_cpu(), &err);
+        timespec_get(&t1, TIME_UTC);
+        CHECK(st == cfgs[k].want && strstr(err.message, cfgs[k].needle) && out == (pr_trainer *)&b,
+              "config %s: status %d (%s), want %d and \"%s\"", cfgs[k].what, st, err.message, cfgs[k].want, cfgs[k].needle);
+        if (k == 0)
+            printf("note: a config of %d layers refused in %.3f ms: %s\n", b.num_hidden_layers,
+                   (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6, err.message);
+    }
     /* a checkpoint of another shape: refused, parameters untouched */
     char dir[] = "/tmp/prtest_shapeXXXXXX";
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");

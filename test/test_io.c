@@ -740,8 +740,26 @@ static void test_config(void) {
         {"{\"model_type\":\"llama\"," BASE ",\"num_attention_heads\":4,\"rope_theta\":-1}", PR_ERR_CONFIG, "rope_theta"},
         {"{\"model_type\":\"llama\"," BASE ",\"num_attention_heads\":4,\"rope_theta\":1e999}", PR_ERR_CONFIG, "rope_theta"},
         {"{\"model_type\":\"llama\"," BASE ",\"num_attention_heads\":4,\"max_position_embeddings\":0}", PR_ERR_CONFIG, "max_position_embeddings"},
-        {"{\"model_type\":\"llama\",\"vocab_size\":2000000000,\"hidden_size\":2000000000,\"intermediate_size\":128,\"num_hidden_layers\":2,\"num_attention_heads\":2}", PR_ERR_CONFIG, "too large"},
-        {"{\"model_type\":\"llama\",\"vocab_size\":100,\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2000000000,\"num_attention_heads\":2,\"head_dim\":2000000000}", PR_ERR_CONFIG, "too large"},
+        {"{\"model_type\":\"llama\",\"vocab_size\":2000000000,\"hidden_size\":2000000000,\"intermediate_size\":128,\"num_hidden_layers\":2,\"num_attention_heads\":2}", PR_ERR_CONFIG, "vocab_size = 2000000000 is larger than the limit 16777216"},
+        {"{\"model_type\":\"llama\",\"vocab_size\":100,\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":2000000000,\"num_attention_heads\":2,\"head_dim\":2000000000}", PR_ERR_CONFIG, "num_hidden_layers = 2000000000 is larger than the limit 1024"},
+        /* sizes the config implies, refused before anything is sized: each names the field, its value and the limit */
+#define SIZES(v, h, f, l, nh, more) "{\"model_type\":\"llama\",\"vocab_size\":" #v ",\"hidden_size\":" #h ",\"intermediate_size\":" #f \
+                                    ",\"num_hidden_layers\":" #l ",\"num_attention_heads\":" #nh more "}"
+        {SIZES(100, 64, 128, 100000000, 4, ""), PR_ERR_CONFIG, "num_hidden_layers = 100000000 is larger than the limit 1024"},
+        {SIZES(100, 64, 128, 1025, 4, ""), PR_ERR_CONFIG, "num_hidden_layers = 1025 is larger than the limit 1024"},
+        {SIZES(20000000, 64, 128, 2, 4, ""), PR_ERR_CONFIG, "vocab_size = 20000000 is larger than the limit 16777216"},
+        {SIZES(100, 2097152, 128, 2, 4, ""), PR_ERR_CONFIG, "hidden_size = 2097152 is larger than the limit 1048576"},
+        {SIZES(100, 64, 3000000, 2, 4, ""), PR_ERR_CONFIG, "intermediate_size = 3000000 is larger than the limit 1048576"},
+        {SIZES(100, 4096, 128, 2, 2048, ""), PR_ERR_CONFIG, "num_attention_heads = 2048 is larger than the limit 1024"},
+        {SIZES(100, 64, 128, 2, 4, ",\"num_key_value_heads\":4096"), PR_ERR_CONFIG, "num_key_value_heads = 4096 is larger than the limit 1024"},
+        {SIZES(100, 64, 128, 2, 4, ",\"head_dim\":4096"), PR_ERR_CONFIG, "head_dim = 4096 is larger than the limit 2048"},
+        {SIZES(100, 64, 128, 2, 4, ",\"max_position_embeddings\":100000000"), PR_ERR_CONFIG, "max_position_embeddings = 100000000 is larger than the limit 67108864"},
+        /* each field within its limit, the product not: 2^24 x 2^20 embedding rows alone */
+        {SIZES(16777216, 1048576, 128, 2, 1024, ""), PR_ERR_CONFIG, "parameters, more than the limit 1099511627776 (PR_MAX_PARAMS)"},
+        {SIZES(1000, 1048576, 1048576, 1024, 1024, ",\"head_dim\":2048"), PR_ERR_CONFIG, "more than the limit 1099511627776"},
+        {"{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4,\"num_experts\":100000,\"num_experts_per_tok\":2,\"moe_intermediate_size\":8}", PR_ERR_CONFIG, "num_experts (100000) <= 65536"},
+        {"{\"model_type\":\"qwen3_moe\"," BASE ",\"num_attention_heads\":4,\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":2000000}", PR_ERR_CONFIG, "moe_intermediate_size = 2000000 is larger than the limit 1048576"},
+#undef SIZES
         {"{\"model_type\":\"llama\"," BASE ",\"num_attention_heads\":4,}", PR_ERR_FORMAT, "bad JSON at byte"},
         {"[1,2]", PR_ERR_CONFIG, "JSON object"},
         {"", PR_ERR_FORMAT, "unexpected end"},
@@ -770,6 +788,8 @@ static void test_config(void) {
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "qk_norm must be 0", "llama with qk_norm");
     d = v; memcpy(d.model_type, "llamallamallamallamallamallamalla", 32);
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "terminated", "unterminated model_type");
+    d = v; d.num_experts = -4;   /* a dense model has exactly none (the fuzzer found -4 accepted) */
+    EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "num_experts -4 does not fit model_type llama", "negative experts");
     d = v; d.rms_norm_eps = NAN;
     EXPECT_FAIL(pr_config_validate(&d, &e_), PR_ERR_CONFIG, "rms_norm_eps", "NaN eps");
     d = v; d.rope_llama3 = 1; d.rope_factor = 8; d.rope_low_freq_factor = 1; d.rope_high_freq_factor = 4; d.rope_original_max_position = 0;
