@@ -397,53 +397,22 @@ static void usage(FILE *f) {
     fprintf(f, "\n");
 }
 
-/* The tensor-core attention (PR_CUDA_ATTENTION_MMA, not yet validated on a GPU: test_gpu_attention
-   first) on the selected attention cases, after the table above, which timed the default FFMA
-   kernels on the same shapes: forward and backward TF/s, counted as there. Run last, so that a
-   fault in the new kernels cannot cost the other figures. */
-static void bench_attention_mma(const int *sel) {
-    const int NH = 32, NKV = 8, HS = 128;
+/* One table of the selected attention cases with the kernels of `kind`: the default FFMA ones, or
+   the tensor-core ones (PR_CUDA_ATTENTION_MMA, not yet validated on a GPU: test_gpu_attention
+   first), timed second, so that a fault in the new kernels cannot cost the other figures. */
+static void bench_attention_table(const int *sel, int kind, const char *title) {
     pr_error err;
-    if (pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_MMA, &err)) {
-        printf("\ntensor-core attention: %s\n", err.message);
+    if (pr_backend_cuda_set_attention(be, kind, &err)) {
+        printf("\n%s: %s\n", title, err.message);
         return;
     }
-    printf("\n%-48s %8s %8s\n", "tensor-core attention (MMA), same cases", "fwd TF/s", "bwd TF/s");
-    for (int c = 0; c < N_ATT_CASES; c++) {
-        if (!sel[c]) continue;
-        const int n_prefix = att_cases[c].n_prefix, n_seg = att_cases[c].n_seg, len = att_cases[c].len, N = n_seg * len;
-        int *seg = malloc(sizeof(int) * (n_seg + 1));
-        for (int s = 0; s <= n_seg; s++) seg[s] = s * len;
-        att_args a;
-        memset(&a, 0, sizeof a);
-        a.lay.n_seg = n_seg; a.lay.seg_off = seg; a.lay.pos0 = n_prefix; a.lay.n_prefix = n_prefix;
-        a.NH = NH; a.NKV = NKV; a.HS = HS;
-        size_t nq = (size_t)N * NH * HS, nk = (size_t)N * NKV * HS, np = (size_t)(n_prefix ? n_prefix : 1) * NKV * HS;
-        void **bufs[] = { &a.q, &a.o, &a.dout, &a.dq };
-        for (int b = 0; b < 4; b++) { *bufs[b] = dalloc(2 * nq); fill_random_bf16(*bufs[b], nq, 10 + b); }
-        void **kbufs[] = { &a.k, &a.v, &a.dk, &a.dv };
-        for (int b = 0; b < 4; b++) { *kbufs[b] = dalloc(2 * nk); fill_random_bf16(*kbufs[b], nk, 20 + b); }
-        if (n_prefix) {
-            a.kp = dalloc(2 * np); fill_random_bf16(a.kp, np, 30);
-            a.vp = dalloc(2 * np); fill_random_bf16(a.vp, np, 31);
-            a.dkp = dalloc(4 * np); cudaMemset(a.dkp, 0, 4 * np);    /* fp32 accumulators */
-            a.dvp = dalloc(4 * np); cudaMemset(a.dvp, 0, 4 * np);
+    printf("%-48s %8s %8s\n", title, "fwd TF/s", "bwd TF/s");
+    for (int c = 0; c < N_ATT_CASES; c++)
+        if (sel[c]) {
+            char label[80];
+            snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
+            bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len);
         }
-        a.lse = dalloc(sizeof(float) * (size_t)N * NH);
-        const double pairs = (double)n_seg * ((double)len * n_prefix + (double)len * (len + 1) / 2);
-        const double ffwd = 4 * pairs * HS * NH, fbwd = 2.5 * ffwd;
-        a.bwd = 0;
-        const double tf = median_time(att_call, &a);          /* the forward's out and lse feed the backward */
-        a.bwd = 1;
-        const double tb = median_time(att_call, &a);
-        if (be->take_error(be, &err)) printf("tensor-core attention: %s\n", err.message);
-        char label[80];
-        snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
-        printf("%-48s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
-        void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
-        for (size_t b = 0; b < sizeof all / sizeof *all; b++) if (all[b]) be->release(be, all[b], PR_TIER_DEVICE);
-        free(seg);
-    }
     pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
 }
 
@@ -481,14 +450,9 @@ int main(int argc, char **argv) {
            prop.multiProcessorCount, reps, max_seconds);
     if (gemm) bench_gemm(N);
     if (attention) {
-        printf("%-48s %8s %8s\n", "attention, bf16, HS 128, 32 query / 8 KV heads", "fwd TF/s", "bwd TF/s");
-        for (int c = 0; c < N_ATT_CASES; c++)
-            if (att_sel[c]) {
-                char label[80];
-                snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
-                bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len);
-            }
-        bench_attention_mma(att_sel);
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_FFMA, "attention, bf16, HS 128, 32 query / 8 KV heads");
+        printf("\n");
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA, "tensor-core attention (MMA), same cases");
     }
     if (be->take_error(be, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     pr_backend_cuda_destroy(be);
