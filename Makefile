@@ -215,7 +215,7 @@ build/train_cuda.o: train.c $(HEADER) | build
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ $^ $(CUDA_LIBS)
 
-build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref.o test/gpu_ref.c
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
@@ -249,7 +249,7 @@ check-sass: build/prefixreuse_cuda.o
 
 # The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
 .PHONY: test-gpu-attention
-build/test_gpu_attention: test/test_gpu_attention.c test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu_attention: test/test_gpu_attention.c test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu_attention.o test/test_gpu_attention.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref_attention.o test/gpu_ref.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/attn_model_attention.o test/attn_model.c

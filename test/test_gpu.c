@@ -12,6 +12,7 @@
    shapes (the attention part alone, unless parts are named); --list prints the shapes. */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
+#include "gpu_copy.h"
 #include "gpu_ref.h"
 #include "attn_check.h"
 #include "harness.h"
@@ -49,47 +50,12 @@ static double *copy_of(const double *x, size_t n) {
     return y;
 }
 
-/* Device buffers from host doubles (bf16 or fp32 on the device) and back. */
-static void *dev_copy(const double *x, size_t n, int bf16) {
-    size_t elem = bf16 ? 2 : 4;
-    char *h = malloc(elem * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) {
-        if (bf16) { uint16_t b = to_bf16(x[i]); memcpy(h + 2 * i, &b, 2); }
-        else { float f = (float)x[i]; memcpy(h + 4 * i, &f, 4); }
-    }
-    void *d = be->alloc(be, elem * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, elem * n);
-    be->sync(be);
-    free(h);
-    return d;
-}
-static void *dev_bf16(const double *x, size_t n) { return dev_copy(x, n, 1); }
-static void *dev_f32(const double *x, size_t n) { return dev_copy(x, n, 0); }
-/* An output buffer filled with NaN: every element the kernel forgets stays NaN and fails. */
-static void *dev_poison(size_t n, size_t elem) {
-    void *h = malloc(elem * (n ? n : 1));
-    memset(h, 0xFF, elem * n);
-    void *d = be->alloc(be, elem * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, elem * n);
-    be->sync(be);
-    free(h);
-    return d;
-}
-static double *host_copy(const void *d, size_t n, int bf16) {
-    size_t elem = bf16 ? 2 : 4;
-    char *h = malloc(elem * (n ? n : 1));
-    be->copy(be, h, d, elem * n);
-    be->sync(be);
-    double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) {
-        if (bf16) { uint16_t b; memcpy(&b, h + 2 * i, 2); x[i] = from_bf16(b); }
-        else { float f; memcpy(&f, h + 4 * i, 4); x[i] = f; }
-    }
-    free(h);
-    return x;
-}
-static double *host_bf16(const void *d, size_t n) { return host_copy(d, n, 1); }
-static double *host_f32(const void *d, size_t n) { return host_copy(d, n, 0); }
+/* Device buffers from host doubles (bf16 or fp32 on the device) and back (gpu_copy.h). */
+static void *dev_bf16(const double *x, size_t n) { return gpu_upload(be, x, n, 1); }
+static void *dev_f32(const double *x, size_t n) { return gpu_upload(be, x, n, 0); }
+static void *dev_poison(size_t n, size_t elem) { return gpu_poison(be, n, elem); }
+static double *host_bf16(const void *d, size_t n) { return gpu_download(be, d, n, 1); }
+static double *host_f32(const void *d, size_t n) { return gpu_download(be, d, n, 0); }
 static void release(void *d) { be->release(be, d, PR_TIER_DEVICE); }
 
 #define EXPECT_CLOSE(gpu, ref, n, tol, what, ...)                                           \

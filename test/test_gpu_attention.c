@@ -24,6 +24,7 @@
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "attn_model.h"
+#include "gpu_copy.h"
 #include "gpu_ref.h"
 #include "harness.h"
 
@@ -57,41 +58,6 @@ static double *draw(size_t n, double sd, int normal, int bf16) {
 }
 
 /* device buffers from host doubles, bf16 or fp32, and back */
-static void *dev(const double *x, size_t n, int bf16) {
-    size_t elem = bf16 ? 2 : 4;
-    char *h = malloc(elem * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) {
-        if (bf16) { uint16_t b = pr_f32_to_bf16((float)x[i]); memcpy(h + 2 * i, &b, 2); }
-        else { float f = (float)x[i]; memcpy(h + 4 * i, &f, 4); }
-    }
-    void *d = be->alloc(be, elem * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, elem * n);
-    be->sync(be);
-    free(h);
-    return d;
-}
-static void *dev_nan(size_t n, size_t elem) {
-    void *h = malloc(elem * (n ? n : 1));
-    memset(h, 0xFF, elem * n);
-    void *d = be->alloc(be, elem * (n ? n : 1), PR_TIER_DEVICE);
-    be->copy(be, d, h, elem * n);
-    be->sync(be);
-    free(h);
-    return d;
-}
-static double *host(const void *d, size_t n, int bf16) {
-    size_t elem = bf16 ? 2 : 4;
-    char *h = malloc(elem * (n ? n : 1));
-    be->copy(be, h, d, elem * n);
-    be->sync(be);
-    double *x = alloc_d(n);
-    for (size_t i = 0; i < n; i++) {
-        if (bf16) { uint16_t b; memcpy(&b, h + 2 * i, 2); x[i] = pr_bf16_to_f32(b); }
-        else { float f; memcpy(&f, h + 4 * i, 4); x[i] = f; }
-    }
-    free(h);
-    return x;
-}
 static int same_bits(const void *a, const void *b, size_t bytes) {
     char *x = malloc(bytes ? bytes : 1), *y = malloc(bytes ? bytes : 1);
     be->copy(be, x, a, bytes);
@@ -171,10 +137,10 @@ static run_out run(int kind, const shape *s, const int *seg_off, void *const *in
     pr_seq_layout lay = { s->n_seg, seg_off, np, np };
     run_out r;
     select_kernels(kind);
-    r.o = dev_nan(n[T_OUT], 2);
-    r.l = dev_nan((size_t)N * s->NH, 4);
+    r.o = gpu_poison(be, n[T_OUT], 2);
+    r.l = gpu_poison(be, (size_t)N * s->NH, 4);
     be->attention_fwd(be, r.o, r.l, in[0], in[1], in[2], np ? in[3] : NULL, np ? in[4] : NULL, &lay, s->NH, s->NKV, s->HS);
-    for (int t = 0; t < 5; t++) r.g[t] = dev(init[t], n[T_DQ + t], t < 3);
+    for (int t = 0; t < 5; t++) r.g[t] = gpu_upload(be, init[t], n[T_DQ + t], t < 3);
     be->attention_bwd(be, r.g[0], r.g[1], r.g[2], np ? (float *)r.g[3] : NULL, np ? (float *)r.g[4] : NULL, in[5], in[6], in[7],
                       in[0], in[1], in[2], np ? in[3] : NULL, np ? in[4] : NULL, &lay, s->NH, s->NKV, s->HS);
     expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : "FFMA attention");
@@ -215,16 +181,21 @@ static void test_shape(const shape *s) {
         const double scale = 0.5 * max_abs(ref[t], n[T_DQ + t]);
         init[t] = draw(n[T_DQ + t], scale > 0 ? scale : 1, 0, t < 3);
     }
-    void *in[8] = { dev(q, nq, 1), dev(k, nk, 1), dev(v, nk, 1), dev(kp, npk, 1), dev(vp, npk, 1), dev(dout, nq, 1),
-                    dev(bo, nq, 1), dev(bl, nl, 0) };
+    void *in[8] = { gpu_upload(be, q, nq, 1), gpu_upload(be, k, nk, 1), gpu_upload(be, v, nk, 1),
+                    gpu_upload(be, kp, npk, 1), gpu_upload(be, vp, npk, 1), gpu_upload(be, dout, nq, 1),
+                    gpu_upload(be, bo, nq, 1), gpu_upload(be, bl, nl, 0) };
 
     run_out m1 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out f = run(PR_CUDA_ATTENTION_FFMA, s, seg_off, in, init, n);
 
-    double *mo = host(m1.o, nq, 1), *ml = host(m1.l, nl, 0), *fo = host(f.o, nq, 1), *fl = host(f.l, nl, 0);
+    double *mo = gpu_download(be, m1.o, nq, 1), *ml = gpu_download(be, m1.l, nl, 0);
+    double *fo = gpu_download(be, f.o, nq, 1), *fl = gpu_download(be, f.l, nl, 0);
     double *mg[5], *fg[5];
-    for (int t = 0; t < 5; t++) mg[t] = host(m1.g[t], n[T_DQ + t], t < 3), fg[t] = host(f.g[t], n[T_DQ + t], t < 3);
+    for (int t = 0; t < 5; t++) {
+        mg[t] = gpu_download(be, m1.g[t], n[T_DQ + t], t < 3);
+        fg[t] = gpu_download(be, f.g[t], n[T_DQ + t], t < 3);
+    }
     double r_ref[NT], r_ffma[NT];
     r_ref[T_OUT] = worst_ratio(mo, NULL, ro, nq, 0);
     r_ffma[T_OUT] = worst_ratio(fo, NULL, ro, nq, 0);
@@ -309,14 +280,14 @@ static void test_fallback(void) {
     const int N = 49, qd = s.NH * s.HS, kvd = s.NKV * s.HS;
     double *q = draw((size_t)N * qd, 1, 1, 1), *k = draw((size_t)N * kvd, 1, 1, 1), *v = draw((size_t)N * kvd, 1, 0, 1);
     double *kp = draw((size_t)5 * kvd, 1, 1, 1), *vp = draw((size_t)5 * kvd, 1, 0, 1);
-    void *q_ = dev(q, (size_t)N * qd, 1), *k_ = dev(k, (size_t)N * kvd, 1), *v_ = dev(v, (size_t)N * kvd, 1);
-    void *kp_ = dev(kp, (size_t)5 * kvd, 1), *vp_ = dev(vp, (size_t)5 * kvd, 1);
+    void *q_ = gpu_upload(be, q, (size_t)N * qd, 1), *k_ = gpu_upload(be, k, (size_t)N * kvd, 1), *v_ = gpu_upload(be, v, (size_t)N * kvd, 1);
+    void *kp_ = gpu_upload(be, kp, (size_t)5 * kvd, 1), *vp_ = gpu_upload(be, vp, (size_t)5 * kvd, 1);
     void *o[2], *l[2];
     pr_seq_layout lay = { 2, seg_off, 5, 5 };
     for (int kind = 0; kind < 2; kind++) {
         select_kernels(kind ? PR_CUDA_ATTENTION_MMA : PR_CUDA_ATTENTION_FFMA);
-        o[kind] = dev_nan((size_t)N * qd, 2);
-        l[kind] = dev_nan((size_t)N * s.NH, 4);
+        o[kind] = gpu_poison(be, (size_t)N * qd, 2);
+        l[kind] = gpu_poison(be, (size_t)N * s.NH, 4);
         be->attention_fwd(be, o[kind], l[kind], q_, k_, v_, kp_, vp_, &lay, s.NH, s.NKV, s.HS);
     }
     expect_ok("fallback");
