@@ -83,17 +83,20 @@ static double max_abs(const double *x, size_t n) {
     for (size_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
     return m;
 }
-/* worst |(after - before) - ref| / (atol + rtol |before + ref|) over a tensor; NaN counts as infinite */
-static double worst_ratio(const double *after, const double *before, const double *ref, size_t n, int fp32) {
-    const double atol = 2 * U_BF16 * max_abs(ref, n), rtol = fp32 ? 4 * U_FP32 : U_BF16;
+/* worst |(after - before) - want| / (atol + rtol |before + want|) over a tensor; NaN counts as infinite */
+static double incr_ratio(const double *after, const double *before, const double *want, size_t n, double atol, double rtol) {
     double worst = 0;
     for (size_t i = 0; i < n; i++) {
         double s0 = before ? before[i] : 0, inc = after[i] - s0;
         if (inc != inc) return INFINITY;
-        double tol = atol + rtol * fabs(s0 + ref[i]), r = fabs(inc - ref[i]) / (tol > 0 ? tol : 1e-300);
+        double tol = atol + rtol * fabs(s0 + want[i]), r = fabs(inc - want[i]) / (tol > 0 ? tol : 1e-300);
         if (r > worst) worst = r;
     }
     return worst;
+}
+/* against the double reference: atol 2u max|ref|, rtol u (bf16) or 4 fp32 units */
+static double worst_ratio(const double *after, const double *before, const double *ref, size_t n, int fp32) {
+    return incr_ratio(after, before, ref, n, 2 * U_BF16 * max_abs(ref, n), fp32 ? 4 * U_FP32 : U_BF16);
 }
 static double worst_lse(const double *gpu, const double *ref, size_t n) {
     double worst = 0;
@@ -105,17 +108,9 @@ static double worst_lse(const double *gpu, const double *ref, size_t n) {
     return worst;
 }
 
-/* worst |(after - before) - model| / (u/2 max|ref| + rtol |before + model|), rtol 2u or 4 fp32 units */
+/* against the tile model: atol u/2 max|ref|, rtol 2u (a final rounding that flips) or 4 fp32 units */
 static double model_ratio(const double *after, const double *before, const double *model, const double *ref, size_t n, int fp32) {
-    const double atol = 0.5 * U_BF16 * max_abs(ref, n), rtol = fp32 ? 4 * U_FP32 : 2 * U_BF16;
-    double worst = 0;
-    for (size_t i = 0; i < n; i++) {
-        double s0 = before ? before[i] : 0, inc = after[i] - s0;
-        if (inc != inc) return INFINITY;
-        double tol = atol + rtol * fabs(s0 + model[i]), r = fabs(inc - model[i]) / (tol > 0 ? tol : 1e-300);
-        if (r > worst) worst = r;
-    }
-    return worst;
+    return incr_ratio(after, before, model, n, 0.5 * U_BF16 * max_abs(ref, n), fp32 ? 4 * U_FP32 : 2 * U_BF16);
 }
 static float *to_float(const double *x, size_t n) {
     float *y = malloc(sizeof(float) * (n ? n : 1));

@@ -345,18 +345,24 @@ static double max_abs(const std::vector<double> &x, size_t n) {
     for (size_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
     return m;
 }
-/* test_gpu_attention.c's tolerance: worst |inc - ref| / (2 u max|ref| + rtol |before + ref|) */
-static double worst_ratio(const std::vector<double> &after, const std::vector<double> *before, const std::vector<double> &ref,
-                          size_t n, bool fp32) {
-    const double u = 1.0 / 256, atol = 2 * u * max_abs(ref, n), rtol = fp32 ? 4.0 / 4194304 : u;
+/* worst |(got - before) - want| / (atol + rtol |before + want|) over a tensor; NaN counts as infinite */
+static double incr_ratio(const std::vector<double> &got, const std::vector<double> *before, const std::vector<double> &want,
+                         size_t n, double atol, double rtol) {
     double worst = 0;
     for (size_t i = 0; i < n; i++) {
-        double s0 = before ? (*before)[i] : 0, inc = after[i] - s0;
+        double s0 = before ? (*before)[i] : 0, inc = got[i] - s0;
         if (inc != inc) return INFINITY;
-        double tol = atol + rtol * fabs(s0 + ref[i]), r = fabs(inc - ref[i]) / (tol > 0 ? tol : 1e-300);
+        double tol = atol + rtol * fabs(s0 + want[i]), r = fabs(inc - want[i]) / (tol > 0 ? tol : 1e-300);
         if (r > worst) worst = r;
     }
     return worst;
+}
+
+/* test_gpu_attention.c's tolerance: worst |inc - ref| / (2 u max|ref| + rtol |before + ref|) */
+static double worst_ratio(const std::vector<double> &after, const std::vector<double> *before, const std::vector<double> &ref,
+                          size_t n, bool fp32) {
+    const double u = 1.0 / 256;
+    return incr_ratio(after, before, ref, n, 2 * u * max_abs(ref, n), fp32 ? 4.0 / 4194304 : u);
 }
 
 /* The kernels beside the model, which runs the same blocked algorithm with the same roundings
@@ -368,15 +374,8 @@ static double worst_ratio(const std::vector<double> &after, const std::vector<do
 #define MODEL_TOL 0.25
 static double model_worst(const std::vector<double> &got, const std::vector<double> *before, const std::vector<double> &model,
                           const std::vector<double> *ref, size_t n, bool fp32) {
-    const double u = 1.0 / 256, atol = MODEL_TOL * u * max_abs(ref ? *ref : model, n), rtol = fp32 ? 4.0 / 4194304 : 2 * u;
-    double worst = 0;
-    for (size_t i = 0; i < n; i++) {
-        double s0 = before ? (*before)[i] : 0, inc = got[i] - s0;
-        if (inc != inc) return INFINITY;
-        double tol = atol + rtol * fabs(s0 + model[i]), r = fabs(inc - model[i]) / (tol > 0 ? tol : 1e-300);
-        if (r > worst) worst = r;
-    }
-    return worst;
+    const double u = 1.0 / 256;
+    return incr_ratio(got, before, model, n, MODEL_TOL * u * max_abs(ref ? *ref : model, n), fp32 ? 4.0 / 4194304 : 2 * u);
 }
 
 struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
