@@ -68,7 +68,7 @@
      7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
         parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
         ranks, data parallelism (ZeRO: AdamW state sharded over dp, pr_mesh.zero), in-process
-        ranks (NCCL is in prefixreuse_cuda.cu)
+        ranks (NCCL is in prefixreuse_cuda.cu); the gradient sum over dp in bf16 on request
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
         GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
@@ -424,6 +424,10 @@ struct pr_backend {
     void (*acts_to_reals)(const pr_backend *be, pr_real *dst, const void *src, size_t n);
     void (*reals_to_acts)(const pr_backend *be, void *dst, const pr_real *src, size_t n);
     void (*add_reals)(const pr_backend *be, pr_real *y, const pr_real *x, size_t n);
+    /* n reals to bf16 (round to nearest even) and back: a gradient sum over dp in bf16
+       (pr_mesh.bf16_grad_reduce) sends and receives these. */
+    void (*reals_to_bf16)(const pr_backend *be, uint16_t *dst, const pr_real *src, size_t n);
+    void (*bf16_to_reals)(const pr_backend *be, pr_real *dst, const uint16_t *src, size_t n);
     /* dst row m = w[m] * src row rows[m];  dst row rows[m] += w[m] * src row m. rows and w: host;
        w NULL: all 1; the rows of one scatter are distinct. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
@@ -756,6 +760,12 @@ typedef struct {
        still whole, for the step's accumulation: stage 2 saves traffic here, not memory. Results
        are bitwise those of stage 0 (the norm is summed over the same pieces in the same order). */
     int zero;
+    /* The step's gradient sum over dp in bf16 (set like zero; 0: in reals, the default). Each rank's
+       gradients are rounded to bf16, summed in bf16 and widened back: half the bytes on the wire,
+       at bf16's precision, 2^-8 relative per rounding (Megatron's grad_reduce_in_fp32=False,
+       FSDP's reduce_dtype=bfloat16). Only the sum over dp changes; TP, CP and the pipeline's
+       sums stay in reals. The wire buffer, at most 2^22 elements, is taken at trainer creation. */
+    int bf16_grad_reduce;
 } pr_mesh;
 /* Collective over world. On failure nothing is left allocated. */
 PRDEF pr_status pr_mesh_init(pr_mesh *mesh, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err);
@@ -1379,6 +1389,16 @@ static void pr__cpu_reals_to_acts(const pr_backend *be, void *dst, const pr_real
     (void)be;
     memcpy(dst, src, n * sizeof(pr_real));
 }
+static uint32_t pr__real_to_f32bits_odd(pr_real x);
+static uint16_t pr__f32bits_to_bf16(uint32_t u);
+static void pr__cpu_reals_to_bf16(const pr_backend *be, uint16_t *dst, const pr_real *src, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) dst[i] = pr__f32bits_to_bf16(pr__real_to_f32bits_odd(src[i]));
+}
+static void pr__cpu_bf16_to_reals(const pr_backend *be, pr_real *dst, const uint16_t *src, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) dst[i] = (pr_real)pr_bf16_to_f32(src[i]);
+}
 static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be;
     for (int m = 0; m < M; m++) {
@@ -1487,7 +1507,8 @@ static const pr_backend pr__cpu_backend = {
     .swiglu_fwd = pr__cpu_swiglu_fwd, .swiglu_bwd = pr__cpu_swiglu_bwd,
     .embed_fwd = pr__cpu_embed_fwd, .embed_bwd = pr__cpu_embed_bwd,
     .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
-    .add_reals = pr__cpu_add_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
+    .add_reals = pr__cpu_add_reals, .reals_to_bf16 = pr__cpu_reals_to_bf16,
+    .bf16_to_reals = pr__cpu_bf16_to_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
     .loss_head = pr__cpu_loss_head,
     .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
     .row_dots = pr__cpu_row_dots,
@@ -1554,6 +1575,12 @@ static void pr__measure_add_reals(const pr_backend *be, pr_real *y, const pr_rea
 static void pr__measure_acts_to_reals(const pr_backend *be, pr_real *dst, const void *src, size_t n) {
     (void)be; (void)dst; (void)src; (void)n;
 }
+static void pr__measure_to_bf16(const pr_backend *be, uint16_t *dst, const pr_real *src, size_t n) {
+    (void)be; (void)dst; (void)src; (void)n;
+}
+static void pr__measure_from_bf16(const pr_backend *be, pr_real *dst, const uint16_t *src, size_t n) {
+    (void)be; (void)dst; (void)src; (void)n;
+}
 static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
 }
@@ -1597,6 +1624,7 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
     be->embed_fwd = pr__measure_embed_fwd; be->embed_bwd = pr__measure_embed_bwd;
     be->add = pr__measure_add; be->add_reals = pr__measure_add_reals;
     be->acts_to_reals = pr__measure_acts_to_reals; be->reals_to_acts = pr__measure_upload_acts;
+    be->reals_to_bf16 = pr__measure_to_bf16; be->bf16_to_reals = pr__measure_from_bf16;
     be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
     be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
     be->adamw = pr__measure_adamw;
@@ -1667,6 +1695,8 @@ struct pr_trainer {
     int n_mb_arena;                        /* pp + 1: as many as 1F1B keeps in flight */
     pr__chunk *spare;                      /* chunks no arena holds now: reused before new memory is taken */
     size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
+    uint16_t *grad_wire;                   /* pr_mesh.bf16_grad_reduce: the gradients' bf16 chunks on the wire */
+    size_t grad_wire_n;
     pr_real *stage;                        /* backend memory host values pass through to a collective */
     size_t stage_cap;
     void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
@@ -2035,6 +2065,21 @@ static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
     tr->slice_n = n - tr->slice_lo < tr->slice_cap ? n - tr->slice_lo : tr->slice_cap;
 }
 
+/* The gradient sum over dp in bf16 moves chunks of at most 2^22 elements (8 MiB): a chunk of the
+   arena for an all-reduce; under ZeRO-2 a chunk of every rank's slice, packed rank after rank, and
+   the block the reduce-scatter returns. The chunk, and the wire buffer's elements: */
+#ifndef PR__GRAD_WIRE_MAX                  /* the tests make it small, to cross chunk boundaries */
+#define PR__GRAD_WIRE_MAX ((size_t)1 << 22)
+#endif
+static size_t pr__grad_wire_chunk(const pr_trainer *tr, int dp) {
+    const size_t most = tr->zero == 2 ? PR__GRAD_WIRE_MAX / (size_t)(dp + 1) : PR__GRAD_WIRE_MAX;
+    const size_t whole = tr->zero == 2 ? tr->slice_cap : tr->n_params;
+    return whole < most ? (whole ? whole : 1) : most;
+}
+static size_t pr__grad_wire_size(const pr_trainer *tr, int dp) {
+    return pr__grad_wire_chunk(tr, dp) * (tr->zero == 2 ? (size_t)(dp + 1) : 1);
+}
+
 static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
@@ -2076,6 +2121,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_ARG, "mesh zero stage %d: 0, 1 or 2", mesh->zero);
     }
+    if (mesh && mesh->bf16_grad_reduce != 0 && mesh->bf16_grad_reduce != 1) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_ARG, "mesh bf16_grad_reduce %d: 0 or 1", mesh->bf16_grad_reduce);
+    }
     pr__plan_slices(tr, mesh && mesh->dp > 1 ? mesh->zero : 0, mesh ? mesh->dp : 1, mesh ? mesh->dp_rank : 0);
     size_t reals = 2 * tr->n_pad + 2 * tr->slice_cap;
     if (reals < 2 * tr->n_pad || !pr__mul_size(reals, sizeof(pr_real), &arena_bytes)) {
@@ -2093,6 +2142,14 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %.2f GiB (%zu bytes) for %zu parameters, their "
                         "gradients and AdamW state", (double)arena_bytes / (1 << 30), arena_bytes, n_params);
+    }
+    if (mesh && mesh->bf16_grad_reduce && mesh->dp > 1) {
+        tr->grad_wire_n = pr__grad_wire_size(tr, mesh->dp);
+        tr->grad_wire = (uint16_t *)be->alloc(be, sizeof(uint16_t) * tr->grad_wire_n, PR_TIER_DEVICE);
+        if (!tr->grad_wire) {
+            pr_trainer_destroy(tr);
+            return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory for the bf16 gradient buffer");
+        }
     }
     if (cfg->num_experts) {
         tr->expert_load = (double *)PR_MALLOC(sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
@@ -2138,6 +2195,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
+    if (tr->grad_wire) tr->be->release(tr->be, tr->grad_wire, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
     PR_FREE(tr->expert_load);
@@ -4505,6 +4563,38 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
     PR_FREE(done);
 }
 
+/* The step's gradient sum over dp: the whole sum on every rank (all-reduce), or under ZeRO-2 the
+   sum of the rank's own slice (reduce-scatter). In reals, or with pr_mesh.bf16_grad_reduce in bf16
+   chunks through the wire buffer. Every rank makes every call, even after a failure. */
+static pr_status pr__dp_sum_grads(pr_trainer *tr, pr_comm *dp, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const int R = dp->size;
+    pr_real *own = tr->zero == 2 ? tr->grads + (size_t)tr->mesh->dp_rank * tr->slice_cap : NULL;
+    if (tr->zero == 2) tr->grads_scattered = 1;
+    if (!tr->grad_wire) {
+        if (own) return dp->reduce_scatter(dp, own, tr->grads, tr->slice_cap, PR_COMM_REAL, err);
+        return R > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
+    }
+    const size_t c = pr__grad_wire_chunk(tr, R), whole = own ? tr->slice_cap : tr->n_params;
+    uint16_t *got = own ? tr->grad_wire + (size_t)R * c : tr->grad_wire;
+    pr_status st = PR_OK;
+    for (size_t at = 0; at < whole; at += c) {
+        const size_t k = whole - at < c ? whole - at : c;
+        pr_status s;
+        if (own) {                /* block r: this chunk of rank r's slice; the reduce-scatter returns our own */
+            for (int r = 0; r < R; r++)
+                be->reals_to_bf16(be, tr->grad_wire + (size_t)r * k, tr->grads + (size_t)r * tr->slice_cap + at, k);
+            s = dp->reduce_scatter(dp, got, tr->grad_wire, k, PR_COMM_BF16, st ? NULL : err);
+        } else {
+            be->reals_to_bf16(be, tr->grad_wire, tr->grads + at, k);
+            s = dp->all_reduce(dp, tr->grad_wire, k, PR_COMM_BF16, st ? NULL : err);
+        }
+        if (!st) st = s;
+        be->bf16_to_reals(be, (own ? own : tr->grads) + at, got, k);
+    }
+    return st;
+}
+
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
@@ -4548,13 +4638,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     /* every rank reaches the collectives, even after a local failure, so that none is left
        waiting; a failed rank's sum is discarded by its own status */
     pr__mesh_sync_grads(tr);
-    pr_status cs = PR_OK;
-    if (tr->zero == 2) {         /* ZeRO-2: each rank gets the sum of its own slice only */
-        cs = dp->reduce_scatter(dp, tr->grads + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->grads, tr->slice_cap, PR_COMM_REAL, err);
-        tr->grads_scattered = 1;
-    } else if (dp->size > 1) {
-        cs = dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err);
-    }
+    pr_status cs = pr__dp_sum_grads(tr, dp, err);
     if (st) return st;
     if (cs) return cs;
     if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);

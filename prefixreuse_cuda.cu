@@ -1671,6 +1671,9 @@ static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *sr
     pr_k_to_bf16<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dst, src, n);
     pr_cu_launched(cx, "reals_to_acts");
 }
+/* The gradient sum over dp in bf16: the same conversions, on the wire buffer. */
+static void pr_cu_reals_to_bf16(const pr_backend *be, uint16_t *dst, const float *src, size_t n) { pr_cu_reals_to_acts(be, dst, src, n); }
+static void pr_cu_bf16_to_reals(const pr_backend *be, float *dst, const uint16_t *src, size_t n) { pr_cu_acts_to_reals(be, dst, src, n); }
 static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
@@ -2028,6 +2031,8 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->add_reals = pr_cu_add_reals;
     be->acts_to_reals = pr_cu_acts_to_reals;
     be->reals_to_acts = pr_cu_reals_to_acts;
+    be->reals_to_bf16 = pr_cu_reals_to_bf16;
+    be->bf16_to_reals = pr_cu_bf16_to_reals;
     be->gather_rows = pr_cu_gather_rows;
     be->scatter_add_rows = pr_cu_scatter_add_rows;
     be->row_dots = pr_cu_row_dots;

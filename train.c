@@ -35,6 +35,7 @@ typedef struct {
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
     int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
+    int grad_reduce_bf16;            /* the gradient sum over dp in bf16 (pr_mesh.bf16_grad_reduce) */
     int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
     const char *nccl_id;
     int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA or _MMA */
@@ -84,6 +85,8 @@ static void usage(FILE *f) {
         "  --zero 0|1|2           shard the AdamW state over dp (README \"Training state\"): 1 keeps m and v of\n"
         "                         a 1/dp slice per rank and all-gathers the updated weights, 2 also reduce-scatters\n"
         "                         the gradients; bitwise the same results as 0 (default 0)\n"
+        "  --grad-reduce fp32|bf16  the gradient sum over dp in the build's reals (fp32; default) or in bf16,\n"
+        "                         half the bytes (README \"Training state\"); --check reports its difference to fp32\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
@@ -218,6 +221,11 @@ static int parse_args(int argc, char **argv, options *o) {
             else ok = 0;
         }
         else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
+        else if (!strcmp(a, "--grad-reduce")) {
+            if (!strcmp(v, "fp32")) o->grad_reduce_bf16 = 0;
+            else if (!strcmp(v, "bf16")) o->grad_reduce_bf16 = 1;
+            else ok = 0;
+        }
         else if (!strcmp(a, "--aux-scope")) {
             if (!strcmp(v, "microbatch")) o->step.moe.scope = PR_AUX_SCOPE_MICROBATCH;
             else if (!strcmp(v, "group")) o->step.moe.scope = PR_AUX_SCOPE_GROUP;
@@ -270,6 +278,10 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
+    if (o->grad_reduce_bf16 && o->dp < 2) {
+        fprintf(stderr, "train: --grad-reduce bf16 changes the gradient sum over dp: it needs --dp 2 or more\n");
+        return 0;
+    }
     if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
     if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
     if (o->cp > 1 && o->step.microbatch != 1) {
@@ -430,6 +442,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     pr_status st = pr_mesh_init(&m, world, o->dp, o->pp, o->cp, o->tp, o->ep, err);
     if (st) return st;
     m.zero = o->zero;
+    m.bf16_grad_reduce = o->grad_reduce_bf16;
     if (!(st = pr_trainer_create_mesh(&tr, j->cfg, be, &m, err)))
         st = o->init ? pr_trainer_load(tr, o->init, err) : pr_trainer_init_params(tr, o->seed, err);
     rank_report *r = &j->rep[world->rank < 256 ? world->rank : 255];
@@ -523,7 +536,8 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
 }
 
 static void print_mesh(const options *o) {
-    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep, o->zero,
+    printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d%s%s\n", o->dp, o->pp, o->cp, o->tp, mesh_ranks(o), o->ep,
+           o->zero, o->grad_reduce_bf16 ? ", gradient sum over dp in bf16" : "",
 #ifdef PR_CUDA
            ", NCCL, one process per GPU"
 #else
@@ -681,6 +695,17 @@ static diff compare(const pr_real *a, const pr_real *b, size_t n, double atol, d
     }
     return d;
 }
+/* ||a - b|| / ||b||: the size of a difference against the whole vector's, where an element's
+   relative difference is dominated by entries near zero. */
+static double rel_l2(const pr_real *a, const pr_real *b, size_t n) {
+    double dd = 0, bb = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = (double)a[i] - b[i];
+        dd += e * e;
+        bb += (double)b[i] * b[i];
+    }
+    return bb > 0 ? sqrt(dd / bb) : sqrt(dd);
+}
 static void worst_of(diff *w, diff d) {
     if (d.max_abs > w->max_abs) w->max_abs = d.max_abs;
     if (d.max_rel > w->max_rel) w->max_rel = d.max_rel;
@@ -732,8 +757,8 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
            o->step.microbatch, o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
            bf16 ? "2^-7 x rms(gradients)" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
-    diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 };
-    double worst_loss = 0;
+    diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
+    double worst_loss = 0, wire_l2_g = 0, wire_l2_p = 0;
     int rc = 0;
     /* on a mesh: the reuse schedule on the mesh, dp-groups groups a step, against one rank's baseline
        accumulating the same groups */
@@ -774,8 +799,27 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         if (!failed && on_mesh(o)) {
             memset(&j, 0, sizeof j);
             j.o = o; j.cfg = cfg; j.trace = trace; j.check = 1; j.groups = batch; j.n = nb; j.grads = gb; j.params = pb;
+            /* The schedules are compared with the sum over dp in reals, as always; a bf16 sum runs the
+               same mesh step once more and its own difference is reported beside. */
+            options reals = *o;
+            reals.grad_reduce_bf16 = 0;
+            j.o = &reals;
             if (mesh_run(&j, &err)) failed = fail(&err);
             sr.loss = j.loss;
+            if (!failed && o->grad_reduce_bf16) {
+                pr_real *gw = malloc(sizeof(pr_real) * n), *pw = malloc(sizeof(pr_real) * n);
+                j.o = o; j.grads = gw; j.params = pw;
+                if (!gw || !pw) failed = 1, fprintf(stderr, "train: out of memory\n");
+                else if (mesh_run(&j, &err)) failed = fail(&err);
+                else {
+                    worst_of(&wire_g, compare(gw, gb, n, 0, 0, NULL));
+                    worst_of(&wire_p, compare(pw, pb, n, 0, 0, NULL));
+                    wire_l2_g = fmax(wire_l2_g, rel_l2(gw, gb, n));
+                    wire_l2_p = fmax(wire_l2_p, rel_l2(pw, pb, n));
+                }
+                free(gw);
+                free(pw);
+            }
         } else if (!failed && (pr_trainer_compute_grads(reuse, g, &orr, &sr, NULL, &err) || pr_trainer_get_grads(reuse, gb, n, &err) ||
                                pr_trainer_adamw_step(reuse, &adam, NULL, &err) || pr_trainer_get_params(reuse, pb, n, &err))) {
             failed = fail(&err);
@@ -817,6 +861,10 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     if (rc) return rc;
     if (on_mesh(o)) print_rank_reports(o, &j);
     int pass = worst_g.bad == 0 && worst_p.bad == 0 && offload_diffs == 0;
+    if (o->grad_reduce_bf16)
+        printf("check: the gradient sum over dp in bf16 vs in %s (reuse): gradients max abs %.2e, relative L2 %.2e; "
+               "parameters after AdamW max abs %.2e, relative L2 %.2e\n", sizeof(pr_real) == 8 ? "double" : "fp32",
+               wire_g.max_abs, wire_l2_g, wire_p.max_abs, wire_l2_p);
     if (orr.offload.enabled)
         printf("check: reuse with offload vs without: %ld gradient and parameter values differ in any bit\n", offload_diffs);
     printf("check: %s loss |diff| %.2e; gradients max abs %.2e max rel %.2e; parameters after AdamW max abs %.2e max rel %.2e; %ld elements outside atol + rtol %.1e (parameters: + the AdamW slope times the gradient tolerance)\n",

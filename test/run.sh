@@ -26,6 +26,7 @@ for p in float double; do
     run "$dir/train-$p" --check --pp 2 --tp 2 --cp 2 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-moe --check --pp 2 --tp 2 --ep 2 --microbatch 2 --layout packed
     run "$dir/train-$p" --check --dp 2 --dp-groups 1 --kl-coef 0.04
+    run "$dir/train-$p" --check --dp 3 --zero 2 --grad-reduce bf16
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --dp-groups 2 --pp 2 --aux-scope group
 done
 run python3 test/test_importers.py "$dir/train-float"

@@ -3,6 +3,7 @@
    Built twice by `make test`: float and double (PR_DOUBLE). */
 #define _POSIX_C_SOURCE 200809L   /* mkdtemp, access, opendir */
 #define PREFIXREUSE_IMPLEMENTATION
+#define PR__GRAD_WIRE_MAX ((size_t)1 << 10)   /* a gradient sum in bf16 crosses several chunk boundaries */
 #include "../prefixreuse.h"
 #include "harness.h"
 
@@ -928,6 +929,7 @@ typedef struct {
     pr_step_opts opt;
     const pr_real *init;          /* the full model's starting parameters */
     int zero, steps;              /* ZeRO stage; AdamW steps (0: 1) */
+    int bf16_grad_reduce;         /* the gradient sum over dp in bf16 */
     double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
 } mesh_run;
@@ -941,6 +943,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
     if (s) return s;
     mesh.zero = m->zero;
+    mesh.bf16_grad_reduce = m->bf16_grad_reduce;
     size_t n = 0;
     if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) {
         n = pr_trainer_full_param_count(tr);
@@ -1068,6 +1071,109 @@ static void test_zero(void) {
     zero_case(&moe, ep, groups, 2, PR_SCHEDULE_REUSE, "zero: MoE, dp 2 x tp 2 x ep 2");
     zero_case(&moe, (mesh_shape){ 3, 1, 1, 1, 1, 2, 0 }, groups, 4, PR_SCHEDULE_BASELINE, "zero: MoE, dp 3, baseline");
     printf("zero: stages 1 and 2 bitwise equal to stage 0 over dp 2, 3, 4, 8, both schedules, tp/cp/pp, split groups, MoE\n");
+}
+
+/* x rounded to bf16's 8 significant bits, to nearest, ties to even (nearbyint in the default
+   rounding mode): from frexp, independent of the library's bit manipulation. */
+static double round_bf16(double x) {
+    int e;
+    double m = frexp(x, &e);
+    return x == 0 ? 0 : ldexp(nearbyint(ldexp(m, 8)), e - 8);
+}
+
+/* The gradient sum over dp in bf16. Its result is, bit for bit, each rank's own gradient rounded to
+   bf16 and summed in rank order with a rounding after every add (the in-process communicator's
+   bf16 sum, as a ring in bf16 would), computed here from one-rank runs of the groups pr_dp_place
+   gives each rank: for the all-reduce and for ZeRO-2's reduce-scatter, through many chunks. It
+   differs from the sum in reals by bf16's spacing, on a mesh with tp too. */
+static void test_grad_reduce_bf16(void) {
+    const int S[6] = { 4, 7, 2, 5, 3, 6 };
+    static test_group tg[5];
+    pr_group groups[5];
+    for (int i = 0; i < 5; i++) {
+        make_group(&tg[i], 3 + 4 * i, 2 + i % 3, S, 61, 700 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config c = small_config(0, 0, 2);
+    pr_trainer *ref = make_model(&c, 5);
+    pr_real *init = params_of(ref);
+    const size_t np = pr_trainer_param_count(ref);
+    CHECK(np > 3 * ((size_t)1 << 10), "bf16 gradient sum: the model (%zu parameters) must span several chunks", np);
+    pr_step_opts o = pr_step_opts_default();
+    o.schedule = PR_SCHEDULE_REUSE;
+    o.microbatch = 2;
+    pr_error err;
+    char label[96];
+    for (int dp = 2; dp <= 3; dp++) {
+        int owner[5];
+        pr_dp_place(&c, groups, 5, dp, o.schedule, owner);
+        double *expect = calloc(np, sizeof(double));
+        for (int r = 0; r < dp; r++) {        /* rank r's own gradient, then into the bf16 sum in rank order */
+            pr_trainer_set_params(ref, init, np, &err);
+            pr_step_opts a = o;
+            pr_real *local = calloc(np, sizeof(pr_real));
+            int any = 0;
+            for (int i = 0; i < 5; i++) {
+                if (owner[i] != r) continue;
+                a.accumulate = any++ > 0;
+                CHECK(!pr_trainer_compute_grads(ref, &groups[i], &a, NULL, NULL, &err), "bf16 reference: %s", err.message);
+            }
+            if (any) pr_trainer_get_grads(ref, local, np, &err);
+            for (size_t i = 0; i < np; i++) expect[i] = round_bf16((double)(float)(expect[i] + round_bf16((double)local[i])));
+            free(local);
+        }
+        for (int zero = 0; zero <= 2; zero += 2) {
+            mesh_run m;
+            memset(&m, 0, sizeof m);
+            m.c = &c; m.shape = (mesh_shape){ dp, 1, 1, 1, 1, 2, 0 }; m.groups = groups; m.n = 5; m.init = init;
+            m.opt = o;
+            m.zero = zero;
+            m.bf16_grad_reduce = 1;
+            m.grads = calloc(np, sizeof(pr_real));
+            m.params = calloc(np, sizeof(pr_real));
+            snprintf(label, sizeof label, "bf16 gradient sum: dp %d, zero %d", dp, zero);
+            CHECK(pr_comm_local_run(dp, mesh_rank, &m, &err) == PR_OK, "%s: %s", label, err.message);
+            long off = 0;
+            for (size_t i = 0; i < np; i++) off += m.grads[i] != (pr_real)expect[i];
+            CHECK(off == 0, "%s: %ld of %zu gradients differ from the bf16 sum of each rank's own", label, off, np);
+            free(m.grads);
+            free(m.params);
+        }
+        free(expect);
+    }
+    mesh_run bad;
+    memset(&bad, 0, sizeof bad);
+    bad.c = &c; bad.shape = (mesh_shape){ 2, 1, 1, 1, 1, 2, 0 }; bad.groups = groups; bad.n = 2; bad.init = init;
+    bad.opt = o;
+    bad.bf16_grad_reduce = 2;
+    pr_status bs = pr_comm_local_run(2, mesh_rank, &bad, &err);
+    CHECK(bs == PR_ERR_ARG && strstr(err.message, "bf16_grad_reduce 2"), "bf16 gradient sum: a setting of 2 is refused (%d: %s)",
+          (int)bs, err.message);
+    /* against the sum in reals, on dp 2 x tp 2: the difference is bf16's, relative L2 near 2^-9 */
+    pr_real *out[2];
+    for (int b = 0; b < 2; b++) {
+        mesh_run m;
+        memset(&m, 0, sizeof m);
+        m.c = &c; m.shape = (mesh_shape){ 2, 1, 1, 2, 1, 2, 0 }; m.groups = groups; m.n = 5; m.init = init;
+        m.opt = o;
+        m.bf16_grad_reduce = b;
+        m.grads = out[b] = calloc(np, sizeof(pr_real));
+        m.params = calloc(np, sizeof(pr_real));
+        CHECK(pr_comm_local_run(4, mesh_rank, &m, &err) == PR_OK, "bf16 gradient sum, dp 2 x tp 2: %s", err.message);
+        free(m.params);
+    }
+    double dd = 0, bb = 0;
+    for (size_t i = 0; i < np; i++) {
+        dd += ((double)out[1][i] - out[0][i]) * ((double)out[1][i] - out[0][i]);
+        bb += (double)out[0][i] * out[0][i];
+    }
+    const double rel = sqrt(dd / bb);
+    CHECK(rel > 0x1p-14 && rel < 0x1p-7, "bf16 gradient sum, dp 2 x tp 2: relative L2 difference to the sum in reals %.3e, "
+          "outside bf16's (2^-14, 2^-7)", rel);
+    printf("bf16 gradient sum: bitwise each rank's bf16 gradient summed in bf16 (dp 2, 3; zero 0, 2); dp 2 x tp 2 vs reals: "
+           "relative L2 %.2e\n", rel);
+    free(out[0]); free(out[1]); free(init);
+    pr_trainer_destroy(ref);
 }
 
 static void test_mesh(void) {
@@ -1526,6 +1632,7 @@ int main(void) {
     test_dp();
     test_mesh();
     test_zero();
+    test_grad_reduce_bf16();
     test_checkpoints();
     test_other_shape();
     test_train_state();

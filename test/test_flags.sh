@@ -36,5 +36,7 @@ check "bad value '3' for --zero"            --zero 3
 check "bad value '0' for --save-every"      --save-every 0 --save-state /tmp/never-written
 check "--resume and --init"                 --resume /tmp/never-read --init /tmp/never-read
 check "not --check or --bench"              --check --save-state /tmp/never-written
+check "bad value 'fp16' for --grad-reduce"  --grad-reduce fp16
+check "it needs --dp 2 or more"             --grad-reduce bf16
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
