@@ -23,6 +23,8 @@
 typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
     const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
+    const char *log;                 /* --log: one JSON line a step */
+    int replay;                      /* --replay N: steps of the drift replay (0: none) */
     int save_every;                  /* steps between state saves (0: only at the end) */
     long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
@@ -110,6 +112,12 @@ static void usage(FILE *f) {
         "  --check                from the same weights and each group of the trace, run both schedules\n"
         "                         and one AdamW step; compare gradients and updated parameters with\n"
         "                         |a-b| <= atol + rtol*|b|; exit 0 only on PASS\n"
+        "  --replay N             from the same weights, N steps of the full-sequence schedule and of the reuse\n"
+        "                         schedule, each with its own AdamW trajectory; after each step both losses and\n"
+        "                         gradient norms and the parameter drift between them, beside the floor: the\n"
+        "                         drift of the full-sequence schedule against itself at another microbatch split;\n"
+        "                         exit 0 only when the reuse drift stays within 10x the floor at every step\n"
+        "  --log FILE             --replay: write one JSON line a step to FILE (replaced)\n"
         "  --bench [KIND]         speed (default): baseline and reuse timed side by side over prefix/suffix\n"
         "                         splits and group sizes at a fixed total length, against the FLOP-count bound\n"
         "                         (the GEMM micro-benchmark is `make bench-gemm`);\n"
@@ -200,6 +208,8 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--save-state")) o->save_state = v;
         else if (!strcmp(a, "--resume")) o->resume = v;
         else if (!strcmp(a, "--loss-log")) o->loss_log = v;
+        else if (!strcmp(a, "--log")) o->log = v;
+        else if (!strcmp(a, "--replay")) ok = parse_int(v, &o->replay) && o->replay >= 1;
         else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
         else if (!strcmp(a, "--fault-kill-after-bytes")) { char *e; o->fault_kill_bytes = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
@@ -276,6 +286,11 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --save-state, --resume and --loss-log belong to a training run, not --check or --bench\n");
         return 0;
     }
+    if (o->replay && (o->check || o->bench || on_mesh(o) || o->save_state || o->resume || o->save || o->save_grads)) {
+        fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
+        return 0;
+    }
+    if (o->log && !o->replay) { fprintf(stderr, "train: --log FILE writes the lines of --replay N\n"); return 0; }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if (o->grad_reduce_bf16 && o->dp < 2) {
@@ -873,6 +888,190 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     return pass ? 0 : 1;
 }
 
+/* ------------------------------------------------------------------ --replay */
+/* One of the replay's runs: its trainer and schedule, and its last step's loss and gradient norm. */
+typedef struct {
+    const char *name;
+    pr_trainer *tr;
+    pr_step_opts opt;
+    double loss, gnorm;
+    pr_real *params;
+} replay_run;
+
+typedef struct { double max_abs, rel_l2; } drift;
+static drift drift_of(const pr_real *a, const pr_real *b, size_t n) {
+    drift d = { 0, rel_l2(a, b, n) };
+    for (size_t i = 0; i < n; i++) d.max_abs = fmax(d.max_abs, fabs((double)a[i] - b[i]));
+    return d;
+}
+
+/* A group with its trajectories reordered so that every microbatch of `mb` (0: all G) holds the same
+   trajectories in reverse order; with microbatches of one, the microbatches run in reverse. The
+   loss and every gradient are the same sums in another order: the floor's run. */
+typedef struct {
+    pr_group g;
+    int *len;
+    int64_t *off;
+    int32_t *tokens;
+    pr_real *adv, *old, *ref;
+    uint8_t *mask;
+} reordered_group;
+
+static void reordered_free(reordered_group *r) {
+    free(r->len); free(r->off); free(r->tokens); free(r->adv); free(r->old); free(r->ref); free(r->mask);
+}
+
+static int reorder_group(reordered_group *r, const pr_group *g, int mb) {
+    const int G = g->G, m = mb == 0 || mb > G ? G : mb;
+    const size_t T = (size_t)g->suffix_off[G];
+    memset(r, 0, sizeof *r);
+    r->len = malloc(sizeof(int) * G);
+    r->off = malloc(sizeof(int64_t) * (G + 1));
+    r->tokens = malloc(sizeof(int32_t) * T);
+    r->adv = malloc(sizeof(pr_real) * G);
+    r->old = malloc(sizeof(pr_real) * T);
+    r->ref = g->ref_logp ? malloc(sizeof(pr_real) * T) : NULL;
+    r->mask = malloc(T);
+    if (!r->len || !r->off || !r->tokens || !r->adv || !r->old || (g->ref_logp && !r->ref) || !r->mask) {
+        reordered_free(r);
+        return 0;
+    }
+    r->off[0] = 0;
+    for (int i = 0; i < G; i++) {
+        const int b = i / m * m, e = b + m < G ? b + m : G;
+        const int from = m == 1 ? G - 1 - i : b + e - 1 - i;
+        const size_t at = (size_t)r->off[i], src = (size_t)g->suffix_off[from], n = (size_t)g->suffix_len[from];
+        r->len[i] = g->suffix_len[from];
+        r->off[i + 1] = r->off[i] + r->len[i];
+        r->adv[i] = g->advantage[from];
+        memcpy(r->tokens + at, g->tokens + src, sizeof(int32_t) * n);
+        memcpy(r->old + at, g->old_logp + src, sizeof(pr_real) * n);
+        if (r->ref) memcpy(r->ref + at, g->ref_logp + src, sizeof(pr_real) * n);
+        memcpy(r->mask + at, g->loss_mask + src, n);
+    }
+    r->g = *g;
+    r->g.suffix_len = r->len; r->g.suffix_off = r->off; r->g.tokens = r->tokens;
+    r->g.advantage = r->adv; r->g.old_logp = r->old; r->g.ref_logp = r->ref; r->g.loss_mask = r->mask;
+    return 1;
+}
+
+/* A number for a JSON line: JSON has no NaN or infinity, so those are null. */
+static void json_num(FILE *f, const char *key, double x, const char *after) {
+    if (isfinite(x)) fprintf(f, "\"%s\": %.17g%s", key, x, after);
+    else fprintf(f, "\"%s\": null%s", key, after);
+}
+
+/* The replay's verdict: the reuse drift stays within a margin of the floor at every step. Both are
+   sums of roundings of the same size, so they grow alike; 10x leaves room for the luck of single
+   elements. The absolute term covers a floor that is exactly 0 (a step whose split changes no sum). */
+#define REPLAY_MARGIN 10.0
+#define REPLAY_FLOOR_MIN (sizeof(pr_real) == 8 ? 1e-15 : 1e-9)
+
+/* --replay N: three runs from the same weights over the same N steps (one trace group a step,
+   cycling), each with its own AdamW trajectory: the full-sequence schedule (the reference), the
+   reuse schedule, and the full-sequence schedule on the trajectories reordered (reorder_group). The
+   last differs from the first only in the order its sums run in, so its drift is the floor
+   ordinary arithmetic sets: reuse is as good as the baseline when its drift stays at that floor.
+   (Another microbatch split would not do: it changes a microbatch-scope MoE aux loss.) */
+static int run_replay(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    replay_run run[3];
+    pr_error err;
+    memset(run, 0, sizeof run);
+    run[0].name = "full";
+    run[0].opt = o->step;
+    run[0].opt.schedule = PR_SCHEDULE_BASELINE;
+    run[0].opt.offload.enabled = 0;
+    run[1].name = "reuse";
+    run[1].opt = o->step;
+    run[1].opt.schedule = PR_SCHEDULE_REUSE;
+    run[2].name = "floor";
+    run[2].opt = run[0].opt;
+    FILE *log = NULL;
+    size_t n = 0;
+    int rc = 0;
+    reordered_group *floor_groups = calloc((size_t)trace->n_groups, sizeof *floor_groups);
+    if (!floor_groups) rc = 1;
+    for (int i = 0; i < trace->n_groups && !rc; i++)
+        if (!reorder_group(&floor_groups[i], &trace->groups[i], o->step.microbatch)) rc = 1;
+    if (rc) fprintf(stderr, "train: out of memory\n");
+    for (int r = 0; r < 3 && !rc; r++) {
+        if (!make_trainer(o, cfg, &run[r].tr, &err)) rc = fail(&err);
+        else if (!(run[r].params = malloc(sizeof(pr_real) * (n = pr_trainer_param_count(run[r].tr))))) {
+            fprintf(stderr, "train: out of memory\n");
+            rc = 1;
+        }
+    }
+    if (!rc && o->log && !(log = fopen(o->log, "w"))) {
+        fprintf(stderr, "train: cannot open --log %s\n", o->log);
+        rc = 1;
+    }
+    char mb[16];
+    snprintf(mb, sizeof mb, o->step.microbatch ? "%d" : "all G", o->step.microbatch);
+    if (!rc)
+        printf("replay: %d steps over %s (%d groups, one a step); full-sequence (microbatch %s) vs reuse (microbatch %s, %s); "
+               "floor: full-sequence, each microbatch's trajectories reversed; %s precision\n"
+               "%5s %14s %14s %10s %10s %11s %11s %11s %11s\n",
+               o->replay, o->trace, trace->n_groups, mb, mb, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+               sizeof(pr_real) == 8 ? "double" : "float", "step", "loss full", "loss reuse", "gnorm full", "gnorm reuse",
+               "drift max", "drift relL2", "floor max", "floor relL2");
+    drift worst = { 0, 0 }, worst_floor = { 0, 0 };
+    int over = 0;                /* steps whose reuse drift is past REPLAY_MARGIN times the floor */
+    for (int k = 0; k < o->replay && !rc; k++) {
+        const int gi = k % trace->n_groups;
+        for (int r = 0; r < 3 && !rc; r++) {
+            pr_step_stats st;
+            const pr_group *g = r == 2 ? &floor_groups[gi].g : &trace->groups[gi];
+            if (pr_trainer_compute_grads(run[r].tr, g, &run[r].opt, &st, NULL, &err) ||
+                pr_trainer_adamw_step(run[r].tr, &o->adam, &run[r].gnorm, &err) ||
+                pr_trainer_get_params(run[r].tr, run[r].params, n, &err))
+                rc = fail(&err);
+            run[r].loss = st.loss;
+        }
+        if (rc) break;
+        drift d = drift_of(run[1].params, run[0].params, n), f = drift_of(run[2].params, run[0].params, n);
+        worst.max_abs = fmax(worst.max_abs, d.max_abs);
+        worst.rel_l2 = fmax(worst.rel_l2, d.rel_l2);
+        worst_floor.max_abs = fmax(worst_floor.max_abs, f.max_abs);
+        worst_floor.rel_l2 = fmax(worst_floor.rel_l2, f.rel_l2);
+        over += !(d.rel_l2 <= REPLAY_MARGIN * f.rel_l2 + REPLAY_FLOOR_MIN);
+        printf("%5d %+14.9f %+14.9f %10.6f %11.6f %11.3e %11.3e %11.3e %11.3e\n", k, run[0].loss, run[1].loss, run[0].gnorm,
+               run[1].gnorm, d.max_abs, d.rel_l2, f.max_abs, f.rel_l2);
+        if (log) {
+            fprintf(log, "{\"step\": %d, \"group\": %d, ", k, k % trace->n_groups);
+            json_num(log, "loss_full", run[0].loss, ", ");
+            json_num(log, "loss_reuse", run[1].loss, ", ");
+            json_num(log, "loss_floor", run[2].loss, ", ");
+            json_num(log, "grad_norm_full", run[0].gnorm, ", ");
+            json_num(log, "grad_norm_reuse", run[1].gnorm, ", ");
+            json_num(log, "grad_norm_floor", run[2].gnorm, ", ");
+            json_num(log, "drift_max_abs", d.max_abs, ", ");
+            json_num(log, "drift_rel_l2", d.rel_l2, ", ");
+            json_num(log, "floor_max_abs", f.max_abs, ", ");
+            json_num(log, "floor_rel_l2", f.rel_l2, "}\n");
+        }
+        fflush(stdout);
+    }
+    if (!rc) {
+        printf("replay: worst over %d steps: reuse drift max abs %.3e, relative L2 %.3e; floor max abs %.3e, relative L2 %.3e "
+               "(reuse / floor: %.2f)\n", o->replay, worst.max_abs, worst.rel_l2, worst_floor.max_abs, worst_floor.rel_l2,
+               worst_floor.rel_l2 > 0 ? worst.rel_l2 / worst_floor.rel_l2 : (worst.rel_l2 > 0 ? INFINITY : 1.0));
+        printf("replay: %s: %d of %d steps with the reuse drift (relative L2) above %g x the floor + %g\n", over ? "FAIL" : "PASS",
+               over, o->replay, REPLAY_MARGIN, REPLAY_FLOOR_MIN);
+        rc = over > 0;
+    }
+    if (log && fclose(log) && !rc) {
+        fprintf(stderr, "train: writing --log %s failed\n", o->log);
+        rc = 1;
+    }
+    for (int r = 0; r < 3; r++) {
+        pr_trainer_destroy(run[r].tr);
+        free(run[r].params);
+    }
+    for (int i = 0; floor_groups && i < trace->n_groups; i++) reordered_free(&floor_groups[i]);
+    free(floor_groups);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ --bench */
 /* A synthetic group: G suffixes of S tokens after a P-token prefix, random tokens and log-probs. */
 typedef struct {
@@ -971,8 +1170,9 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
             synth_free(&sg);
         }
     pr_trainer_destroy(tr);
-    printf("bench: mean measured/bound %.3f over %d cells; most prefix-heavy split at G=8: %.3f of the bound\n",
-           sum_ratio / cells, cells, heavy_ratio);
+    printf("bench: mean measured/bound %.3f over %d cells", sum_ratio / cells, cells);
+    if (heavy_ratio > 0) printf("; most prefix-heavy split at G=8: %.3f of the bound", heavy_ratio);
+    printf("\n");
     return 0;
 }
 
@@ -1142,7 +1342,7 @@ int main(int argc, char **argv) {
         pr_trace_free(&trace);
         return 1;
     }
-    int rc = o.check ? run_check(&o, &cfg, &trace) : run_training(&o, &cfg, &trace);
+    int rc = o.check ? run_check(&o, &cfg, &trace) : o.replay ? run_replay(&o, &cfg, &trace) : run_training(&o, &cfg, &trace);
     pr_trace_free(&trace);
     return rc;
 }

@@ -14,6 +14,7 @@ run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
+for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
@@ -30,4 +31,5 @@ for p in float double; do
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --dp-groups 2 --pp 2 --aux-scope group
 done
 run python3 test/test_importers.py "$dir/train-float"
+run python3 test/test_plot.py "$dir/train-float"
 report

@@ -37,6 +37,9 @@ check "bad value '0' for --save-every"      --save-every 0 --save-state /tmp/nev
 check "--resume and --init"                 --resume /tmp/never-read --init /tmp/never-read
 check "not --check or --bench"              --check --save-state /tmp/never-written
 check "bad value 'fp16' for --grad-reduce"  --grad-reduce fp16
+check "bad value '0' for --replay"          --replay 0
+check "--replay runs its own three trainers" --replay 2 --check
+check "--log FILE writes the lines of --replay" --log /tmp/never-written.jsonl
 check "it needs --dp 2 or more"             --grad-reduce bf16
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

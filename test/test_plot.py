@@ -1,0 +1,99 @@
+"""Tests of bench/plot.py on what train really prints and writes.
+
+    python3 test/test_plot.py TRAIN
+
+Runs a small `TRAIN --bench`, `--bench memory` and `--replay 2 --log`, and checks that the parsers
+find every row with the printed numbers, that bad input is refused with the file and line named,
+and, where matplotlib is installed, that each kind is drawn to a PNG. The last line is
+"N passed, N failed".
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import plot  # noqa: E402
+
+passed = failed = 0
+
+
+def check(cond, what):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL: {what}")
+
+
+def run(train, *args):
+    p = subprocess.run([train, *args], cwd=ROOT, capture_output=True, text=True)
+    check(p.returncode == 0, f"train {' '.join(args)}: status {p.returncode}: {p.stderr.strip()}")
+    return p.stdout
+
+
+def main():
+    train = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.join(ROOT, "build", "train-float")
+    if not os.path.exists(train):
+        print(f"{train}: no such program\n0 passed, 1 failed")
+        return 1
+    tmp = tempfile.mkdtemp()
+    speed = run(train, "--bench", "--bench-total", "48", "--bench-reps", "1", "--bench-groups", "2")
+    rows = plot.parse_speed(speed)
+    check(plot.kind_of(speed) == "speed" and len(rows) == 4, f"speed: 4 rows (splits x G), got {len(rows)}")
+    check(all(r["P"] + r["S"] == 48 and r["G"] == 2 and r["bound"] > 1 for r in rows), f"speed rows: {rows}")
+    for r in rows:       # the printed speed-up is the ratio of the printed times, to their rounding
+        slack = 0.005 + r["speedup"] * 0.0005 * (1 / r["baseline_s"] + 1 / r["reuse_s"])
+        check(abs(r["speedup"] - r["baseline_s"] / r["reuse_s"]) <= slack,
+              f"speed row {r}: speedup is not baseline / reuse")
+
+    memory = run(train, "--bench", "memory", "--bench-total", "48", "--bench-groups", "2")
+    rows = plot.parse_memory(memory)
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    check(plot.kind_of(memory) == "memory" and len(rows) == 4 * len(schedules) and schedules[:2] == ["baseline", "reuse"],
+          f"memory: 4 splits of every schedule, got {len(rows)} rows of {schedules}")
+    check(all(r["A"] == 0 and r["C"] == 0 and r["B"] > 0 for r in rows if r["schedule"] == "baseline"),
+          "memory: the baseline runs all in phase B")
+
+    log = os.path.join(tmp, "replay.jsonl")
+    run(train, "--replay", "2", "--log", log)
+    with open(log) as f:
+        text = f.read()
+    rows = plot.parse_replay(text, log)
+    check(plot.kind_of(text) == "replay" and [r["step"] for r in rows] == [0, 1], "replay: steps 0 and 1")
+
+    for bad, want in [("{\"step\": 0}\n", "x.jsonl:1: missing field loss_full"), ("\n{nope\n", "x.jsonl:2: not JSON"),
+                      ("", "x.jsonl: no lines")]:
+        try:
+            plot.parse_replay(bad, "x.jsonl")
+            check(False, f"bad replay input {bad!r} was accepted")
+        except plot.InputError as e:
+            check(str(e).startswith(want), f"bad replay input {bad!r}: message {e!s}, want {want}")
+    try:
+        plot.kind_of("hello\n")
+        check(False, "an unknown input was accepted")
+    except plot.InputError:
+        check(True, "")
+
+    try:
+        import matplotlib  # noqa: F401
+        for name, text in [("speed", speed), ("memory", memory), ("replay", log)]:
+            src = text if name == "replay" else os.path.join(tmp, name + ".txt")
+            if name != "replay":
+                with open(src, "w") as f:
+                    f.write(text)
+            out = os.path.join(tmp, name + ".png")
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), src, out], capture_output=True, text=True)
+            with open(out, "rb") if os.path.exists(out) else open(os.devnull, "rb") as f:
+                check(p.returncode == 0 and f.read(8) == b"\x89PNG\r\n\x1a\n", f"plot.py {name}: {p.stderr.strip()}")
+    except ImportError:
+        print("matplotlib is not installed: the parsers are tested, the drawing is not")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
