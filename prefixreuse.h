@@ -733,6 +733,9 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    owners by all-to-all, as under sequence parallelism.
    - TP: attention heads and MLP columns sharded (column-parallel q/k/v/gate/up, row-parallel
      o/down, an all-reduce after each); every rank caches its own head shard of the prefix K/V.
+     tp must divide the query heads, and divide the KV heads or be a multiple of them: above
+     them each KV head is replicated on tp / KV heads ranks, as in Megatron (each holds the KV
+     head its query heads share under GQA, and the replicas' k/v gradients are summed).
    - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
      split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
      Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
