@@ -1293,6 +1293,7 @@ static void test_kv_replication(void) {
         { &moe, { 1, 1, 1, 4, 4, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "kv replicated: MoE 2 KV heads, tp 4 ep 4, group scope" },
         { &qwen, { 1, 2, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: qwen3 1 KV head, pp 2 cp 2 tp 2" },
         { &llama, { 2, 1, 1, 4, 1, 1, 0 }, 2, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, dp 2 tp 4" },
+        { &llama, { 2, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, dp 2 tp 4, one group split" },
     };
     const int n = (int)(sizeof cases / sizeof cases[0]);
     for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
@@ -1311,8 +1312,19 @@ static void test_kv_replication(void) {
     for (int r = 0; r < 6; r++)
         CHECK(f.st[r] == PR_ERR_UNSUPPORTED && strstr(f.err[r].message, "tp 6 must divide the KV heads (4) or be a multiple of them"),
               "tp 6 over 4 KV heads, rank %d: %s '%s'", r, pr_status_name(f.st[r]), f.st[r] ? f.err[r].message : "");
+    /* the shipped Qwen3-30B-A3B (4 KV heads) shards at tp 8 ep 8: 4 query heads and 1 KV head, 16 experts a rank */
+    pr_config big, local;
+    pr_mesh eight;
+    memset(&eight, 0, sizeof eight);
+    eight.dp = eight.pp = eight.cp = 1;
+    eight.tp = eight.ep = 8;
+    eight.tp_rank = 5;
+    int layer0, expert0, n_experts;
+    CHECK(!pr_config_load(&big, "model/qwen3-30b-a3b", &err) &&
+          !pr__shard_config(&big, &eight, &local, &layer0, &expert0, &n_experts, &err) && local.num_attention_heads == 4 &&
+          local.num_key_value_heads == 1 && n_experts == 16 && expert0 == 80, "qwen3-30b-a3b at tp 8: %s", err.message);
     printf("kv replication: %d layouts with tp above the KV heads vs the single-rank baseline, ZeRO, replicas bitwise equal, "
-           "state round trip, tp 6 over 4 KV heads refused\n", n);
+           "state round trip, qwen3-30b-a3b at tp 8, tp 6 over 4 KV heads refused\n", n);
 }
 
 /* ---- offload of the prefix's dormant state */
