@@ -3966,8 +3966,9 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
     pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
 }
 
-/* Backend memory for n reals, to stage host values a collective moves (its buffers are backend
-   memory); kept across steps. NULL, with alloc_failed set, without memory. */
+/* Backend memory for n reals, to stage what a collective moves (its buffers are backend memory):
+   host values, or a replicated KV head's gradient rows padded to the full tensor; kept across
+   steps. NULL, with alloc_failed set, without memory. */
 static pr_real *pr__staging(pr_trainer *tr, size_t n) {
     if (n <= tr->stage_cap) return tr->stage;
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
@@ -4199,7 +4200,7 @@ static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, 
 /* A tp_partial tensor's gradient summed over the TP ranks holding its rows. A tensor every rank
    holds whole (the q/k norms) is summed in place. A replicated KV head's rows go to their place in
    a zero tensor of the full shape, summed over the whole TP group: every other rank adds zeros
-   there, so the rows get the sum over their replicas, in rank order, the same bits on each. */
+   there, so the rows get the sum over their replicas, the same bits on each. */
 static void pr__sum_partial_grad(pr_trainer *tr, int t) {
     const pr_tensor_info *ti = &tr->tensors[t];
     const pr__shard *sh = &tr->shard[t];
