@@ -737,6 +737,9 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    owners by all-to-all, as under sequence parallelism.
    - TP: attention heads and MLP columns sharded (column-parallel q/k/v/gate/up, row-parallel
      o/down, an all-reduce after each); every rank caches its own head shard of the prefix K/V.
+     tp must divide the query heads, and divide the KV heads or be a multiple of them: above
+     them each KV head is replicated on tp / KV heads ranks, as in Megatron (each holds the KV
+     head its query heads share under GQA, and the replicas' k/v gradients are summed).
    - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
      split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
      Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
@@ -1654,12 +1657,13 @@ typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; 
 typedef struct { pr__chunk *head, *tail; size_t used; } pr__arena;
 
 /* Where one of a sharded trainer's tensors sits in the full model: rows row0.. and columns col0..
-   of the full tensor at full_off (full_cols wide). `elsewhere`: another rank of the TP and PP
-   groups holds the same values (TP rank 0 of a tensor every TP rank holds whole; the first
-   stage of the embedding tied to the last stage's LM head), so this copy is left out of norms
-   and gathers; `tp_partial`: its gradient is a partial sum over the TP ranks (the q/k norms,
-   shared by heads on several ranks). */
-typedef struct { size_t full_off; int64_t full_cols, row0, col0; unsigned char elsewhere, tp_partial; } pr__shard;
+   of the full tensor at full_off (full_rows x full_cols). `elsewhere`: another rank of the TP and PP
+   groups holds the same values (the lowest TP rank of those holding a tensor whole or a
+   replicated KV head's rows keeps it; the first stage of the embedding tied to the last stage's
+   LM head), so this copy is left out of norms and gathers; `tp_partial`: its gradient is a
+   partial sum over the TP ranks holding the same rows (the q/k norms, shared by heads on every
+   rank; a replicated KV head's k/v projections, shared by its query heads on several ranks). */
+typedef struct { size_t full_off; int64_t full_rows, full_cols, row0, col0; unsigned char elsewhere, tp_partial; } pr__shard;
 
 struct pr_trainer {
     pr_config cfg;                         /* this rank's shard of the model (all of it without a mesh) */
@@ -4020,8 +4024,9 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
     pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
 }
 
-/* Backend memory for n reals, to stage host values a collective moves (its buffers are backend
-   memory); kept across steps. NULL, with alloc_failed set, without memory. */
+/* Backend memory for n reals, to stage what a collective moves (its buffers are backend memory):
+   host values, or a replicated KV head's gradient rows padded to the full tensor; kept across
+   steps. NULL, with alloc_failed set, without memory. */
 static pr_real *pr__staging(pr_trainer *tr, size_t n) {
     if (n <= tr->stage_cap) return tr->stage;
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
@@ -4069,11 +4074,13 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
     if (pp > L) return pr__fail(err, PR_ERR_UNSUPPORTED, "pp %d: more pipeline stages than the model's %d layers", pp, L);
     *layer0 = (int)((long)m->pp_rank * L / pp);
     local->num_hidden_layers = (int)((long)(m->pp_rank + 1) * L / pp) - *layer0;
-    if (cfg->num_attention_heads % tp || cfg->num_key_value_heads % tp)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d) and KV heads (%d)", tp,
-                        cfg->num_attention_heads, cfg->num_key_value_heads);
+    const int NH = cfg->num_attention_heads, NKV = cfg->num_key_value_heads;
+    if (NH % tp) return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the attention heads (%d)", tp, NH);
+    if (NKV % tp && tp % NKV)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d must divide the KV heads (%d) or be a multiple of them (each KV head "
+                        "replicated on tp / KV heads ranks)", tp, NKV);
     local->num_attention_heads /= tp;
-    local->num_key_value_heads /= tp;
+    local->num_key_value_heads = NKV >= tp ? NKV / tp : 1;    /* above the KV heads: the one its query heads share */
     if (cfg->num_experts) {
         if (ep > 1 && cfg->num_experts % ep)
             return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d must divide the %d experts", ep, cfg->num_experts);
@@ -4104,7 +4111,7 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
         PR_FREE(ft);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the shard table");
     }
-    const int tp_rank = tr->mesh->tp_rank, ep = tr->mesh->ep;
+    const int tp_rank = tr->mesh->tp_rank, tp = tr->mesh->tp, ep = tr->mesh->ep;
     const int tied_copy = tr->model.tie_word_embeddings && tr->has_embed && tr->has_head && tr->mesh->pp > 1;
     int j = 0;
     for (int i = 0; i < tr->n_tensors; i++) {
@@ -4117,12 +4124,20 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
         pr__shard *sh = &tr->shard[i];
         const int64_t fc = ft[j].ndim == 2 ? ft[j].shape[1] : 1, lc = t->ndim == 2 ? t->shape[1] : 1;
         sh->full_off = ft[j].offset;
+        sh->full_rows = ft[j].shape[0];
         sh->full_cols = fc;
-        sh->row0 = t->shape[0] < ft[j].shape[0] ? tp_rank * t->shape[0] : 0;
+        /* the TP ranks holding these same values: all of them for a whole tensor, tp / KV heads for
+           a replicated KV head's rows, one for a column shard or an expert of EP */
+        const int64_t row_blocks = ft[j].shape[0] / t->shape[0];
+        const int distinct = lc < fc || (ep > 1 && strstr(t->name, ".mlp.experts."));
+        const int replicas = distinct ? 1 : tp / (int)row_blocks;
+        sh->row0 = row_blocks > 1 ? tp_rank / replicas * t->shape[0] : 0;
         sh->col0 = lc < fc ? tp_rank * lc : 0;
-        const int whole = t->numel == ft[j].numel && !(ep > 1 && strstr(t->name, ".mlp.experts."));
-        sh->elsewhere = (whole && tp_rank) || (tied_copy && i == 0);    /* the embedding comes first */
-        sh->tp_partial = strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight");
+        sh->elsewhere = tp_rank % replicas || (tied_copy && i == 0);    /* the embedding comes first */
+        /* gradients from this rank's heads only: the q/k norms (shared by all heads) and a
+           replicated KV head's projections (shared by its query heads on tp / KV heads ranks) */
+        sh->tp_partial = replicas > 1 && (strstr(t->name, "q_norm.weight") || strstr(t->name, "k_norm.weight") ||
+                                          strstr(t->name, "k_proj.weight") || strstr(t->name, "v_proj.weight"));
     }
     PR_FREE(ft);
     return PR_OK;
@@ -4240,19 +4255,40 @@ static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, 
     return st;
 }
 
-/* A mesh step's gradients made whole on every rank: the q/k norms' partial sums over tp (their
-   weights serve heads on every TP rank), every gradient over cp (each chunk's rows gave a share),
-   and a tied embedding's over the pipeline's ends (the first stage's embedding and the last
-   stage's LM head are one tensor). Collective; a failure is kept in comm_st. */
+/* A tp_partial tensor's gradient summed over the TP ranks holding its rows. A tensor every rank
+   holds whole (the q/k norms) is summed in place. A replicated KV head's rows go to their place in
+   a zero tensor of the full shape, summed over the whole TP group: every other rank adds zeros
+   there, so the rows get the sum over their replicas, the same bits on each. */
+static void pr__sum_partial_grad(pr_trainer *tr, int t) {
+    const pr_tensor_info *ti = &tr->tensors[t];
+    const pr__shard *sh = &tr->shard[t];
+    pr_comm *c = tr->mesh->tp_comm;
+    pr_real *g = tr->grads + ti->offset;
+    pr_error e;
+    const size_t full = (size_t)(sh->full_rows * sh->full_cols), at = (size_t)(sh->row0 * sh->full_cols);
+    if (full == ti->numel) {
+        pr__comm_done(tr, c->all_reduce(c, g, full, PR_COMM_REAL, &e), &e);
+        return;
+    }
+    pr_real *pad = pr__staging(tr, full);
+    if (!pad) return;                     /* alloc_failed reports it */
+    tr->be->zero(tr->be, pad, sizeof(pr_real) * full);
+    tr->be->copy(tr->be, pad + at, g, sizeof(pr_real) * ti->numel);
+    pr__comm_done(tr, c->all_reduce(c, pad, full, PR_COMM_REAL, &e), &e);
+    tr->be->copy(tr->be, g, pad + at, sizeof(pr_real) * ti->numel);
+}
+
+/* A mesh step's gradients made whole on every rank: the partial sums over tp of the weights that
+   serve heads on several TP ranks (the q/k norms, a replicated KV head's projections), every
+   gradient over cp (each chunk's rows gave a share), and a tied embedding's over the pipeline's
+   ends (the first stage's embedding and the last stage's LM head are one tensor). Collective; a
+   failure is kept in comm_st. */
 static void pr__mesh_sync_grads(pr_trainer *tr) {
     if (!tr->mesh) return;
     pr_error e;
     if (pr__tp(tr) > 1)
         for (int t = 0; t < tr->n_tensors; t++)
-            if (tr->shard[t].tp_partial) {
-                pr_comm *c = tr->mesh->tp_comm;
-                pr__comm_done(tr, c->all_reduce(c, tr->grads + tr->tensors[t].offset, tr->tensors[t].numel, PR_COMM_REAL, &e), &e);
-            }
+            if (tr->shard[t].tp_partial) pr__sum_partial_grad(tr, t);
     if (pr__cp(tr) > 1) {
         pr_comm *c = tr->mesh->cp_comm;
         pr__comm_done(tr, c->all_reduce(c, tr->grads, tr->n_params, PR_COMM_REAL, &e), &e);

@@ -1249,6 +1249,190 @@ static void test_mesh(void) {
     pr_trainer_destroy(tr);
 }
 
+/* ---- TP above the KV heads: each KV head replicated on tp / KV heads ranks */
+/* One reuse step and AdamW on a mesh, each rank's arenas kept; then the training state saved and
+   loaded into a new trainer on the same mesh, which must get back this rank's shard. */
+static int same_state(pr_trainer *a, pr_trainer *b);
+typedef struct {
+    const pr_config *c;
+    mesh_shape shape;
+    const pr_group *g;
+    const pr_real *init;
+    const char *dir;
+    pr_real *arena[16][4];        /* each rank's parameters, gradients, AdamW m and v after the step */
+    size_t n;                     /* the local arena's length (the same on every TP rank) */
+    size_t kv_off[16], kv_numel[16];
+    int n_kv;                     /* the local k/v projections' places in the arena */
+    int reload_same[16];
+} kvrep_run;
+
+static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
+    kvrep_run *m = user;
+    const mesh_shape sh = m->shape;
+    const int r = world->rank;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL, *back = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
+    if (s) return s;
+    pr_step_opts o = pr_step_opts_default();
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    pr_train_state state = { 0, 1, 5, adam };
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)))
+        s = pr_trainer_set_full_params(tr, m->init, pr_trainer_full_param_count(tr), err);
+    if (!s) s = pr_trainer_compute_grads(tr, m->g, &o, NULL, NULL, err);
+    const size_t n = tr ? tr->n_params : 0;
+    for (int k = 0; k < 4; k++) m->arena[r][k] = malloc(sizeof(pr_real) * n);
+    if (!s) memcpy(m->arena[r][1], tr->grads, sizeof(pr_real) * n);     /* before clipping rescales them */
+    if (!s) s = pr_trainer_adamw_step(tr, &adam, NULL, err);
+    if (!s) {
+        memcpy(m->arena[r][0], tr->params, sizeof(pr_real) * n);
+        memcpy(m->arena[r][2], tr->adam_m, sizeof(pr_real) * n);
+        memcpy(m->arena[r][3], tr->adam_v, sizeof(pr_real) * n);
+    }
+    if (!s && r == 0) {
+        m->n = n;
+        for (int t = 0; t < tr->n_tensors; t++)
+            if (strstr(tr->tensors[t].name, "k_proj") || strstr(tr->tensors[t].name, "v_proj")) {
+                m->kv_off[m->n_kv] = tr->tensors[t].offset;
+                m->kv_numel[m->n_kv++] = tr->tensors[t].numel;
+            }
+    }
+    if (!s) s = pr_trainer_save_state(tr, m->dir, &state, NULL, err);
+    if (!s) s = world->barrier(world, err);                          /* world rank 0 has written it */
+    if (!s) s = pr_trainer_create_mesh(&back, m->c, pr_backend_cpu(), &mesh, err);
+    if (!s) s = pr_trainer_load_state(back, m->dir, NULL, err);
+    if (!s) m->reload_same[r] = same_state(tr, back);     /* the state is in the build's precision: exact */
+    pr_trainer_destroy(back);
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+/* The replicas of each KV head hold the same bits after a step (parameters, gradients, m, v), the
+   ranks of different KV heads do not, and a saved state (one copy of each KV head) loads back into
+   every replica. */
+static void kvrep_replicas_case(const pr_config *c, mesh_shape shape, const pr_group *g, const char *label) {
+    pr_trainer *one = make_model(c, 5);
+    pr_real *init = params_of(one);
+    char dir[] = "/tmp/prtest_kvrepXXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    kvrep_run m;
+    memset(&m, 0, sizeof m);
+    m.c = c; m.shape = shape; m.g = g; m.init = init; m.dir = dir;
+    pr_error err;
+    const int ranks = mesh_size(shape), rep = shape.tp / c->num_key_value_heads;
+    pr_status st = pr_comm_local_run(ranks, kvrep_rank, &m, &err);
+    CHECK(st == PR_OK, "%s: %s", label, err.message);
+    if (st == PR_OK) {
+        int same = 1, distinct = 1, reloaded = 1;
+        for (int r = 0; r < ranks; r++) {
+            reloaded &= m.reload_same[r];
+            for (int k = 0; k < 4; k++)
+                for (int t = 0; t < m.n_kv; t++) {
+                    const size_t bytes = sizeof(pr_real) * m.kv_numel[t];
+                    if (r % rep) same &= !memcmp(m.arena[r][k] + m.kv_off[t], m.arena[r - 1][k] + m.kv_off[t], bytes);
+                    else if (r && k == 0) distinct &= memcmp(m.arena[r][k] + m.kv_off[t], m.arena[r - 1][k] + m.kv_off[t], bytes) != 0;
+                }
+        }
+        CHECK(m.n_kv > 0 && same, "%s: the replicas of a KV head differ (parameters, gradients or AdamW moments)", label);
+        CHECK(distinct, "%s: ranks of different KV heads hold equal k/v weights", label);
+        CHECK(reloaded, "%s: a saved state loaded back into the mesh differs from the shard saved", label);
+        /* the checkpoint holds each KV head once: a single rank reads the model the mesh gathers */
+        char path[128];
+        snprintf(path, sizeof path, "%s/step-00000001", dir);
+        pr_trainer *whole = make_model(c, 6);
+        pr_trainer *ref = make_model(c, 5);
+        pr_step_opts o = pr_step_opts_default();
+        pr_adamw_opts adam = pr_adamw_opts_default();
+        CHECK(!pr_trainer_load(whole, path, &err), "%s: the saved state as a checkpoint: %s", label, err.message);
+        CHECK(!pr_trainer_compute_grads(ref, g, &o, NULL, NULL, &err) && !pr_trainer_adamw_step(ref, &adam, NULL, &err), "%s: %s",
+              label, err.message);
+        pr_real *pw = params_of(whole), *pref = params_of(ref);
+        CHECK(close_arenas(ref, pw, pref, "saved parameter", label), "%s: the saved model vs one rank's step", label);
+        free(pw); free(pref);
+        pr_trainer_destroy(whole);
+        pr_trainer_destroy(ref);
+    }
+    for (int r = 0; r < ranks; r++)
+        for (int k = 0; k < 4; k++) free(m.arena[r][k]);
+    free(init);
+    pr_trainer_destroy(one);
+    remove_tree(dir, 1);
+}
+
+typedef struct { const pr_config *c; int tp; pr_status st[8]; pr_error err[8]; } kvrep_refusal;
+static pr_status kvrep_refuse_rank(pr_comm *world, void *user, pr_error *err) {
+    kvrep_refusal *f = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, 1, 1, 1, f->tp, 1, err);
+    if (s) return s;
+    f->st[world->rank] = pr_trainer_create_mesh(&tr, f->c, pr_backend_cpu(), &mesh, &f->err[world->rank]);
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return PR_OK;
+}
+
+static void test_kv_replication(void) {
+    const int S[6] = { 5, 1, 8, 3, 6, 2 };
+    static test_group tg[2];
+    pr_group groups[2];
+    for (int i = 0; i < 2; i++) {
+        make_group(&tg[i], 7 + 2 * i, 3 + i, S + i, 61, 1300 + i);
+        groups[i] = tg[i].g;
+    }
+    const pr_moe_opts mb_scope = { PR_AUX_SCOPE_MICROBATCH, 0 }, group_scope = { PR_AUX_SCOPE_GROUP, 0 };
+    pr_config llama = small_config(0, 0, 2), qwen = small_config(1, 1, 1), moe = moe_config(1);
+    llama.num_attention_heads = 8;     /* 2 KV heads: tp 4 and 8 replicate each on 2 and 4 ranks */
+    moe.num_experts = 8;
+    moe.moe_intermediate_size = 8;
+    /* shapes: dp, pp, cp, tp, ep, microbatch, offload */
+    struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
+        { &llama, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, tp 4" },
+        { &llama, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "kv replicated: llama 2 KV heads, tp 4, baseline" },
+        { &llama, { 1, 1, 1, 8, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, tp 8" },
+        { &llama, { 1, 1, 1, 8, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "kv replicated: llama 2 KV heads, tp 8, baseline" },
+        { &qwen, { 1, 1, 1, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: qwen3 1 KV head, tp 2 (tied, q/k norms)" },
+        { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: qwen3 1 KV head, tp 4" },
+        { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "kv replicated: qwen3 1 KV head, tp 4, baseline" },
+        { &moe, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: MoE 2 KV heads, tp 4 (expert columns)" },
+        { &moe, { 1, 1, 1, 4, 4, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "kv replicated: MoE 2 KV heads, tp 4 ep 4, group scope" },
+        { &qwen, { 1, 2, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: qwen3 1 KV head, pp 2 cp 2 tp 2" },
+        { &llama, { 2, 1, 1, 4, 1, 1, 0 }, 2, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, dp 2 tp 4" },
+        { &llama, { 2, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, dp 2 tp 4, one group split" },
+    };
+    const int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
+    zero_case(&llama, (mesh_shape){ 2, 1, 1, 4, 1, 1, 0 }, groups, 2, PR_SCHEDULE_REUSE, "kv replicated: zero, dp 2 tp 4");
+    kvrep_replicas_case(&llama, (mesh_shape){ 1, 1, 1, 8, 1, 1, 0 }, &groups[0], "kv replicas: llama tp 8");
+    kvrep_replicas_case(&moe, (mesh_shape){ 1, 1, 1, 4, 4, 1, 0 }, &groups[1], "kv replicas: MoE tp 4 ep 4");
+    /* tp neither dividing the KV heads nor a multiple of them: refused on every rank */
+    pr_config odd = small_config(0, 0, 4);
+    odd.num_attention_heads = 12;
+    kvrep_refusal f;
+    memset(&f, 0, sizeof f);
+    f.c = &odd;
+    f.tp = 6;
+    pr_error err;
+    CHECK(pr_comm_local_run(6, kvrep_refuse_rank, &f, &err) == PR_OK, "refusal run: %s", err.message);
+    for (int r = 0; r < 6; r++)
+        CHECK(f.st[r] == PR_ERR_UNSUPPORTED && strstr(f.err[r].message, "tp 6 must divide the KV heads (4) or be a multiple of them"),
+              "tp 6 over 4 KV heads, rank %d: %s '%s'", r, pr_status_name(f.st[r]), f.st[r] ? f.err[r].message : "");
+    /* the shipped Qwen3-30B-A3B (4 KV heads) shards at tp 8 ep 8: 4 query heads and 1 KV head, 16 experts a rank */
+    pr_config big, local;
+    pr_mesh eight;
+    memset(&eight, 0, sizeof eight);
+    eight.dp = eight.pp = eight.cp = 1;
+    eight.tp = eight.ep = 8;
+    eight.tp_rank = 5;
+    int layer0, expert0, n_experts;
+    CHECK(!pr_config_load(&big, "model/qwen3-30b-a3b", &err) &&
+          !pr__shard_config(&big, &eight, &local, &layer0, &expert0, &n_experts, &err) && local.num_attention_heads == 4 &&
+          local.num_key_value_heads == 1 && n_experts == 16 && expert0 == 80, "qwen3-30b-a3b at tp 8: %s", err.message);
+    printf("kv replication: %d layouts with tp above the KV heads vs the single-rank baseline, ZeRO, replicas bitwise equal, "
+           "state round trip, qwen3-30b-a3b at tp 8, tp 6 over 4 KV heads refused\n", n);
+}
+
 /* ---- offload of the prefix's dormant state */
 /* The CPU backend with copies that really are late: copy_async only queues, and the queue runs (in
    order, as one copy stream would) up to the last copy with a tag when copy_wait names it, or all
@@ -1631,6 +1815,7 @@ int main(void) {
     test_moe();
     test_dp();
     test_mesh();
+    test_kv_replication();
     test_zero();
     test_grad_reduce_bf16();
     test_checkpoints();
