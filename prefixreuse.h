@@ -565,6 +565,12 @@ typedef struct {
     int routing_prepass;     /* MoE: 1 when a forward-only routing pass ran first (group scope) */
     long rows;               /* token rows run through the model (padding included) */
     long loss_tokens;        /* tokens with a nonzero loss weight */
+    /* Diagnostics over those tokens, as sums (divide by loss_tokens, after adding up a step's groups
+       and its dp ranks): the KL estimate the loss uses, exp(ref-logp) - (ref-logp) - 1 (0 without
+       reference log-probs), and the tokens whose clipped term is the one taken (the clip fraction's
+       count; their policy-gradient slope is 0). */
+    double kl_sum;
+    long clipped_tokens;
     int microbatches;
     double flops;            /* model FLOPs of the step (pr_step_flops) */
     /* Reuse: this rank's prefix K/V cache over its layers, the state a group split across DP ranks
@@ -724,7 +730,8 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
    running an equal share of its trajectories: under reuse the team's first rank runs Phase A and
    C and sends each peer the prefix K/V (pr_step_stats.prefix_kv_bytes; the activation stack,
    prefix_stack_bytes, stays), and the peers' gK/gV come back to it after Phase B.
-   *stats: this rank's last group's stats, with loss, rows and flops summed over its own groups
+   *stats: this rank's last group's stats, with loss, rows, flops, loss_tokens, kl_sum and
+   clipped_tokens summed over its own groups
    (a rank with no group gets zeros; in a team, each rank its share); sum them over dp for the
    whole step's. */
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
@@ -1427,6 +1434,16 @@ static void pr__cpu_row_dots(const pr_backend *be, pr_real *out, const void *a, 
    r = exp(logp - old);  pg = -min(r A, clip(r, 1-eps_low, 1+eps_high) A)
    kl = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, >= 0)
    The min picks the clipped term only when it is smaller; there its slope in logp is 0. */
+/* -min(r A, clip(r) A) and whether the clipped term is the one taken (then its slope in logp is 0:
+   the token counts in the clip fraction). */
+static double pr__ppo_surrogate(double logp, double old, double adv, const pr_loss_opts *o, int *clipped) {
+    double r = exp(logp - old);
+    double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
+    double unclipped = r * adv, clip = rc * adv;
+    *clipped = unclipped > clip;
+    return *clipped ? -clip : -unclipped;
+}
+
 PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, double adv, const pr_loss_opts *o,
                                 double *dloss_dlogp) {
     pr_step_opts def;
@@ -1434,11 +1451,8 @@ PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, dou
         def = pr_step_opts_default();
         o = &def.loss;
     }
-    double r = exp(logp - old);
-    double rc = r < 1 - o->eps_low ? 1 - o->eps_low : (r > 1 + o->eps_high ? 1 + o->eps_high : r);
-    double unclipped = r * adv, clipped = rc * adv, loss, d;
-    if (unclipped <= clipped) { loss = -unclipped; d = -unclipped; }
-    else { loss = -clipped; d = 0; }
+    int clipped;
+    double loss = pr__ppo_surrogate(logp, old, adv, o, &clipped), d = clipped ? 0 : loss;
     if (ref && o->kl_coef != 0) {
         double delta = (double)*ref - logp, e = exp(delta);
         loss += o->kl_coef * (e - delta - 1);
@@ -3190,6 +3204,9 @@ static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
         pr__sum_doubles(tr, pp, &moe->aux, 1);
         pr__sum_host(tr, pp, cx->logp, n_tok);
     }
+    /* a team's ranks computed disjoint log-probs (the owner every suffix's first token, each rank
+       the rest of its own trajectories): their sum is the group's on every rank */
+    if (cx->team) pr__sum_host(tr, cx->team, cx->logp, n_tok);
     if (!cx->opt->accumulate) pr__mesh_sync_grads(tr);
 }
 
@@ -3199,7 +3216,19 @@ static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
 static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_status st, pr_step_stats *stats,
                               pr_error *err) {
     const pr_backend *be = tr->be;
+    const pr_group *g = cx->g;
     for (long f = 0; cx->owner && f < cx->n_tok; f++) s->loss_tokens += cx->tok_weight[f] != 0;
+    for (int i = 0; cx->owner && !st && i < g->G; i++)    /* counted once for a team, as loss_tokens */
+        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) {
+            if (cx->tok_weight[f] == 0) continue;
+            int clipped;
+            pr__ppo_surrogate(cx->logp[f], g->old_logp[f], g->advantage[i], &cx->opt->loss, &clipped);
+            s->clipped_tokens += clipped;
+            if (g->ref_logp) {
+                const double delta = (double)g->ref_logp[f] - cx->logp[f];
+                s->kl_sum += exp(delta) - delta - 1;
+            }
+        }
     s->aux_loss = cx->moe.aux;
     s->routing_prepass = cx->moe.prepass;
     pr__step_free(cx);
@@ -4661,13 +4690,14 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     for (int i = 0; place && i < n && !st; i++) {
         if (place[i] != dp->rank) continue;
         st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
-        if (!st) {
-            double loss = sum.loss + s.loss, flops = sum.flops + s.flops;
-            long rows = sum.rows + s.rows;
+        if (!st) {         /* the last group's stats, with the sums over the groups */
+            s.loss += sum.loss;
+            s.flops += sum.flops;
+            s.rows += sum.rows;
+            s.loss_tokens += sum.loss_tokens;
+            s.kl_sum += sum.kl_sum;
+            s.clipped_tokens += sum.clipped_tokens;
             sum = s;
-            sum.loss = loss;
-            sum.flops = flops;
-            sum.rows = rows;
         }
     }
     PR_FREE(place);

@@ -835,7 +835,15 @@ static void test_moe(void) {
 }
 
 /* ------------------------------------------------------------------ data parallelism */
-typedef struct { pr_trainer *tr[4]; const pr_group *groups; int n; pr_step_opts opt; double loss[4]; pr_real *grads0; } dp_run;
+typedef struct {
+    pr_trainer *tr[4];
+    const pr_group *groups;
+    int n;
+    pr_step_opts opt;
+    double loss[4];
+    pr_step_stats stats[4];
+    pr_real *grads0;
+} dp_run;
 
 static pr_status dp_rank(pr_comm *c, void *user, pr_error *err) {
     dp_run *d = user;
@@ -843,6 +851,7 @@ static pr_status dp_rank(pr_comm *c, void *user, pr_error *err) {
     pr_status s = pr_trainer_compute_grads_dp(d->tr[c->rank], c, d->groups, d->n, &d->opt, &st, err);
     if (s) return s;
     d->loss[c->rank] = st.loss;
+    d->stats[c->rank] = st;
     if (c->rank == 0 && (s = pr_trainer_get_grads(d->tr[0], d->grads0, pr_trainer_param_count(d->tr[0]), err))) return s;
     pr_adamw_opts adam = pr_adamw_opts_default();   /* clipping rescales the arena: gradients are read before */
     return pr_trainer_adamw_step(d->tr[c->rank], &adam, NULL, err);
@@ -913,6 +922,81 @@ static void test_dp(void) {
     double most = 0;
     for (int i = 0; i < 5; i++) most = fmax(most, pr_step_flops(&c, &groups[i], PR_SCHEDULE_REUSE));
     CHECK(fabs(load[0] - load[1]) <= most, "dp placement: loads %.3g and %.3g differ by more than one group", load[0], load[1]);
+}
+
+/* The step's diagnostics (pr_step_stats loss_tokens, kl_sum, clipped_tokens) against a formula of
+   their own, from the log-probs the step returns: a token is clipped when its ratio left the band
+   on the side its advantage pushes it. Both schedules; then over two dp ranks, with whole groups and
+   with one group split over both, the ranks' sums add up to one rank's. */
+static void test_step_metrics(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[6] = { 4, 7, 2, 5, 3, 6 };
+    static test_group tg[3];
+    pr_group groups[3];
+    for (int i = 0; i < 3; i++) {
+        make_group(&tg[i], 5 + 3 * i, 3 + i, S, c.vocab_size, 610 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_step_opts o = pr_step_opts_default();
+    o.loss.kl_coef = 0.05;
+    o.microbatch = 2;
+    pr_error err;
+    pr_step_stats one[2][3];       /* each group alone on one rank, by schedule */
+    long tok_all = 0, clip_all = 0;
+    for (int i = 0; i < 3; i++)
+        for (int sched = 0; sched < 2; sched++) {
+            const pr_group *g = &groups[i];
+            pr_trainer *tr = make_model(&c, 5);
+            pr_real lp[4096];
+            pr_step_stats st;
+            o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+            CHECK(!pr_trainer_compute_grads(tr, g, &o, &st, lp, &err), "metrics: %s", err.message);
+            long tok = 0, clip = 0;
+            double kl = 0;
+            for (int t = 0; t < g->G; t++)
+                for (int64_t f = g->suffix_off[t]; f < g->suffix_off[t + 1]; f++) {
+                    if (!g->loss_mask[f]) continue;
+                    const double r = exp((double)lp[f] - g->old_logp[f]), A = g->advantage[t], d = (double)g->ref_logp[f] - lp[f];
+                    tok++;
+                    clip += (A > 0 && r > 1 + o.loss.eps_high) || (A < 0 && r < 1 - o.loss.eps_low);
+                    kl += exp(d) - d - 1;
+                }
+            CHECK(st.loss_tokens == tok && st.clipped_tokens == clip && fabs(st.kl_sum - kl) <= 1e-12 * kl,
+                  "metrics, group %d, %s: tokens %ld clipped %ld kl %.17g, want %ld %ld %.17g", i, sched ? "reuse" : "baseline",
+                  st.loss_tokens, st.clipped_tokens, st.kl_sum, tok, clip, kl);
+            one[sched][i] = st;
+            if (sched) {
+                tok_all += tok;
+                clip_all += clip;
+            }
+            pr_trainer_destroy(tr);
+        }
+    CHECK(clip_all > 0 && clip_all < tok_all && one[1][0].kl_sum > 0, "metrics: the groups need clipped and unclipped tokens (%ld of %ld)",
+          clip_all, tok_all);
+    for (int k = 0; k < 4; k++) {               /* 3 groups over 2 ranks; 1 group split over both; each schedule */
+        const int n = k % 2 ? 1 : 3, sched = k / 2;
+        o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+        dp_run d;
+        memset(&d, 0, sizeof d);
+        for (int r = 0; r < 2; r++) d.tr[r] = make_model(&c, 5);
+        d.groups = groups;
+        d.n = n;
+        d.opt = o;
+        d.grads0 = malloc(sizeof(pr_real) * pr_trainer_param_count(d.tr[0]));
+        CHECK(pr_comm_local_run(2, dp_rank, &d, &err) == PR_OK, "metrics over dp: %s", err.message);
+        long tok = 0, clip = 0, want_tok = 0, want_clip = 0;
+        double kl = 0, want_kl = 0;
+        for (int r = 0; r < 2; r++) { tok += d.stats[r].loss_tokens; clip += d.stats[r].clipped_tokens; kl += d.stats[r].kl_sum; }
+        for (int i = 0; i < n; i++) {
+            want_tok += one[sched][i].loss_tokens;
+            want_clip += one[sched][i].clipped_tokens;
+            want_kl += one[sched][i].kl_sum;
+        }
+        CHECK(tok == want_tok && clip == want_clip && fabs(kl - want_kl) <= 1e-12 * want_kl,
+              "metrics over dp, %d groups, %s: tokens %ld clipped %ld kl %.17g, want %ld %ld %.17g", n, sched ? "reuse" : "baseline", tok, clip, kl, want_tok, want_clip, want_kl);
+        free(d.grads0);
+        for (int r = 0; r < 2; r++) pr_trainer_destroy(d.tr[r]);
+    }
 }
 
 /* ------------------------------------------------------------------ the device mesh */
@@ -1818,6 +1902,7 @@ int main(void) {
     test_kv_replication();
     test_zero();
     test_grad_reduce_bf16();
+    test_step_metrics();
     test_checkpoints();
     test_other_shape();
     test_train_state();
