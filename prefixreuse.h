@@ -68,7 +68,8 @@
      7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
         parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
         ranks, data parallelism (ZeRO: AdamW state sharded over dp, pr_mesh.zero), in-process
-        ranks (NCCL is in prefixreuse_cuda.cu); the gradient sum over dp in bf16 on request
+        ranks (NCCL is in prefixreuse_cuda.cu), a measuring communicator; the gradient sum over dp in
+        bf16 on request
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
         GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
@@ -456,7 +457,9 @@ PRDEF const pr_backend *pr_backend_cpu(void);
    logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
    nothing may read, and every kernel returns at once (log-probs come back as 0). The trainer's
    memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
-   at any model size, in milliseconds. Fills *storage and returns it (NULL if either is NULL). */
+   at any model size, in milliseconds. Activations read back to the host are a fixed pseudo-random
+   pattern, so that MoE routing spreads tokens evenly. Fills *storage and returns it (NULL if either
+   is NULL). On a mesh, pair it with pr_comm_measure. */
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
 
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
@@ -717,6 +720,12 @@ struct pr_comm {
     pr_status (*split)(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err);
     void (*destroy)(pr_comm *c);
 };
+
+/* A communicator for the measuring backend on a mesh (pr_backend_measure): the ranks of `inner`,
+   and its split, so that a mesh forms exactly as on inner; every collective moves nothing (its
+   buffers are the measuring backend's placeholders) and returns at once, and bytes_sent stays 0.
+   Its sub-communicators are measuring ones too. Destroying it leaves inner alone. */
+PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err);
 
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
@@ -1607,9 +1616,17 @@ static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_r
     memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
 }
 static void pr__measure_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; (void)dst; (void)host; (void)n; }
+/* Activations read back to the host are a fixed pseudo-random pattern in [-1, 1): what the host
+   decides from them (MoE routing) then spreads tokens over the experts evenly, as a trained
+   router's load-balancing loss keeps them on average. Zeros would send every token to the same k
+   experts, and under EP all of them to one rank. */
 static void pr__measure_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
     (void)be; (void)src;
-    memset(host, 0, n * sizeof(pr_real));
+    uint64_t x = 0x9e3779b97f4a7c15u;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        host[i] = (pr_real)((double)(x >> 11) * 0x1p-52 - 1);
+    }
 }
 static void pr__measure_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
     (void)be; (void)a; (void)b; (void)C;
@@ -4712,7 +4729,80 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     return PR_OK;
 }
 
-/* ---------------------------------------------------------------- 7.8 In-process ranks: the communicator over threads */
+/* ---------------------------------------------------------------- 7.8 The measuring communicator */
+typedef struct { pr_comm *inner; int owns; } pr__measure_comm;
+
+static pr_status pr__mc_move(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
+    (void)c; (void)out; (void)in; (void)n; (void)t; (void)err;
+    return PR_OK;
+}
+static pr_status pr__mc_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
+    (void)c; (void)buf; (void)n; (void)t; (void)err;
+    return PR_OK;
+}
+static pr_status pr__mc_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    (void)c; (void)buf; (void)n; (void)t; (void)peer; (void)err;
+    return PR_OK;
+}
+static pr_status pr__mc_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
+    (void)c; (void)buf; (void)n; (void)t; (void)peer; (void)err;
+    return PR_OK;
+}
+static pr_status pr__mc_send_recv(pr_comm *c, const void *s, size_t ns, int to, void *r, size_t nr, int from, pr_comm_type t,
+                                  pr_error *err) {
+    (void)c; (void)s; (void)ns; (void)to; (void)r; (void)nr; (void)from; (void)t; (void)err;
+    return PR_OK;
+}
+static pr_status pr__mc_barrier(pr_comm *c, pr_error *err) { (void)c; (void)err; return PR_OK; }
+static void pr__mc_destroy(pr_comm *c) {
+    if (!c) return;
+    pr__measure_comm *m = (pr__measure_comm *)c->ctx;
+    if (m->owns) m->inner->destroy(m->inner);
+    PR_FREE(m);
+    PR_FREE(c);
+}
+static pr_status pr__mc_wrap(pr_comm **out, pr_comm *inner, int owns, pr_error *err);
+static pr_status pr__mc_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
+    pr_comm *inner_sub = NULL;
+    pr__measure_comm *m = (pr__measure_comm *)c->ctx;
+    pr_status st = m->inner->split(m->inner, color, key, &inner_sub, err);
+    if (!st && (st = pr__mc_wrap(sub, inner_sub, 1, err))) inner_sub->destroy(inner_sub);
+    return st;
+}
+static pr_status pr__mc_wrap(pr_comm **out, pr_comm *inner, int owns, pr_error *err) {
+    pr_comm *c = (pr_comm *)PR_MALLOC(sizeof *c);
+    pr__measure_comm *m = (pr__measure_comm *)PR_MALLOC(sizeof *m);
+    if (!c || !m) {
+        PR_FREE(c);
+        PR_FREE(m);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_comm_measure: out of memory");
+    }
+    memset(c, 0, sizeof *c);
+    m->inner = inner;
+    m->owns = owns;
+    c->rank = inner->rank;
+    c->size = inner->size;
+    c->name = "measure";
+    c->ctx = m;
+    c->all_reduce = pr__mc_reduce;
+    c->all_gather = pr__mc_move;
+    c->reduce_scatter = pr__mc_move;
+    c->all_to_all = pr__mc_move;
+    c->send = pr__mc_send;
+    c->recv = pr__mc_recv;
+    c->send_recv = pr__mc_send_recv;
+    c->barrier = pr__mc_barrier;
+    c->split = pr__mc_split;
+    c->destroy = pr__mc_destroy;
+    *out = c;
+    return PR_OK;
+}
+PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err) {
+    if (!out || !inner) return pr__fail(err, PR_ERR_ARG, "pr_comm_measure: NULL argument");
+    return pr__mc_wrap(out, inner, 0, err);
+}
+
+/* ---------------------------------------------------------------- 7.9 In-process ranks: the communicator over threads */
 #ifndef PR_NO_THREADS
 /* The threads behind the ranks: C11 <threads.h> in C, POSIX threads in C++ (whose standard has no
    <threads.h>; every C++ toolchain on Linux and macOS has <pthread.h>). The communicator uses

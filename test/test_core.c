@@ -1129,6 +1129,81 @@ static void zero_case(const pr_config *c, mesh_shape shape, const pr_group *grou
     pr_trainer_destroy(ref);
 }
 
+/* pr_comm_measure with pr_backend_measure: a mesh that moves and computes nothing accounts memory
+   exactly as the real mesh does. Per rank: the training state's bytes and each phase's peak equal
+   those of the same step on the CPU backend over the in-process communicator. */
+typedef struct {
+    const pr_config *c;
+    mesh_shape shape;
+    int zero, measure;
+    const pr_group *groups;
+    int n;
+    size_t state[8], peak[8][3];
+} measure_job;
+
+static pr_status measure_rank(pr_comm *world, void *user, pr_error *err) {
+    measure_job *j = user;
+    pr_comm *w = world;
+    pr_backend storage;
+    const pr_backend *be = j->measure ? pr_backend_measure(pr_backend_cpu(), &storage) : pr_backend_cpu();
+    pr_status s = j->measure ? pr_comm_measure(&w, world, err) : PR_OK;
+    if (s) return s;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_step_stats st;
+    const mesh_shape sh = j->shape;
+    if (!(s = pr_mesh_init(&mesh, w, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err))) {
+        mesh.zero = j->zero;
+        pr_step_opts o = pr_step_opts_default();
+        o.schedule = PR_SCHEDULE_REUSE;
+        o.microbatch = sh.mb;
+        if (!(s = pr_trainer_create_mesh(&tr, j->c, be, &mesh, err)) && !j->measure) s = pr_trainer_init_params(tr, 3, err);
+        if (!s) s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, j->groups, j->n, &o, &st, err)
+                              : pr_trainer_compute_grads(tr, &j->groups[0], &o, &st, NULL, err);
+        if (!s) {
+            j->state[world->rank] = pr_trainer_state_bytes(tr);
+            memcpy(j->peak[world->rank], st.peak_bytes, sizeof st.peak_bytes);
+        }
+        pr_trainer_destroy(tr);
+        pr_mesh_free(&mesh);
+    }
+    if (w != world) w->destroy(w);
+    return s;
+}
+
+static void test_measure_mesh(void) {
+    const int S[6] = { 5, 1, 8, 3, 6, 2 };
+    static test_group tg[2];
+    pr_group groups[2];
+    for (int i = 0; i < 2; i++) {
+        make_group(&tg[i], 7 + 5 * i, 3 + i, S, 61, 950 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 2), qwen = small_config(1, 1, 2);
+    struct { const pr_config *c; mesh_shape sh; int zero; const char *label; } cases[] = {
+        { &llama, { 2, 1, 1, 2, 1, 2, 0 }, 2, "dp 2 x tp 2, zero 2" },
+        { &qwen, { 1, 2, 1, 2, 1, 1, 0 }, 0, "pp 2 x tp 2, qwen3 tied" },
+        { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 0, "cp 2 x tp 2" },
+        { &llama, { 2, 1, 1, 4, 1, 2, 0 }, 1, "dp 2 x tp 4 (KV heads replicated), zero 1" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        measure_job j[2];
+        pr_error err;
+        for (int m = 0; m < 2; m++) {
+            memset(&j[m], 0, sizeof j[m]);
+            j[m].c = cases[k].c; j[m].shape = cases[k].sh; j[m].zero = cases[k].zero; j[m].measure = m;
+            j[m].groups = groups; j[m].n = 2;
+            CHECK(pr_comm_local_run(mesh_size(cases[k].sh), measure_rank, &j[m], &err) == PR_OK, "measured mesh %s%s: %s",
+                  cases[k].label, m ? " (measured)" : "", err.message);
+        }
+        int same = 1;
+        for (int r = 0; r < mesh_size(cases[k].sh); r++)
+            same &= j[0].state[r] == j[1].state[r] && j[0].state[r] > 0 && !memcmp(j[0].peak[r], j[1].peak[r], sizeof j[0].peak[r]);
+        CHECK(same && j[0].peak[0][1] > 0, "measured mesh %s: state bytes and phase peaks differ from the real mesh's (rank 0: %zu vs %zu; "
+              "B %zu vs %zu)", cases[k].label, j[0].state[0], j[1].state[0], j[0].peak[0][1], j[1].peak[0][1]);
+    }
+}
+
 static void test_zero(void) {
     const int S[8] = { 5, 1, 8, 3, 6, 2, 4, 7 };
     static test_group tg[8];
@@ -1903,6 +1978,7 @@ int main(void) {
     test_zero();
     test_grad_reduce_bf16();
     test_step_metrics();
+    test_measure_mesh();
     test_checkpoints();
     test_other_shape();
     test_train_state();
