@@ -36,5 +36,8 @@ check "bad value '3' for --zero"            --zero 3
 check "bad value '0' for --save-every"      --save-every 0 --save-state /tmp/never-written
 check "--resume and --init"                 --resume /tmp/never-read --init /tmp/never-read
 check "not --check or --bench"              --check --save-state /tmp/never-written
+check "bad value 'seq-mean' for --loss-norm" --loss-norm seq-mean
+check "bad value '0' for --groups-per-step" --groups-per-step 0
+check "bad value '0' for --loss-norm-len"   --loss-norm-len 0
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
