@@ -1058,7 +1058,7 @@ static void test_steps(void) {
         CHECK(!pr_step_loss_totals(&groups[1], 1, 0, &with.loss.step, &err), "totals of one group: %s", err.message);
         pr_trainer *a = make_model(&c, 5), *b = make_model(&c, 5);
         pr_real lp[256], *logp[1] = { lp };
-        double la, lb;
+        double la = 0, lb = 0;
         CHECK(!run_step(a, &groups[1], 1, o, &la, logp, &err) && !run_step(b, &groups[1], 1, with, &lb, NULL, &err), "one group: %s",
               err.message);
         pr_real *ga = grads_of(a), *gb = grads_of(b);
