@@ -693,8 +693,9 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
 
 /* The gradient of the group's GRPO loss w.r.t. every parameter, by either schedule; overwrites
    the gradient arena (adds to it with opt->accumulate: a step of several groups, each with the
-   step's denominators in opt->loss.step, is their sum). logp (optional, g->suffix_off[G] reals) receives every suffix token's
-   log-prob. The group and options are validated before anything is touched. */
+   step's denominators in opt->loss.step, is their sum). logp (optional, g->suffix_off[G] reals)
+   receives every suffix token's log-prob. The group and options are validated before anything
+   is touched. */
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
