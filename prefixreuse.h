@@ -61,7 +61,8 @@
         backend is in prefixreuse_cuda.cu)
      3. The model: the trainer's data, forward declarations, parameters, activation memory, a
         pass, one layer forward and backward, batches and the GRPO loss head
-     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW (over this
+     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline; its token weights
+        from an optimizer step's loss denominators, pr_step_loss_totals), AdamW (over this
         rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces)
      5. Offload of the prefix's dormant state
      6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
