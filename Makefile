@@ -148,6 +148,7 @@ fuzz: | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	mkdir -p build/corpus_trace build/corpus_st
 	cp data/sample.trace build/corpus_trace/
+	$(PYTHON) -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/sample.trace'); p.write_trace('build/corpus_trace/sample-v2.trace', g, v, steps=[3, 1])"
 	for f in model/*/config.json; do { printf '\002'; cat $$f; } > build/corpus_st/config-$$(basename $$(dirname $$f)); done
 	printf '\006\000\000\001\000\000\100\000\000\000\260\000\000\000\002\000\000\000\004\000\000\000\002\000\000\000\020\000\000\000\000\002\000\000\000\000\000\000\000\000\000\000\000\000\000\000' > build/corpus_st/sizes-tiny
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace

@@ -61,7 +61,8 @@
         backend is in prefixreuse_cuda.cu)
      3. The model: the trainer's data, forward declarations, parameters, activation memory, a
         pass, one layer forward and backward, batches and the GRPO loss head
-     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline), AdamW (over this
+     4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline; its token weights
+        from an optimizer step's loss denominators, pr_step_loss_totals), AdamW (over this
         rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces)
      5. Offload of the prefix's dormant state
      6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
@@ -278,14 +279,18 @@ typedef struct {
     uint8_t *loss_mask;    /* (suffix_off[G]) */
 } pr_group;
 
+/* Optimizer steps: a version-2 file says which groups form each step, consecutive groups in file
+   order; one step accumulates all its groups' gradients (pr_step_loss_totals, pr_loss_norm). */
 typedef struct {
     int n_groups;
     int vocab_size;
     int has_ref;           /* every group carries ref_logp */
     pr_group *groups;      /* (n_groups) */
+    int n_steps;           /* 0: no step table (a version-1 file: each group its own step, or as the caller cuts them) */
+    int *step_off;         /* (n_steps+1) step s is groups step_off[s] .. step_off[s+1]-1; NULL when n_steps is 0 */
 } pr_trace;
 
-/* Read a trace file (pr_trace_parse on its bytes; messages name the file). */
+/* Read a trace file, format version 1 or 2 (pr_trace_parse on its bytes; messages name the file). */
 PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err);
 /* Parse a trace held in memory. Everything is checked before *trace is written: on failure
    *trace is untouched and nothing is allocated. On success the whole trace (the groups array
@@ -296,9 +301,11 @@ PRDEF pr_status pr_trace_parse(pr_trace *trace, const void *bytes, size_t len, p
 PRDEF void pr_trace_free(pr_trace *trace);
 /* Check a group (e.g. one built in memory by the caller) against the field rules above. */
 PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *err);
-/* The bytes of a trace in format v1, the inverse of pr_trace_parse (reals stored as float32, as
-   the format has them). Every group is validated first; ref_logp must be present in every group
-   exactly when has_ref. *bytes is allocated with PR_MALLOC; release it with PR_FREE. */
+/* The bytes of a trace, the inverse of pr_trace_parse (reals stored as float32, as the format
+   has them): format version 2 with its step table when n_steps > 0, else version 1. Every group
+   is validated first; ref_logp must be present in every group exactly when has_ref; the step
+   table must start at 0, give every step at least one group and end at n_groups. *bytes is
+   allocated with PR_MALLOC; release it with PR_FREE. */
 PRDEF pr_status pr_trace_serialize(const pr_trace *trace, void **bytes, size_t *len, pr_error *err);
 /* pr_trace_serialize to a file, atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_trace_write(const pr_trace *trace, const char *path, pr_error *err);
@@ -326,16 +333,47 @@ typedef struct {
 } pr_seq_layout;
 
 /* GRPO loss settings. Per token: r = exp(logp - old_logp),
-   l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * (exp(ref-logp) - (ref-logp) - 1). */
+   l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * (exp(ref-logp) - (ref-logp) - 1).
+   The loss of an optimizer step aggregates the masked token losses l of all its groups (the
+   "batch" of verl's agg_loss, whose modes these are) over step-wide denominators: T masked tokens,
+   N trajectories, a constant length L (pr_step_norm), with n_i the masked tokens of trajectory i:
+     token-mean               sum_i sum_t l / T
+     seq-mean-token-mean      sum_i (sum_t l / n_i) / N     (a trajectory with n_i = 0 adds 0)
+     seq-mean-token-sum       sum_i sum_t l / N
+     seq-mean-token-sum-norm  sum_i sum_t l / L             (Dr. GRPO; verl divides by the padded
+                                                             response length, not by N)
+   N counts every trajectory of the step, also one whose tokens are all masked (verl leaves those
+   out of its sequence count). Every denominator is known before any forward: each token's share
+   of the loss is fixed, so the loss adds up over groups, suffixes and microbatches in any order. */
 typedef enum {
-    PR_NORM_TOKEN_MEAN = 0,          /* sum of masked token losses / masked tokens in the group */
-    PR_NORM_SEQ_MEAN_TOKEN_MEAN = 1  /* mean over the G trajectories of each one's token mean */
+    PR_NORM_TOKEN_MEAN = 0,
+    PR_NORM_SEQ_MEAN_TOKEN_MEAN = 1,
+    PR_NORM_SEQ_MEAN_TOKEN_SUM = 2,
+    PR_NORM_SEQ_MEAN_TOKEN_SUM_NORM = 3
 } pr_loss_norm;
+/* The step-wide denominators. A field left 0 takes the value of the group being computed alone
+   (its masked tokens, its G, its longest suffix): a group called with none given is its own step,
+   as a single group always was. pr_step_loss_totals fills all three for a step of groups. */
+typedef struct {
+    int64_t tokens;          /* T: masked suffix tokens of the step */
+    int64_t trajectories;    /* N: trajectories (suffixes) of the step */
+    int64_t norm_len;        /* L: seq-mean-token-sum-norm's constant length */
+} pr_step_norm;
 typedef struct {
     double eps_low, eps_high;
     double kl_coef;                  /* 0: no KL term (reference log-probs not needed) */
     pr_loss_norm norm;
+    pr_step_norm step;               /* zero: the group alone is the step */
 } pr_loss_opts;
+
+/* The denominators of a step of n groups (every group of the step, on every DP rank): T and N
+   counted, L = norm_len, or with norm_len 0 the step's longest suffix. PR_ERR_ARG for NULL
+   arguments, n < 1, a negative norm_len or a group without its arrays. */
+PRDEF pr_status pr_step_loss_totals(const pr_group *groups, int n, int64_t norm_len, pr_step_norm *out, pr_error *err);
+/* The name of a mode as train and verl spell it ("seq-mean-token-sum-norm"); NULL for an unknown
+   value. pr_loss_norm_parse is its inverse: PR_ERR_ARG, naming the four, for an unknown name. */
+PRDEF const char *pr_loss_norm_name(pr_loss_norm norm);
+PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_error *err);
 
 /* Per-row inputs of the loss head: the token each row predicts and what its loss needs. */
 typedef struct {
@@ -668,8 +706,10 @@ PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 
 /* The gradient of the group's GRPO loss w.r.t. every parameter, by either schedule; overwrites
-   the gradient arena. logp (optional, g->suffix_off[G] reals) receives every suffix token's
-   log-prob. The group and options are validated before anything is touched. */
+   the gradient arena (adds to it with opt->accumulate: a step of several groups, each with the
+   step's denominators in opt->loss.step, is their sum). logp (optional, g->suffix_off[G] reals)
+   receives every suffix token's log-prob. The group and options are validated before anything
+   is touched. */
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
@@ -739,6 +779,9 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
    running an equal share of its trajectories: under reuse the team's first rank runs Phase A and
    C and sends each peer the prefix K/V (pr_step_stats.prefix_kv_bytes; the activation stack,
    prefix_stack_bytes, stays), and the peers' gK/gV come back to it after Phase B.
+   The groups are one optimizer step: give opt->loss.step the step's denominators
+   (pr_step_loss_totals over all n groups) so that the summed loss is the step's aggregate; left
+   zero, each group is normalised alone, as if it were a step of its own.
    *stats: this rank's last group's stats, with loss, rows, flops, loss_tokens, kl_sum and
    clipped_tokens summed over its own groups
    (a rank with no group gets zeros; in a team, each rank its share); sum them over dp for the
@@ -3025,6 +3068,46 @@ PRDEF pr_step_opts pr_step_opts_default(void) {
     return o;
 }
 
+/* ---- the loss's denominators: a group's own, a step's, the modes' names */
+/* One group's totals (its masked tokens, its G, its longest suffix): the step it is alone. */
+static pr_step_norm pr__group_totals(const pr_group *g) {
+    pr_step_norm t = { 0, g->G, 0 };
+    for (int64_t f = 0; f < g->suffix_off[g->G]; f++) t.tokens += g->loss_mask[f];
+    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > t.norm_len) t.norm_len = g->suffix_len[i];
+    return t;
+}
+
+PRDEF pr_status pr_step_loss_totals(const pr_group *groups, int n, int64_t norm_len, pr_step_norm *out, pr_error *err) {
+    if (!groups || !out || n < 1 || norm_len < 0)
+        return pr__fail(err, PR_ERR_ARG, "pr_step_loss_totals: NULL argument, %d groups or norm_len %lld (need >= 1 groups, "
+                        "norm_len >= 0)", n, (long long)norm_len);
+    pr_step_norm t = { 0, 0, 0 };
+    for (int k = 0; k < n; k++) {
+        const pr_group *g = &groups[k];
+        if (g->G < 1 || !g->suffix_len || !g->suffix_off || !g->loss_mask)
+            return pr__fail(err, PR_ERR_ARG, "pr_step_loss_totals: group %d has G = %d or no suffix arrays", k, g->G);
+        const pr_step_norm own = pr__group_totals(g);
+        t.tokens += own.tokens;
+        t.trajectories += own.trajectories;
+        if (own.norm_len > t.norm_len) t.norm_len = own.norm_len;
+    }
+    if (norm_len) t.norm_len = norm_len;
+    *out = t;
+    return PR_OK;
+}
+
+static const char *const pr__loss_norm_names[4] = { "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                                    "seq-mean-token-sum-norm" };
+PRDEF const char *pr_loss_norm_name(pr_loss_norm norm) {
+    return (int)norm >= 0 && (int)norm < 4 ? pr__loss_norm_names[norm] : NULL;
+}
+PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_error *err) {
+    for (int k = 0; name && norm && k < 4; k++)
+        if (!strcmp(name, pr__loss_norm_names[k])) { *norm = (pr_loss_norm)k; return PR_OK; }
+    return pr__fail(err, PR_ERR_ARG, "unknown loss aggregation mode '%s' (token-mean, seq-mean-token-mean, seq-mean-token-sum "
+                    "or seq-mean-token-sum-norm)", name ? name : "(null)");
+}
+
 static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, const pr_step_opts *o, pr_error *err) {
     if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
     pr_status st = pr_group_validate(g, tr->cfg.vocab_size, err);
@@ -3061,21 +3144,33 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
                         lo->eps_low, lo->eps_high);
     if (!(lo->kl_coef >= 0 && lo->kl_coef < 1e6)) return pr__fail(err, PR_ERR_ARG, "kl_coef %g must be >= 0", lo->kl_coef);
     if (lo->kl_coef > 0 && !g->ref_logp) return pr__fail(err, PR_ERR_ARG, "kl_coef %g needs reference log-probs, the group has none", lo->kl_coef);
-    if (lo->norm != PR_NORM_TOKEN_MEAN && lo->norm != PR_NORM_SEQ_MEAN_TOKEN_MEAN)
-        return pr__fail(err, PR_ERR_ARG, "unknown loss normalisation %d", (int)lo->norm);
+    if (!pr_loss_norm_name(lo->norm))
+        return pr__fail(err, PR_ERR_ARG, "unknown loss aggregation mode %d (token-mean 0, seq-mean-token-mean 1, "
+                        "seq-mean-token-sum 2, seq-mean-token-sum-norm 3)", (int)lo->norm);
+    const pr_step_norm own = pr__group_totals(g), *sn = &lo->step;
+    if (sn->tokens < 0 || sn->trajectories < 0 || sn->norm_len < 0)
+        return pr__fail(err, PR_ERR_ARG, "step totals must be >= 0 (0: the group's own), got %lld tokens, %lld trajectories, "
+                        "length %lld", (long long)sn->tokens, (long long)sn->trajectories, (long long)sn->norm_len);
+    if ((sn->tokens && sn->tokens < own.tokens) || (sn->trajectories && sn->trajectories < own.trajectories))
+        return pr__fail(err, PR_ERR_ARG, "step totals of %lld masked tokens and %lld trajectories are fewer than this group's "
+                        "own %lld and %lld: a step includes its groups", (long long)sn->tokens, (long long)sn->trajectories,
+                        (long long)own.tokens, (long long)own.trajectories);
     return PR_OK;
 }
 
-/* Each suffix token's share of the loss: mask / (masked tokens of the group) for token-mean, or
-   mask / (G * masked tokens of its trajectory) for seq-mean-token-mean. Both are known before any
-   forward runs, which is what lets the loss split over suffixes and microbatches. */
-static void pr__token_weights(const pr_group *g, pr_loss_norm norm, pr_real *w) {
-    long total = 0;
-    for (long f = 0; f < g->suffix_off[g->G]; f++) total += g->loss_mask[f];
+/* Each suffix token's share of the loss, mask / denominator with the step-wide denominators of
+   pr_loss_norm (those left 0 taken from this group alone). All are known before any forward runs,
+   which is what lets the loss split over groups, suffixes and microbatches. */
+static void pr__token_weights(const pr_group *g, const pr_loss_opts *lo, pr_real *w) {
+    const pr_step_norm own = pr__group_totals(g);
+    const double T = (double)(lo->step.tokens ? lo->step.tokens : own.tokens);
+    const double N = (double)(lo->step.trajectories ? lo->step.trajectories : own.trajectories);
+    const double L = (double)(lo->step.norm_len ? lo->step.norm_len : own.norm_len);
     for (int i = 0; i < g->G; i++) {
         long n_i = 0;
         for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) n_i += g->loss_mask[f];
-        double denom = norm == PR_NORM_TOKEN_MEAN ? (double)total : (double)g->G * (double)n_i;
+        double denom = lo->norm == PR_NORM_TOKEN_MEAN ? T : lo->norm == PR_NORM_SEQ_MEAN_TOKEN_MEAN ? N * (double)n_i
+                     : lo->norm == PR_NORM_SEQ_MEAN_TOKEN_SUM ? N : L;
         for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++)
             w[f] = g->loss_mask[f] ? (pr_real)(1.0 / denom) : 0;
     }
@@ -3109,7 +3204,7 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
         pr__step_free(cx);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", cx->n_tok);
     }
-    pr__token_weights(g, opt->loss.norm, cx->mem_tok_weight);
+    pr__token_weights(g, &opt->loss, cx->mem_tok_weight);
     if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
         memset(lp, 0, sizeof(pr_real) * (size_t)cx->n_tok);
     tr->comm_st = PR_OK;
@@ -7140,14 +7235,23 @@ static int pr__trace_take(unsigned char *block, size_t *used, size_t n, size_t e
    with block == NULL it checks the structure (counts, limits, sizes against the bytes left) and
    adds the block size to *used; with the block it carves the arrays from it and fills them. */
 static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char *name, const pr_trace *t,
-                                unsigned char *block, size_t *used, pr_error *err) {
+                                unsigned char *block, size_t *used, int **step_off, pr_error *err) {
     const size_t per_tok = 4 + 4 + (t->has_ref ? 4 : 0) + 1;   /* token, old_logp, [ref_logp], mask */
-    size_t pos = 24;
+    size_t pos = t->n_steps ? 28 + 4 * (size_t)t->n_steps : 24;   /* after the header and the step table */
     pr_group *groups = NULL;
     void *at[8] = {0};   /* addresses from pr__trace_take (filling pass only) */
     pr_status st;
-    if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0])) goto too_big;
-    if (block) groups = (pr_group *)at[0];
+    if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0]) ||
+        !pr__trace_take(block, used, t->n_steps ? (size_t)t->n_steps + 1 : 0, sizeof(int), &at[1]))
+        goto too_big;
+    if (block) {
+        groups = (pr_group *)at[0];
+        *step_off = t->n_steps ? (int *)at[1] : NULL;
+        for (int k = 0; k < t->n_steps; k++) {
+            if (!k) (*step_off)[0] = 0;
+            (*step_off)[k + 1] = (*step_off)[k] + (int)pr__get_u32(buf + 28 + 4 * (size_t)k);
+        }
+    }
     for (int gi = 0; gi < t->n_groups; gi++) {
         char where[320];
         uint32_t P, G, i;
@@ -7238,6 +7342,34 @@ too_big:
     return pr__fail(err, PR_ERR_NOMEM, "%s: the trace does not fit in memory (size overflow)", name);
 }
 
+/* Version 2's step table, after the header: u32 n_steps, then each step's group count. The counts
+   are read and checked here, before anything is sized from them: 1 <= n_steps <= n_groups, every
+   step at least one group, together exactly n_groups. */
+static pr_status pr__trace_steps_check(const unsigned char *buf, size_t len, const char *name, uint32_t n_groups, int *n_steps,
+                                       pr_error *err) {
+    if (len - 24 < 4)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: the step table's n_steps needs 4 bytes at offset 24, %zu left", name, len - 24);
+    const uint32_t n = pr__get_u32(buf + 24);
+    if (n < 1 || n > n_groups)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: n_steps = %u (must be 1..n_groups = %u)", name, n, n_groups);
+    if ((len - 28) / 4 < n)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: the step table's %u group counts need %llu bytes at offset 28, %zu left",
+                        name, n, 4ull * n, len - 28);
+    uint64_t covered = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        const uint32_t c = pr__get_u32(buf + 28 + 4 * (size_t)k);
+        if (c < 1 || c > n_groups - covered)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: step %u has %u groups (every step 1 or more, the steps together exactly "
+                            "n_groups = %u; %llu left for it)", name, k, c, n_groups, (unsigned long long)(n_groups - covered));
+        covered += c;
+    }
+    if (covered != n_groups)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: the steps hold %llu of the %u groups (they must cover every group once, in order)",
+                        name, (unsigned long long)covered, n_groups);
+    *n_steps = (int)n;
+    return PR_OK;
+}
+
 static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf, size_t len, const char *name,
                                        pr_error *err) {
     static const unsigned char magic[8] = {'P', 'R', 'T', 'R', 'A', 'C', 'E', 0};
@@ -7254,9 +7386,9 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     flags = pr__get_u32(buf + 12);
     n_groups = pr__get_u32(buf + 16);
     vocab = pr__get_u32(buf + 20);
-    if (version != 1)
+    if (version != 1 && version != 2)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: trace format version %u is not supported (this reader "
-                        "knows version 1)", name, version);
+                        "knows versions 1 and 2)", name, version);
     if (flags & ~1u)
         return pr__fail(err, PR_ERR_FORMAT, "%s: flags = 0x%x has unknown bits 0x%x (only bit 0, reference "
                         "log-probs, is defined)", name, flags, flags & ~1u);
@@ -7268,12 +7400,15 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.vocab_size = (int)vocab;
     t.has_ref = (int)(flags & 1u);
     t.groups = NULL;
-    if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, err))) return st;   /* check, size */
+    t.n_steps = 0;
+    t.step_off = NULL;
+    if (version == 2 && (st = pr__trace_steps_check(buf, len, name, n_groups, &t.n_steps, err))) return st;
+    if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, NULL, err))) return st;   /* check, size */
     block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
-    if ((st = pr__trace_walk(buf, len, name, &t, block, &used, err))) {             /* fill, check values */
+    if ((st = pr__trace_walk(buf, len, name, &t, block, &used, &t.step_off, err))) {   /* fill, check values */
         PR_FREE(block);
         return st;
     }
@@ -7312,12 +7447,22 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len,
             return pr__fail(err, PR_ERR_ARG, "group %d %s reference log-probs but the trace's has_ref is %d", k,
                             t->groups[k].ref_logp ? "has" : "lacks", t->has_ref);
     }
+    if (t->n_steps < 0 || t->n_steps > t->n_groups || (t->n_steps && !t->step_off))
+        return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: %d steps for %d groups%s", t->n_steps, t->n_groups,
+                        t->n_steps && !t->step_off ? " and no step_off" : "");
+    for (int k = 0; k < t->n_steps; k++)
+        if ((k == 0 && t->step_off[0] != 0) || t->step_off[k + 1] <= t->step_off[k] ||
+            (k == t->n_steps - 1 && t->step_off[k + 1] != t->n_groups))
+            return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: step %d spans groups %d..%d: the steps must run from group 0 to "
+                            "%d, each holding at least one group", k, t->step_off[k], t->step_off[k + 1] - 1, t->n_groups - 1);
     pr__buf b = {NULL, 0, 0, 0};
     pr__buf_add(&b, "PRTRACE\0", 8);
-    pr__buf_le32(&b, 1);
+    pr__buf_le32(&b, t->n_steps ? 2 : 1);
     pr__buf_le32(&b, t->has_ref ? 1u : 0u);
     pr__buf_le32(&b, (uint32_t)t->n_groups);
     pr__buf_le32(&b, (uint32_t)t->vocab_size);
+    if (t->n_steps) pr__buf_le32(&b, (uint32_t)t->n_steps);
+    for (int k = 0; k < t->n_steps; k++) pr__buf_le32(&b, (uint32_t)(t->step_off[k + 1] - t->step_off[k]));
     for (int k = 0; k < t->n_groups; k++) {
         const pr_group *g = &t->groups[k];
         pr__buf_le32(&b, (uint32_t)g->P);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* train_cuda (make cuda) is this file built with PR_CUDA: the same driver on the CUDA backend. */
 #ifdef PR_CUDA
@@ -38,10 +39,13 @@ typedef struct {
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
     int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
     int grad_reduce_bf16;            /* the gradient sum over dp in bf16 (pr_mesh.bf16_grad_reduce) */
-    int dp_groups;                   /* groups a step over dp (default dp); fewer split each over dp/N ranks */
+    int groups_per_step;             /* 0: the trace's steps (version 2), else dp groups; N: N consecutive groups a step */
+    long loss_norm_len;              /* seq-mean-token-sum-norm's length (0: the step's longest suffix) */
     const char *nccl_id;
     int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA or _MMA */
 } options;
+
+#define MAX_STEP_GROUPS 65536          /* --groups-per-step */
 
 static int mesh_ranks(const options *o) { return o->dp * o->pp * o->cp * o->tp; }
 static int on_mesh(const options *o) { return mesh_ranks(o) > 1 || o->ep > 1; }
@@ -49,7 +53,8 @@ static int on_mesh(const options *o) { return mesh_ranks(o) > 1 || o->ep > 1; }
 static void usage(FILE *f) {
     fprintf(f,
         "usage: train [flags]\n"
-        "GRPO steps over a trace of prompt groups (one group per step, cycling through the trace).\n"
+        "GRPO steps over a trace of prompt groups, cycling through the trace: one AdamW step a trace step (a\n"
+        "version-2 trace's step table), or --groups-per-step N consecutive groups (default dp, 1 on one rank).\n"
         "With no flags: the tiny preset, data/sample.trace, the reuse schedule.\n"
         "\n"
         "model and data\n"
@@ -74,16 +79,19 @@ static void usage(FILE *f) {
         "  --eps-low X            clip range below 1 (default 0.2)\n"
         "  --eps-high X           clip range above 1 (default 0.28)\n"
         "  --kl-coef X            weight of the KL term to the reference log-probs (default 0)\n"
-        "  --loss-norm N          token-mean | seq-mean-token-mean (default token-mean)\n"
+        "  --loss-norm M          how a step's token losses aggregate (README \"The loss over a step\"): token-mean |\n"
+        "                         seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (default token-mean);\n"
+        "                         every denominator spans the whole step\n"
+        "  --loss-norm-len N      seq-mean-token-sum-norm's constant length (default: the step's longest suffix)\n"
         "  --lr X                 AdamW learning rate (default 1e-3)\n"
         "  --weight-decay X       AdamW decoupled weight decay on matrices (default 0.01)\n"
         "  --clip X               global gradient-norm clip, 0 = off (default 1.0)\n"
         "parallelism (a mesh of dp x pp x cp x tp ranks; README \"Parallelism\")\n"
-        "  --dp N --cp N --tp N   data, context and tensor parallel sizes (default 1); dp takes N groups a step;\n"
-        "                         tp divides the heads, and divides the KV heads or is a multiple of them\n"
-        "                         (each KV head then replicated on tp / KV heads ranks)\n"
-        "  --dp-groups N          groups a step (default dp); fewer than dp splits each group over dp/N ranks,\n"
-        "                         which get its prefix K/V from the first of them\n"
+        "  --dp N --cp N --tp N   data, context and tensor parallel sizes (default 1); a step's groups are placed\n"
+        "                         over the dp ranks by their cost; fewer groups than dp split each over a team of\n"
+        "                         ranks, which get its prefix K/V from the first of them; tp divides the heads,\n"
+        "                         and divides the KV heads or is a multiple of them (each KV head then\n"
+        "                         replicated on tp / KV heads ranks)\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
         "  --zero 0|1|2           shard the AdamW state over dp (README \"Training state\"): 1 keeps m and v of\n"
@@ -98,6 +106,8 @@ static void usage(FILE *f) {
         "                         not yet validated on a GPU)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
+        "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
+        "                         trace's steps; default for a version-1 trace: dp (--dp-groups N: the same)\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
         "  --save-grads FILE      write the last step's raw gradients (before clipping and the AdamW step;\n"
@@ -119,7 +129,9 @@ static void usage(FILE *f) {
         "                         gradient norms and the parameter drift between them, beside the floor: the\n"
         "                         drift of the full-sequence schedule against itself at another microbatch split;\n"
         "                         exit 0 only when the reuse drift stays within 10x the floor at every step\n"
-        "  --log FILE             --replay: write one JSON line a step to FILE (replaced)\n"
+        "  --log FILE             write one JSON line a step to FILE (replaced): a training run's loss, KL, clip\n"
+        "                         fraction, gradient norm, phase times, tokens per second and peak memory; or\n"
+        "                         --replay's losses, gradient norms, drift and floor\n"
         "  --bench [KIND]         speed (default): baseline and reuse timed side by side over prefix/suffix\n"
         "                         splits and group sizes at a fixed total length, against the FLOP-count bound\n"
         "                         (the GEMM micro-benchmark is `make bench-gemm`);\n"
@@ -221,7 +233,9 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
         else if (!strcmp(a, "--dp")) ok = parse_int(v, &o->dp) && o->dp >= 1 && o->dp <= 64;
-        else if (!strcmp(a, "--dp-groups")) ok = parse_int(v, &o->dp_groups) && o->dp_groups >= 1 && o->dp_groups <= 64;
+        else if (!strcmp(a, "--groups-per-step") || !strcmp(a, "--dp-groups"))
+            ok = parse_int(v, &o->groups_per_step) && o->groups_per_step >= 1 && o->groups_per_step <= MAX_STEP_GROUPS;
+        else if (!strcmp(a, "--loss-norm-len")) { char *e; o->loss_norm_len = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e && o->loss_norm_len >= 1; }
         else if (!strcmp(a, "--pp")) ok = parse_int(v, &o->pp) && o->pp >= 1 && o->pp <= 64;
         else if (!strcmp(a, "--cp")) ok = parse_int(v, &o->cp) && o->cp >= 1 && o->cp <= 64;
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
@@ -264,11 +278,7 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "packed")) o->step.layout = PR_LAYOUT_PACKED;
             else ok = 0;
         }
-        else if (!strcmp(a, "--loss-norm")) {
-            if (!strcmp(v, "token-mean")) o->step.loss.norm = PR_NORM_TOKEN_MEAN;
-            else if (!strcmp(v, "seq-mean-token-mean")) o->step.loss.norm = PR_NORM_SEQ_MEAN_TOKEN_MEAN;
-            else ok = 0;
-        }
+        else if (!strcmp(a, "--loss-norm")) ok = !pr_loss_norm_parse(v, &o->step.loss.norm, NULL);
         else if (!strcmp(a, "--eps-low")) { ok = parse_double(v, &d) && d >= 0 && d < 1; o->step.loss.eps_low = d; }
         else if (!strcmp(a, "--eps-high")) { ok = parse_double(v, &d) && d >= 0; o->step.loss.eps_high = d; }
         else if (!strcmp(a, "--kl-coef")) { ok = parse_double(v, &d) && d >= 0; o->step.loss.kl_coef = d; }
@@ -292,7 +302,7 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
         return 0;
     }
-    if (o->log && !o->replay) { fprintf(stderr, "train: --log FILE writes the lines of --replay N\n"); return 0; }
+    if (o->log && (o->check || o->bench)) { fprintf(stderr, "train: --log FILE writes the steps of a training run or of --replay\n"); return 0; }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if (o->grad_reduce_bf16 && o->dp < 2) {
@@ -305,8 +315,7 @@ static int parse_args(int argc, char **argv, options *o) {
         if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
         o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
     }
-    if (o->pp > 1 && o->step.microbatch == 0) o->step.microbatch = 1;
-    if (!o->dp_groups) o->dp_groups = o->dp;   /* one microbatch would leave the stages in turn idle */
+    if (o->pp > 1 && o->step.microbatch == 0) o->step.microbatch = 1;   /* one microbatch would leave the stages in turn idle */
     return 1;
 }
 
@@ -406,25 +415,128 @@ static int save_due(const options *o, int k) {
     return o->save_state && ((o->save_every && (k + 1) % o->save_every == 0) || k == o->steps - 1);
 }
 
+/* A number for a JSON line: JSON has no NaN or infinity, so those are null. */
+static void json_num(FILE *f, const char *key, double x, const char *after) {
+    if (isfinite(x)) fprintf(f, "\"%s\": %.17g%s", key, x, after);
+    else fprintf(f, "\"%s\": null%s", key, after);
+}
+
+/* A group's tokens as a schedule runs them: the baseline the prefix once per trajectory. */
+static long group_tokens(const pr_group *g, pr_schedule s) {
+    long suffix = (long)g->suffix_off[g->G];
+    return s == PR_SCHEDULE_BASELINE ? suffix + (long)g->P * g->G : suffix + g->P;
+}
+
+/* A training step as --log writes it: the step's sums over its groups (and dp ranks), the phase
+   times and peaks of this process's first rank. */
+typedef struct {
+    long step, first_group;
+    int groups;
+    double loss, grad_norm, seconds[3];
+    pr_step_stats sums;          /* loss_tokens, kl_sum, clipped_tokens over the step */
+    long tokens;                 /* the step's trajectory tokens, prefix counted per trajectory */
+    size_t peak[3];
+} step_record;
+
+static void log_json_step(FILE *f, const step_record *r) {
+    if (!f) return;
+    const double n = r->sums.loss_tokens ? (double)r->sums.loss_tokens : NAN, t = r->seconds[0] + r->seconds[1] + r->seconds[2];
+    fprintf(f, "{\"step\": %ld, \"first_group\": %ld, \"groups\": %d, ", r->step, r->first_group, r->groups);
+    json_num(f, "loss", r->loss, ", ");
+    json_num(f, "kl", r->sums.kl_sum / n, ", ");
+    json_num(f, "clip_fraction", (double)r->sums.clipped_tokens / n, ", ");
+    json_num(f, "grad_norm", r->grad_norm, ", ");
+    fprintf(f, "\"loss_tokens\": %ld, ", r->sums.loss_tokens);
+    json_num(f, "seconds_a", r->seconds[0], ", ");
+    json_num(f, "seconds_b", r->seconds[1], ", ");
+    json_num(f, "seconds_c", r->seconds[2], ", ");
+    json_num(f, "tokens_per_s", t > 0 ? r->tokens / t : NAN, ", ");
+    json_num(f, "peak_mib_a", r->peak[0] / 1048576.0, ", ");
+    json_num(f, "peak_mib_b", r->peak[1] / 1048576.0, ", ");
+    json_num(f, "peak_mib_c", r->peak[2] / 1048576.0, "}\n");
+    fflush(f);
+}
+
+/* Progress of a long run: steps done of all, and the time left at the pace so far. */
+static void print_progress(int done, int all, time_t start) {
+    const double elapsed = difftime(time(NULL), start);
+    printf("  [%d/%d", done, all);
+    if (elapsed >= 1 && done < all) printf(", %.0f s left", elapsed / done * (all - done));
+    printf("]\n");
+}
+
 /* --loss-log: exact values, so that two runs can be compared byte for byte. */
 static void log_step(FILE *f, long step, double loss, double gnorm) {
     if (f) fprintf(f, "step %ld loss %a grad-norm %a\n", step, loss, gnorm);
 }
 
-/* ------------------------------------------------------------------ the mesh */
 static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
     err->status = st;
     snprintf(err->message, sizeof err->message, "%s", msg);
     return st;
 }
 
+/* ------------------------------------------------------------------ steps */
+/* The run's optimizer steps: a version-2 trace's own, or --groups-per-step N (default dp for a
+   version-1 trace) consecutive groups, wrapping at the trace's end. A step is named by its trace
+   position, the index of its first group counted from the run's start (pr_train_state.next_group:
+   it keeps growing as the run cycles through the trace), so a resumed run goes on at a step. */
+static int cut_steps(const options *o, const pr_trace *t) { return o->groups_per_step || !t->n_steps; }
+
+/* The most groups a step of this run holds: the size of the caller's batch. */
+static int max_step_groups(const options *o, const pr_trace *t) {
+    int n = o->groups_per_step ? o->groups_per_step : o->dp;
+    if (cut_steps(o, t)) return n;
+    n = 1;
+    for (int s = 0; s < t->n_steps; s++) if (t->step_off[s + 1] - t->step_off[s] > n) n = t->step_off[s + 1] - t->step_off[s];
+    return n;
+}
+
+/* The groups of the step at trace position pos into batch, and the options it runs with: the run's,
+   with the step's loss denominators over all its groups (pr_step_loss_totals). Returns the number
+   of groups, or 0 with err set (a position that starts no step of the trace's table). */
+static int step_at(const options *o, const pr_trace *t, long pos, pr_group *batch, pr_step_opts *opts, pr_error *err) {
+    const int ng = t->n_groups, g0 = (int)(pos % ng);
+    int n = 0;
+    if (cut_steps(o, t)) {
+        n = o->groups_per_step ? o->groups_per_step : o->dp;
+        for (int k = 0; k < n; k++) batch[k] = t->groups[(g0 + k) % ng];
+    } else {
+        for (int s = 0; s < t->n_steps && !n; s++)
+            if (t->step_off[s] == g0) n = t->step_off[s + 1] - g0;
+        for (int k = 0; k < n; k++) batch[k] = t->groups[g0 + k];
+        if (!n) {
+            err->status = PR_ERR_ARG;
+            snprintf(err->message, sizeof err->message, "trace position %ld (group %d) starts no step of %s's step table: "
+                     "resume with the --groups-per-step the state was saved with", pos, g0, o->trace);
+            return 0;
+        }
+    }
+    *opts = o->step;
+    return pr_step_loss_totals(batch, n, o->loss_norm_len, &opts->loss.step, err) ? 0 : n;
+}
+
+/* "its 3 steps" or "2 groups a step", and the loss mode, for the run's header line. */
+static void print_steps(const options *o, const pr_trace *t) {
+    if (cut_steps(o, t)) printf("steps: %d group%s a step", max_step_groups(o, t), max_step_groups(o, t) > 1 ? "s" : "");
+    else printf("steps: the trace's %d (version 2)", t->n_steps);
+    printf(", loss %s over the step", pr_loss_norm_name(o->step.loss.norm));
+    if (o->step.loss.norm == PR_NORM_SEQ_MEAN_TOKEN_SUM_NORM) {
+        if (o->loss_norm_len) printf(" (length %ld)", o->loss_norm_len);
+        else printf(" (length: the step's longest suffix)");
+    }
+    printf("\n");
+}
+
+/* ------------------------------------------------------------------ the mesh */
+
 /* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
    its communicators put on the wire. */
 typedef struct { double seconds[3]; size_t sent[4]; int coord[4]; size_t kv_bytes, stack_bytes, state_bytes, params; } rank_report;
 
-/* What every rank of a mesh run does. check: one step over `groups` (dp of them, placed whole),
-   the gathered gradients and updated parameters left in grads/params; otherwise o->steps
-   training steps over the trace, dp groups a step. */
+/* What every rank of a mesh run does. check: one step over `groups` with `opts` (the reuse
+   schedule), the gathered gradients and updated parameters left in grads/params; otherwise
+   o->steps training steps over the trace. */
 typedef struct {
     const options *o;
     const pr_config *cfg;
@@ -432,8 +544,10 @@ typedef struct {
     int check;
     const pr_group *groups;
     int n;
+    pr_step_opts opts;
     pr_real *grads, *params;     /* check: rank 0's gathered copies (full model) */
     double loss;
+    int split;                   /* a step had fewer groups than dp ranks: its groups were split */
     rank_report rep[256];
 } mesh_job;
 
@@ -470,8 +584,9 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     }
     const size_t n = st ? 0 : pr_trainer_full_param_count(tr);
     pr_step_stats ss;
+    memset(&ss, 0, sizeof ss);
     if (!st && j->check) {
-        pr_step_opts reuse = o->step;
+        pr_step_opts reuse = j->opts;
         reuse.schedule = PR_SCHEDULE_REUSE;
         pr_real *g = lead ? j->grads : malloc(sizeof(pr_real) * n), *p = lead ? j->params : malloc(sizeof(pr_real) * n);
         if (!g || !p) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
@@ -490,30 +605,52 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     if (!st && !j->check) st = start_state(o, tr, &ts, lead, err);
     FILE *log = !st && !j->check && lead && o->loss_log ? fopen(o->loss_log, "a") : NULL;
     if (!st && !j->check && lead && o->loss_log && !log) st = set_error(err, PR_ERR_IO, "cannot open the --loss-log file");
+    FILE *json = !st && !j->check && lead && o->log ? fopen(o->log, "w") : NULL;
+    if (!st && !j->check && lead && o->log && !json) st = set_error(err, PR_ERR_IO, "cannot open the --log file");
+    const time_t start = time(NULL);
+    pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, j->trace));
+    if (!st && !j->check && !batch) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
     for (int k = 0; !st && !j->check && k < o->steps; k++) {
-        pr_group batch[64];
         double gnorm;
-        const int nb = o->dp_groups, ng = j->trace->n_groups;
+        pr_step_opts so;
+        const int ng = j->trace->n_groups;
         const long step = ts.step, pos = ts.next_group;
-        for (int b = 0; b < nb; b++) batch[b] = j->trace->groups[(pos + b) % ng];
-        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &o->step, &ss, err);
+        const int nb = step_at(o, j->trace, pos, batch, &so, err);
+        if (!nb) { st = err->status; break; }
+        if (lead && nb < o->dp) j->split = 1;
+        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &so, &ss, err);
         if (!st && k == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
+        /* the step's sums over dp: its loss and the diagnostics' counts */
+        double tok = (double)ss.loss_tokens, clip = (double)ss.clipped_tokens;
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
+        if (!st) st = sum_over(m.dp_comm, be, &ss.kl_sum, err);
+        if (!st) st = sum_over(m.dp_comm, be, &tok, err);
+        if (!st) st = sum_over(m.dp_comm, be, &clip, err);
         if (st) break;
+        ss.loss_tokens = lround(tok);
+        ss.clipped_tokens = lround(clip);
         ts.step++;
         ts.next_group += nb;
         for (int q = 0; q < 3; q++) r->seconds[q] += ss.seconds[q];
         r->kv_bytes = ss.prefix_kv_bytes;
         r->stack_bytes = ss.prefix_stack_bytes;
         if (lead) {
-            printf("step %3ld  groups %ld..%ld  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms\n", step,
+            printf("step %3ld  groups %ld..%ld  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms", step,
                    pos % ng, (pos + nb - 1) % ng, ss.loss, gnorm, 1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
+            print_progress(k + 1, o->steps, start);
             log_step(log, step, ss.loss, gnorm);
+            long tokens = 0;
+            for (int b = 0; b < nb; b++) tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
+            step_record rec = { step, pos % ng, nb, ss.loss, gnorm, { ss.seconds[0], ss.seconds[1], ss.seconds[2] }, ss, tokens,
+                                { ss.peak_bytes[0], ss.peak_bytes[1], ss.peak_bytes[2] } };
+            log_json_step(json, &rec);
         }
         if (save_due(o, k)) st = save_state(o, tr, &ts, lead, err);
     }
     if (log) fclose(log);
+    if (json && fclose(json) && !st) st = set_error(err, PR_ERR_IO, "writing the --log file failed");
+    free(batch);
     if (!st && !j->check && o->steps == 0 && o->save_state) st = save_state(o, tr, &ts, lead, err);
     if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
         printf("saved %s\n", o->save);
@@ -583,15 +720,10 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
                r0, s->state_bytes / 1048576.0, s->params, (double)s->state_bytes / (double)s->params,
                o->zero ? ", the moments sharded over dp" : "");
     const rank_report *p = &j->rep[r0];
-    if (o->dp_groups < o->dp && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
+    if (j->split && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
         printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
                "%.3f MiB (%.1fx)\n", r0, p->kv_bytes / 1048576.0, (p->kv_bytes + p->stack_bytes) / 1048576.0,
                (double)(p->kv_bytes + p->stack_bytes) / p->kv_bytes);
-}
-
-static long group_tokens(const pr_group *g, pr_schedule s) {
-    long suffix = (long)g->suffix_off[g->G];
-    return s == PR_SCHEDULE_BASELINE ? suffix + (long)g->P * g->G : suffix + g->P;
 }
 
 static void print_offload(const char *indent, const pr_offload_stats *s) {
@@ -626,9 +758,10 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
     memset(&j, 0, sizeof j);
     j.o = o; j.cfg = cfg; j.trace = trace;
     print_mesh(o);
-    printf("trace %s: %d groups, %d a step; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups, o->dp_groups,
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups,
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
+    print_steps(o, trace);
     if (mesh_run(&j, &err)) return fail(&err);
     print_rank_reports(o, &j);
     return 0;
@@ -652,43 +785,80 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
            sizeof(pr_real) == 8 ? "double" : "float");
+    print_steps(o, trace);
     pr_train_state ts;
-    FILE *log = NULL;
-    if (start_state(o, tr, &ts, 1, &err) || (o->loss_log && !(log = fopen(o->loss_log, "a")) &&
-                                              set_error(&err, PR_ERR_IO, "cannot open the --loss-log file"))) {
+    FILE *log = NULL, *json = NULL;
+    pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
+    if (!batch) set_error(&err, PR_ERR_NOMEM, "out of host memory");
+    if (!batch || start_state(o, tr, &ts, 1, &err) ||
+        (o->loss_log && !(log = fopen(o->loss_log, "a")) && set_error(&err, PR_ERR_IO, "cannot open the --loss-log file")) ||
+        (o->log && !(json = fopen(o->log, "w")) && set_error(&err, PR_ERR_IO, "cannot open the --log file"))) {
+        if (log) fclose(log);
+        free(batch);
         pr_trainer_destroy(tr);
         return fail(&err);
     }
+    const time_t start = time(NULL);
     for (int k = 0; k < o->steps; k++) {
-        const long step = ts.step, gi = ts.next_group % trace->n_groups;
-        const pr_group *g = &trace->groups[gi];
-        pr_step_stats st;
+        const long step = ts.step, pos = ts.next_group;
+        pr_step_opts so;
+        pr_step_stats st, sum;
         double gnorm;
-        if (pr_trainer_compute_grads(tr, g, &o->step, &st, NULL, &err) ||
-            (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
+        long tokens = 0;
+        const int nb = step_at(o, trace, pos, batch, &so, &err);
+        int failed = !nb;
+        /* the step: its groups' gradients accumulated in trace order, then one AdamW step */
+        memset(&sum, 0, sizeof sum);
+        for (int b = 0; b < nb && !failed; b++) {
+            so.accumulate = b > 0;
+            failed = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, &err) != PR_OK;
+            if (failed) break;
+            sum.loss += st.loss;
+            sum.loss_tokens += st.loss_tokens;
+            sum.kl_sum += st.kl_sum;
+            sum.clipped_tokens += st.clipped_tokens;
+            for (int q = 0; q < 3; q++) {
+                sum.seconds[q] += st.seconds[q];
+                if (st.peak_bytes[q] > sum.peak_bytes[q]) sum.peak_bytes[q] = st.peak_bytes[q];
+            }
+            tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
+        }
+        if (failed || (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
             pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
             if (log) fclose(log);
+            if (json) fclose(json);
+            free(batch);
             pr_trainer_destroy(tr);
             return fail(&err);
         }
         ts.step++;
-        ts.next_group++;
-        double total = st.seconds[0] + st.seconds[1] + st.seconds[2];
-        printf("step %3ld  group %ld (P %d, G %d)  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB\n",
-               step, gi, g->P, g->G, st.loss, gnorm, 1e3 * st.seconds[0], 1e3 * st.seconds[1],
-               1e3 * st.seconds[2], group_tokens(g, PR_SCHEDULE_BASELINE) / total, st.peak_bytes[0] / 1048576.0,
-               st.peak_bytes[1] / 1048576.0, st.peak_bytes[2] / 1048576.0);
-        log_step(log, step, st.loss, gnorm);
+        ts.next_group += nb;
+        const long gi = pos % trace->n_groups;
+        double total = sum.seconds[0] + sum.seconds[1] + sum.seconds[2];
+        if (nb == 1) printf("step %3ld  group %ld (P %d, G %d)", step, gi, batch[0].P, batch[0].G);
+        else printf("step %3ld  groups %ld..%ld", step, gi, (pos + nb - 1) % trace->n_groups);
+        printf("  loss %+.6f  grad-norm %.4f  A %7.1f ms  B %7.1f ms  C %7.1f ms  %8.0f tok/s  peak A/B/C %.1f/%.1f/%.1f MiB",
+               sum.loss, gnorm, 1e3 * sum.seconds[0], 1e3 * sum.seconds[1], 1e3 * sum.seconds[2], tokens / total,
+               sum.peak_bytes[0] / 1048576.0, sum.peak_bytes[1] / 1048576.0, sum.peak_bytes[2] / 1048576.0);
+        print_progress(k + 1, o->steps, start);
+        log_step(log, step, sum.loss, gnorm);
+        step_record rec = { step, gi, nb, sum.loss, gnorm, { sum.seconds[0], sum.seconds[1], sum.seconds[2] }, sum, tokens,
+                            { sum.peak_bytes[0], sum.peak_bytes[1], sum.peak_bytes[2] } };
+        log_json_step(json, &rec);
         if (o->step.offload.enabled) print_offload("          ", &st.offload);
         if (cfg->num_experts) print_routing(tr, cfg, &st);
         if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) {
             if (log) fclose(log);
+            if (json) fclose(json);
+            free(batch);
             pr_trainer_destroy(tr);
             return fail(&err);
         }
     }
     if (log) fclose(log);
     int rc = 0;
+    if (json && fclose(json)) rc = 1, fprintf(stderr, "train: writing --log %s failed\n", o->log);
+    free(batch);
     if (o->steps == 0 && o->save_state && save_state(o, tr, &ts, 1, &err)) rc = fail(&err);
     if (o->save) {
         if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
@@ -729,9 +899,10 @@ static void worst_of(diff *w, diff d) {
     w->bad += d.bad;
 }
 
-/* The reuse step once more with offload off, from the same weights: the number of gradient and
-   updated-parameter values whose bits differ from grads/params (offload on), or -1 on error. */
-static long offload_bitwise_diffs(const options *o, const pr_config *cfg, const pr_group *g, const pr_step_opts *with,
+/* The reuse step (its nb groups accumulated) once more with offload off, from the same weights: the
+   number of gradient and updated-parameter values whose bits differ from grads/params (offload
+   on), or -1 on error. */
+static long offload_bitwise_diffs(const options *o, const pr_config *cfg, const pr_group *groups, int nb, const pr_step_opts *with,
                                   const pr_real *grads, const pr_real *params, size_t n) {
     pr_error err;
     pr_trainer *tr;
@@ -740,11 +911,16 @@ static long offload_bitwise_diffs(const options *o, const pr_config *cfg, const 
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err), -1;
     pr_real *ga = malloc(sizeof(pr_real) * n), *pa = malloc(sizeof(pr_real) * n);
     long diffs = -1;
-    if (!ga || !pa) fprintf(stderr, "train: out of memory\n");
-    else if (pr_trainer_compute_grads(tr, g, &without, NULL, NULL, &err) || pr_trainer_get_grads(tr, ga, n, &err) ||
-             pr_trainer_adamw_step(tr, &o->adam, NULL, &err) || pr_trainer_get_params(tr, pa, n, &err))
-        fail(&err);
-    else {
+    int failed = !ga || !pa;
+    if (failed) fprintf(stderr, "train: out of memory\n");
+    for (int k = 0; k < nb && !failed; k++) {
+        without.accumulate = k > 0;
+        if (pr_trainer_compute_grads(tr, &groups[k], &without, NULL, NULL, &err)) failed = fail(&err);
+    }
+    if (!failed && (pr_trainer_get_grads(tr, ga, n, &err) || pr_trainer_adamw_step(tr, &o->adam, NULL, &err) ||
+                    pr_trainer_get_params(tr, pa, n, &err)))
+        failed = fail(&err);
+    if (!failed) {
         diffs = 0;
         for (size_t i = 0; i < n; i++) diffs += memcmp(&ga[i], &grads[i], sizeof(pr_real)) != 0;
         for (size_t i = 0; i < n; i++) diffs += memcmp(&pa[i], &params[i], sizeof(pr_real)) != 0;
@@ -777,33 +953,37 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
     double worst_loss = 0, wire_l2_g = 0, wire_l2_p = 0;
     int rc = 0;
-    /* on a mesh: the reuse schedule on the mesh, dp-groups groups a step, against one rank's baseline
-       accumulating the same groups */
-    const int nb = on_mesh(o) ? o->dp_groups : 1;
+    /* every step of the trace, once: the baseline on one rank accumulating the step's groups,
+       against the reuse schedule doing the same on one rank or on the mesh */
     if (on_mesh(o)) {
         print_mesh(o);
         if (o->step.offload.enabled) { fprintf(stderr, "train: --check on a mesh runs without offload\n"); return 1; }
     }
+    print_steps(o, trace);
     static mesh_job j;
-    for (int gi = 0; gi < trace->n_groups && !rc; gi += nb) {
-        pr_group batch[64];
-        for (int k = 0; k < nb; k++) batch[k] = trace->groups[(gi + k) % trace->n_groups];
-        const pr_group *g = &batch[0];
+    pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
+    if (!batch) { fprintf(stderr, "train: out of memory\n"); return 1; }
+    for (int gi = 0, nb = 0; gi < trace->n_groups && !rc; gi += nb) {
         pr_error err;
+        pr_step_opts so;
         pr_trainer *base = NULL, *reuse = NULL;
         pr_step_stats sb, sr;
         double gnorm;
-        if (!make_trainer(o, cfg, &base, &err) || (!on_mesh(o) && !make_trainer(o, cfg, &reuse, &err))) {
+        if (!(nb = step_at(o, trace, gi, batch, &so, &err)) || !make_trainer(o, cfg, &base, &err) ||
+            (!on_mesh(o) && !make_trainer(o, cfg, &reuse, &err))) {
             pr_trainer_destroy(base);
+            free(batch);
             return fail(&err);
         }
+        const pr_group *g = &batch[0];
+        ob.loss.step = orr.loss.step = so.loss.step;
         size_t n = pr_trainer_param_count(base);
         pr_real *ga = malloc(sizeof(pr_real) * n), *gb = malloc(sizeof(pr_real) * n);
         pr_real *pa = malloc(sizeof(pr_real) * n), *pb = malloc(sizeof(pr_real) * n);
         double *allow = malloc(sizeof(double) * n);
         int failed = !ga || !gb || !pa || !pb || !allow;
         if (failed) fprintf(stderr, "train: out of memory\n");
-        sb.loss = 0;
+        sb.loss = sr.loss = 0;
         for (int k = 0; k < nb && !failed; k++) {
             pr_step_stats s1;
             ob.accumulate = k > 0;
@@ -815,7 +995,8 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             failed = fail(&err);
         if (!failed && on_mesh(o)) {
             memset(&j, 0, sizeof j);
-            j.o = o; j.cfg = cfg; j.trace = trace; j.check = 1; j.groups = batch; j.n = nb; j.grads = gb; j.params = pb;
+            j.o = o; j.cfg = cfg; j.trace = trace; j.check = 1; j.groups = batch; j.n = nb; j.opts = orr; j.grads = gb; j.params = pb;
+            j.split = nb < o->dp;
             /* The schedules are compared with the sum over dp in reals, as always; a bf16 sum runs the
                same mesh step once more and its own difference is reported beside. */
             options reals = *o;
@@ -837,9 +1018,16 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 free(gw);
                 free(pw);
             }
-        } else if (!failed && (pr_trainer_compute_grads(reuse, g, &orr, &sr, NULL, &err) || pr_trainer_get_grads(reuse, gb, n, &err) ||
-                               pr_trainer_adamw_step(reuse, &adam, NULL, &err) || pr_trainer_get_params(reuse, pb, n, &err))) {
-            failed = fail(&err);
+        } else if (!failed) {
+            for (int k = 0; k < nb && !failed; k++) {
+                pr_step_stats s1;
+                orr.accumulate = k > 0;
+                if (pr_trainer_compute_grads(reuse, &batch[k], &orr, &s1, NULL, &err)) failed = fail(&err);
+                else sr.loss += s1.loss;
+            }
+            if (!failed && (pr_trainer_get_grads(reuse, gb, n, &err) || pr_trainer_adamw_step(reuse, &adam, NULL, &err) ||
+                            pr_trainer_get_params(reuse, pb, n, &err)))
+                failed = fail(&err);
         }
         if (failed) rc = 1;
         else {
@@ -858,15 +1046,16 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             }
             diff dg = compare(gb, ga, n, atol, rtol, NULL), dp = compare(pb, pa, n, atol, rtol, allow);
             double dl = fabs(sb.loss - sr.loss);
-            if (nb > 1) printf("  groups %d..%d:", gi, (gi + nb - 1) % trace->n_groups);
-            printf("  group %d (P %3d, G %2d): loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol %.1e\n",
-                   gi, g->P, g->G, sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol);
+            if (nb > 1) printf("  step of groups %d..%d (%lld trajectories)", gi, (gi + nb - 1) % trace->n_groups, (long long)so.loss.step.trajectories);
+            else printf("  group %d (P %3d, G %2d)", gi, g->P, g->G);
+            printf(": loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol %.1e\n",
+                   sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
             worst_loss = fmax(worst_loss, dl);
             if (orr.offload.enabled) {
-                long d = offload_bitwise_diffs(o, cfg, g, &orr, gb, pb, n);
+                long d = offload_bitwise_diffs(o, cfg, batch, nb, &orr, gb, pb, n);
                 if (d < 0) rc = 1;
                 else offload_diffs += d;
             }
@@ -875,6 +1064,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         pr_trainer_destroy(base);
         pr_trainer_destroy(reuse);
     }
+    free(batch);
     if (rc) return rc;
     if (on_mesh(o)) print_rank_reports(o, &j);
     int pass = worst_g.bad == 0 && worst_p.bad == 0 && offload_diffs == 0;
@@ -957,12 +1147,6 @@ static int reorder_group(reordered_group *r, const pr_group *g, int mb) {
     return 1;
 }
 
-/* A number for a JSON line: JSON has no NaN or infinity, so those are null. */
-static void json_num(FILE *f, const char *key, double x, const char *after) {
-    if (isfinite(x)) fprintf(f, "\"%s\": %.17g%s", key, x, after);
-    else fprintf(f, "\"%s\": null%s", key, after);
-}
-
 /* The replay's verdict: the reuse drift stays within a margin of the floor at every step. Both are
    sums of roundings of the same size, so they grow alike; 10x leaves room for the luck of single
    elements. The absolute term covers a floor that is exactly 0 (a step whose split changes no sum). */
@@ -1010,7 +1194,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
     char mb[16];
     snprintf(mb, sizeof mb, o->step.microbatch ? "%d" : "all G", o->step.microbatch);
     if (!rc)
-        printf("replay: %d steps over %s (%d groups, one a step); full-sequence (microbatch %s) vs reuse (microbatch %s, %s); "
+        printf("replay: %d steps over %s (%d groups); full-sequence (microbatch %s) vs reuse (microbatch %s, %s); "
                "floor: full-sequence, each microbatch's trajectories reversed; %s precision\n"
                "%5s %14s %14s %10s %10s %11s %11s %11s %11s\n",
                o->replay, o->trace, trace->n_groups, mb, mb, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
@@ -1018,16 +1202,30 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
                "drift max", "drift relL2", "floor max", "floor relL2");
     drift worst = { 0, 0 }, worst_floor = { 0, 0 };
     int over = 0;                /* steps whose reuse drift is past REPLAY_MARGIN times the floor */
+    pr_group *batch = rc ? NULL : malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
+    if (!rc && !batch) rc = 1, fprintf(stderr, "train: out of memory\n");
+    if (!rc) print_steps(o, trace);
+    long pos = 0;
     for (int k = 0; k < o->replay && !rc; k++) {
-        const int gi = k % trace->n_groups;
-        for (int r = 0; r < 3 && !rc; r++) {
-            pr_step_stats st;
-            const pr_group *g = r == 2 ? &floor_groups[gi].g : &trace->groups[gi];
-            if (pr_trainer_compute_grads(run[r].tr, g, &run[r].opt, &st, NULL, &err) ||
-                pr_trainer_adamw_step(run[r].tr, &o->adam, &run[r].gnorm, &err) ||
-                pr_trainer_get_params(run[r].tr, run[r].params, n, &err))
+        pr_step_opts so;
+        const int nb = step_at(o, trace, pos, batch, &so, &err);
+        if (!nb) rc = fail(&err);
+        for (int r = 0; r < 3 && !rc; r++) {        /* each run: the step's groups accumulated, one AdamW step */
+            pr_step_opts ro = so;
+            ro.schedule = run[r].opt.schedule;
+            ro.offload.enabled = run[r].opt.offload.enabled;
+            run[r].loss = 0;
+            for (int b = 0; b < nb && !rc; b++) {
+                pr_step_stats st;
+                ro.accumulate = b > 0;
+                if (pr_trainer_compute_grads(run[r].tr, r == 2 ? &floor_groups[(pos + b) % trace->n_groups].g : &batch[b], &ro, &st,
+                                             NULL, &err))
+                    rc = fail(&err);
+                run[r].loss += st.loss;
+            }
+            if (!rc && (pr_trainer_adamw_step(run[r].tr, &o->adam, &run[r].gnorm, &err) ||
+                        pr_trainer_get_params(run[r].tr, run[r].params, n, &err)))
                 rc = fail(&err);
-            run[r].loss = st.loss;
         }
         if (rc) break;
         drift d = drift_of(run[1].params, run[0].params, n), f = drift_of(run[2].params, run[0].params, n);
@@ -1039,7 +1237,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
         printf("%5d %+14.9f %+14.9f %10.6f %11.6f %11.3e %11.3e %11.3e %11.3e\n", k, run[0].loss, run[1].loss, run[0].gnorm,
                run[1].gnorm, d.max_abs, d.rel_l2, f.max_abs, f.rel_l2);
         if (log) {
-            fprintf(log, "{\"step\": %d, \"group\": %d, ", k, k % trace->n_groups);
+            fprintf(log, "{\"step\": %d, \"first_group\": %ld, \"groups\": %d, ", k, pos % trace->n_groups, nb);
             json_num(log, "loss_full", run[0].loss, ", ");
             json_num(log, "loss_reuse", run[1].loss, ", ");
             json_num(log, "loss_floor", run[2].loss, ", ");
@@ -1052,7 +1250,9 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
             json_num(log, "floor_rel_l2", f.rel_l2, "}\n");
         }
         fflush(stdout);
+        pos += nb;
     }
+    free(batch);
     if (!rc) {
         printf("replay: worst over %d steps: reuse drift max abs %.3e, relative L2 %.3e; floor max abs %.3e, relative L2 %.3e "
                "(reuse / floor: %.2f)\n", o->replay, worst.max_abs, worst.rel_l2, worst_floor.max_abs, worst_floor.rel_l2,

@@ -22,6 +22,9 @@ token_ids[k:L] with loss mask token_loss_mask[k:L] (times sample_loss_mask). Gro
 sequences with identical prompts, as NeMo-RL's own baseline groups them
 (calculate_baseline_and_std_per_prompt). Dumps of NeMo-RL before v0.6.0 hold no token ids and
 cannot be imported.
+
+Each input file is one GRPO step's training batch, so the trace is format version 2 with one
+optimizer step per input file (its groups); train replays it step by step.
 """
 import sys
 
@@ -121,7 +124,7 @@ def main(argv=None):
                         "estimators): an error (default), or their mean over the trained tokens")
     args = p.parse_args(argv)
     notes = []
-    return primport.run(args, lambda path, i: read(path, i, args, notes), "token_ids", notes=notes)
+    return primport.run(args, lambda path, i: read(path, i, args, notes), "token_ids", notes=notes, step_per_file=True)
 
 
 if __name__ == "__main__":

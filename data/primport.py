@@ -246,7 +246,7 @@ def build(trajs, prompt_field, common_prefix=False, advantage_mode=None, eps=1e-
             raise InputError(f"{t.where}: reference log-probs {'present' if t.ref_logp is not None else 'missing'}"
                              f", but {'absent' if t.ref_logp is not None else 'present'} at {first.where} "
                              f"(all trajectories carry them or none)")
-    groups, dropped, all_empty, trimmed = [], 0, 0, 0
+    groups, files, dropped, all_empty, trimmed = [], [], 0, 0, 0
     for key, members in buckets:
         kept = [t for t in members if t.response.shape[0] > 0]
         dropped += len(members) - len(kept)
@@ -285,9 +285,11 @@ def build(trajs, prompt_field, common_prefix=False, advantage_mode=None, eps=1e-
                 g["ref_logp"].append(np.concatenate([z, t.ref_logp]))
             g["loss_mask"].append(np.concatenate([np.zeros(k, np.uint8), t.loss_mask]))
         groups.append(g)
+        files.append(first.file_index)
     if not groups:
         raise InputError("no trajectory with a non-empty response: nothing to write")
     report = _report(groups, trajs, dropped, all_empty, trimmed, explicit=trajs[0].key is not None)
+    report["group_files"] = files      # each group's input file (groups never span two)
     return groups, report
 
 
@@ -323,7 +325,9 @@ def format_report(r):
              (f" ({r['dropped_empty']} with an empty response dropped"
               + (f", {r['groups_all_empty']} groups left empty" if r['groups_all_empty'] else "") + ")"
               if r["dropped_empty"] else ""),
-             f"groups: {r['groups']} (by {r['grouping']})",
+             f"groups: {r['groups']} (by {r['grouping']})"
+             + (f"; {len(r['steps'])} step{'s' if len(r['steps']) > 1 else ''}, one per input file, of "
+                f"{', '.join(map(str, r['steps']))} groups" if r.get("steps") else ""),
              f"G per group: {st(r['G_stats'])}",
              f"prefix length P: {st(r['P_stats'], ' tokens')}",
              f"suffix length S: {st(r['S_stats'], ' tokens')}; {r['trained_tokens']} of "
@@ -361,9 +365,11 @@ def parser(prog, description):
     return p
 
 
-def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=()):
+def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=(), step_per_file=False):
     """Read every input with read(path, file_index) -> [Traj], build the groups, write the trace,
-    print the report. Returns the process exit status (0, or 1 after printing the error)."""
+    print the report. step_per_file: each input file is one optimizer step (a version-2 trace
+    whose step table holds each file's groups); otherwise a version-1 trace. Returns the process
+    exit status (0, or 1 after printing the error)."""
     try:
         if not 1 <= args.vocab_size <= MAX_VOCAB:
             raise InputError(f"--vocab-size {args.vocab_size}: must be 1..{MAX_VOCAB}")
@@ -374,7 +380,11 @@ def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=()):
             raise InputError(f"{', '.join(args.inputs)}: no trajectories")
         groups, report = build(trajs, prompt_field, args.common_prefix, advantage_mode, eps)
         report["notes"].extend(notes)
-        prtrace.write_trace(args.output, groups, args.vocab_size)
+        steps = None
+        if step_per_file:      # groups come file by file, in input order
+            steps = [n for n in (report["group_files"].count(i) for i in range(len(args.inputs))) if n]
+            report["steps"] = steps
+        prtrace.write_trace(args.output, groups, args.vocab_size, steps=steps)
     except (InputError, prtrace.TraceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

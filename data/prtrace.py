@@ -1,10 +1,12 @@
-"""Read and write prefixreuse GRPO traces (format version 1; data/README.md has the layout).
+"""Read and write prefixreuse GRPO traces (format versions 1 and 2; data/README.md has the layout).
 
 Python 3.8+ and numpy only.
 
     from prtrace import write_trace, read_trace
     write_trace("batch.trace", groups, vocab_size)
     groups, vocab_size = read_trace("batch.trace")
+    write_trace("steps.trace", groups, vocab_size, steps=[2, 2])   # version 2: steps of 2 groups
+    groups, vocab_size, steps = read_trace("steps.trace", steps=True)   # steps None for version 1
 
 A group is a dict:
     prefix      1-D integer array (P,)            prompt tokens, shared by the G suffixes
@@ -26,7 +28,7 @@ import sys
 import numpy as np
 
 MAGIC = b"PRTRACE\0"
-VERSION = 1
+VERSIONS = (1, 2)            # 2: a step table after the header
 FLAG_REF_LOGP = 1
 MAX_COUNT = 1 << 24          # limit on P, G and every S_i
 INT_MAX = 2**31 - 1          # vocab_size, n_groups and P + max S_i must fit a C int
@@ -136,17 +138,39 @@ def _check_vocab(where, vocab_size):
     return int(vocab_size)
 
 
-def write_trace(path, groups, vocab_size):
-    """Validate `groups` and write them to `path` atomically (a temporary file, then os.replace)."""
+def _check_steps(where, steps, n_groups):
+    """A step table: each step's group count, consecutive groups in file order, covering them all."""
+    steps = [int(c) for c in steps]
+    if not 1 <= len(steps) <= n_groups:
+        raise TraceError(f"{where}: n_steps = {len(steps)} (must be 1..n_groups = {n_groups})")
+    covered = 0
+    for k, c in enumerate(steps):
+        if not 1 <= c <= n_groups - covered:
+            raise TraceError(f"{where}: step {k} has {c} groups (every step 1 or more, the steps together exactly "
+                             f"n_groups = {n_groups}; {n_groups - covered} left for it)")
+        covered += c
+    if covered != n_groups:
+        raise TraceError(f"{where}: the steps hold {covered} of the {n_groups} groups (they must cover every group once, in order)")
+    return steps
+
+
+def write_trace(path, groups, vocab_size, steps=None):
+    """Validate `groups` and write them to `path` atomically (a temporary file, then os.replace).
+    steps: None (format version 1), or each optimizer step's number of groups, consecutive groups
+    in order, summing to len(groups) (version 2)."""
     path = os.fspath(path)
     vocab_size = _check_vocab(path, vocab_size)
     groups = list(groups)
     if not 1 <= len(groups) <= INT_MAX:
         raise TraceError(f"{path}: n_groups = {len(groups)} (must be >= 1)")
+    if steps is not None:
+        steps = _check_steps(path, steps, len(groups))
     has_ref = groups[0].get("ref_logp") is not None
     checked = [_check_group(f"{path}: group {k}", g, vocab_size, has_ref) for k, g in enumerate(groups)]
 
-    parts = [HEADER.pack(MAGIC, VERSION, FLAG_REF_LOGP if has_ref else 0, len(checked), vocab_size)]
+    parts = [HEADER.pack(MAGIC, 1 if steps is None else 2, FLAG_REF_LOGP if has_ref else 0, len(checked), vocab_size)]
+    if steps is not None:
+        parts.append(np.array([len(steps)] + steps, dtype="<u4").tobytes())
     for g in checked:
         parts.append(struct.pack("<II", g["prefix"].shape[0], len(g["suffixes"])))
         parts.append(g["prefix"].tobytes())
@@ -188,8 +212,9 @@ class _Reader:
         return a
 
 
-def read_trace(path):
-    """Read and validate a trace; return (groups, vocab_size) in the form write_trace takes."""
+def read_trace(path, steps=False):
+    """Read and validate a trace; return (groups, vocab_size) in the form write_trace takes, or with
+    steps=True (groups, vocab_size, steps), steps None for a version-1 file."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         data = f.read()
@@ -198,8 +223,8 @@ def read_trace(path):
     magic, version, flags, n_groups, vocab_size = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise TraceError(f"{path}: not a prefixreuse trace (bad magic {magic!r})")
-    if version != VERSION:
-        raise TraceError(f"{path}: format version {version} is not supported (this reader knows {VERSION})")
+    if version not in VERSIONS:
+        raise TraceError(f"{path}: format version {version} is not supported (this reader knows versions 1 and 2)")
     if flags & ~FLAG_REF_LOGP:
         raise TraceError(f"{path}: unknown flag bits 0x{flags & ~FLAG_REF_LOGP:x} in flags 0x{flags:x}")
     if not 1 <= n_groups <= INT_MAX:
@@ -209,6 +234,12 @@ def read_trace(path):
 
     r = _Reader(path, data)
     r.pos = HEADER.size
+    table = None
+    if version == 2:
+        n_steps = int(r.take(1, "<u4", "the step table's n_steps")[0])
+        if not 1 <= n_steps <= n_groups:
+            raise TraceError(f"{path}: n_steps = {n_steps} (must be 1..n_groups = {n_groups})")
+        table = _check_steps(path, r.take(n_steps, "<u4", f"the step table's {n_steps} group counts"), n_groups)
     groups = []
     for k in range(n_groups):
         where = f"{path}: group {k}"
@@ -232,12 +263,13 @@ def read_trace(path):
         groups.append(_check_group(where, g, vocab_size, has_ref))
     if r.pos != len(data):
         raise TraceError(f"{path}: {len(data) - r.pos} trailing bytes after the last group (offset {r.pos})")
-    return groups, vocab_size
+    return (groups, vocab_size, table) if steps else (groups, vocab_size)
 
 
-def summary(groups, vocab_size):
+def summary(groups, vocab_size, steps=None):
     lines = [f"vocab_size {vocab_size}, {len(groups)} groups, "
-             f"reference log-probs: {'yes' if groups[0]['ref_logp'] is not None else 'no'}"]
+             f"reference log-probs: {'yes' if groups[0]['ref_logp'] is not None else 'no'}, "
+             f"steps: {'none (version 1)' if steps is None else f'{len(steps)} of {steps} groups'}"]
     for k, g in enumerate(groups):
         lens = [s.shape[0] for s in g["suffixes"]]
         masked = sum(int(m.sum()) for m in g["loss_mask"])
@@ -252,7 +284,7 @@ if __name__ == "__main__":
     status = 0
     for p in sys.argv[1:]:
         try:
-            print(summary(*read_trace(p)))
+            print(summary(*read_trace(p, steps=True)))
         except (OSError, TraceError) as e:
             print(f"error: {e}", file=sys.stderr)
             status = 1

@@ -5,7 +5,8 @@
      ./replay FILE...
    Properties checked on every input, beyond "no crash, no leak, no over-read":
      - failure: a status other than PR_OK, a message naming "<memory>", the caller's trace untouched;
-     - success: every group passes pr_group_validate, and writing the trace back out gives exactly the
+     - success: every group passes pr_group_validate, a version-2 step table covers the groups
+       in order, and writing the trace back out gives exactly the
        input bytes (the reader accepts only what a writer would produce, and loses nothing). */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
@@ -33,6 +34,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     FUZZ_ASSERT(t.n_groups >= 1 && t.vocab_size >= 1 && t.groups != NULL);
+    FUZZ_ASSERT(t.n_steps >= 0 && t.n_steps <= t.n_groups && (t.n_steps == 0) == (t.step_off == NULL));
+    for (int k = 0; k < t.n_steps; k++)   /* a version-2 step table covers the groups in order */
+        FUZZ_ASSERT((k || t.step_off[0] == 0) && t.step_off[k + 1] > t.step_off[k] &&
+                    (k < t.n_steps - 1 || t.step_off[k + 1] == t.n_groups));
     for (int k = 0; k < t.n_groups; k++) {
         FUZZ_ASSERT(pr_group_validate(&t.groups[k], t.vocab_size, &err) == PR_OK);
         FUZZ_ASSERT((t.groups[k].ref_logp != NULL) == (t.has_ref != 0));

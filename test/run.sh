@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
-# and on, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints each program's output, then the
-# total as the last line: "N passed, N failed".
+# and on, steps of several groups, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints
+# each program's output, then the total as the last line: "N passed, N failed".
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 for p in float double; do
@@ -17,6 +17,8 @@ for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
+    run "$dir/train-$p" --check --groups-per-step 2 --loss-norm seq-mean-token-sum --microbatch 3 --layout packed --kl-coef 0.04
+    run "$dir/train-$p" --check --dp 3 --groups-per-step 2 --loss-norm seq-mean-token-sum-norm --loss-norm-len 48
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
     for scope in microbatch group; do
         run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
@@ -28,9 +30,9 @@ for p in float double; do
     run "$dir/train-$p" --config model/tiny-moe --check --tp 2 --ep 2 --cp 2 --aux-scope group
     run "$dir/train-$p" --check --pp 2 --tp 2 --cp 2 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-moe --check --pp 2 --tp 2 --ep 2 --microbatch 2 --layout packed
-    run "$dir/train-$p" --check --dp 2 --dp-groups 1 --kl-coef 0.04
+    run "$dir/train-$p" --check --dp 2 --groups-per-step 1 --kl-coef 0.04
     run "$dir/train-$p" --check --dp 3 --zero 2 --grad-reduce bf16
-    run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --dp-groups 2 --pp 2 --aux-scope group
+    run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --groups-per-step 2 --pp 2 --aux-scope group
 done
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"

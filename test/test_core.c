@@ -999,6 +999,187 @@ static void test_step_metrics(void) {
     }
 }
 
+/* ------------------------------------------------------------------ steps of several groups */
+/* A step's loss by its mode's formula (README "The loss over a step"), from per-token losses
+   pr_grpo_token_loss computes on the log-probs the step reported: the independent reference for
+   the step-wide denominators. norm_len 0: the step's longest suffix. */
+static double step_loss_by_formula(const pr_group *groups, int n, pr_real *const *logp, const pr_loss_opts *lo, long norm_len) {
+    double T = 0, N = 0, L = (double)norm_len, sum = 0, seq_means = 0;
+    for (int k = 0; k < n; k++) {
+        const pr_group *g = &groups[k];
+        N += g->G;
+        for (int i = 0; i < g->G; i++) {
+            double s_i = 0, n_i = 0;
+            if (!norm_len && g->suffix_len[i] > L) L = g->suffix_len[i];
+            for (int64_t f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) {
+                if (!g->loss_mask[f]) continue;
+                s_i += pr_grpo_token_loss((double)logp[k][f], (double)g->old_logp[f], g->ref_logp ? &g->ref_logp[f] : NULL,
+                                          (double)g->advantage[i], lo, NULL);
+                n_i += 1;
+            }
+            T += n_i;
+            sum += s_i;
+            if (n_i > 0) seq_means += s_i / n_i;
+        }
+    }
+    switch (lo->norm) {
+    case PR_NORM_TOKEN_MEAN: return sum / T;
+    case PR_NORM_SEQ_MEAN_TOKEN_MEAN: return seq_means / N;
+    case PR_NORM_SEQ_MEAN_TOKEN_SUM: return sum / N;
+    default: return sum / L;
+    }
+}
+
+/* One step of n groups on one trainer, groups accumulated in order: its loss (summed), each group's
+   log-probs into logp[k], its gradients. */
+static pr_status run_step(pr_trainer *tr, const pr_group *groups, int n, pr_step_opts o, double *loss, pr_real **logp, pr_error *err) {
+    *loss = 0;
+    for (int k = 0; k < n; k++) {
+        pr_step_stats st;
+        o.accumulate = k > 0;
+        pr_status s = pr_trainer_compute_grads(tr, &groups[k], &o, &st, logp ? logp[k] : NULL, err);
+        if (s) return s;
+        *loss += st.loss;
+    }
+    return PR_OK;
+}
+
+static void test_steps(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[6] = { 4, 9, 1, 5, 3, 7 };
+    static test_group tg[3];
+    pr_group groups[3];
+    const int P[3] = { 5, 2, 11 }, G[3] = { 3, 5, 2 };
+    for (int k = 0; k < 3; k++) {
+        make_group(&tg[k], P[k], G[k], S + k, c.vocab_size, 900 + k);
+        groups[k] = tg[k].g;
+    }
+    for (int64_t f = tg[1].off[2]; f < tg[1].off[3]; f++) tg[1].mask[f] = 0;   /* a trajectory with no trained token */
+    const double tol = IS_DOUBLE ? 1e-12 : 1e-5;
+    pr_error err;
+    for (int mode = 0; mode < 5; mode++) {
+        const pr_loss_norm norm = (pr_loss_norm)(mode < 4 ? mode : PR_NORM_SEQ_MEAN_TOKEN_SUM_NORM);
+        const long norm_len = mode == 4 ? 50 : 0;     /* sum-norm with the step's longest suffix, then a set length */
+        char label[128];
+        pr_step_opts base = pr_step_opts_default();
+        base.loss.kl_coef = 0.05;
+        base.loss.norm = norm;
+        CHECK(!pr_step_loss_totals(groups, 3, norm_len, &base.loss.step, &err), "totals: %s", err.message);
+        CHECK(base.loss.step.trajectories == 10 && base.loss.step.norm_len == (norm_len ? norm_len : 9),
+              "totals: %lld trajectories, length %lld", (long long)base.loss.step.trajectories, (long long)base.loss.step.norm_len);
+        base.schedule = PR_SCHEDULE_BASELINE;
+        base.microbatch = 1;
+        /* the baseline's step, and its loss against the formula on its own log-probs */
+        pr_trainer *ref = make_model(&c, 5);
+        pr_real lp[3][256], *logp[3] = { lp[0], lp[1], lp[2] };
+        double ref_loss;
+        CHECK(!run_step(ref, groups, 3, base, &ref_loss, logp, &err), "step baseline: %s", err.message);
+        double formula = step_loss_by_formula(groups, 3, logp, &base.loss, norm_len);
+        snprintf(label, sizeof label, "step of 3 groups, %s%s", pr_loss_norm_name(norm), norm_len ? " (length 50)" : "");
+        CHECK(fabs(ref_loss - formula) <= tol * fabs(formula), "%s: baseline loss %.17g, the formula %.17g", label, ref_loss, formula);
+        pr_real *gref = grads_of(ref);
+        /* the reuse schedule, the same step cut into other microbatches and layouts */
+        const int mbs[3] = { 1, 2, 0 };
+        for (int m = 0; m < 3; m++) {
+            pr_trainer *tr = make_model(&c, 5);
+            pr_step_opts o = base;
+            o.schedule = PR_SCHEDULE_REUSE;
+            o.microbatch = mbs[m];
+            o.layout = m == 1 ? PR_LAYOUT_PACKED : PR_LAYOUT_PADDED;
+            pr_real rp[3][256], *rlogp[3] = { rp[0], rp[1], rp[2] };
+            double loss;
+            char l2[192];
+            snprintf(l2, sizeof l2, "%s, reuse microbatch %d %s", label, mbs[m], m == 1 ? "packed" : "padded");
+            CHECK(!run_step(tr, groups, 3, o, &loss, rlogp, &err), "%s: %s", l2, err.message);
+            double f2 = step_loss_by_formula(groups, 3, rlogp, &o.loss, norm_len);
+            CHECK(fabs(loss - ref_loss) <= tol * fabs(ref_loss) && fabs(loss - f2) <= tol * fabs(f2),
+                  "%s: loss %.17g, baseline %.17g, formula %.17g", l2, loss, ref_loss, f2);
+            pr_real *g = grads_of(tr);
+            CHECK(close_arenas(tr, g, gref, "gradient", l2), "%s: gradients vs the baseline's step", l2);
+            free(g);
+            pr_trainer_destroy(tr);
+        }
+        /* over 2, 3 and 4 in-process DP ranks placing the step's groups (4: more ranks than groups,
+           each group split over a team) */
+        for (int ranks = 2; ranks <= 4; ranks++) {
+            dp_run d;
+            memset(&d, 0, sizeof d);
+            for (int r = 0; r < ranks; r++) d.tr[r] = make_model(&c, 5);
+            d.groups = groups;
+            d.n = 3;
+            d.opt = base;
+            d.opt.schedule = PR_SCHEDULE_REUSE;
+            d.opt.microbatch = 2;
+            d.grads0 = malloc(sizeof(pr_real) * pr_trainer_param_count(ref));
+            char l2[192];
+            snprintf(l2, sizeof l2, "%s, dp %d", label, ranks);
+            CHECK(!pr_comm_local_run(ranks, dp_rank, &d, &err), "%s: %s", l2, err.message);
+            double loss = 0;
+            for (int r = 0; r < ranks; r++) loss += d.loss[r];
+            CHECK(fabs(loss - ref_loss) <= tol * fabs(ref_loss), "%s: loss %.17g vs %.17g", l2, loss, ref_loss);
+            CHECK(close_arenas(ref, d.grads0, gref, "gradient", l2), "%s: summed gradients vs one rank", l2);
+            free(d.grads0);
+            for (int r = 0; r < ranks; r++) pr_trainer_destroy(d.tr[r]);
+        }
+        /* negative control: each group normalised alone is another loss (except where the modes
+           coincide: sum-norm with every group's longest suffix equal to the step's is not the case here) */
+        pr_step_opts alone = base;
+        memset(&alone.loss.step, 0, sizeof alone.loss.step);
+        double alone_loss;
+        CHECK(!run_step(ref, groups, 3, alone, &alone_loss, NULL, &err), "groups alone: %s", err.message);
+        CHECK(fabs(alone_loss - ref_loss) > 1e-3 * fabs(ref_loss), "%s: normalising each group alone gives the same loss %.17g: "
+              "the test could not tell the step's denominators from the groups'", label, alone_loss);
+        free(gref);
+        pr_trainer_destroy(ref);
+    }
+    /* one group alone, no totals given: the group is its own step, the same numbers as totals over
+       that one group, bit for bit, and the formula over the group */
+    for (int mode = 0; mode < 4; mode++) {
+        pr_step_opts o = pr_step_opts_default(), with;
+        o.loss.norm = (pr_loss_norm)mode;
+        o.schedule = PR_SCHEDULE_REUSE;
+        o.microbatch = 2;
+        with = o;
+        CHECK(!pr_step_loss_totals(&groups[1], 1, 0, &with.loss.step, &err), "totals of one group: %s", err.message);
+        pr_trainer *a = make_model(&c, 5), *b = make_model(&c, 5);
+        pr_real lp[256], *logp[1] = { lp };
+        double la = 0, lb = 0;
+        CHECK(!run_step(a, &groups[1], 1, o, &la, logp, &err) && !run_step(b, &groups[1], 1, with, &lb, NULL, &err), "one group: %s",
+              err.message);
+        pr_real *ga = grads_of(a), *gb = grads_of(b);
+        const double f = step_loss_by_formula(&groups[1], 1, logp, &o.loss, 0);
+        CHECK(la == lb && !memcmp(ga, gb, sizeof(pr_real) * pr_trainer_param_count(a)) && fabs(la - f) <= tol * fabs(f),
+              "one group, %s: no totals %.17g, its own totals %.17g, the formula %.17g", pr_loss_norm_name(o.loss.norm), la, lb, f);
+        free(ga); free(gb);
+        pr_trainer_destroy(a);
+        pr_trainer_destroy(b);
+    }
+    /* refusals: an unknown mode, totals that cannot hold the group, bad arguments; names */
+    pr_trainer *tr = make_model(&c, 5);
+    pr_step_opts o = pr_step_opts_default();
+    o.loss.norm = (pr_loss_norm)4;
+    CHECK(pr_trainer_compute_grads(tr, &groups[0], &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "unknown loss aggregation mode 4"),
+          "unknown mode: '%s'", err.message);
+    o = pr_step_opts_default();
+    o.loss.step.trajectories = 2;    /* group 0 alone has 3 */
+    CHECK(pr_trainer_compute_grads(tr, &groups[0], &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "a step includes its groups"),
+          "too few trajectories: '%s'", err.message);
+    o.loss.step.trajectories = 0;
+    o.loss.step.norm_len = -1;
+    CHECK(pr_trainer_compute_grads(tr, &groups[0], &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, ">= 0"),
+          "negative length: '%s'", err.message);
+    pr_step_norm sn;
+    CHECK(pr_step_loss_totals(groups, 0, 0, &sn, &err) == PR_ERR_ARG && pr_step_loss_totals(NULL, 1, 0, &sn, &err) == PR_ERR_ARG &&
+          pr_step_loss_totals(groups, 1, -2, &sn, &err) == PR_ERR_ARG, "pr_step_loss_totals refuses bad arguments");
+    pr_loss_norm back;
+    for (int m = 0; m < 4; m++)
+        CHECK(!pr_loss_norm_parse(pr_loss_norm_name((pr_loss_norm)m), &back, &err) && back == (pr_loss_norm)m, "mode %d's name", m);
+    CHECK(pr_loss_norm_name((pr_loss_norm)4) == NULL && pr_loss_norm_parse("seq-mean", &back, &err) == PR_ERR_ARG &&
+          strstr(err.message, "seq-mean-token-sum-norm"), "unknown mode name: '%s'", err.message);
+    pr_trainer_destroy(tr);
+    printf("steps: 3 groups a step in the four modes, both schedules, 3 microbatch cuts, dp 2..4, against the formula\n");
+}
+
 /* ------------------------------------------------------------------ the device mesh */
 /* One step on a mesh of in-process ranks against the single-rank full-sequence baseline: loss,
    the gathered gradients, and the gathered parameters after AdamW. */
@@ -1973,6 +2154,7 @@ int main(void) {
     test_offload();
     test_moe();
     test_dp();
+    test_steps();
     test_mesh();
     test_kv_replication();
     test_zero();

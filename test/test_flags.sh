@@ -41,5 +41,8 @@ check "bad value '0' for --replay"          --replay 0
 check "--replay runs its own three trainers" --replay 2 --check
 check "--log FILE writes the lines of --replay" --log /tmp/never-written.jsonl
 check "it needs --dp 2 or more"             --grad-reduce bf16
+check "bad value 'seq-mean' for --loss-norm" --loss-norm seq-mean
+check "bad value '0' for --groups-per-step" --groups-per-step 0
+check "bad value '0' for --loss-norm-len"   --loss-norm-len 0
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

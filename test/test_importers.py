@@ -192,8 +192,17 @@ def nemo_rl_step_dump():
     want = 3 * 7 + 3 * 5 + 2 * 9
     assert saved(groups) == want
     assert f"prefix tokens reuse saves: {want} = " in report
-    assert "groups: 3 (by identical prompts)" in report and "G per group: min 3, mean 3.7, max 4" in report
+    assert "groups: 3 (by identical prompts); 1 step, one per input file, of 3 groups" in report
+    assert "G per group: min 3, mean 3.7, max 4" in report
+    assert read_trace(tmp("nemo.trace"), steps=True)[2] == [3]         # one step: the file's batch
     replay(tmp("nemo.trace"))
+    # two step files: two steps, each holding its file's groups; the C reader and train take them
+    path2 = tmp("train_data_step4.jsonl")
+    write_nemo(path2, nemo_log_data(nemo_rows(5)))
+    imported(import_nemo_rl.main, [path, path2], tmp("nemo-2steps.trace"))
+    g2, _, steps = read_trace(tmp("nemo-2steps.trace"), steps=True)
+    assert steps == [3, len(g2) - 3] and len(g2) > 3, steps
+    replay(tmp("nemo-2steps.trace"))
 
 
 @test

@@ -1,12 +1,14 @@
-"""Tests of bench/plot.py on what train really prints and writes.
+"""Tests of train's JSON step logs (--log) and of bench/plot.py on what train really prints and writes.
 
     python3 test/test_plot.py TRAIN
 
-Runs a small `TRAIN --bench`, `--bench memory` and `--replay 2 --log`, and checks that the parsers
-find every row with the printed numbers, that bad input is refused with the file and line named,
-and, where matplotlib is installed, that each kind is drawn to a PNG. The last line is
+A training run's --log on one rank and on dp 2: every field, the loss as printed, the diagnostics in
+range and the same on both. Then a small `TRAIN --bench`, `--bench memory` and `--replay 2 --log`:
+the parsers find every row with the printed numbers, bad input is refused with the file and line
+named, and, where matplotlib is installed, each kind is drawn to a PNG. The last line is
 "N passed, N failed".
 """
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +43,26 @@ def main():
         print(f"{train}: no such program\n0 passed, 1 failed")
         return 1
     tmp = tempfile.mkdtemp()
+    fields = ["step", "first_group", "groups", "loss", "kl", "clip_fraction", "grad_norm", "loss_tokens", "seconds_a",
+              "seconds_b", "seconds_c", "tokens_per_s", "peak_mib_a", "peak_mib_b", "peak_mib_c"]
+    logs = {}
+    for name, mesh in [("one rank", []), ("dp 2", ["--dp", "2"])]:
+        path = os.path.join(tmp, "train.jsonl")
+        out = run(train, "--steps", "3", "--groups-per-step", "2", "--kl-coef", "0.04", "--log", path, *mesh)
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        printed = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+        check([d["step"] for d in lines] == [0, 1, 2] and all(sorted(d) == sorted(fields) for d in lines),
+              f"--log, {name}: steps 0..2 with every field: {lines}")
+        check(all(d["groups"] == 2 and d["first_group"] == 2 * d["step"] % 4 for d in lines), f"--log, {name}: the steps' groups")
+        check(all(abs(d["loss"] - p) <= 5e-7 for d, p in zip(lines, printed)) and len(printed) == 3,
+              f"--log, {name}: losses {[d['loss'] for d in lines]} vs printed {printed}")
+        check(all(0 < d["clip_fraction"] < 1 and d["kl"] > 0 and d["loss_tokens"] > 0 and d["peak_mib_b"] > 0 for d in lines),
+              f"--log, {name}: diagnostics out of range: {lines}")
+        logs[name] = lines
+    for a, b in zip(logs["one rank"], logs["dp 2"]):
+        check(a["loss_tokens"] == b["loss_tokens"] and a["clip_fraction"] == b["clip_fraction"] and
+              abs(a["kl"] - b["kl"]) <= 1e-5 * a["kl"], f"--log: one rank {a} and dp 2 {b} disagree")
     speed = run(train, "--bench", "--bench-total", "48", "--bench-reps", "1", "--bench-groups", "2")
     rows = plot.parse_speed(speed)
     check(plot.kind_of(speed) == "speed" and len(rows) == 4, f"speed: 4 rows (splits x G), got {len(rows)}")

@@ -13,13 +13,14 @@ if "$train" --replay 3 --microbatch 3 --layout packed --kl-coef 0.04 --log "$dir
    grep -q "replay: PASS" "$dir/out"; then ok; else bad "replay of 3 steps did not pass"; cat "$dir/out"; fi
 if python3 - "$dir/replay.jsonl" <<'PY'
 import json, math, sys
-keys = ["step", "group", "loss_full", "loss_reuse", "loss_floor", "grad_norm_full", "grad_norm_reuse", "grad_norm_floor",
+keys = ["step", "first_group", "groups", "loss_full", "loss_reuse", "loss_floor", "grad_norm_full", "grad_norm_reuse", "grad_norm_floor",
         "drift_max_abs", "drift_rel_l2", "floor_max_abs", "floor_rel_l2"]
 lines = [json.loads(l) for l in open(sys.argv[1])]
 assert [d["step"] for d in lines] == [0, 1, 2], lines
 for d in lines:
     assert sorted(d) == sorted(keys), d
     assert all(isinstance(d[k], (int, float)) and math.isfinite(d[k]) for k in keys), d
+    assert d["groups"] == 1 and d["first_group"] == d["step"] % 4, d
     assert d["floor_rel_l2"] > 0, d      # the reordered run really sums in another order
 PY
 then ok; else bad "the --log JSON lines"; fi

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Resume is exact: 8 steps straight, and 4 steps + --save-state, a new process, --resume, 4 more,
 # give the same loss and grad norm every step (hex floats) and the same final parameter and AdamW
-# bytes; on one rank and on in-process meshes. A save killed part way (--fault-kill-after-bytes)
+# bytes; on one rank and on in-process meshes, with steps of one group and of several (cut by
+# --groups-per-step or a version-2 trace's table). A save killed part way (--fault-kill-after-bytes)
 # leaves the previous state loadable, and resuming from it is still exact. A state of another
 # model is refused with the reason. Usage: sh test/test_resume.sh TRAIN
 train=${1:-./train}
@@ -30,6 +31,16 @@ resume_case dp2 --dp 2
 resume_case dp2-zero2 --dp 2 --zero 2
 resume_case dp3-zero1-tp2 --dp 3 --tp 2 --zero 1
 resume_case mesh --dp 2 --tp 2 --cp 2
+resume_case steps3 --groups-per-step 3 --loss-norm seq-mean-token-sum --microbatch 2
+resume_case steps2-dp3 --dp 3 --groups-per-step 2 --loss-norm seq-mean-token-mean
+# a version-2 trace's own steps (3 groups, then 1)
+python3 -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/sample.trace'); p.write_trace('$tmp/steps.trace', g, v, steps=[3, 1])" ||
+    bad "writing a version-2 trace"
+resume_case table --trace "$tmp/steps.trace" --loss-norm seq-mean-token-sum-norm
+# resuming at a position that starts no step of the table is refused with the reason
+"$train" --steps 1 --save-state "$tmp/at1" >/dev/null 2>&1 || bad "a state at group 1"
+msg=$("$train" --trace "$tmp/steps.trace" --resume "$tmp/at1" --steps 1 2>&1); rc=$?
+case "$msg" in *"starts no step"*) [ $rc -eq 1 ] && ok || bad "position off the table: status $rc" ;; *) bad "position off the table: '$msg'" ;; esac
 
 # the files do not depend on the stage: a state saved with --zero 2 resumes with --zero 0 exactly
 d=$tmp/dp2-zero2

@@ -6,7 +6,9 @@
       whose message names the field, leave the caller's pr_trace byte-for-byte as it was, and leak
       nothing (the allocator below counts live blocks; ASan/valgrind check the rest);
    3. every truncation of the small file and of the sample, trailing bytes, huge counts;
-   4. pr_group_validate on groups built in memory; failed allocations. */
+   4. pr_group_validate on groups built in memory; failed allocations;
+   5. version 2: the step table read and written back byte for byte, version 1 still read and
+      written when a trace has no steps, malformed tables refused by the reader and the writer. */
 #include <stdlib.h>
 #include <stdio.h>
 
@@ -273,7 +275,7 @@ static void test_small(void) {
 
     /* header */
     RESET(); b[0] = 'X'; expect_fail("bad magic", b, n, PR_ERR_FORMAT, "magic");
-    RESET(); patch_u32(b, 8, 2); expect_fail("version 2", b, n, PR_ERR_UNSUPPORTED, "version 2");
+    RESET(); patch_u32(b, 8, 3); expect_fail("version 3", b, n, PR_ERR_UNSUPPORTED, "version 3");
     RESET(); patch_u32(b, 8, 0); expect_fail("version 0", b, n, PR_ERR_UNSUPPORTED, "version 0");
     RESET(); patch_u32(b, 12, 3); expect_fail("unknown flag bit 1", b, n, PR_ERR_FORMAT, "flags");
     RESET(); patch_u32(b, 12, 0x80000001u); expect_fail("unknown flag bit 31", b, n, PR_ERR_FORMAT, "flags");
@@ -396,6 +398,87 @@ static void test_small(void) {
 }
 
 /* ---------------------------------------------------------------- 4. groups built in memory */
+/* ---------------------------------------------------------------- 5. version 2: the step table */
+/* The small file as version 2 with `n_steps` steps of the given group counts (written as given,
+   valid or not) between the header and the groups. */
+static buf make_v2(const small_file *f, uint32_t n_steps, const uint32_t *sizes, uint32_t n_sizes) {
+    buf s = {NULL, 0, 0};
+    put(&s, f->s.b, 24);
+    patch_u32(s.b, 8, 2);
+    put_u32(&s, n_steps);
+    for (uint32_t k = 0; k < n_sizes; k++) put_u32(&s, sizes[k]);
+    put(&s, f->s.b + 24, f->s.n - 24);
+    return s;
+}
+
+static void test_steps(void) {
+    small_file f = make_small(1);
+    pr_trace t;
+    pr_error err;
+    static const uint32_t one_two[1] = {2}, two_ones[2] = {1, 1};
+    /* two steps of one group, and one step of both: read, then written back byte for byte */
+    for (int c = 0; c < 2; c++) {
+        buf v2 = c ? make_v2(&f, 1, one_two, 1) : make_v2(&f, 2, two_ones, 2);
+        pr_status st = pr_trace_parse(&t, v2.b, v2.n, &err);
+        CHECK(st == PR_OK, "v2 (%d steps): %s", 2 - c, st ? err.message : "");
+        if (st == PR_OK) {
+            CHECK(t.n_groups == 2 && t.n_steps == 2 - c && t.step_off && t.step_off[0] == 0 && t.step_off[t.n_steps] == 2 &&
+                  (c || t.step_off[1] == 1), "v2 step table: %d steps", t.n_steps);
+            CHECK(t.groups[1].P == 1 && t.groups[1].tokens[2] == 7 && t.groups[0].ref_logp[2] == -2.5, "v2 groups as in v1");
+            void *sb = NULL;
+            size_t sn = 0;
+            st = pr_trace_serialize(&t, &sb, &sn, &err);
+            CHECK(!st && sn == v2.n && memcmp(sb, v2.b, sn) == 0, "v2 round trip: %s", st ? err.message : "other bytes");
+            PR_FREE(sb);
+            /* without its table the same trace is written as version 1, the original file */
+            t.n_steps = 0;
+            st = pr_trace_serialize(&t, &sb, &sn, &err);
+            CHECK(!st && sn == f.s.n && memcmp(sb, f.s.b, sn) == 0, "no steps: version 1 bytes");
+            PR_FREE(sb);
+            pr_trace_free(&t);
+        }
+        /* every truncation of the v2 file fails (in the table too) */
+        size_t bad = 0;
+        for (size_t n = 0; n < v2.n; n++) {
+            memset(&t, 0x5a, sizeof t);
+            if (pr_trace_parse(&t, v2.b, n, &err) != PR_ERR_FORMAT) bad++;
+        }
+        CHECK(bad == 0, "v2: %zu truncations did not fail with PR_ERR_FORMAT", bad);
+        free(v2.b);
+    }
+    /* version 1 is still read: no step table */
+    CHECK(pr_trace_parse(&t, f.s.b, f.s.n, &err) == PR_OK && t.n_steps == 0 && t.step_off == NULL, "v1 read: no steps");
+    /* malformed tables: counts checked before any allocation, the caller's trace untouched */
+    static const uint32_t zero_two[2] = {0, 2}, three[1] = {3}, one[1] = {1}, big[1] = {0xffffffffu};
+    buf m;
+    m = make_v2(&f, 0, NULL, 0); expect_fail("v2: zero steps", m.b, m.n, PR_ERR_FORMAT, "n_steps = 0"); free(m.b);
+    m = make_v2(&f, 3, NULL, 0); expect_fail("v2: more steps than groups", m.b, m.n, PR_ERR_FORMAT, "n_steps = 3"); free(m.b);
+    m = make_v2(&f, 0xffffffffu, NULL, 0); expect_fail("v2: n_steps 2^32-1", m.b, m.n, PR_ERR_FORMAT, "n_steps"); free(m.b);
+    m = make_v2(&f, 2, zero_two, 2); expect_fail("v2: an empty step", m.b, m.n, PR_ERR_FORMAT, "step 0 has 0 groups"); free(m.b);
+    m = make_v2(&f, 1, three, 1); expect_fail("v2: a step past the groups", m.b, m.n, PR_ERR_FORMAT, "step 0 has 3 groups"); free(m.b);
+    m = make_v2(&f, 1, big, 1); expect_fail("v2: a step of 2^32-1 groups", m.b, m.n, PR_ERR_FORMAT, "step 0 has 4294967295"); free(m.b);
+    m = make_v2(&f, 1, one, 1); expect_fail("v2: steps short of the groups", m.b, m.n, PR_ERR_FORMAT, "hold 1 of the 2 groups"); free(m.b);
+    /* the writer refuses a table that does not cover the groups in order */
+    if (t.n_groups == 2) {
+        int offs[3][3] = { {1, 2, 0}, {0, 0, 2}, {0, 1, 1} };
+        const char *what[3] = { "not from group 0", "an empty step", "short of the last group" };
+        for (int k = 0; k < 3; k++) {
+            void *sb = NULL;
+            size_t sn = 0;
+            t.n_steps = k == 0 ? 1 : 2;
+            t.step_off = offs[k];
+            CHECK(pr_trace_serialize(&t, &sb, &sn, &err) == PR_ERR_ARG && strstr(err.message, "step") && !sb,
+                  "serialize refuses a step table %s: '%s'", what[k], err.message);
+        }
+        t.n_steps = 3;
+        CHECK(pr_trace_serialize(&t, &(void *){NULL}, &(size_t){0}, &err) == PR_ERR_ARG, "serialize refuses more steps than groups");
+        t.n_steps = 0;
+        t.step_off = NULL;
+        pr_trace_free(&t);
+    }
+    free(f.s.b);
+}
+
 static void expect_invalid(const char *what, const pr_group *g, int vocab, const char *needle) {
     pr_error err;
     pr_status st = pr_group_validate(g, vocab, &err);
@@ -452,6 +535,7 @@ int main(int argc, char **argv) {
     }
     test_sample(sample);
     test_small();
+    test_steps();
     test_validate();
     CHECK(test_alloc_live == 0, "%ld blocks still allocated at exit", test_alloc_live);
     return test_report();
