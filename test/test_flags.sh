@@ -39,7 +39,7 @@ check "not --check or --bench"              --check --save-state /tmp/never-writ
 check "bad value 'fp16' for --grad-reduce"  --grad-reduce fp16
 check "bad value '0' for --replay"          --replay 0
 check "--replay runs its own three trainers" --replay 2 --check
-check "--log FILE writes the lines of --replay" --log /tmp/never-written.jsonl
+check "--log FILE writes the steps"          --log /tmp/never-written.jsonl --check
 check "it needs --dp 2 or more"             --grad-reduce bf16
 check "bad value 'seq-mean' for --loss-norm" --loss-norm seq-mean
 check "bad value '0' for --groups-per-step" --groups-per-step 0
