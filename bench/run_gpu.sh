@@ -61,7 +61,8 @@ export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS R
 # sanitizers on a tiny model and small attention shapes; bench-cuda ~20 s of GEMMs (6 shapes x 16
 # cuBLASLt candidates) and ~25 s of attention (the 10k + 32 x 2k case is 12 TFLOP forward, 30
 # backward); train-bench and train-memory from the sizing above, ~20 s of host initialisation each;
-# torch-ref ~40 s of torch.compile and a few steps. About 535 s in all.
+# torch-ref ~40 s of torch.compile and a few steps; replay ~25 s (three tiny-model runs of 100 steps).
+# `--list` prints the sum: above the budget, so the last stages wait for a follow-up call.
 stages() {
     cat <<'EOF'
 preflight|5|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
@@ -74,6 +75,7 @@ racecheck|30|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu at
 initcheck|25|120|1|compute-sanitizer initcheck: train_cuda --check on model/tiny with offload; test_gpu attention
 synccheck|25|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
 determinism|12|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
+replay|25|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse drift against the floor, JSON lines
 bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region
 sdpa|30|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|40|180|1|ncu --clock-control none on the attention kernels (causal 8k): speed of light, occupancy, stalls
@@ -271,6 +273,13 @@ body_determinism() {
         fi
     done
     return $fail
+}
+
+body_replay() {
+    ./train_cuda --replay 100 --lr 1e-4 --log "$stage_base.jsonl"
+    rc=$?
+    key "$(grep -E '^replay: (worst|PASS|FAIL)' "$stage_base.log" | sed 's/^replay: //' | tr '\n' ' ' | cut -c1-220)"
+    return $rc
 }
 
 body_bench_cuda() {
