@@ -1195,16 +1195,18 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
     snprintf(mb, sizeof mb, o->step.microbatch ? "%d" : "all G", o->step.microbatch);
     if (!rc)
         printf("replay: %d steps over %s (%d groups); full-sequence (microbatch %s) vs reuse (microbatch %s, %s); "
-               "floor: full-sequence, each microbatch's trajectories reversed; %s precision\n"
-               "%5s %14s %14s %10s %10s %11s %11s %11s %11s\n",
+               "floor: full-sequence, each microbatch's trajectories reversed; %s precision\n",
                o->replay, o->trace, trace->n_groups, mb, mb, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
-               sizeof(pr_real) == 8 ? "double" : "float", "step", "loss full", "loss reuse", "gnorm full", "gnorm reuse",
+               sizeof(pr_real) == 8 ? "double" : "float");
+    if (!rc) {
+        print_steps(o, trace);
+        printf("%5s %14s %14s %10s %10s %11s %11s %11s %11s\n", "step", "loss full", "loss reuse", "gnorm full", "gnorm reuse",
                "drift max", "drift relL2", "floor max", "floor relL2");
+    }
     drift worst = { 0, 0 }, worst_floor = { 0, 0 };
     int over = 0;                /* steps whose reuse drift is past REPLAY_MARGIN times the floor */
     pr_group *batch = rc ? NULL : malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
     if (!rc && !batch) rc = 1, fprintf(stderr, "train: out of memory\n");
-    if (!rc) print_steps(o, trace);
     long pos = 0;
     for (int k = 0; k < o->replay && !rc; k++) {
         pr_step_opts so;
