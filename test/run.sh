@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
-# and on, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints each program's output, then the
-# total as the last line: "N passed, N failed".
+# and on, recompute, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints each
+# program's output, then the total as the last line: "N passed, N failed".
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 for p in float double; do
@@ -17,6 +17,8 @@ for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p
 for p in float double; do
     for lay in padded packed; do run "$dir/train-$p" --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+    run "$dir/train-$p" --check --microbatch 2 --layout packed --recompute all --offload on
+    run "$dir/train-$p" --config model/tiny-moe --check --recompute prefix --tp 2 --ep 2 --cp 2 --aux-scope group
     for scope in microbatch group; do
         run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
     done
