@@ -96,6 +96,8 @@
    Where the rest hooks in (3.2 declares every such call):
      offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
                    loads it back before its backward (pr__load_block, pr__prefetch_block)
+     recompute     a pass that keeps only each layer's input (pr__keep, pr_recompute) runs the
+                   layer's forward again at the start of its backward (pr__layer_rebuild, 3.6)
      MoE (6)       pr__moe_forward and pr__moe_backward inside the layer; the load-balancing loss's
                    routing sums in Phase A and pr__mb_forward, its gradient in pr__mb_backward and
                    Phase C, and in the group scope pr__routing_prepass before Phase B
