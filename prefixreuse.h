@@ -553,8 +553,8 @@ typedef struct {
    the CPU backend: gradients and updates are the same with recompute on or off. It writes
    neither the K/V cache (attention backward still reads the cache, as Phase B did) nor the
    next layer's input, fires no hook and adds nothing to the MoE routing statistics or expert
-   load, which are taken from the first forward. Its extra work (about one more layer forward
-   per recomputed pass) is not in pr_step_stats.flops or rows, which count the model's work. */
+   load, which are taken from the first forward. Its extra work (one more forward of each
+   recomputed pass) is not in pr_step_stats.flops or rows, which count the model's work. */
 typedef enum { PR_RECOMPUTE_NONE = 0, PR_RECOMPUTE_PREFIX = 1, PR_RECOMPUTE_ALL = 2 } pr_recompute;
 
 typedef struct {
