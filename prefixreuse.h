@@ -98,6 +98,8 @@
    Where the rest hooks in (3.2 declares every such call):
      offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
                    loads it back before its backward (pr__load_block, pr__prefetch_block)
+     recompute     a pass that keeps only each layer's input (pr__keep, pr_recompute) runs the
+                   layer's forward again at the start of its backward (pr__layer_rebuild, 3.6)
      MoE (6)       pr__moe_forward and pr__moe_backward inside the layer; the load-balancing loss's
                    routing sums in Phase A and pr__mb_forward, its gradient in pr__mb_backward and
                    Phase C, and in the group scope pr__routing_prepass before Phase B
@@ -547,7 +549,9 @@ typedef enum { PR_LAYOUT_PADDED = 0, PR_LAYOUT_PACKED = 1 } pr_layout;
    in Phase B. With offload on, each block moves to the HOST tier right after its layer's Phase-A
    forward and returns before its Phase-C backward (prefetched one layer ahead when the budget
    allows, loaded at its use when not), so Phase B holds only the K/V cache and gK/gV of the
-   prefix. Results are bitwise the same with offload on or off. */
+   prefix. With recompute (pr_recompute) the block is the layer's input alone, the rest being
+   rebuilt in Phase C: offload then moves the inputs. Results are bitwise the same with offload
+   on or off. */
 typedef struct {
     int enabled;
     size_t pool_bytes;       /* host staging pool; 0: sized at first use to the dormant footprint + 1/16.
@@ -585,6 +589,19 @@ typedef struct {
                                 every prefix token that many times instead (1: a negative control) */
 } pr_moe_opts;
 
+/* Activation recompute: which passes keep only each layer's input between its forward and its
+   backward, and run the layer's forward again from it right before the layer's backward to
+   rebuild the rest of its block (see pr_offload_opts) for that backward alone. PREFIX: the
+   prefix pass (Phase A keeps every layer's input and K/V cache; Phase C rebuilds). ALL: the
+   suffix microbatches and the baseline's passes too (they keep the inputs alone; their own K/V
+   are rebuilt as well). The rebuilt forward computes what the first computed, bit for bit on
+   the CPU backend: gradients and updates are the same with recompute on or off. It writes
+   neither the K/V cache (attention backward still reads the cache, as Phase B did) nor the
+   next layer's input, fires no hook and adds nothing to the MoE routing statistics or expert
+   load, which are taken from the first forward. Its extra work (one more forward of each
+   recomputed pass) is not in pr_step_stats.flops or rows, which count the model's work. */
+typedef enum { PR_RECOMPUTE_NONE = 0, PR_RECOMPUTE_PREFIX = 1, PR_RECOMPUTE_ALL = 2 } pr_recompute;
+
 typedef struct {
     pr_schedule schedule;
     int microbatch;          /* trajectories per microbatch; 0 = all G in one */
@@ -593,6 +610,7 @@ typedef struct {
     pr_hooks hooks;
     pr_offload_opts offload;
     pr_moe_opts moe;
+    pr_recompute recompute;  /* NONE (default), PREFIX or ALL */
     int accumulate;          /* 1: add this group's gradients to the arena instead of replacing them */
 } pr_step_opts;
 
@@ -616,7 +634,8 @@ typedef struct {
     double flops;            /* model FLOPs of the step (pr_step_flops) */
     /* Reuse: this rank's prefix K/V cache over its layers, the state a group split across DP ranks
        replicates to each peer; and the prefix's activation stack besides (every layer's other
-       saved tensors and the final residual), which stays on the rank that runs Phase A and C. */
+       saved tensors, under recompute its input alone, and the final residual), which stays on
+       the rank that runs Phase A and C. */
     size_t prefix_kv_bytes, prefix_stack_bytes;
 } pr_step_stats;
 
@@ -1810,11 +1829,18 @@ typedef struct {
     pr_real *dw;              /* (N*k) backward: d(loss)/d(weight) */
 } pr__route;
 
+/* What a pass keeps of each layer from its forward to its backward: the whole block and K/V;
+   under recompute the layer's input and K/V (the prefix pass: its K/V are the cache), or the
+   input alone (a microbatch), every layer's other tensors then sharing one region that the
+   layer's forward fills again before its backward (pr__layer_rebuild). */
+typedef enum { PR__KEEP_ALL = 0, PR__KEEP_INPUT_KV, PR__KEEP_INPUT } pr__keep;
+
 /* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
    stream res[0..L] (res[0] the embeddings, res[l+1] the output of layer l). */
 typedef struct {
     pr_seq_layout lay;
     int N;
+    pr__keep keep;
     const int32_t *tokens;
     const uint8_t *real;      /* (N) 1 for a token row, 0 for padding (MoE statistics skip padding) */
     pr__layer_acts *acts;     /* (L) host array of pointers into the arena */
@@ -1832,8 +1858,13 @@ typedef struct {
 } pr__pass;
 
 /* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
-   dye and dxe the routed rows' C-wide gradients, dlogit the router's). */
-typedef struct { void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit; } pr__bwd_scratch;
+   dye and dxe the routed rows' C-wide gradients, dlogit the router's). Under recompute the
+   rebuilt forward writes its output to fwd_out, and on a pass that keeps its K/V its K/V to
+   fwd_k/fwd_v, so that what the pass keeps stays as it is. */
+typedef struct {
+    void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit;
+    void *fwd_out, *fwd_k, *fwd_v;
+} pr__bwd_scratch;
 
 /* The K/V gradients one layer's attention backward writes: this pass's own rows always, the
    cached prefix's in Phase B. pr__kv_own gives the own part with no prefix (Phase C, baseline). */
@@ -1963,7 +1994,8 @@ static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_err
 static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err);
 static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err);
 static void pr__block_done(pr_trainer *tr, pr__offload *o, int l);
-static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err);
+static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, const pr__pass *ps, int P,
+                                   pr_error *err);
 static void pr__offload_end(pr_trainer *tr, pr__offload *o);
 
 /* 6. MoE: the sparse MLP inside the layer, the load-balancing loss around the phases */
@@ -2441,19 +2473,16 @@ static void *pr__carve(char *base, size_t *off, size_t count, size_t elem) {
     return p;
 }
 
-/* Lays out one layer's saved tensors for n rows, all but its K and V, in one block at base: the
-   layer's input (the residual stream entering it) and everything its backward reads besides K/V.
-   A block moves between memory tiers as a unit (the prefix's dormant state). Returns its bytes;
-   base NULL only measures. */
-static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__layer_acts *x, void **res_in) {
+/* Lays out the part of a layer's block (below) that the layer's forward computes from its input,
+   for n rows, at base: everything its backward reads besides its input and its K/V. Returns its
+   bytes; base NULL only measures. */
+static size_t pr__layer_rebuilt(const pr_trainer *tr, char *base, size_t n, pr__layer_acts *x) {
     const pr_config *c = &tr->cfg;
     const size_t C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads, NKV = c->num_key_value_heads;
     const size_t qd = NH * c->head_dim, kvd = NKV * c->head_dim, A = tr->be->act_bytes, S = tr->be->stat_bytes;
     pr__layer_acts t;
     if (!x) x = &t;
     size_t off = 0;
-    void *in = pr__carve(base, &off, n * C, A);
-    if (res_in) *res_in = in;
     x->ln1 = pr__carve(base, &off, n * C, A); x->ln1_rstd = pr__carve(base, &off, n, S);
     if (c->qk_norm) {
         x->q_pre = pr__carve(base, &off, n * qd, A); x->k_pre = pr__carve(base, &off, n * kvd, A);
@@ -2478,8 +2507,23 @@ static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, pr__la
     return off;
 }
 
+/* Lays out one layer's saved tensors for n rows, all but its K and V, in one block at base: the
+   layer's input (the residual stream entering it) and, when `whole`, everything its backward
+   reads besides K/V (without: the input alone, what a pass under recompute keeps). A block moves
+   between memory tiers as a unit (the prefix's dormant state). Returns its bytes; base NULL only
+   measures. */
+static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, int whole, pr__layer_acts *x, void **res_in) {
+    size_t off = 0;
+    void *in = pr__carve(base, &off, n * (size_t)tr->cfg.hidden_size, tr->be->act_bytes);
+    if (res_in) *res_in = in;
+    if (whole) off += pr__layer_rebuilt(tr, base ? base + off : NULL, n, x);
+    return off;
+}
+
 /* A pass of N rows: every layer's block (unless `blocks` is 0: the offloading prefix pass places
-   them itself), every layer's K and V, and the final residual res[L]. */
+   them itself), every layer's K and V (unless it keeps the input alone), and the final residual
+   res[L]. Under recompute the region the blocks' other tensors share comes from
+   pr__pass_rebuilt_alloc. */
 static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
@@ -2491,13 +2535,16 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     if (!ps->acts || !ps->res) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a pass of %d rows", N);
     memset(ps->acts, 0, sizeof(pr__layer_acts) * (size_t)L);
     memset(ps->res, 0, sizeof(void *) * (size_t)(L + 1));
-    const size_t block = pr__layer_block(tr, NULL, n, NULL, NULL);
+    const int whole = ps->keep == PR__KEEP_ALL;
+    const size_t block = pr__layer_block(tr, NULL, n, whole, NULL, NULL);
     for (int l = 0; l < L; l++) {
         pr__layer_acts *x = &ps->acts[l];
         char *b = blocks ? (char *)pr__elems(tr, a, block, 1) : NULL;
-        if (b) pr__layer_block(tr, b, n, x, &ps->res[l]);
-        x->k = pr__act(tr, a, n_kv * kvd);
-        x->v = pr__act(tr, a, n_kv * kvd);
+        if (b) pr__layer_block(tr, b, n, whole, x, &ps->res[l]);
+        if (ps->keep != PR__KEEP_INPUT) {
+            x->k = pr__act(tr, a, n_kv * kvd);
+            x->v = pr__act(tr, a, n_kv * kvd);
+        }
     }
     ps->res[L] = pr__act(tr, a, n * c->hidden_size);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a pass of %d rows", N);
@@ -2521,6 +2568,31 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
     return PR_OK;
 }
 
+/* Recompute: the one region from arena a that every layer of the pass writes its rebuilt
+   tensors to (its forward fills it, its backward reads it, one layer at a time); with K/V when
+   the pass keeps none. */
+static pr_status pr__pass_rebuilt_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err) {
+    const pr_config *c = &tr->cfg;
+    const size_t n = (size_t)ps->N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    const size_t n_kv = ps->cp_chunk > ps->N ? (size_t)ps->cp_chunk : n;
+    pr__layer_acts shared;
+    memset(&shared, 0, sizeof shared);
+    char *b = (char *)pr__elems(tr, a, pr__layer_rebuilt(tr, NULL, n, NULL), 1);
+    if (b) pr__layer_rebuilt(tr, b, n, &shared);
+    if (ps->keep == PR__KEEP_INPUT) {
+        shared.k = pr__act(tr, a, n_kv * kvd);
+        shared.v = pr__act(tr, a, n_kv * kvd);
+    }
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory to recompute a pass of %d rows", ps->N);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        pr__layer_acts *x = &ps->acts[l];
+        void *k = x->k, *v = x->v;
+        *x = shared;
+        if (ps->keep == PR__KEEP_INPUT_KV) { x->k = k; x->v = v; }
+    }
+    return PR_OK;
+}
+
 static void pr__pass_free_host(pr__pass *ps, int L) {
     if (ps->route)
         for (int l = 0; l < L; l++) PR_FREE(ps->route[l].prob);   /* one allocation per layer */
@@ -2532,8 +2604,10 @@ static void pr__pass_free_host(pr__pass *ps, int L) {
     ps->res = NULL;
 }
 
-static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scratch *s, int N, pr_error *err) {
+/* The scratch for the backward of pass ps (allocated, its rows known). */
+static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scratch *s, const pr__pass *ps, pr_error *err) {
     const pr_config *c = &tr->cfg;
+    const int N = ps->N;
     size_t n = (size_t)N, C = c->hidden_size, F = c->intermediate_size;
     size_t qd = (size_t)c->num_attention_heads * c->head_dim, kvd = (size_t)c->num_key_value_heads * c->head_dim;
     memset(s, 0, sizeof *s);
@@ -2549,6 +2623,12 @@ static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scr
         s->dlogit = pr__act(tr, a, n * (size_t)c->num_experts);
     }
     s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
+    if (ps->keep != PR__KEEP_ALL) s->fwd_out = pr__act(tr, a, n * C);
+    if (ps->keep == PR__KEEP_INPUT_KV) {
+        const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
+        s->fwd_k = pr__act(tr, a, n_kv * kvd);
+        s->fwd_v = pr__act(tr, a, n_kv * kvd);
+    }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of activation memory for a backward of %d rows", N);
     return PR_OK;
 }
@@ -2600,9 +2680,28 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     be->add(be, y, a->x_mid, (size_t)N * C);
 }
 
+/* Recompute: layer l's forward once more from its kept input, rebuilding the tensors its backward
+   reads in the pass's shared region. It is the same forward on the same input, so what it writes
+   equals, bit for bit, what the first forward wrote. Its output goes to scratch (the next layer's
+   input stays as kept) and so do its K/V on a pass that keeps them: the prefix's K/V cache, which
+   a hook may have rewritten, stays what Phase B read and what the backward reads, while the
+   attention forward sees the K/V the first forward saw. No hook fires, and the MoE routing
+   statistics, gathered after a pass's forward and not in the layer, are not counted again. The
+   collectives inside (TP sums, the CP region's gathers, EP's all-to-alls) run as in the first
+   forward, on every rank alike, since every rank rebuilds the same layer at the same point. */
+static void pr__layer_rebuild(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const void *kp, const void *vp) {
+    pr__layer_acts *a = &ps->acts[l];
+    void *k = a->k, *v = a->v, *out = ps->res[l + 1];
+    if (ps->keep == PR__KEEP_INPUT_KV) { a->k = s->fwd_k; a->v = s->fwd_v; }
+    ps->res[l + 1] = s->fwd_out;
+    pr__layer_forward(tr, ps, l, kp, vp);
+    a->k = k; a->v = v; ps->res[l + 1] = out;
+}
+
 /* Layer l backward. On entry s->dres holds d(layer output); on return d(layer input). kv: the
    K/V gradients the attention backward writes (the pass's own, holding whatever must be injected,
-   and in Phase B the cached prefix's). */
+   and in Phase B the cached prefix's). A pass under recompute first rebuilds the layer's saved
+   tensors. */
 static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__kv_grads *kv) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
@@ -2613,6 +2712,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     pr__layer_acts *a = &ps->acts[l];
     const size_t nC = (size_t)N * C, nF = (size_t)N * F;
 
+    if (ps->keep != PR__KEEP_ALL) pr__layer_rebuild(tr, ps, l, s, kv->kp, kv->vp);
     if (c->num_experts) {
         pr__moe_backward(tr, ps, l, s, &w, &g);                /* s->dln = d(ln2) */
     } else {
@@ -2805,7 +2905,8 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
 /* ================================================================ 4. THE SCHEDULES */
 /* ---------------------------------------------------------------- 4.1 Phase A: the prefix forward, once */
 /* The prefix state's memory: its batch, its pass (with every layer's saved tensors when
-   `compute`, else, on a split group's peer, the K/V cache alone), gK/gV (zeroed) and one
+   `compute`, else, on a split group's peer, the K/V cache alone; under recompute the layers'
+   inputs, and for Phase A alone the region their other tensors share), gK/gV (zeroed) and one
    microbatch's prefix dK/dV. */
 static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int compute, pr_error *err) {
     const pr_config *c = &tr->cfg;
@@ -2814,13 +2915,15 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     if (st) return st;
     const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
     pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
+    ps->pass.keep = cx->opt->recompute == PR_RECOMPUTE_NONE ? PR__KEEP_ALL : PR__KEEP_INPUT_KV;
     ps->gk = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
     ps->gv = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
     if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     pr__offload *o = &ps->off;
-    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, P, err);
+    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, err);
     if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, compute && !o->on, err);
     if (!st && compute) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
+    if (!st && compute && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
     if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
     if (st) return st;
     for (int l = 0; l < L; l++) {
@@ -2838,8 +2941,9 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
 }
 
 /* Phase A: the prefix forward once, through this stage's layers (its input from the previous
-   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C;
-   each layer's k/v rows are the K/V cache Phase B reads. */
+   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C
+   (under recompute only each layer's input: the rest is rebuilt there); each layer's k/v rows
+   are the K/V cache Phase B reads. */
 static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
@@ -2862,7 +2966,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
     if (!pr__last_stage(tr))
         pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
-    pr__arena_reset(tr, &tr->step_arena);
+    pr__arena_reset(tr, &tr->step_arena);           /* the collectives' buffers, recompute's shared region */
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
     cx->rows += P;
@@ -2891,9 +2995,11 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state 
     if (st) return st;
     m->a = &tr->mb_arena[i % tr->n_mb_arena];
     pr__pass_init(tr, &m->p, &m->b, ps ? &ps->batch : NULL, cx->g->P);
+    m->p.keep = cx->opt->recompute == PR_RECOMPUTE_ALL ? PR__KEEP_INPUT : PR__KEEP_ALL;
     st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, err);
+    if (!st && m->p.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, m->a, &m->p, err);
     if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
-    if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, m->b.N, err);
+    if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, &m->p, err);
     if (!st && E) {
         m->sums = (double *)PR_MALLOC(sizeof(double) * (3 * (size_t)E + 1));
         if (!m->sums) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
@@ -3022,8 +3128,9 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     pr__offload *o = &ps->off;
     ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
     pr__bwd_scratch s;
-    pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, P, err);
+    pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, &ps->pass, err);
     if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);
+    if (!st && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
@@ -3125,6 +3232,9 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if ((o->moe.scope != PR_AUX_SCOPE_MICROBATCH && o->moe.scope != PR_AUX_SCOPE_GROUP) || o->moe.prefix_multiplicity < 0)
         return pr__fail(err, PR_ERR_ARG, "MoE options: unknown aux-loss scope %d or negative prefix multiplicity %d",
                         (int)o->moe.scope, o->moe.prefix_multiplicity);
+    if (o->recompute != PR_RECOMPUTE_NONE && o->recompute != PR_RECOMPUTE_PREFIX && o->recompute != PR_RECOMPUTE_ALL)
+        return pr__fail(err, PR_ERR_ARG, "unknown recompute mode %d (none %d, prefix %d, all %d)", (int)o->recompute,
+                        PR_RECOMPUTE_NONE, PR_RECOMPUTE_PREFIX, PR_RECOMPUTE_ALL);
     if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
@@ -3281,7 +3391,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     s->offload = ps.off.st;
     const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
     s->prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
-    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, NULL, NULL) +
+    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, ps.pass.keep == PR__KEEP_ALL, NULL, NULL) +
                             (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
     pr__offload_end(tr, &ps.off);
     pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
@@ -3547,7 +3657,7 @@ static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int
     }
     o->slot_layer[s] = layer;
     pr__live_add(tr, o->block);
-    pr__layer_block(tr, tr->slot[s], (size_t)ps->N, &ps->acts[layer], &ps->res[layer]);
+    pr__layer_block(tr, tr->slot[s], (size_t)ps->N, ps->keep == PR__KEEP_ALL, &ps->acts[layer], &ps->res[layer]);
     return PR_OK;
 }
 static void pr__slot_give(pr_trainer *tr, pr__offload *o, int layer) {
@@ -3616,12 +3726,14 @@ static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
 }
 
 /* Sets up a step's offload: the block size, the host pool (created or resized to the request) and
-   the bookkeeping. With offload off only the footprint is recorded, for the stats. */
-static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, int P, pr_error *err) {
+   the bookkeeping, for the P rows of prefix pass ps (whose blocks are its layers' inputs alone
+   under recompute). With offload off only the footprint is recorded, for the stats. */
+static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, const pr__pass *ps, int P,
+                                   pr_error *err) {
     const int L = tr->cfg.num_hidden_layers;
     memset(o, 0, sizeof *o);
     for (int s = 0; s < PR__SLOTS; s++) o->slot_layer[s] = -1;
-    o->block = pr__layer_block(tr, NULL, (size_t)P, NULL, NULL);
+    o->block = pr__layer_block(tr, NULL, (size_t)P, ps->keep == PR__KEEP_ALL, NULL, NULL);
     o->st.block_bytes = o->block;
     o->st.dormant_bytes = o->block * (size_t)L;
     if (!opt->enabled) return PR_OK;

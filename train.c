@@ -75,6 +75,10 @@ static void usage(FILE *f) {
         "                         Phase A and Phase C (reuse schedule; default off)\n"
         "  --offload-pool MIB     host staging pool size; default: the dormant footprint + 1/16\n"
         "  --device-budget MIB    prefetch a block only while live device memory stays within this (default: no limit)\n"
+        "  --recompute R          none | prefix | all: activation recompute (default none). prefix: Phase A keeps\n"
+        "                         each layer's input and K/V cache, Phase C runs the layer's forward again before\n"
+        "                         its backward; all: the suffix microbatches and the baseline too. Bitwise the\n"
+        "                         same results\n"
         "loss and optimizer\n"
         "  --eps-low X            clip range below 1 (default 0.2)\n"
         "  --eps-high X           clip range above 1 (default 0.28)\n"
@@ -135,9 +139,9 @@ static void usage(FILE *f) {
         "  --bench [KIND]         speed (default): baseline and reuse timed side by side over prefix/suffix\n"
         "                         splits and group sizes at a fixed total length, against the FLOP-count bound\n"
         "                         (the GEMM micro-benchmark is `make bench-gemm`);\n"
-        "                         memory: per-phase peak device memory of baseline, reuse and reuse+offload\n"
-        "                         at the same splits; capacity: under --bench-budget, the longest total length\n"
-        "                         each schedule can train (shapes only: nothing is computed)\n"
+        "                         memory: per-phase peak device memory of baseline and reuse, with offload\n"
+        "                         and recompute, at the same splits; capacity: under --bench-budget, the longest\n"
+        "                         total length each of them can train (shapes only: nothing is computed)\n"
         "  --bench-budget MIB     device memory for --bench capacity, parameters and optimizer state included (default 64)\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
@@ -261,6 +265,12 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--offload")) {
             if (!strcmp(v, "on")) o->step.offload.enabled = 1;
             else if (!strcmp(v, "off")) o->step.offload.enabled = 0;
+            else ok = 0;
+        }
+        else if (!strcmp(a, "--recompute")) {
+            if (!strcmp(v, "none")) o->step.recompute = PR_RECOMPUTE_NONE;
+            else if (!strcmp(v, "prefix")) o->step.recompute = PR_RECOMPUTE_PREFIX;
+            else if (!strcmp(v, "all")) o->step.recompute = PR_RECOMPUTE_ALL;
             else ok = 0;
         }
         else if (!strcmp(a, "--offload-pool")) ok = parse_mib(v, &o->step.offload.pool_bytes);
@@ -781,9 +791,11 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, cfg->num_attention_heads, cfg->num_key_value_heads,
            cfg->head_dim, mlp, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, %s precision\n", o->trace, trace->n_groups,
-           o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+    static const char *recompute_name[3] = { "none", "prefix", "all" };
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, recompute %s, %s precision\n", o->trace,
+           trace->n_groups, o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
+           recompute_name[o->step.recompute],
            sizeof(pr_real) == 8 ? "double" : "float");
     print_steps(o, trace);
     pr_train_state ts;
@@ -899,15 +911,16 @@ static void worst_of(diff *w, diff d) {
     w->bad += d.bad;
 }
 
-/* The reuse step (its nb groups accumulated) once more with offload off, from the same weights: the
-   number of gradient and updated-parameter values whose bits differ from grads/params (offload
-   on), or -1 on error. */
-static long offload_bitwise_diffs(const options *o, const pr_config *cfg, const pr_group *groups, int nb, const pr_step_opts *with,
-                                  const pr_real *grads, const pr_real *params, size_t n) {
+/* The reuse step (its nb groups accumulated) once more with offload off and no recompute, from the
+   same weights: the number of gradient and updated-parameter values whose bits differ from
+   grads/params (offload or recompute on), or -1 on error. */
+static long plain_bitwise_diffs(const options *o, const pr_config *cfg, const pr_group *groups, int nb, const pr_step_opts *with,
+                                const pr_real *grads, const pr_real *params, size_t n) {
     pr_error err;
     pr_trainer *tr;
     pr_step_opts without = *with;
     without.offload.enabled = 0;
+    without.recompute = PR_RECOMPUTE_NONE;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err), -1;
     pr_real *ga = malloc(sizeof(pr_real) * n), *pa = malloc(sizeof(pr_real) * n);
     long diffs = -1;
@@ -945,9 +958,12 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     ob.schedule = PR_SCHEDULE_BASELINE;
     ob.offload.enabled = 0;
     orr.schedule = PR_SCHEDULE_REUSE;
-    long offload_diffs = 0;
-    printf("check: baseline (microbatch %d, padded) vs reuse (microbatch %d, %s), %s, atol %s rtol %.1e\n",
+    long plain_diffs = 0;           /* bits that differ from a reuse step without offload and recompute */
+    const int vs_plain = !on_mesh(o) && (orr.offload.enabled || orr.recompute != PR_RECOMPUTE_NONE);
+    static const char *recompute_name[3] = { "none", "prefix", "all" };
+    printf("check: baseline (microbatch %d, padded) vs reuse (microbatch %d, %s), recompute %s, %s, atol %s rtol %.1e\n",
            o->step.microbatch, o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+           recompute_name[o->step.recompute],
            bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
            bf16 ? "2^-7 x rms(gradients)" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
@@ -1054,10 +1070,10 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
             worst_loss = fmax(worst_loss, dl);
-            if (orr.offload.enabled) {
-                long d = offload_bitwise_diffs(o, cfg, batch, nb, &orr, gb, pb, n);
+            if (vs_plain) {
+                long d = plain_bitwise_diffs(o, cfg, batch, nb, &orr, gb, pb, n);
                 if (d < 0) rc = 1;
-                else offload_diffs += d;
+                else plain_diffs += d;
             }
         }
         free(ga); free(gb); free(pa); free(pb); free(allow);
@@ -1067,13 +1083,14 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     free(batch);
     if (rc) return rc;
     if (on_mesh(o)) print_rank_reports(o, &j);
-    int pass = worst_g.bad == 0 && worst_p.bad == 0 && offload_diffs == 0;
+    int pass = worst_g.bad == 0 && worst_p.bad == 0 && plain_diffs == 0;
     if (o->grad_reduce_bf16)
         printf("check: the gradient sum over dp in bf16 vs in %s (reuse): gradients max abs %.2e, relative L2 %.2e; "
                "parameters after AdamW max abs %.2e, relative L2 %.2e\n", sizeof(pr_real) == 8 ? "double" : "fp32",
                wire_g.max_abs, wire_l2_g, wire_p.max_abs, wire_l2_p);
-    if (orr.offload.enabled)
-        printf("check: reuse with offload vs without: %ld gradient and parameter values differ in any bit\n", offload_diffs);
+    if (vs_plain)
+        printf("check: reuse with offload %s, recompute %s vs neither: %ld gradient and parameter values differ in any bit\n",
+               orr.offload.enabled ? "on" : "off", recompute_name[orr.recompute], plain_diffs);
     printf("check: %s loss |diff| %.2e; gradients max abs %.2e max rel %.2e; parameters after AdamW max abs %.2e max rel %.2e; %ld elements outside atol + rtol %.1e (parameters: + the AdamW slope times the gradient tolerance)\n",
            pass ? "PASS" : "FAIL", worst_loss, worst_g.max_abs, worst_g.max_rel, worst_p.max_abs, worst_p.max_rel,
            worst_g.bad + worst_p.bad, rtol);
@@ -1381,17 +1398,27 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
 }
 
 /* ------------------------------------------------------------------ --bench memory, --bench capacity */
-/* The three ways a step can run, as the memory tables compare them. */
-typedef struct { const char *name; pr_schedule schedule; int offload; } mem_variant;
+/* The ways a step can run, as the memory tables compare them. Recompute on the baseline is
+   --recompute all (prefix leaves the baseline as it is); "reuse+recompute" is prefix, the
+   suffix microbatches keeping what they keep without it. */
+typedef struct { const char *name; pr_schedule schedule; int offload; pr_recompute recompute; } mem_variant;
 static const mem_variant mem_variants[] = {
-    { "baseline", PR_SCHEDULE_BASELINE, 0 }, { "reuse", PR_SCHEDULE_REUSE, 0 }, { "reuse+offload", PR_SCHEDULE_REUSE, 1 },
+    { "baseline", PR_SCHEDULE_BASELINE, 0, PR_RECOMPUTE_NONE },
+    { "baseline+recompute", PR_SCHEDULE_BASELINE, 0, PR_RECOMPUTE_ALL },
+    { "reuse", PR_SCHEDULE_REUSE, 0, PR_RECOMPUTE_NONE },
+    { "reuse+offload", PR_SCHEDULE_REUSE, 1, PR_RECOMPUTE_NONE },
+    { "reuse+recompute", PR_SCHEDULE_REUSE, 0, PR_RECOMPUTE_PREFIX },
+    { "reuse+recompute-all", PR_SCHEDULE_REUSE, 0, PR_RECOMPUTE_ALL },
+    { "reuse+recompute+offload", PR_SCHEDULE_REUSE, 1, PR_RECOMPUTE_PREFIX },
 };
+#define MEM_REUSE 2                 /* the row the others' Phase-B savings are measured from */
 #define N_MEM_VARIANTS (int)(sizeof mem_variants / sizeof *mem_variants)
 
 static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
     pr_step_opts s = o->step;
     s.schedule = v->schedule;
     s.offload.enabled = v->offload;
+    s.recompute = v->recompute;
     if (s.microbatch == 0) s.microbatch = 1;   /* the paper's Phase B: one trajectory at a time */
     return s;
 }
@@ -1410,7 +1437,7 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d; peak live device\n"
            "memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state excluded)\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch);
-    printf("%-11s %-14s %10s %10s %10s %9s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
+    printf("%-11s %-23s %10s %10s %10s %9s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
            "dormant MiB", "B saved MiB");
     for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
         int P = (int)lround(T * fractions[fi]), S = T - P;
@@ -1425,10 +1452,10 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
                 pr_trainer_destroy(tr);
                 return fail(&err);
             }
-            if (v == 1) reuse_b = st.peak_bytes[PR_PHASE_B];
-            printf("%5d/%-5d %-14s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
+            if (v == MEM_REUSE) reuse_b = st.peak_bytes[PR_PHASE_B];
+            printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
                    mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
-            if (v == 2) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
+            if (v > MEM_REUSE) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
             printf("\n");
         }
         synth_free(&sg);
@@ -1471,7 +1498,7 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
            "%s element sizes, G %d, prefix 5/6 of each trajectory; sizes from the allocator, nothing computed\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, o->bench_budget_mib,
            mib(4 * sizeof(pr_real) * pr_trainer_param_count(tr)), real->name, o->bench_groups[o->n_bench_groups - 1]);
-    printf("%-14s %12s %12s %14s\n", "schedule", "max tokens", "prefix/suffix", "need MiB");
+    printf("%-23s %12s %12s %14s\n", "schedule", "max tokens", "prefix/suffix", "need MiB");
     int rc = 0;
     for (int v = 0; v < N_MEM_VARIANTS && !rc; v++) {
         const int limit = cfg->max_position_embeddings;
@@ -1493,11 +1520,11 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
             else hi = mid;
         }
         if (rc) break;
-        if (lo == 0) printf("%-14s %12s\n", mem_variants[v].name, "none fits");
+        if (lo == 0) printf("%-23s %12s\n", mem_variants[v].name, "none fits");
         else {
             char split[32];
             snprintf(split, sizeof split, "%ld/%ld", lround(lo * 5.0 / 6), lo - lround(lo * 5.0 / 6));
-            printf("%-14s %12d %12s %14.1f%s\n", mem_variants[v].name, lo, split, mib(need_lo),
+            printf("%-23s %12d %12s %14.1f%s\n", mem_variants[v].name, lo, split, mib(need_lo),
                    lo + 64 > limit ? "  (the model's position limit)" : "");
         }
     }

@@ -80,7 +80,7 @@ bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best;
 sdpa|30|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|40|180|1|ncu --clock-control none on the attention kernels (causal 8k): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
-train-memory|50|200|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
+train-memory|110|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
 torch-ref|60|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
-# and on, steps of several groups, the MoE preset in both aux-loss scopes, and meshes of in-process ranks); prints
-# each program's output, then the total as the last line: "N passed, N failed".
+# and on, recompute, steps of several groups, the MoE preset in both aux-loss scopes, and meshes of in-process
+# ranks); prints each program's output, then the total as the last line: "N passed, N failed".
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 for p in float double; do
@@ -20,6 +20,8 @@ for p in float double; do
     run "$dir/train-$p" --check --groups-per-step 2 --loss-norm seq-mean-token-sum --microbatch 3 --layout packed --kl-coef 0.04
     run "$dir/train-$p" --check --dp 3 --groups-per-step 2 --loss-norm seq-mean-token-sum-norm --loss-norm-len 48
     run "$dir/train-$p" --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+    run "$dir/train-$p" --check --microbatch 2 --layout packed --recompute all --offload on
+    run "$dir/train-$p" --config model/tiny-moe --check --recompute prefix --tp 2 --ep 2 --cp 2 --aux-scope group
     for scope in microbatch group; do
         run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
     done

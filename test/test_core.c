@@ -2145,6 +2145,208 @@ static void test_train_state(void) {
     remove_tree(dir, 2);
 }
 
+/* ------------------------------------------------------------------ activation recompute */
+/* One step and one AdamW step from the same weights; the gradients and parameters afterwards,
+   the stats, and every layer's expert load (MoE). */
+typedef struct { pr_real *grads, *params; double load[64]; pr_step_stats st; pr_status status; } recompute_result;
+
+static recompute_result recompute_step(const pr_config *c, const pr_group *g, const pr_step_opts *o) {
+    recompute_result r;
+    memset(&r, 0, sizeof r);
+    pr_trainer *tr = make_model(c, 29);
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    pr_error err;
+    r.status = pr_trainer_compute_grads(tr, g, o, &r.st, NULL, &err);
+    if (r.status) printf("recompute_step: %s\n", err.message);
+    for (int l = 0; !r.status && c->num_experts && l < c->num_hidden_layers; l++)
+        pr_trainer_expert_load(tr, l, r.load + l * c->num_experts, c->num_experts, NULL);
+    r.grads = grads_of(tr);
+    if (!r.status) r.status = pr_trainer_adamw_step(tr, &adam, NULL, &err);
+    r.params = params_of(tr);
+    pr_trainer_destroy(tr);
+    return r;
+}
+
+/* The same bits as recompute none: gradients, updated parameters, loss, aux loss, expert load,
+   rows and FLOPs (recompute's own work is not counted in them). */
+static int recompute_same(const pr_config *c, const recompute_result *a, const recompute_result *b) {
+    const size_t n = offload_param_count(c);
+    return a->status == PR_OK && b->status == PR_OK && !memcmp(a->grads, b->grads, sizeof(pr_real) * n) &&
+           !memcmp(a->params, b->params, sizeof(pr_real) * n) && !memcmp(a->load, b->load, sizeof a->load) &&
+           !memcmp(&a->st.loss, &b->st.loss, sizeof(double)) && !memcmp(&a->st.aux_loss, &b->st.aux_loss, sizeof(double)) &&
+           a->st.rows == b->st.rows && a->st.flops == b->st.flops;
+}
+static void recompute_free(recompute_result *r) { free(r->grads); free(r->params); }
+
+static void test_recompute(void) {
+    const int S[5] = { 4, 9, 1, 6, 3 };
+    static const char *mode[3] = { "none", "prefix", "all" };
+    pr_config cfgs[4] = { small_config(0, 0, 2), small_config(1, 1, 2), moe_config(1), moe_config(0) };
+    cfgs[0].num_hidden_layers = 3;
+    int cases = 0;
+    for (int ci = 0; ci < 4; ci++) {
+        const pr_config *c = &cfgs[ci];
+        test_group t;
+        make_group(&t, 13, 5, S, c->vocab_size, 301 + ci);
+        for (int sched = 0; sched < 2; sched++)
+            for (int lay = 0; lay < 2; lay++)
+                for (int mi = 0; mi < 3; mi++)
+                    for (int off = 0; off < 2; off++) {
+                        static const int mbs[3] = { 1, 2, 0 };
+                        if ((off || lay) && !sched) continue;          /* offload and the layout belong to reuse */
+                        pr_step_opts o = pr_step_opts_default();
+                        o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+                        o.layout = (pr_layout)lay;
+                        o.microbatch = mbs[mi];
+                        o.loss.kl_coef = 0.05;
+                        o.offload.enabled = off;
+                        o.moe.scope = (pr_aux_scope)(ci == 3);
+                        recompute_result r[3];
+                        for (int m = 0; m < 3; m++) {
+                            o.recompute = (pr_recompute)m;
+                            r[m] = recompute_step(c, &t.g, &o);
+                        }
+                        for (int m = 1; m < 3; m++)
+                            CHECK(recompute_same(c, &r[0], &r[m]), "recompute %s (%s, %s, %s, microbatch %d, offload %s): gradients, "
+                                  "parameters or stats differ from recompute none in some bit", mode[m], c->model_type,
+                                  sched ? "reuse" : "baseline", lay ? "packed" : "padded", mbs[mi], off ? "on" : "off");
+                        /* what the passes hold: per phase, the counted peaks */
+                        const size_t *p0 = r[0].st.peak_bytes, *p1 = r[1].st.peak_bytes, *p2 = r[2].st.peak_bytes;
+                        if (sched && !off) {
+                            /* Phase B holds the prefix's inputs instead of its blocks, the microbatches alike */
+                            const size_t L = (size_t)c->num_hidden_layers, blk = r[0].st.offload.block_bytes, in = r[1].st.offload.block_bytes;
+                            CHECK(in < blk && r[2].st.offload.block_bytes == in && p0[PR_PHASE_B] - p1[PR_PHASE_B] == L * (blk - in),
+                                  "recompute prefix (%s): Phase-B peak %zu vs %zu, expected %zu less (%zu layers, block %zu, input %zu)",
+                                  c->model_type, p1[PR_PHASE_B], p0[PR_PHASE_B], L * (blk - in), L, blk, in);
+                            CHECK(p1[PR_PHASE_A] < p0[PR_PHASE_A] && p1[PR_PHASE_C] < p0[PR_PHASE_C],
+                                  "recompute prefix (%s): Phase A/C peaks %zu/%zu not below %zu/%zu", c->model_type, p1[PR_PHASE_A],
+                                  p1[PR_PHASE_C], p0[PR_PHASE_A], p0[PR_PHASE_C]);
+                            CHECK(p2[PR_PHASE_B] < p1[PR_PHASE_B] && p2[PR_PHASE_A] == p1[PR_PHASE_A] && p2[PR_PHASE_C] == p1[PR_PHASE_C],
+                                  "recompute all (%s): Phase-B peak %zu not below prefix's %zu, or Phase A/C changed", c->model_type,
+                                  p2[PR_PHASE_B], p1[PR_PHASE_B]);
+                        }
+                        if (!sched)
+                            CHECK(p1[PR_PHASE_B] == p0[PR_PHASE_B] && p2[PR_PHASE_B] < p0[PR_PHASE_B],
+                                  "recompute (%s, baseline): peaks %zu (prefix) and %zu (all) vs %zu", c->model_type,
+                                  p1[PR_PHASE_B], p2[PR_PHASE_B], p0[PR_PHASE_B]);
+                        if (off)    /* with offload, what moves is the inputs */
+                            CHECK(r[1].st.offload.offloaded_bytes == r[1].st.offload.dormant_bytes &&
+                                  r[1].st.offload.dormant_bytes < r[0].st.offload.dormant_bytes,
+                                  "recompute with offload: %zu bytes moved of %zu dormant (%zu without recompute)",
+                                  r[1].st.offload.offloaded_bytes, r[1].st.offload.dormant_bytes, r[0].st.offload.dormant_bytes);
+                        for (int m = 0; m < 3; m++) recompute_free(&r[m]);
+                        cases++;
+                    }
+    }
+    printf("recompute: prefix and all bitwise equal to none in %d cases (both schedules, padded and packed, microbatches "
+           "1/2/G, offload, dense and MoE in both aux scopes); Phase-B peak lower by the blocks less the inputs\n", cases);
+
+    /* a hook that rewrites the cache: the rebuilt forward must leave the cache as Phase B read it */
+    {
+        const pr_config *c = &cfgs[1];
+        test_group t;
+        make_group(&t, 9, 3, S, c->vocab_size, 17);
+        recompute_result r[3];
+        for (int m = 0; m < 3; m++) {
+            hook_log h;
+            hook_log_init(&h, c, 9);
+            pr_step_opts o = hooked_opts(&h, 2);
+            h.perturb = 1e-2; h.perturb_layer = 1; h.perturb_index = 3;
+            o.recompute = (pr_recompute)m;
+            r[m] = recompute_step(c, &t.g, &o);
+            CHECK(h.captures == c->num_hidden_layers && h.injects == c->num_hidden_layers,
+                  "recompute %s: capture fired %d times, inject %d (want %d each)", mode[m], h.captures, h.injects, c->num_hidden_layers);
+            hook_log_free(&h);
+        }
+        for (int m = 1; m < 3; m++)
+            CHECK(recompute_same(c, &r[0], &r[m]), "recompute %s with a cache-rewriting hook differs from none", mode[m]);
+        /* negative control: the rewrite does move the result, so the comparison above can see one lost */
+        pr_step_opts plain = pr_step_opts_default();
+        plain.microbatch = 2;
+        plain.loss.kl_coef = 0.05;
+        recompute_result u = recompute_step(c, &t.g, &plain);
+        CHECK(!recompute_same(c, &r[0], &u), "negative control: a rewritten cache leaves the gradients as they were");
+        recompute_free(&u);
+        for (int m = 0; m < 3; m++) recompute_free(&r[m]);
+    }
+
+    /* meshes of in-process ranks: the gathered gradients and parameters, bitwise, over the modes */
+    static test_group tg[2];
+    pr_group groups[2];
+    for (int i = 0; i < 2; i++) {
+        make_group(&tg[i], 7 + 2 * i, 3 + i, S + i, 61, 760 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 4), qwen = small_config(1, 1, 4), moe = moe_config(1);
+    llama.num_hidden_layers = 4;
+    moe.num_key_value_heads = 4;
+    moe.num_experts = 8;
+    const pr_moe_opts mb_scope = { PR_AUX_SCOPE_MICROBATCH, 0 }, group_scope = { PR_AUX_SCOPE_GROUP, 0 };
+    struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } mc[] = {
+        { &llama, { 1, 1, 1, 2, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3" },
+        { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline" },
+        { &llama, { 1, 2, 1, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, microbatches of 2" },
+        { &llama, { 1, 2, 1, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, offload on" },
+        { &llama, { 2, 1, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama dp 2, one group split" },
+        { &qwen, { 2, 1, 1, 2, 1, 1, 0 }, 2, mb_scope, PR_SCHEDULE_REUSE, "qwen3 dp 2 tp 2, whole groups" },
+        { &moe, { 1, 1, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 ep 2, group scope" },
+        { &moe, { 1, 2, 2, 2, 2, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 2 cp 2 tp 2 ep 2, microbatch scope" },
+        { &moe, { 2, 1, 1, 1, 1, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE dp 2, one group split, group scope" },
+    };
+    const int n_mc = (int)(sizeof mc / sizeof mc[0]);
+    for (int i = 0; i < n_mc; i++) {
+        pr_trainer *ref = make_model(mc[i].c, 5);
+        pr_real *init = params_of(ref);
+        const size_t np = pr_trainer_param_count(ref);
+        pr_real *out[3][2];
+        for (int m = 0; m < 3; m++) {
+            mesh_run run;
+            pr_error err;
+            memset(&run, 0, sizeof run);
+            run.c = mc[i].c; run.shape = mc[i].s; run.groups = groups; run.n = mc[i].groups; run.init = init;
+            run.opt = pr_step_opts_default();
+            run.opt.schedule = mc[i].sched;
+            run.opt.microbatch = mc[i].s.mb;
+            run.opt.moe = mc[i].moe;
+            run.opt.offload.enabled = mc[i].s.offload;
+            run.opt.recompute = (pr_recompute)m;
+            run.zero = m == 2;          /* ZeRO stage 1 under recompute all: the same bits as well */
+            run.grads = out[m][0] = calloc(np, sizeof(pr_real));
+            run.params = out[m][1] = calloc(np, sizeof(pr_real));
+            pr_status st = pr_comm_local_run(mesh_size(mc[i].s), mesh_rank, &run, &err);
+            CHECK(st == PR_OK, "recompute %s, %s: %s", mode[m], mc[i].name, err.message);
+        }
+        for (int m = 1; m < 3; m++)
+            CHECK(!memcmp(out[0][0], out[m][0], sizeof(pr_real) * np) && !memcmp(out[0][1], out[m][1], sizeof(pr_real) * np),
+                  "recompute %s, %s: gathered gradients or parameters differ from recompute none", mode[m], mc[i].name);
+        for (int m = 0; m < 3; m++) { free(out[m][0]); free(out[m][1]); }
+        free(init);
+        pr_trainer_destroy(ref);
+    }
+    printf("recompute: %d meshes (tp, cp, pp, dp whole and split groups, EP, offload, ZeRO) bitwise equal over the modes\n", n_mc);
+
+    /* an unknown mode is refused before anything is touched */
+    pr_config c = small_config(0, 0, 2);
+    test_group t;
+    make_group(&t, 5, 2, S, c.vocab_size, 5);
+    pr_trainer *tr = make_model(&c, 3);
+    pr_step_opts o = pr_step_opts_default();
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err), "valid step: %s", err.message);
+    pr_real *g0 = grads_of(tr), *p0 = params_of(tr);
+    o.recompute = (pr_recompute)3;
+    CHECK(pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "recompute"),
+          "recompute mode 3 is refused: '%s'", err.message);
+    o.recompute = (pr_recompute)-1;
+    CHECK(pr_trainer_compute_grads(tr, &t.g, &o, NULL, NULL, &err) == PR_ERR_ARG, "recompute mode -1 is refused: '%s'", err.message);
+    pr_real *g1 = grads_of(tr), *p1 = params_of(tr);
+    const size_t n = pr_trainer_param_count(tr);
+    CHECK(!memcmp(g0, g1, sizeof(pr_real) * n) && !memcmp(p0, p1, sizeof(pr_real) * n), "a refused recompute mode changed the trainer");
+    free(g0); free(p0); free(g1); free(p1);
+    pr_trainer_destroy(tr);
+}
+
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
@@ -2164,6 +2366,7 @@ int main(void) {
     test_checkpoints();
     test_other_shape();
     test_train_state();
+    test_recompute();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
         test_gradcheck(&l, "llama");

@@ -31,6 +31,7 @@ check "unknown flag --bogus"                --bogus 3
 check "--lr needs a value"                  --steps 1 --lr
 check "--save-grads writes a training step" --save-grads /tmp/never-written.safetensors --check
 check "bad value 'fast' for --schedule"     --schedule fast
+check "bad value 'some' for --recompute"    --recompute some
 check "--save-every needs --save-state"     --save-every 2
 check "bad value '3' for --zero"            --zero 3
 check "bad value '0' for --save-every"      --save-every 0 --save-state /tmp/never-written
