@@ -502,6 +502,15 @@ PRDEF const pr_backend *pr_backend_cpu(void);
    is NULL). On a mesh, pair it with pr_comm_measure. */
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
 
+/* The CUDA backend's sizes, to plan its memory from any build: bf16 activations, fp32 statistics,
+   PR_CUDA_LOGIT_CHUNK logits at a time. Fills *storage with a backend that has those sizes and no
+   kernels, a `like` for pr_backend_measure and nothing else (NULL if storage is NULL). Beyond what
+   the trainer allocates, the CUDA backend keeps a bf16 copy of the weights: PR_CUDA_WEIGHT_COPY_BYTES
+   a parameter. */
+#define PR_CUDA_LOGIT_CHUNK ((size_t)256 << 20)   /* 512 MiB of bf16 logits: 2k rows of a 128k vocabulary */
+#define PR_CUDA_WEIGHT_COPY_BYTES 2
+PRDEF const pr_backend *pr_backend_cuda_sizes(pr_backend *storage);
+
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
    in prefixreuse_cuda.cu: link that file to use it (float build only). One backend drives one device
    on one stream; destroy it after every trainer that uses it. */
@@ -1699,6 +1708,16 @@ static void pr__measure_scale(const pr_backend *be, pr_real *x, size_t n, double
 static void pr__measure_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n, double lr,
                               double b1, double b2, double eps, double wd, long step) {
     (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)b1; (void)b2; (void)eps; (void)wd; (void)step;
+}
+
+PRDEF const pr_backend *pr_backend_cuda_sizes(pr_backend *be) {
+    if (!be) return NULL;
+    memset(be, 0, sizeof *be);
+    be->name = "cuda (sizes)";
+    be->act_bytes = 2;
+    be->stat_bytes = 4;
+    be->logit_chunk = PR_CUDA_LOGIT_CHUNK;
+    return be;
 }
 
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *be) {

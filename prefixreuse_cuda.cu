@@ -2000,7 +2000,7 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->name = "cuda";
     be->act_bytes = sizeof(bf16);
     be->stat_bytes = sizeof(float);
-    be->logit_chunk = (size_t)256 << 20;      /* 512 MiB of bf16 logits: 2k rows of a 128k vocabulary */
+    be->logit_chunk = PR_CUDA_LOGIT_CHUNK;
     be->ctx = cx;
     be->check_config = pr_cu_check_config;
     be->prepare_weights = pr_cu_prepare_weights;

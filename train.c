@@ -32,6 +32,7 @@ typedef struct {
     pr_adamw_opts adam;
     int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
     double bench_budget_mib;
+    int bench_gpu_sizes;             /* --bench capacity with the CUDA backend's sizes (pr_backend_cuda_sizes) */
     uint64_t seed;
     int bench_total, bench_reps, layers;
     int bench_groups[8], n_bench_groups;
@@ -142,7 +143,10 @@ static void usage(FILE *f) {
         "                         memory: per-phase peak device memory of baseline and reuse, with offload\n"
         "                         and recompute, at the same splits; capacity: under --bench-budget, the longest\n"
         "                         total length each of them can train (shapes only: nothing is computed)\n"
-        "  --bench-budget MIB     device memory for --bench capacity, parameters and optimizer state included (default 64)\n"
+        "  --bench-budget MIB     device memory a rank for --bench capacity, training state included (default 64);\n"
+        "                         capacity takes the mesh flags (--dp --tp --pp --cp --ep --zero): every rank sized\n"
+        "  --bench-sizes K        --bench capacity: build (this build's element sizes, default) | gpu (the CUDA\n"
+        "                         backend's: bf16 activations and its bf16 weight copy), from any build\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8)\n"
@@ -276,6 +280,11 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--offload-pool")) ok = parse_mib(v, &o->step.offload.pool_bytes);
         else if (!strcmp(a, "--device-budget")) ok = parse_mib(v, &o->step.offload.device_budget);
         else if (!strcmp(a, "--bench-budget")) ok = parse_double(v, &o->bench_budget_mib) && o->bench_budget_mib > 0;
+        else if (!strcmp(a, "--bench-sizes")) {
+            if (!strcmp(v, "gpu")) o->bench_gpu_sizes = 1;
+            else if (!strcmp(v, "build")) o->bench_gpu_sizes = 0;
+            else ok = 0;
+        }
         else if (!strcmp(a, "--bench-groups")) ok = parse_int_list(v, o->bench_groups, 8, &o->n_bench_groups);
         else if (!strcmp(a, "--peak-tflops")) { ok = parse_double(v, &d) && d >= 0; o->peak_tflops = d; }
         else if (!strcmp(a, "--schedule")) {
@@ -320,7 +329,11 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (mesh_ranks(o) > 256) { fprintf(stderr, "train: a mesh of %d ranks is more than 256\n", mesh_ranks(o)); return 0; }
-    if (on_mesh(o) && o->bench) { fprintf(stderr, "train: --bench runs on one rank (drop the mesh flags)\n"); return 0; }
+    if (on_mesh(o) && o->bench && o->bench != 3) {
+        fprintf(stderr, "train: --bench speed and memory run on one rank (drop the mesh flags; --bench capacity takes them)\n");
+        return 0;
+    }
+    if (o->bench_gpu_sizes && o->bench != 3) { fprintf(stderr, "train: --bench-sizes belongs to --bench capacity\n"); return 0; }
     if (o->cp > 1 && o->step.microbatch != 1) {
         if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
         o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
@@ -1464,72 +1477,148 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     return 0;
 }
 
-/* Device memory a step needs on the measuring backend: parameters, gradients and AdamW state, plus
-   the highest per-phase activation peak. */
-static int step_need(pr_trainer *tr, const pr_config *cfg, const options *o, const mem_variant *v, int T, size_t *need,
-                     pr_error *err) {
-    int P = (int)lround(T * 5.0 / 6), S = T - P, G = o->bench_groups[o->n_bench_groups - 1];
-    synth_group sg;
-    if (!synth(&sg, P, S, G, cfg->vocab_size, 5)) { synth_free(&sg); snprintf(err->message, sizeof err->message, "out of memory"); return 0; }
-    pr_step_opts so = variant_opts(o, v);
-    pr_step_stats st;
-    int ok = !pr_trainer_compute_grads(tr, &sg.g, &so, &st, NULL, err);
-    synth_free(&sg);
-    if (!ok) return 0;
-    size_t peak = st.peak_bytes[0];
-    for (int p = 1; p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
-    *need = 4 * sizeof(pr_real) * pr_trainer_param_count(tr) + peak;
-    return 1;
+/* --bench capacity: the measuring backend on every rank of the mesh (one rank without mesh flags),
+   over a measuring communicator, so a mesh of any size sizes itself in seconds. A rank's need is
+   its training state (pr_trainer_state_bytes: weights, gradients, AdamW m and v, sharded as the mesh
+   and ZeRO shard them), the GPU's bf16 weight copy when sizing for the GPU, and the highest
+   per-phase peak of a step; a length fits when it fits on every rank. */
+typedef struct {
+    const options *o;
+    const pr_config *cfg;
+    const pr_backend *like;      /* the element sizes */
+    int weight_copy;             /* bytes a parameter the backend keeps besides (the GPU's bf16 copy) */
+    size_t state[256], params[256];
+} capacity_job;
+
+/* Every rank's need, the largest on every rank: the ranks' sizes meet here through the world
+   communicator (real, its buffers host memory); alone, the need itself. */
+static pr_status most_over(pr_comm *world, double *x, pr_error *err) {
+    if (!world) return PR_OK;
+    double all[256];
+    pr_status st = world->all_gather(world, all, x, 1, PR_COMM_F64, err);
+    for (int r = 0; !st && r < world->size; r++) if (all[r] > *x) *x = all[r];
+    return st;
 }
 
-/* For each variant, the longest trajectory (prefix 5/6, as the paper's 10k/2k) whose step fits the
-   budget: doubling, then bisection to 64 tokens, up to the model's max_position_embeddings. Shapes
-   only: the measuring backend computes nothing. */
-static int run_bench_capacity(const options *o, const pr_config *cfg) {
-    pr_error err;
+/* The need at total length T (prefix 5/6, the paper's 10k/2k), the most over the ranks. */
+static pr_status step_need(pr_trainer *tr, pr_comm *world, const pr_mesh *m, const capacity_job *j, const mem_variant *v, int T,
+                           double *need, pr_error *err) {
+    const options *o = j->o;
+    const int P = (int)lround(T * 5.0 / 6), S = T - P, G = o->bench_groups[o->n_bench_groups - 1], dp = m ? m->dp : 1;
+    synth_group sg;
+    pr_group batch[256];
+    if (!synth(&sg, P, S, G, j->cfg->vocab_size, 5)) {
+        synth_free(&sg);
+        return set_error(err, PR_ERR_NOMEM, "out of host memory");
+    }
+    for (int b = 0; b < dp; b++) batch[b] = sg.g;      /* a group per dp rank: every rank runs one */
+    pr_step_opts so = variant_opts(o, v);
+    pr_step_stats st;
+    pr_status s = dp > 1 ? pr_trainer_compute_grads_dp(tr, m->dp_comm, batch, dp, &so, &st, err)
+                         : pr_trainer_compute_grads(tr, &sg.g, &so, &st, NULL, err);
+    synth_free(&sg);
+    size_t peak = 0;
+    for (int p = 0; !s && p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
+    *need = s ? 0 : (double)pr_trainer_state_bytes(tr) + (double)j->weight_copy * (double)pr_trainer_param_count(tr) + (double)peak;
+    pr_status ms = most_over(world, need, err);
+    return s ? s : ms;
+}
+
+/* One rank of the capacity search (world NULL: one rank, no mesh). For each variant the longest
+   trajectory whose step fits the budget on every rank: doubling, then bisection to 64 tokens, up to
+   the model's max_position_embeddings. Rank 0 prints. */
+static pr_status capacity_rank(pr_comm *world, void *user, pr_error *err) {
+    capacity_job *j = user;
+    const options *o = j->o;
+    const pr_config *cfg = j->cfg;
     pr_backend storage;
-    const pr_backend *real = backend(&err);
-    if (!real) return fail(&err);
-    const pr_backend *be = pr_backend_measure(real, &storage);
-    const size_t budget = (size_t)(o->bench_budget_mib * 1048576);
-    pr_trainer *tr;
-    if (pr_trainer_create(&tr, cfg, be, &err)) return fail(&err);    /* no weights: nothing reads them */
-    printf("bench capacity: %s, %d layers, hidden %d, budget %.0f MiB (parameters, gradients and AdamW state %.1f MiB of it),\n"
-           "%s element sizes, G %d, prefix 5/6 of each trajectory; sizes from the allocator, nothing computed\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, o->bench_budget_mib,
-           mib(4 * sizeof(pr_real) * pr_trainer_param_count(tr)), real->name, o->bench_groups[o->n_bench_groups - 1]);
-    printf("%-23s %12s %12s %14s\n", "schedule", "max tokens", "prefix/suffix", "need MiB");
-    int rc = 0;
-    for (int v = 0; v < N_MEM_VARIANTS && !rc; v++) {
+    const pr_backend *be = pr_backend_measure(j->like, &storage);
+    pr_comm *mw = NULL;
+    pr_mesh m;
+    pr_trainer *tr = NULL;
+    pr_status st = world ? pr_comm_measure(&mw, world, err) : PR_OK;
+    if (!st && world && !(st = pr_mesh_init(&m, mw, o->dp, o->pp, o->cp, o->tp, o->ep, err))) {
+        m.zero = o->zero;
+        m.bf16_grad_reduce = o->grad_reduce_bf16;
+        if ((st = pr_trainer_create_mesh(&tr, cfg, be, &m, err))) pr_mesh_free(&m);
+    } else if (!st && !world) {
+        st = pr_trainer_create(&tr, cfg, be, err);    /* no weights: nothing reads them */
+    }
+    if (st) {
+        if (mw) mw->destroy(mw);
+        return st;
+    }
+    const int me = world ? world->rank : 0, lead = me == 0;
+    j->state[me] = pr_trainer_state_bytes(tr) + (size_t)j->weight_copy * pr_trainer_param_count(tr);
+    j->params[me] = pr_trainer_param_count(tr);
+    const double budget = o->bench_budget_mib * 1048576;
+    for (int v = 0; v < N_MEM_VARIANTS && !st; v++) {
         const int limit = cfg->max_position_embeddings;
         int lo = 0, hi = 64;
-        size_t need = 0, need_lo = 0;
+        double need = 0, need_lo = 0;
         while (hi <= limit) {                         /* double until the step no longer fits */
-            if (!step_need(tr, cfg, o, &mem_variants[v], hi, &need, &err)) { rc = fail(&err); break; }
+            if ((st = step_need(tr, world, world ? &m : NULL, j, &mem_variants[v], hi, &need, err))) break;
             if (need > budget) break;
             lo = hi;
             need_lo = need;
             hi *= 2;
         }
         if (hi > limit) hi = limit + 1;               /* past the position limit counts as not fitting */
-        while (!rc && hi - lo > 64) {                 /* then halve the gap */
+        while (!st && hi - lo > 64) {                 /* then halve the gap */
             int mid = (lo + hi) / 2 / 64 * 64;
             if (mid <= lo) break;
-            if (!step_need(tr, cfg, o, &mem_variants[v], mid, &need, &err)) { rc = fail(&err); break; }
+            if ((st = step_need(tr, world, world ? &m : NULL, j, &mem_variants[v], mid, &need, err))) break;
             if (need <= budget) { lo = mid; need_lo = need; }
             else hi = mid;
         }
-        if (rc) break;
+        if (st || !lead) continue;
         if (lo == 0) printf("%-23s %12s\n", mem_variants[v].name, "none fits");
         else {
             char split[32];
             snprintf(split, sizeof split, "%ld/%ld", lround(lo * 5.0 / 6), lo - lround(lo * 5.0 / 6));
-            printf("%-23s %12d %12s %14.1f%s\n", mem_variants[v].name, lo, split, mib(need_lo),
+            printf("%-23s %12d %12s %14.1f%s\n", mem_variants[v].name, lo, split, need_lo / 1048576,
                    lo + 64 > limit ? "  (the model's position limit)" : "");
         }
+        fflush(stdout);
     }
     pr_trainer_destroy(tr);
-    return rc;
+    if (world) pr_mesh_free(&m);
+    if (mw) mw->destroy(mw);
+    return st;
+}
+
+static int run_bench_capacity(const options *o, const pr_config *cfg) {
+    pr_error err;
+    pr_backend sizes;
+    static capacity_job j;
+    memset(&j, 0, sizeof j);
+    j.o = o;
+    j.cfg = cfg;
+    j.like = o->bench_gpu_sizes ? pr_backend_cuda_sizes(&sizes) : backend(&err);
+    if (!j.like) return fail(&err);
+    j.weight_copy = j.like->act_bytes == 2 ? PR_CUDA_WEIGHT_COPY_BYTES : 0;
+    const int ranks = mesh_ranks(o);
+    printf("bench capacity: %s, %d layers, hidden %d, budget %.0f MiB a rank (training state included), %s sizes (%zu-byte "
+           "activations%s), G %d, prefix 5/6 of each trajectory; sizes from the allocator, nothing computed\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, o->bench_budget_mib, j.like->name, j.like->act_bytes,
+           j.weight_copy ? ", a bf16 weight copy" : "", o->bench_groups[o->n_bench_groups - 1]);
+    if (on_mesh(o))
+        printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d, each sized on a measuring communicator\n", o->dp,
+               o->pp, o->cp, o->tp, ranks, o->ep, o->zero);
+    printf("%-23s %12s %12s %14s\n", "schedule", "max tokens", "prefix/suffix", "need MiB");
+    fflush(stdout);
+    pr_status st;
+#ifdef PR_NO_THREADS
+    st = on_mesh(o) ? set_error(&err, PR_ERR_UNSUPPORTED, "this build has no in-process ranks (compiled with PR_NO_THREADS)")
+                    : capacity_rank(NULL, &j, &err);
+#else
+    st = on_mesh(o) ? pr_comm_local_run(ranks, capacity_rank, &j, &err) : capacity_rank(NULL, &j, &err);
+#endif
+    if (st) return fail(&err);
+    printf("training state on rank 0: %.1f MiB, %.2f bytes a parameter of its %zu (weights, gradients, AdamW m and v%s%s)\n",
+           mib(j.state[0]), (double)j.state[0] / (double)j.params[0], j.params[0], o->zero ? ", the moments sharded over dp" : "",
+           j.weight_copy ? ", the bf16 weight copy" : "");
+    return 0;
 }
 
 /* The model of a --resume folder: its config.json, through DIR/latest unless DIR is a state folder. */
