@@ -1236,6 +1236,16 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
+/* One row of a table of mesh_case runs. */
+typedef struct {
+    const pr_config *c;
+    mesh_shape s;
+    int groups;
+    pr_moe_opts moe;
+    pr_schedule sched;
+    const char *name;
+} mesh_spec;
+
 static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
                       pr_schedule sched, const char *label) {
     pr_trainer *ref = make_model(c, 5);
@@ -1534,7 +1544,7 @@ static void test_mesh(void) {
     moe.num_experts = 8;
     moe.moe_intermediate_size = 8;
     /* shapes: dp, pp, cp, tp, ep, microbatch, offload */
-    struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
+    const mesh_spec cases[] = {
         { &llama, { 1, 1, 1, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
         { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
         { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
@@ -1727,7 +1737,7 @@ static void test_kv_replication(void) {
     moe.num_experts = 8;
     moe.moe_intermediate_size = 8;
     /* shapes: dp, pp, cp, tp, ep, microbatch, offload */
-    struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } cases[] = {
+    const mesh_spec cases[] = {
         { &llama, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, tp 4" },
         { &llama, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "kv replicated: llama 2 KV heads, tp 4, baseline" },
         { &llama, { 1, 1, 1, 8, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "kv replicated: llama 2 KV heads, tp 8" },
