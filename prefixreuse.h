@@ -57,8 +57,8 @@
      order. A part's number heads its banners in both.
      1. Basics: reals, status and error messages; the GEMM
      2. Backend interface (GEMM, attention with a prefix K/V region, norms, RoPE, loss, optimizer,
-        memory tiers, asynchronous copies); the CPU backend and the measuring backend (the CUDA
-        backend is in prefixreuse_cuda.cu)
+        memory tiers, asynchronous copies); the CPU backend and the measuring backend, with the
+        CUDA backend's sizes for planning (the CUDA backend is in prefixreuse_cuda.cu)
      3. The model: the trainer's data, forward declarations, parameters, activation memory, a
         pass, one layer forward and backward, batches and the GRPO loss head
      4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline; its token weights
