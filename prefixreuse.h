@@ -74,7 +74,9 @@
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
         GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
-        (pr_trainer_save_state / pr_trainer_load_state: exact resume, saved atomically)
+        (pr_trainer_save_state / pr_trainer_load_state: exact resume, saved atomically), the
+        prefix tree of a step's groups (pr_prefix_tree_build: the accounting of sharing beyond
+        one level)
      The API declares 8 before 2 (the backend and the trainer take a pr_config, the trainer a
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
@@ -311,6 +313,31 @@ PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *e
 PRDEF pr_status pr_trace_serialize(const pr_trace *trace, void **bytes, size_t *len, pr_error *err);
 /* pr_trace_serialize to a file, atomically (temporary file, fsync, rename). */
 PRDEF pr_status pr_trace_write(const pr_trace *trace, const char *path, pr_error *err);
+
+/* The prefix tree of a step's groups: groups whose prompts begin with the same tokens (a system
+   prompt, a tool schema, few-shot examples) share them. A node is a run of prefix positions
+   start .. start+len-1 whose tokens are the same in every group below it; a group's prefix is
+   the runs on the path from a root to its node. A run shared by two or more groups becomes a node
+   of its own when it is at least min_shared tokens long; a shorter one stays in each group's own
+   node (not worth a pass of its own). This is the accounting of that sharing: the schedules run
+   one level of it today, each group's prompt once. */
+typedef struct {
+    int parent;            /* -1: a root */
+    int start, len;
+    int groups_below;      /* groups whose prefix runs through this node */
+} pr_prefix_node;
+typedef struct {
+    int n_nodes;
+    pr_prefix_node *nodes; /* (n_nodes) parents before children */
+    int n_groups;
+    int *group_node;       /* (n_groups) the node each group's prefix ends at */
+    long tokens_baseline;  /* prefix tokens the full-sequence schedule runs: sum of G * P */
+    long tokens_groups;    /* each group's prefix once (the reuse schedule): sum of P */
+    long tokens_tree;      /* each node once: sum of the node lengths */
+} pr_prefix_tree;
+/* Builds the tree of groups[0..n-1] (min_shared >= 1). On failure *tree is untouched. */
+PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *groups, int n, int min_shared, pr_error *err);
+PRDEF void pr_prefix_tree_free(pr_prefix_tree *tree);   /* NULL or zeroed: nothing */
 
 
 /* ---------------------------------------------------------------- 2. Backend interface */
@@ -7628,6 +7655,111 @@ PRDEF pr_status pr_trace_write(const pr_trace *t, const char *path, pr_error *er
     st = pr__write_file_atomic(path, bytes, len, err);
     PR_FREE(bytes);
     return st;
+}
+
+/* ---------------------------------------------------------------- prefix trees */
+typedef struct {
+    const pr_group *groups;
+    int *order;            /* the groups being placed, a scratch permutation */
+    pr_prefix_tree *t;
+    int min_shared;
+} pr__tree_build;
+
+static int pr__tree_node(pr__tree_build *b, int parent, int start, int len, int below) {
+    pr_prefix_node *nd = &b->t->nodes[b->t->n_nodes];
+    nd->parent = parent;
+    nd->start = start;
+    nd->len = len;
+    nd->groups_below = below;
+    b->t->tokens_tree += len;
+    return b->t->n_nodes++;
+}
+
+/* The groups order[lo..hi-1] share prefix positions start .. d-1, which no node holds yet; their
+   node so far is `parent`. The run is extended as far as they all agree; a run long enough (or
+   one group's own) becomes a node, the groups that go on split by their next token. A run too
+   short for a node is carried down into each class of the split, which shares it plus its token. */
+static void pr__tree_place(pr__tree_build *b, int lo, int hi, int start, int d, int parent) {
+    const pr_group *g = b->groups;
+    int *ord = b->order;
+    for (;;) {                                  /* extend d while every group has the same token there */
+        int same = 1;
+        for (int i = lo; i < hi && same; i++)
+            same = g[ord[i]].P > d && g[ord[i]].prefix[d] == g[ord[lo]].prefix[d];
+        if (!same) break;
+        d++;
+    }
+    if (hi - lo == 1 || d - start >= b->min_shared) {
+        int node = d > start ? pr__tree_node(b, parent, start, d - start, hi - lo) : parent;
+        int k = lo;                             /* the groups that end here first */
+        for (int i = lo; i < hi; i++)
+            if (g[ord[i]].P == d) {
+                b->t->group_node[ord[i]] = node;
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        start = d;
+        parent = node;
+        lo = k;
+    } else {                                    /* too short to share: the groups ending inside it keep their own */
+        int k = lo;
+        for (int i = lo; i < hi; i++)
+            if (g[ord[i]].P == d) {
+                b->t->group_node[ord[i]] = pr__tree_node(b, parent, start, d - start, 1);
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        lo = k;
+    }
+    while (lo < hi) {                           /* each class of the next token */
+        const int32_t tok = g[ord[lo]].prefix[d];
+        int k = lo + 1;
+        for (int i = lo + 1; i < hi; i++)
+            if (g[ord[i]].prefix[d] == tok) {
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        pr__tree_place(b, lo, k, start, d + 1, parent);
+        lo = k;
+    }
+}
+
+PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *groups, int n, int min_shared, pr_error *err) {
+    if (!tree || !groups || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: NULL argument or no groups");
+    if (min_shared < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: min_shared %d must be at least 1", min_shared);
+    for (int i = 0; i < n; i++)
+        if (groups[i].P < 1 || groups[i].G < 1 || !groups[i].prefix)
+            return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: group %d has no prefix (P %d, G %d)", i, groups[i].P, groups[i].G);
+    /* at most two nodes a group: its own, and the shared one its class opens (n - 1 of those) */
+    pr_prefix_tree t;
+    memset(&t, 0, sizeof t);
+    t.nodes = (pr_prefix_node *)PR_MALLOC(sizeof(pr_prefix_node) * 2 * (size_t)n);
+    t.group_node = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
+    int *order = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
+    if (!t.nodes || !t.group_node || !order) {
+        PR_FREE(t.nodes);
+        PR_FREE(t.group_node);
+        PR_FREE(order);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_prefix_tree_build: out of memory for %d groups", n);
+    }
+    t.n_groups = n;
+    for (int i = 0; i < n; i++) {
+        order[i] = i;
+        t.tokens_baseline += (long)groups[i].G * groups[i].P;
+        t.tokens_groups += groups[i].P;
+    }
+    pr__tree_build b = { groups, order, &t, min_shared };
+    pr__tree_place(&b, 0, n, 0, 0, -1);
+    PR_FREE(order);
+    *tree = t;
+    return PR_OK;
+}
+
+PRDEF void pr_prefix_tree_free(pr_prefix_tree *tree) {
+    if (!tree) return;
+    PR_FREE(tree->nodes);
+    PR_FREE(tree->group_node);
+    memset(tree, 0, sizeof *tree);
 }
 
 PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) {

@@ -26,6 +26,7 @@ typedef struct {
     const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
     const char *log;                 /* --log: one JSON line a step */
     int replay;                      /* --replay N: steps of the drift replay (0: none) */
+    int prefix_tree;                 /* --prefix-tree MIN: report the steps' prefix trees (0: none) */
     int save_every;                  /* steps between state saves (0: only at the end) */
     long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
@@ -134,6 +135,9 @@ static void usage(FILE *f) {
         "                         gradient norms and the parameter drift between them, beside the floor: the\n"
         "                         drift of the full-sequence schedule against itself at another microbatch split;\n"
         "                         exit 0 only when the reuse drift stays within 10x the floor at every step\n"
+        "  --prefix-tree MIN      report, for each optimizer step of the trace, the prefix tree its groups form\n"
+        "                         (runs of at least MIN tokens shared by two or more groups become nodes) and the\n"
+        "                         prefix tokens each way runs: full-sequence, each group once, each node once\n"
         "  --log FILE             write one JSON line a step to FILE (replaced): a training run's loss, KL, clip\n"
         "                         fraction, gradient norm, phase times, tokens per second and peak memory; or\n"
         "                         --replay's losses, gradient norms, drift and floor\n"
@@ -232,6 +236,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--loss-log")) o->loss_log = v;
         else if (!strcmp(a, "--log")) o->log = v;
         else if (!strcmp(a, "--replay")) ok = parse_int(v, &o->replay) && o->replay >= 1;
+        else if (!strcmp(a, "--prefix-tree")) ok = parse_int(v, &o->prefix_tree) && o->prefix_tree >= 1;
         else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
         else if (!strcmp(a, "--fault-kill-after-bytes")) { char *e; o->fault_kill_bytes = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
@@ -319,6 +324,10 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->replay && (o->check || o->bench || on_mesh(o) || o->save_state || o->resume || o->save || o->save_grads)) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
+        return 0;
+    }
+    if (o->prefix_tree && (o->check || o->bench || o->replay || on_mesh(o))) {
+        fprintf(stderr, "train: --prefix-tree reports on the trace: without --check, --bench, --replay or mesh flags\n");
         return 0;
     }
     if (o->log && (o->check || o->bench)) { fprintf(stderr, "train: --log FILE writes the steps of a training run or of --replay\n"); return 0; }
@@ -1110,6 +1119,47 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     return pass ? 0 : 1;
 }
 
+/* ------------------------------------------------------------------ --prefix-tree */
+/* Each optimizer step's prefix tree (pr_prefix_tree_build) and what running its nodes once would
+   save over running each group's prompt once, the level the reuse schedule shares. */
+static int run_prefix_tree(const options *o, const pr_trace *trace) {
+    pr_error err;
+    pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
+    if (!batch) { fprintf(stderr, "train: out of memory\n"); return 1; }
+    printf("prefix trees of %s (runs of %d or more tokens shared by two or more groups become nodes)\n", o->trace, o->prefix_tree);
+    print_steps(o, trace);
+    printf("%5s %7s %6s %7s %16s %13s %12s %9s\n", "step", "groups", "nodes", "shared", "full-sequence", "each group", "each node",
+           "saved");
+    long pos = 0, all[3] = { 0, 0, 0 };
+    int steps = 0, rc = 0;
+    do {                                        /* every step of the trace once */
+        pr_step_opts so;
+        pr_prefix_tree t;
+        const int nb = step_at(o, trace, pos, batch, &so, &err);
+        if (!nb || pr_prefix_tree_build(&t, batch, nb, o->prefix_tree, &err)) {
+            rc = fail(&err);
+            break;
+        }
+        int shared = 0;
+        for (int i = 0; i < t.n_nodes; i++) shared += t.nodes[i].groups_below > 1;
+        printf("%5d %7d %6d %7d %16ld %13ld %12ld %8.1f%%\n", steps, nb, t.n_nodes, shared, t.tokens_baseline, t.tokens_groups,
+               t.tokens_tree, 100.0 * (double)(t.tokens_groups - t.tokens_tree) / (double)t.tokens_groups);
+        all[0] += t.tokens_baseline;
+        all[1] += t.tokens_groups;
+        all[2] += t.tokens_tree;
+        pr_prefix_tree_free(&t);
+        pos += nb;
+        steps++;
+    } while (pos % trace->n_groups != 0);
+    if (!rc)
+        printf("all %d steps: prefix tokens full-sequence %ld, each group once %ld, each node once %ld: the tree runs %.1f%% fewer "
+               "prefix tokens than the reuse schedule (which runs %.1f%% fewer than full-sequence); trees are not run yet\n",
+               steps, all[0], all[1], all[2], 100.0 * (double)(all[1] - all[2]) / (double)all[1],
+               100.0 * (double)(all[0] - all[1]) / (double)all[0]);
+    free(batch);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ --replay */
 /* One of the replay's runs: its trainer and schedule, and its last step's loss and gradient norm. */
 typedef struct {
@@ -1662,7 +1712,10 @@ int main(int argc, char **argv) {
         pr_trace_free(&trace);
         return 1;
     }
-    int rc = o.check ? run_check(&o, &cfg, &trace) : o.replay ? run_replay(&o, &cfg, &trace) : run_training(&o, &cfg, &trace);
+    int rc = o.prefix_tree ? run_prefix_tree(&o, &trace)
+             : o.check     ? run_check(&o, &cfg, &trace)
+             : o.replay    ? run_replay(&o, &cfg, &trace)
+                           : run_training(&o, &cfg, &trace);
     pr_trace_free(&trace);
     return rc;
 }

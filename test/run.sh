@@ -37,6 +37,7 @@ for p in float double; do
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --groups-per-step 2 --pp 2 --aux-scope group
 done
 run "$dir/train-float" --bench capacity --bench-sizes gpu --bench-budget 6 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --zero 2
+run "$dir/train-float" --prefix-tree 4 --groups-per-step 4
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 report

@@ -39,6 +39,8 @@ check "--resume and --init"                 --resume /tmp/never-read --init /tmp
 check "not --check or --bench"              --check --save-state /tmp/never-written
 check "bad value 'fp16' for --grad-reduce"  --grad-reduce fp16
 check "bad value '0' for --replay"          --replay 0
+check "bad value '0' for --prefix-tree"     --prefix-tree 0
+check "--prefix-tree reports on the trace"  --prefix-tree 4 --check
 check "bad value 'tpu' for --bench-sizes"   --bench capacity --bench-sizes tpu
 check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes gpu
 check "--bench speed and memory run on one rank" --bench memory --dp 2

@@ -8,7 +8,10 @@
    3. every truncation of the small file and of the sample, trailing bytes, huge counts;
    4. pr_group_validate on groups built in memory; failed allocations;
    5. version 2: the step table read and written back byte for byte, version 1 still read and
-      written when a trace has no steps, malformed tables refused by the reader and the writer. */
+      written when a trace has no steps, malformed tables refused by the reader and the writer;
+   6. prefix trees (pr_prefix_tree_build): a hand-built step against its tree drawn by hand, and
+      random steps against the tree's invariants and, at min_shared 1, against the count of
+      distinct prompt prefixes (a sort and longest common prefixes, independent of the tree). */
 #include <stdlib.h>
 #include <stdio.h>
 
@@ -527,6 +530,125 @@ static void test_validate(void) {
     }
 }
 
+/* ------------------------------------------------------------------ prefix trees */
+typedef struct { pr_group g[64]; int32_t tok[64][64]; } tree_step;
+
+static void tree_group(tree_step *s, int i, const int32_t *prefix, int P, int G) {
+    memset(&s->g[i], 0, sizeof s->g[i]);
+    memcpy(s->tok[i], prefix, sizeof(int32_t) * (size_t)P);
+    s->g[i].P = P;
+    s->g[i].G = G;
+    s->g[i].prefix = s->tok[i];
+}
+
+/* Every group's path covers its prompt, contiguously from 0; every node's tokens agree in the groups
+   below it, which are as many as it says; a node shared by several groups is min_shared long. */
+static int tree_consistent(const pr_prefix_tree *t, const pr_group *g, int n, int min_shared) {
+    int below[128] = { 0 };
+    long sum = 0;
+    for (int k = 0; k < t->n_nodes; k++) sum += t->nodes[k].len;
+    if (sum != t->tokens_tree || t->n_nodes > 2 * n) return 0;
+    for (int i = 0; i < n; i++) {
+        int end = g[i].P;
+        for (int k = t->group_node[i]; k >= 0; k = t->nodes[k].parent) {
+            const pr_prefix_node *nd = &t->nodes[k];
+            if (nd->start + nd->len != end || nd->len < 1) return 0;
+            end = nd->start;
+            below[k]++;
+            for (int j = 0; j < n; j++) {            /* a group below k (k on its path) has k's tokens */
+                int on = 0;
+                for (int m = t->group_node[j]; m >= 0 && !on; m = t->nodes[m].parent) on = m == k;
+                if (on && memcmp(g[j].prefix + nd->start, g[i].prefix + nd->start, sizeof(int32_t) * (size_t)nd->len)) return 0;
+            }
+        }
+        if (end != 0) return 0;
+    }
+    for (int k = 0; k < t->n_nodes; k++)
+        if (below[k] != t->nodes[k].groups_below || (below[k] > 1 && t->nodes[k].len < min_shared)) return 0;
+    return 1;
+}
+
+static int cmp_prompts(const void *a, const void *b) {
+    const pr_group *x = *(const pr_group *const *)a, *y = *(const pr_group *const *)b;
+    for (int i = 0; i < x->P && i < y->P; i++) if (x->prefix[i] != y->prefix[i]) return x->prefix[i] < y->prefix[i] ? -1 : 1;
+    return (x->P > y->P) - (x->P < y->P);
+}
+
+static void test_prefix_tree(void) {
+    static tree_step s;
+    int32_t p[64];
+    for (int i = 0; i < 64; i++) p[i] = 100 + i;
+    /* S = 1..10 shared by A, B, C, E; A = S + 20..39, E = A, B = A + 50..52, C = S + 60..64, D = 1 2 70..77 */
+    int32_t a[33], c[15], d[10];
+    for (int i = 0; i < 10; i++) a[i] = c[i] = 1 + i;
+    for (int i = 0; i < 20; i++) a[10 + i] = 20 + i;
+    for (int i = 0; i < 3; i++) a[30 + i] = 50 + i;
+    for (int i = 0; i < 5; i++) c[10 + i] = 60 + i;
+    d[0] = 1; d[1] = 2;
+    for (int i = 0; i < 8; i++) d[2 + i] = 70 + i;
+    tree_group(&s, 0, a, 30, 2);
+    tree_group(&s, 1, a, 33, 3);
+    tree_group(&s, 2, c, 15, 4);
+    tree_group(&s, 3, d, 10, 5);
+    tree_group(&s, 4, a, 30, 6);
+    pr_prefix_tree t;
+    pr_error err;
+    CHECK(!pr_prefix_tree_build(&t, s.g, 5, 4, &err), "prefix tree: %s", err.message);
+    /* nodes: [0,10) of A B C E; [10,30) of A B E, where A and E end; [30,33) B; [10,15) C; [0,10) D */
+    CHECK(t.n_nodes == 5 && t.tokens_tree == 48 && t.tokens_groups == 118 && t.tokens_baseline == 449,
+          "prefix tree, min 4: %d nodes, tokens %ld / %ld / %ld (want 5 nodes, 48 / 118 / 449)", t.n_nodes, t.tokens_tree,
+          t.tokens_groups, t.tokens_baseline);
+    CHECK(t.group_node[0] == t.group_node[4] && t.nodes[t.group_node[0]].start == 10 && t.nodes[t.group_node[0]].len == 20 &&
+          t.nodes[t.group_node[0]].groups_below == 3 && t.nodes[t.group_node[1]].parent == t.group_node[0] &&
+          t.nodes[t.group_node[3]].parent == -1 && t.nodes[t.group_node[3]].len == 10,
+          "prefix tree, min 4: A and E end together at [10,30), B below it, D alone");
+    CHECK(tree_consistent(&t, s.g, 5, 4), "prefix tree, min 4: inconsistent");
+    pr_prefix_tree_free(&t);
+    /* min 11: the 10 shared tokens are too few; A B E share 30, C and D keep their own */
+    CHECK(!pr_prefix_tree_build(&t, s.g, 5, 11, &err) && t.n_nodes == 4 && t.tokens_tree == 58 && tree_consistent(&t, s.g, 5, 11),
+          "prefix tree, min 11: %d nodes, %ld tokens (want 4, 58)", t.n_nodes, t.tokens_tree);
+    pr_prefix_tree_free(&t);
+    /* random steps: prompts drawn from a small alphabet, so that many share starts */
+    uint64_t r = 7;
+    int worst = 0;
+    for (int trial = 0; trial < 300; trial++) {
+        const int n = 1 + (int)(trial % 40), min_shared = 1 + trial % 3, alphabet = 2 + trial % 3;
+        for (int i = 0; i < n; i++) {
+            r = r * 6364136223846793005u + 1442695040888963407u;
+            const int P = 1 + (int)((r >> 33) % 24);
+            for (int k = 0; k < P; k++) {
+                r = r * 6364136223846793005u + 1442695040888963407u;
+                p[k] = (int32_t)((r >> 33) % (uint64_t)alphabet);
+            }
+            tree_group(&s, i, p, P, 1 + i % 3);
+        }
+        if (pr_prefix_tree_build(&t, s.g, n, min_shared, &err)) {
+            CHECK(0, "prefix tree, trial %d: %s", trial, err.message);
+            continue;
+        }
+        int ok = tree_consistent(&t, s.g, n, min_shared);
+        if (min_shared == 1) {              /* a trie's edges: the distinct nonempty prefixes of the prompts */
+            const pr_group *sorted[64];
+            long distinct = 0;
+            for (int i = 0; i < n; i++) sorted[i] = &s.g[i];
+            qsort(sorted, (size_t)n, sizeof *sorted, cmp_prompts);
+            for (int i = 0; i < n; i++) {
+                int l = 0;
+                while (i && l < sorted[i]->P && l < sorted[i - 1]->P && sorted[i]->prefix[l] == sorted[i - 1]->prefix[l]) l++;
+                distinct += sorted[i]->P - l;
+            }
+            ok &= distinct == t.tokens_tree;
+        }
+        if (t.n_nodes > worst) worst = t.n_nodes;
+        CHECK(ok, "prefix tree, trial %d (%d groups, min %d): inconsistent or wrong token count %ld", trial, n, min_shared, t.tokens_tree);
+        pr_prefix_tree_free(&t);
+    }
+    CHECK(pr_prefix_tree_build(&t, s.g, 3, 0, &err) == PR_ERR_ARG && strstr(err.message, "min_shared 0"), "min_shared 0 refused");
+    s.g[1].P = 0;
+    CHECK(pr_prefix_tree_build(&t, s.g, 3, 1, &err) == PR_ERR_ARG && strstr(err.message, "group 1"), "a group without prefix refused");
+    if (verbose) printf("prefix trees: up to %d nodes in the random steps\n", worst);
+}
+
 int main(int argc, char **argv) {
     const char *sample = "data/sample.trace";
     for (int i = 1; i < argc; i++) {
@@ -537,6 +659,7 @@ int main(int argc, char **argv) {
     test_small();
     test_steps();
     test_validate();
+    test_prefix_tree();
     CHECK(test_alloc_live == 0, "%ld blocks still allocated at exit", test_alloc_live);
     return test_report();
 }
