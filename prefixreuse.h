@@ -668,27 +668,39 @@ typedef struct {
     void *user;
 } pr_save_opts;
 
-#define PR_TRAIN_STATE_VERSION 2
+#define PR_TRAIN_STATE_VERSION 2     /* the newest layout: 1 one rank's full tensors, 2 per-rank pieces */
 /* Saves the training state into dir (created when missing, its parent is not):
      dir/latest                    one line, the name of the current state folder
      dir/step-00000004/            one complete state, named after its step count:
          config.json               the full model's configuration
+         trainer_state.json        format, version, step, next_group, seed, AdamW settings
+     one rank (no mesh, or a mesh of one), version 1:
          model.safetensors         fp32 parameters, Hugging Face names (what pr_trainer_load reads)
          optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
-         trainer_state.json        format, version, step, next_group, seed, AdamW settings
-   A state folder is written as step-N.tmp.<pid> and renamed into place once every file is on disk;
-   then `latest` is replaced atomically, and only then the previous state folder is removed. A
-   process killed at any point leaves `latest` naming a complete state (at worst a stray
-   *.tmp.* folder). On a mesh the state is assembled on world rank 0, which writes it (collective
-   over tp and pp, like pr_trainer_get_full). */
+     a mesh of W > 1 ranks, version 2, each rank writing only what it holds:
+         rank-<r>-of-<W>.safetensors  rank r's pieces, 1-D: "<name>" its parameter shard,
+                                   "exp_avg.<name>", "exp_avg_sq.<name>" m and v of its ZeRO slice
+         state_index.json          the mesh; per full tensor its shape and pieces: kind (param,
+                                   exp_avg, exp_avg_sq), file, key, the rank's rectangle of the
+                                   full tensor (rows, cols [first, end)) and the elements
+                                   [first, end) of it, row-major, the key holds (a ZeRO slice may
+                                   cut a tensor)
+   Values held alike by several ranks are written by the lowest (dp and cp ranks, a KV head
+   replicated over tp, the tied embedding's copy on the last stage). A state folder is written as
+   step-N.tmp.<pid> (rank 0's pid, sent to every rank) and renamed into place once every file is on
+   disk; then `latest` is replaced atomically, and only then the previous state folder is removed.
+   A process (or one rank) killed at any point leaves `latest` naming a complete state (at worst a
+   stray *.tmp.* folder). Collective over the world on a mesh. */
 PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                       pr_error *err);
 /* Loads a state saved by pr_trainer_save_state: dir is the folder given to the save (its `latest`
    is followed) or one state folder. Parameters, m, v and the step count replace the trainer's;
    *state (optional) gets the rest. Everything is read and checked before the trainer is touched:
-   another format or version, a missing file or tensor, or a tensor of another shape (named, with
-   both shapes) is refused and the trainer is left as it was. On a mesh each rank reads the full
-   tensors and keeps its shard. */
+   another format or version, a missing file or tensor, a tensor of another shape (named, with
+   both shapes), or a version-2 index whose pieces miss a part of a tensor (named) is refused and
+   the trainer is left as it was. A version-2 state loads on any mesh (or one rank): each rank
+   reads from the files only the pieces over its own shard and slice. A version-1 state on a
+   mesh: each rank reads the full tensors and keeps its shard. */
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
 
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
@@ -7997,7 +8009,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
     pr_st_entry *en = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 3 * (size_t)nt);
     char *names = (char *)PR_MALLOC((size_t)PR__NAME_CAP * 3 * (size_t)nt), path[4100];
-    int n_en = 0;
+    int n_en = 0, began = 0;
     pr__state_names n;
     pr__progress progress = { opts, 0 };
     pr__json *meta = NULL;
@@ -8037,6 +8049,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     }
     /* rank 0 makes the temporary folder; its name and every rank's pieces go round, with failures */
     if (me == 0) st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err);
+    began = me == 0 && !st;      /* rank 0 made the temporary folder */
     tab[0] = st ? 1 : 0;
     tab[1] = me ? 0 : suffix;
     tab[2] = me ? 0 : (double)pr__io_pid();
@@ -8044,7 +8057,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     if (!st) st = cs;
     if (!st && tab[0] > 0) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: world rank 0 could not create the state folder");
     if (st) {
-        if (me == 0 && !tab[0]) pr__state_remove(n.tmp, W);
+        if (began) pr__state_remove(n.tmp, W);
         goto release;
     }
     if (me) pr__state_name(&n, dir, tr->adam_step, (int)tab[1], (long)tab[2]);
