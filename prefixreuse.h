@@ -723,27 +723,39 @@ typedef struct {
     void *user;
 } pr_save_opts;
 
-#define PR_TRAIN_STATE_VERSION 1
+#define PR_TRAIN_STATE_VERSION 2     /* the newest layout: 1 one rank's full tensors, 2 per-rank pieces */
 /* Saves the training state into dir (created when missing, its parent is not):
      dir/latest                    one line, the name of the current state folder
      dir/step-00000004/            one complete state, named after its step count:
          config.json               the full model's configuration
+         trainer_state.json        format, version, step, next_group, seed, AdamW settings
+     one rank (no mesh, or a mesh of one), version 1:
          model.safetensors         fp32 parameters, Hugging Face names (what pr_trainer_load reads)
          optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
-         trainer_state.json        format, version, step, next_group, seed, AdamW settings
-   A state folder is written as step-N.tmp.<pid> and renamed into place once every file is on disk;
-   then `latest` is replaced atomically, and only then the previous state folder is removed. A
-   process killed at any point leaves `latest` naming a complete state (at worst a stray
-   *.tmp.* folder). On a mesh the state is assembled on world rank 0, which writes it (collective
-   over tp and pp, like pr_trainer_get_full). */
+     a mesh of W > 1 ranks, version 2, each rank writing only what it holds:
+         rank-<r>-of-<W>.safetensors  rank r's pieces, 1-D: "<name>" its parameter shard,
+                                   "exp_avg.<name>", "exp_avg_sq.<name>" m and v of its ZeRO slice
+         state_index.json          the mesh; per full tensor its shape and pieces: kind (param,
+                                   exp_avg, exp_avg_sq), file, key, the rank's rectangle of the
+                                   full tensor (rows, cols [first, end)) and the elements
+                                   [first, end) of it, row-major, the key holds (a ZeRO slice may
+                                   cut a tensor)
+   Values held alike by several ranks are written by the lowest (dp and cp ranks, a KV head
+   replicated over tp, the tied embedding's copy on the last stage). A state folder is written as
+   step-N.tmp.<pid> (rank 0's pid, sent to every rank) and renamed into place once every file is on
+   disk; then `latest` is replaced atomically, and only then the previous state folder is removed.
+   A process (or one rank) killed at any point leaves `latest` naming a complete state (at worst a
+   stray *.tmp.* folder). Collective over the world on a mesh. */
 PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                       pr_error *err);
 /* Loads a state saved by pr_trainer_save_state: dir is the folder given to the save (its `latest`
    is followed) or one state folder. Parameters, m, v and the step count replace the trainer's;
    *state (optional) gets the rest. Everything is read and checked before the trainer is touched:
-   another format or version, a missing file or tensor, or a tensor of another shape (named, with
-   both shapes) is refused and the trainer is left as it was. On a mesh each rank reads the full
-   tensors and keeps its shard. */
+   another format or version, a missing file or tensor, a tensor of another shape (named, with
+   both shapes), or a version-2 index whose pieces miss a part of a tensor (named) is refused and
+   the trainer is left as it was. A version-2 state loads on any mesh (or one rank): each rank
+   reads from the files only the pieces over its own shard and slice. A version-1 state on a
+   mesh: each rank reads the full tensors and keeps its shard. */
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
 
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
@@ -7962,7 +7974,8 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
 /* ---- training state: a folder of complete states and a pointer to the current one */
 #define PR__STATE_FORMAT "prefixreuse-train-state"
 #define PR__STATE_REAL (sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32)   /* exact: the build's own precision */
-static const char *const pr__state_files[] = { "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json" };
+static const char *const pr__state_files[] = { "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json",
+                                                 "state_index.json" };
 
 /* The model dimensions a state must agree on, compared before any tensor: a state of another model
    is refused by naming the first field that differs. */
@@ -7987,11 +8000,11 @@ static pr_status pr__state_same_model(const pr_config *have, const pr_config *wa
     return PR_OK;
 }
 
-static pr_status pr__state_json(const pr_train_state *s, long step, pr__buf *b) {
+static pr_status pr__state_json(const pr_train_state *s, long step, int version, pr__buf *b) {
     char line[160];
     pr__buf_str(b, "{\n  \"format\": \"" PR__STATE_FORMAT "\",\n");
     snprintf(line, sizeof line, "  \"version\": %d,\n  \"step\": %ld,\n  \"next_group\": %ld,\n  \"seed\": \"%llu\",\n",
-             PR_TRAIN_STATE_VERSION, step, s->next_group, (unsigned long long)s->seed);
+             version, step, s->next_group, (unsigned long long)s->seed);
     pr__buf_str(b, line);
     snprintf(line, sizeof line, "  \"real\": \"%s\",\n", sizeof(pr_real) == 8 ? "F64" : "F32");
     pr__buf_str(b, line);
@@ -8004,15 +8017,35 @@ static pr_status pr__state_json(const pr_train_state *s, long step, pr__buf *b) 
     return b->failed ? PR_ERR_NOMEM : PR_OK;
 }
 
-/* Removes a state folder's files and the folder (best effort: what stays is only disk space). */
-static void pr__state_remove(const char *dir, const char *name) {
+/* The world size a version-2 state folder was saved on (its index's mesh), 0 when it has none. */
+static int pr__state_index_ranks(const char *folder) {
+    char path[4400], *text = NULL;
+    size_t len;
+    pr__json *j = NULL;
+    int64_t w = 0;
+    pr_error e;
+    snprintf(path, sizeof path, "%s/state_index.json", folder);
+    if (pr__read_small_file(path, (size_t)256 << 20, &text, &len, &e)) return 0;
+    if (!pr__json_parse(&j, text, len, path, 0, &e) && !pr__json_int(pr__json_get(pr__json_get(j, "mesh"), "world"), &w)) w = 0;
+    PR_FREE(text);
+    PR_FREE(j);
+    return w > 0 && w < 1 << 20 ? (int)w : 0;
+}
+
+/* Removes a state folder's files and the folder (best effort: what stays is only disk space): the
+   files of either layout, with the rank files of a `ranks`-rank save (0: as many as its index says). */
+static void pr__state_remove(const char *folder, int ranks) {
     char path[4400];
+    if (!ranks) ranks = pr__state_index_ranks(folder);
     for (size_t k = 0; k < sizeof pr__state_files / sizeof pr__state_files[0]; k++) {
-        snprintf(path, sizeof path, "%s/%s/%s", dir, name, pr__state_files[k]);
+        snprintf(path, sizeof path, "%s/%s", folder, pr__state_files[k]);
         remove(path);
     }
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    remove(path);
+    for (int r = 0; r < ranks; r++) {
+        snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", folder, r, ranks);
+        remove(path);
+    }
+    remove(folder);
 }
 
 /* The name `latest` holds (a plain folder name), or "" when there is none. */
@@ -8034,39 +8067,89 @@ static pr_status pr__state_latest(const char *dir, char *name, size_t cap, int m
     return st;
 }
 
-PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
-                                      pr_error *err) {
-    if (!tr || !dir || !dir[0] || !state) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: NULL argument");
-    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: path too long");
+/* A save's folders: `final` (dir/step-N, or dir/step-N.K with K = suffix when a state of that step
+   exists already) and `tmp`, the folder it is written into (final.tmp.<pid of the writer>). */
+typedef struct { char old[256], name[64], final[3980], tmp[4000]; } pr__state_names;
+
+static void pr__state_name(pr__state_names *n, const char *dir, long step, int suffix, long pid) {
+    if (suffix) snprintf(n->name, sizeof n->name, "step-%08ld.%d", step, suffix);
+    else snprintf(n->name, sizeof n->name, "step-%08ld", step);
+    snprintf(n->final, sizeof n->final, "%s/%s", dir, n->name);
+    snprintf(n->tmp, sizeof n->tmp, "%s.tmp.%ld", n->final, pid);
+}
+
+/* Creates dir (when missing) and a fresh temporary folder in it; n->old gets the current state's
+   name ("" for none), *suffix the fresh name's. */
+static pr_status pr__state_begin(const char *dir, long step, pr__state_names *n, int *suffix, pr_error *err) {
+    pr_status st = pr__mkdir_one(dir, err);
+    if (st) return st;
+    if (pr__state_latest(dir, n->old, sizeof n->old, 0, err)) n->old[0] = 0;   /* a broken pointer is replaced */
+    for (*suffix = 0;; ++*suffix) {
+        uint64_t size;
+        int is_dir;
+        pr__state_name(n, dir, step, *suffix, pr__io_pid());
+        if (!pr__io_stat(n->final, &size, &is_dir)) break;
+    }
+    return pr__mkdir_one(n->tmp, err);
+}
+
+/* config.json and trainer_state.json into the temporary folder. */
+static pr_status pr__state_meta(const pr_trainer *tr, const char *tmp, const pr_train_state *state, int version,
+                                pr__progress *progress, pr_error *err) {
+    char path[4100];
+    pr__buf b = {NULL, 0, 0, 0};
+    snprintf(path, sizeof path, "%s/config.json", tmp);
+    pr_status st = pr__config_json(&tr->model, &b, path, err);
+    if (!st) st = pr__write_file_progress(path, b.p, b.len, progress, err);
+    PR_FREE(b.p);
+    memset(&b, 0, sizeof b);
+    snprintf(path, sizeof path, "%s/trainer_state.json", tmp);
+    if (!st && pr__state_json(state, tr->adam_step, version, &b)) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    if (!st) st = pr__write_file_progress(path, b.p, b.len, progress, err);
+    PR_FREE(b.p);
+    return st;
+}
+
+/* The commit: the complete folder into place, then `latest` replaced, then the previous state
+   removed. */
+static pr_status pr__state_commit(const char *dir, const pr__state_names *n, pr__progress *progress, pr_error *err) {
+    char path[4100], line[80];
+    snprintf(path, sizeof path, "%s/trainer_state.json", n->tmp);
+    pr__io_sync_parent(path);
+    if (!pr__io_rename(n->tmp, n->final))
+        return pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", n->final, n->tmp, strerror(errno));
+    pr__io_sync_parent(n->final);
+    snprintf(line, sizeof line, "%s\n", n->name);
+    snprintf(path, sizeof path, "%s/latest", dir);
+    pr_status st = pr__write_file_progress(path, line, strlen(line), progress, err);
+    if (!st && n->old[0] && strcmp(n->old, n->name)) {
+        snprintf(path, sizeof path, "%s/%s", dir, n->old);
+        pr__state_remove(path, 0);
+    }
+    return st;
+}
+
+/* One rank's whole state (version 1): full tensors, assembled on world rank 0 of a one-rank mesh. */
+static pr_status pr__save_state_one(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                    pr_error *err) {
     pr__host_copy x[3];
     const pr_real *arenas[3] = { tr->params, tr->adam_m, tr->adam_v };
     const char *prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
     pr_status st = PR_OK;
-    int got = 0;
-    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], err);   /* collective */
+    int got = 0, suffix;
+    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], err);
     if (st) got--;
-    pr__buf js = {NULL, 0, 0, 0};
-    char old[256], name[64], tmp[4000], path[4100], final[3980];
+    char path[4100];
+    pr__state_names n;
     pr__progress progress = { opts, 0 };
     pr__json *meta = NULL;
-    if (st || !x[0].n) goto done;                 /* not the writing rank */
-    if ((st = pr__mkdir_one(dir, err))) goto done;
-    if ((st = pr__state_latest(dir, old, sizeof old, 0, err))) old[0] = 0, st = PR_OK;   /* a broken pointer is replaced */
-    /* a fresh folder name: step-N, or step-N.K when a state of that step exists already */
-    snprintf(name, sizeof name, "step-%08ld", tr->adam_step);
-    for (int k = 1;; k++) {
-        uint64_t size;
-        int is_dir;
-        snprintf(final, sizeof final, "%s/%s", dir, name);
-        if (!pr__io_stat(final, &size, &is_dir)) break;
-        snprintf(name, sizeof name, "step-%08ld.%d", tr->adam_step, k);
-    }
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", final, pr__io_pid());
-    if ((st = pr__mkdir_one(tmp, err))) goto done;
-    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", tmp, err))) goto done;
-    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+    n.tmp[0] = 0;
+    if (st) goto done;
+    if ((st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err))) goto done;
+    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", n.tmp, err))) goto done;
+    snprintf(path, sizeof path, "%s/model.safetensors", n.tmp);
     st = pr__st_write(path, x[0].entries, x[0].n, PR__STATE_REAL, meta, &progress, err);
-    snprintf(path, sizeof path, "%s/optimizer.safetensors", tmp);
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", n.tmp);
     if (!st) {      /* m and v in one file: the entries side by side */
         pr_st_entry *both = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
         if (!both) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
@@ -8077,44 +8160,215 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
             PR_FREE(both);
         }
     }
-    if (!st) {
-        snprintf(path, sizeof path, "%s/config.json", tmp);
-        pr__buf b = {NULL, 0, 0, 0};
-        st = pr__config_json(&tr->model, &b, path, err);
-        if (!st) st = pr__write_file_progress(path, b.p, b.len, &progress, err);
-        PR_FREE(b.p);
-    }
-    if (!st && pr__state_json(state, tr->adam_step, &js)) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
-    snprintf(path, sizeof path, "%s/trainer_state.json", tmp);
-    if (!st) st = pr__write_file_progress(path, js.p, js.len, &progress, err);
-    /* the folder into place, then the pointer: the commit */
-    if (!st) {
-        pr__io_sync_parent(path);
-        if (!pr__io_rename(tmp, final)) st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", final, tmp, strerror(errno));
-    }
-    if (!st) {
-        pr__io_sync_parent(final);
-        char line[80];
-        snprintf(line, sizeof line, "%s\n", name);
-        snprintf(path, sizeof path, "%s/latest", dir);
-        st = pr__write_file_progress(path, line, strlen(line), &progress, err);
-    }
-    if (!st && old[0] && strcmp(old, name)) pr__state_remove(dir, old);
-    if (st) {          /* nothing half-written stays behind */
-        char *slash = strrchr(tmp, '/');
-        *slash = 0;
-        pr__state_remove(tmp, slash + 1);
-    }
+    if (!st) st = pr__state_meta(tr, n.tmp, state, 1, &progress, err);
+    if (!st) st = pr__state_commit(dir, &n, &progress, err);
+    if (st) pr__state_remove(n.tmp, 0);          /* nothing half-written stays behind */
 done:
     PR_FREE(meta);
-    PR_FREE(js.p);
     for (int k = 0; k < got; k++) pr__export_free(tr, &x[k]);
     return st;
 }
 
+/* ---- a state on a mesh (version 2): each rank's own pieces, an index of them */
+static const char *const pr__state_kind[3] = { "param", "exp_avg", "exp_avg_sq" };
+static const char *const pr__state_prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
+/* What the ranks tell world rank 0 for its index, per full tensor and rank: the rows and columns
+   [first, end) of the rank's rectangle, then for each kind the elements [first, end) of its piece
+   in the rectangle's row-major order (empty: the rank writes none). */
+#define PR__PIECE_NUMS 10
+
+/* Local tensor i's rectangle in its full tensor: rows [r[0], r[1]), columns [r[2], r[3]). */
+static void pr__state_rect(const pr_trainer *tr, int i, int64_t r[4]) {
+    const pr_tensor_info *t = &tr->tensors[i];
+    r[0] = tr->mesh ? tr->shard[i].row0 : 0;
+    r[1] = r[0] + t->shape[0];
+    r[2] = tr->mesh ? tr->shard[i].col0 : 0;
+    r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
+}
+
+/* The elements of local tensor i this rank holds of `kind` (0 parameters, 1 m, 2 v), [*e0, *e1) in
+   its rectangle's row-major order: all of them, or for m and v under ZeRO those in its slice. */
+static void pr__state_held(const pr_trainer *tr, int i, int kind, size_t *e0, size_t *e1) {
+    const pr_tensor_info *t = &tr->tensors[i];
+    size_t lo = t->offset, hi = t->offset + t->numel;
+    if (kind) {
+        if (lo < tr->slice_lo) lo = tr->slice_lo;
+        if (hi > tr->slice_lo + tr->slice_n) hi = tr->slice_lo + tr->slice_n;
+    }
+    *e0 = lo < hi ? lo - t->offset : 0;
+    *e1 = lo < hi ? hi - t->offset : 0;
+}
+
+/* Whether this rank writes its piece of local tensor i: of the ranks holding the same values (the
+   replicas of a TP shard, the cp ranks, the dp ranks, these also for m and v unless ZeRO slices
+   them) the lowest, the one that counts. */
+static int pr__state_writes(const pr_trainer *tr, int i, int kind) {
+    const pr_mesh *m = tr->mesh;
+    return !tr->shard[i].elsewhere && m->cp_rank == 0 && (m->dp_rank == 0 || (kind && tr->zero));
+}
+
+/* state_index.json from the ranks' table (see PR__PIECE_NUMS). */
+static void pr__state_index_json(const pr_trainer *tr, const pr_tensor_info *ft, int count, const double *tab, pr__buf *b) {
+    const pr_mesh *m = tr->mesh;
+    const int W = m->world->size;
+    char line[600];
+    pr__buf_str(b, "{\n  \"format\": \"prefixreuse-train-state-index\",\n");
+    snprintf(line, sizeof line, "  \"mesh\": {\"world\": %d, \"dp\": %d, \"pp\": %d, \"cp\": %d, \"tp\": %d, \"ep\": %d, \"zero\": %d},\n  \"files\": [",
+             W, m->dp, m->pp, m->cp, m->tp, m->ep, tr->zero);
+    pr__buf_str(b, line);
+    for (int r = 0; r < W; r++) {
+        snprintf(line, sizeof line, "%s\"rank-%d-of-%d.safetensors\"", r ? ", " : "", r, W);
+        pr__buf_str(b, line);
+    }
+    pr__buf_str(b, "],\n  \"tensors\": [");
+    for (int j = 0; j < count; j++) {
+        const pr_tensor_info *t = &ft[j];
+        if (t->ndim == 2) snprintf(line, sizeof line, "%s\n    {\"name\": \"%s\", \"shape\": [%lld, %lld], \"pieces\": [", j ? "," : "",
+                                   t->name, (long long)t->shape[0], (long long)t->shape[1]);
+        else snprintf(line, sizeof line, "%s\n    {\"name\": \"%s\", \"shape\": [%lld], \"pieces\": [", j ? "," : "", t->name, (long long)t->shape[0]);
+        pr__buf_str(b, line);
+        int first = 1;
+        for (int kind = 0; kind < 3; kind++)
+            for (int r = 0; r < W; r++) {
+                const double *p = tab + ((size_t)j * (size_t)W + (size_t)r) * PR__PIECE_NUMS;
+                if (p[4 + 2 * kind] == p[5 + 2 * kind]) continue;
+                snprintf(line, sizeof line,
+                         "%s\n      {\"kind\": \"%s\", \"file\": \"rank-%d-of-%d.safetensors\", \"key\": \"%s%s\", \"rows\": [%.0f, %.0f], "
+                         "\"cols\": [%.0f, %.0f], \"elements\": [%.0f, %.0f]}",
+                         first ? "" : ",", pr__state_kind[kind], r, W, pr__state_prefix[kind], t->name, p[0], p[1], p[2], p[3],
+                         p[4 + 2 * kind], p[5 + 2 * kind]);
+                pr__buf_str(b, line);
+                first = 0;
+            }
+        pr__buf_str(b, "]}");
+    }
+    pr__buf_str(b, "\n  ]\n}\n");
+}
+
+/* A collective over world of n doubles, summed, through backend memory. */
+static pr_status pr__state_sum(const pr_trainer *tr, double *host, double *dev, size_t n, pr_error *err) {
+    const pr_backend *be = tr->be;
+    pr_comm *w = tr->mesh->world;
+    be->copy(be, dev, host, sizeof(double) * n);
+    be->sync(be);
+    pr_status st = w->all_reduce(w, dev, n, PR_COMM_F64, err);
+    be->copy(be, host, dev, sizeof(double) * n);
+    be->sync(be);
+    return st;
+}
+
+static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err) {
+    const pr_backend *be = tr->be;
+    const int W = tr->mesh->world->size, me = tr->mesh->world->rank, nt = tr->n_tensors;
+    int count, suffix = 0;
+    pr_tensor_info *ft = pr__full_table(tr, &count, NULL);
+    const size_t n_tab = 3 + (size_t)count * (size_t)W * PR__PIECE_NUMS;   /* 3: failures, name suffix, rank 0's pid */
+    double *tab = (double *)PR_MALLOC(sizeof(double) * n_tab);
+    double *dev = (double *)be->alloc(be, sizeof(double) * n_tab, PR_TIER_DEVICE);
+    pr_real *host[3];
+    host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
+    host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+    host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+    pr_st_entry *en = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 3 * (size_t)nt);
+    char *names = (char *)PR_MALLOC((size_t)PR__NAME_CAP * 3 * (size_t)nt), path[4100];
+    int n_en = 0, began = 0;
+    pr__state_names n;
+    pr__progress progress = { opts, 0 };
+    pr__json *meta = NULL;
+    pr__buf index = {NULL, 0, 0, 0};
+    pr_status st = PR_OK, cs;
+    if (!ft || !tab || !dev || !host[0] || !host[1] || !host[2] || !en || !names) {
+        /* a rank that cannot join the collectives fails alone; the others wait, as on any communicator failure */
+        st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_save_state: out of memory for this rank's state");
+        goto release;
+    }
+    memset(tab, 0, sizeof(double) * n_tab);
+    be->download_reals(be, host[0], tr->params, tr->n_params);
+    be->download_reals(be, host[1], tr->adam_m, tr->slice_n);
+    be->download_reals(be, host[2], tr->adam_v, tr->slice_n);
+    for (int i = 0, j = 0; i < nt; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        while (strcmp(ft[j].name, t->name)) j++;          /* the local tensors are a subsequence of the full list */
+        double *p = tab + 3 + ((size_t)j * (size_t)W + (size_t)me) * PR__PIECE_NUMS;
+        int64_t r[4];
+        pr__state_rect(tr, i, r);
+        for (int k = 0; k < 4; k++) p[k] = (double)r[k];
+        for (int kind = 0; kind < 3; kind++) {
+            size_t e0, e1;
+            pr__state_held(tr, i, kind, &e0, &e1);
+            if (e0 == e1 || !pr__state_writes(tr, i, kind)) continue;
+            p[4 + 2 * kind] = (double)e0;
+            p[5 + 2 * kind] = (double)e1;
+            pr_st_entry *e = &en[n_en];
+            char *nm = names + (size_t)PR__NAME_CAP * (size_t)n_en++;
+            snprintf(nm, PR__NAME_CAP, "%s%s", pr__state_prefix[kind], t->name);
+            memset(e, 0, sizeof *e);
+            e->name = nm;
+            e->data = host[kind] + t->offset + e0 - (kind ? tr->slice_lo : 0);
+            e->ndim = 1;
+            e->shape[0] = (int64_t)(e1 - e0);
+        }
+    }
+    /* rank 0 makes the temporary folder; its name and every rank's pieces go round, with failures */
+    if (me == 0) st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err);
+    began = me == 0 && !st;      /* rank 0 made the temporary folder */
+    tab[0] = st ? 1 : 0;
+    tab[1] = me ? 0 : suffix;
+    tab[2] = me ? 0 : (double)pr__io_pid();
+    cs = pr__state_sum(tr, tab, dev, n_tab, st ? NULL : err);
+    if (!st) st = cs;
+    if (!st && tab[0] > 0) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: world rank 0 could not create the state folder");
+    if (st) {
+        if (began) pr__state_remove(n.tmp, W);
+        goto release;
+    }
+    if (me) pr__state_name(&n, dir, tr->adam_step, (int)tab[1], (long)tab[2]);
+    /* each rank its own file, in parallel; rank 0 the index and the run's files */
+    snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", n.tmp, me, W);
+    st = pr__st_check_entries(en, n_en, PR__STATE_REAL, path, NULL, err);
+    if (!st) st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", path, err);
+    if (!st) st = pr__st_write(path, en, n_en, PR__STATE_REAL, meta, &progress, err);
+    if (!st && me == 0) {
+        pr__state_index_json(tr, ft, count, tab + 3, &index);
+        snprintf(path, sizeof path, "%s/state_index.json", n.tmp);
+        st = index.failed ? pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path) : pr__write_file_progress(path, index.p, index.len, &progress, err);
+        if (!st) st = pr__state_meta(tr, n.tmp, state, 2, &progress, err);
+    }
+    /* every file on disk: rank 0 commits; then every rank learns how that went */
+    for (int round = 0; round < 2; round++) {
+        tab[0] = st ? 1 : 0;
+        cs = pr__state_sum(tr, tab, dev, 1, st ? NULL : err);
+        if (!st) st = cs;
+        if (!st && tab[0] > 0 && round) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: world rank 0 could not put the state in place");
+        if (!st && tab[0] > 0 && !round) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: %.0f rank(s) could not write their part", tab[0]);
+        if (round == 0 && me == 0) {
+            if (!st) st = pr__state_commit(dir, &n, &progress, err);
+            if (st) pr__state_remove(n.tmp, W);          /* nothing half-written stays behind */
+        }
+    }
+release:
+    PR_FREE(index.p);
+    PR_FREE(meta);
+    PR_FREE(names);
+    PR_FREE(en);
+    for (int k = 0; k < 3; k++) PR_FREE(host[k]);
+    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    PR_FREE(tab);
+    PR_FREE(ft);
+    return st;
+}
+
+PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
+                                      pr_error *err) {
+    if (!tr || !dir || !dir[0] || !state) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: path too long");
+    if (tr->mesh && tr->mesh->world->size > 1) return pr__save_state_ranks(tr, dir, state, opts, err);
+    return pr__save_state_one(tr, dir, state, opts, err);
+}
 /* trainer_state.json: the format and version first, so that another file or an older state is
    named as such. */
-static pr_status pr__state_parse(const char *path, pr_train_state *s, pr_error *err) {
+static pr_status pr__state_parse(const char *path, pr_train_state *s, int *version_out, pr_error *err) {
     char *text;
     size_t len;
     pr__json *j = NULL;
@@ -8132,9 +8386,9 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, pr_error *
                       f && f->type == PR__JSON_STRING ? "\"" : "");
     else if (!pr__json_int(pr__json_get(j, "version"), &version) || version < 1)
         st = pr__fail(err, PR_ERR_FORMAT, "%s: \"version\" must be a positive integer", path);
-    else if (version != PR_TRAIN_STATE_VERSION)
-        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: training state format version %lld is %s; this build reads version %d", path,
-                      (long long)version, version < PR_TRAIN_STATE_VERSION ? "older" : "newer", PR_TRAIN_STATE_VERSION);
+    else if (version > PR_TRAIN_STATE_VERSION)
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: training state format version %lld is newer; this build reads versions 1 to %d", path,
+                      (long long)version, PR_TRAIN_STATE_VERSION);
     else if (!pr__json_int(pr__json_get(j, "step"), &step) || step < 0 || !pr__json_int(pr__json_get(j, "next_group"), &next) || next < 0)
         st = pr__fail(err, PR_ERR_FORMAT, "%s: \"step\" and \"next_group\" must be integers >= 0", path);
     else if (!real || real->type != PR__JSON_STRING || strcmp(real->str, sizeof(pr_real) == 8 ? "F64" : "F32"))
@@ -8155,11 +8409,238 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, pr_error *
         s->step = (long)step;
         s->next_group = (long)next;
         s->seed = strtoull(seed->str, NULL, 10);
+        *version_out = (int)version;
     }
     PR_FREE(j);
     return st;
 }
 
+
+/* One piece of a version-2 state, from its index: of kind `kind` of a full tensor, the elements
+   [el[0], el[1]) (row-major) of its rectangle rows [rows[0], rows[1]), columns [cols[0], cols[1]),
+   held in tensor `key` of file `file`. */
+typedef struct { int kind, file; const pr_st_tensor *key; int64_t rows[2], cols[2], el[2]; } pr__piece;
+
+typedef struct {
+    char path[4300];          /* the index, for messages */
+    pr__json *root;
+    int n_files;
+    pr_checkpoint **ck;       /* (n_files) headers */
+    FILE **fh;                /* (n_files) opened at the first read */
+    unsigned char *buf;       /* a read's bytes */
+    pr__piece *pieces;
+    int *first, *n_of;        /* (count) full tensor j's pieces: pieces[first[j] .. first[j] + n_of[j]) */
+} pr__state_index;
+
+#define PR__STATE_READ_CHUNK ((size_t)1 << 20)
+
+static void pr__state_index_close(pr__state_index *ix) {
+    for (int f = 0; f < ix->n_files; f++) {
+        if (ix->ck && ix->ck[f]) pr_checkpoint_close(ix->ck[f]);
+        if (ix->fh && ix->fh[f]) fclose(ix->fh[f]);
+    }
+    PR_FREE(ix->ck);
+    PR_FREE(ix->fh);
+    PR_FREE(ix->buf);
+    PR_FREE(ix->pieces);
+    PR_FREE(ix->first);
+    PR_FREE(ix->n_of);
+    PR_FREE(ix->root);
+}
+
+/* A [first, end) pair of integers. */
+static int pr__json_range(const pr__json *a, int64_t out[2]) {
+    const pr__json *x = pr__json_first(a);
+    return a && a->type == PR__JSON_ARRAY && a->count == 2 && pr__json_int(x, &out[0]) && pr__json_int(pr__json_next(x), &out[1]) &&
+           out[0] >= 0 && out[0] < out[1];
+}
+
+/* Reads and checks state_index.json against the model's full tensors ft: every tensor once, of the
+   model's shape, each kind's pieces inside it, in a listed file under their key with their length,
+   and as many elements as the tensor has (a missing piece is refused here, on every rank alike). */
+static pr_status pr__state_index_open(pr__state_index *ix, const char *folder, const pr_tensor_info *ft, int count, pr_error *err) {
+    char *text = NULL, file[4400];
+    size_t len;
+    const char *path = ix->path;
+    memset(ix, 0, sizeof *ix);
+    snprintf(ix->path, sizeof ix->path, "%s/state_index.json", folder);
+    pr_status st = pr__read_small_file(path, (size_t)256 << 20, &text, &len, err);
+    if (!st) st = pr__json_parse(&ix->root, text, len, path, 0, err);
+    PR_FREE(text);
+    if (st) return st;
+    const pr__json *fmt = pr__json_get(ix->root, "format"), *files = pr__json_get(ix->root, "files"), *tensors = pr__json_get(ix->root, "tensors");
+    if (!fmt || fmt->type != PR__JSON_STRING || strcmp(fmt->str, "prefixreuse-train-state-index"))
+        return pr__fail(err, PR_ERR_FORMAT, "%s: not a training state index (\"format\" is not \"prefixreuse-train-state-index\")", path);
+    if (!files || files->type != PR__JSON_ARRAY || !files->count || !tensors || tensors->type != PR__JSON_ARRAY)
+        return pr__fail(err, PR_ERR_FORMAT, "%s: \"files\" and \"tensors\" must be arrays, \"files\" not empty", path);
+    if ((int)tensors->count != count)
+        return pr__fail(err, PR_ERR_ARG, "%s: holds %u tensors, the model has %d (a state of another model)", path, tensors->count, count);
+    ix->n_files = (int)files->count;
+    ix->ck = (pr_checkpoint **)PR_MALLOC(sizeof(pr_checkpoint *) * files->count);
+    ix->fh = (FILE **)PR_MALLOC(sizeof(FILE *) * files->count);
+    ix->buf = (unsigned char *)PR_MALLOC(PR__STATE_READ_CHUNK);
+    ix->first = (int *)PR_MALLOC(sizeof(int) * (size_t)count);
+    ix->n_of = (int *)PR_MALLOC(sizeof(int) * (size_t)count);
+    if (!ix->ck || !ix->fh || !ix->buf || !ix->first || !ix->n_of) {
+        ix->n_files = 0;
+        return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    }
+    memset(ix->ck, 0, sizeof(pr_checkpoint *) * files->count);
+    memset(ix->fh, 0, sizeof(FILE *) * files->count);
+    for (int j = 0; j < count; j++) ix->n_of[j] = -1;
+    const pr__json *f = pr__json_first(files);
+    for (int k = 0; k < ix->n_files && !st; k++, f = pr__json_next(f)) {     /* every file's header, on every rank */
+        if (f->type != PR__JSON_STRING || !pr__st_plain_name(f->str, f->count))
+            return pr__fail(err, PR_ERR_FORMAT, "%s: \"files\" entry %d is not a plain file name", path, k);
+        snprintf(file, sizeof file, "%s/%s", folder, f->str);
+        st = pr_checkpoint_open(&ix->ck[k], file, err);
+    }
+    if (st) return st;
+    size_t n_pieces = 0;
+    const pr__json *te = pr__json_first(tensors);
+    for (uint32_t k = 0; k < tensors->count; k++, te = pr__json_next(te)) {
+        const pr__json *p = pr__json_get(te, "pieces");
+        if (!p || p->type != PR__JSON_ARRAY) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor entry %u has no \"pieces\" array", path, k);
+        n_pieces += p->count;
+    }
+    ix->pieces = (pr__piece *)PR_MALLOC(sizeof(pr__piece) * (n_pieces + 1));
+    if (!ix->pieces) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
+    int at = 0;
+    te = pr__json_first(tensors);
+    for (uint32_t k = 0; k < tensors->count; k++, te = pr__json_next(te)) {
+        const pr__json *nm = pr__json_get(te, "name"), *shape = pr__json_get(te, "shape"), *pl = pr__json_get(te, "pieces");
+        int j = 0;
+        while (nm && nm->type == PR__JSON_STRING && j < count && strcmp(ft[j].name, nm->str)) j++;
+        if (!nm || nm->type != PR__JSON_STRING || j == count)
+            return pr__fail(err, PR_ERR_ARG, "%s: tensor entry %u (%s) is not a tensor of this model", path, k,
+                            nm && nm->type == PR__JSON_STRING ? nm->str : "no name");
+        if (ix->n_of[j] >= 0) return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s is listed twice", path, ft[j].name);
+        const pr_tensor_info *t = &ft[j];
+        int same = shape && shape->type == PR__JSON_ARRAY && (int)shape->count == t->ndim;
+        int64_t have[2] = { 0, 0 };
+        const pr__json *d = pr__json_first(shape);
+        for (int q = 0; same && q < t->ndim; q++, d = pr__json_next(d)) same = pr__json_int(d, &have[q]) && have[q] == t->shape[q];
+        if (!same) {
+            char want[128];
+            pr__shape_text(want, sizeof want, t->ndim, t->shape);
+            return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has another shape than the model's %s (a state of another shape)", path, t->name, want);
+        }
+        const int64_t R = t->shape[0], C = t->ndim == 2 ? t->shape[1] : 1;
+        int64_t held[3] = { 0, 0, 0 };
+        ix->first[j] = at;
+        ix->n_of[j] = (int)pl->count;
+        const pr__json *pj = pr__json_first(pl);
+        for (uint32_t q = 0; q < pl->count; q++, pj = pr__json_next(pj)) {
+            pr__piece *pc = &ix->pieces[at++];
+            const pr__json *kind = pr__json_get(pj, "kind"), *fl = pr__json_get(pj, "file"), *key = pr__json_get(pj, "key");
+            pc->kind = -1;
+            for (int c = 0; c < 3 && kind && kind->type == PR__JSON_STRING; c++)
+                if (!strcmp(kind->str, pr__state_kind[c])) pc->kind = c;
+            pc->file = -1;
+            f = pr__json_first(files);
+            for (int c = 0; c < ix->n_files && fl && fl->type == PR__JSON_STRING; c++, f = pr__json_next(f))
+                if (!strcmp(fl->str, f->str)) pc->file = c;
+            if (pc->kind < 0 || pc->file < 0 || !key || key->type != PR__JSON_STRING || !pr__json_range(pr__json_get(pj, "rows"), pc->rows) ||
+                !pr__json_range(pr__json_get(pj, "cols"), pc->cols) || !pr__json_range(pr__json_get(pj, "elements"), pc->el) ||
+                pc->rows[1] > R || pc->cols[1] > C || pc->el[1] > (pc->rows[1] - pc->rows[0]) * (pc->cols[1] - pc->cols[0]))
+                return pr__fail(err, PR_ERR_FORMAT, "%s: tensor %s: piece %u needs a kind (param, exp_avg, exp_avg_sq), a listed file, a key, "
+                                "and rows, cols and elements [first, end) inside the tensor", path, t->name, q);
+            pc->key = pr_checkpoint_find(ix->ck[pc->file], key->str);
+            if (!pc->key || pc->key->ndim != 1 || pc->key->shape[0] != pc->el[1] - pc->el[0])
+                return pr__fail(err, PR_ERR_ARG, "%s: tensor %s: %s %s in %s (a piece of %lld elements)", path, t->name,
+                                pc->key ? "the piece's key has another length:" : "missing piece", key->str, fl->str,
+                                (long long)(pc->el[1] - pc->el[0]));
+            held[pc->kind] += pc->el[1] - pc->el[0];
+        }
+        for (int c = 0; c < 3; c++)
+            if (held[c] != R * C)
+                return pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its %s pieces hold %lld elements, the tensor has %lld (a piece missing or one "
+                                "too many)", path, t->name, pr__state_kind[c], (long long)held[c], (long long)(R * C));
+    }
+    return PR_OK;
+}
+
+/* n elements from element `from` of piece p's key into dst. */
+static pr_status pr__state_read_run(pr__state_index *ix, const pr__piece *p, int64_t from, int64_t n, pr_real *dst, pr_error *err) {
+    const pr_checkpoint *ck = ix->ck[p->file];
+    const char *path = ck->paths[0];
+    const size_t es = (size_t)pr__dtype_size(p->key->dtype);
+    if (!ix->fh[p->file] && !(ix->fh[p->file] = fopen(path, "rb"))) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *fh = ix->fh[p->file];
+    if (!pr__io_seek(fh, ck->data_start[0] + p->key->begin + (uint64_t)from * es))
+        return pr__fail(err, PR_ERR_IO, "%s: cannot seek in tensor %s", path, p->key->name);
+    for (size_t done = 0, total = (size_t)n; done < total;) {
+        size_t now = total - done < PR__STATE_READ_CHUNK / 8 ? total - done : PR__STATE_READ_CHUNK / 8;
+        if (fread(ix->buf, es, now, fh) != now) return pr__fail(err, PR_ERR_IO, "%s: read error in tensor %s", path, p->key->name);
+        pr__st_convert(dst + done, ix->buf, now, p->key->dtype);
+        done += now;
+    }
+    return PR_OK;
+}
+
+/* This rank's part of kind `kind` of local tensor i (full tensor j) from the pieces into host (a
+   copy of the local arena; for m and v of its slice), row by row of its rectangle, checking that
+   the pieces cover each row's part exactly once. Reads contiguous in both the file and host
+   merge into one. */
+static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, int i, int j, int kind, pr_real *host, pr_error *err) {
+    const pr_tensor_info *t = &tr->tensors[i];
+    int64_t r[4];
+    size_t e0, e1;
+    pr__state_rect(tr, i, r);
+    pr__state_held(tr, i, kind, &e0, &e1);
+    const int64_t cols = r[3] - r[2];
+    pr_real *base = host + t->offset - (kind ? tr->slice_lo : 0);    /* the tensor's element e at base[e] */
+    const pr__piece *run = NULL;
+    int64_t run_from = 0, run_n = 0;
+    pr_real *run_dst = NULL;
+    pr_status st = PR_OK;
+    for (int64_t lr = (int64_t)e0 / cols; lr * cols < (int64_t)e1 && !st; lr++) {
+        const int64_t a = (int64_t)e0 > lr * cols ? (int64_t)e0 - lr * cols : 0;
+        const int64_t b = (int64_t)e1 < (lr + 1) * cols ? (int64_t)e1 - lr * cols : cols;
+        const int64_t R = r[0] + lr, c0 = r[2] + a, c1 = r[2] + b;       /* the full tensor's row R, columns [c0, c1) */
+        int64_t covered = 0;
+        for (int q = ix->first[j]; q < ix->first[j] + ix->n_of[j] && !st; q++) {
+            const pr__piece *p = &ix->pieces[q];
+            if (p->kind != kind || R < p->rows[0] || R >= p->rows[1]) continue;
+            const int64_t pc = p->cols[1] - p->cols[0], at = (R - p->rows[0]) * pc;   /* row R's first element in the piece's rectangle */
+            int64_t x0 = p->cols[0] + (p->el[0] > at ? p->el[0] - at : 0), x1 = p->cols[0] + (p->el[1] - at < pc ? p->el[1] - at : pc);
+            if (x0 < c0) x0 = c0;
+            if (x1 > c1) x1 = c1;
+            if (x0 >= x1) continue;
+            covered += x1 - x0;
+            const int64_t from = at + (x0 - p->cols[0]) - p->el[0];
+            pr_real *dst = base + lr * cols + (x0 - r[2]);
+            if (run == p && from == run_from + run_n && dst == run_dst + run_n) {
+                run_n += x1 - x0;
+                continue;
+            }
+            if (run) st = pr__state_read_run(ix, run, run_from, run_n, run_dst, err);
+            run = p, run_from = from, run_n = x1 - x0, run_dst = dst;
+        }
+        if (!st && covered != c1 - c0)
+            st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its %s pieces cover %lld of the %lld elements this rank needs in row %lld "
+                          "(a hole or an overlap)", ix->path, t->name, pr__state_kind[kind], (long long)covered, (long long)(c1 - c0), (long long)R);
+    }
+    if (!st && run) st = pr__state_read_run(ix, run, run_from, run_n, run_dst, err);
+    return st;
+}
+
+/* A version-2 state's parameters, m and v into host copies of this rank's arenas (parameters:
+   n_params; m and v: its slice), each piece read where it overlaps this rank's part. */
+static pr_status pr__load_state_ranks(pr_trainer *tr, const char *folder, pr_real *const host[3], pr_error *err) {
+    int count;
+    pr_tensor_info *ft = pr__table_of(tr, &count);
+    pr__state_index ix;
+    memset(&ix, 0, sizeof ix);
+    pr_status st = ft ? pr__state_index_open(&ix, folder, ft, count, err) : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory");
+    for (int i = 0, j = 0; i < tr->n_tensors && !st; i++) {
+        while (strcmp(ft[j].name, tr->tensors[i].name)) j++;       /* the local tensors are a subsequence of the full list */
+        for (int kind = 0; kind < 3 && !st; kind++) st = pr__state_read_part(tr, &ix, i, j, kind, host[kind], err);
+    }
+    pr__state_index_close(&ix);
+    if (tr->mesh) PR_FREE(ft);
+    return st;
+}
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
     if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
@@ -8173,11 +8654,34 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     if (st) return st;
     pr_train_state s;
     pr_config cfg;
+    int version = 0;
     memset(&s, 0, sizeof s);
     snprintf(path, sizeof path, "%s/trainer_state.json", folder);
-    if ((st = pr__state_parse(path, &s, err))) return st;
+    if ((st = pr__state_parse(path, &s, &version, err))) return st;
     snprintf(path, sizeof path, "%s/config.json", folder);
     if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
+    if (version == 2) {       /* pieces: this rank's part only, into host copies of its arenas */
+        pr_real *host[3];
+        host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
+        host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+        host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+        if (!host[0] || !host[1] || !host[2]) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for this rank's state");
+        else {
+            memset(host[0], 0, sizeof(pr_real) * tr->n_params);
+            memset(host[1], 0, sizeof(pr_real) * tr->slice_n);
+            memset(host[2], 0, sizeof(pr_real) * tr->slice_n);
+            st = pr__load_state_ranks(tr, folder, host, err);
+        }
+        if (!st) {           /* every check passed: the trainer takes the state */
+            tr->be->upload_reals(tr->be, tr->params, host[0], tr->n_params);
+            tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);
+            tr->be->upload_reals(tr->be, tr->adam_v, host[2], tr->slice_n);
+            tr->adam_step = s.step;
+            if (state) *state = s;
+        }
+        for (int k = 0; k < 3; k++) PR_FREE(host[k]);
+        return st;
+    }
     int count;
     pr_tensor_info *table = pr__table_of(tr, &count);
     size_t bytes;

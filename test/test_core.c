@@ -1687,14 +1687,12 @@ static void kvrep_replicas_case(const pr_config *c, mesh_shape shape, const pr_g
         CHECK(m.n_kv > 0 && same, "%s: the replicas of a KV head differ (parameters, gradients or AdamW moments)", label);
         CHECK(distinct, "%s: ranks of different KV heads hold equal k/v weights", label);
         CHECK(reloaded, "%s: a saved state loaded back into the mesh differs from the shard saved", label);
-        /* the checkpoint holds each KV head once: a single rank reads the model the mesh gathers */
-        char path[128];
-        snprintf(path, sizeof path, "%s/step-00000001", dir);
+        /* the state holds each KV head once: a single rank reads the model the mesh gathers */
         pr_trainer *whole = make_model(c, 6);
         pr_trainer *ref = make_model(c, 5);
         pr_step_opts o = pr_step_opts_default();
         pr_adamw_opts adam = pr_adamw_opts_default();
-        CHECK(!pr_trainer_load(whole, path, &err), "%s: the saved state as a checkpoint: %s", label, err.message);
+        CHECK(!pr_trainer_load_state(whole, dir, NULL, &err), "%s: the saved state on one rank: %s", label, err.message);
         CHECK(!pr_trainer_compute_grads(ref, g, &o, NULL, NULL, &err) && !pr_trainer_adamw_step(ref, &adam, NULL, &err), "%s: %s",
               label, err.message);
         pr_real *pw = params_of(whole), *pref = params_of(ref);
@@ -2056,7 +2054,7 @@ static int same_state(pr_trainer *a, pr_trainer *b) {
 
 static void rewrite_file(const char *path, const char *from, const char *to) {
     FILE *f = fopen(path, "rb");
-    char buf[4096], out[4096];
+    static char buf[1 << 18], out[1 << 18];
     size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
     if (f) fclose(f);
     buf[n] = 0;
@@ -2121,10 +2119,10 @@ static void test_train_state(void) {
     CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "other shape: %s", err.message);
     pr_trainer_destroy(o);
     snprintf(path, sizeof path, "%s/step-00000003.1/trainer_state.json", sd);
-    rewrite_file(path, "\"version\": 1", "\"version\": 2");
+    rewrite_file(path, "\"version\": 1", "\"version\": 3");
     st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "version 2 is newer; this build reads version 1"), "newer: %s", err.message);
-    rewrite_file(path, "\"version\": 2", "\"version\": 0");
+    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "version 3 is newer; this build reads versions 1 to 2"), "newer: %s", err.message);
+    rewrite_file(path, "\"version\": 3", "\"version\": 0");
     st = pr_trainer_load_state(b, sd, NULL, &err);
     CHECK(st == PR_ERR_FORMAT && strstr(err.message, "version"), "version 0: %s", err.message);
     rewrite_file(path, "\"version\": 0", "\"version\": 1");
@@ -2357,6 +2355,197 @@ static void test_recompute(void) {
     pr_trainer_destroy(tr);
 }
 
+/* A mesh's (or one rank's) run for the training state across meshes: from a start (init, or a
+   state's full parameters, m, v and step count, or a saved state), steps, an optional save, the
+   full arenas gathered, more steps, gathered again. */
+typedef struct {
+    const pr_config *c;
+    mesh_shape shape;             /* dp 0: one rank, no mesh */
+    int zero;
+    const pr_group *groups;
+    int n;
+    const pr_real *init;          /* start from these parameters, */
+    pr_real *const *set;          /* or from these parameters, m and v after 2 steps, */
+    const char *load;             /* or from this saved state */
+    const char *save;             /* saved after steps_before */
+    int steps_before, steps_after;
+    pr_real *full[3], *after[3];  /* parameters, m, v after steps_before (and the save or load), then at the end */
+    size_t n_full;
+} rstate_run;
+
+static pr_status rstate_step(pr_trainer *tr, pr_mesh *mesh, const rstate_run *m, pr_error *err) {
+    pr_step_opts o = pr_step_opts_default();
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    pr_status s = mesh && mesh->dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh->dp_comm, m->groups, m->n, &o, NULL, err)
+                                       : pr_trainer_compute_grads(tr, &m->groups[0], &o, NULL, NULL, err);
+    return s ? s : pr_trainer_adamw_step(tr, &adam, NULL, err);
+}
+
+static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int keep, pr_error *err) {
+    const size_t n = mesh ? pr_trainer_full_param_count(tr) : pr_trainer_param_count(tr);
+    const pr_real *arena[3] = { tr->params, tr->adam_m, tr->adam_v };
+    pr_status s = PR_OK;
+    if (m->load) s = pr_trainer_load_state(tr, m->load, NULL, err);
+    else if (m->set) {
+        for (int k = 0; k < 3 && !s; k++) s = pr__set_full_arena(tr, (pr_real *)arena[k], m->set[k], err);
+        tr->adam_step = 2;
+    } else s = pr_trainer_set_full_params(tr, m->init, n, err);
+    for (int k = 0; k < m->steps_before && !s; k++) s = rstate_step(tr, mesh, m, err);
+    pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+    if (!s && m->save) s = pr_trainer_save_state(tr, m->save, &state, NULL, err);
+    for (int phase = 0; phase < 2 && !s; phase++) {
+        for (int k = 0; k < (phase ? m->steps_after : 0) && !s; k++) s = rstate_step(tr, mesh, m, err);
+        for (int k = 0; k < 3 && !s; k++) {     /* every rank gathers, the first keeps */
+            pr_real *dst = malloc(sizeof(pr_real) * n);
+            s = pr__get_full_arena(tr, arena[k], dst, n, err);
+            if (keep) (phase ? m->after : m->full)[k] = dst;
+            else free(dst);
+        }
+    }
+    if (keep) m->n_full = n;
+    return s;
+}
+
+static pr_status rstate_rank(pr_comm *world, void *user, pr_error *err) {
+    rstate_run *m = user;
+    const mesh_shape sh = m->shape;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
+    if (s) return s;
+    mesh.zero = m->zero;
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) s = rstate_body(tr, &mesh, m, world->rank == 0, err);
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static int rstate_go(rstate_run *m, const char *label) {
+    pr_error err;
+    pr_status st;
+    if (m->shape.dp) st = pr_comm_local_run(mesh_size(m->shape), rstate_rank, m, &err);
+    else {
+        pr_trainer *tr = make_model(m->c, 1);
+        st = rstate_body(tr, NULL, m, 1, &err);
+        pr_trainer_destroy(tr);
+    }
+    CHECK(st == PR_OK, "%s: %s", label, err.message);
+    return st == PR_OK;
+}
+
+static void rstate_free(rstate_run *m) {
+    for (int k = 0; k < 3; k++) { free(m->full[k]); free(m->after[k]); }
+}
+
+static int rstate_same(pr_real *const *a, pr_real *const *b, size_t n) {
+    int same = 1;
+    for (int k = 0; k < 3; k++) same &= !memcmp(a[k], b[k], sizeof(pr_real) * n);
+    return same;
+}
+
+/* A state saved on a mesh is one file per rank (each rank its own pieces, one copy of each) and an
+   index; it loads on the same mesh, on meshes of other shapes and on one rank: parameters, m and v
+   come back bit for bit, and the next step is the bits of the run that never stopped (on the same
+   mesh) or of a trainer given the same state by hand (elsewhere). Refused: a missing rank file, an
+   index with a hole, another model. */
+typedef struct { mesh_shape shape; int zero; } rstate_mesh;
+static void rstate_case(const pr_config *c, rstate_mesh from, const rstate_mesh *to, int n_to, const pr_group *groups, int n,
+                        const char *name) {
+    char dir[] = "/tmp/prtest_rstateXXXXXX", path[700], label[160];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    pr_trainer *one = make_model(c, 41);
+    pr_real *init = params_of(one);
+    rstate_run src = { c, from.shape, from.zero, groups, n, init, NULL, NULL, dir, 2, 1, { 0 }, { 0 }, 0 };
+    snprintf(label, sizeof label, "%s: save", name);
+    if (!rstate_go(&src, label)) goto out;
+    const int W = mesh_size(from.shape);
+    snprintf(path, sizeof path, "%s/step-00000002/rank-%d-of-%d.safetensors", dir, W - 1, W);
+    CHECK(access(path, F_OK) == 0, "%s: the last rank's file %s", name, path);
+    snprintf(path, sizeof path, "%s/step-00000002/model.safetensors", dir);
+    CHECK(access(path, F_OK) != 0, "%s: no whole-model file on a mesh", name);
+    for (int t = 0; t < n_to; t++) {
+        const rstate_mesh m = to[t];
+        const int same_mesh = !memcmp(&m, &from, sizeof m);
+        if (m.shape.dp) snprintf(label, sizeof label, "%s: load on dp %d pp %d tp %d ep %d zero %d", name, m.shape.dp, m.shape.pp, m.shape.tp, m.shape.ep, m.zero);
+        else snprintf(label, sizeof label, "%s: load on one rank", name);
+        rstate_run back = { c, m.shape, m.zero, groups, n, NULL, NULL, dir, NULL, 0, 1, { 0 }, { 0 }, 0 };
+        if (rstate_go(&back, label)) {
+            CHECK(back.n_full == src.n_full && rstate_same(back.full, src.full, src.n_full), "%s: parameters, m or v differ from those saved", label);
+            if (same_mesh) CHECK(rstate_same(back.after, src.after, src.n_full), "%s: the next step differs from the run that never stopped", label);
+            else {
+                rstate_run ref = { c, m.shape, m.zero, groups, n, NULL, src.full, NULL, NULL, 0, 1, { 0 }, { 0 }, 0 };
+                if (rstate_go(&ref, label))
+                    CHECK(rstate_same(back.after, ref.after, src.n_full), "%s: the next step differs from a trainer given the state", label);
+                rstate_free(&ref);
+            }
+        }
+        rstate_free(&back);
+    }
+out:
+    rstate_free(&src);
+    free(init);
+    pr_trainer_destroy(one);
+    if (strcmp(name, "dp 2 x tp 2, zero 2")) remove_tree(dir, 2);
+    else {       /* the refusals, on one rank; the trainer keeps what it had */
+        pr_error err;
+        pr_trainer *keep = make_model(c, 3), *before = make_model(c, 3);
+        char path2[700];
+        snprintf(path, sizeof path, "%s/step-00000002/rank-1-of-4.safetensors", dir);
+        snprintf(path2, sizeof path2, "%s/step-00000002/rank-1.hidden", dir);
+        CHECK(rename(path, path2) == 0, "rename");
+        pr_status st = pr_trainer_load_state(keep, dir, NULL, &err);
+        CHECK(st == PR_ERR_IO && strstr(err.message, "rank-1-of-4.safetensors"), "a missing rank file: %s", err.message);
+        CHECK(rename(path2, path) == 0, "rename back");
+        snprintf(path, sizeof path, "%s/step-00000002/state_index.json", dir);
+        rewrite_file(path, "\"kind\": \"exp_avg\", \"file\": \"rank-1-of-4", "\"kind\": \"exp_avg_sq\", \"file\": \"rank-1-of-4");
+        st = pr_trainer_load_state(keep, dir, NULL, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, "its exp_avg pieces hold"), "a piece missing from the index: %s", err.message);
+        rewrite_file(path, "\"kind\": \"exp_avg_sq\", \"file\": \"rank-1-of-4", "\"kind\": \"exp_avg\", \"file\": \"rank-1-of-4");
+        const char *q = "\"key\": \"model.layers.0.self_attn.q_proj.weight\", \"rows\": [";
+        snprintf(path2, sizeof path2, "%s0, 12]", q);
+        snprintf(label, sizeof label, "%s12, 24]", q);
+        rewrite_file(path, path2, label);
+        st = pr_trainer_load_state(keep, dir, NULL, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, "model.layers.0.self_attn.q_proj.weight: its param pieces cover 0 of the 24 elements"),
+              "a hole in the pieces: %s", err.message);
+        rewrite_file(path, label, path2);
+        pr_config other = *c;
+        other.intermediate_size = 48;
+        pr_trainer *o = make_model(&other, 3);
+        st = pr_trainer_load_state(o, dir, NULL, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "another model: %s", err.message);
+        pr_trainer_destroy(o);
+        CHECK(same_state(keep, before), "every refused load left the trainer as it was");
+        CHECK(!pr_trainer_load_state(keep, dir, NULL, &err), "the restored state loads: %s", err.message);
+        pr_trainer_destroy(keep);
+        pr_trainer_destroy(before);
+        remove_tree(dir, 2);
+    }
+}
+
+static void test_rank_state(void) {
+    const int S[4] = { 4, 2, 6, 3 };
+    static test_group tg[2];
+    pr_group groups[2];
+    for (int i = 0; i < 2; i++) {
+        make_group(&tg[i], 5 + i, 3, S + i, 61, 700 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 2), moe = moe_config(1);
+    moe.num_experts = 4;
+    moe.moe_intermediate_size = 8;     /* tp 2 without ep divides it */
+    moe.tie_word_embeddings = 1;
+    const rstate_mesh dp2tp2 = { { 2, 1, 1, 2, 1, 0, 0 }, 2 };
+    const rstate_mesh to1[5] = { dp2tp2, { { 4, 1, 1, 1, 1, 0, 0 }, 0 }, { { 1, 1, 1, 4, 1, 0, 0 }, 0 },
+                                 { { 2, 2, 1, 1, 1, 0, 0 }, 2 }, { { 0, 0, 0, 0, 0, 0, 0 }, 0 } };
+    rstate_case(&llama, dp2tp2, to1, 5, groups, 2, "dp 2 x tp 2, zero 2");
+    const rstate_mesh ep = { { 2, 2, 1, 2, 2, 0, 0 }, 1 };
+    const rstate_mesh to2[4] = { ep, { { 1, 1, 1, 2, 1, 0, 0 }, 0 }, { { 2, 1, 1, 2, 2, 0, 0 }, 2 }, { { 0, 0, 0, 0, 0, 0, 0 }, 0 } };
+    rstate_case(&moe, ep, to2, 4, groups, 2, "MoE, tied: dp 2 x pp 2 x tp 2 x ep 2, zero 1");
+    printf("per-rank training state: saved on dp 2 x tp 2 (zero 2) and MoE dp 2 x pp 2 x tp 2 x ep 2 (zero 1); loaded bitwise on "
+           "the same, on dp 4, tp 4 (KV heads replicated), dp 2 x pp 2, tp 2 and one rank; the next step bitwise; refusals\n");
+}
+
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
@@ -2377,6 +2566,7 @@ int main(void) {
     test_other_shape();
     test_train_state();
     test_recompute();
+    test_rank_state();
     if (IS_DOUBLE) {
         pr_config l = small_config(0, 0, 2), q = small_config(1, 1, 1), m = moe_config(1);
         test_gradcheck(&l, "llama");
