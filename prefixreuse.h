@@ -776,7 +776,8 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
    the gradient arena (adds to it with opt->accumulate: a step of several groups, each with the
    step's denominators in opt->loss.step, is their sum). logp (optional, g->suffix_off[G] reals)
    receives every suffix token's log-prob. The group and options are validated before anything
-   is touched. */
+   is touched. On a mesh with tp, cp or pp above 1 a step's sums over the mesh run once, after its
+   last group: accumulate there with pr_trainer_compute_grads_dp (opt->accumulate is refused). */
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
@@ -849,8 +850,8 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
    The groups are one optimizer step: give opt->loss.step the step's denominators
    (pr_step_loss_totals over all n groups) so that the summed loss is the step's aggregate; left
    zero, each group is normalised alone, as if it were a step of its own.
-   *stats: this rank's last group's stats, with loss, rows, flops, loss_tokens, kl_sum and
-   clipped_tokens summed over its own groups
+   *stats: this rank's last group's stats, with loss, rows, flops, loss_tokens, kl_sum,
+   clipped_tokens and the phase times summed over its own groups, the phase peaks their largest
    (a rank with no group gets zeros; in a team, each rank its share); sum them over dp for the
    whole step's. */
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
@@ -3542,6 +3543,10 @@ static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_s
 
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err) {
+    if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads: on a mesh with tp, cp or pp, a step of several "
+                        "groups accumulates through pr_trainer_compute_grads_dp (its sums over the mesh run once, after the "
+                        "last group)");
     return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
 }
 
@@ -4918,6 +4923,7 @@ static pr_status pr__dp_sum_grads(pr_trainer *tr, pr_comm *dp, pr_error *err) {
     const int R = dp->size;
     pr_real *own = tr->zero == 2 ? tr->grads + (size_t)tr->mesh->dp_rank * tr->slice_cap : NULL;
     if (tr->zero == 2) tr->grads_scattered = 1;
+    if (R == 1) return PR_OK;               /* a sum over one rank: nothing to add, nothing to round */
     if (!tr->grad_wire) {
         if (own) return dp->reduce_scatter(dp, own, tr->grads, tr->slice_cap, PR_COMM_REAL, err);
         return R > 1 ? dp->all_reduce(dp, tr->grads, tr->n_params, PR_COMM_REAL, err) : PR_OK;
@@ -4971,14 +4977,18 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     }
     for (int i = 0; place && i < n && !st; i++) {
         if (place[i] != dp->rank) continue;
-        st = pr_trainer_compute_grads(tr, &groups[i], &o, &s, NULL, err);
-        if (!st) {         /* the last group's stats, with the sums over the groups */
+        st = pr__compute_grads(tr, &groups[i], &o, &s, NULL, NULL, err);
+        if (!st) {         /* the last group's stats, with the sums (and the peaks) over the groups */
             s.loss += sum.loss;
             s.flops += sum.flops;
             s.rows += sum.rows;
             s.loss_tokens += sum.loss_tokens;
             s.kl_sum += sum.kl_sum;
             s.clipped_tokens += sum.clipped_tokens;
+            for (int p = 0; p < 3; p++) {
+                s.seconds[p] += sum.seconds[p];
+                if (sum.peak_bytes[p] > s.peak_bytes[p]) s.peak_bytes[p] = sum.peak_bytes[p];
+            }
             sum = s;
         }
     }

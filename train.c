@@ -1132,7 +1132,7 @@ static int run_prefix_tree(const options *o, const pr_trace *trace) {
            "saved");
     long pos = 0, all[3] = { 0, 0, 0 };
     int steps = 0, rc = 0;
-    do {                                        /* every step of the trace once */
+    do {                                        /* the trace's groups once, step by step */
         pr_step_opts so;
         pr_prefix_tree t;
         const int nb = step_at(o, trace, pos, batch, &so, &err);
@@ -1150,7 +1150,7 @@ static int run_prefix_tree(const options *o, const pr_trace *trace) {
         pr_prefix_tree_free(&t);
         pos += nb;
         steps++;
-    } while (pos % trace->n_groups != 0);
+    } while (pos < trace->n_groups);
     if (!rc)
         printf("all %d steps: prefix tokens full-sequence %ld, each group once %ld, each node once %ld: the tree runs %.1f%% fewer "
                "prefix tokens than the reuse schedule (which runs %.1f%% fewer than full-sequence); trees are not run yet\n",
@@ -1303,7 +1303,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
                 if (pr_trainer_compute_grads(run[r].tr, r == 2 ? &floor_groups[(pos + b) % trace->n_groups].g : &batch[b], &ro, &st,
                                              NULL, &err))
                     rc = fail(&err);
-                run[r].loss += st.loss;
+                else run[r].loss += st.loss;
             }
             if (!rc && (pr_trainer_adamw_step(run[r].tr, &o->adam, &run[r].gnorm, &err) ||
                         pr_trainer_get_params(run[r].tr, run[r].params, n, &err)))
@@ -1541,12 +1541,16 @@ typedef struct {
 } capacity_job;
 
 /* Every rank's need, the largest on every rank: the ranks' sizes meet here through the world
-   communicator (real, its buffers host memory); alone, the need itself. */
+   communicator (real, its buffers host memory); alone, the need itself. A rank that failed gives
+   -1, so that every rank stops together (none is left waiting in the next search step). */
 static pr_status most_over(pr_comm *world, double *x, pr_error *err) {
     if (!world) return PR_OK;
     double all[256];
     pr_status st = world->all_gather(world, all, x, 1, PR_COMM_F64, err);
-    for (int r = 0; !st && r < world->size; r++) if (all[r] > *x) *x = all[r];
+    for (int r = 0; !st && r < world->size; r++) {
+        if (all[r] < 0) return set_error(err, PR_ERR_UNSUPPORTED, "another rank's capacity step failed");
+        if (all[r] > *x) *x = all[r];
+    }
     return st;
 }
 
@@ -1569,8 +1573,9 @@ static pr_status step_need(pr_trainer *tr, pr_comm *world, const pr_mesh *m, con
     synth_free(&sg);
     size_t peak = 0;
     for (int p = 0; !s && p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
-    *need = s ? 0 : (double)pr_trainer_state_bytes(tr) + (double)j->weight_copy * (double)pr_trainer_param_count(tr) + (double)peak;
-    pr_status ms = most_over(world, need, err);
+    *need = s ? -1 : (double)pr_trainer_state_bytes(tr) + (double)j->weight_copy * (double)pr_trainer_param_count(tr) + (double)peak;
+    pr_error other;
+    pr_status ms = most_over(world, need, s ? &other : err);
     return s ? s : ms;
 }
 

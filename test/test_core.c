@@ -1362,6 +1362,27 @@ static pr_status measure_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
+/* On a mesh with tp, the sums over the mesh run once a step: accumulating through
+   pr_trainer_compute_grads is refused (pr_trainer_compute_grads_dp accumulates), nothing touched. */
+static pr_status accumulate_rank(pr_comm *world, void *user, pr_error *err) {
+    const pr_group *g = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_config c = small_config(0, 0, 2);
+    pr_status s = pr_mesh_init(&mesh, world, 1, 1, 1, 2, 1, err);
+    if (s) return s;
+    if (!(s = pr_trainer_create_mesh(&tr, &c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 3, err))) {
+        pr_step_opts o = pr_step_opts_default();
+        o.accumulate = 1;
+        pr_error e;
+        s = pr_trainer_compute_grads(tr, g, &o, NULL, NULL, &e) == PR_ERR_UNSUPPORTED && strstr(e.message, "pr_trainer_compute_grads_dp")
+                ? PR_OK : pr__fail(err, PR_ERR_ARG, "accumulate on tp 2 was not refused: '%s'", e.message);
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
 static void test_measure_mesh(void) {
     const int S[6] = { 5, 1, 8, 3, 6, 2 };
     static test_group tg[2];
@@ -1370,6 +1391,8 @@ static void test_measure_mesh(void) {
         make_group(&tg[i], 7 + 5 * i, 3 + i, S, 61, 950 + i);
         groups[i] = tg[i].g;
     }
+    pr_error aerr;
+    CHECK(pr_comm_local_run(2, accumulate_rank, &groups[0], &aerr) == PR_OK, "%s", aerr.message);
     pr_config llama = small_config(0, 0, 2), qwen = small_config(1, 1, 2);
     struct { const pr_config *c; mesh_shape sh; int zero; const char *label; } cases[] = {
         { &llama, { 2, 1, 1, 2, 1, 2, 0 }, 2, "dp 2 x tp 2, zero 2" },
