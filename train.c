@@ -1135,6 +1135,7 @@ static int run_prefix_tree(const options *o, const pr_trace *trace) {
     do {                                        /* the trace's groups once, step by step */
         pr_step_opts so;
         pr_prefix_tree t;
+        memset(&t, 0, sizeof t);
         const int nb = step_at(o, trace, pos, batch, &so, &err);
         if (!nb || pr_prefix_tree_build(&t, batch, nb, o->prefix_tree, &err)) {
             rc = fail(&err);

@@ -107,7 +107,7 @@ def draw_memory(rows, out):
     import matplotlib.pyplot as plt
     splits = sorted({(r["P"], r["S"]) for r in rows}, key=lambda ps: ps[0] / (ps[0] + ps[1]))
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
-    fig, axes = plt.subplots(1, len(splits), figsize=(3.2 * len(splits), 3.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(splits), figsize=(3.2 * len(splits), 4.4), sharey=True, squeeze=False)
     width = 0.8 / len(schedules)
     for ax, (P, S) in zip(axes[0], splits):
         for k, name in enumerate(schedules):
@@ -118,9 +118,10 @@ def draw_memory(rows, out):
         ax.set_xticks([i + width * (len(schedules) - 1) / 2 for i in range(3)], ["A", "B", "C"])
         ax.set_title(f"P/S {P}/{S}")
     axes[0][0].set_ylabel("peak device MiB")
-    axes[0][-1].legend(fontsize="small")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(schedules), 4), fontsize="small")
     fig.suptitle("Peak memory per phase")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 * ((len(schedules) + 3) // 4) + 0.02, 1, 1))
     fig.savefig(out, dpi=110)
 
 
