@@ -780,6 +780,10 @@ PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t 
    last group: accumulate there with pr_trainer_compute_grads_dp (opt->accumulate is refused). */
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err);
+/* One group's stats into a step's: loss, flops, rows, loss_tokens, kl_sum, clipped_tokens and the
+   phase times added, the phase peaks the larger; every other field becomes the group's (the last
+   group's). Start *step zeroed. */
+PRDEF void pr_step_stats_add(pr_step_stats *step, const pr_step_stats *group);
 /* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
    token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
@@ -850,10 +854,8 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
    The groups are one optimizer step: give opt->loss.step the step's denominators
    (pr_step_loss_totals over all n groups) so that the summed loss is the step's aggregate; left
    zero, each group is normalised alone, as if it were a step of its own.
-   *stats: this rank's last group's stats, with loss, rows, flops, loss_tokens, kl_sum,
-   clipped_tokens and the phase times summed over its own groups, the phase peaks their largest
-   (a rank with no group gets zeros; in a team, each rank its share); sum them over dp for the
-   whole step's. */
+   *stats: this rank's groups' stats added up by pr_step_stats_add (a rank with no group gets
+   zeros; in a team, each rank its share); sum them over dp for the whole step's. */
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 
@@ -3541,6 +3543,22 @@ static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_s
     return pr__step_end(tr, &cx, &s, st, stats, err);           /* 5. the stats */
 }
 
+PRDEF void pr_step_stats_add(pr_step_stats *step, const pr_step_stats *group) {
+    if (!step || !group) return;
+    pr_step_stats s = *group;
+    s.loss += step->loss;
+    s.flops += step->flops;
+    s.rows += step->rows;
+    s.loss_tokens += step->loss_tokens;
+    s.kl_sum += step->kl_sum;
+    s.clipped_tokens += step->clipped_tokens;
+    for (int p = 0; p < 3; p++) {
+        s.seconds[p] += step->seconds[p];
+        if (step->peak_bytes[p] > s.peak_bytes[p]) s.peak_bytes[p] = step->peak_bytes[p];
+    }
+    *step = s;
+}
+
 PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt,
                                          pr_step_stats *stats, pr_real *logp, pr_error *err) {
     if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
@@ -4978,19 +4996,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     for (int i = 0; place && i < n && !st; i++) {
         if (place[i] != dp->rank) continue;
         st = pr__compute_grads(tr, &groups[i], &o, &s, NULL, NULL, err);
-        if (!st) {         /* the last group's stats, with the sums (and the peaks) over the groups */
-            s.loss += sum.loss;
-            s.flops += sum.flops;
-            s.rows += sum.rows;
-            s.loss_tokens += sum.loss_tokens;
-            s.kl_sum += sum.kl_sum;
-            s.clipped_tokens += sum.clipped_tokens;
-            for (int p = 0; p < 3; p++) {
-                s.seconds[p] += sum.seconds[p];
-                if (sum.peak_bytes[p] > s.peak_bytes[p]) s.peak_bytes[p] = sum.peak_bytes[p];
-            }
-            sum = s;
-        }
+        if (!st) pr_step_stats_add(&sum, &s);
     }
     PR_FREE(place);
     /* every rank reaches the collectives, even after a local failure, so that none is left

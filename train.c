@@ -847,14 +847,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
             so.accumulate = b > 0;
             failed = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, &err) != PR_OK;
             if (failed) break;
-            sum.loss += st.loss;
-            sum.loss_tokens += st.loss_tokens;
-            sum.kl_sum += st.kl_sum;
-            sum.clipped_tokens += st.clipped_tokens;
-            for (int q = 0; q < 3; q++) {
-                sum.seconds[q] += st.seconds[q];
-                if (st.peak_bytes[q] > sum.peak_bytes[q]) sum.peak_bytes[q] = st.peak_bytes[q];
-            }
+            pr_step_stats_add(&sum, &st);
             tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
         }
         if (failed || (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
@@ -1164,9 +1157,8 @@ static int run_prefix_tree(const options *o, const pr_trace *trace) {
 /* ------------------------------------------------------------------ --replay */
 /* One of the replay's runs: its trainer and schedule, and its last step's loss and gradient norm. */
 typedef struct {
-    const char *name;
     pr_trainer *tr;
-    pr_step_opts opt;
+    pr_schedule schedule;
     double loss, gnorm;
     pr_real *params;
 } replay_run;
@@ -1243,16 +1235,9 @@ static int reorder_group(reordered_group *r, const pr_group *g, int mb) {
 static int run_replay(const options *o, const pr_config *cfg, const pr_trace *trace) {
     replay_run run[3];
     pr_error err;
-    memset(run, 0, sizeof run);
-    run[0].name = "full";
-    run[0].opt = o->step;
-    run[0].opt.schedule = PR_SCHEDULE_BASELINE;
-    run[0].opt.offload.enabled = 0;
-    run[1].name = "reuse";
-    run[1].opt = o->step;
-    run[1].opt.schedule = PR_SCHEDULE_REUSE;
-    run[2].name = "floor";
-    run[2].opt = run[0].opt;
+    memset(run, 0, sizeof run);      /* 0 full-sequence, 1 reuse, 2 the floor (full-sequence, reordered) */
+    run[0].schedule = run[2].schedule = PR_SCHEDULE_BASELINE;
+    run[1].schedule = PR_SCHEDULE_REUSE;
     FILE *log = NULL;
     size_t n = 0;
     int rc = 0;
@@ -1295,8 +1280,8 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
         if (!nb) rc = fail(&err);
         for (int r = 0; r < 3 && !rc; r++) {        /* each run: the step's groups accumulated, one AdamW step */
             pr_step_opts ro = so;
-            ro.schedule = run[r].opt.schedule;
-            ro.offload.enabled = run[r].opt.offload.enabled;
+            ro.schedule = run[r].schedule;
+            ro.offload.enabled = run[r].schedule == PR_SCHEDULE_REUSE && o->step.offload.enabled;
             run[r].loss = 0;
             for (int b = 0; b < nb && !rc; b++) {
                 pr_step_stats st;

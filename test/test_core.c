@@ -1363,7 +1363,7 @@ static pr_status measure_rank(pr_comm *world, void *user, pr_error *err) {
 }
 
 /* On a mesh with tp, the sums over the mesh run once a step: accumulating through
-   pr_trainer_compute_grads is refused (pr_trainer_compute_grads_dp accumulates), nothing touched. */
+   pr_trainer_compute_grads is refused (pr_trainer_compute_grads_dp accumulates). */
 static pr_status accumulate_rank(pr_comm *world, void *user, pr_error *err) {
     const pr_group *g = user;
     pr_mesh mesh;
