@@ -3874,18 +3874,19 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
         for (int e = 0; e < E; e++) if (zr[e] > mx) mx = zr[e];
         for (int e = 0; e < E; e++) sum += p[e] = exp((double)zr[e] - mx);
         for (int e = 0; e < E; e++) p[e] /= sum;
-        int *sr = sel + (size_t)r * k;
+        /* top k in one pass: sr stays sorted by descending p; a later expert passes an earlier one
+           only when strictly larger, so ties go to the lower index */
+        int *sr = sel + (size_t)r * k, n = 0;
+        for (int e = 0; e < E; e++) {
+            if (n == k && !(p[e] > p[sr[k - 1]])) continue;
+            int i = n < k ? n++ : k - 1;
+            for (; i > 0 && p[e] > p[sr[i - 1]]; i--) sr[i] = sr[i - 1];
+            sr[i] = e;
+        }
         double top = 0;
         for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int i = 0; i < j; i++) taken |= sr[i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            sr[j] = best;
-            top += p[best];
-            rt->start[best + 1]++;
+            top += p[sr[j]];
+            rt->start[sr[j] + 1]++;
         }
         rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
     }

@@ -823,6 +823,30 @@ static void test_moe(void) {
         pr_trainer_destroy(b);
     }
 
+    /* a router of zeros ties every expert: each token's k choices are the k lowest indices */
+    {
+        pr_trainer *tr = make_model(&c, 6);
+        size_t n = pr_trainer_param_count(tr);
+        pr_real *w = (pr_real *)malloc(sizeof(pr_real) * n);
+        pr_trainer_get_params(tr, w, n, NULL);
+        for (int i = 0; i < pr_trainer_tensor_count(tr); i++) {
+            const pr_tensor_info *ti = pr_trainer_tensor(tr, i);
+            if (strstr(ti->name, "mlp.gate.weight")) memset(w + ti->offset, 0, sizeof(pr_real) * ti->numel);
+        }
+        pr_trainer_set_params(tr, w, n, NULL);
+        pr_step_opts o = pr_step_opts_default();
+        pr_step_stats s;
+        int ok = !pr_trainer_compute_grads(tr, &t.g, &o, &s, NULL, NULL);
+        double tokens = (double)t.g.G * t.g.P + (double)t.g.suffix_off[t.g.G], load[5];
+        for (int l = 0; ok && l < c.num_hidden_layers; l++) {
+            pr_trainer_expert_load(tr, l, load, 5, NULL);
+            ok = load[0] == tokens && load[1] == tokens && load[2] == 0 && load[3] == 0 && load[4] == 0;
+        }
+        CHECK(ok, "MoE ties: a zero router must send every token to experts 0 and 1");
+        free(w);
+        pr_trainer_destroy(tr);
+    }
+
     /* the preset round-trips through config.json (refused MoE configurations: test_io's table) */
     pr_config q, back;
     pr_error err;
