@@ -1896,6 +1896,21 @@ typedef struct {
    layer's forward fills again before its backward (pr__layer_rebuild). */
 typedef enum { PR__KEEP_ALL = 0, PR__KEEP_INPUT_KV, PR__KEEP_INPUT } pr__keep;
 
+/* The K/V a pass attends to ahead of its own rows, and where their gradients gather: the group's
+   prefix in Phase B, or in a prefix tree every node from the root down to the pass. Each layer's
+   rows are one buffer into which each prefix pass writes its own K/V in place, at its first row,
+   so a pass reads all the rows above it as one region and sends their dK/dV back as one. */
+typedef struct {
+    int rows;                 /* the rows above a pass (all CP ranks'); set before each pass that reads them */
+    int own;                  /* the rows of those this rank holds (its CP shard) */
+    int cp_chunk;             /* CP: the rows of one chunk of the prefix (0 without CP) */
+    int kv_rows;              /* rows in each K/V buffer: under CP a whole chunk, so that it can be gathered */
+    void **k, **v;            /* (L) the K/V cache, NKV*HS acts a row */
+    pr_real **gk, **gv;       /* (L) their accumulated dK/dV, in reals: the G suffixes' sums are never
+                                 rounded to the activations' precision */
+    pr_real *dk_mb, *dv_mb;   /* one pass's dK/dV of the rows above it, for one layer */
+} pr__kv_path;
+
 /* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
    stream res[0..L] (res[0] the embeddings, res[l+1] the output of layer l). */
 typedef struct {
@@ -1983,13 +1998,13 @@ typedef struct {
     pr_offload_stats st;
 } pr__offload;
 
-/* State that lives from Phase A to Phase C. */
+/* A prefix pass (Phase A's, or a prefix tree node's) from its forward to its backward: rows
+   start .. start+N-1 of the path (pr__kv_path) it writes its K/V into. */
 typedef struct {
-    pr__batch batch;          /* the prefix as one segment, with the first-suffix-token loss rows */
-    pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are layer l's K/V cache */
-    pr_real **gk, **gv;       /* (L) accumulated prefix dK/dV, (P, NKV*HS) each, in reals: G suffixes'
-                                 sums are never rounded to the activations' precision */
-    pr_real *dk_mb, *dv_mb;   /* (P, NKV*HS) one microbatch's prefix dK/dV for one layer */
+    int start;
+    pr__arena *a;             /* the memory its pass lives in */
+    pr__batch batch;          /* its rows as one segment, with the loss rows of the suffixes' first tokens */
+    pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are its rows of the path's K/V */
     pr__offload off;
 } pr__prefix_state;
 
@@ -2067,7 +2082,7 @@ static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *p
 static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g);
 static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n);
 static void pr__moe_group_aux(pr__moe_acc *m);
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err);
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, pr_error *err);
 
 /* 7. The parallel layer: the mesh's sizes and sums, sharded parameters, CP attention and
    batches, pipeline exchanges, groups split across DP ranks */
@@ -2091,12 +2106,13 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err);
 static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
+static int pr__cp_share(const pr_trainer *tr, int n, int *r0, int *chunk);
 static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd);
 static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd);
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
 static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back);
-static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
-static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps);
+static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path);
+static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path);
 
 /* ---------------------------------------------------------------- 3.3 Parameters: layout, creation, access, initialisation */
 static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_norm) {
@@ -2509,6 +2525,8 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
 static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
 static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
 static pr_real *pr__reals(pr_trainer *tr, pr__arena *a, size_t n) { return (pr_real *)pr__elems(tr, a, n, sizeof(pr_real)); }
+/* An activation pointer `elems` elements on. */
+static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
 
 /* Everything in the arena is dead; its chunks go back to the spares, for any arena to reuse. */
 static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
@@ -2582,10 +2600,11 @@ static size_t pr__layer_block(const pr_trainer *tr, char *base, size_t n, int wh
 }
 
 /* A pass of N rows: every layer's block (unless `blocks` is 0: the offloading prefix pass places
-   them itself), every layer's K and V (unless it keeps the input alone), and the final residual
-   res[L]. Under recompute the region the blocks' other tensors share comes from
-   pr__pass_rebuilt_alloc. */
-static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, pr_error *err) {
+   them itself), every layer's K and V (unless it keeps the input alone; a prefix pass's are its
+   rows of `path`, from row `row`), and the final residual res[L]. Under recompute the region the
+   blocks' other tensors share comes from pr__pass_rebuilt_alloc. */
+static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int N, int blocks, const pr__kv_path *path,
+                                int row, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
     const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
@@ -2602,7 +2621,10 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
         pr__layer_acts *x = &ps->acts[l];
         char *b = blocks ? (char *)pr__elems(tr, a, block, 1) : NULL;
         if (b) pr__layer_block(tr, b, n, whole, x, &ps->res[l]);
-        if (ps->keep != PR__KEEP_INPUT) {
+        if (path) {
+            x->k = pr__act_at(tr, path->k[l], (size_t)row * kvd);
+            x->v = pr__act_at(tr, path->v[l], (size_t)row * kvd);
+        } else if (ps->keep != PR__KEEP_INPUT) {
             x->k = pr__act(tr, a, n_kv * kvd);
             x->v = pr__act(tr, a, n_kv * kvd);
         }
@@ -2696,8 +2718,6 @@ static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scr
 
 static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->be, p, n * tr->be->act_bytes); }
 
-/* An activation pointer `elems` elements on. */
-static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
 
 /* ---------------------------------------------------------------- 3.6 One layer, forward and backward */
 /* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
@@ -2841,21 +2861,25 @@ static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *to
     h->weight[m] = tok_weight[f];
 }
 
-/* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind.
+/* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind; for PR__BATCH_PREFIX
+   prefix rows i0 .. i0+n-1 instead (the whole prefix, or one node of a prefix tree).
    Token j of suffix i is predicted by the row just before it: the last prefix row for j = 0
-   (which the prefix batch owns under reuse), else the row of suffix token j-1. */
+   (which the prefix batch that ends the prefix owns under reuse), else the row of suffix token j-1. */
 static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                  pr__batch_kind kind, int packed, pr_error *err) {
-    const int P = g->P;
+    const int P = g->P, ends = kind == PR__BATCH_PREFIX && i0 + n == P;
     int smax = 0;
     long sum = 0;
-    for (int i = i0; i < i0 + n; i++) { if (g->suffix_len[i] > smax) smax = g->suffix_len[i]; sum += g->suffix_len[i]; }
+    for (int i = i0; kind != PR__BATCH_PREFIX && i < i0 + n; i++) {
+        if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+        sum += g->suffix_len[i];
+    }
     memset(b, 0, sizeof *b);
     int nseg = kind == PR__BATCH_PREFIX ? 1 : n;
-    long rows = kind == PR__BATCH_PREFIX ? P : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
-    long mrows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? sum : sum - n;
+    long rows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
+    long mrows = kind == PR__BATCH_PREFIX ? (ends ? g->G : 0) : kind == PR__BATCH_FULL ? sum : sum - n;
     b->N = (int)rows;
-    b->n_traj = n;
+    b->n_traj = kind == PR__BATCH_PREFIX ? g->G : n;
     b->seg_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
     b->tokens = (int32_t *)PR_MALLOC(sizeof(int32_t) * (size_t)rows);
     b->real = (uint8_t *)PR_MALLOC((size_t)(rows > 0 ? rows : 1));
@@ -2874,13 +2898,13 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     }
     b->lay.n_seg = nseg;
     b->lay.seg_off = b->seg_off;
-    b->lay.pos0 = kind == PR__BATCH_SUFFIX ? P : 0;
-    b->lay.n_prefix = kind == PR__BATCH_SUFFIX ? P : 0;
+    b->lay.pos0 = kind == PR__BATCH_SUFFIX ? P : kind == PR__BATCH_PREFIX ? i0 : 0;
+    b->lay.n_prefix = b->lay.pos0 * (kind != PR__BATCH_FULL);
     if (kind == PR__BATCH_PREFIX) {
-        b->seg_off[0] = 0; b->seg_off[1] = P;
-        memcpy(b->tokens, g->prefix, sizeof(int32_t) * (size_t)P);
-        memset(b->real, 1, (size_t)P);
-        for (int i = i0; i < i0 + n; i++) pr__head_push(&b->head, g, tok_weight, P - 1, i, 0);
+        b->seg_off[0] = 0; b->seg_off[1] = n;
+        memcpy(b->tokens, g->prefix + i0, sizeof(int32_t) * (size_t)n);
+        memset(b->real, 1, (size_t)n);
+        for (int i = 0; ends && i < g->G; i++) pr__head_push(&b->head, g, tok_weight, n - 1, i, 0);
         return PR_OK;
     }
     int off = 0;
@@ -2909,16 +2933,16 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     return PR_OK;
 }
 
-/* A pass's host view of a batch; prefix: the Phase-A state whose cached K/V it reads, or NULL. */
-static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__batch *prefix, int P) {
+/* A pass's host view of a batch; path: the cached K/V above it that it reads (Phase B), or NULL. */
+static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__kv_path *path) {
     memset(p, 0, sizeof *p);
     p->lay = b->lay;
     p->tokens = b->tokens;
     p->real = b->real;
     p->cp_chunk = b->cp_chunk;
-    if (prefix && pr__cp(tr) > 1) {
-        p->cp_pre_rows = P;
-        p->cp_pre_chunk = prefix->cp_chunk;
+    if (path && pr__cp(tr) > 1) {
+        p->cp_pre_rows = path->rows;
+        p->cp_pre_chunk = path->cp_chunk;
     }
 }
 
@@ -2965,53 +2989,78 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
 
 /* ================================================================ 4. THE SCHEDULES */
 /* ---------------------------------------------------------------- 4.1 Phase A: the prefix forward, once */
-/* The prefix state's memory: its batch, its pass (with every layer's saved tensors when
-   `compute`, else, on a split group's peer, the K/V cache alone; under recompute the layers'
-   inputs, and for Phase A alone the region their other tensors share), gK/gV (zeroed) and one
-   microbatch's prefix dK/dV. */
-static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int compute, pr_error *err) {
+/* The path's memory, for passes of up to `cap` rows above them (own: this rank's share; kv_rows:
+   rows in each K/V buffer, which under CP holds a whole chunk so that it can be gathered): the
+   K/V cache, gK/gV (zeroed: a prefix pass's backward zeroes its rows again once it has read
+   them, for the next node on those rows) and one pass's dK/dV, from the prefix arena. */
+static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int cap, int own, int kv_rows, int cp_chunk, pr_error *err) {
     const pr_config *c = &tr->cfg;
-    const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
-    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, 0, cx->g->G, PR__BATCH_PREFIX, 0, err);
-    if (st) return st;
-    const int P = ps->batch.N;        /* the prefix rows this rank holds (all of them without CP) */
-    pr__pass_init(tr, &ps->pass, &ps->batch, NULL, 0);
-    ps->pass.keep = cx->opt->recompute == PR_RECOMPUTE_NONE ? PR__KEEP_ALL : PR__KEEP_INPUT_KV;
-    ps->gk = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    ps->gv = (pr_real **)PR_MALLOC(sizeof(pr_real *) * (size_t)L);
-    if (!ps->gk || !ps->gv) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    pr__offload *o = &ps->off;
-    if (compute) st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, err);
-    if (!st) st = pr__pass_alloc(tr, &tr->prefix_arena, &ps->pass, P, compute && !o->on, err);
-    if (!st && compute) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when Phase A ends */
-    if (!st && compute && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
-    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
-    if (st) return st;
+    const int L = c->num_hidden_layers;
+    const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
+    memset(path, 0, sizeof *path);
+    path->rows = cap;
+    path->own = own;
+    path->cp_chunk = cp_chunk;
+    path->kv_rows = kv_rows;
+    void **m = (void **)PR_MALLOC(sizeof(void *) * 4 * (size_t)L);
+    if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    path->k = m; path->v = m + L; path->gk = (pr_real **)(m + 2 * L); path->gv = (pr_real **)(m + 3 * L);
     for (int l = 0; l < L; l++) {
-        ps->gk[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-        ps->gv[l] = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-        if (ps->gk[l] && ps->gv[l]) {
-            tr->be->zero(tr->be, ps->gk[l], (size_t)P * kvd * sizeof(pr_real));
-            tr->be->zero(tr->be, ps->gv[l], (size_t)P * kvd * sizeof(pr_real));
+        path->k[l] = pr__act(tr, &tr->prefix_arena, (size_t)kv_rows * kvd);
+        path->v[l] = pr__act(tr, &tr->prefix_arena, (size_t)kv_rows * kvd);
+        path->gk[l] = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+        path->gv[l] = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+        if (path->gk[l] && path->gv[l]) {
+            tr->be->zero(tr->be, path->gk[l], (size_t)own * kvd * sizeof(pr_real));
+            tr->be->zero(tr->be, path->gv[l], (size_t)own * kvd * sizeof(pr_real));
         }
     }
-    ps->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-    ps->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)P * kvd);
-    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the gK/gV cache (%d prefix rows)", P);
+    path->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+    path->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+    if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of memory for the K/V cache and gK/gV (%d prefix rows)", own);
+    return PR_OK;
+}
+
+static void pr__path_free(pr__kv_path *path) {
+    PR_FREE(path->k);     /* the four arrays are one allocation; the buffers are the prefix arena's */
+    memset(path, 0, sizeof *path);
+}
+
+/* A prefix pass's memory: its batch (rows start .. start+len-1 of group g's prefix, with the loss
+   rows of the suffixes' first tokens when it ends the prefix), its pass in ps->a with every
+   layer's saved tensors (under recompute the layers' inputs, and for the forward alone the
+   region their other tensors share), and its K/V placed in the path. */
+static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path, int start,
+                                  int len, pr_error *err) {
+    pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, start, len, PR__BATCH_PREFIX, 0, err);
+    if (st) return st;
+    const int P = ps->batch.N;        /* the rows this rank holds (all of them without CP) */
+    ps->start = start;
+    pr__pass_init(tr, &ps->pass, &ps->batch, NULL);
+    ps->pass.keep = cx->opt->recompute == PR_RECOMPUTE_NONE ? PR__KEEP_ALL : PR__KEEP_INPUT_KV;
+    pr__offload *o = &ps->off;
+    st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, err);
+    if (!st) st = pr__pass_alloc(tr, ps->a, &ps->pass, P, !o->on, path, start, err);
+    if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when the forward ends */
+    if (!st && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
+    if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
+    if (st) return st;
     return PR_OK;
 }
 
 /* Phase A: the prefix forward once, through this stage's layers (its input from the previous
-   stage, its output on to the next). Its saved tensors stay in the prefix arena until Phase C
+   stage, its output on to the next), attending to the path's rows above it (in a prefix tree
+   its ancestors'; none for a group's prefix). Its saved tensors stay in ps->a until Phase C
    (under recompute only each layer's input: the rest is rebuilt there); each layer's k/v rows
-   are the K/V cache Phase B reads. */
-static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
+   are its part of the K/V cache that Phase B reads. */
+static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path,
+                                            int start, int len, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
     const size_t E = (size_t)c->num_experts;
     const pr_hooks *h = &cx->opt->hooks;
-    pr_status st = pr__prefix_alloc(tr, cx, ps, 1, err);
+    pr_status st = pr__prefix_alloc(tr, cx, ps, path, start, len, err);
     if (st) return st;
     const int P = ps->pass.N;
     pr__offload *o = &ps->off;
@@ -3019,7 +3068,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
-        pr__layer_forward(tr, &ps->pass, l, NULL, NULL);
+        pr__layer_forward(tr, &ps->pass, l, start ? path->k[l] : NULL, start ? path->v[l] : NULL);
         if (h->on_kv_capture) h->on_kv_capture(h->user, tr->layer0 + l, ps->pass.acts[l].k, ps->pass.acts[l].v, P, kvd);
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
@@ -3035,6 +3084,17 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
 }
 
 /* ---------------------------------------------------------------- 4.2 Phase B: the suffix microbatches (and the baseline) */
+/* A backward's view of the `own` rows of path above it at layer l: their K/V read, their dK/dV
+   written into the path's dk_mb/dv_mb, which start at zero. */
+static void pr__kv_above(pr_trainer *tr, pr__kv_grads *kv, const pr__kv_path *path, int l, int own) {
+    const size_t n = (size_t)own * tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    tr->be->zero(tr->be, path->dk_mb, n * sizeof(pr_real));
+    tr->be->zero(tr->be, path->dv_mb, n * sizeof(pr_real));
+    kv->kp = path->k[l]; kv->vp = path->v[l];
+    kv->dkp = path->dk_mb; kv->dvp = path->dv_mb;
+    kv->pre_own = own;
+}
+
 static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
     pr__pass_free_host(&m->p, tr->cfg.num_hidden_layers);
     pr__batch_free(&m->b);
@@ -3044,20 +3104,20 @@ static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
     m->a = NULL;
 }
 
-/* Microbatch i (trajectories t0 + i*mb ..) of the step: its batch and memory. ps: the prefix state
-   (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
-static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int i, int mb, int backward,
+/* Microbatch i (trajectories t0 + i*mb ..) of the step: its batch and memory. path: the cached
+   prefix (Phase B), or NULL (the baseline's whole sequences). backward 0: forward only. */
+static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr__mb *m, int i, int mb, int backward,
                              pr_error *err) {
     const int i0 = cx->t0 + i * mb, E = tr->cfg.num_experts;
     memset(m, 0, sizeof *m);
     m->index = i;
     pr_status st = pr__batch_make(tr, &m->b, cx->g, cx->tok_weight, i0, i0 + mb <= cx->t1 ? mb : cx->t1 - i0,
-                                  ps ? PR__BATCH_SUFFIX : PR__BATCH_FULL, ps && cx->opt->layout == PR_LAYOUT_PACKED, err);
+                                  path ? PR__BATCH_SUFFIX : PR__BATCH_FULL, path && cx->opt->layout == PR_LAYOUT_PACKED, err);
     if (st) return st;
     m->a = &tr->mb_arena[i % tr->n_mb_arena];
-    pr__pass_init(tr, &m->p, &m->b, ps ? &ps->batch : NULL, cx->g->P);
+    pr__pass_init(tr, &m->p, &m->b, path);
     m->p.keep = cx->opt->recompute == PR_RECOMPUTE_ALL ? PR__KEEP_INPUT : PR__KEEP_ALL;
-    st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, err);
+    st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, NULL, 0, err);
     if (!st && m->p.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, m->a, &m->p, err);
     if (!st) st = pr__pass_comm_alloc(tr, m->a, &m->p, err);
     if (!st && backward) st = pr__bwd_scratch_alloc(tr, m->a, &m->s, &m->p, err);
@@ -3073,13 +3133,13 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state 
 /* This stage's layers forward (the first stage embeds; other stages' input has been received);
    in a training pass (train 1) the last stage then runs the loss head, whose gradient starts the
    backward, and with MoE works out the microbatch's aux gradient. */
-static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, int train, pr_error *err) {
+static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr__mb *m, int train, pr_error *err) {
     const pr_backend *be = tr->be;
     const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
     pr__pass *p = &m->p;
     if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, tr->params + tr->off_embed, p->N, C);
     for (int l = 0; l < L; l++)
-        pr__layer_forward(tr, p, l, ps ? ps->pass.acts[l].k : NULL, ps ? ps->pass.acts[l].v : NULL);
+        pr__layer_forward(tr, p, l, path ? path->k[l] : NULL, path ? path->v[l] : NULL);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
     if (cx->moe.on) {
         pr__moe_stage_sums(tr, &cx->moe, p, m->sums, train ? 1.0 : 0);   /* a pre-pass leaves the load to the real pass */
@@ -3091,13 +3151,13 @@ static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_sta
 }
 
 /* This stage's layers backward from m->s.dres (the head's gradient, or the next stage's). With
-   a prefix state (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this
+   a path (Phase B) attention also reads the cached prefix K/V, and the prefix dK/dV this
    microbatch produces are handed to the hook and added into gK/gV. */
-static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__mb *m, pr_error *err) {
+static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr__mb *m, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
-    const int Pl = ps ? ps->pass.N : 0;            /* the prefix rows this rank holds (its CP shard) */
+    const int Pl = path ? path->own : 0;           /* the prefix rows this rank holds (its CP shard) */
     const size_t kv_n = (size_t)Pl * kvd, kvn_own = (size_t)m->p.N * kvd;
     const pr_hooks *h = &cx->opt->hooks;
     pr__pass *p = &m->p;
@@ -3109,18 +3169,13 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
     for (int l = L - 1; l >= 0; l--) {
         pr__zero_acts(tr, s->dk, kvn_own);
         pr__zero_acts(tr, s->dv, kvn_own);
-        if (ps) { be->zero(be, ps->dk_mb, kv_n * sizeof(pr_real)); be->zero(be, ps->dv_mb, kv_n * sizeof(pr_real)); }
         pr__kv_grads kv = pr__kv_own(s->dk, s->dv);
-        if (ps) {                /* the cached prefix: its K/V read, its dK/dV into dk_mb/dv_mb */
-            kv.kp = ps->pass.acts[l].k; kv.vp = ps->pass.acts[l].v;
-            kv.dkp = ps->dk_mb; kv.dvp = ps->dv_mb;
-            kv.pre_own = Pl;
-        }
+        if (path) pr__kv_above(tr, &kv, path, l, Pl);   /* the cached prefix: its K/V read, its dK/dV into dk_mb/dv_mb */
         pr__layer_backward(tr, p, l, s, &kv);
-        if (ps) {
-            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, ps->dk_mb, ps->dv_mb, Pl, kvd);
-            be->add_reals(be, ps->gk[l], ps->dk_mb, kv_n);
-            be->add_reals(be, ps->gv[l], ps->dv_mb, kv_n);
+        if (path) {
+            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, path->dk_mb, path->dv_mb, Pl, kvd);
+            be->add_reals(be, path->gk[l], path->dk_mb, kv_n);
+            be->add_reals(be, path->gv[l], path->dv_mb, kv_n);
         }
     }
     if (pr__first_stage(tr)) be->embed_bwd(be, tr->grads + tr->off_embed, s->dres, p->tokens, p->N, c->hidden_size);
@@ -3129,14 +3184,14 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
     return PR_OK;
 }
 
-/* Phase B (ps: the prefix state) or the baseline (ps NULL): every microbatch through this stage
+/* Phase B (path: the cached prefix) or the baseline (path NULL): every microbatch through this stage
    in the 1F1B order. A stage first runs `warm` forwards (as many as the stages after it need to
    fill up), then one forward and one backward in turn, then the backwards left; its neighbours
    keep the same order, so each exchange meets its partner: a forward's output goes on as the
    gradient for the oldest microbatch comes back, that backward's input gradient goes back as
    the next microbatch's input comes in. With one stage: forward, backward, microbatch by
    microbatch. Returns the number of microbatches in *n_mb. */
-static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, int *n_mb,
+static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, int *n_mb,
                                                  pr_error *err) {
     const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
@@ -3147,23 +3202,23 @@ static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *c
     pr_status st = PR_OK;
     int f = 0;                   /* the next microbatch to run forward */
     for (; f < warm && !st; f++) {
-        st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err);
+        st = pr__mb_open(tr, cx, path, PR__MB(f), f, mb, 1, err);
         if (st) break;
         pr__pp_prev(tr, NULL, PR__MB(f));
-        st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+        st = pr__mb_forward(tr, cx, path, PR__MB(f), 1, err);
         pr__pp_next(tr, PR__MB(f), NULL);
     }
-    if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, NULL, PR__MB(f));
+    if (!st && f < n && !(st = pr__mb_open(tr, cx, path, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, NULL, PR__MB(f));
     for (int b = 0; b < n && !st; b++) {
         if (f < n) {
-            st = pr__mb_forward(tr, cx, ps, PR__MB(f), 1, err);
+            st = pr__mb_forward(tr, cx, path, PR__MB(f), 1, err);
             pr__pp_next(tr, PR__MB(f), PR__MB(b));
             f++;
         } else {
             pr__pp_next(tr, NULL, PR__MB(b));
         }
-        if (!st) st = pr__mb_backward(tr, cx, ps, PR__MB(b), err);
-        if (!st && f < n && !(st = pr__mb_open(tr, cx, ps, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, PR__MB(b), PR__MB(f));
+        if (!st) st = pr__mb_backward(tr, cx, path, PR__MB(b), err);
+        if (!st && f < n && !(st = pr__mb_open(tr, cx, path, PR__MB(f), f, mb, 1, err))) pr__pp_prev(tr, PR__MB(b), PR__MB(f));
         else if (!st) pr__pp_prev(tr, PR__MB(b), NULL);
         pr__mb_close(tr, PR__MB(b));
     }
@@ -3177,13 +3232,18 @@ static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *c
 /* ---------------------------------------------------------------- 4.3 Phase C: the prefix backward, once */
 /* Phase C: the prefix backward once, through this stage's layers (from the next stage's
    gradient, on to the previous). The first token of every suffix is predicted from the last
-   prefix row, so its loss enters here directly (the last stage's head at row P-1); everything
-   else the suffixes ask of the prefix arrives through gK/gV, which become the starting dK/dV of
-   each layer's prefix attention backward. */
-static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr_error *err) {
+   prefix row, so its loss enters here directly: the last stage's head at row P-1, for each of
+   the n_ends groups whose prefix ends with this pass (ends[0] the group its batch was made
+   from). Everything else the suffixes (in a tree, also the nodes below) ask of the prefix
+   arrives through its rows of gK/gV, which become the starting dK/dV of each layer's attention
+   backward. A tree node also attends to the rows above it: their dK/dV join the path's gK/gV,
+   for those nodes' own backward later. */
+static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path,
+                                             pr__step_ctx *const *ends, int n_ends, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
+    const size_t above = (size_t)ps->start * kvd, own = (size_t)P * kvd;
     const pr_hooks *h = &cx->opt->hooks;
     const size_t budget = cx->opt->offload.device_budget;
     pr__offload *o = &ps->off;
@@ -3195,10 +3255,16 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
-    if (pr__last_stage(tr))
-        st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, &ps->batch.head, &cx->opt->loss, cx->logp, &cx->loss, err);
-    else
-        pr__pp_recv(tr, tr->mesh->pp_rank + 1, s.dres, P, NULL, 0);
+    for (int k = 0; pr__last_stage(tr) && k < n_ends && !st; k++) {
+        pr__step_ctx *e = ends[k];
+        pr__batch own_rows;           /* another group ending here: the same rows, its own loss rows */
+        memset(&own_rows, 0, sizeof own_rows);
+        if (k) st = pr__batch_make(tr, &own_rows, e->g, e->tok_weight, ps->start, P, PR__BATCH_PREFIX, 0, err);
+        if (!st) st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, k ? &own_rows.head : &ps->batch.head,
+                               &e->opt->loss, e->logp, &e->loss, err);
+        pr__batch_free(&own_rows);
+    }
+    if (!pr__last_stage(tr)) pr__pp_recv(tr, tr->mesh->pp_rank + 1, s.dres, P, NULL, 0);
     if (st) return st;
     for (int l = L - 1; l >= 0; l--) {
         if (o->on) {
@@ -3209,11 +3275,19 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
             pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
-        if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, ps->gk[l], ps->gv[l], P, kvd);
-        be->reals_to_acts(be, s.dk, ps->gk[l], (size_t)P * kvd);     /* the injection: the prefix's own dK/dV start here */
-        be->reals_to_acts(be, s.dv, ps->gv[l], (size_t)P * kvd);
-        pr__kv_grads kv = pr__kv_own(s.dk, s.dv);               /* no cached prefix above the prefix */
+        pr_real *gk = path->gk[l] + above, *gv = path->gv[l] + above;
+        if (h->on_kv_inject) h->on_kv_inject(h->user, tr->layer0 + l, gk, gv, P, kvd);
+        be->reals_to_acts(be, s.dk, gk, own);     /* the injection: the prefix's own dK/dV start here */
+        be->reals_to_acts(be, s.dv, gv, own);
+        be->zero(be, gk, own * sizeof(pr_real));
+        be->zero(be, gv, own * sizeof(pr_real));
+        pr__kv_grads kv = pr__kv_own(s.dk, s.dv);
+        if (ps->start) pr__kv_above(tr, &kv, path, l, ps->start);
         pr__layer_backward(tr, &ps->pass, l, &s, &kv);
+        if (ps->start) {
+            be->add_reals(be, path->gk[l], path->dk_mb, above);
+            be->add_reals(be, path->gv[l], path->dv_mb, above);
+        }
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
@@ -3429,36 +3503,41 @@ static pr_status pr__step_baseline(pr_trainer *tr, pr__step_ctx *cx, pr_step_sta
    timed; then the prefix state's sizes and its memory given back. */
 static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
     const pr_backend *be = tr->be;
-    pr_status st;
+    const pr_config *c = &tr->cfg;
+    const int P = cx->g->P;
+    int r0, chunk;
+    const int own = pr__cp_share(tr, P, &r0, &chunk);
+    pr__kv_path path;
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
+    ps.a = &tr->prefix_arena;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
-    st = cx->owner ? pr__phase_a_prefix_forward(tr, cx, &ps, err) : pr__prefix_alloc(tr, cx, &ps, 0, err);
-    if (!st && cx->team) pr__split_share_kv(tr, cx, &ps);
+    pr_status st = pr__path_alloc(tr, &path, P, own, chunk > own ? chunk : own, pr__cp(tr) > 1 ? chunk : 0, err);
+    if (!st && cx->owner) st = pr__phase_a_prefix_forward(tr, cx, &ps, &path, 0, P, err);
+    if (!st && cx->team) pr__split_share_kv(tr, cx, &path);
     be->sync(be);
     double t1 = pr__now();
     pr__enter_phase(tr, PR_PHASE_B);
-    if (!st && cx->moe.prepass) st = pr__routing_prepass(tr, cx, &ps, cx->mb, err);
-    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &ps, cx->mb, &s->microbatches, err);
-    if (!st && cx->team) pr__split_reduce_gkv(tr, cx, &ps);
+    if (!st && cx->moe.prepass) st = pr__routing_prepass(tr, cx, &path, cx->mb, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &path, cx->mb, &s->microbatches, err);
+    if (!st && cx->team) pr__split_reduce_gkv(tr, cx, &path);
     be->sync(be);
     double t2 = pr__now();
     pr__enter_phase(tr, PR_PHASE_C);
-    if (!st && cx->owner) st = pr__phase_c_prefix_backward(tr, cx, &ps, err);
+    if (!st && cx->owner) st = pr__phase_c_prefix_backward(tr, cx, &ps, &path, &cx, 1, err);
     be->sync(be);
     double t3 = pr__now();
     s->seconds[PR_PHASE_A] = t1 - t0; s->seconds[PR_PHASE_B] = t2 - t1; s->seconds[PR_PHASE_C] = t3 - t2;
     s->offload = ps.off.st;
-    const size_t kv_rows = (size_t)(ps.pass.cp_chunk > ps.pass.N ? ps.pass.cp_chunk : ps.pass.N), L = (size_t)tr->cfg.num_hidden_layers;
-    s->prefix_kv_bytes = L * 2 * kv_rows * (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim * be->act_bytes;
-    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)ps.pass.N, ps.pass.keep == PR__KEEP_ALL, NULL, NULL) +
-                            (size_t)ps.pass.N * tr->cfg.hidden_size * be->act_bytes;
+    const size_t L = (size_t)c->num_hidden_layers;
+    s->prefix_kv_bytes = L * 2 * (size_t)path.kv_rows * (size_t)c->num_key_value_heads * c->head_dim * be->act_bytes;
+    s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)own, cx->opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL) +
+                            (size_t)own * c->hidden_size * be->act_bytes;
     pr__offload_end(tr, &ps.off);
-    pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
+    pr__pass_free_host(&ps.pass, c->num_hidden_layers);
     pr__batch_free(&ps.batch);
-    PR_FREE(ps.gk);
-    PR_FREE(ps.gv);
+    pr__path_free(&path);
     pr__arena_reset(tr, &tr->step_arena);
     pr__arena_reset(tr, &tr->prefix_arena);
     return st;
@@ -4243,9 +4322,9 @@ static void pr__moe_group_aux(pr__moe_acc *m) {
 }
 
 /* The group scope's routing pre-pass: every microbatch forward only, through the stages in turn,
-   for the routing fractions the backward needs before any microbatch may run it. ps: the prefix
-   state under reuse (its K/V read as in Phase B), or NULL for the baseline's whole sequences. */
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, int mb, pr_error *err) {
+   for the routing fractions the backward needs before any microbatch may run it. path: the cached
+   prefix under reuse (read as in Phase B), or NULL for the baseline's whole sequences. */
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, pr_error *err) {
     pr__moe_acc *m = &cx->moe;
     const int G = cx->g->G, E = m->E;
     double *tot = (double *)PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
@@ -4254,10 +4333,10 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
     pr_status st = PR_OK;
     for (int i = 0; cx->t0 + i * mb < cx->t1 && !st; i++) {
         pr__mb x;
-        st = pr__mb_open(tr, cx, ps, &x, i, mb, 0, err);
+        st = pr__mb_open(tr, cx, path, &x, i, mb, 0, err);
         if (!st) {
             pr__pp_prev(tr, NULL, &x);
-            st = pr__mb_forward(tr, cx, ps, &x, 0, err);
+            st = pr__mb_forward(tr, cx, path, &x, 0, err);
             pr__pp_next(tr, &x, NULL);
             for (int k = 0; k <= 2 * E; k++) tot[k] += x.sums[k];
         }
@@ -4265,7 +4344,7 @@ static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, pr__prefi
     }
     if (!st && cx->team) pr__sum_doubles(tr, cx->team, tot, 2 * (size_t)E + 1);   /* the team's trajectories make the group */
     if (!st && pr__last_stage(tr)) {     /* the last stage's sums cover every layer */
-        double pm = ps ? pr__prefix_mult(m, G) : 0;
+        double pm = path ? pr__prefix_mult(m, G) : 0;
         m->M_tot = tot[2 * E] + pm * m->pre[2 * E];
         for (int e = 0; e < E; e++) m->F[e] = (tot[e] + pm * m->pre[e]) / m->M_tot;
     }
@@ -4718,16 +4797,24 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     }
 }
 
+/* CP: the rows of a segment of n that this rank holds (returned), from row *r0, in chunks of
+   *chunk rows; without CP all n, from row 0, one chunk. */
+static int pr__cp_share(const pr_trainer *tr, int n, int *r0, int *chunk) {
+    const int cp = pr__cp(tr);
+    *chunk = (n + cp - 1) / cp;
+    *r0 = cp > 1 && tr->mesh->cp_rank * *chunk < n ? tr->mesh->cp_rank * *chunk : cp > 1 ? n : 0;
+    return n - *r0 < *chunk ? n - *r0 : *chunk;
+}
+
 /* A batch as pr__batch_build makes it; under CP only this rank's chunk of its one segment: rows
    r0 .. r0+n-1 of chunks of ceil(N/cp) rows, the loss rows re-indexed, positions and the region
    its queries see whole moved on by r0. */
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err) {
     pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
-    const int cp = pr__cp(tr);
-    if (st || cp == 1) return st;
-    const int chunk = (b->N + cp - 1) / cp, r0 = tr->mesh->cp_rank * chunk < b->N ? tr->mesh->cp_rank * chunk : b->N;
-    const int rows = b->N - r0 < chunk ? b->N - r0 : chunk;
+    if (st || pr__cp(tr) == 1) return st;
+    int r0, chunk;
+    const int rows = pr__cp_share(tr, b->N, &r0, &chunk);
     memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);
     memmove(b->real, b->real + r0, (size_t)rows);
     b->seg_off[0] = 0;
@@ -4857,18 +4944,17 @@ static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const p
 /* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
    the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
    activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
-static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path) {
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)(ps->pass.cp_chunk > ps->pass.N ? ps->pass.cp_chunk : ps->pass.N) * c->num_key_value_heads * c->head_dim;
+    const size_t n = (size_t)path->kv_rows * c->num_key_value_heads * c->head_dim;
     const size_t ns = cx->moe.on ? 2 * (size_t)cx->moe.E + 1 : 0;
     for (int peer = 1; peer < t->size; peer++) {
         if (t->rank && t->rank != peer) continue;
         const int other = t->rank ? 0 : peer, send = !t->rank;
         for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__layer_acts *a = &ps->pass.acts[l];
-            pr__p2p_acts(tr, t, other, send ? a->k : NULL, n, send ? NULL : a->k, n);
-            pr__p2p_acts(tr, t, other, send ? a->v : NULL, n, send ? NULL : a->v, n);
+            pr__p2p_acts(tr, t, other, send ? path->k[l] : NULL, n, send ? NULL : path->k[l], n);
+            pr__p2p_acts(tr, t, other, send ? path->v[l] : NULL, n, send ? NULL : path->v[l], n);
         }
         if (ns) pr__p2p_doubles(tr, t, other, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
@@ -4876,10 +4962,10 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_stat
 
 /* ... and after Phase B: each peer's gK/gV (and with MoE the prefix's aux gradient) go back to
    the owner, who adds them to its own before Phase C. */
-static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps) {
+static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path) {
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)ps->pass.N * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
+    const size_t n = (size_t)path->own * c->num_key_value_heads * c->head_dim, E = cx->moe.on ? (size_t)cx->moe.E : 0;
     double *peer_c = E ? (double *)PR_MALLOC(sizeof(double) * E) : NULL;
     if (E && !peer_c) {
         tr->alloc_failed = 1;
@@ -4889,11 +4975,11 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_st
         if (t->rank && t->rank != peer) continue;
         const int other = t->rank ? 0 : peer, send = t->rank != 0;
         for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__send_or_recv_reals(tr, t, other, send ? ps->gk[l] : NULL, send ? NULL : ps->dk_mb, n);
-            pr__send_or_recv_reals(tr, t, other, send ? ps->gv[l] : NULL, send ? NULL : ps->dv_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send ? path->gk[l] : NULL, send ? NULL : path->dk_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send ? path->gv[l] : NULL, send ? NULL : path->dv_mb, n);
             if (!send) {
-                tr->be->add_reals(tr->be, ps->gk[l], ps->dk_mb, n);
-                tr->be->add_reals(tr->be, ps->gv[l], ps->dv_mb, n);
+                tr->be->add_reals(tr->be, path->gk[l], path->dk_mb, n);
+                tr->be->add_reals(tr->be, path->gv[l], path->dv_mb, n);
             }
         }
         if (E) {
