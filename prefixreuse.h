@@ -97,6 +97,9 @@
                                           pr__step_reuse (A, B, C) or pr__step_baseline,
                                           pr__step_reduce (the sums over the mesh), pr__step_end
                                           (the stats)
+     4.5  pr_trainer_compute_grads_tree   prefix trees: pr__tree_node_run runs a node's forward (Phase
+                                          A over its rows of the path), its subtrees, the Phase B
+                                          of the groups ending at it, and its backward (Phase C)
    Where the rest hooks in (3.2 declares every such call):
      offload (5)   Phase A parks each layer's block after its forward (pr__offload_block); Phase C
                    loads it back before its backward (pr__load_block, pr__prefetch_block)
@@ -795,6 +798,19 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
    and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
+
+/* A step of n groups whose prefixes share tokens, run as their prefix tree (pr_prefix_tree_build
+   over the same groups): every node forward once, top-down, attending to the nodes above it; the
+   suffixes of each group as Phase B microbatches against its whole prefix; every node backward
+   once, bottom-up, with the gK/gV of everything below it. The gradients (added to the arena when
+   opt->accumulate) and the stats equal those of the groups stepped one by one with
+   pr_trainer_compute_grads and the same options, step totals included (opt->loss.step: 0 takes
+   each group's own). The reuse schedule on one rank, dense models, without offload: the rest is
+   refused with PR_ERR_UNSUPPORTED. */
+PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
+                                              const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
+/* Model FLOPs of that step: each group's suffixes as pr_step_flops counts them, each node once. */
+PRDEF double pr_tree_flops(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree);
 
 /* ---------------------------------------------------------------- 7. The parallel layer: communicator, DP, device mesh */
 /* The collectives the parallel layouts need, over a group of ranks. Every rank of a communicator
@@ -3647,14 +3663,20 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
     return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
 }
 
-PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
-    if (!c || !g) return 0;
-    double C = c->hidden_size, F = c->intermediate_size, V = c->vocab_size;
+/* FLOPs a token costs through the layers (its matmuls), and a (query, key) pair in attention. */
+static void pr__flop_rates(const pr_config *c, double *per_token, double *per_pair) {
+    double C = c->hidden_size, F = c->intermediate_size;
     double qd = (double)c->num_attention_heads * c->head_dim, kvd = (double)c->num_key_value_heads * c->head_dim;
     double mlp = c->num_experts ? C * c->num_experts + (double)c->num_experts_per_tok * 3 * C * c->moe_intermediate_size
                                 : 3 * C * F;              /* MoE: router, then k experts per token */
-    double per_token = 6 * (C * qd + 2 * C * kvd + qd * C + mlp) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
-    double per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
+    *per_token = 6 * (C * qd + 2 * C * kvd + qd * C + mlp) * c->num_hidden_layers;   /* fwd 2x, bwd 4x */
+    *per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
+}
+
+PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
+    if (!c || !g) return 0;
+    double C = c->hidden_size, V = c->vocab_size, per_token, per_pair;
+    pr__flop_rates(c, &per_token, &per_pair);
     double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
     for (int i = 0; i < g->G; i++) {
         double S = g->suffix_len[i], T = P + S;
@@ -3666,7 +3688,196 @@ PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule sc
     return tokens * per_token + pairs * per_pair + head_rows * 6 * C * V;
 }
 
-/* ---------------------------------------------------------------- 4.5 AdamW */
+/* ---------------------------------------------------------------- 4.5 Prefix trees */
+/* A step's groups whose prefixes share tokens (pr_prefix_tree_build): the reuse schedule with the
+   prefix cut into the tree's nodes. Each node is a prefix pass over its rows of the path
+   (pr__kv_path): forward once, top-down, attending to the nodes above it; then its children's
+   subtrees, and the suffixes of the groups whose prefix ends at it, as Phase B against the whole
+   path; then its backward once, with the gK/gV of everything below it injected, its own dK/dV of
+   the rows above added into theirs. A group alone is the tree of one node: pr__step_reuse. */
+typedef struct {
+    const pr_prefix_tree *tree;
+    const pr_group *groups;
+    pr__step_ctx *cx;            /* (n_groups) each group's step */
+    int *first_child, *next_sibling, *first_end, *next_end, *from;   /* (n_nodes), ends (n_groups) */
+    pr__step_ctx **ends;         /* (n_groups) scratch: one node's ending groups */
+    pr__kv_path path;
+    pr_step_stats *s;
+} pr__tree_run;
+
+static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const pr_prefix_node *nd = &t->tree->nodes[node];
+    pr__step_ctx *cx = &t->cx[t->from[node]];     /* the group the node's rows are read from */
+    pr__arena a;
+    memset(&a, 0, sizeof a);
+    pr__prefix_state ps;
+    memset(&ps, 0, sizeof ps);
+    ps.a = &a;
+    double t0 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_A);
+    t->path.rows = t->path.own = nd->start;
+    pr_status st = pr__phase_a_prefix_forward(tr, cx, &ps, &t->path, nd->start, nd->len, err);
+    be->sync(be);
+    t->s->seconds[PR_PHASE_A] += pr__now() - t0;
+    for (int c = t->first_child[node]; c >= 0 && !st; c = t->next_sibling[c]) st = pr__tree_node_run(tr, t, c, err);
+    int n_ends = 0;
+    for (int k = t->first_end[node]; k >= 0 && !st; k = t->next_end[k]) {
+        int n_mb = 0;
+        t0 = pr__now();
+        pr__enter_phase(tr, PR_PHASE_B);
+        t->path.rows = t->path.own = nd->start + nd->len;
+        st = pr__phase_b_suffix_microbatches(tr, &t->cx[k], &t->path, t->cx[k].mb, &n_mb, err);
+        be->sync(be);
+        t->s->seconds[PR_PHASE_B] += pr__now() - t0;
+        t->s->microbatches += n_mb;
+        t->ends[n_ends++] = &t->cx[k];
+    }
+    t0 = pr__now();
+    pr__enter_phase(tr, PR_PHASE_C);
+    if (!st) st = pr__phase_c_prefix_backward(tr, cx, &ps, &t->path, t->ends, n_ends, err);
+    be->sync(be);
+    t->s->seconds[PR_PHASE_C] += pr__now() - t0;
+    pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
+    pr__batch_free(&ps.batch);
+    pr__arena_reset(tr, &a);
+    pr__arena_reset(tr, &tr->step_arena);
+    return st;
+}
+
+/* The tree against the groups: every group's prefix is the chain of nodes from a root down to
+   group_node, each node's tokens the same in every group through it. */
+static pr_status pr__tree_check(const pr_prefix_tree *tree, const pr_group *groups, int n, pr_error *err) {
+    if (tree->n_groups != n || tree->n_nodes < 1 || !tree->nodes || !tree->group_node)
+        return pr__fail(err, PR_ERR_ARG, "prefix tree: built for %d groups, given %d", tree->n_groups, n);
+    for (int i = 0; i < tree->n_nodes; i++) {
+        const pr_prefix_node *nd = &tree->nodes[i];
+        if (nd->parent < -1 || nd->parent >= i || nd->len < 1 || nd->start != (nd->parent < 0 ? 0 : tree->nodes[nd->parent].start +
+                                                                                                    tree->nodes[nd->parent].len))
+            return pr__fail(err, PR_ERR_ARG, "prefix tree: node %d (parent %d, rows %d..%d) does not continue its parent", i,
+                            nd->parent, nd->start, nd->start + nd->len);
+    }
+    for (int k = 0; k < n; k++) {
+        int node = tree->group_node[k];
+        if (node < 0 || node >= tree->n_nodes || tree->nodes[node].start + tree->nodes[node].len != groups[k].P)
+            return pr__fail(err, PR_ERR_ARG, "prefix tree: group %d's prefix of %d tokens does not end at its node %d", k,
+                            groups[k].P, node);
+    }
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
+                                              const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
+    if (!tr || !groups || n < 1 || !tree || !opt)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: NULL argument or no groups");
+    if (opt->schedule != PR_SCHEDULE_REUSE)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
+    if (tr->mesh && (tr->mesh->dp > 1 || pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees on a mesh are not implemented (one rank only)");
+    if (tr->cfg.num_experts)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with MoE layers are not implemented (aux-loss multiplicity per node)");
+    if (opt->offload.enabled)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload of prefix tree nodes is not implemented");
+    pr_status st = pr__tree_check(tree, groups, n, err);
+    for (int k = 0; k < n && !st; k++) {
+        if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
+            char m[sizeof err->message];
+            snprintf(m, sizeof m, "%s", err ? err->message : "");
+            st = pr__fail(err, st, "group %d: %s", k, m);
+        }
+    }
+    if (st) return st;
+    const int N = tree->n_nodes;
+    pr__tree_run t;
+    memset(&t, 0, sizeof t);
+    t.tree = tree;
+    t.groups = groups;
+    t.cx = (pr__step_ctx *)PR_MALLOC(sizeof(pr__step_ctx) * (size_t)n);
+    pr_step_opts *o = (pr_step_opts *)PR_MALLOC(sizeof(pr_step_opts) * (size_t)n);
+    int *idx = (int *)PR_MALLOC(sizeof(int) * (4 * (size_t)N + 2 * (size_t)n));
+    t.ends = (pr__step_ctx **)PR_MALLOC(sizeof(pr__step_ctx *) * (size_t)n);
+    if (!t.cx || !o || !idx || !t.ends) {
+        PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a tree of %d nodes", N);
+    }
+    t.first_child = idx; t.next_sibling = idx + N; t.first_end = idx + 2 * N; t.from = idx + 3 * N;
+    t.next_end = idx + 4 * N;
+    for (int i = 0; i < N; i++) t.first_child[i] = t.next_sibling[i] = t.first_end[i] = t.from[i] = -1;
+    for (int i = N - 1; i >= 0; i--)             /* children in node order */
+        if (tree->nodes[i].parent >= 0) {
+            t.next_sibling[i] = t.first_child[tree->nodes[i].parent];
+            t.first_child[tree->nodes[i].parent] = i;
+        }
+    for (int k = n - 1; k >= 0; k--) {           /* ending groups in group order; a node's rows from the first */
+        t.next_end[k] = t.first_end[tree->group_node[k]];
+        t.first_end[tree->group_node[k]] = k;
+        for (int i = tree->group_node[k]; i >= 0; i = tree->nodes[i].parent) t.from[i] = k;
+    }
+    for (int i = 0; i < N; i++)                  /* a node that ends groups is read from the first of them */
+        if (t.first_end[i] >= 0) t.from[i] = t.first_end[i];
+    for (int k = 0; k < n && !st; k++)
+        for (int i = tree->group_node[k]; i >= 0 && !st; i = tree->nodes[i].parent) {
+            const pr_prefix_node *nd = &tree->nodes[i];
+            if (t.from[i] < 0 || memcmp(groups[k].prefix + nd->start, groups[t.from[i]].prefix + nd->start,
+                                        sizeof(int32_t) * (size_t)nd->len))
+                st = pr__fail(err, PR_ERR_ARG, "prefix tree: groups %d and %d share node %d but not its tokens", t.from[i], k, i);
+        }
+    pr_step_stats s;
+    memset(&s, 0, sizeof s);
+    t.s = &s;
+    int begun = 0, maxP = 0;
+    for (int i = 0; i < N && !st; i++)
+        if (t.from[i] < 0) st = pr__fail(err, PR_ERR_ARG, "prefix tree: node %d has no group below it", i);
+    for (int k = 0; k < n && !st; k++, begun++) {    /* the first group's step zeroes the gradients; the rest add */
+        o[k] = *opt;
+        o[k].accumulate = opt->accumulate || k > 0;
+        st = pr__step_begin(tr, &t.cx[k], &groups[k], &o[k], NULL, NULL, err);
+        if (groups[k].P > maxP) maxP = groups[k].P;
+    }
+    if (!st) st = pr__path_alloc(tr, &t.path, maxP, maxP, maxP, 0, err);
+    for (int i = 0; i < N && !st; i++)
+        if (tree->nodes[i].parent < 0) st = pr__tree_node_run(tr, &t, i, err);
+    s.prefix_kv_bytes = (size_t)tr->cfg.num_hidden_layers * 2 * (size_t)maxP * tr->cfg.num_key_value_heads *
+                        tr->cfg.head_dim * tr->be->act_bytes;
+    pr__path_free(&t.path);
+    pr__arena_reset(tr, &tr->prefix_arena);
+    pr_step_stats total;
+    memset(&total, 0, sizeof total);
+    for (int k = 0; k < begun; k++) {            /* each group's sums and stats; the step's status from the first failure */
+        pr_step_stats one;
+        pr_error e;
+        memset(&one, 0, sizeof one);
+        pr__step_reduce(tr, &t.cx[k]);
+        pr_status sk = pr__step_end(tr, &t.cx[k], &one, st, &one, st ? &e : err);
+        if (!st && sk) st = sk;
+        if (!st) pr_step_stats_add(&total, &one);
+    }
+    PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends);
+    if (st) return st;
+    memcpy(total.seconds, s.seconds, sizeof s.seconds);
+    total.microbatches = s.microbatches;
+    total.prefix_kv_bytes = s.prefix_kv_bytes;
+    total.flops = pr_tree_flops(&tr->cfg, groups, n, tree);
+    if (stats) *stats = total;
+    return PR_OK;
+}
+
+PRDEF double pr_tree_flops(const pr_config *c, const pr_group *groups, int n, const pr_prefix_tree *tree) {
+    if (!c || !groups || !tree || tree->n_groups != n) return 0;
+    double per_token, per_pair, f = 0;
+    pr__flop_rates(c, &per_token, &per_pair);
+    for (int k = 0; k < n; k++) {                 /* each group with its own prefix, less that prefix ... */
+        const double P = groups[k].P;
+        f += pr_step_flops(c, &groups[k], PR_SCHEDULE_REUSE) - P * per_token - P * (P + 1) / 2 * per_pair;
+    }
+    for (int i = 0; i < tree->n_nodes; i++) {     /* ... and each node once, attending to the rows above it */
+        const double s = tree->nodes[i].start, len = tree->nodes[i].len;
+        f += len * per_token + (len * s + len * (len + 1) / 2) * per_pair;
+    }
+    return f;
+}
+
+/* ---------------------------------------------------------------- 4.6 AdamW */
 PRDEF pr_adamw_opts pr_adamw_opts_default(void) {
     pr_adamw_opts o;
     o.lr = 1e-3; o.beta1 = 0.9; o.beta2 = 0.999; o.eps = 1e-8; o.weight_decay = 0.01; o.max_grad_norm = 1.0;

@@ -2593,6 +2593,120 @@ static void test_rank_state(void) {
            "the same, on dp 4, tp 4 (KV heads replicated), dp 2 x pp 2, tp 2 and one rank; the next step bitwise; refusals\n");
 }
 
+/* ------------------------------------------------------------------ prefix trees */
+/* Groups whose prefixes are chains of shared segments: segment k's tokens are seg[k]. */
+static void tree_prefixes(test_group *tg, int n, const int chains[][6], const int *seg_len, const int32_t seg[][16]) {
+    for (int k = 0; k < n; k++) {
+        int P = 0;
+        for (int j = 0; j < 6 && chains[k][j] >= 0; j++) {
+            memcpy(tg[k].prefix + P, seg[chains[k][j]], sizeof(int32_t) * (size_t)seg_len[chains[k][j]]);
+            P += seg_len[chains[k][j]];
+        }
+        tg[k].g.P = P;
+    }
+}
+
+static void test_trees(void) {
+    pr_config c = small_config(1, 0, 2);
+    const double tol = IS_DOUBLE ? 1e-12 : 1e-5;
+    const int S[8] = { 4, 9, 1, 5, 3, 7, 2, 6 };
+    enum { NSEG = 9 };
+    const int seg_len[NSEG] = { 6, 3, 2, 3, 5, 2, 4, 1, 7 };
+    int32_t seg[NSEG][16];
+    rng_state = 4242;
+    for (int k = 0; k < NSEG; k++)
+        for (int i = 0; i < 16; i++) seg[k][i] = (int32_t)(urand() * c.vocab_size);
+    /* shapes: a shared system prompt over 4 groups; depth 4 with a group ending inside another's
+       path, two groups on the same prefix, a short branch and a second root; one group alone */
+    const int flat[4][6] = { { 0, 1, -1 }, { 0, 4, -1 }, { 0, 7, -1 }, { 0, 6, -1 } };
+    const int deep[6][6] = { { 0, 1, 2, 3, -1 }, { 0, 1, 2, -1 }, { 0, 1, 4, -1 }, { 0, 5, -1 }, { 0, 1, 2, -1 }, { 8, 6, -1 } };
+    const int alone[1][6] = { { 8, 2, -1 } };
+    struct { const char *name; int n; const int (*chains)[6]; } shapes[3] = {
+        { "system prompt over 4 groups", 4, flat }, { "depth 4, unbalanced, two roots", 6, deep }, { "one group", 1, alone } };
+    static test_group tg[6];
+    pr_group groups[6];
+    int cases = 0;
+    pr_error err;
+    for (int sh = 0; sh < 3; sh++) {
+        const int n = shapes[sh].n;
+        for (int k = 0; k < n; k++) make_group(&tg[k], 1, 1 + k % 3, S + k, c.vocab_size, 300 + 17 * sh + k);
+        tree_prefixes(tg, n, shapes[sh].chains, seg_len, seg);
+        for (int k = 0; k < n; k++) groups[k] = tg[k].g;
+        for (int v = 0; v < 6; v++) {
+            const int min_shared = v % 2 ? 3 : 1, mb = v % 3 == 0 ? 1 : v % 3 == 1 ? 2 : 0;
+            pr_step_opts o = pr_step_opts_default();
+            o.loss.kl_coef = 0.05;
+            o.loss.norm = (pr_loss_norm)(v % 4);
+            o.microbatch = mb;
+            o.layout = v % 2 ? PR_LAYOUT_PACKED : PR_LAYOUT_PADDED;
+            o.recompute = (pr_recompute)(v % 3);
+            CHECK(!pr_step_loss_totals(groups, n, 0, &o.loss.step, &err), "tree totals: %s", err.message);
+            pr_prefix_tree tree;
+            CHECK(!pr_prefix_tree_build(&tree, groups, n, min_shared, &err), "tree build: %s", err.message);
+            char label[192];
+            snprintf(label, sizeof label, "tree (%s; %d nodes, min_shared %d), %s, microbatch %d %s, recompute %d", shapes[sh].name,
+                     tree.n_nodes, min_shared, pr_loss_norm_name(o.loss.norm), mb, v % 2 ? "packed" : "padded", v % 3);
+            /* the reference: the groups one by one, full sequences */
+            pr_trainer *ref = make_model(&c, 8), *tr = make_model(&c, 8);
+            pr_step_opts ob = o;
+            ob.schedule = PR_SCHEDULE_BASELINE;
+            ob.recompute = PR_RECOMPUTE_NONE;
+            double ref_loss = 0;
+            CHECK(!run_step(ref, groups, n, ob, &ref_loss, NULL, &err), "%s: baseline: %s", label, err.message);
+            pr_step_stats st;
+            CHECK(!pr_trainer_compute_grads_tree(tr, groups, n, &tree, &o, &st, &err), "%s: %s", label, err.message);
+            CHECK(fabs(st.loss - ref_loss) <= tol * fabs(ref_loss), "%s: loss %.17g, baseline %.17g", label, st.loss, ref_loss);
+            pr_real *g = grads_of(tr), *gr = grads_of(ref);
+            CHECK(close_arenas(tr, g, gr, "gradient", label), "%s: gradients vs the groups' full sequences", label);
+            /* one AdamW step on each: the updated parameters agree too */
+            pr_adamw_opts ao = pr_adamw_opts_default();
+            CHECK(!pr_trainer_adamw_step(tr, &ao, NULL, &err) && !pr_trainer_adamw_step(ref, &ao, NULL, &err), "%s: %s", label, err.message);
+            pr_real *p = params_of(tr), *pref = params_of(ref);
+            CHECK(close_arenas(tr, p, pref, "parameter", label), "%s: parameters after AdamW", label);
+            double fl = 0;
+            for (int k = 0; k < n; k++) fl += pr_step_flops(&c, &groups[k], PR_SCHEDULE_REUSE);
+            CHECK(st.flops == pr_tree_flops(&c, groups, n, &tree) && (tree.tokens_tree < tree.tokens_groups) == (st.flops < fl),
+                  "%s: flops %.6g, the tree's %.6g, the groups' %.6g", label, st.flops, pr_tree_flops(&c, groups, n, &tree), fl);
+            free(g); free(gr); free(p); free(pref);
+            pr_trainer_destroy(tr);
+            pr_trainer_destroy(ref);
+            pr_prefix_tree_free(&tree);
+            cases++;
+        }
+    }
+    printf("prefix trees: %d cases (3 shapes x loss modes, layouts, microbatches, recompute) against the full sequences\n", cases);
+
+    /* refused: another tree's groups, MoE, offload, the baseline schedule */
+    pr_prefix_tree tree;
+    CHECK(!pr_prefix_tree_build(&tree, groups, 1, 1, &err), "%s", err.message);
+    pr_trainer *tr = make_model(&c, 8);
+    pr_step_opts o = pr_step_opts_default();
+    CHECK(pr_trainer_compute_grads_tree(tr, groups, 2, &tree, &o, NULL, &err) == PR_ERR_ARG && strstr(err.message, "built for 1"),
+          "tree of other groups: %s", err.message);
+    pr_prefix_tree two;
+    memcpy(tg[1].prefix, tg[0].prefix, sizeof(int32_t) * (size_t)tg[0].g.P);
+    tg[1].g.P = tg[0].g.P;
+    groups[1] = tg[1].g;
+    CHECK(!pr_prefix_tree_build(&two, groups, 2, 1, &err) && two.n_nodes == 1, "%s", err.message);
+    tg[1].prefix[0] = (tg[1].prefix[0] + 1) % c.vocab_size;    /* the shared node's tokens no longer those of group 1 */
+    CHECK(pr_trainer_compute_grads_tree(tr, groups, 2, &two, &o, NULL, &err) == PR_ERR_ARG && strstr(err.message, "not its tokens"),
+          "tree of other tokens: %s", err.message);
+    pr_prefix_tree_free(&two);
+    o.offload.enabled = 1;
+    CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_UNSUPPORTED, "tree offload: %s", err.message);
+    o = pr_step_opts_default();
+    o.schedule = PR_SCHEDULE_BASELINE;
+    CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG, "tree baseline: %s", err.message);
+    pr_trainer_destroy(tr);
+    pr_config m = moe_config(1);
+    tr = make_model(&m, 8);
+    o = pr_step_opts_default();
+    CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_UNSUPPORTED && strstr(err.message, "MoE"),
+          "tree MoE: %s", err.message);
+    pr_trainer_destroy(tr);
+    pr_prefix_tree_free(&tree);
+}
+
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
@@ -2603,6 +2717,7 @@ int main(void) {
     test_moe();
     test_dp();
     test_steps();
+    test_trees();
     test_mesh();
     test_kv_replication();
     test_zero();
