@@ -75,8 +75,8 @@
         Qwen3, Qwen3-MoE), safetensors checkpoints (Hugging Face names, sharded through an index),
         GRPO traces (data/README.md has the format), a trainer's checkpoints and its training state
         (pr_trainer_save_state / pr_trainer_load_state: exact resume, saved atomically), the
-        prefix tree of a step's groups (pr_prefix_tree_build: the accounting of sharing beyond
-        one level)
+        prefix tree of a step's groups (pr_prefix_tree_build: sharing beyond one level, which
+        pr_trainer_compute_grads_tree runs, 4.5)
      The API declares 8 before 2 (the backend and the trainer take a pr_config, the trainer a
      pr_group and a pr_dtype), and declares 3 to 6 together under "3-6. Trainer".
 
@@ -322,8 +322,8 @@ PRDEF pr_status pr_trace_write(const pr_trace *trace, const char *path, pr_error
    start .. start+len-1 whose tokens are the same in every group below it; a group's prefix is
    the runs on the path from a root to its node. A run shared by two or more groups becomes a node
    of its own when it is at least min_shared tokens long; a shorter one stays in each group's own
-   node (not worth a pass of its own). This is the accounting of that sharing: the schedules run
-   one level of it today, each group's prompt once. */
+   node (not worth a pass of its own). pr_trainer_compute_grads_tree runs a step as its tree,
+   each node once. */
 typedef struct {
     int parent;            /* -1: a root */
     int start, len;

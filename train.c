@@ -27,6 +27,7 @@ typedef struct {
     const char *log;                 /* --log: one JSON line a step */
     int replay;                      /* --replay N: steps of the drift replay (0: none) */
     int prefix_tree;                 /* --prefix-tree MIN: report the steps' prefix trees (0: none) */
+    int tree, tree_min;              /* --schedule tree: each step's groups as their prefix tree, nodes of tree_min+ tokens */
     int save_every;                  /* steps between state saves (0: only at the end) */
     long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
@@ -67,7 +68,10 @@ static void usage(FILE *f) {
         "  --seed N               seed of the deterministic initialisation when --init is absent (default 1234)\n"
         "  --layers N             keep only the first N layers of the model (benchmarks of large shapes)\n"
         "schedule\n"
-        "  --schedule S           baseline | reuse (default reuse)\n"
+        "  --schedule S           baseline | reuse | tree (default reuse). tree: each optimizer step's groups\n"
+        "                         as their prefix tree (README \"Prefix trees\"), one rank, dense models\n"
+        "  --tree-min N           --schedule tree: a run shared by two or more groups becomes a node from\n"
+        "                         N tokens (default 16)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
         "  --layout L             padded | packed: the reuse schedule's Phase-B layout (default padded)\n"
         "  --aux-scope S          MoE load-balancing loss scope: microbatch | group (default microbatch)\n"
@@ -147,13 +151,16 @@ static void usage(FILE *f) {
         "                         memory: per-phase peak device memory of baseline and reuse, with offload\n"
         "                         and recompute, at the same splits; capacity: under --bench-budget, the longest\n"
         "                         total length each of them can train (shapes only: nothing is computed)\n"
+        "                         tree: a step of n groups (each --bench-groups value, G 8) whose prompts open\n"
+        "                         with one system prompt, one by one and as their prefix tree, against the bound\n"
         "  --bench-budget MIB     device memory a rank for --bench capacity, training state included (default 64);\n"
         "                         capacity takes the mesh flags (--dp --tp --pp --cp --ep --zero): every rank sized\n"
         "  --bench-sizes K        --bench capacity: build (this build's element sizes, default) | gpu (the CUDA\n"
         "                         backend's: bf16 activations and its bf16 weight copy), from any build\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
-        "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8)\n"
+        "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8); --bench tree:\n"
+        "                         the numbers of groups a step\n"
         "  --peak-tflops X        peak rate for the MFU columns, 0 = no MFU (default " PEAK_DEFAULT_TEXT ")\n"
         "  -h, --help             this text\n");
 }
@@ -201,6 +208,7 @@ static int parse_args(int argc, char **argv, options *o) {
     o->step = pr_step_opts_default();
     o->adam = pr_adamw_opts_default();
     o->steps = 8;
+    o->tree_min = 16;
     o->seed = 1234;
     o->bench_total = 1024;
     o->bench_reps = 2;
@@ -225,6 +233,7 @@ static int parse_args(int argc, char **argv, options *o) {
             if (!strcmp(v, "speed")) takes = 1;
             else if (!strcmp(v, "memory")) { o->bench = 2; takes = 1; }
             else if (!strcmp(v, "capacity")) { o->bench = 3; takes = 1; }
+            else if (!strcmp(v, "tree")) { o->bench = 4; takes = 1; }
         }
         else if (!strcmp(a, "--config")) { o->config = v; o->config_given = 1; }
         else if (!strcmp(a, "--trace")) o->trace = v;
@@ -295,8 +304,10 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--schedule")) {
             if (!strcmp(v, "baseline")) o->step.schedule = PR_SCHEDULE_BASELINE;
             else if (!strcmp(v, "reuse")) o->step.schedule = PR_SCHEDULE_REUSE;
+            else if (!strcmp(v, "tree")) o->step.schedule = PR_SCHEDULE_REUSE, o->tree = 1;
             else ok = 0;
         }
+        else if (!strcmp(a, "--tree-min")) ok = parse_int(v, &o->tree_min) && o->tree_min >= 1;
         else if (!strcmp(a, "--layout")) {
             if (!strcmp(v, "padded")) o->step.layout = PR_LAYOUT_PADDED;
             else if (!strcmp(v, "packed")) o->step.layout = PR_LAYOUT_PACKED;
@@ -324,6 +335,10 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->replay && (o->check || o->bench || on_mesh(o) || o->save_state || o->resume || o->save || o->save_grads)) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
+        return 0;
+    }
+    if (o->tree && (o->bench || o->replay || on_mesh(o) || o->prefix_tree)) {
+        fprintf(stderr, "train: --schedule tree trains or checks on one rank: without --bench, --replay, --prefix-tree or mesh flags\n");
         return 0;
     }
     if (o->prefix_tree && (o->check || o->bench || o->replay || on_mesh(o))) {
@@ -791,12 +806,35 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
     j.o = o; j.cfg = cfg; j.trace = trace;
     print_mesh(o);
     printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups,
-           o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+           o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
     print_steps(o, trace);
     if (mesh_run(&j, &err)) return fail(&err);
     print_rank_reports(o, &j);
     return 0;
+}
+
+/* One optimizer step's groups into the gradient arena: one by one in trace order, accumulating, or
+   with --schedule tree as their prefix tree. *sum: the step's stats. */
+static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *batch, int nb, pr_step_opts so, pr_step_stats *sum,
+                             pr_error *err) {
+    memset(sum, 0, sizeof *sum);
+    if (o->tree && so.schedule == PR_SCHEDULE_REUSE) {
+        pr_prefix_tree t;
+        memset(&t, 0, sizeof t);
+        pr_status st = pr_prefix_tree_build(&t, batch, nb, o->tree_min, err);
+        if (!st) st = pr_trainer_compute_grads_tree(tr, batch, nb, &t, &so, sum, err);
+        pr_prefix_tree_free(&t);
+        return st;
+    }
+    for (int b = 0; b < nb; b++) {
+        pr_step_stats st;
+        so.accumulate = b > 0;
+        pr_status s = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, err);
+        if (s) return s;
+        pr_step_stats_add(sum, &st);
+    }
+    return PR_OK;
 }
 
 static int run_training(const options *o, const pr_config *cfg, const pr_trace *trace) {
@@ -815,7 +853,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
     printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, recompute %s, %s precision\n", o->trace,
-           trace->n_groups, o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+           trace->n_groups, o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
            recompute_name[o->step.recompute],
            sizeof(pr_real) == 8 ? "double" : "float");
@@ -836,20 +874,13 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     for (int k = 0; k < o->steps; k++) {
         const long step = ts.step, pos = ts.next_group;
         pr_step_opts so;
-        pr_step_stats st, sum;
+        pr_step_stats sum;
         double gnorm;
         long tokens = 0;
         const int nb = step_at(o, trace, pos, batch, &so, &err);
-        int failed = !nb;
-        /* the step: its groups' gradients accumulated in trace order, then one AdamW step */
-        memset(&sum, 0, sizeof sum);
-        for (int b = 0; b < nb && !failed; b++) {
-            so.accumulate = b > 0;
-            failed = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, &err) != PR_OK;
-            if (failed) break;
-            pr_step_stats_add(&sum, &st);
-            tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
-        }
+        /* the step: its groups' gradients, then one AdamW step */
+        int failed = !nb || step_groups(o, tr, batch, nb, so, &sum, &err) != PR_OK;
+        for (int b = 0; b < nb; b++) tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
         if (failed || (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
             pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
             if (log) fclose(log);
@@ -872,8 +903,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         step_record rec = { step, gi, nb, sum.loss, gnorm, { sum.seconds[0], sum.seconds[1], sum.seconds[2] }, sum, tokens,
                             { sum.peak_bytes[0], sum.peak_bytes[1], sum.peak_bytes[2] } };
         log_json_step(json, &rec);
-        if (o->step.offload.enabled) print_offload("          ", &st.offload);
-        if (cfg->num_experts) print_routing(tr, cfg, &st);
+        if (o->step.offload.enabled) print_offload("          ", &sum.offload);
+        if (cfg->num_experts) print_routing(tr, cfg, &sum);
         if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) {
             if (log) fclose(log);
             if (json) fclose(json);
@@ -941,10 +972,8 @@ static long plain_bitwise_diffs(const options *o, const pr_config *cfg, const pr
     long diffs = -1;
     int failed = !ga || !pa;
     if (failed) fprintf(stderr, "train: out of memory\n");
-    for (int k = 0; k < nb && !failed; k++) {
-        without.accumulate = k > 0;
-        if (pr_trainer_compute_grads(tr, &groups[k], &without, NULL, NULL, &err)) failed = fail(&err);
-    }
+    pr_step_stats sum;
+    if (!failed && step_groups(o, tr, groups, nb, without, &sum, &err)) failed = fail(&err);
     if (!failed && (pr_trainer_get_grads(tr, ga, n, &err) || pr_trainer_adamw_step(tr, &o->adam, NULL, &err) ||
                     pr_trainer_get_params(tr, pa, n, &err)))
         failed = fail(&err);
@@ -976,8 +1005,8 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     long plain_diffs = 0;           /* bits that differ from a reuse step without offload and recompute */
     const int vs_plain = !on_mesh(o) && (orr.offload.enabled || orr.recompute != PR_RECOMPUTE_NONE);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
-    printf("check: baseline (microbatch %d, padded) vs reuse (microbatch %d, %s), recompute %s, %s, atol %s rtol %.1e\n",
-           o->step.microbatch, o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+    printf("check: baseline (microbatch %d, padded) vs %s (microbatch %d, %s), recompute %s, %s, atol %s rtol %.1e\n",
+           o->step.microbatch, o->tree ? "tree" : "reuse", o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            recompute_name[o->step.recompute],
            bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
            bf16 ? "2^-7 x rms(gradients)" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
@@ -1050,12 +1079,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 free(pw);
             }
         } else if (!failed) {
-            for (int k = 0; k < nb && !failed; k++) {
-                pr_step_stats s1;
-                orr.accumulate = k > 0;
-                if (pr_trainer_compute_grads(reuse, &batch[k], &orr, &s1, NULL, &err)) failed = fail(&err);
-                else sr.loss += s1.loss;
-            }
+            if (step_groups(o, reuse, batch, nb, orr, &sr, &err)) failed = fail(&err);
             if (!failed && (pr_trainer_get_grads(reuse, gb, n, &err) || pr_trainer_adamw_step(reuse, &adam, NULL, &err) ||
                             pr_trainer_get_params(reuse, pb, n, &err)))
                 failed = fail(&err);
@@ -1446,6 +1470,80 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ --bench tree */
+/* Best wall time of reps runs of one step of n groups: one by one (tree 0), or as their tree;
+   *ac: that run's Phases A and C (the prefix passes). */
+static int time_groups(const options *o, pr_trainer *tr, const pr_group *groups, int n, pr_step_opts so, int tree, double *best,
+                       double *ac, pr_error *err) {
+    options ot = *o;
+    ot.tree = tree;
+    ot.tree_min = 1;
+    *best = INFINITY;
+    for (int r = 0; r < o->bench_reps; r++) {
+        pr_step_stats st;
+        if (step_groups(&ot, tr, groups, n, so, &st, err)) return 0;
+        double t = st.seconds[0] + st.seconds[1] + st.seconds[2];
+        if (t < *best) *best = t, *ac = st.seconds[0] + st.seconds[2];
+    }
+    return 1;
+}
+
+/* A step of n groups (n = each --bench-groups value), G = 8 each, whose prompts (5/6 of a
+   trajectory of --bench-total tokens) all open with the same system prompt (half the prompt):
+   one by one full-sequence, one by one with reuse, and as their prefix tree, timed, beside the
+   FLOP bound of each ratio (pr_step_flops, pr_tree_flops). */
+static int run_bench_tree(const options *o, const pr_config *cfg) {
+    const int T = o->bench_total, S = T / 6, P = T - S, sys = P / 2, G = 8;
+    pr_error err;
+    pr_trainer *tr;
+    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
+    printf("bench tree: %s, %d layers, hidden %d; each group G %d of %d-token trajectories, prompt %d (a system prompt of %d shared "
+           "by every group, then %d of its own), suffix %d; best of %d, %s\n", cfg->model_type, cfg->num_hidden_layers,
+           cfg->hidden_size, G, T, P, sys, P - sys, S, o->bench_reps, sizeof(pr_real) == 8 ? "double precision" : "float precision");
+    printf("%6s %11s %9s %9s %13s %8s %7s %14s %8s %7s %11s %10s\n", "groups", "baseline s", "reuse s", "tree s", "tree/reuse",
+           "bound", "ratio", "tree/baseline", "bound", "ratio", "reuse A+C", "tree A+C");
+    int rc = 0;
+    for (int gi = 0; gi < o->n_bench_groups && !rc; gi++) {
+        const int n = o->bench_groups[gi];
+        synth_group *sg = calloc((size_t)n, sizeof *sg);
+        pr_group *groups = malloc(sizeof(pr_group) * (size_t)n);
+        int ok = sg && groups;
+        for (int k = 0; ok && k < n; k++) {
+            ok = synth(&sg[k], P, S, G, cfg->vocab_size, 500 + 31 * k);
+            if (ok) memcpy(sg[k].prefix, sg[0].prefix, sizeof(int32_t) * (size_t)sys);
+            if (ok) groups[k] = sg[k].g;
+        }
+        pr_prefix_tree t;
+        memset(&t, 0, sizeof t);
+        pr_step_opts ob = o->step, orr = o->step;
+        ob.schedule = PR_SCHEDULE_BASELINE;
+        orr.schedule = PR_SCHEDULE_REUSE;
+        double tb, trr, tt, acb, acr, act;
+        if (!ok) set_error(&err, PR_ERR_NOMEM, "out of host memory");
+        if (!ok || pr_step_loss_totals(groups, n, 0, &ob.loss.step, &err) || (orr.loss.step = ob.loss.step, 0) ||
+            pr_prefix_tree_build(&t, groups, n, 1, &err) ||
+            !time_groups(o, tr, groups, n, ob, 0, &tb, &acb, &err) || !time_groups(o, tr, groups, n, orr, 0, &trr, &acr, &err) ||
+            !time_groups(o, tr, groups, n, orr, 1, &tt, &act, &err)) {
+            rc = fail(&err);
+        } else {
+            double fb = 0, fr = 0, ft = pr_tree_flops(cfg, groups, n, &t);
+            for (int k = 0; k < n; k++) {
+                fb += pr_step_flops(cfg, &groups[k], PR_SCHEDULE_BASELINE);
+                fr += pr_step_flops(cfg, &groups[k], PR_SCHEDULE_REUSE);
+            }
+            printf("%6d %11.3f %9.3f %9.3f %12.2fx %7.2fx %7.3f %13.2fx %7.2fx %7.3f %11.3f %10.3f\n", n, tb, trr, tt, trr / tt,
+                   fr / ft, (trr / tt) / (fr / ft), tb / tt, fb / ft, (tb / tt) / (fb / ft), acr, act);
+            fflush(stdout);
+        }
+        pr_prefix_tree_free(&t);
+        for (int k = 0; sg && k < n; k++) synth_free(&sg[k]);
+        free(sg);
+        free(groups);
+    }
+    pr_trainer_destroy(tr);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ --bench memory, --bench capacity */
 /* The ways a step can run, as the memory tables compare them. Recompute on the baseline is
    --recompute all (prefix leaves the baseline as it is); "reuse+recompute" is prefix, the
@@ -1696,6 +1794,7 @@ int main(int argc, char **argv) {
     if (o.bench == 1) return run_bench_speed(&o, &cfg);
     if (o.bench == 2) return run_bench_memory(&o, &cfg);
     if (o.bench == 3) return run_bench_capacity(&o, &cfg);
+    if (o.bench == 4) return run_bench_tree(&o, &cfg);
     pr_trace trace;
     if (pr_trace_read(&trace, o.trace, &err)) return fail(&err);
     if (trace.vocab_size > cfg.vocab_size) {
