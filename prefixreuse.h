@@ -3828,10 +3828,11 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
     int begun = 0, maxP = 0;
     for (int i = 0; i < N && !st; i++)
         if (t.from[i] < 0) st = pr__fail(err, PR_ERR_ARG, "prefix tree: node %d has no group below it", i);
-    for (int k = 0; k < n && !st; k++, begun++) {    /* the first group's step zeroes the gradients; the rest add */
+    for (int k = 0; k < n && !st; k++) {    /* the first group's step zeroes the gradients; the rest add */
         o[k] = *opt;
         o[k].accumulate = opt->accumulate || k > 0;
         st = pr__step_begin(tr, &t.cx[k], &groups[k], &o[k], NULL, NULL, err);
+        begun += !st;              /* a failed begin gave its memory back itself */
         if (groups[k].P > maxP) maxP = groups[k].P;
     }
     if (!st) st = pr__path_alloc(tr, &t.path, maxP, maxP, maxP, 0, err);
