@@ -3697,7 +3697,6 @@ PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule sc
    the rows above added into theirs. A group alone is the tree of one node: pr__step_reuse. */
 typedef struct {
     const pr_prefix_tree *tree;
-    const pr_group *groups;
     pr__step_ctx *cx;            /* (n_groups) each group's step */
     int *first_child, *next_sibling, *first_end, *next_end, *from;   /* (n_nodes), ends (n_groups) */
     pr__step_ctx **ends;         /* (n_groups) scratch: one node's ending groups */
@@ -3791,7 +3790,6 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
     pr__tree_run t;
     memset(&t, 0, sizeof t);
     t.tree = tree;
-    t.groups = groups;
     t.cx = (pr__step_ctx *)PR_MALLOC(sizeof(pr__step_ctx) * (size_t)n);
     pr_step_opts *o = (pr_step_opts *)PR_MALLOC(sizeof(pr_step_opts) * (size_t)n);
     int *idx = (int *)PR_MALLOC(sizeof(int) * (4 * (size_t)N + 2 * (size_t)n));

@@ -1515,13 +1515,14 @@ static int run_bench_tree(const options *o, const pr_config *cfg) {
         }
         pr_prefix_tree t;
         memset(&t, 0, sizeof t);
-        pr_step_opts ob = o->step, orr = o->step;
+        pr_step_opts ob = o->step, orr;
         ob.schedule = PR_SCHEDULE_BASELINE;
-        orr.schedule = PR_SCHEDULE_REUSE;
         double tb, trr, tt, acb, acr, act;
         if (!ok) set_error(&err, PR_ERR_NOMEM, "out of host memory");
-        if (!ok || pr_step_loss_totals(groups, n, 0, &ob.loss.step, &err) || (orr.loss.step = ob.loss.step, 0) ||
-            pr_prefix_tree_build(&t, groups, n, 1, &err) ||
+        else ok = !pr_step_loss_totals(groups, n, 0, &ob.loss.step, &err);   /* the step's denominators, for every way */
+        orr = ob;
+        orr.schedule = PR_SCHEDULE_REUSE;
+        if (!ok || pr_prefix_tree_build(&t, groups, n, 1, &err) ||
             !time_groups(o, tr, groups, n, ob, 0, &tb, &acb, &err) || !time_groups(o, tr, groups, n, orr, 0, &trr, &acr, &err) ||
             !time_groups(o, tr, groups, n, orr, 1, &tt, &act, &err)) {
             rc = fail(&err);
