@@ -107,13 +107,14 @@
                    layer's forward again at the start of its backward (pr__layer_rebuild, 3.6)
      MoE (6)       pr__moe_forward and pr__moe_backward inside the layer; the load-balancing loss's
                    routing sums in Phase A and pr__mb_forward, its gradient in pr__mb_backward and
-                   Phase C, and in the group scope pr__routing_prepass before Phase B
+                   Phase C, and in the group scope pr__routing_prepass at Phase B's start
      parallel (7)  inside the layer pr__tp_sum and the CP attention (pr__attention_fwd/_bwd);
                    pr__batch_make cuts a batch to its CP chunk; pipeline stages hand rows on with
                    pr__pp_send/pr__pp_recv (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
                    across DP ranks shares the cache and gathers gK/gV (pr__split_share_kv,
                    pr__split_reduce_gkv); pr__mesh_sync_grads ends the step;
-                   pr_trainer_compute_grads_dp runs steps over whole or split groups
+                   pr_trainer_compute_grads_dp runs steps over whole or split groups,
+                   pr_trainer_compute_grads_tree_dp over subtrees (pr_tree_place)
 
    Conventions: public names pr_, private pr__. Every public function returns pr_status and fills
    a pr_error (may be NULL) with a readable reason; nothing aborts or exits. On failure the
@@ -805,8 +806,10 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
    once, bottom-up, with the gK/gV of everything below it. The gradients (added to the arena when
    opt->accumulate) and the stats equal those of the groups stepped one by one with
    pr_trainer_compute_grads and the same options, step totals included (opt->loss.step: 0 takes
-   each group's own). The reuse schedule on one rank, dense models, without offload: the rest is
-   refused with PR_ERR_UNSUPPORTED. */
+   each group's own), but for the expert load (pr_trainer_expert_load), which is the whole step's
+   (the sum of the groups' loads), and the offload stats, which cover every node (dormant_bytes:
+   the deepest chain of nodes, whose blocks rest at once). MoE and offload as in pr_trainer_compute_grads; the reuse
+   schedule on one rank: a mesh is refused with PR_ERR_UNSUPPORTED. */
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 /* Model FLOPs of that step: each group's suffixes as pr_step_flops counts them, each node once. */
@@ -874,6 +877,17 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
    zeros; in a team, each rank its share); sum them over dp for the whole step's. */
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
+/* Prefix trees over dp: pr_tree_place keeps subtrees together, the groups taken in the tree's
+   depth-first order and cut into `ranks` runs of about equal FLOPs (each run at least one group;
+   n >= ranks), so that a node is shared on one rank where the cut allows. owner NULL: nothing.
+   pr_trainer_compute_grads_tree_dp is pr_trainer_compute_grads_dp for a step of n >= dp->size
+   groups whose prefix tree is `tree`: each rank runs the tree of the groups placed on it (the
+   tree cut down to their nodes), then the gradients are summed over dp. A node whose groups sit
+   on two ranks runs on both: the result is exact whatever the placement. */
+PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner);
+PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
+                                                 const pr_prefix_tree *tree, const pr_step_opts *opt, pr_step_stats *stats,
+                                                 pr_error *err);
 
 /* A device mesh (dp, pp, cp, tp, ep) over a world communicator. Rank order puts tp fastest:
    rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i. Each dimension gets its sub-communicator
@@ -1877,6 +1891,7 @@ struct pr_trainer {
     size_t pool_cap;
     char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
     size_t slot_cap[PR__SLOTS];
+    unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
     int phase;
     int alloc_failed;
     double *expert_load;                   /* (L,E) MoE: the last step's logical tokens per expert */
@@ -2009,8 +2024,7 @@ typedef struct {
     void **host;              /* (L) where each block rests between its Phase-A forward and Phase-C backward */
     unsigned char *own;       /* (L) 1: a host allocation of its own, the pool being full */
     size_t pool_used, own_live;
-    int slot_layer[PR__SLOTS];     /* the layer each device slot holds, -1 free */
-    unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
+    int slot_layer[PR__SLOTS];     /* the layer each device slot holds for this pass, -1 free */
     pr_offload_stats st;
 } pr__offload;
 
@@ -2022,6 +2036,10 @@ typedef struct {
     pr__batch batch;          /* its rows as one segment, with the loss rows of the suffixes' first tokens */
     pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are its rows of the path's K/V */
     pr__offload off;
+    int copies;               /* the trajectories its rows stand for: the group's G (a tree node: its groups') */
+    const double *aux_c;      /* MoE: the aux gradient per expert its router takes in Phase C (NULL: none) */
+    const pr__offload *below; /* offload: a pass whose blocks rest in the pool under its own (a node's parent) */
+    size_t pool_stack;        /* offload, the first pass: bytes that will rest in the pool at once (0: its own) */
 } pr__prefix_state;
 
 /* One step's MoE load-balancing bookkeeping (see pr_moe_opts). Routing sums run over MoE layers
@@ -2080,14 +2098,14 @@ typedef struct {
 
 /* 5. Offload: Phase A parks each layer's block on the host, Phase C brings it back */
 static int pr__slot_of(const pr__offload *o, int layer);
-static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s);
+static void pr__slot_wait(pr_trainer *tr, int s);
 static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err);
 static pr_status pr__offload_block(pr_trainer *tr, pr__offload *o, int l, pr_error *err);
 static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, pr_error *err);
 static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err);
 static void pr__block_done(pr_trainer *tr, pr__offload *o, int l);
 static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, const pr__pass *ps, int P,
-                                   pr_error *err);
+                                   const pr__offload *below, size_t stack, pr_error *err);
 static void pr__offload_end(pr_trainer *tr, pr__offload *o);
 
 /* 6. MoE: the sparse MLP inside the layer, the load-balancing loss around the phases */
@@ -2098,7 +2116,7 @@ static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *p
 static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g);
 static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n);
 static void pr__moe_group_aux(pr__moe_acc *m);
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, pr_error *err);
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr_error *err);
 
 /* 7. The parallel layer: the mesh's sizes and sums, sharded parameters, CP attention and
    batches, pipeline exchanges, groups split across DP ranks */
@@ -3055,7 +3073,7 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
     pr__pass_init(tr, &ps->pass, &ps->batch, NULL);
     ps->pass.keep = cx->opt->recompute == PR_RECOMPUTE_NONE ? PR__KEEP_ALL : PR__KEEP_INPUT_KV;
     pr__offload *o = &ps->off;
-    st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, err);
+    st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, ps->below, ps->pool_stack, err);
     if (!st) st = pr__pass_alloc(tr, ps->a, &ps->pass, P, !o->on, path, start, err);
     if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when the forward ends */
     if (!st && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
@@ -3089,7 +3107,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
-    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)cx->g->G);
+    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)ps->copies);
     if (!pr__last_stage(tr))
         pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
     pr__arena_reset(tr, &tr->step_arena);           /* the collectives' buffers, recompute's shared region */
@@ -3206,9 +3224,15 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
    keep the same order, so each exchange meets its partner: a forward's output goes on as the
    gradient for the oldest microbatch comes back, that backward's input gradient goes back as
    the next microbatch's input comes in. With one stage: forward, backward, microbatch by
-   microbatch. Returns the number of microbatches in *n_mb. */
-static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, int *n_mb,
+   microbatch. In the MoE group scope the routing pre-pass runs first when the group's routing
+   spans microbatches. Returns the number of microbatches in *n_mb. */
+static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int *n_mb,
                                                  pr_error *err) {
+    const int mb = cx->mb;
+    if (cx->moe.prepass) {
+        pr_status st = pr__routing_prepass(tr, cx, path, err);
+        if (st) return st;
+    }
     const int pp = pr__pp(tr), n = (cx->t1 - cx->t0 + mb - 1) / mb, stage = tr->mesh ? tr->mesh->pp_rank : 0;
     const int warm = pp - stage - 1 < n ? pp - stage - 1 : n;
     pr__mb *ring = (pr__mb *)PR_MALLOC(sizeof(pr__mb) * (size_t)(pp + 1));
@@ -3263,7 +3287,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     const pr_hooks *h = &cx->opt->hooks;
     const size_t budget = cx->opt->offload.device_budget;
     pr__offload *o = &ps->off;
-    ps->pass.aux_g = cx->moe.on ? cx->moe.c : NULL;   /* each prefix row stands for its m copies */
+    ps->pass.aux_g = ps->aux_c;           /* each prefix row stands for its copies */
     pr__bwd_scratch s;
     pr_status st = pr__bwd_scratch_alloc(tr, &tr->step_arena, &s, &ps->pass, err);
     if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);
@@ -3288,7 +3312,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
                 o->st.demand_loads++;
                 if ((st = pr__load_block(tr, o, &ps->pass, l, err))) return st;
             }
-            pr__slot_wait(tr, o, pr__slot_of(o, l));    /* block l is in before its backward starts */
+            pr__slot_wait(tr, pr__slot_of(o, l));    /* block l is in before its backward starts */
             if ((st = pr__prefetch_block(tr, o, &ps->pass, l - 1, budget, err))) return st;
         }
         pr_real *gk = path->gk[l] + above, *gv = path->gv[l] + above;
@@ -3504,11 +3528,9 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
    prefix state. */
 static pr_status pr__step_baseline(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s, pr_error *err) {
     const pr_backend *be = tr->be;
-    pr_status st = PR_OK;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_B);
-    if (cx->moe.prepass) st = pr__routing_prepass(tr, cx, NULL, cx->mb, err);
-    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, NULL, cx->mb, &s->microbatches, err);
+    pr_status st = pr__phase_b_suffix_microbatches(tr, cx, NULL, &s->microbatches, err);
     be->sync(be);
     s->seconds[PR_PHASE_B] = pr__now() - t0;
     return st;
@@ -3527,6 +3549,8 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
     ps.a = &tr->prefix_arena;
+    ps.copies = cx->g->G;
+    ps.aux_c = cx->moe.on ? cx->moe.c : NULL;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
     pr_status st = pr__path_alloc(tr, &path, P, own, chunk > own ? chunk : own, pr__cp(tr) > 1 ? chunk : 0, err);
@@ -3535,8 +3559,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     be->sync(be);
     double t1 = pr__now();
     pr__enter_phase(tr, PR_PHASE_B);
-    if (!st && cx->moe.prepass) st = pr__routing_prepass(tr, cx, &path, cx->mb, err);
-    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &path, cx->mb, &s->microbatches, err);
+    if (!st) st = pr__phase_b_suffix_microbatches(tr, cx, &path, &s->microbatches, err);
     if (!st && cx->team) pr__split_reduce_gkv(tr, cx, &path);
     be->sync(be);
     double t2 = pr__now();
@@ -3694,49 +3717,92 @@ PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule sc
    (pr__kv_path): forward once, top-down, attending to the nodes above it; then its children's
    subtrees, and the suffixes of the groups whose prefix ends at it, as Phase B against the whole
    path; then its backward once, with the gK/gV of everything below it injected, its own dK/dV of
-   the rows above added into theirs. A group alone is the tree of one node: pr__step_reuse. */
+   the rows above added into theirs. A group alone is the tree of one node: pr__step_reuse.
+   A node's rows stand for every trajectory below it: its expert load counts them all, its
+   routing sums join the aux loss of each group below, and its router takes the sum of their aux
+   gradients. Under offload a node's blocks rest in the host pool after its parent's, from its
+   forward to its backward; the pool holds the deepest chain of nodes at once. */
 typedef struct {
     const pr_prefix_tree *tree;
     pr__step_ctx *cx;            /* (n_groups) each group's step */
     int *first_child, *next_sibling, *first_end, *next_end, *from;   /* (n_nodes), ends (n_groups) */
+    int *copies;                 /* (n_nodes) the trajectories below each node */
     pr__step_ctx **ends;         /* (n_groups) scratch: one node's ending groups */
+    double *aux_c;               /* (num_experts) MoE scratch: a node's aux gradient */
+    size_t pool_stack;           /* offload: the dormant bytes of the deepest chain of nodes */
     pr__kv_path path;
     pr_step_stats *s;
 } pr__tree_run;
 
-static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, pr_error *err) {
+/* 1 when group k's prefix runs through node. */
+static int pr__tree_below(const pr_prefix_tree *tree, int node, int k) {
+    for (int i = tree->group_node[k]; i >= node; i = tree->nodes[i].parent)
+        if (i == node) return 1;
+    return 0;
+}
+
+static void pr__offload_stats_add(pr_offload_stats *sum, const pr_offload_stats *o) {
+    if (o->block_bytes > sum->block_bytes) sum->block_bytes = o->block_bytes;
+    if (o->host_peak_bytes > sum->host_peak_bytes) sum->host_peak_bytes = o->host_peak_bytes;
+    sum->pool_bytes = o->pool_bytes;
+    sum->offloaded_bytes += o->offloaded_bytes;
+    sum->loaded_bytes += o->loaded_bytes;
+    sum->prefetches += o->prefetches;
+    sum->demand_loads += o->demand_loads;
+    sum->prefetches_refused += o->prefetches_refused;
+    sum->pool_fallbacks += o->pool_fallbacks;
+}
+
+static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, const pr__offload *below, pr_error *err) {
     const pr_backend *be = tr->be;
-    const pr_prefix_node *nd = &t->tree->nodes[node];
+    const pr_prefix_tree *tree = t->tree;
+    const pr_prefix_node *nd = &tree->nodes[node];
     pr__step_ctx *cx = &t->cx[t->from[node]];     /* the group the node's rows are read from */
+    const int E = tr->cfg.num_experts;
     pr__arena a;
     memset(&a, 0, sizeof a);
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
     ps.a = &a;
+    ps.copies = t->copies[node];
+    ps.below = below;
+    ps.pool_stack = t->pool_stack;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
     t->path.rows = t->path.own = nd->start;
     pr_status st = pr__phase_a_prefix_forward(tr, cx, &ps, &t->path, nd->start, nd->len, err);
+    for (int k = 0; k < tree->n_groups && cx->moe.on && !st; k++)    /* the node's routing sums (moe.own) */
+        if (&t->cx[k] != cx && pr__tree_below(tree, node, k))
+            for (int i = 0; i <= 2 * E; i++) t->cx[k].moe.pre[i] += cx->moe.own[i];
     be->sync(be);
     t->s->seconds[PR_PHASE_A] += pr__now() - t0;
-    for (int c = t->first_child[node]; c >= 0 && !st; c = t->next_sibling[c]) st = pr__tree_node_run(tr, t, c, err);
+    for (int c = t->first_child[node]; c >= 0 && !st; c = t->next_sibling[c]) st = pr__tree_node_run(tr, t, c, &ps.off, err);
     int n_ends = 0;
     for (int k = t->first_end[node]; k >= 0 && !st; k = t->next_end[k]) {
         int n_mb = 0;
         t0 = pr__now();
         pr__enter_phase(tr, PR_PHASE_B);
         t->path.rows = t->path.own = nd->start + nd->len;
-        st = pr__phase_b_suffix_microbatches(tr, &t->cx[k], &t->path, t->cx[k].mb, &n_mb, err);
+        st = pr__phase_b_suffix_microbatches(tr, &t->cx[k], &t->path, &n_mb, err);
         be->sync(be);
         t->s->seconds[PR_PHASE_B] += pr__now() - t0;
         t->s->microbatches += n_mb;
         t->ends[n_ends++] = &t->cx[k];
+    }
+    if (cx->moe.on) {                             /* every group below has its aux gradient now */
+        memset(t->aux_c, 0, sizeof(double) * (size_t)E);
+        for (int k = 0; k < tree->n_groups; k++)
+            if (pr__tree_below(tree, node, k))
+                for (int e = 0; e < E; e++) t->aux_c[e] += t->cx[k].moe.c[e];
+        ps.aux_c = t->aux_c;
     }
     t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_C);
     if (!st) st = pr__phase_c_prefix_backward(tr, cx, &ps, &t->path, t->ends, n_ends, err);
     be->sync(be);
     t->s->seconds[PR_PHASE_C] += pr__now() - t0;
+    pr__offload_stats_add(&t->s->offload, &ps.off.st);
+    pr__offload_end(tr, &ps.off);
     pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
     pr__batch_free(&ps.batch);
     pr__arena_reset(tr, &a);
@@ -3765,18 +3831,16 @@ static pr_status pr__tree_check(const pr_prefix_tree *tree, const pr_group *grou
     return PR_OK;
 }
 
-PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
-                                              const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
+/* The tree step on this rank: its groups' gradients, summed over the mesh's TP ranks when
+   opt->accumulate is 0 (pr_trainer_compute_grads_tree_dp accumulates, then sums once). */
+static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
+                                        const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !groups || n < 1 || !tree || !opt)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: NULL argument or no groups");
     if (opt->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
-    if (tr->mesh && (tr->mesh->dp > 1 || pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees on a mesh are not implemented (one rank only)");
-    if (tr->cfg.num_experts)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with MoE layers are not implemented (aux-loss multiplicity per node)");
-    if (opt->offload.enabled)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload of prefix tree nodes is not implemented");
+    if (pr__cp(tr) > 1 || pr__pp(tr) > 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp or pp are not implemented (dp and tp are)");
     pr_status st = pr__tree_check(tree, groups, n, err);
     for (int k = 0; k < n && !st; k++) {
         if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
@@ -3792,15 +3856,26 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
     t.tree = tree;
     t.cx = (pr__step_ctx *)PR_MALLOC(sizeof(pr__step_ctx) * (size_t)n);
     pr_step_opts *o = (pr_step_opts *)PR_MALLOC(sizeof(pr_step_opts) * (size_t)n);
-    int *idx = (int *)PR_MALLOC(sizeof(int) * (4 * (size_t)N + 2 * (size_t)n));
+    int *idx = (int *)PR_MALLOC(sizeof(int) * (5 * (size_t)N + 2 * (size_t)n));
     t.ends = (pr__step_ctx **)PR_MALLOC(sizeof(pr__step_ctx *) * (size_t)n);
-    if (!t.cx || !o || !idx || !t.ends) {
-        PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends);
+    size_t *stack = (size_t *)PR_MALLOC(sizeof(size_t) * (size_t)N);
+    t.aux_c = (double *)PR_MALLOC(sizeof(double) * ((size_t)tr->cfg.num_experts + 1));
+    if (!t.cx || !o || !idx || !t.ends || !stack || !t.aux_c) {
+        PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends); PR_FREE(stack); PR_FREE(t.aux_c);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a tree of %d nodes", N);
     }
     t.first_child = idx; t.next_sibling = idx + N; t.first_end = idx + 2 * N; t.from = idx + 3 * N;
-    t.next_end = idx + 4 * N;
+    t.copies = idx + 4 * N; t.next_end = idx + 5 * N;
     for (int i = 0; i < N; i++) t.first_child[i] = t.next_sibling[i] = t.first_end[i] = t.from[i] = -1;
+    for (int i = 0; i < N; i++) {                /* the trajectories below each node; the dormant bytes down to it */
+        t.copies[i] = 0;
+        for (int k = 0; k < n; k++) t.copies[i] += pr__tree_below(tree, i, k) ? groups[k].G : 0;
+        stack[i] = (size_t)tr->cfg.num_hidden_layers *
+                   pr__layer_block(tr, NULL, (size_t)tree->nodes[i].len, opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL);
+        if (tree->nodes[i].parent >= 0) stack[i] += stack[tree->nodes[i].parent];
+        if (stack[i] > t.pool_stack) t.pool_stack = stack[i];
+    }
+    PR_FREE(stack);
     for (int i = N - 1; i >= 0; i--)             /* children in node order */
         if (tree->nodes[i].parent >= 0) {
             t.next_sibling[i] = t.first_child[tree->nodes[i].parent];
@@ -3835,7 +3910,7 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
     }
     if (!st) st = pr__path_alloc(tr, &t.path, maxP, maxP, maxP, 0, err);
     for (int i = 0; i < N && !st; i++)
-        if (tree->nodes[i].parent < 0) st = pr__tree_node_run(tr, &t, i, err);
+        if (tree->nodes[i].parent < 0) st = pr__tree_node_run(tr, &t, i, NULL, err);
     s.prefix_kv_bytes = (size_t)tr->cfg.num_hidden_layers * 2 * (size_t)maxP * tr->cfg.num_key_value_heads *
                         tr->cfg.head_dim * tr->be->act_bytes;
     pr__path_free(&t.path);
@@ -3851,14 +3926,24 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
         if (!st && sk) st = sk;
         if (!st) pr_step_stats_add(&total, &one);
     }
-    PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends);
+    PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends); PR_FREE(t.aux_c);
     if (st) return st;
     memcpy(total.seconds, s.seconds, sizeof s.seconds);
     total.microbatches = s.microbatches;
+    total.offload = s.offload;
+    total.offload.dormant_bytes = t.pool_stack;
     total.prefix_kv_bytes = s.prefix_kv_bytes;
     total.flops = pr_tree_flops(&tr->cfg, groups, n, tree);
     if (stats) *stats = total;
     return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
+                                              const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
+    if (tr && opt && opt->accumulate && pr__tp(tr) > 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp, a step accumulates "
+                        "through pr_trainer_compute_grads_tree_dp (its sums over the mesh run once, after the last group)");
+    return pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
 }
 
 PRDEF double pr_tree_flops(const pr_config *c, const pr_group *groups, int n, const pr_prefix_tree *tree) {
@@ -3988,11 +4073,11 @@ static int pr__slot_of(const pr__offload *o, int layer) {
     return -1;
 }
 /* A free slot, preferring one no copy is still reading. */
-static int pr__slot_free(const pr__offload *o) {
+static int pr__slot_free(const pr_trainer *tr, const pr__offload *o) {
     int any = -1;
     for (int s = 0; s < PR__SLOTS; s++)
         if (o->slot_layer[s] < 0) {
-            if (!o->slot_copying[s]) return s;
+            if (!tr->slot_copying[s]) return s;
             if (any < 0) any = s;
         }
     return any;
@@ -4002,23 +4087,23 @@ static int pr__slot_free(const pr__offload *o) {
 static void pr__block_copy(pr_trainer *tr, pr__offload *o, int s, void *dst, const void *src) {
     if (tr->be->copy_async) {
         tr->be->copy_async(tr->be, dst, src, o->block, s);
-        o->slot_copying[s] = 1;
+        tr->slot_copying[s] = 1;
     } else {
         tr->be->copy(tr->be, dst, src, o->block);
     }
 }
-static void pr__slot_wait(pr_trainer *tr, pr__offload *o, int s) {
-    if (!o->slot_copying[s]) return;
+static void pr__slot_wait(pr_trainer *tr, int s) {
+    if (!tr->slot_copying[s]) return;
     tr->be->copy_wait(tr->be, s);
-    o->slot_copying[s] = 0;
+    tr->slot_copying[s] = 0;
 }
 
 /* Puts layer's block in a free device slot (kept across steps, counted live while held) and points
    the pass's tensors of that layer into it. */
 static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int layer, pr_error *err) {
-    int s = pr__slot_free(o);
+    int s = pr__slot_free(tr, o);
     if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
-    pr__slot_wait(tr, o, s);                        /* the block that left it is out before it is overwritten */
+    pr__slot_wait(tr, s);                           /* the block that left it is out before it is overwritten */
     if (tr->slot_cap[s] < o->block) {
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
         tr->slot[s] = (char *)tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
@@ -4073,7 +4158,7 @@ static pr_status pr__load_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, in
 /* Prefetches layer l's block when a slot is free and the budget allows; counts a refusal. */
 static pr_status pr__prefetch_block(pr_trainer *tr, pr__offload *o, pr__pass *ps, int l, size_t budget, pr_error *err) {
     const pr_backend *be = tr->be;
-    if (l < 0 || pr__slot_of(o, l) >= 0 || pr__slot_free(o) < 0) return PR_OK;
+    if (l < 0 || pr__slot_of(o, l) >= 0 || pr__slot_free(tr, o) < 0) return PR_OK;
     int fits = (!budget || tr->live_bytes + o->block <= budget) &&
                (!be->device_free || be->device_free(be) >= o->block + PR__DEVICE_MARGIN);
     if (!fits) {
@@ -4095,11 +4180,14 @@ static void pr__block_done(pr_trainer *tr, pr__offload *o, int l) {
     o->host[l] = NULL;
 }
 
-/* Sets up a step's offload: the block size, the host pool (created or resized to the request) and
-   the bookkeeping, for the P rows of prefix pass ps (whose blocks are its layers' inputs alone
-   under recompute). With offload off only the footprint is recorded, for the stats. */
+/* Sets up the offload of the P rows of prefix pass ps (whose blocks are its layers' inputs alone
+   under recompute): the block size, the bookkeeping and the host pool. A first pass (below NULL)
+   starts the pool empty, creating or resizing it to the request, or to `stack` bytes (0: its own
+   blocks) and a sixteenth. A pass stacked on another (a prefix tree node on its parent, whose
+   blocks wait in the pool for their own backward) puts its blocks after below's and leaves the
+   pool as it is. With offload off only the footprint is recorded, for the stats. */
 static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offload_opts *opt, const pr__pass *ps, int P,
-                                   pr_error *err) {
+                                   const pr__offload *below, size_t stack, pr_error *err) {
     const int L = tr->cfg.num_hidden_layers;
     memset(o, 0, sizeof *o);
     for (int s = 0; s < PR__SLOTS; s++) o->slot_layer[s] = -1;
@@ -4113,9 +4201,11 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     memset(o->host, 0, sizeof(void *) * (size_t)L);
     memset(o->own, 0, (size_t)L);
-    size_t want = opt->pool_bytes ? opt->pool_bytes : o->st.dormant_bytes + o->st.dormant_bytes / 16;
-    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < o->st.dormant_bytes;
-    if (resize) {
+    if (!stack) stack = o->st.dormant_bytes;
+    size_t want = opt->pool_bytes ? opt->pool_bytes : stack + stack / 16;
+    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < stack;
+    if (below) o->pool_used = below->pool_used;
+    else if (resize) {
         if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
         tr->pool = tr->be->alloc(tr->be, want, PR_TIER_HOST);
         tr->pool_cap = tr->pool ? want : 0;       /* no pool: every block falls back, still correct */
@@ -4129,7 +4219,7 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
    bookkeeping. */
 static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     if (o->on) {
-        for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, o, s);
+        for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, s);
         tr->be->sync(tr->be);
         for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
     }
@@ -4534,7 +4624,8 @@ static void pr__moe_group_aux(pr__moe_acc *m) {
 /* The group scope's routing pre-pass: every microbatch forward only, through the stages in turn,
    for the routing fractions the backward needs before any microbatch may run it. path: the cached
    prefix under reuse (read as in Phase B), or NULL for the baseline's whole sequences. */
-static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, int mb, pr_error *err) {
+static pr_status pr__routing_prepass(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr_error *err) {
+    const int mb = cx->mb;
     pr__moe_acc *m = &cx->moe;
     const int G = cx->g->G, E = m->E;
     double *tot = (double *)PR_MALLOC(sizeof(double) * (2 * (size_t)E + 1));
@@ -5263,6 +5354,27 @@ static pr_status pr__dp_sum_grads(pr_trainer *tr, pr_comm *dp, pr_error *err) {
     return st;
 }
 
+/* A dp step's start: the gradients at zero (its groups accumulate) ... */
+static void pr__dp_step_begin(pr_trainer *tr) {
+    tr->comm_st = PR_OK;
+    tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
+    tr->grads_scattered = 0;
+}
+
+/* ... and its end, after this rank's groups (status st): the sums over the mesh and over dp.
+   Every rank reaches the collectives, even after a local failure, so that none is left waiting;
+   a failed rank's sum is discarded by its own status. */
+static pr_status pr__dp_step_end(pr_trainer *tr, pr_comm *dp, pr_status st, const pr_step_stats *sum, pr_step_stats *stats,
+                                 pr_error *err) {
+    pr__mesh_sync_grads(tr);
+    pr_status cs = pr__dp_sum_grads(tr, dp, err);
+    if (st) return st;
+    if (cs) return cs;
+    if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    if (stats) *stats = *sum;
+    return PR_OK;
+}
+
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
@@ -5272,12 +5384,10 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
-    tr->comm_st = PR_OK;
+    pr__dp_step_begin(tr);
     pr_step_opts o = *opt;
     pr_step_stats s, sum;
     memset(&sum, 0, sizeof sum);
-    tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
-    tr->grads_scattered = 0;
     o.accumulate = 1;
     if (!st && n < R) {        /* fewer groups than ranks: group i split over ranks i*R/n .. (i+1)*R/n - 1 */
         int gi = 0;
@@ -5296,15 +5406,138 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
         if (!st) pr_step_stats_add(&sum, &s);
     }
     PR_FREE(place);
-    /* every rank reaches the collectives, even after a local failure, so that none is left
-       waiting; a failed rank's sum is discarded by its own status */
-    pr__mesh_sync_grads(tr);
-    pr_status cs = pr__dp_sum_grads(tr, dp, err);
-    if (st) return st;
-    if (cs) return cs;
-    if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
-    if (stats) *stats = sum;
+    return pr__dp_step_end(tr, dp, st, &sum, stats, err);
+}
+
+PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner) {
+    if (!owner) return;
+    for (int k = 0; k < n; k++) owner[k] = 0;
+    if (!cfg || !groups || !tree || tree->n_groups != n || ranks < 2) return;
+    const int N = tree->n_nodes;
+    int *depth = (int *)PR_MALLOC(sizeof(int) * ((size_t)N + 2 * (size_t)n));
+    int *order = depth ? depth + N : NULL, *chain = NULL, D = 0;
+    for (int i = 0; depth && i < N; i++) {
+        depth[i] = tree->nodes[i].parent < 0 ? 1 : depth[tree->nodes[i].parent] + 1;
+        if (depth[i] > D) D = depth[i];
+    }
+    if (depth) chain = (int *)PR_MALLOC(sizeof(int) * (size_t)n * (size_t)(D + 1));
+    if (!chain) {                              /* everything on rank 0: still a valid placement */
+        PR_FREE(depth);
+        return;
+    }
+    for (int k = 0; k < n; k++) {              /* each group's nodes from its root, -1 after its own */
+        int *ck = chain + (size_t)k * (D + 1), node = tree->group_node[k];
+        for (int j = 0; j <= D; j++) ck[j] = -1;
+        for (int i = node; i >= 0; i = tree->nodes[i].parent) ck[depth[i] - 1] = i;
+        order[k] = k;
+    }
+    for (int a = 1; a < n; a++) {              /* depth-first order: by chain, then group (insertion sort) */
+        const int k = order[a], *y = chain + (size_t)k * (D + 1);
+        int b = a;
+        while (b > 0) {
+            const int *x = chain + (size_t)order[b - 1] * (D + 1);
+            int j = 0;
+            while (j <= D && x[j] == y[j]) j++;
+            if (j > D || x[j] < y[j]) break;
+            order[b] = order[b - 1];
+            b--;
+        }
+        order[b] = k;
+    }
+    double total = 0, acc = 0;
+    for (int k = 0; k < n; k++) total += pr_step_flops(cfg, &groups[k], PR_SCHEDULE_REUSE);
+    for (int j = 0, r = 0, have = 0; j < n; j++) {     /* contiguous runs; every rank left gets a group */
+        const double f = pr_step_flops(cfg, &groups[order[j]], PR_SCHEDULE_REUSE);
+        if (have && r + 1 < ranks && (n - j <= ranks - 1 - r || acc + f / 2 > total * (r + 1) / ranks)) {
+            r++;
+            have = 0;
+        }
+        owner[order[j]] = r;
+        have++;
+        acc += f;
+    }
+    PR_FREE(chain);
+    PR_FREE(depth);
+}
+
+/* The tree cut down to the groups `owner` places on `rank`: their nodes in the same order,
+   members[0..m-1] the groups' indices. */
+static pr_status pr__tree_restrict(const pr_prefix_tree *tree, const pr_group *groups, const int *owner, int rank,
+                                   pr_prefix_tree *sub, int *members, int *m, pr_error *err) {
+    const int N = tree->n_nodes, n = tree->n_groups;
+    memset(sub, 0, sizeof *sub);
+    int *map = (int *)PR_MALLOC(sizeof(int) * (size_t)N);
+    if (!map) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    for (int i = 0; i < N; i++) map[i] = -1;
+    *m = 0;
+    for (int k = 0; k < n; k++)
+        if (owner[k] == rank) {
+            members[(*m)++] = k;
+            for (int i = tree->group_node[k]; i >= 0; i = tree->nodes[i].parent) map[i] = 0;
+        }
+    for (int i = 0; i < N; i++) if (map[i] == 0) map[i] = sub->n_nodes++;
+    sub->nodes = (pr_prefix_node *)PR_MALLOC(sizeof(pr_prefix_node) * (size_t)(sub->n_nodes ? sub->n_nodes : 1));
+    sub->group_node = (int *)PR_MALLOC(sizeof(int) * (size_t)(*m ? *m : 1));
+    if (!sub->nodes || !sub->group_node) {
+        PR_FREE(map);
+        pr_prefix_tree_free(sub);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    }
+    for (int i = 0; i < N; i++)
+        if (map[i] >= 0) {
+            pr_prefix_node *d = &sub->nodes[map[i]];
+            *d = tree->nodes[i];
+            d->parent = d->parent < 0 ? -1 : map[d->parent];
+            d->groups_below = 0;
+            sub->tokens_tree += d->len;
+        }
+    sub->n_groups = *m;
+    for (int j = 0; j < *m; j++) {
+        const pr_group *g = &groups[members[j]];
+        sub->group_node[j] = map[tree->group_node[members[j]]];
+        for (int i = sub->group_node[j]; i >= 0; i = sub->nodes[i].parent) sub->nodes[i].groups_below++;
+        sub->tokens_baseline += (long)g->G * g->P;
+        sub->tokens_groups += g->P;
+    }
+    PR_FREE(map);
     return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
+                                                 const pr_prefix_tree *tree, const pr_step_opts *opt, pr_step_stats *stats,
+                                                 pr_error *err) {
+    if (!tr || !dp || !groups || !tree || !opt || n < 1)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: NULL argument or no groups");
+    if (tr->zero && dp != tr->mesh->dp_comm)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: a trainer with sharded state (zero %d) steps over "
+                        "its mesh's dp communicator", tr->zero);
+    const int R = dp->size;
+    if (n < R)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: %d groups over %d dp ranks: a tree step places whole "
+                        "groups, at least one a rank (pr_trainer_compute_grads_dp splits groups)", n, R);
+    if (tree->n_groups != n)
+        return pr__fail(err, PR_ERR_ARG, "prefix tree: built for %d groups, given %d", tree->n_groups, n);
+    int *owner = (int *)PR_MALLOC(sizeof(int) * 2 * (size_t)n);
+    pr_group *mine = (pr_group *)PR_MALLOC(sizeof(pr_group) * (size_t)n);
+    pr_prefix_tree sub;
+    memset(&sub, 0, sizeof sub);
+    int m = 0;
+    pr_status st = owner && mine ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (!st) {
+        pr_tree_place(&tr->model, groups, n, tree, R, owner);
+        st = pr__tree_restrict(tree, groups, owner, dp->rank, &sub, owner + n, &m, err);
+    }
+    for (int j = 0; j < m && !st; j++) mine[j] = groups[owner[n + j]];
+    pr__dp_step_begin(tr);
+    pr_step_opts o = *opt;
+    o.accumulate = 1;
+    pr_step_stats s;
+    memset(&s, 0, sizeof s);
+    if (!st) st = pr__compute_grads_tree(tr, mine, m, &sub, &o, &s, err);
+    pr_prefix_tree_free(&sub);
+    PR_FREE(owner);
+    PR_FREE(mine);
+    return pr__dp_step_end(tr, dp, st, &s, stats, err);
 }
 
 /* ---------------------------------------------------------------- 7.8 The measuring communicator */

@@ -69,7 +69,7 @@ static void usage(FILE *f) {
         "  --layers N             keep only the first N layers of the model (benchmarks of large shapes)\n"
         "schedule\n"
         "  --schedule S           baseline | reuse | tree (default reuse). tree: each optimizer step's groups\n"
-        "                         as their prefix tree (README \"Prefix trees\"), one rank, dense models\n"
+        "                         as their prefix tree (README \"Prefix trees\"), on one rank or dp x tp\n"
         "  --tree-min N           --schedule tree: a run shared by two or more groups becomes a node from\n"
         "                         N tokens (default 16)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
@@ -337,8 +337,9 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
         return 0;
     }
-    if (o->tree && (o->bench || o->replay || on_mesh(o) || o->prefix_tree)) {
-        fprintf(stderr, "train: --schedule tree trains or checks on one rank: without --bench, --replay, --prefix-tree or mesh flags\n");
+    if (o->tree && (o->bench || o->replay || o->cp > 1 || o->pp > 1 || o->prefix_tree)) {
+        fprintf(stderr, "train: --schedule tree trains or checks on one rank or a dp x tp mesh: without --bench, --replay, "
+                "--prefix-tree, --cp or --pp\n");
         return 0;
     }
     if (o->prefix_tree && (o->check || o->bench || o->replay || on_mesh(o))) {
@@ -610,6 +611,19 @@ static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error 
     return st;
 }
 
+/* One optimizer step's groups over the mesh's dp ranks: placed whole (pr_trainer_compute_grads_dp),
+   or with --schedule tree as subtrees of their prefix tree. */
+static pr_status mesh_step_groups(const options *o, pr_trainer *tr, pr_comm *dp, const pr_group *batch, int nb,
+                                  const pr_step_opts *so, pr_step_stats *ss, pr_error *err) {
+    if (!o->tree || so->schedule != PR_SCHEDULE_REUSE) return pr_trainer_compute_grads_dp(tr, dp, batch, nb, so, ss, err);
+    pr_prefix_tree t;
+    memset(&t, 0, sizeof t);
+    pr_status st = pr_prefix_tree_build(&t, batch, nb, o->tree_min, err);
+    if (!st) st = pr_trainer_compute_grads_tree_dp(tr, dp, batch, nb, &t, so, ss, err);
+    pr_prefix_tree_free(&t);
+    return st;
+}
+
 static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     mesh_job *j = user;
     const options *o = j->o;
@@ -637,7 +651,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         reuse.schedule = PR_SCHEDULE_REUSE;
         pr_real *g = lead ? j->grads : malloc(sizeof(pr_real) * n), *p = lead ? j->params : malloc(sizeof(pr_real) * n);
         if (!g || !p) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
-        if (!st) st = pr_trainer_compute_grads_dp(tr, m.dp_comm, j->groups, j->n, &reuse, &ss, err);
+        if (!st) st = mesh_step_groups(o, tr, m.dp_comm, j->groups, j->n, &reuse, &ss, err);
         if (!st) st = pr_trainer_get_full(tr, PR_ARENA_GRADS, g, n, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, NULL, err);
         if (!st) st = pr_trainer_get_full(tr, PR_ARENA_PARAMS, p, n, err);
@@ -665,7 +679,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         const int nb = step_at(o, j->trace, pos, batch, &so, err);
         if (!nb) { st = err->status; break; }
         if (lead && nb < o->dp) j->split = 1;
-        st = pr_trainer_compute_grads_dp(tr, m.dp_comm, batch, nb, &so, &ss, err);
+        st = mesh_step_groups(o, tr, m.dp_comm, batch, nb, &so, &ss, err);
         if (!st && k == o->steps - 1 && o->save_grads) st = pr_trainer_save_grads(tr, o->save_grads, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, &gnorm, err);
         /* the step's sums over dp: its loss and the diagnostics' counts */
@@ -1128,8 +1142,8 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                "parameters after AdamW max abs %.2e, relative L2 %.2e\n", sizeof(pr_real) == 8 ? "double" : "fp32",
                wire_g.max_abs, wire_l2_g, wire_p.max_abs, wire_l2_p);
     if (vs_plain)
-        printf("check: reuse with offload %s, recompute %s vs neither: %ld gradient and parameter values differ in any bit\n",
-               orr.offload.enabled ? "on" : "off", recompute_name[orr.recompute], plain_diffs);
+        printf("check: %s with offload %s, recompute %s vs neither: %ld gradient and parameter values differ in any bit\n",
+               o->tree ? "tree" : "reuse", orr.offload.enabled ? "on" : "off", recompute_name[orr.recompute], plain_diffs);
     printf("check: %s loss |diff| %.2e; gradients max abs %.2e max rel %.2e; parameters after AdamW max abs %.2e max rel %.2e; %ld elements outside atol + rtol %.1e (parameters: + the AdamW slope times the gradient tolerance)\n",
            pass ? "PASS" : "FAIL", worst_loss, worst_g.max_abs, worst_g.max_rel, worst_p.max_abs, worst_p.max_rel,
            worst_g.bad + worst_p.bad, rtol);
@@ -1171,7 +1185,7 @@ static int run_prefix_tree(const options *o, const pr_trace *trace) {
     } while (pos < trace->n_groups);
     if (!rc)
         printf("all %d steps: prefix tokens full-sequence %ld, each group once %ld, each node once %ld: the tree runs %.1f%% fewer "
-               "prefix tokens than the reuse schedule (which runs %.1f%% fewer than full-sequence); trees are not run yet\n",
+               "prefix tokens than the reuse schedule (which runs %.1f%% fewer than full-sequence); --schedule tree runs them\n",
                steps, all[0], all[1], all[2], 100.0 * (double)(all[1] - all[2]) / (double)all[1],
                100.0 * (double)(all[0] - all[1]) / (double)all[0]);
     free(batch);

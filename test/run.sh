@@ -40,8 +40,11 @@ run "$dir/train-float" --bench capacity --bench-sizes gpu --bench-budget 6 --con
 run "$dir/train-float" --prefix-tree 4 --groups-per-step 4
 for p in float double; do
     run "$dir/train-$p" --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 3 --recompute prefix
+    run "$dir/train-$p" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 \
+        --aux-scope group --offload on
 done
 run "$dir/train-float" --schedule tree --groups-per-step 2 --steps 2
+run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 report

@@ -1219,6 +1219,7 @@ typedef struct {
     const pr_real *init;          /* the full model's starting parameters */
     int zero, steps;              /* ZeRO stage; AdamW steps (0: 1) */
     int bf16_grad_reduce;         /* the gradient sum over dp in bf16 */
+    int tree;                     /* the groups as their prefix tree (nodes from 1 token) */
     double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
 } mesh_run;
@@ -1241,9 +1242,16 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     pr_real *grads = world->rank ? malloc(sizeof(pr_real) * n) : m->grads;   /* every rank gathers; rank 0 keeps */
     pr_real *params = world->rank ? malloc(sizeof(pr_real) * n) : m->params;
     pr_adamw_opts adam = pr_adamw_opts_default();
+    pr_prefix_tree tree;
+    memset(&tree, 0, sizeof tree);
+    if (!s && m->tree) s = pr_prefix_tree_build(&tree, m->groups, m->n, 1, err);
     for (int k = 0; k < (m->steps ? m->steps : 1) && !s; k++) {
-        s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
-                      : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
+        if (m->tree)
+            s = sh.dp > 1 ? pr_trainer_compute_grads_tree_dp(tr, mesh.dp_comm, m->groups, m->n, &tree, &m->opt, &st, err)
+                          : pr_trainer_compute_grads_tree(tr, m->groups, m->n, &tree, &m->opt, &st, err);
+        else
+            s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
+                          : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
         if (!s) {
             m->loss[world->rank] = st.loss;
             s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
@@ -1255,6 +1263,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         free(grads);
         free(params);
     }
+    pr_prefix_tree_free(&tree);
     pr_trainer_destroy(tr);
     pr_mesh_free(&mesh);
     return s;
@@ -1270,8 +1279,8 @@ typedef struct {
     const char *name;
 } mesh_spec;
 
-static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
-                      pr_schedule sched, const char *label) {
+static void mesh_compare(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
+                         pr_schedule sched, int tree, const char *label) {
     pr_trainer *ref = make_model(c, 5);
     pr_real *init = params_of(ref);
     pr_step_opts o = pr_step_opts_default();
@@ -1298,6 +1307,7 @@ static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *grou
     m.opt.schedule = sched;
     m.opt.accumulate = 0;
     m.opt.offload.enabled = shape.offload;
+    m.tree = tree;
     m.grads = malloc(sizeof(pr_real) * np);
     m.params = malloc(sizeof(pr_real) * np);
     pr_status st = pr_comm_local_run(mesh_size(shape), mesh_rank, &m, &err);
@@ -1311,6 +1321,11 @@ static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *grou
     }
     free(m.grads); free(m.params); free(init); free(gref); free(pref);
     pr_trainer_destroy(ref);
+}
+
+static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
+                      pr_schedule sched, const char *label) {
+    mesh_compare(c, shape, groups, n, moe, sched, 0, label);
 }
 
 /* ZeRO: the same mesh run with the AdamW state unsharded and sharded over dp, three steps: the
@@ -2606,9 +2621,80 @@ static void tree_prefixes(test_group *tg, int n, const int chains[][6], const in
     }
 }
 
-static void test_trees(void) {
-    pr_config c = small_config(1, 0, 2);
+/* One tree step against the groups one by one on full sequences: loss, gradients, parameters after
+   AdamW, FLOPs and (MoE) the expert load, the tree's being the sum of the groups'. With offload on,
+   also against the same tree with offload off, bit for bit. */
+static void tree_case(const pr_config *c, const pr_group *groups, int n, const pr_step_opts *o, int min_shared,
+                      const char *what) {
     const double tol = IS_DOUBLE ? 1e-12 : 1e-5;
+    const int E = c->num_experts, L = c->num_hidden_layers;
+    pr_error err;
+    pr_prefix_tree tree;
+    CHECK(!pr_prefix_tree_build(&tree, groups, n, min_shared, &err), "tree build: %s", err.message);
+    char label[256];
+    snprintf(label, sizeof label, "tree (%s; %d nodes, min_shared %d)", what, tree.n_nodes, min_shared);
+    pr_trainer *ref = make_model(c, 8), *tr = make_model(c, 8);
+    pr_step_opts ob = *o;
+    ob.schedule = PR_SCHEDULE_BASELINE;
+    ob.recompute = PR_RECOMPUTE_NONE;
+    ob.offload.enabled = 0;
+    double ref_loss = 0, load_ref[64] = { 0 }, load[64] = { 0 };
+    for (int k = 0; k < n; k++) {
+        pr_step_stats one;
+        ob.accumulate = k > 0;
+        CHECK(!pr_trainer_compute_grads(ref, &groups[k], &ob, &one, NULL, &err), "%s: baseline: %s", label, err.message);
+        ref_loss += one.loss;
+        for (int l = 0; l < L && E; l++) {
+            CHECK(!pr_trainer_expert_load(ref, l, load, E, &err), "%s", err.message);
+            for (int e = 0; e < E; e++) load_ref[l * E + e] += load[e];
+        }
+    }
+    pr_step_stats st;
+    CHECK(!pr_trainer_compute_grads_tree(tr, groups, n, &tree, o, &st, &err), "%s: %s", label, err.message);
+    CHECK(fabs(st.loss - ref_loss) <= tol * fabs(ref_loss), "%s: loss %.17g, baseline %.17g", label, st.loss, ref_loss);
+    pr_real *g = grads_of(tr), *gr = grads_of(ref);
+    CHECK(close_arenas(tr, g, gr, "gradient", label), "%s: gradients vs the groups' full sequences", label);
+    for (int l = 0; l < L && E; l++) {
+        CHECK(!pr_trainer_expert_load(tr, l, load, E, &err), "%s", err.message);
+        for (int e = 0; e < E; e++)
+            CHECK(load[e] == load_ref[l * E + e], "%s: layer %d expert %d load %g, the groups' %g", label, l, e, load[e],
+                  load_ref[l * E + e]);
+    }
+    if (o->offload.enabled) {      /* offload moves bytes, nothing else */
+        pr_trainer *off = make_model(c, 8);
+        pr_step_opts oo = *o;
+        oo.offload.enabled = 0;
+        pr_step_stats so;
+        CHECK(!pr_trainer_compute_grads_tree(off, groups, n, &tree, &oo, &so, &err), "%s: %s", label, err.message);
+        pr_real *go = grads_of(off);
+        CHECK(!memcmp(g, go, sizeof(pr_real) * pr_trainer_param_count(tr)) && st.loss == so.loss,
+              "%s: offload on and off differ", label);
+        const pr_offload_stats *os = &st.offload;
+        CHECK(os->offloaded_bytes == os->loaded_bytes && os->offloaded_bytes >= os->dormant_bytes && os->dormant_bytes > 0 &&
+              (o->offload.pool_bytes ? os->pool_fallbacks > 0 : os->pool_fallbacks == 0) && so.offload.dormant_bytes == os->dormant_bytes,
+              "%s: offload moved %zu bytes out, %zu in, the deepest chain %zu, %d fallbacks", label, os->offloaded_bytes,
+              os->loaded_bytes, os->dormant_bytes, os->pool_fallbacks);
+        free(go);
+        pr_trainer_destroy(off);
+    }
+    /* one AdamW step on each: the updated parameters agree too */
+    pr_adamw_opts ao = pr_adamw_opts_default();
+    CHECK(!pr_trainer_adamw_step(tr, &ao, NULL, &err) && !pr_trainer_adamw_step(ref, &ao, NULL, &err), "%s: %s", label, err.message);
+    pr_real *p = params_of(tr), *pref = params_of(ref);
+    CHECK(close_arenas(tr, p, pref, "parameter", label), "%s: parameters after AdamW", label);
+    double fl = 0;
+    for (int k = 0; k < n; k++) fl += pr_step_flops(c, &groups[k], PR_SCHEDULE_REUSE);
+    CHECK(st.flops == pr_tree_flops(c, groups, n, &tree) && (tree.tokens_tree < tree.tokens_groups) == (st.flops < fl),
+          "%s: flops %.6g, the tree's %.6g, the groups' %.6g", label, st.flops, pr_tree_flops(c, groups, n, &tree), fl);
+    free(g); free(gr); free(p); free(pref);
+    pr_trainer_destroy(tr);
+    pr_trainer_destroy(ref);
+    pr_prefix_tree_free(&tree);
+}
+
+static void test_trees(void) {
+    pr_config c = small_config(1, 0, 2), m = moe_config(1), m8 = m;
+    m8.num_experts = 8;                 /* EP 2 divides them */
     const int S[8] = { 4, 9, 1, 5, 3, 7, 2, 6 };
     enum { NSEG = 9 };
     const int seg_len[NSEG] = { 6, 3, 2, 3, 5, 2, 4, 1, 7 };
@@ -2625,7 +2711,7 @@ static void test_trees(void) {
         { "system prompt over 4 groups", 4, flat }, { "depth 4, unbalanced, two roots", 6, deep }, { "one group", 1, alone } };
     static test_group tg[6];
     pr_group groups[6];
-    int cases = 0;
+    int cases = 0, moe_cases = 0, mesh_cases = 0;
     pr_error err;
     for (int sh = 0; sh < 3; sh++) {
         const int n = shapes[sh].n;
@@ -2640,43 +2726,68 @@ static void test_trees(void) {
             o.microbatch = mb;
             o.layout = v % 2 ? PR_LAYOUT_PACKED : PR_LAYOUT_PADDED;
             o.recompute = (pr_recompute)(v % 3);
+            o.offload.enabled = v >= 3;
+            o.offload.pool_bytes = v == 4 ? 1500 : 0;     /* a pool too small: some blocks on their own */
             CHECK(!pr_step_loss_totals(groups, n, 0, &o.loss.step, &err), "tree totals: %s", err.message);
-            pr_prefix_tree tree;
-            CHECK(!pr_prefix_tree_build(&tree, groups, n, min_shared, &err), "tree build: %s", err.message);
-            char label[192];
-            snprintf(label, sizeof label, "tree (%s; %d nodes, min_shared %d), %s, microbatch %d %s, recompute %d", shapes[sh].name,
-                     tree.n_nodes, min_shared, pr_loss_norm_name(o.loss.norm), mb, v % 2 ? "packed" : "padded", v % 3);
-            /* the reference: the groups one by one, full sequences */
-            pr_trainer *ref = make_model(&c, 8), *tr = make_model(&c, 8);
-            pr_step_opts ob = o;
-            ob.schedule = PR_SCHEDULE_BASELINE;
-            ob.recompute = PR_RECOMPUTE_NONE;
-            double ref_loss = 0;
-            CHECK(!run_step(ref, groups, n, ob, &ref_loss, NULL, &err), "%s: baseline: %s", label, err.message);
-            pr_step_stats st;
-            CHECK(!pr_trainer_compute_grads_tree(tr, groups, n, &tree, &o, &st, &err), "%s: %s", label, err.message);
-            CHECK(fabs(st.loss - ref_loss) <= tol * fabs(ref_loss), "%s: loss %.17g, baseline %.17g", label, st.loss, ref_loss);
-            pr_real *g = grads_of(tr), *gr = grads_of(ref);
-            CHECK(close_arenas(tr, g, gr, "gradient", label), "%s: gradients vs the groups' full sequences", label);
-            /* one AdamW step on each: the updated parameters agree too */
-            pr_adamw_opts ao = pr_adamw_opts_default();
-            CHECK(!pr_trainer_adamw_step(tr, &ao, NULL, &err) && !pr_trainer_adamw_step(ref, &ao, NULL, &err), "%s: %s", label, err.message);
-            pr_real *p = params_of(tr), *pref = params_of(ref);
-            CHECK(close_arenas(tr, p, pref, "parameter", label), "%s: parameters after AdamW", label);
-            double fl = 0;
-            for (int k = 0; k < n; k++) fl += pr_step_flops(&c, &groups[k], PR_SCHEDULE_REUSE);
-            CHECK(st.flops == pr_tree_flops(&c, groups, n, &tree) && (tree.tokens_tree < tree.tokens_groups) == (st.flops < fl),
-                  "%s: flops %.6g, the tree's %.6g, the groups' %.6g", label, st.flops, pr_tree_flops(&c, groups, n, &tree), fl);
-            free(g); free(gr); free(p); free(pref);
-            pr_trainer_destroy(tr);
-            pr_trainer_destroy(ref);
-            pr_prefix_tree_free(&tree);
+            char what[192];
+            snprintf(what, sizeof what, "%s, %s, microbatch %d %s, recompute %d, offload %s", shapes[sh].name,
+                     pr_loss_norm_name(o.loss.norm), mb, v % 2 ? "packed" : "padded", v % 3,
+                     v < 3 ? "off" : v == 4 ? "on, small pool" : "on");
+            tree_case(&c, groups, n, &o, min_shared, what);
             cases++;
+            /* MoE: each node's routing in the aux loss of every group below it, both scopes */
+            if (sh == 2 || v > 3) continue;
+            o.moe.scope = (pr_aux_scope)(v % 2);
+            snprintf(what, sizeof what, "MoE %s scope, %s, microbatch %d, recompute %d, offload %s", v % 2 ? "group" : "microbatch",
+                     shapes[sh].name, mb, v % 3, v == 3 ? "on" : "off");
+            tree_case(&m, groups, n, &o, min_shared, what);
+            moe_cases++;
+        }
+        /* on meshes of in-process ranks: subtrees placed over dp, tp inside every node */
+        const pr_moe_opts group_scope = { PR_AUX_SCOPE_GROUP, 0 };
+        const struct { const pr_config *c; mesh_shape s; const char *name; } meshes[2][3] = {
+            { { &c, { 2, 1, 1, 1, 1, 2, 1 }, "dp 2, offload" }, { &m8, { 2, 1, 1, 2, 2, 2, 0 }, "MoE dp 2 x tp 2 x ep 2" },
+              { &c, { 4, 1, 1, 1, 1, 0, 0 }, "dp 4, a group a rank" } },
+            { { &c, { 3, 1, 1, 1, 1, 1, 0 }, "dp 3" }, { &c, { 1, 1, 1, 2, 1, 2, 1 }, "tp 2, offload" },
+              { &c, { 2, 1, 1, 2, 1, 0, 0 }, "dp 2 x tp 2" } } };
+        for (int ranks = 1; ranks <= n; ranks++) {    /* the placement: every rank gets a group */
+            pr_prefix_tree t;
+            int owner[6], count[6] = { 0 };
+            CHECK(!pr_prefix_tree_build(&t, groups, n, 1, &err), "%s", err.message);
+            pr_tree_place(&c, groups, n, &t, ranks, owner);
+            for (int k = 0; k < n; k++) if (owner[k] >= 0 && owner[k] < ranks) count[owner[k]]++;
+            for (int r = 0; r < ranks; r++) CHECK(count[r] > 0, "tree placement of %d groups on %d ranks: rank %d has none", n, ranks, r);
+            pr_prefix_tree_free(&t);
+        }
+        for (int i = 0; i < 3 && sh < 2; i++) {
+            char label[160];
+            snprintf(label, sizeof label, "tree (%s) on %s", shapes[sh].name, meshes[sh][i].name);
+            mesh_compare(meshes[sh][i].c, meshes[sh][i].s, groups, n, group_scope, PR_SCHEDULE_REUSE, 1, label);
+            mesh_cases++;
         }
     }
-    printf("prefix trees: %d cases (3 shapes x loss modes, layouts, microbatches, recompute) against the full sequences\n", cases);
+    /* what the mesh refuses: cp, and fewer groups than dp ranks */
+    const mesh_shape refused[2] = { { 1, 1, 2, 1, 1, 0, 0 }, { 4, 1, 1, 1, 1, 0, 0 } };
+    const char *why[2] = { "cp or pp", "at least one a rank" };
+    for (int i = 0; i < 2; i++) {
+        pr_trainer *ref = make_model(&c, 5);
+        mesh_run mr;
+        memset(&mr, 0, sizeof mr);
+        mr.c = &c; mr.shape = refused[i]; mr.groups = groups; mr.n = i ? 2 : 1; mr.tree = 1;
+        pr_real *init = params_of(ref);
+        mr.init = init;
+        mr.opt = pr_step_opts_default();
+        mr.grads = malloc(sizeof(pr_real) * pr_trainer_param_count(ref));
+        mr.params = malloc(sizeof(pr_real) * pr_trainer_param_count(ref));
+        CHECK(pr_comm_local_run(mesh_size(refused[i]), mesh_rank, &mr, &err) != PR_OK && strstr(err.message, why[i]),
+              "tree refused on a mesh: %s", err.message);
+        free(init); free(mr.grads); free(mr.params);
+        pr_trainer_destroy(ref);
+    }
+    printf("prefix trees: %d cases (3 shapes x loss modes, layouts, microbatches, recompute, offload), %d MoE cases and %d on "
+           "meshes against the full sequences\n", cases, moe_cases, mesh_cases);
 
-    /* refused: another tree's groups, MoE, offload, the baseline schedule */
+    /* refused: another tree's groups, the baseline schedule */
     pr_prefix_tree tree;
     CHECK(!pr_prefix_tree_build(&tree, groups, 1, 1, &err), "%s", err.message);
     pr_trainer *tr = make_model(&c, 8);
@@ -2692,17 +2803,8 @@ static void test_trees(void) {
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 2, &two, &o, NULL, &err) == PR_ERR_ARG && strstr(err.message, "not its tokens"),
           "tree of other tokens: %s", err.message);
     pr_prefix_tree_free(&two);
-    o.offload.enabled = 1;
-    CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_UNSUPPORTED, "tree offload: %s", err.message);
-    o = pr_step_opts_default();
     o.schedule = PR_SCHEDULE_BASELINE;
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG, "tree baseline: %s", err.message);
-    pr_trainer_destroy(tr);
-    pr_config m = moe_config(1);
-    tr = make_model(&m, 8);
-    o = pr_step_opts_default();
-    CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_UNSUPPORTED && strstr(err.message, "MoE"),
-          "tree MoE: %s", err.message);
     pr_trainer_destroy(tr);
     pr_prefix_tree_free(&tree);
 }
