@@ -808,8 +808,10 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
    pr_trainer_compute_grads and the same options, step totals included (opt->loss.step: 0 takes
    each group's own), but for the expert load (pr_trainer_expert_load), which is the whole step's
    (the sum of the groups' loads), and the offload stats, which cover every node (dormant_bytes:
-   the deepest chain of nodes, whose blocks rest at once). MoE and offload as in pr_trainer_compute_grads; the reuse
-   schedule on one rank: a mesh is refused with PR_ERR_UNSUPPORTED. */
+   the deepest chain of nodes, whose blocks rest at once). MoE and offload as in
+   pr_trainer_compute_grads. The reuse schedule; on a mesh, TP and PP run inside the tree (with tp
+   or pp, opt->accumulate is refused: see pr_trainer_compute_grads_tree_dp), CP and MoE with PP
+   are refused with PR_ERR_UNSUPPORTED. */
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 /* Model FLOPs of that step: each group's suffixes as pr_step_flops counts them, each node once. */
@@ -3831,7 +3833,7 @@ static pr_status pr__tree_check(const pr_prefix_tree *tree, const pr_group *grou
     return PR_OK;
 }
 
-/* The tree step on this rank: its groups' gradients, summed over the mesh's TP ranks when
+/* The tree step on this rank: its groups' gradients, summed over the mesh (TP, PP) when
    opt->accumulate is 0 (pr_trainer_compute_grads_tree_dp accumulates, then sums once). */
 static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                         const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
@@ -3839,8 +3841,8 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: NULL argument or no groups");
     if (opt->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
-    if (pr__cp(tr) > 1 || pr__pp(tr) > 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp or pp are not implemented (dp and tp are)");
+    if (pr__cp(tr) > 1 || (pr__pp(tr) > 1 && tr->cfg.num_experts))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp, or MoE with pp, are not implemented (dp, pp and tp are)");
     pr_status st = pr__tree_check(tree, groups, n, err);
     for (int k = 0; k < n && !st; k++) {
         if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
@@ -3940,8 +3942,8 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
 
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
-    if (tr && opt && opt->accumulate && pr__tp(tr) > 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp, a step accumulates "
+    if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__pp(tr) > 1))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp or pp, a step accumulates "
                         "through pr_trainer_compute_grads_tree_dp (its sums over the mesh run once, after the last group)");
     return pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
 }

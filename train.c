@@ -69,7 +69,7 @@ static void usage(FILE *f) {
         "  --layers N             keep only the first N layers of the model (benchmarks of large shapes)\n"
         "schedule\n"
         "  --schedule S           baseline | reuse | tree (default reuse). tree: each optimizer step's groups\n"
-        "                         as their prefix tree (README \"Prefix trees\"), on one rank or dp x tp\n"
+        "                         as their prefix tree (README \"Prefix trees\"), on one rank or dp x pp x tp\n"
         "  --tree-min N           --schedule tree: a run shared by two or more groups becomes a node from\n"
         "                         N tokens (default 16)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
@@ -337,9 +337,9 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
         return 0;
     }
-    if (o->tree && (o->bench || o->replay || o->cp > 1 || o->pp > 1 || o->prefix_tree)) {
-        fprintf(stderr, "train: --schedule tree trains or checks on one rank or a dp x tp mesh: without --bench, --replay, "
-                "--prefix-tree, --cp or --pp\n");
+    if (o->tree && (o->bench || o->replay || o->cp > 1 || o->prefix_tree)) {
+        fprintf(stderr, "train: --schedule tree trains or checks on one rank or a dp x pp x tp mesh: without --bench, --replay, "
+                "--prefix-tree or --cp\n");
         return 0;
     }
     if (o->prefix_tree && (o->check || o->bench || o->replay || on_mesh(o))) {

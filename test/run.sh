@@ -44,7 +44,7 @@ for p in float double; do
         --aux-scope group --offload on
 done
 run "$dir/train-float" --schedule tree --groups-per-step 2 --steps 2
-run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2
+run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2 --pp 2
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 report

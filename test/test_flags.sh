@@ -42,7 +42,7 @@ check "bad value '0' for --replay"          --replay 0
 check "bad value '0' for --prefix-tree"     --prefix-tree 0
 check "--prefix-tree reports on the trace"  --prefix-tree 4 --check
 check "bad value '0' for --tree-min"       --tree-min 0
-check "--schedule tree trains or checks on one rank or a dp x tp mesh" --schedule tree --cp 2
+check "--schedule tree trains or checks on one rank or a dp x pp x tp mesh" --schedule tree --cp 2
 check "bad value 'tpu' for --bench-sizes"   --bench capacity --bench-sizes tpu
 check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes gpu
 check "--bench speed and memory run on one rank" --bench memory --dp 2
