@@ -268,10 +268,17 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
    suffix_off[i] + j. old_logp/ref_logp of that token are its log-probabilities under the rollout
    and reference policies given everything before it; suffix token 0 is predicted from the last
    prefix position. loss_mask is 1 where the token contributes to the loss.
+   A multi-turn group may train tokens of its prefix too (a turn every trajectory shares, after
+   which they branch): prefix_mask is 1 at those positions, and each trajectory's loss counts them
+   with its own advantage, as if the prefix were repeated at the head of every suffix. A
+   trajectory's length (PR_NORM_SEQ_MEAN_TOKEN_SUM_NORM) then runs from the first trained prefix
+   token. NULL prefix_mask: the prefix is context only.
    Field rules (pr_trace_parse and pr_group_validate check the same ones):
      1 <= P, G, S_i <= 2^24;  suffix_off[0] = 0, suffix_off[i+1] = suffix_off[i] + suffix_len[i];
      every token id in [0, vocab_size);  advantages finite;  log-probs finite and <= 0;
-     ref_logp NULL or fully given;  loss_mask entries 0 or 1. */
+     ref_logp NULL or fully given;  loss_mask entries 0 or 1;  prefix_mask NULL or entries 0 or 1
+     with prefix_mask[0] = 0, prefix_old_logp given with it, prefix_ref_logp given with it exactly
+     when ref_logp is. */
 #define PR_TRACE_MAX_COUNT (1 << 24)   /* largest P, G and S_i */
 
 typedef struct {
@@ -285,6 +292,9 @@ typedef struct {
     pr_real *old_logp;     /* (suffix_off[G]) */
     pr_real *ref_logp;     /* (suffix_off[G]) or NULL */
     uint8_t *loss_mask;    /* (suffix_off[G]) */
+    uint8_t *prefix_mask;      /* (P) or NULL: 1 where a prefix token is trained in every trajectory */
+    pr_real *prefix_old_logp;  /* (P) with prefix_mask, else NULL */
+    pr_real *prefix_ref_logp;  /* (P) with prefix_mask and ref_logp, else NULL */
 } pr_group;
 
 /* Optimizer steps: a version-2 file says which groups form each step, consecutive groups in file
@@ -310,7 +320,8 @@ PRDEF void pr_trace_free(pr_trace *trace);
 /* Check a group (e.g. one built in memory by the caller) against the field rules above. */
 PRDEF pr_status pr_group_validate(const pr_group *g, int vocab_size, pr_error *err);
 /* The bytes of a trace, the inverse of pr_trace_parse (reals stored as float32, as the format
-   has them): format version 2 with its step table when n_steps > 0, else version 1. Every group
+   has them): format version 2 with its step table when n_steps > 0, else version 1; flag bit 1
+   and every group's prefix arrays when any group trains prefix tokens. Every group
    is validated first; ref_logp must be present in every group exactly when has_ref; the step
    table must start at 0, give every step at least one group and end at n_groups. *bytes is
    allocated with PR_MALLOC; release it with PR_FREE. */
@@ -2062,8 +2073,9 @@ typedef struct {
 typedef struct {
     const pr_group *g;
     const pr_step_opts *opt;
-    const pr_real *tok_weight;
-    pr_real *logp;
+    const pr_real *tok_weight;   /* (n_tok) each loss slot's share of the loss */
+    pr_real *logp;               /* (n_tok) */
+    pr_real *user_logp;          /* the caller's buffer for the suffix tokens' log-probs, or NULL */
     double loss;
     long rows;
     pr__moe_acc moe;
@@ -2074,7 +2086,7 @@ typedef struct {
     pr_comm *team;
     int mb;                      /* trajectories per microbatch */
     int owner;                   /* 1 on the rank that runs Phases A and C (rank 0 of a team) */
-    long n_tok;                  /* the group's suffix tokens */
+    long n_tok;                  /* the group's loss slots (pr__loss_slots) */
     /* What pr__step_begin allocated (NULL: nothing, or the caller's log-probs buffer) */
     pr_real *mem_tok_weight, *mem_logp;
     double *mem_moe;
@@ -2885,6 +2897,19 @@ static void pr__batch_free(pr__batch *b) {
     memset(b, 0, sizeof *b);
 }
 
+/* Trained prefix tokens among positions j0 .. j1-1 (none without a prefix mask). */
+static int pr__prefix_trained(const pr_group *g, int j0, int j1) {
+    int n = 0;
+    for (int j = j0 < 1 ? 1 : j0; g->prefix_mask && j < j1 && j < g->P; j++) n += g->prefix_mask[j];
+    return n;
+}
+
+/* A group's loss slots: its suffix tokens as the flat arrays hold them, then with a prefix mask
+   every trajectory's copy of the prefix (slot suffix_off[G] + i*P + j: token j for trajectory i). */
+static long pr__loss_slots(const pr_group *g) {
+    return (long)g->suffix_off[g->G] + (g->prefix_mask ? (long)g->G * g->P : 0);
+}
+
 static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
     long f = (long)g->suffix_off[i] + j;
     int m = h->M++;
@@ -2897,10 +2922,25 @@ static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *to
     h->weight[m] = tok_weight[f];
 }
 
+/* Trained prefix token j (prefix_mask) for trajectory i, predicted by `row`: its loss slot. */
+static void pr__head_push_prefix(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
+    long f = (long)g->suffix_off[g->G] + (long)i * g->P + j;
+    int m = h->M++;
+    h->row[m] = row;
+    h->flat[m] = f;
+    h->target[m] = g->prefix[j];
+    h->old_logp[m] = g->prefix_old_logp[j];
+    if (h->ref_logp) h->ref_logp[m] = g->prefix_ref_logp[j];
+    h->advantage[m] = g->advantage[i];
+    h->weight[m] = tok_weight[f];
+}
+
 /* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind; for PR__BATCH_PREFIX
    prefix rows i0 .. i0+n-1 instead (the whole prefix, or one node of a prefix tree).
    Token j of suffix i is predicted by the row just before it: the last prefix row for j = 0
-   (which the prefix batch that ends the prefix owns under reuse), else the row of suffix token j-1. */
+   (which the prefix batch that ends the prefix owns under reuse), else the row of suffix token j-1.
+   A trained prefix token j is predicted by prefix row j-1, once for every trajectory: in the
+   batch that holds that row (the prefix batch, for all G; a full sequence, for its own). */
 static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                  pr__batch_kind kind, int packed, pr_error *err) {
     const int P = g->P, ends = kind == PR__BATCH_PREFIX && i0 + n == P;
@@ -2913,7 +2953,10 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     memset(b, 0, sizeof *b);
     int nseg = kind == PR__BATCH_PREFIX ? 1 : n;
     long rows = kind == PR__BATCH_PREFIX ? n : kind == PR__BATCH_FULL ? (long)n * (P + smax) : packed ? sum : (long)n * smax;
-    long mrows = kind == PR__BATCH_PREFIX ? (ends ? g->G : 0) : kind == PR__BATCH_FULL ? sum : sum - n;
+    const long trained = kind == PR__BATCH_PREFIX ? pr__prefix_trained(g, i0 + 1, i0 + n + 1)
+                       : kind == PR__BATCH_FULL ? pr__prefix_trained(g, 0, P) : 0;
+    long mrows = kind == PR__BATCH_PREFIX ? (ends ? g->G : 0) + g->G * trained : kind == PR__BATCH_FULL ? sum + n * trained
+               : sum - n;
     b->N = (int)rows;
     b->n_traj = kind == PR__BATCH_PREFIX ? g->G : n;
     b->seg_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
@@ -2940,6 +2983,9 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
         b->seg_off[0] = 0; b->seg_off[1] = n;
         memcpy(b->tokens, g->prefix + i0, sizeof(int32_t) * (size_t)n);
         memset(b->real, 1, (size_t)n);
+        for (int i = 0; trained && i < g->G; i++)
+            for (int j = i0 + 1; j <= i0 + n && j < P; j++)
+                if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, j - 1 - i0, i, j);
         for (int i = 0; ends && i < g->G; i++) pr__head_push(&b->head, g, tok_weight, n - 1, i, 0);
         return PR_OK;
     }
@@ -2959,6 +3005,8 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
         for (int r = used; r < len; r++) b->tokens[off + r] = 0;   /* padding */
         memset(b->real + off, 1, (size_t)used);
         memset(b->real + off + used, 0, (size_t)(len - used));
+        for (int j = 1; trained && kind == PR__BATCH_FULL && j < P; j++)
+            if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, off + j - 1, i, j);
         if (kind == PR__BATCH_FULL)
             for (int j = 0; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + P - 1 + j, i, j);
         else
@@ -3274,14 +3322,15 @@ static pr_status pr__phase_b_suffix_microbatches(pr_trainer *tr, pr__step_ctx *c
 /* ---------------------------------------------------------------- 4.3 Phase C: the prefix backward, once */
 /* Phase C: the prefix backward once, through this stage's layers (from the next stage's
    gradient, on to the previous). The first token of every suffix is predicted from the last
-   prefix row, so its loss enters here directly: the last stage's head at row P-1, for each of
-   the n_ends groups whose prefix ends with this pass (ends[0] the group its batch was made
-   from). Everything else the suffixes (in a tree, also the nodes below) ask of the prefix
-   arrives through its rows of gK/gV, which become the starting dK/dV of each layer's attention
-   backward. A tree node also attends to the rows above it: their dK/dV join the path's gK/gV,
-   for those nodes' own backward later. */
+   prefix row, and a trained prefix token (prefix_mask) from the row before it, so their loss
+   enters here directly: the last stage's head, for each of the n_heads groups with loss rows in
+   this pass (heads[0] the group its batch was made from; in a tree also the other groups whose
+   prefix ends with the node, or that train tokens of it). Everything else the suffixes (in a
+   tree, also the nodes below) ask of the prefix arrives through its rows of gK/gV, which become
+   the starting dK/dV of each layer's attention backward. A tree node also attends to the rows
+   above it: their dK/dV join the path's gK/gV, for those nodes' own backward later. */
 static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path,
-                                             pr__step_ctx *const *ends, int n_ends, pr_error *err) {
+                                             pr__step_ctx *const *heads, int n_heads, pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
@@ -3297,9 +3346,9 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     if (!st && o->on) st = pr__prefetch_block(tr, o, &ps->pass, L - 1, budget, err);   /* overlaps the head */
     if (st) return st;
     pr__zero_acts(tr, s.dres, (size_t)P * C);
-    for (int k = 0; pr__last_stage(tr) && k < n_ends && !st; k++) {
-        pr__step_ctx *e = ends[k];
-        pr__batch own_rows;           /* another group ending here: the same rows, its own loss rows */
+    for (int k = 0; pr__last_stage(tr) && k < n_heads && !st; k++) {
+        pr__step_ctx *e = heads[k];
+        pr__batch own_rows;           /* another group: the same rows, its own loss rows */
         memset(&own_rows, 0, sizeof own_rows);
         if (k) st = pr__batch_make(tr, &own_rows, e->g, e->tok_weight, ps->start, P, PR__BATCH_PREFIX, 0, err);
         if (!st) st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, k ? &own_rows.head : &ps->batch.head,
@@ -3356,8 +3405,12 @@ PRDEF pr_step_opts pr_step_opts_default(void) {
 /* One group's totals (its masked tokens, its G, its longest suffix): the step it is alone. */
 static pr_step_norm pr__group_totals(const pr_group *g) {
     pr_step_norm t = { 0, g->G, 0 };
+    int first = 0;                       /* the first trained prefix token: where a trajectory's length starts */
+    while (g->prefix_mask && first < g->P && !g->prefix_mask[first]) first++;
+    const int lead = g->prefix_mask && first < g->P ? g->P - first : 0;
     for (int64_t f = 0; f < g->suffix_off[g->G]; f++) t.tokens += g->loss_mask[f];
-    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > t.norm_len) t.norm_len = g->suffix_len[i];
+    t.tokens += (int64_t)g->G * pr__prefix_trained(g, 0, g->P);
+    for (int i = 0; i < g->G; i++) if (lead + g->suffix_len[i] > t.norm_len) t.norm_len = lead + g->suffix_len[i];
     return t;
 }
 
@@ -3453,13 +3506,17 @@ static void pr__token_weights(const pr_group *g, const pr_loss_opts *lo, pr_real
     const double T = (double)(lo->step.tokens ? lo->step.tokens : own.tokens);
     const double N = (double)(lo->step.trajectories ? lo->step.trajectories : own.trajectories);
     const double L = (double)(lo->step.norm_len ? lo->step.norm_len : own.norm_len);
+    const long base = (long)g->suffix_off[g->G];
+    const int trained = pr__prefix_trained(g, 0, g->P);
     for (int i = 0; i < g->G; i++) {
-        long n_i = 0;
+        long n_i = trained;
         for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) n_i += g->loss_mask[f];
         double denom = lo->norm == PR_NORM_TOKEN_MEAN ? T : lo->norm == PR_NORM_SEQ_MEAN_TOKEN_MEAN ? N * (double)n_i
                      : lo->norm == PR_NORM_SEQ_MEAN_TOKEN_SUM ? N : L;
         for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++)
             w[f] = g->loss_mask[f] ? (pr_real)(1.0 / denom) : 0;
+        for (int j = 0; g->prefix_mask && j < g->P; j++)
+            w[base + (long)i * g->P + j] = g->prefix_mask[j] ? (pr_real)(1.0 / denom) : 0;
     }
 }
 
@@ -3483,13 +3540,14 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
     int B = 0;                   /* the group's microbatches, over the team */
     for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;
     memset(cx, 0, sizeof *cx);
-    cx->n_tok = g->suffix_off[G];
+    cx->n_tok = pr__loss_slots(g);
     cx->mem_tok_weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
-    if (!logp) cx->mem_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
-    pr_real *lp = logp ? logp : cx->mem_logp;
+    if (!logp || g->prefix_mask) cx->mem_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)cx->n_tok);
+    pr_real *lp = cx->mem_logp ? cx->mem_logp : logp;      /* the caller's gets the suffix tokens' at the end */
+    cx->user_logp = logp;
     if (!cx->mem_tok_weight || !lp) {
         pr__step_free(cx);
-        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld suffix tokens", cx->n_tok);
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld loss tokens", cx->n_tok);
     }
     pr__token_weights(g, &opt->loss, cx->mem_tok_weight);
     if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
@@ -3613,6 +3671,19 @@ static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
     if (!cx->opt->accumulate) pr__mesh_sync_grads(tr);
 }
 
+/* A loss slot's share of the stats: clipped or not, its KL to the reference. */
+static void pr__slot_stats(pr_step_stats *s, const pr__step_ctx *cx, long f, double old_logp, const pr_real *ref_logp,
+                           double advantage) {
+    if (cx->tok_weight[f] == 0) return;
+    int clipped;
+    pr__ppo_surrogate(cx->logp[f], old_logp, advantage, &cx->opt->loss, &clipped);
+    s->clipped_tokens += clipped;
+    if (ref_logp) {
+        const double delta = (double)*ref_logp - cx->logp[f];
+        s->kl_sum += exp(delta) - delta - 1;
+    }
+}
+
 /* Step 5, the stats: the step's status (the schedule's, else the backend's, the collectives',
    an allocation's), and on success the loss, rows, peaks and FLOPs in *stats (may be NULL). The
    step's memory is given back either way. */
@@ -3620,18 +3691,16 @@ static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s
                               pr_error *err) {
     const pr_backend *be = tr->be;
     const pr_group *g = cx->g;
+    const long base = (long)g->suffix_off[g->G];
     for (long f = 0; cx->owner && f < cx->n_tok; f++) s->loss_tokens += cx->tok_weight[f] != 0;
-    for (int i = 0; cx->owner && !st && i < g->G; i++)    /* counted once for a team, as loss_tokens */
-        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++) {
-            if (cx->tok_weight[f] == 0) continue;
-            int clipped;
-            pr__ppo_surrogate(cx->logp[f], g->old_logp[f], g->advantage[i], &cx->opt->loss, &clipped);
-            s->clipped_tokens += clipped;
-            if (g->ref_logp) {
-                const double delta = (double)g->ref_logp[f] - cx->logp[f];
-                s->kl_sum += exp(delta) - delta - 1;
-            }
-        }
+    for (int i = 0; cx->owner && !st && i < g->G; i++) {    /* counted once for a team, as loss_tokens */
+        for (long f = g->suffix_off[i]; f < g->suffix_off[i + 1]; f++)
+            pr__slot_stats(s, cx, f, g->old_logp[f], g->ref_logp ? g->ref_logp + f : NULL, g->advantage[i]);
+        for (int j = 0; g->prefix_mask && j < g->P; j++)
+            pr__slot_stats(s, cx, base + (long)i * g->P + j, g->prefix_old_logp[j],
+                           g->prefix_ref_logp ? g->prefix_ref_logp + j : NULL, g->advantage[i]);
+    }
+    if (cx->user_logp && cx->user_logp != cx->logp) memcpy(cx->user_logp, cx->logp, sizeof(pr_real) * (size_t)base);
     s->aux_loss = cx->moe.aux;
     s->routing_prepass = cx->moe.prepass;
     pr__step_free(cx);
@@ -3703,9 +3772,10 @@ PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule sc
     double C = c->hidden_size, V = c->vocab_size, per_token, per_pair;
     pr__flop_rates(c, &per_token, &per_pair);
     double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
+    const double trained = pr__prefix_trained(g, 0, g->P);     /* every trajectory's loss row in either schedule */
     for (int i = 0; i < g->G; i++) {
         double S = g->suffix_len[i], T = P + S;
-        head_rows += S;
+        head_rows += S + trained;
         if (schedule == PR_SCHEDULE_BASELINE) { tokens += T; pairs += T * (T + 1) / 2; }
         else { tokens += S; pairs += S * P + S * (S + 1) / 2; }
     }
@@ -3729,7 +3799,7 @@ typedef struct {
     pr__step_ctx *cx;            /* (n_groups) each group's step */
     int *first_child, *next_sibling, *first_end, *next_end, *from;   /* (n_nodes), ends (n_groups) */
     int *copies;                 /* (n_nodes) the trajectories below each node */
-    pr__step_ctx **ends;         /* (n_groups) scratch: one node's ending groups */
+    pr__step_ctx **heads;        /* (n_groups) scratch: the groups with loss rows in one node */
     double *aux_c;               /* (num_experts) MoE scratch: a node's aux gradient */
     size_t pool_stack;           /* offload: the dormant bytes of the deepest chain of nodes */
     pr__kv_path path;
@@ -3779,7 +3849,8 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     be->sync(be);
     t->s->seconds[PR_PHASE_A] += pr__now() - t0;
     for (int c = t->first_child[node]; c >= 0 && !st; c = t->next_sibling[c]) st = pr__tree_node_run(tr, t, c, &ps.off, err);
-    int n_ends = 0;
+    int n_heads = 0;             /* the groups with loss rows in the node: its batch's group first */
+    t->heads[n_heads++] = cx;
     for (int k = t->first_end[node]; k >= 0 && !st; k = t->next_end[k]) {
         int n_mb = 0;
         t0 = pr__now();
@@ -3789,8 +3860,13 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
         be->sync(be);
         t->s->seconds[PR_PHASE_B] += pr__now() - t0;
         t->s->microbatches += n_mb;
-        t->ends[n_ends++] = &t->cx[k];
+        if (&t->cx[k] != cx) t->heads[n_heads++] = &t->cx[k];
     }
+    for (int k = 0; k < tree->n_groups; k++)       /* groups passing through that train tokens of it */
+        if (&t->cx[k] != cx && tree->group_node[k] != node && pr__prefix_trained(t->cx[k].g, nd->start + 1,
+                                                                                   nd->start + nd->len + 1) &&
+            pr__tree_below(tree, node, k))
+            t->heads[n_heads++] = &t->cx[k];
     if (cx->moe.on) {                             /* every group below has its aux gradient now */
         memset(t->aux_c, 0, sizeof(double) * (size_t)E);
         for (int k = 0; k < tree->n_groups; k++)
@@ -3800,7 +3876,7 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     }
     t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_C);
-    if (!st) st = pr__phase_c_prefix_backward(tr, cx, &ps, &t->path, t->ends, n_ends, err);
+    if (!st) st = pr__phase_c_prefix_backward(tr, cx, &ps, &t->path, t->heads, n_heads, err);
     be->sync(be);
     t->s->seconds[PR_PHASE_C] += pr__now() - t0;
     pr__offload_stats_add(&t->s->offload, &ps.off.st);
@@ -3859,11 +3935,11 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     t.cx = (pr__step_ctx *)PR_MALLOC(sizeof(pr__step_ctx) * (size_t)n);
     pr_step_opts *o = (pr_step_opts *)PR_MALLOC(sizeof(pr_step_opts) * (size_t)n);
     int *idx = (int *)PR_MALLOC(sizeof(int) * (5 * (size_t)N + 2 * (size_t)n));
-    t.ends = (pr__step_ctx **)PR_MALLOC(sizeof(pr__step_ctx *) * (size_t)n);
+    t.heads = (pr__step_ctx **)PR_MALLOC(sizeof(pr__step_ctx *) * (size_t)n);
     size_t *stack = (size_t *)PR_MALLOC(sizeof(size_t) * (size_t)N);
     t.aux_c = (double *)PR_MALLOC(sizeof(double) * ((size_t)tr->cfg.num_experts + 1));
-    if (!t.cx || !o || !idx || !t.ends || !stack || !t.aux_c) {
-        PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends); PR_FREE(stack); PR_FREE(t.aux_c);
+    if (!t.cx || !o || !idx || !t.heads || !stack || !t.aux_c) {
+        PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.heads); PR_FREE(stack); PR_FREE(t.aux_c);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a tree of %d nodes", N);
     }
     t.first_child = idx; t.next_sibling = idx + N; t.first_end = idx + 2 * N; t.from = idx + 3 * N;
@@ -3928,7 +4004,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         if (!st && sk) st = sk;
         if (!st) pr_step_stats_add(&total, &one);
     }
-    PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.ends); PR_FREE(t.aux_c);
+    PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.heads); PR_FREE(t.aux_c);
     if (st) return st;
     memcpy(total.seconds, s.seconds, sizeof s.seconds);
     total.microbatches = s.microbatches;
@@ -7931,6 +8007,23 @@ static pr_status pr__group_check(const pr_group *g, int vocab_size, pr_status co
                 return pr__fail(err, code, "%s: suffix %d: loss_mask[%lld] = %u (must be 0 or 1)", where, i,
                                 (long long)j, (unsigned)g->loss_mask[o + j]);
     }
+    if (!g->prefix_mask) {
+        if (g->prefix_old_logp || g->prefix_ref_logp)
+            return pr__fail(err, code, "%s: prefix_old_logp or prefix_ref_logp without prefix_mask", where);
+        return PR_OK;
+    }
+    if (!g->prefix_old_logp || !g->prefix_ref_logp != !g->ref_logp)
+        return pr__fail(err, code, "%s: prefix_mask needs prefix_old_logp, and prefix_ref_logp exactly when ref_logp is given",
+                        where);
+    if (g->prefix_mask[0])
+        return pr__fail(err, code, "%s: prefix_mask[0] = %u (the first token has nothing to predict it: must be 0)", where,
+                        (unsigned)g->prefix_mask[0]);
+    for (i = 1; i < g->P; i++)
+        if (g->prefix_mask[i] > 1)
+            return pr__fail(err, code, "%s: prefix_mask[%d] = %u (must be 0 or 1)", where, i, (unsigned)g->prefix_mask[i]);
+    if ((st = pr__trace_reals(err, code, where, -1, "prefix_old_logp", g->prefix_old_logp, g->P, 1)) ||
+        (g->prefix_ref_logp && (st = pr__trace_reals(err, code, where, -1, "prefix_ref_logp", g->prefix_ref_logp, g->P, 1))))
+        return st;
     return PR_OK;
 }
 
@@ -7953,11 +8046,12 @@ static int pr__trace_take(unsigned char *block, size_t *used, size_t n, size_t e
    with block == NULL it checks the structure (counts, limits, sizes against the bytes left) and
    adds the block size to *used; with the block it carves the arrays from it and fills them. */
 static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char *name, const pr_trace *t,
-                                unsigned char *block, size_t *used, int **step_off, pr_error *err) {
+                                int prefix_loss, unsigned char *block, size_t *used, int **step_off, pr_error *err) {
     const size_t per_tok = 4 + 4 + (t->has_ref ? 4 : 0) + 1;   /* token, old_logp, [ref_logp], mask */
+    const size_t per_prefix_tok = prefix_loss ? 1 + 4 + (t->has_ref ? 4 : 0) : 0;   /* flag bit 1: mask, old, [ref] */
     size_t pos = t->n_steps ? 28 + 4 * (size_t)t->n_steps : 24;   /* after the header and the step table */
     pr_group *groups = NULL;
-    void *at[8] = {0};   /* addresses from pr__trace_take (filling pass only) */
+    void *at[11] = {0};  /* addresses from pr__trace_take (filling pass only) */
     pr_status st;
     if (!pr__trace_take(block, used, (size_t)t->n_groups, sizeof(pr_group), &at[0]) ||
         !pr__trace_take(block, used, t->n_steps ? (size_t)t->n_steps + 1 : 0, sizeof(int), &at[1]))
@@ -7986,6 +8080,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             (st = pr__trace_count(err, PR_ERR_FORMAT, where, "G (number of suffixes)", G)))
             return st;
         need = 4 * (uint64_t)P + 8 * (uint64_t)G;   /* prefix_tokens, suffix_len, advantage */
+        const uint64_t tail = (uint64_t)P * per_prefix_tok;     /* after the suffixes: the trained prefix tokens */
         if (need > len - pos)
             return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: prefix_tokens[%u], suffix_len[%u] and advantage[%u] "
                             "need %llu bytes at offset %zu, %zu left", where, P, G, G, (unsigned long long)need,
@@ -8003,6 +8098,10 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: %llu suffix tokens need %llu bytes at offset %llu, "
                             "%llu left", where, (unsigned long long)N, (unsigned long long)(N * per_tok),
                             (unsigned long long)(pos + need), (unsigned long long)(len - pos - need));
+        if (tail > len - pos - need - N * per_tok)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: truncated: prefix_mask, prefix_old_logp%s need %llu bytes at offset "
+                            "%llu, %llu left", where, t->has_ref ? " and prefix_ref_logp" : "", (unsigned long long)tail,
+                            (unsigned long long)(pos + need + N * per_tok), (unsigned long long)(len - pos - need - N * per_tok));
         if (!pr__trace_take(block, used, (size_t)G + 1, sizeof(int64_t), &at[0]) ||   /* suffix_off */
             !pr__trace_take(block, used, G, sizeof(pr_real), &at[1]) ||                /* advantage */
             !pr__trace_take(block, used, (size_t)N, sizeof(pr_real), &at[2]) ||        /* old_logp */
@@ -8010,7 +8109,10 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             !pr__trace_take(block, used, P, sizeof(int32_t), &at[4]) ||                /* prefix */
             !pr__trace_take(block, used, (size_t)N, sizeof(int32_t), &at[5]) ||        /* tokens */
             !pr__trace_take(block, used, G, sizeof(int), &at[6]) ||                    /* suffix_len */
-            !pr__trace_take(block, used, (size_t)N, 1, &at[7]))                        /* loss_mask */
+            !pr__trace_take(block, used, (size_t)N, 1, &at[7]) ||                      /* loss_mask */
+            !pr__trace_take(block, used, prefix_loss ? P : 0, 1, &at[8]) ||            /* prefix_mask */
+            !pr__trace_take(block, used, prefix_loss ? P : 0, sizeof(pr_real), &at[9]) ||
+            !pr__trace_take(block, used, prefix_loss && t->has_ref ? P : 0, sizeof(pr_real), &at[10]))
             goto too_big;
         if (block) {
             pr_group *g = &groups[gi];
@@ -8024,6 +8126,8 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             g->tokens = (int32_t *)at[5];
             g->suffix_len = (int *)at[6];
             g->loss_mask = (uint8_t *)at[7];
+            g->prefix_mask = NULL;
+            g->prefix_old_logp = g->prefix_ref_logp = NULL;
             p = buf + pos;
             for (i = 0; i < P; i++) g->prefix[i] = pr__le_i32(p + 4 * (size_t)i);
             p = lens + 4 * (size_t)G;
@@ -8048,9 +8152,19 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
                 memcpy(g->loss_mask + o, p, S);
                 p += S;
             }
+            int trained = 0;
+            for (i = 0; prefix_loss && i < P; i++) trained |= p[i];
+            if (trained) {                /* a mask of zeros is no mask: the prefix is context only */
+                g->prefix_mask = (uint8_t *)at[8];
+                g->prefix_old_logp = (pr_real *)at[9];
+                g->prefix_ref_logp = t->has_ref ? (pr_real *)at[10] : NULL;
+                memcpy(g->prefix_mask, p, P);
+                for (i = 0; i < P; i++) g->prefix_old_logp[i] = (pr_real)pr__get_f32(p + P + 4 * (size_t)i);
+                for (i = 0; t->has_ref && i < P; i++) g->prefix_ref_logp[i] = (pr_real)pr__get_f32(p + 5 * (size_t)P + 4 * (size_t)i);
+            }
             if ((st = pr__group_check(g, t->vocab_size, PR_ERR_FORMAT, where, err))) return st;
         }
-        pos += (size_t)need + (size_t)(N * per_tok);
+        pos += (size_t)need + (size_t)(N * per_tok) + (size_t)tail;
     }
     if (pos != len)
         return pr__fail(err, PR_ERR_FORMAT, "%s: %zu trailing byte(s) after the last group (at offset %zu)",
@@ -8107,9 +8221,9 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     if (version != 1 && version != 2)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "%s: trace format version %u is not supported (this reader "
                         "knows versions 1 and 2)", name, version);
-    if (flags & ~1u)
+    if (flags & ~3u)
         return pr__fail(err, PR_ERR_FORMAT, "%s: flags = 0x%x has unknown bits 0x%x (only bit 0, reference "
-                        "log-probs, is defined)", name, flags, flags & ~1u);
+                        "log-probs, and bit 1, trained prefix tokens, are defined)", name, flags, flags & ~3u);
     if (n_groups < 1 || n_groups > INT_MAX)
         return pr__fail(err, PR_ERR_FORMAT, "%s: n_groups = %u (must be 1..%d)", name, n_groups, INT_MAX);
     if (vocab < 1 || vocab > INT_MAX)
@@ -8121,12 +8235,13 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.n_steps = 0;
     t.step_off = NULL;
     if (version == 2 && (st = pr__trace_steps_check(buf, len, name, n_groups, &t.n_steps, err))) return st;
-    if ((st = pr__trace_walk(buf, len, name, &t, NULL, &used, NULL, err))) return st;   /* check, size */
+    const int prefix_loss = (int)((flags >> 1) & 1u);
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, err))) return st;   /* check, size */
     block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
-    if ((st = pr__trace_walk(buf, len, name, &t, block, &used, &t.step_off, err))) {   /* fill, check values */
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, block, &used, &t.step_off, err))) {   /* fill, check values */
         PR_FREE(block);
         return st;
     }
@@ -8173,10 +8288,12 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len,
             (k == t->n_steps - 1 && t->step_off[k + 1] != t->n_groups))
             return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: step %d spans groups %d..%d: the steps must run from group 0 to "
                             "%d, each holding at least one group", k, t->step_off[k], t->step_off[k + 1] - 1, t->n_groups - 1);
+    int prefix_loss = 0;
+    for (int k = 0; k < t->n_groups; k++) prefix_loss |= t->groups[k].prefix_mask != NULL;
     pr__buf b = {NULL, 0, 0, 0};
     pr__buf_add(&b, "PRTRACE\0", 8);
     pr__buf_le32(&b, t->n_steps ? 2 : 1);
-    pr__buf_le32(&b, t->has_ref ? 1u : 0u);
+    pr__buf_le32(&b, (t->has_ref ? 1u : 0u) | (prefix_loss ? 2u : 0u));
     pr__buf_le32(&b, (uint32_t)t->n_groups);
     pr__buf_le32(&b, (uint32_t)t->vocab_size);
     if (t->n_steps) pr__buf_le32(&b, (uint32_t)t->n_steps);
@@ -8196,6 +8313,10 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len,
                 for (int64_t j = 0; j < S; j++) pr__buf_f32(&b, g->ref_logp[o + j]);
             pr__buf_add(&b, g->loss_mask + o, (size_t)S);
         }
+        static const uint8_t context_only = 0;
+        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_add(&b, g->prefix_mask ? &g->prefix_mask[i] : &context_only, 1);
+        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_f32(&b, g->prefix_mask ? g->prefix_old_logp[i] : 0);
+        for (int i = 0; prefix_loss && t->has_ref && i < g->P; i++) pr__buf_f32(&b, g->prefix_mask ? g->prefix_ref_logp[i] : 0);
     }
     if (b.failed) {
         PR_FREE(b.p);

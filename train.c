@@ -1415,6 +1415,7 @@ static int synth(synth_group *sg, int P, int S, int G, int V, uint64_t seed) {
     pr_group *g = &sg->g;
     g->P = P; g->G = G; g->prefix = sg->prefix; g->suffix_len = sg->len; g->suffix_off = sg->off; g->tokens = sg->tokens;
     g->advantage = sg->adv; g->old_logp = sg->old; g->ref_logp = NULL; g->loss_mask = sg->mask;
+    g->prefix_mask = NULL; g->prefix_old_logp = g->prefix_ref_logp = NULL;
     return 1;
 }
 

@@ -318,6 +318,24 @@ def _report(groups, trajs, dropped, all_empty, trimmed, explicit):
     }
 
 
+def tree_prefix_tokens(groups, steps=None):
+    """Prefix tokens a prefix tree runs (train --schedule tree --tree-min 1): each step's prompts
+    merged by common token prefixes, every distinct prefix position once. Sorted, a prompt adds its
+    length less its common prefix with the one before it. steps None: all groups are one step."""
+    total, at = 0, 0
+    for n in steps or [len(groups)]:
+        prompts = sorted(tuple(int(t) for t in g["prefix"]) for g in groups[at:at + n])
+        prev = ()
+        for p in prompts:
+            common = 0
+            while common < min(len(p), len(prev)) and p[common] == prev[common]:
+                common += 1
+            total += len(p) - common
+            prev = p
+        at += n
+    return total
+
+
 def format_report(r):
     def st(s, unit=""):
         return f"min {s['min']}, mean {s['mean']:.1f}, max {s['max']}{unit}"
@@ -339,8 +357,13 @@ def format_report(r):
     lines += [f"tokens run forward+backward: baseline {r['baseline_tokens']} (G*P + sum S per group), "
               f"reuse {r['reuse_tokens']} (P + sum S)",
               f"prefix tokens reuse saves: {r['saved_prefix_tokens']} = sum over groups of (G-1)*P "
-              f"({pct:.1f}% of the baseline's tokens)",
-              f"reference log-probs: {'yes' if r['ref_logp'] else 'no'}"]
+              f"({pct:.1f}% of the baseline's tokens)"]
+    if "tree_prefix_tokens" in r:
+        reuse = sum(r["P"])
+        lines.append(f"prefix tokens a prefix tree runs (shared prompt prefixes once a step, train --schedule tree "
+                     f"--tree-min 1): {r['tree_prefix_tokens']} of the reuse schedule's {reuse} "
+                     f"({100.0 * (reuse - r['tree_prefix_tokens']) / reuse:.1f}% fewer)")
+    lines.append(f"reference log-probs: {'yes' if r['ref_logp'] else 'no'}")
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 
@@ -384,6 +407,7 @@ def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=(), step_
         if step_per_file:      # groups come file by file, in input order
             steps = [n for n in (report["group_files"].count(i) for i in range(len(args.inputs))) if n]
             report["steps"] = steps
+        report["tree_prefix_tokens"] = tree_prefix_tokens(groups, steps)
         prtrace.write_trace(args.output, groups, args.vocab_size, steps=steps)
     except (InputError, prtrace.TraceError) as e:
         print(f"error: {e}", file=sys.stderr)

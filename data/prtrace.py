@@ -1,4 +1,4 @@
-"""Read and write prefixreuse GRPO traces (format versions 1 and 2; data/README.md has the layout).
+"""Read and write prefixreuse GRPO traces (format versions 1 and 2, flag bits 0 and 1; data/README.md has the layout).
 
 Python 3.8+ and numpy only.
 
@@ -15,6 +15,11 @@ A group is a dict:
     old_logp    list of G float arrays (S_i,)     rollout-policy log-prob of each suffix token
     ref_logp    list of G float arrays, or None   reference-policy log-probs (all groups or none)
     loss_mask   list of G 0/1 arrays (S_i,)       1 = the token contributes to the loss
+Optional, for a multi-turn group that trains a turn inside its prefix (every trajectory shares it):
+    prefix_mask      0/1 array (P,), entry 0 is 0  1 = the prefix token is trained in every trajectory
+    prefix_old_logp  float array (P,)              its rollout-policy log-prob (with prefix_mask)
+    prefix_ref_logp  float array (P,)              its reference log-prob (with prefix_mask and ref_logp)
+A prefix_mask of zeros is read back as no prefix_mask.
 
 Both functions check every rule the C reader checks (pr_trace_parse in prefixreuse.h) and raise
 TraceError with the file, group, field and value on the first violation. read_trace returns
@@ -30,6 +35,7 @@ import numpy as np
 MAGIC = b"PRTRACE\0"
 VERSIONS = (1, 2)            # 2: a step table after the header
 FLAG_REF_LOGP = 1
+FLAG_PREFIX_LOSS = 2         # every group record ends with prefix_mask, prefix_old_logp[, prefix_ref_logp]
 MAX_COUNT = 1 << 24          # limit on P, G and every S_i
 INT_MAX = 2**31 - 1          # vocab_size, n_groups and P + max S_i must fit a C int
 HEADER = struct.Struct("<8sIIII")
@@ -127,6 +133,22 @@ def _check_group(where, g, vocab_size, has_ref):
         if has_ref:
             out["ref_logp"].append(_reals(w, "ref_logp", ref[i], S, logp=True))
         out["loss_mask"].append(_mask(w, "loss_mask", g["loss_mask"][i], S))
+    pm = g.get("prefix_mask")
+    if pm is None:
+        if g.get("prefix_old_logp") is not None or g.get("prefix_ref_logp") is not None:
+            raise TraceError(f"{where}: prefix_old_logp or prefix_ref_logp without prefix_mask")
+        return out
+    pm = _mask(where, "prefix_mask", pm, P)
+    if pm[0]:
+        raise TraceError(f"{where}: prefix_mask[0] = 1 (the first token has nothing to predict it: must be 0)")
+    if g.get("prefix_old_logp") is None or (g.get("prefix_ref_logp") is None) == has_ref:
+        raise TraceError(f"{where}: prefix_mask needs prefix_old_logp, and prefix_ref_logp exactly when ref_logp is given")
+    if not pm.any():
+        return out
+    out["prefix_mask"] = pm
+    out["prefix_old_logp"] = _reals(where, "prefix_old_logp", g["prefix_old_logp"], P, logp=True)
+    if has_ref:
+        out["prefix_ref_logp"] = _reals(where, "prefix_ref_logp", g["prefix_ref_logp"], P, logp=True)
     return out
 
 
@@ -168,7 +190,9 @@ def write_trace(path, groups, vocab_size, steps=None):
     has_ref = groups[0].get("ref_logp") is not None
     checked = [_check_group(f"{path}: group {k}", g, vocab_size, has_ref) for k, g in enumerate(groups)]
 
-    parts = [HEADER.pack(MAGIC, 1 if steps is None else 2, FLAG_REF_LOGP if has_ref else 0, len(checked), vocab_size)]
+    prefix_loss = any("prefix_mask" in g for g in checked)
+    flags = (FLAG_REF_LOGP if has_ref else 0) | (FLAG_PREFIX_LOSS if prefix_loss else 0)
+    parts = [HEADER.pack(MAGIC, 1 if steps is None else 2, flags, len(checked), vocab_size)]
     if steps is not None:
         parts.append(np.array([len(steps)] + steps, dtype="<u4").tobytes())
     for g in checked:
@@ -182,6 +206,13 @@ def write_trace(path, groups, vocab_size, steps=None):
             if has_ref:
                 parts.append(g["ref_logp"][i].tobytes())
             parts.append(g["loss_mask"][i].tobytes())
+        if prefix_loss:
+            P = g["prefix"].shape[0]
+            zeros = np.zeros(P, dtype="<f4")
+            parts.append(g.get("prefix_mask", np.zeros(P, dtype=np.uint8)).tobytes())
+            parts.append(g.get("prefix_old_logp", zeros).tobytes())
+            if has_ref:
+                parts.append(g.get("prefix_ref_logp", zeros).tobytes())
 
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -225,12 +256,14 @@ def read_trace(path, steps=False):
         raise TraceError(f"{path}: not a prefixreuse trace (bad magic {magic!r})")
     if version not in VERSIONS:
         raise TraceError(f"{path}: format version {version} is not supported (this reader knows versions 1 and 2)")
-    if flags & ~FLAG_REF_LOGP:
-        raise TraceError(f"{path}: unknown flag bits 0x{flags & ~FLAG_REF_LOGP:x} in flags 0x{flags:x}")
+    known = FLAG_REF_LOGP | FLAG_PREFIX_LOSS
+    if flags & ~known:
+        raise TraceError(f"{path}: unknown flag bits 0x{flags & ~known:x} in flags 0x{flags:x}")
     if not 1 <= n_groups <= INT_MAX:
         raise TraceError(f"{path}: n_groups = {n_groups} (must be 1..{INT_MAX})")
     vocab_size = _check_vocab(path, vocab_size)
     has_ref = bool(flags & FLAG_REF_LOGP)
+    prefix_loss = bool(flags & FLAG_PREFIX_LOSS)
 
     r = _Reader(path, data)
     r.pos = HEADER.size
@@ -260,6 +293,11 @@ def read_trace(path, steps=False):
             if has_ref:
                 g["ref_logp"].append(r.take(S, "<f4", f"{w} ref_logp"))
             g["loss_mask"].append(r.take(S, "u1", f"{w} loss_mask"))
+        if prefix_loss:
+            g["prefix_mask"] = r.take(P, "u1", f"{where} prefix_mask")
+            g["prefix_old_logp"] = r.take(P, "<f4", f"{where} prefix_old_logp")
+            if has_ref:
+                g["prefix_ref_logp"] = r.take(P, "<f4", f"{where} prefix_ref_logp")
         groups.append(_check_group(where, g, vocab_size, has_ref))
     if r.pos != len(data):
         raise TraceError(f"{path}: {len(data) - r.pos} trailing bytes after the last group (offset {r.pos})")
@@ -273,8 +311,9 @@ def summary(groups, vocab_size, steps=None):
     for k, g in enumerate(groups):
         lens = [s.shape[0] for s in g["suffixes"]]
         masked = sum(int(m.sum()) for m in g["loss_mask"])
+        trained = f", trained prefix tokens {int(g['prefix_mask'].sum())}" if "prefix_mask" in g else ""
         lines.append(f"group {k}: P={g['prefix'].shape[0]} G={len(lens)} suffix_len={lens} "
-                     f"masked tokens {masked}/{sum(lens)}")
+                     f"masked tokens {masked}/{sum(lens)}{trained}")
     return "\n".join(lines)
 
 

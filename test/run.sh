@@ -45,6 +45,10 @@ for p in float double; do
 done
 run "$dir/train-float" --schedule tree --groups-per-step 2 --steps 2
 run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2 --pp 2
+for p in float double; do      # trained prefix tokens: a multi-turn trace, both schedules and its tree
+    run "$dir/train-$p" --check --trace data/multiturn.trace --microbatch 2 --recompute prefix
+    run "$dir/train-$p" --check --trace data/multiturn.trace --schedule tree --tree-min 8 --offload on
+done
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 report

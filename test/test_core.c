@@ -92,6 +92,8 @@ typedef struct {
     int64_t off[65];
     pr_real adv[64], old[4096], ref[4096];
     uint8_t mask[4096];
+    uint8_t pmask[512];               /* trained prefix tokens (train_prefix) */
+    pr_real pold[512], pref[512];
 } test_group;
 
 static void make_group(test_group *t, int P, int G, const int *S, int V, uint64_t seed) {
@@ -113,6 +115,7 @@ static void make_group(test_group *t, int P, int G, const int *S, int V, uint64_
     pr_group *g = &t->g;
     g->P = P; g->G = G; g->prefix = t->prefix; g->suffix_len = t->len; g->suffix_off = t->off; g->tokens = t->tokens;
     g->advantage = t->adv; g->old_logp = t->old; g->ref_logp = t->ref; g->loss_mask = t->mask;
+    g->prefix_mask = NULL; g->prefix_old_logp = g->prefix_ref_logp = NULL;
 }
 
 static pr_real *grads_of(pr_trainer *tr) {
@@ -2692,6 +2695,181 @@ static void tree_case(const pr_config *c, const pr_group *groups, int n, const p
     pr_prefix_tree_free(&tree);
 }
 
+/* Trains the prefix of t from position j0 on, but for positions gap0 .. gap1-1 (a tool's output):
+   a shared turn of a multi-turn rollout. */
+static void train_prefix(test_group *t, int j0, int gap0, int gap1, uint64_t seed) {
+    const int V = 96;
+    rng_state = seed;
+    for (int j = 0; j < t->g.P; j++) {
+        t->pmask[j] = j >= j0 && !(j >= gap0 && j < gap1);
+        t->pold[j] = (pr_real)(-log((double)V) + 1.2 * (urand() - 0.5));
+        t->pref[j] = (pr_real)(t->pold[j] - 0.3 * urand());
+    }
+    t->g.prefix_mask = t->pmask;
+    t->g.prefix_old_logp = t->pold;
+    t->g.prefix_ref_logp = t->g.ref_logp ? t->pref : NULL;
+}
+
+/* The same trajectories with prefix tokens j0.. moved to the head of every suffix, where the
+   suffix loss trains them: the independent form of a group whose prefix trains from j0. */
+static void unroll_prefix(const test_group *t, test_group *u, int j0) {
+    const pr_group *g = &t->g;
+    const int P = g->P, G = g->G, H = P - j0;
+    memset(u, 0, sizeof *u);
+    memcpy(u->prefix, t->prefix, sizeof(int32_t) * (size_t)j0);
+    for (int i = 0; i < G; i++) {
+        const int64_t o = u->off[i], src = g->suffix_off[i];
+        u->len[i] = H + g->suffix_len[i];
+        u->off[i + 1] = o + u->len[i];
+        u->adv[i] = g->advantage[i];
+        for (int j = 0; j < H; j++) {
+            u->tokens[o + j] = t->prefix[j0 + j];
+            u->old[o + j] = t->pold[j0 + j];
+            u->ref[o + j] = t->pref[j0 + j];
+            u->mask[o + j] = t->pmask[j0 + j];
+        }
+        for (int j = 0; j < g->suffix_len[i]; j++) {
+            u->tokens[o + H + j] = g->tokens[src + j];
+            u->old[o + H + j] = g->old_logp[src + j];
+            u->ref[o + H + j] = g->ref_logp ? g->ref_logp[src + j] : 0;
+            u->mask[o + H + j] = g->loss_mask[src + j];
+        }
+    }
+    pr_group *w = &u->g;
+    w->P = j0; w->G = G; w->prefix = u->prefix; w->suffix_len = u->len; w->suffix_off = u->off; w->tokens = u->tokens;
+    w->advantage = u->adv; w->old_logp = u->old; w->ref_logp = g->ref_logp ? u->ref : NULL; w->loss_mask = u->mask;
+}
+
+/* Trained prefix tokens (multi-turn): a group whose prefix trains a turn, through both schedules,
+   the tree and meshes, against the same trajectories with that turn unrolled into every suffix. */
+static void test_prefix_loss(void) {
+    pr_config c = small_config(1, 0, 2);
+    const double tol = IS_DOUBLE ? 1e-12 : 1e-5;
+    const int S[6] = { 4, 9, 1, 6, 2, 5 }, j0 = 5;
+    static test_group t, u;
+    make_group(&t, 14, 3, S, c.vocab_size, 77);
+    train_prefix(&t, j0, 8, 10, 78);
+    unroll_prefix(&t, &u, j0);
+    pr_error err;
+    pr_step_norm nt = { 0, 0, 0 }, nu = { 0, 0, 0 };
+    CHECK(!pr_step_loss_totals(&t.g, 1, 0, &nt, &err) && !pr_step_loss_totals(&u.g, 1, 0, &nu, &err) &&
+          nt.tokens == nu.tokens && nt.trajectories == nu.trajectories && nt.norm_len == nu.norm_len,
+          "prefix loss totals: %lld tokens, %lld trajectories, length %lld; unrolled %lld, %lld, %lld", (long long)nt.tokens,
+          (long long)nt.trajectories, (long long)nt.norm_len, (long long)nu.tokens, (long long)nu.trajectories, (long long)nu.norm_len);
+    int cases = 0;
+    for (int v = 0; v < 8; v++) {
+        pr_step_opts o = pr_step_opts_default();
+        o.loss.kl_coef = 0.05;
+        o.loss.norm = (pr_loss_norm)(v % 4);
+        pr_step_opts ou = o;
+        ou.schedule = PR_SCHEDULE_BASELINE;
+        pr_trainer *ref = make_model(&c, 9), *tr = make_model(&c, 9);
+        pr_step_stats su, st;
+        pr_real lu[4096], lt[4096];
+        CHECK(!pr_trainer_compute_grads(ref, &u.g, &ou, &su, lu, &err), "unrolled: %s", err.message);
+        o.schedule = v < 2 ? PR_SCHEDULE_BASELINE : PR_SCHEDULE_REUSE;
+        o.microbatch = v % 3;
+        o.layout = v % 2 ? PR_LAYOUT_PACKED : PR_LAYOUT_PADDED;
+        o.recompute = (pr_recompute)(v % 3);
+        o.offload.enabled = v >= 5;
+        char label[160];
+        snprintf(label, sizeof label, "trained prefix tokens: %s, %s, microbatch %d %s, recompute %d, offload %s",
+                 v < 2 ? "baseline" : "reuse", pr_loss_norm_name(o.loss.norm), o.microbatch, v % 2 ? "packed" : "padded",
+                 v % 3, v >= 5 ? "on" : "off");
+        CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, &st, lt, &err), "%s: %s", label, err.message);
+        CHECK(fabs(st.loss - su.loss) <= tol * fabs(su.loss), "%s: loss %.17g, unrolled %.17g", label, st.loss, su.loss);
+        CHECK(st.loss_tokens == su.loss_tokens && st.clipped_tokens == su.clipped_tokens &&
+              fabs(st.kl_sum - su.kl_sum) <= tol * su.kl_sum,
+              "%s: %ld loss tokens, %ld clipped, KL %.9g; unrolled %ld, %ld, %.9g", label, (long)st.loss_tokens,
+              (long)st.clipped_tokens, st.kl_sum, (long)su.loss_tokens, (long)su.clipped_tokens, su.kl_sum);
+        pr_real *g = grads_of(tr), *gu = grads_of(ref);
+        CHECK(close_arenas(tr, g, gu, "gradient", label), "%s: gradients vs the unrolled group", label);
+        int lp_ok = 1;                 /* the suffix tokens' log-probs, where the unrolled suffixes have them */
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < S[i]; j++) {
+                const double a = lt[t.off[i] + j], b = lu[u.off[i] + (14 - j0) + j];
+                lp_ok &= fabs(a - b) <= (IS_DOUBLE ? 1e-12 : 1e-5) * (1 + fabs(b));
+            }
+        CHECK(lp_ok, "%s: log-probs of the suffix tokens", label);
+        free(g); free(gu);
+        pr_trainer_destroy(tr);
+        pr_trainer_destroy(ref);
+        cases++;
+    }
+    /* one group on meshes: CP chunks holding trained rows, a group split over dp, stages */
+    const pr_moe_opts moe = { PR_AUX_SCOPE_MICROBATCH, 0 };
+    mesh_compare(&c, (mesh_shape){ 1, 1, 2, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, "trained prefix tokens on cp 2");
+    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
+                 "trained prefix tokens, the group split over dp 2");
+    mesh_compare(&c, (mesh_shape){ 1, 2, 1, 2, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
+                 "trained prefix tokens on pp 2 x tp 2, offload");
+
+    /* a multi-turn step as its prefix tree: a system prompt; a trained first turn and a tool's
+       output, shared by three groups, two of which branch there and one goes on to a second turn */
+    enum { SYS = 6, T1 = 5, TOOL = 3, T2 = 4, TOOL2 = 2, OTHER = 4 };
+    static test_group tg[4], tu[4];
+    int32_t seg[6][8];
+    rng_state = 515;
+    for (int k = 0; k < 6; k++)
+        for (int i = 0; i < 8; i++) seg[k][i] = (int32_t)(urand() * c.vocab_size);
+    const int chain[4][6] = { { 0, 1, 2, -1 }, { 0, 1, 2, 3, 4, -1 }, { 0, 5, -1 }, { 0, 1, 2, -1 } };
+    const int seg_len[6] = { SYS, T1, TOOL, T2, TOOL2, OTHER }, G[4] = { 2, 3, 2, 1 };
+    pr_group groups[4], unrolled[4];
+    for (int k = 0; k < 4; k++) {
+        make_group(&tg[k], 1, G[k], S + k, c.vocab_size, 600 + k);
+        int P = 0;
+        for (int j = 0; chain[k][j] >= 0; j++) {
+            memcpy(tg[k].prefix + P, seg[chain[k][j]], sizeof(int32_t) * (size_t)seg_len[chain[k][j]]);
+            P += seg_len[chain[k][j]];
+        }
+        tg[k].g.P = P;
+        if (k != 2) {
+            train_prefix(&tg[k], SYS, SYS + T1, SYS + T1 + TOOL, 610 + k);
+            for (int j = SYS + T1 + TOOL + T2; j < P; j++) tg[k].pmask[j] = 0;    /* the second tool's output */
+            unroll_prefix(&tg[k], &tu[k], SYS);
+        } else {
+            tu[k] = tg[k];
+            pr_group *w = &tu[k].g;
+            w->prefix = tu[k].prefix; w->suffix_len = tu[k].len; w->suffix_off = tu[k].off; w->tokens = tu[k].tokens;
+            w->advantage = tu[k].adv; w->old_logp = tu[k].old; w->ref_logp = tu[k].ref; w->loss_mask = tu[k].mask;
+        }
+        groups[k] = tg[k].g;
+        unrolled[k] = tu[k].g;
+    }
+    pr_prefix_tree tree;
+    CHECK(!pr_prefix_tree_build(&tree, groups, 4, 1, &err) && tree.n_nodes == 4, "multi-turn tree: %d nodes", tree.n_nodes);
+    for (int v = 0; v < 4; v++) {
+        pr_step_opts o = pr_step_opts_default();
+        o.loss.kl_coef = 0.05;
+        o.loss.norm = (pr_loss_norm)v;
+        CHECK(!pr_step_loss_totals(groups, 4, 0, &o.loss.step, &err) && !pr_step_loss_totals(unrolled, 4, 0, &nu, &err) &&
+              o.loss.step.tokens == nu.tokens && o.loss.step.norm_len == nu.norm_len, "multi-turn step totals");
+        pr_step_opts ou = o;
+        ou.schedule = PR_SCHEDULE_BASELINE;
+        o.microbatch = v % 3;
+        o.recompute = (pr_recompute)(v % 3);
+        o.offload.enabled = v >= 2;
+        char label[128];
+        snprintf(label, sizeof label, "multi-turn tree: %s, microbatch %d, recompute %d, offload %s", pr_loss_norm_name(o.loss.norm),
+                 o.microbatch, v % 3, v >= 2 ? "on" : "off");
+        pr_trainer *ref = make_model(&c, 11), *tr = make_model(&c, 11);
+        double ref_loss = 0;
+        CHECK(!run_step(ref, unrolled, 4, ou, &ref_loss, NULL, &err), "%s: unrolled: %s", label, err.message);
+        pr_step_stats st;
+        CHECK(!pr_trainer_compute_grads_tree(tr, groups, 4, &tree, &o, &st, &err), "%s: %s", label, err.message);
+        CHECK(fabs(st.loss - ref_loss) <= tol * fabs(ref_loss), "%s: loss %.17g, unrolled %.17g", label, st.loss, ref_loss);
+        pr_real *g = grads_of(tr), *gu = grads_of(ref);
+        CHECK(close_arenas(tr, g, gu, "gradient", label), "%s: gradients vs the unrolled groups", label);
+        free(g); free(gu);
+        pr_trainer_destroy(tr);
+        pr_trainer_destroy(ref);
+        cases++;
+    }
+    pr_prefix_tree_free(&tree);
+    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 2, 1, 1, 0 }, groups, 4, moe, PR_SCHEDULE_REUSE, 1, "multi-turn tree on dp 2 x tp 2");
+    printf("trained prefix tokens: %d cases against the same turns unrolled into every suffix, 4 meshes\n", cases);
+}
+
 static void test_trees(void) {
     pr_config c = small_config(1, 0, 2), m = moe_config(1), m8 = m;
     m8.num_experts = 8;                 /* EP 2 divides them */
@@ -2820,6 +2998,7 @@ int main(void) {
     test_dp();
     test_steps();
     test_trees();
+    test_prefix_loss();
     test_mesh();
     test_kv_replication();
     test_zero();

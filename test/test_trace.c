@@ -280,7 +280,8 @@ static void test_small(void) {
     RESET(); b[0] = 'X'; expect_fail("bad magic", b, n, PR_ERR_FORMAT, "magic");
     RESET(); patch_u32(b, 8, 3); expect_fail("version 3", b, n, PR_ERR_UNSUPPORTED, "version 3");
     RESET(); patch_u32(b, 8, 0); expect_fail("version 0", b, n, PR_ERR_UNSUPPORTED, "version 0");
-    RESET(); patch_u32(b, 12, 3); expect_fail("unknown flag bit 1", b, n, PR_ERR_FORMAT, "flags");
+    RESET(); patch_u32(b, 12, 5); expect_fail("unknown flag bit 2", b, n, PR_ERR_FORMAT, "flags");
+    RESET(); patch_u32(b, 12, 3); expect_fail("flag bit 1 without prefix arrays", b, n, PR_ERR_FORMAT, "group 1");
     RESET(); patch_u32(b, 12, 0x80000001u); expect_fail("unknown flag bit 31", b, n, PR_ERR_FORMAT, "flags");
     RESET(); patch_u32(b, 12, 0); expect_fail("flag cleared: groups misframed", b, n, PR_ERR_FORMAT, "group 1");
     RESET(); patch_u32(b, 16, 0); expect_fail("zero groups", b, n, PR_ERR_FORMAT, "n_groups = 0");
@@ -414,6 +415,80 @@ static buf make_v2(const small_file *f, uint32_t n_steps, const uint32_t *sizes,
     return s;
 }
 
+/* Flag bit 1: every group record ends with prefix_mask, prefix_old_logp and prefix_ref_logp. */
+static void test_prefix_loss_trace(void) {
+    int32_t prefix[3] = {1, 2, 3}, prefix2[2] = {4, 5}, tokens[3] = {9, 9, 8};
+    int lens[2] = {1, 2}, lens2[1] = {3};
+    int64_t off[3] = {0, 1, 3}, off2[2] = {0, 3};
+    pr_real adv[2] = {1, -1}, adv2[1] = {0.5}, old[3] = {-1, -2, -3}, ref[3] = {-1, -0.5, 0};
+    uint8_t mask[3] = {1, 0, 1}, pmask[3] = {0, 1, 1};
+    pr_real pold[3] = {-0.5, -1.5, -2.5}, pref[3] = {-1, -1.25, -2};
+    pr_group g[2] = { {3, 2, prefix, lens, off, tokens, adv, old, ref, mask, pmask, pold, pref},
+                      {2, 1, prefix2, lens2, off2, tokens, adv2, old, ref, mask, NULL, NULL, NULL} };
+    pr_trace t = {2, 10, 1, g, 0, NULL}, r;
+    pr_error err;
+    void *bytes = NULL;
+    size_t n = 0;
+    CHECK(!pr_trace_serialize(&t, &bytes, &n, &err), "serialize trained prefix tokens: %s", err.message);
+    /* group 0: 8 + 12 + 16 + 13 * 3 + 9 * 3; group 1: 8 + 8 + 8 + 13 * 3 + 9 * 2 */
+    const size_t tail0 = 24 + 8 + 12 + 16 + 39;    /* group 0's prefix arrays, after its suffixes */
+    CHECK(bytes && n == 24 + (8 + 12 + 16 + 39 + 27) + (8 + 8 + 8 + 39 + 18) && ((unsigned char *)bytes)[12] == 3,
+          "trained prefix tokens: %zu bytes, flags %u", n, bytes ? ((unsigned char *)bytes)[12] : 0);
+    const unsigned char *b = bytes;
+    CHECK(b && b[tail0] == 0 && b[tail0 + 1] == 1 && b[tail0 + 2] == 1, "prefix_mask after the suffixes");
+    pr_status st = pr_trace_parse(&r, bytes, n, &err);
+    CHECK(st == PR_OK, "parse trained prefix tokens: %s", st ? err.message : "");
+    if (st == PR_OK) {
+        const pr_group *a = &r.groups[0];
+        CHECK(a->prefix_mask && a->prefix_mask[2] == 1 && a->prefix_old_logp[1] == -1.5 && a->prefix_ref_logp[2] == -2 &&
+              !r.groups[1].prefix_mask && !r.groups[1].prefix_old_logp && !r.groups[1].prefix_ref_logp,
+              "trained prefix tokens read back (a mask of zeros is none)");
+        void *again = NULL;
+        size_t n2 = 0;
+        CHECK(!pr_trace_serialize(&r, &again, &n2, &err) && n2 == n && !memcmp(again, bytes, n), "trained prefix tokens round trip");
+        PR_FREE(again);
+        pr_trace_free(&r);
+    }
+    unsigned char *c = malloc(n);
+    memcpy(c, bytes, n);
+    c[tail0] = 1;
+    expect_fail("first prefix token trained", c, n, PR_ERR_FORMAT, "group 0: prefix_mask[0] = 1");
+    memcpy(c, bytes, n);
+    patch_f32(c, tail0 + 3 + 4, 0.5f);
+    expect_fail("positive prefix_old_logp", c, n, PR_ERR_FORMAT, "group 0: prefix_old_logp[1] = 0.5");
+    expect_fail("prefix arrays cut short", bytes, n - 1, PR_ERR_FORMAT, "group 1: truncated: prefix_mask");
+    free(c);
+    PR_FREE(bytes);
+}
+
+/* data/multiturn.trace (written by data/make_multiturn.py): the C reader takes what the Python
+   writer wrote, trained prefix tokens included, and writes the same bytes back. */
+static void test_multiturn(const char *path) {
+    pr_trace t;
+    pr_error err;
+    pr_status st = pr_trace_read(&t, path, &err);
+    CHECK(st == PR_OK, "pr_trace_read(%s): %s", path, st ? err.message : "");
+    if (st) return;
+    int trained = 0, with = 0;
+    for (int k = 0; k < t.n_groups; k++) {
+        const pr_group *g = &t.groups[k];
+        with += g->prefix_mask != NULL;
+        for (int j = 0; g->prefix_mask && j < g->P; j++) trained += g->prefix_mask[j] * g->G;
+    }
+    CHECK(t.n_groups == 8 && t.n_steps == 2 && with == 6 && trained == 384,
+          "%s: %d groups, %d steps, %d with trained prefix tokens, %d trained over all trajectories (the script prints 384)",
+          path, t.n_groups, t.n_steps, with, trained);
+    size_t len = 0;
+    unsigned char *file = read_file(path, &len);
+    void *sb = NULL;
+    size_t sn = 0;
+    st = pr_trace_serialize(&t, &sb, &sn, &err);
+    CHECK(st == PR_OK && file && sn == len && !memcmp(sb, file, len), "%s: pr_trace_serialize gives other bytes than the file", path);
+    PR_FREE(sb);
+    free(file);
+    pr_trace_free(&t);
+}
+
 static void test_steps(void) {
     small_file f = make_small(1);
     pr_trace t;
@@ -496,7 +571,7 @@ static void test_validate(void) {
     int64_t off[3] = {0, 1, 3};
     pr_real adv[2] = {1, -1}, old[3] = {-1, -2, -3}, ref[3] = {-1, -0.5, 0};
     uint8_t mask[3] = {1, 0, 1};
-    pr_group ok = {2, 2, prefix, lens, off, tokens, adv, old, ref, mask}, g;
+    pr_group ok = {2, 2, prefix, lens, off, tokens, adv, old, ref, mask, NULL, NULL, NULL}, g;
     pr_error err;
     pr_status st = pr_group_validate(&ok, 5, &err);
     CHECK(st == PR_OK, "valid in-memory group: %s", st ? err.message : "");
@@ -527,6 +602,20 @@ static void test_validate(void) {
         g = ok; g.old_logp = o2; expect_invalid("inf old_logp", &g, 5, "suffix 1: old_logp[0] = inf");
         g = ok; g.ref_logp = r2; expect_invalid("positive ref_logp", &g, 5, "suffix 1: ref_logp[1]");
         g = ok; g.loss_mask = m2; expect_invalid("mask 2", &g, 5, "suffix 1: loss_mask[0] = 2");
+    }
+    {   /* trained prefix tokens */
+        uint8_t pm[2] = {0, 1}, pm0[2] = {1, 1}, pm2[2] = {0, 2};
+        pr_real po[2] = {-1, -2}, pr[2] = {-1, -1}, pbad[2] = {0, (pr_real)0.5};
+        g = ok; g.prefix_mask = pm; g.prefix_old_logp = po; g.prefix_ref_logp = pr;
+        CHECK(pr_group_validate(&g, 5, &err) == PR_OK, "a trained prefix token: %s", err.message);
+        g.ref_logp = NULL; expect_invalid("prefix_ref_logp without ref_logp", &g, 5, "exactly when ref_logp");
+        g = ok; g.prefix_mask = pm; g.prefix_old_logp = po; expect_invalid("no prefix_ref_logp", &g, 5, "exactly when ref_logp");
+        g = ok; g.prefix_mask = pm; g.prefix_ref_logp = pr; expect_invalid("no prefix_old_logp", &g, 5, "needs prefix_old_logp");
+        g = ok; g.prefix_old_logp = po; expect_invalid("prefix log-probs without a mask", &g, 5, "without prefix_mask");
+        g = ok; g.prefix_mask = pm0; g.prefix_old_logp = po; g.prefix_ref_logp = pr;
+        expect_invalid("first prefix token trained", &g, 5, "prefix_mask[0] = 1");
+        g.prefix_mask = pm2; expect_invalid("prefix mask 2", &g, 5, "prefix_mask[1] = 2");
+        g.prefix_mask = pm; g.prefix_old_logp = pbad; expect_invalid("positive prefix_old_logp", &g, 5, "prefix_old_logp[1]");
     }
 }
 
@@ -658,6 +747,8 @@ int main(int argc, char **argv) {
     test_sample(sample);
     test_small();
     test_steps();
+    test_prefix_loss_trace();
+    test_multiturn("data/multiturn.trace");
     test_validate();
     test_prefix_tree();
     CHECK(test_alloc_live == 0, "%ld blocks still allocated at exit", test_alloc_live);
