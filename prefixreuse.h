@@ -821,8 +821,8 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
    (the sum of the groups' loads), and the offload stats, which cover every node (dormant_bytes:
    the deepest chain of nodes, whose blocks rest at once). MoE and offload as in
    pr_trainer_compute_grads. The reuse schedule; on a mesh, TP and PP run inside the tree (with tp
-   or pp, opt->accumulate is refused: see pr_trainer_compute_grads_tree_dp), CP and MoE with PP
-   are refused with PR_ERR_UNSUPPORTED. */
+   or pp, opt->accumulate is refused: see pr_trainer_compute_grads_tree_dp); CP is refused with
+   PR_ERR_UNSUPPORTED. */
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 /* Model FLOPs of that step: each group's suffixes as pr_step_flops counts them, each node once. */
@@ -2050,6 +2050,7 @@ typedef struct {
     pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are its rows of the path's K/V */
     pr__offload off;
     int copies;               /* the trajectories its rows stand for: the group's G (a tree node: its groups') */
+    double *route_sums;       /* MoE: its routing sums (2E+1) over the stages up to this one (Phase A) */
     const double *aux_c;      /* MoE: the aux gradient per expert its router takes in Phase C (NULL: none) */
     const pr__offload *below; /* offload: a pass whose blocks rest in the pool under its own (a node's parent) */
     size_t pool_stack;        /* offload, the first pass: bytes that will rest in the pool at once (0: its own) */
@@ -3148,8 +3149,11 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (st) return st;
     const int P = ps->pass.N;
     pr__offload *o = &ps->off;
+    if (cx->moe.on && !(ps->route_sums = (double *)PR_MALLOC(sizeof(double) * (2 * E + 1))))
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (ps->route_sums) memset(ps->route_sums, 0, sizeof(double) * (2 * E + 1));
     if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
-    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
+    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, ps->route_sums, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, start ? path->k[l] : NULL, start ? path->v[l] : NULL);
@@ -3157,9 +3161,11 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         if (o->on && (st = pr__offload_block(tr, o, l, err))) return st;
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d prefix rows", P);
-    if (cx->moe.on) pr__moe_stage_sums(tr, &cx->moe, &ps->pass, cx->moe.pre, (double)ps->copies);
-    if (!pr__last_stage(tr))
-        pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, cx->moe.on ? cx->moe.pre : NULL, 2 * E + 1);
+    if (cx->moe.on) {                /* the pass's sums through this stage, on to the next; its group's from them */
+        pr__moe_stage_sums(tr, &cx->moe, &ps->pass, ps->route_sums, (double)ps->copies);
+        for (size_t i = 0; i <= 2 * E; i++) cx->moe.pre[i] += ps->route_sums[i];
+    }
+    if (!pr__last_stage(tr)) pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, ps->route_sums, 2 * E + 1);
     pr__arena_reset(tr, &tr->step_arena);           /* the collectives' buffers, recompute's shared region */
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
@@ -3636,6 +3642,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     pr__offload_end(tr, &ps.off);
     pr__pass_free_host(&ps.pass, c->num_hidden_layers);
     pr__batch_free(&ps.batch);
+    PR_FREE(ps.route_sums);
     pr__path_free(&path);
     pr__arena_reset(tr, &tr->step_arena);
     pr__arena_reset(tr, &tr->prefix_arena);
@@ -3843,9 +3850,9 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     pr__enter_phase(tr, PR_PHASE_A);
     t->path.rows = t->path.own = nd->start;
     pr_status st = pr__phase_a_prefix_forward(tr, cx, &ps, &t->path, nd->start, nd->len, err);
-    for (int k = 0; k < tree->n_groups && cx->moe.on && !st; k++)    /* the node's routing sums (moe.own) */
+    for (int k = 0; k < tree->n_groups && cx->moe.on && !st; k++)    /* the node's routing sums: every group's below */
         if (&t->cx[k] != cx && pr__tree_below(tree, node, k))
-            for (int i = 0; i <= 2 * E; i++) t->cx[k].moe.pre[i] += cx->moe.own[i];
+            for (int i = 0; i <= 2 * E; i++) t->cx[k].moe.pre[i] += ps.route_sums[i];
     be->sync(be);
     t->s->seconds[PR_PHASE_A] += pr__now() - t0;
     for (int c = t->first_child[node]; c >= 0 && !st; c = t->next_sibling[c]) st = pr__tree_node_run(tr, t, c, &ps.off, err);
@@ -3881,6 +3888,7 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     t->s->seconds[PR_PHASE_C] += pr__now() - t0;
     pr__offload_stats_add(&t->s->offload, &ps.off.st);
     pr__offload_end(tr, &ps.off);
+    PR_FREE(ps.route_sums);
     pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
     pr__batch_free(&ps.batch);
     pr__arena_reset(tr, &a);
@@ -3917,8 +3925,8 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: NULL argument or no groups");
     if (opt->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
-    if (pr__cp(tr) > 1 || (pr__pp(tr) > 1 && tr->cfg.num_experts))
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp, or MoE with pp, are not implemented (dp, pp and tp are)");
+    if (pr__cp(tr) > 1)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp are not implemented (dp, pp and tp are)");
     pr_status st = pr__tree_check(tree, groups, n, err);
     for (int k = 0; k < n && !st; k++) {
         if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
