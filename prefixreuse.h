@@ -436,8 +436,11 @@ PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref
                                 const pr_loss_opts *opt, double *dloss_dlogp);
 
 /* The kernels the schedule needs. Buffers named `void *` hold activations in the backend's
-   element type (act_bytes each; pr_real on the CPU); `pr_real *` are parameters and gradients.
-   Every backward ADDS into its gradient outputs (dinp, dw, dq, ...); callers zero them first. */
+   element type (act_bytes each; pr_real on the CPU, bf16 on the GPU), and so do the weights the
+   kernels read (`const void *w`): the trainer keeps the model's weights in that type, converted
+   with reals_to_acts from the master weights whenever those change. `pr_real *` are master
+   weights and gradients. Every backward ADDS into its gradient outputs (dinp, dw, dq, ...);
+   callers zero them first. */
 typedef struct pr_backend pr_backend;
 struct pr_backend {
     const char *name;
@@ -448,10 +451,6 @@ struct pr_backend {
     void *ctx;
     /* Optional (NULL: accept every model). Refuses a model the backend cannot run, at trainer creation. */
     pr_status (*check_config)(const pr_backend *be, const pr_config *cfg, pr_error *err);
-    /* Optional. Called at the start of every step with the parameter arena: a backend that runs its
-       GEMMs in lower precision refreshes its copy of the weights here. Every `w` a matmul receives
-       points into [params, params + n). */
-    void (*prepare_weights)(const pr_backend *be, const pr_real *params, size_t n);
     /* Optional. Kernels return nothing, so a backend keeps its first failure (a failed launch, a
        device fault) and hands it over here; the trainer asks after every step. */
     pr_status (*take_error)(const pr_backend *be, pr_error *err);
@@ -473,14 +472,14 @@ struct pr_backend {
     void (*download_reals)(const pr_backend *be, pr_real *host, const pr_real *src, size_t n);
     void (*sync)(const pr_backend *be);
     /* out (N,OC) = inp (N,C) @ w^T, w (OC,C) */
-    void (*matmul_fwd)(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC);
+    void (*matmul_fwd)(const pr_backend *be, void *out, const void *inp, const void *w, int N, int C, int OC);
     /* dinp (N,C) += dout @ w;  dw (OC,C) += dout^T @ inp */
     void (*matmul_bwd)(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                       const pr_real *w, int N, int C, int OC);
+                       const void *w, int N, int C, int OC);
     /* out (N,C) = inp / rms(inp) * w; rstd (N) saved */
-    void (*rmsnorm_fwd)(const pr_backend *be, void *out, void *rstd, const void *inp, const pr_real *w, int N, int C, double eps);
+    void (*rmsnorm_fwd)(const pr_backend *be, void *out, void *rstd, const void *inp, const void *w, int N, int C, double eps);
     void (*rmsnorm_bwd)(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                        const pr_real *w, const void *rstd, int N, int C);
+                        const void *w, const void *rstd, int N, int C);
     /* in place on x (N, heads*HS), rotate-half pairing (see the CPU kernel) at the layout's positions */
     void (*rope_fwd)(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq);
     void (*rope_bwd)(const pr_backend *be, void *dx, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq);
@@ -499,7 +498,7 @@ struct pr_backend {
     void (*swiglu_fwd)(const pr_backend *be, void *h, const void *gate, const void *up, size_t n);
     void (*swiglu_bwd)(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate, const void *up, size_t n);
     /* tokens: host memory */
-    void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C);
+    void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C);
     void (*embed_bwd)(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C);
     void (*add)(const pr_backend *be, void *y, const void *x, size_t n);                 /* y += x */
     /* n elements between activations and reals, and y += x on reals (gK/gV, the CP region's
@@ -546,11 +545,8 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *s
 
 /* The CUDA backend's sizes, to plan its memory from any build: bf16 activations, fp32 statistics,
    PR_CUDA_LOGIT_CHUNK logits at a time. Fills *storage with a backend that has those sizes and no
-   kernels, a `like` for pr_backend_measure and nothing else (NULL if storage is NULL). Beyond what
-   the trainer allocates, the CUDA backend keeps a bf16 copy of the weights: PR_CUDA_WEIGHT_COPY_BYTES
-   a parameter. */
+   kernels, a `like` for pr_backend_measure and nothing else (NULL if storage is NULL). */
 #define PR_CUDA_LOGIT_CHUNK ((size_t)256 << 20)   /* 512 MiB of bf16 logits: 2k rows of a 128k vocabulary */
-#define PR_CUDA_WEIGHT_COPY_BYTES 2
 PRDEF const pr_backend *pr_backend_cuda_sizes(pr_backend *storage);
 
 /* The CUDA backend (bf16 activations, fp32 master weights, statistics and optimizer state), defined
@@ -776,10 +772,11 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
-/* Bytes this rank holds for training state: parameters and gradients (padded under ZeRO) and
-   AdamW's m and v (a 1/dp slice under ZeRO). Divided by pr_trainer_param_count: 16 unsharded
-   (4 each), 8 + 8/dp under ZeRO; the CUDA backend adds its bf16 weight copy, 2 more. 0 for a NULL
-   trainer. */
+/* Bytes this rank holds for training state: the fp32 master weights and AdamW's m and v (a 1/dp
+   slice each under ZeRO), the gradients (whole, padded under ZeRO), and the weights the kernels
+   read where they are a copy of their own (whole: bf16 on the GPU, 2 bytes a parameter; on the CPU
+   only under ZeRO). Divided by pr_trainer_param_count: 16 on the CPU (4 each), 4 + 4 + 12/dp on it
+   under ZeRO; on the GPU 18, and 2 + 4 + 12/dp under ZeRO (7.5 at dp 8). 0 for a NULL trainer. */
 PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr);
 /* Host copies of the whole arena (n = pr_trainer_param_count reals). A NULL trainer or buffer or
    another n is PR_ERR_ARG, and nothing is copied. */
@@ -1326,24 +1323,24 @@ static void pr__cpu_upload(const pr_backend *be, pr_real *dst, const pr_real *ho
 static void pr__cpu_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) { (void)be; memcpy(host, src, n * sizeof(pr_real)); }
 static void pr__cpu_sync(const pr_backend *be) { (void)be; }
 
-static void pr__cpu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC) {
+static void pr__cpu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const void *w, int N, int C, int OC) {
     (void)be;
-    pr__gemm(0, 1, N, OC, C, PR__CR(inp), C, w, C, 0, PR__R(out), OC);   /* out = inp @ w^T */
+    pr__gemm(0, 1, N, OC, C, PR__CR(inp), C, PR__CR(w), C, 0, PR__R(out), OC);   /* out = inp @ w^T */
 }
 
 static void pr__cpu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                               const pr_real *w, int N, int C, int OC) {
+                               const void *w, int N, int C, int OC) {
     (void)be;
-    if (dinp) pr__gemm(0, 0, N, C, OC, PR__CR(dout), OC, w, C, 1, PR__R(dinp), C);   /* dinp += dout @ w */
+    if (dinp) pr__gemm(0, 0, N, C, OC, PR__CR(dout), OC, PR__CR(w), C, 1, PR__R(dinp), C);   /* dinp += dout @ w */
     pr__gemm(1, 0, OC, C, N, PR__CR(dout), OC, PR__CR(inp), C, 1, dw, C);            /* dw += dout^T @ inp */
 }
 
 /* forward: out = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps) */
-static void pr__cpu_rmsnorm_fwd(const pr_backend *be, void *out_, void *rstd_, const void *inp_, const pr_real *w,
+static void pr__cpu_rmsnorm_fwd(const pr_backend *be, void *out_, void *rstd_, const void *inp_, const void *w_,
                                 int N, int C, double eps) {
     (void)be;
     pr_real *out = PR__R(out_), *rstd = PR__R(rstd_);
-    const pr_real *inp = PR__CR(inp_);
+    const pr_real *inp = PR__CR(inp_), *w = PR__CR(w_);
     for (int n = 0; n < N; n++) {
         const pr_real *x = inp + (size_t)n * C;
         double ss = 0;
@@ -1358,10 +1355,10 @@ static void pr__cpu_rmsnorm_fwd(const pr_backend *be, void *out_, void *rstd_, c
 /* backward of out_i = x_i * r * w_i with r = (mean(x^2)+eps)^(-1/2):
    dx_i = r * (dout_i w_i - x_i * r^2 * mean_j(dout_j w_j x_j)),  dw_i += dout_i * x_i * r */
 static void pr__cpu_rmsnorm_bwd(const pr_backend *be, void *dinp_, pr_real *dw, const void *dout_, const void *inp_,
-                                const pr_real *w, const void *rstd_, int N, int C) {
+                                const void *w_, const void *rstd_, int N, int C) {
     (void)be;
     pr_real *dinp = PR__R(dinp_);
-    const pr_real *dout = PR__CR(dout_), *inp = PR__CR(inp_), *rstd = PR__CR(rstd_);
+    const pr_real *dout = PR__CR(dout_), *inp = PR__CR(inp_), *rstd = PR__CR(rstd_), *w = PR__CR(w_);
     for (int n = 0; n < N; n++) {
         const pr_real *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
         double r = rstd[n], dot = 0;
@@ -1541,9 +1538,9 @@ static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, c
     }
 }
 
-static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
+static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C) {
     (void)be;
-    for (int n = 0; n < N; n++) memcpy(PR__R(out) + (size_t)n * C, emb + (size_t)tokens[n] * C, sizeof(pr_real) * C);
+    for (int n = 0; n < N; n++) memcpy(PR__R(out) + (size_t)n * C, PR__CR(emb) + (size_t)tokens[n] * C, sizeof(pr_real) * C);
 }
 static void pr__cpu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
     (void)be;
@@ -1678,7 +1675,7 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
    the designators too; the optional slots the CPU does without are NULL. */
 static const pr_backend pr__cpu_backend = {
     .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
-    .ctx = NULL, .check_config = NULL, .prepare_weights = NULL, .take_error = NULL, .device_free = NULL,
+    .ctx = NULL, .check_config = NULL, .take_error = NULL, .device_free = NULL,
     .copy_async = NULL, .copy_wait = NULL,
     .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
     .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
@@ -1713,17 +1710,17 @@ static void pr__measure_download(const pr_backend *be, pr_real *host, const pr_r
     memset(host, 0, n * sizeof(pr_real));
 }
 static void pr__measure_sync(const pr_backend *be) { (void)be; }
-static void pr__measure_matmul_fwd(const pr_backend *be, void *o, const void *i, const pr_real *w, int N, int C, int OC) {
+static void pr__measure_matmul_fwd(const pr_backend *be, void *o, const void *i, const void *w, int N, int C, int OC) {
     (void)be; (void)o; (void)i; (void)w; (void)N; (void)C; (void)OC;
 }
-static void pr__measure_matmul_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+static void pr__measure_matmul_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const void *w,
                                    int N, int C, int OC) {
     (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)N; (void)C; (void)OC;
 }
-static void pr__measure_rmsnorm_fwd(const pr_backend *be, void *o, void *r, const void *i, const pr_real *w, int N, int C, double e) {
+static void pr__measure_rmsnorm_fwd(const pr_backend *be, void *o, void *r, const void *i, const void *w, int N, int C, double e) {
     (void)be; (void)o; (void)r; (void)i; (void)w; (void)N; (void)C; (void)e;
 }
-static void pr__measure_rmsnorm_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const pr_real *w,
+static void pr__measure_rmsnorm_bwd(const pr_backend *be, void *di, pr_real *dw, const void *d, const void *i, const void *w,
                                     const void *r, int N, int C) {
     (void)be; (void)di; (void)dw; (void)d; (void)i; (void)w; (void)r; (void)N; (void)C;
 }
@@ -1746,7 +1743,7 @@ static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *g,
 static void pr__measure_swiglu_bwd(const pr_backend *be, void *dg, void *du, const void *dh, const void *g, const void *u, size_t n) {
     (void)be; (void)dg; (void)du; (void)dh; (void)g; (void)u; (void)n;
 }
-static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const pr_real *e, int N, int C) {
+static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const void *e, int N, int C) {
     (void)be; (void)o; (void)t; (void)e; (void)N; (void)C;
 }
 static void pr__measure_embed_bwd(const pr_backend *be, pr_real *de, const void *d, const int32_t *t, int N, int C) {
@@ -1841,7 +1838,9 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
 /* MoE layers have no wg/wu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
    and down (C,Fm) stored one after the other from `experts` on. */
 typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd, router, experts; } pr__layer_off;
-typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
+typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_g;
+/* The same tensors in the weights the kernels read (pr_trainer.weights, the activations' type). */
+typedef struct { const void *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
 
 /* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
    phase that runs many microbatches allocates once. Every byte handed out is counted in the
@@ -1877,15 +1876,22 @@ struct pr_trainer {
     int n_tensors;
     pr_tensor_info *tensors;
     size_t n_params;
-    pr_real *arena;                        /* parameters, gradients (n_pad each), AdamW m and v (slice_cap each) */
+    pr_real *arena;                        /* master weights, AdamW m and v (slice_cap each), gradients (n_pad) */
     pr_real *params, *grads, *adam_m, *adam_v;
     /* ZeRO (mesh->zero > 0 and dp > 1): the arena in dp slices of slice_cap reals (whole units, the
        pieces the gradient norm is summed over), this rank's [slice_lo, slice_lo + slice_n); the
-       parameter and gradient buffers padded to n_pad = dp * slice_cap for the collectives. Without
-       it: one slice, the whole arena. m and v hold this rank's slice. */
+       gradients and the weights padded to n_pad = dp * slice_cap for the collectives. Without it:
+       one slice, the whole arena. The master weights (params), m and v hold this rank's slice:
+       params[i] is parameter slice_lo + i. */
     int zero;                              /* the stage in effect: 0 unless sharded */
     size_t unit, n_pad, slice_cap, slice_lo, slice_n;
     int grads_scattered;                   /* stage 2: only this rank's slice of grads holds the sum */
+    /* (n_pad) The weights the kernels read, the whole model's, in the backend's activation type:
+       the master weights themselves where they are that type and whole (the CPU without ZeRO),
+       else a copy of its own (own_weights) that the trainer refreshes from them whenever they
+       change (pr__weights_take, pr__weights_publish). */
+    void *weights;
+    int own_weights;
     size_t off_embed, off_norm, off_lm_head;
     pr__layer_off *layer_off;              /* (L) */
     pr_real *inv_freq;                     /* (HS/2) RoPE frequencies, llama3 scaling applied */
@@ -2126,7 +2132,7 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o);
 /* 6. MoE: the sparse MLP inside the layer, the load-balancing loss around the phases */
 static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y);
 static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
-                             const pr__layer_w *g);
+                             const pr__layer_g *g);
 static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult);
 static void pr__moe_mb_grad(pr__moe_acc *m, const double *sums, int n, double *g);
 static void pr__moe_take_grad(pr__moe_acc *m, const double *g, int n);
@@ -2150,6 +2156,7 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
                                   int *n_experts, pr_error *err);
 static pr_status pr__build_shards(pr_trainer *tr, pr_error *err);
 static void pr__mesh_sync_grads(pr_trainer *tr);
+static pr_comm_type pr__act_type(const pr_trainer *tr);
 static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp);
 static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv);
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
@@ -2164,17 +2171,32 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_pa
 static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path);
 
 /* ---------------------------------------------------------------- 3.3 Parameters: layout, creation, access, initialisation */
-static pr__layer_w pr__layer_view(pr_real *base, const pr__layer_off *o, int qk_norm) {
+static pr__layer_g pr__layer_grads(pr_trainer *tr, int l) {
+    const pr__layer_off *o = &tr->layer_off[l];
+    pr_real *base = tr->grads;
+    pr__layer_g g;
+    g.ln1 = base + o->ln1; g.wq = base + o->wq; g.wk = base + o->wk; g.wv = base + o->wv;
+    g.qn = tr->cfg.qk_norm ? base + o->qn : NULL; g.kn = tr->cfg.qk_norm ? base + o->kn : NULL;
+    g.wo = base + o->wo; g.ln2 = base + o->ln2; g.wg = base + o->wg; g.wu = base + o->wu; g.wd = base + o->wd;
+    g.router = base + o->router; g.experts = base + o->experts;
+    return g;
+}
+/* The weight at arena offset `off` (or `off` elements past w) as the kernels read it. */
+static const void *pr__weight_at(const pr_trainer *tr, const void *w, size_t off) {
+    return (const char *)w + off * tr->be->act_bytes;
+}
+static const void *pr__weight(const pr_trainer *tr, size_t off) { return pr__weight_at(tr, tr->weights, off); }
+static pr__layer_w pr__layer_weights(const pr_trainer *tr, int l) {
+    const pr__layer_off *o = &tr->layer_off[l];
     pr__layer_w w;
-    w.ln1 = base + o->ln1; w.wq = base + o->wq; w.wk = base + o->wk; w.wv = base + o->wv;
-    w.qn = qk_norm ? base + o->qn : NULL; w.kn = qk_norm ? base + o->kn : NULL;
-    w.wo = base + o->wo; w.ln2 = base + o->ln2; w.wg = base + o->wg; w.wu = base + o->wu; w.wd = base + o->wd;
-    w.router = base + o->router; w.experts = base + o->experts;
+    w.ln1 = pr__weight(tr, o->ln1); w.wq = pr__weight(tr, o->wq); w.wk = pr__weight(tr, o->wk); w.wv = pr__weight(tr, o->wv);
+    w.qn = tr->cfg.qk_norm ? pr__weight(tr, o->qn) : NULL; w.kn = tr->cfg.qk_norm ? pr__weight(tr, o->kn) : NULL;
+    w.wo = pr__weight(tr, o->wo); w.ln2 = pr__weight(tr, o->ln2);
+    w.wg = pr__weight(tr, o->wg); w.wu = pr__weight(tr, o->wu); w.wd = pr__weight(tr, o->wd);
+    w.router = pr__weight(tr, o->router); w.experts = pr__weight(tr, o->experts);
     return w;
 }
-static pr_real *pr__lm_head(pr_trainer *tr, pr_real *base) {
-    return base + (tr->cfg.tie_word_embeddings ? tr->off_embed : tr->off_lm_head);
-}
+static size_t pr__lm_head_off(const pr_trainer *tr) { return tr->cfg.tie_word_embeddings ? tr->off_embed : tr->off_lm_head; }
 
 /* Appends one tensor to the table (table may be NULL to count) and returns its offset. */
 static size_t pr__add_tensor(pr_tensor_info *table, int *count, size_t *total, const char *name,
@@ -2362,8 +2384,11 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         return pr__fail(err, PR_ERR_ARG, "mesh bf16_grad_reduce %d: 0 or 1", mesh->bf16_grad_reduce);
     }
     pr__plan_slices(tr, mesh && mesh->dp > 1 ? mesh->zero : 0, mesh ? mesh->dp : 1, mesh ? mesh->dp_rank : 0);
-    size_t reals = 2 * tr->n_pad + 2 * tr->slice_cap;
-    if (reals < 2 * tr->n_pad || !pr__mul_size(reals, sizeof(pr_real), &arena_bytes)) {
+    size_t reals = tr->n_pad + 3 * tr->slice_cap, weight_bytes = 0;
+    /* the kernels read the masters themselves where those are the activations' type and whole */
+    tr->own_weights = be->act_bytes != sizeof(pr_real) || tr->zero;
+    if (reals < tr->n_pad || !pr__mul_size(reals, sizeof(pr_real), &arena_bytes) ||
+        (tr->own_weights && !pr__mul_size(tr->n_pad, be->act_bytes, &weight_bytes))) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: the parameter arena's size overflows");
     }
@@ -2372,12 +2397,13 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         return st;
     }
     tr->arena = (pr_real *)be->alloc(be, arena_bytes, PR_TIER_DEVICE);
+    if (tr->own_weights) tr->weights = be->alloc(be, weight_bytes, PR_TIER_DEVICE);
     tr->inv_freq = (pr_real *)be->alloc(be, sizeof(pr_real) * (size_t)(cfg->head_dim / 2), PR_TIER_DEVICE);
-    if (!tr->arena || !tr->inv_freq) {
-        const size_t n_params = tr->n_params;
+    if (!tr->arena || (tr->own_weights && !tr->weights) || !tr->inv_freq) {
+        const size_t n_params = tr->n_params, bytes = arena_bytes + weight_bytes;
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %.2f GiB (%zu bytes) for %zu parameters, their "
-                        "gradients and AdamW state", (double)arena_bytes / (1 << 30), arena_bytes, n_params);
+                        "gradients and AdamW state", (double)bytes / (1 << 30), bytes, n_params);
     }
     if (mesh && mesh->bf16_grad_reduce && mesh->dp > 1) {
         tr->grad_wire_n = pr__grad_wire_size(tr, mesh->dp);
@@ -2396,10 +2422,12 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         memset(tr->expert_load, 0, sizeof(double) * (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts);
     }
     tr->params = tr->arena;
-    tr->grads = tr->arena + tr->n_pad;
-    tr->adam_m = tr->arena + 2 * tr->n_pad;
+    tr->grads = tr->params + tr->slice_cap;
+    tr->adam_m = tr->grads + tr->n_pad;
     tr->adam_v = tr->adam_m + tr->slice_cap;
     be->zero(be, tr->arena, arena_bytes);
+    if (tr->own_weights) be->zero(be, tr->weights, weight_bytes);     /* the padding past the model stays zero */
+    else tr->weights = tr->params;
     pr_real host_freq[PR__MAX_HEAD_DIM / 2];
     pr__rope_frequencies(cfg, host_freq);
     be->upload_reals(be, tr->inv_freq, host_freq, (size_t)(cfg->head_dim / 2));
@@ -2428,6 +2456,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     pr__chunks_free(tr, tr->spare);
     if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);
     for (int i = 0; i < PR__SLOTS; i++) if (tr->slot[i]) tr->be->release(tr->be, tr->slot[i], PR_TIER_DEVICE);
+    if (tr->own_weights && tr->weights) tr->be->release(tr->be, tr->weights, PR_TIER_DEVICE);
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
@@ -2446,7 +2475,29 @@ PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i) {
 }
 PRDEF size_t pr_trainer_param_count(const pr_trainer *tr) { return tr ? tr->n_params : 0; }
 PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr) {
-    return tr ? sizeof(pr_real) * (2 * tr->n_pad + 2 * tr->slice_cap) : 0;
+    if (!tr) return 0;
+    const size_t weights = tr->own_weights ? tr->be->act_bytes * tr->n_pad : 0;
+    return sizeof(pr_real) * (tr->n_pad + 3 * tr->slice_cap) + weights;
+}
+
+/* The master weights from a host copy of this rank's whole arena (n_params reals): they take
+   their slice, and a separate copy of the weights the kernels read takes all of it. */
+static void pr__weights_take(pr_trainer *tr, const pr_real *local) {
+    tr->be->upload_reals(tr->be, tr->params, local + tr->slice_lo, tr->slice_n);
+    if (tr->own_weights) tr->be->upload_acts(tr->be, tr->weights, local, tr->n_params);
+}
+
+/* After an update of the masters: this rank's slice into the weights the kernels read, then under
+   ZeRO every rank's slice to every rank (in the activations' type: half the bytes of fp32 on the
+   GPU). Collective over dp under ZeRO. */
+static pr_status pr__weights_publish(pr_trainer *tr, pr_error *err) {
+    if (!tr->own_weights) return PR_OK;
+    const pr_backend *be = tr->be;
+    be->reals_to_acts(be, (char *)tr->weights + tr->slice_lo * be->act_bytes, tr->params, tr->slice_n);
+    if (!tr->zero) return PR_OK;
+    pr_comm *c = tr->mesh->dp_comm;
+    void *mine = (char *)tr->weights + (size_t)tr->mesh->dp_rank * tr->slice_cap * be->act_bytes;
+    return c->all_gather(c, tr->weights, mine, tr->slice_cap, pr__act_type(tr), err);
 }
 
 /* A whole-arena copy's arguments: a trainer, a buffer, and the arena's count. */
@@ -2458,12 +2509,15 @@ static pr_status pr__check_count(const pr_trainer *tr, const void *buf, size_t n
 }
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
     pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_params", err);
+    if (!st && tr->zero)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_get_params: under ZeRO a rank holds a 1/%d slice of the master weights; "
+                        "pr_trainer_get_full gathers them", tr->mesh->dp);
     if (!st) tr->be->download_reals(tr->be, dst, tr->params, n);
     return st;
 }
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
     pr_status st = pr__check_count(tr, src, n, "pr_trainer_set_params", err);
-    if (!st) tr->be->upload_reals(tr->be, tr->params, src, n);
+    if (!st) pr__weights_take(tr, src);
     return st;
 }
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err) {
@@ -2775,7 +2829,7 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
     const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
-    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
+    pr__layer_w w = pr__layer_weights(tr, l);
     pr__layer_acts *a = &ps->acts[l];
     const void *x = ps->res[l];
     void *y = ps->res[l + 1];
@@ -2837,8 +2891,8 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, F = c->intermediate_size, NH = c->num_attention_heads;
     const int NKV = c->num_key_value_heads, HS = c->head_dim, qd = NH * HS, kvd = NKV * HS;
-    pr__layer_w w = pr__layer_view(tr->params, &tr->layer_off[l], c->qk_norm);
-    pr__layer_w g = pr__layer_view(tr->grads, &tr->layer_off[l], c->qk_norm);
+    pr__layer_w w = pr__layer_weights(tr, l);
+    pr__layer_g g = pr__layer_grads(tr, l);
     pr__layer_acts *a = &ps->acts[l];
     const size_t nC = (size_t)N * C, nF = (size_t)N * F;
 
@@ -3049,8 +3103,8 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
         PR_FREE(lp);
         return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
     }
-    pr_real *wn = tr->params + tr->off_norm, *gn = tr->grads + tr->off_norm;
-    pr_real *wh = pr__lm_head(tr, tr->params), *gh = pr__lm_head(tr, tr->grads);
+    const void *wn = pr__weight(tr, tr->off_norm), *wh = pr__weight(tr, pr__lm_head_off(tr));
+    pr_real *gn = tr->grads + tr->off_norm, *gh = tr->grads + pr__lm_head_off(tr);
     for (int m0 = 0; m0 < hp->M; m0 += ch) {
         int n = hp->M - m0 < ch ? hp->M - m0 : ch;
         pr_head_rows rows = { n, hp->target + m0, hp->old_logp + m0, hp->ref_logp ? hp->ref_logp + m0 : NULL,
@@ -3152,7 +3206,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (cx->moe.on && !(ps->route_sums = (double *)PR_MALLOC(sizeof(double) * (2 * E + 1))))
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (ps->route_sums) memset(ps->route_sums, 0, sizeof(double) * (2 * E + 1));
-    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, tr->params + tr->off_embed, P, c->hidden_size);
+    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, pr__weight(tr, tr->off_embed), P, c->hidden_size);
     else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, ps->route_sums, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
@@ -3227,7 +3281,7 @@ static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_p
     const pr_backend *be = tr->be;
     const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
     pr__pass *p = &m->p;
-    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, tr->params + tr->off_embed, p->N, C);
+    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, pr__weight(tr, tr->off_embed), p->N, C);
     for (int l = 0; l < L; l++)
         pr__layer_forward(tr, p, l, path ? path->k[l] : NULL, path ? path->v[l] : NULL);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
@@ -3586,7 +3640,6 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
         be->zero(be, tr->grads, tr->n_params * sizeof(pr_real));
         tr->grads_scattered = 0;
     }
-    if (be->prepare_weights) be->prepare_weights(be, tr->params, tr->n_params);
     return PR_OK;
 }
 
@@ -4134,14 +4187,10 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
         const pr_tensor_info *ti = &tr->tensors[t];
         size_t a = ti->offset > lo ? ti->offset : lo, b = ti->offset + ti->numel < hi ? ti->offset + ti->numel : hi;
         if (a >= b) continue;
-        be->adamw(be, tr->params + a, tr->grads + a, tr->adam_m + (a - lo), tr->adam_v + (a - lo), b - a, o->lr, o->beta1,
-                  o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
+        be->adamw(be, tr->params + (a - lo), tr->grads + a, tr->adam_m + (a - lo), tr->adam_v + (a - lo), b - a, o->lr,
+                  o->beta1, o->beta2, o->eps, ti->decay ? o->weight_decay : 0.0, tr->adam_step);
     }
-    if (tr->zero) {              /* every rank's updated slice to every rank */
-        pr_comm *c = tr->mesh->dp_comm;
-        st = c->all_gather(c, tr->params, tr->params + (size_t)tr->mesh->dp_rank * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, err);
-        if (st) return st;
-    }
+    if ((st = pr__weights_publish(tr, err))) return st;
     if (grad_norm) *grad_norm = norm;
     return be->take_error ? be->take_error(be, err) : PR_OK;
 }
@@ -4522,7 +4571,8 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
     for (int le = 0; le < tr->n_experts; le++) {
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
-        const pr_real *wg = w->experts + (size_t)le * 3 * Fm * C, *wu = wg + (size_t)Fm * C, *wd = wu + (size_t)Fm * C;
+        const void *wg = pr__weight_at(tr, w->experts, (size_t)le * 3 * Fm * C), *wu = pr__weight_at(tr, wg, (size_t)Fm * C);
+        const void *wd = pr__weight_at(tr, wu, (size_t)Fm * C);
         void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
         void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
         be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
@@ -4542,7 +4592,7 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
    weight gradients and d(ln2) are summed over the TP group before the router's share, which
    every rank computes alike, is added. */
 static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratch *s, const pr__layer_w *w,
-                             const pr__layer_w *g) {
+                             const pr__layer_g *g) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int N = ps->N, C = c->hidden_size, E = c->num_experts, Fm = c->moe_intermediate_size;
@@ -4563,7 +4613,7 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
         const size_t eo = (size_t)le * 3 * Fm * C;
-        const pr_real *wd = w->experts + eo + 2 * (size_t)Fm * C;
+        const void *wd = pr__weight_at(tr, w->experts, eo + 2 * (size_t)Fm * C);
         pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
         void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
         void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
@@ -4580,7 +4630,7 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
         const size_t eo = (size_t)le * 3 * Fm * C;
-        const pr_real *wg = w->experts + eo, *wu = wg + (size_t)Fm * C;
+        const void *wg = pr__weight_at(tr, w->experts, eo), *wu = pr__weight_at(tr, wg, (size_t)Fm * C);
         pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
         void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
         void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
@@ -4963,19 +5013,15 @@ static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, 
     }
 }
 
-/* This rank's part of a full-model host vector (n_full reals) into one of its arenas (parameters,
-   m or v). */
+/* This rank's part of a full-model host vector (n_full reals) into one of its arenas (the master
+   weights, with the weights the kernels read, m or v: each holds this rank's slice). */
 static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_error *err) {
-    const int moment = arena == tr->adam_m || arena == tr->adam_v;    /* this rank's slice only */
-    const size_t lo = moment ? tr->slice_lo : 0, n = moment ? tr->slice_n : tr->n_params;
-    if (!tr->mesh) {
-        tr->be->upload_reals(tr->be, arena, src + lo, n);
-        return PR_OK;
-    }
-    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    if (!local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
-    pr__shard_copy(tr, (pr_real *)src, local, 0);
-    tr->be->upload_reals(tr->be, arena, local + lo, n);
+    pr_real *local = tr->mesh ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params) : NULL;
+    if (tr->mesh && !local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+    if (tr->mesh) pr__shard_copy(tr, (pr_real *)src, local, 0);
+    const pr_real *mine = local ? local : src;
+    if (arena == tr->params) pr__weights_take(tr, mine);
+    else tr->be->upload_reals(tr->be, arena, mine + tr->slice_lo, tr->slice_n);
     PR_FREE(local);
     return PR_OK;
 }
@@ -5014,11 +5060,11 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
         if (st) return st;
         tr->grads_scattered = 0;
     }
-    if (!tr->zero || (arena != tr->adam_m && arena != tr->adam_v)) return pr__get_full_arena_local(tr, arena, dst, n, err);
-    /* a moment: the slices gathered into a whole arena first */
+    if (!tr->zero || arena == tr->grads) return pr__get_full_arena_local(tr, arena, dst, n, err);
+    /* the master weights or a moment: the slices gathered into a whole arena first */
     const pr_backend *be = tr->be;
     pr_real *whole = (pr_real *)be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
-    pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered AdamW moment (%zu reals)", tr->n_pad);
+    pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered slice arena (%zu reals)", tr->n_pad);
     if (whole) {
         be->copy(be, whole + mine, arena, sizeof(pr_real) * tr->slice_cap);
         st = dp->all_gather(dp, whole, whole + mine, tr->slice_cap, PR_COMM_REAL, err);
@@ -8863,12 +8909,14 @@ static void pr__state_rect(const pr_trainer *tr, int i, int64_t r[4]) {
     r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
 }
 
-/* The elements of local tensor i this rank holds of `kind` (0 parameters, 1 m, 2 v), [*e0, *e1) in
-   its rectangle's row-major order: all of them, or for m and v under ZeRO those in its slice. */
-static void pr__state_held(const pr_trainer *tr, int i, int kind, size_t *e0, size_t *e1) {
+/* The elements of local tensor i in this rank's slice (sliced; else all of them), [*e0, *e1) in its
+   rectangle's row-major order. A rank holds its slice of the master weights, m and v (under ZeRO
+   1/dp of them, else all), and reads the whole of its weights from a state (the weights the
+   kernels read are whole on every rank). */
+static void pr__state_held(const pr_trainer *tr, int i, int sliced, size_t *e0, size_t *e1) {
     const pr_tensor_info *t = &tr->tensors[i];
     size_t lo = t->offset, hi = t->offset + t->numel;
-    if (kind) {
+    if (sliced) {
         if (lo < tr->slice_lo) lo = tr->slice_lo;
         if (hi > tr->slice_lo + tr->slice_n) hi = tr->slice_lo + tr->slice_n;
     }
@@ -8876,12 +8924,12 @@ static void pr__state_held(const pr_trainer *tr, int i, int kind, size_t *e0, si
     *e1 = lo < hi ? hi - t->offset : 0;
 }
 
-/* Whether this rank writes its piece of local tensor i: of the ranks holding the same values (the
-   replicas of a TP shard, the cp ranks, the dp ranks, these also for m and v unless ZeRO slices
-   them) the lowest, the one that counts. */
-static int pr__state_writes(const pr_trainer *tr, int i, int kind) {
+/* Whether this rank writes its pieces of local tensor i: of the ranks holding the same values (the
+   replicas of a TP shard, the cp ranks, the dp ranks unless ZeRO slices the state over them) the
+   lowest, the one that counts. */
+static int pr__state_writes(const pr_trainer *tr, int i) {
     const pr_mesh *m = tr->mesh;
-    return !tr->shard[i].elsewhere && m->cp_rank == 0 && (m->dp_rank == 0 || (kind && tr->zero));
+    return !tr->shard[i].elsewhere && m->cp_rank == 0 && (m->dp_rank == 0 || tr->zero);
 }
 
 /* state_index.json from the ranks' table (see PR__PIECE_NUMS). */
@@ -8944,9 +8992,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     double *tab = (double *)PR_MALLOC(sizeof(double) * n_tab);
     double *dev = (double *)be->alloc(be, sizeof(double) * n_tab, PR_TIER_DEVICE);
     pr_real *host[3];
-    host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
-    host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
-    host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+    for (int k = 0; k < 3; k++) host[k] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
     pr_st_entry *en = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 3 * (size_t)nt);
     char *names = (char *)PR_MALLOC((size_t)PR__NAME_CAP * 3 * (size_t)nt), path[4100];
     int n_en = 0, began = 0;
@@ -8961,7 +9007,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         goto release;
     }
     memset(tab, 0, sizeof(double) * n_tab);
-    be->download_reals(be, host[0], tr->params, tr->n_params);
+    be->download_reals(be, host[0], tr->params, tr->slice_n);
     be->download_reals(be, host[1], tr->adam_m, tr->slice_n);
     be->download_reals(be, host[2], tr->adam_v, tr->slice_n);
     for (int i = 0, j = 0; i < nt; i++) {
@@ -8973,8 +9019,8 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         for (int k = 0; k < 4; k++) p[k] = (double)r[k];
         for (int kind = 0; kind < 3; kind++) {
             size_t e0, e1;
-            pr__state_held(tr, i, kind, &e0, &e1);
-            if (e0 == e1 || !pr__state_writes(tr, i, kind)) continue;
+            pr__state_held(tr, i, 1, &e0, &e1);
+            if (e0 == e1 || !pr__state_writes(tr, i)) continue;
             p[4 + 2 * kind] = (double)e0;
             p[5 + 2 * kind] = (double)e1;
             pr_st_entry *e = &en[n_en];
@@ -8982,7 +9028,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
             snprintf(nm, PR__NAME_CAP, "%s%s", pr__state_prefix[kind], t->name);
             memset(e, 0, sizeof *e);
             e->name = nm;
-            e->data = host[kind] + t->offset + e0 - (kind ? tr->slice_lo : 0);
+            e->data = host[kind] + t->offset + e0 - tr->slice_lo;
             e->ndim = 1;
             e->shape[0] = (int64_t)(e1 - e0);
         }
@@ -9256,7 +9302,7 @@ static pr_status pr__state_read_run(pr__state_index *ix, const pr__piece *p, int
 }
 
 /* This rank's part of kind `kind` of local tensor i (full tensor j) from the pieces into host (a
-   copy of the local arena; for m and v of its slice), row by row of its rectangle, checking that
+   copy of the local arena for the weights; for m and v of its slice), row by row of its rectangle, checking that
    the pieces cover each row's part exactly once. Reads contiguous in both the file and host
    merge into one. */
 static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, int i, int j, int kind, pr_real *host, pr_error *err) {
@@ -9264,7 +9310,7 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
     int64_t r[4];
     size_t e0, e1;
     pr__state_rect(tr, i, r);
-    pr__state_held(tr, i, kind, &e0, &e1);
+    pr__state_held(tr, i, kind != 0, &e0, &e1);
     const int64_t cols = r[3] - r[2];
     pr_real *base = host + t->offset - (kind ? tr->slice_lo : 0);    /* the tensor's element e at base[e] */
     const pr__piece *run = NULL;
@@ -9350,7 +9396,7 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
             st = pr__load_state_ranks(tr, folder, host, err);
         }
         if (!st) {           /* every check passed: the trainer takes the state */
-            tr->be->upload_reals(tr->be, tr->params, host[0], tr->n_params);
+            pr__weights_take(tr, host[0]);
             tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);
             tr->be->upload_reals(tr->be, tr->adam_v, host[2], tr->slice_n);
             tr->adam_step = s.step;

@@ -3,8 +3,8 @@
    It implements the header's pr_backend on one NVIDIA GPU, so the schedule, the loss and the
    optimizer bookkeeping in the header run unchanged on the device:
      - activations bf16, statistics (RMSNorm rstd, attention lse) fp32, every accumulation fp32;
-     - parameters, gradients and AdamW state fp32 (the header's arena); the GEMMs read a bf16 copy
-       of the weights, refreshed by prepare_weights at the start of each step;
+     - master weights, gradients and AdamW state fp32 (the header's arena); every kernel reads the
+       weights in bf16, the trainer's copy of them, converted (reals_to_acts) when the masters change;
      - GEMMs through cuBLASLt (bf16 in, fp32 compute; weight gradients accumulated into fp32);
      - attention: one kernel family for both key regions (the shared prefix K/V, then each
        segment's own causal rows), online softmax, no score matrix, and a backward that gives each
@@ -702,10 +702,6 @@ typedef struct {
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
-    const float *params;           /* the fp32 parameter arena of the last prepare_weights */
-    size_t n_params;
-    bf16 *params_bf16;             /* its bf16 copy, read by every GEMM */
-    size_t params_cap;
     char *stage_host, *stage_dev;  /* staging ring for host arguments: pinned host, device */
     size_t stage_cap, stage_used;
     void *scratch;                 /* reduction partials and attention row statistics */
@@ -856,36 +852,10 @@ static void pr_cu_copy_wait(const pr_backend *be, int tag) {
     pr_cu_ok(cx, cudaStreamWaitEvent(cx->stream, cx->copy_done[tag], 0), "copy_wait");
 }
 
-/* ---------------------------------------------------------------- weights */
+/* ---------------------------------------------------------------- bf16 conversion */
 __global__ void pr_k_to_bf16(bf16 *dst, const float *src, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16(src[i]);
-}
-
-static void pr_cu_prepare_weights(const pr_backend *be, const pr_real *params, size_t n) {
-    pr_cu *cx = pr_cu_of(be);
-    if (n > cx->params_cap) {
-        cudaStreamSynchronize(cx->stream);
-        cudaFree(cx->params_bf16);
-        cx->params_bf16 = NULL;
-        cx->params_cap = 0;
-        if (!pr_cu_ok(cx, cudaMalloc((void **)&cx->params_bf16, n * sizeof(bf16)), "bf16 weight copy")) return;
-        cx->params_cap = n;
-    }
-    cx->params = params;
-    cx->n_params = n;
-    unsigned blocks = pr_cu_blocks(n, 256);
-    pr_k_to_bf16<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>(cx->params_bf16, params, n);
-    pr_cu_launched(cx, "to_bf16");
-}
-
-/* The bf16 copy of a weight tensor that lives in the parameter arena. */
-static const bf16 *pr_cu_weight(pr_cu *cx, const float *w) {
-    if (!cx->params_bf16 || w < cx->params || w >= cx->params + cx->n_params) {
-        pr_cu_fail(cx, PR_ERR_ARG, "matmul weight is outside the parameter arena given to prepare_weights");
-        return NULL;
-    }
-    return cx->params_bf16 + (w - cx->params);
 }
 
 /* ---------------------------------------------------------------- GEMM (cuBLASLt) */
@@ -966,15 +936,15 @@ static void pr_cu_gemm(pr_cu *cx, int transa, int transb, int m, int n, int k, c
 
 /* Row-major out (N,OC) = inp (N,C) @ w^T is column-major out^T (OC,N) = w (OC,C) . inp^T (C,N):
    A = w stored (C x OC) transposed, B = inp stored (C x N). */
-static void pr_cu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const pr_real *w, int N, int C, int OC) {
+static void pr_cu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const void *w, int N, int C, int OC) {
     pr_cu *cx = pr_cu_of(be);
-    pr_cu_gemm(cx, 1, 0, OC, N, C, pr_cu_weight(cx, w), C, (const bf16 *)inp, C, out, OC, 0, 0);
+    pr_cu_gemm(cx, 1, 0, OC, N, C, (const bf16 *)w, C, (const bf16 *)inp, C, out, OC, 0, 0);
 }
 /* dinp^T (C,N) += w^T (C,OC) . dout^T (OC,N);   dw^T (C,OC) += inp^T (C,N) . dout (N,OC) */
 static void pr_cu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                             const pr_real *w, int N, int C, int OC) {
+                             const void *w, int N, int C, int OC) {
     pr_cu *cx = pr_cu_of(be);
-    pr_cu_gemm(cx, 0, 0, C, N, OC, pr_cu_weight(cx, w), C, (const bf16 *)dout, OC, dinp, C, 0, 1);
+    pr_cu_gemm(cx, 0, 0, C, N, OC, (const bf16 *)w, C, (const bf16 *)dout, OC, dinp, C, 0, 1);
     pr_cu_gemm(cx, 0, 1, C, OC, N, (const bf16 *)inp, C, (const bf16 *)dout, OC, dw, C, 1, 1);
 }
 
@@ -1007,7 +977,7 @@ __device__ float pr_warp_sum(float v) {
 
 /* ---------------------------------------------------------------- RMSNorm */
 /* One warp per row: out = (x * r) * w, r = (mean(x^2) + eps)^(-1/2). */
-__global__ void pr_k_rmsnorm_fwd(bf16 *out, float *rstd, const bf16 *inp, const float *w, int N, int C, float eps) {
+__global__ void pr_k_rmsnorm_fwd(bf16 *out, float *rstd, const bf16 *inp, const bf16 *w, int N, int C, float eps) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const bf16 *x = inp + (size_t)row * C;
@@ -1016,23 +986,23 @@ __global__ void pr_k_rmsnorm_fwd(bf16 *out, float *rstd, const bf16 *inp, const 
     ss = pr_warp_sum(ss);
     float r = rsqrtf(ss / C + eps);
     bf16 *o = out + (size_t)row * C;
-    for (int i = lane; i < C; i += 32) o[i] = __float2bfloat16(__bfloat162float(x[i]) * r * w[i]);
+    for (int i = lane; i < C; i += 32) o[i] = __float2bfloat16(__bfloat162float(x[i]) * r * __bfloat162float(w[i]));
     if (lane == 0) rstd[row] = r;
 }
 
 /* dx += r (dy w) - x r^3 mean(dy w x); one warp per row. */
-__global__ void pr_k_rmsnorm_bwd_dx(bf16 *dinp, const bf16 *dout, const bf16 *inp, const float *w, const float *rstd,
+__global__ void pr_k_rmsnorm_bwd_dx(bf16 *dinp, const bf16 *dout, const bf16 *inp, const bf16 *w, const float *rstd,
                                     int N, int C) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const bf16 *x = inp + (size_t)row * C, *dy = dout + (size_t)row * C;
     float r = rstd[row], dot = 0;
-    for (int i = lane; i < C; i += 32) dot += __bfloat162float(dy[i]) * w[i] * __bfloat162float(x[i]);
+    for (int i = lane; i < C; i += 32) dot += __bfloat162float(dy[i]) * __bfloat162float(w[i]) * __bfloat162float(x[i]);
     dot = pr_warp_sum(dot);
     float k = r * r * r * dot / C;
     bf16 *dx = dinp + (size_t)row * C;
     for (int i = lane; i < C; i += 32) {
-        float g = r * __bfloat162float(dy[i]) * w[i] - k * __bfloat162float(x[i]);
+        float g = r * __bfloat162float(dy[i]) * __bfloat162float(w[i]) - k * __bfloat162float(x[i]);
         dx[i] = __float2bfloat16(__bfloat162float(dx[i]) + g);
     }
 }
@@ -1057,20 +1027,20 @@ __global__ void pr_k_sum_parts(float *dw, const float *part, int chunks, int C) 
     dw[col] += s;
 }
 
-static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const void *inp, const pr_real *w,
+static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const void *inp, const void *w,
                               int N, int C, double eps) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     pr_k_rmsnorm_fwd<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)out, (float *)rstd, (const bf16 *)inp,
-                                                                          w, N, C, (float)eps);
+                                                                          (const bf16 *)w, N, C, (float)eps);
     pr_cu_launched(cx, "rmsnorm_fwd");
 }
 static void pr_cu_rmsnorm_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
-                              const pr_real *w, const void *rstd, int N, int C) {
+                              const void *w, const void *rstd, int N, int C) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     pr_k_rmsnorm_bwd_dx<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)dinp, (const bf16 *)dout,
-                                                                             (const bf16 *)inp, w, (const float *)rstd, N, C);
+                                                                             (const bf16 *)inp, (const bf16 *)w, (const float *)rstd, N, C);
     pr_cu_launched(cx, "rmsnorm_bwd_dx");
     /* at most 1024 chunks: the partials stay small and the final loop short */
     int rows_per_chunk = N / 1024 + 1, chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
@@ -1594,11 +1564,11 @@ __global__ void pr_k_bf16_to_f32(float *dst, const bf16 *src, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < n) dst[i] = __bfloat162float(src[i]);
 }
-__global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const float *emb, int N, int C) {
+__global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const bf16 *emb, int N, int C) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)N * C) return;
     size_t r = i / C, c = i % C;
-    out[i] = __float2bfloat16(emb[(size_t)tok[r] * C + c]);
+    out[i] = emb[(size_t)tok[r] * C + c];
 }
 /* Block x: one distinct token; its rows (in row order) summed per column, then added once. */
 __global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int32_t *uniq, const int *start, const int *rows, int C) {
@@ -1674,12 +1644,12 @@ static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *sr
 /* The gradient sum over dp in bf16: the same conversions, on the wire buffer. */
 static void pr_cu_reals_to_bf16(const pr_backend *be, uint16_t *dst, const float *src, size_t n) { pr_cu_reals_to_acts(be, dst, src, n); }
 static void pr_cu_bf16_to_reals(const pr_backend *be, float *dst, const uint16_t *src, size_t n) { pr_cu_acts_to_reals(be, dst, src, n); }
-static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const pr_real *emb, int N, int C) {
+static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, tokens, sizeof(int32_t) * (size_t)N);
     if (!dt) return;
-    pr_k_embed_fwd<<<pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream>>>((bf16 *)out, dt, emb, N, C);
+    pr_k_embed_fwd<<<pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream>>>((bf16 *)out, dt, (const bf16 *)emb, N, C);
     pr_cu_launched(cx, "embed_fwd");
 }
 /* Rows grouped by token (a stable counting order built on the host), so that each embedding row
@@ -1953,7 +1923,6 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     if (cx->compute_mark) cudaEventDestroy(cx->compute_mark);
     if (cx->copy_stream) cudaStreamDestroy(cx->copy_stream);
     cudaFree(cx->workspace);
-    cudaFree(cx->params_bf16);
     cudaFree(cx->scratch);
     cudaFree(cx->stage_dev);
     cudaFreeHost(cx->stage_host);
@@ -2003,7 +1972,6 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->logit_chunk = PR_CUDA_LOGIT_CHUNK;
     be->ctx = cx;
     be->check_config = pr_cu_check_config;
-    be->prepare_weights = pr_cu_prepare_weights;
     be->take_error = pr_cu_take_error;
     be->device_free = pr_cu_device_free;
     be->copy_async = pr_cu_copy_async;

@@ -408,6 +408,15 @@ static int bf16_activations(void) {
     return be && be->act_bytes == 2;
 }
 
+/* What pr_trainer_state_bytes counts: the master weights, gradients, AdamW m and v, and the weights
+   the kernels read where those are a copy of their own (bf16 on the GPU; under ZeRO, whose master
+   weights are a slice). */
+static const char *state_parts(int zero, int bf16) {
+    if (zero) return bf16 ? "fp32 master weights, AdamW m and v sharded over dp; gradients, bf16 weights"
+                          : "master weights, AdamW m and v sharded over dp; gradients, the weights the kernels read";
+    return bf16 ? "fp32 master weights, gradients, AdamW m and v; bf16 weights" : "weights, gradients, AdamW m and v";
+}
+
 /* A trainer on the build's backend, initialised from --init or the seed. */
 static int make_trainer(const options *o, const pr_config *cfg, pr_trainer **tr, pr_error *err) {
     const pr_backend *be = backend(err);
@@ -777,9 +786,9 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
     }
     const rank_report *s = &j->rep[r0];
     if (s->params)
-        printf("  training state on rank %d: %.2f MiB for %zu parameters, %.2f bytes a parameter (weights, gradients, AdamW m and v%s)\n",
+        printf("  training state on rank %d: %.2f MiB for %zu parameters, %.2f bytes a parameter (%s)\n",
                r0, s->state_bytes / 1048576.0, s->params, (double)s->state_bytes / (double)s->params,
-               o->zero ? ", the moments sharded over dp" : "");
+               state_parts(o->zero, bf16_activations()));
     const rank_report *p = &j->rep[r0];
     if (j->split && o->step.schedule == PR_SCHEDULE_REUSE && p->kv_bytes)
         printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
@@ -1588,6 +1597,7 @@ static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
 
 static double mib(size_t b) { return b / 1048576.0; }
 
+
 /* Per-phase peak device memory of each variant at the speed sweep's splits, measured by the
    allocator on one real step each, with the step's time (offload's end-to-end cost). */
 static int run_bench_memory(const options *o, const pr_config *cfg) {
@@ -1629,14 +1639,13 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
 
 /* --bench capacity: the measuring backend on every rank of the mesh (one rank without mesh flags),
    over a measuring communicator, so a mesh of any size sizes itself in seconds. A rank's need is
-   its training state (pr_trainer_state_bytes: weights, gradients, AdamW m and v, sharded as the mesh
-   and ZeRO shard them), the GPU's bf16 weight copy when sizing for the GPU, and the highest
-   per-phase peak of a step; a length fits when it fits on every rank. */
+   its training state (pr_trainer_state_bytes: master weights, gradients, AdamW m and v, sharded as
+   the mesh and ZeRO shard them, and the weights the kernels read: bf16 when sizing for the GPU), and
+   the highest per-phase peak of a step; a length fits when it fits on every rank. */
 typedef struct {
     const options *o;
     const pr_config *cfg;
     const pr_backend *like;      /* the element sizes */
-    int weight_copy;             /* bytes a parameter the backend keeps besides (the GPU's bf16 copy) */
     size_t state[256], params[256];
 } capacity_job;
 
@@ -1673,7 +1682,7 @@ static pr_status step_need(pr_trainer *tr, pr_comm *world, const pr_mesh *m, con
     synth_free(&sg);
     size_t peak = 0;
     for (int p = 0; !s && p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
-    *need = s ? -1 : (double)pr_trainer_state_bytes(tr) + (double)j->weight_copy * (double)pr_trainer_param_count(tr) + (double)peak;
+    *need = s ? -1 : (double)pr_trainer_state_bytes(tr) + (double)peak;
     pr_error other;
     pr_status ms = most_over(world, need, s ? &other : err);
     return s ? s : ms;
@@ -1704,7 +1713,7 @@ static pr_status capacity_rank(pr_comm *world, void *user, pr_error *err) {
         return st;
     }
     const int me = world ? world->rank : 0, lead = me == 0;
-    j->state[me] = pr_trainer_state_bytes(tr) + (size_t)j->weight_copy * pr_trainer_param_count(tr);
+    j->state[me] = pr_trainer_state_bytes(tr);
     j->params[me] = pr_trainer_param_count(tr);
     const double budget = o->bench_budget_mib * 1048576;
     for (int v = 0; v < N_MEM_VARIANTS && !st; v++) {
@@ -1751,12 +1760,11 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     j.cfg = cfg;
     j.like = o->bench_gpu_sizes ? pr_backend_cuda_sizes(&sizes) : backend(&err);
     if (!j.like) return fail(&err);
-    j.weight_copy = j.like->act_bytes == 2 ? PR_CUDA_WEIGHT_COPY_BYTES : 0;
     const int ranks = mesh_ranks(o);
     printf("bench capacity: %s, %d layers, hidden %d, budget %.0f MiB a rank (training state included), %s sizes (%zu-byte "
            "activations%s), G %d, prefix 5/6 of each trajectory; sizes from the allocator, nothing computed\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, o->bench_budget_mib, j.like->name, j.like->act_bytes,
-           j.weight_copy ? ", a bf16 weight copy" : "", o->bench_groups[o->n_bench_groups - 1]);
+           j.like->act_bytes == 2 ? ", bf16 weights" : "", o->bench_groups[o->n_bench_groups - 1]);
     if (on_mesh(o))
         printf("mesh: dp %d x pp %d x cp %d x tp %d = %d ranks, ep %d, zero %d, each sized on a measuring communicator\n", o->dp,
                o->pp, o->cp, o->tp, ranks, o->ep, o->zero);
@@ -1770,9 +1778,8 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     st = on_mesh(o) ? pr_comm_local_run(ranks, capacity_rank, &j, &err) : capacity_rank(NULL, &j, &err);
 #endif
     if (st) return fail(&err);
-    printf("training state on rank 0: %.1f MiB, %.2f bytes a parameter of its %zu (weights, gradients, AdamW m and v%s%s)\n",
-           mib(j.state[0]), (double)j.state[0] / (double)j.params[0], j.params[0], o->zero ? ", the moments sharded over dp" : "",
-           j.weight_copy ? ", the bf16 weight copy" : "");
+    printf("training state on rank 0: %.1f MiB, %.2f bytes a parameter of its %zu (%s)\n", mib(j.state[0]),
+           (double)j.state[0] / (double)j.params[0], j.params[0], state_parts(o->zero, j.like->act_bytes == 2));
     return 0;
 }
 

@@ -122,7 +122,7 @@ static double best_cublaslt(cublasLtHandle_t lt, const lt_problem *p, void *ws, 
     return best;
 }
 
-typedef struct { void *out, *inp, *dout, *dinp; float *w, *dw; int N, C, OC, which; } mm_args;
+typedef struct { void *out, *inp, *dout, *dinp; const void *w; float *dw; int N, C, OC, which; } mm_args;
 static void mm_call(void *arg) {
     mm_args *a = arg;
     if (a->which == 0) be->matmul_fwd(be, a->out, a->inp, a->w, a->N, a->C, a->OC);
@@ -163,10 +163,10 @@ static void bench_gemm(int N) {
             cudaMemcpy(w, f, sizeof(float) * (size_t)OC * C, cudaMemcpyHostToDevice);
             free(h); free(f);
         }
-        be->prepare_weights(be, w, (size_t)OC * C);
+        be->reals_to_acts(be, wtmp, w, (size_t)OC * C);    /* the bf16 weights the kernels read */
         be->sync(be);
-        const void *wb = wtmp;                         /* same shape and type as the backend's bf16 copy */
-        mm_args a = { out, inp, dout, dinp, w, dw, rows, C, OC, 0 };
+        const void *wb = wtmp;
+        mm_args a = { out, inp, dout, dinp, wb, dw, rows, C, OC, 0 };
         lt_problem fwd = { OC, rows, C, 1, 0, C, C, OC, 0, wb, inp, out, 0.0f };
         lt_problem bdx = { C, rows, OC, 0, 0, C, OC, C, 0, wb, dout, dinp, 1.0f };
         lt_problem bdw = { C, OC, rows, 0, 1, C, OC, C, 1, inp, dout, dw, 1.0f };
@@ -291,11 +291,11 @@ static int smoke(void) {
         for (int i = 0; i < OC * C; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; w[i] = pr_bf16_to_f32(pr_f32_to_bf16((float)((s >> 11) * 0x1p-53 - 0.5) * 0.1f)); }
         for (int i = 0; i < N * C; i++) { s ^= s << 13; s ^= s >> 7; s ^= s << 17; x[i] = pr_f32_to_bf16((float)((s >> 11) * 0x1p-53 - 0.5)); }
         float *dw = dalloc(sizeof(float) * OC * C);
-        void *dx = dalloc(2 * N * C), *dy = dalloc(2 * N * OC);
+        void *dwb = dalloc(2 * OC * C), *dx = dalloc(2 * N * C), *dy = dalloc(2 * N * OC);
         cudaMemcpy(dw, w, sizeof(float) * OC * C, cudaMemcpyHostToDevice);
         cudaMemcpy(dx, x, 2 * N * C, cudaMemcpyHostToDevice);
-        be->prepare_weights(be, dw, (size_t)OC * C);
-        be->matmul_fwd(be, dy, dx, dw, N, C, OC);
+        be->reals_to_acts(be, dwb, dw, (size_t)OC * C);       /* the bf16 weights the kernels read */
+        be->matmul_fwd(be, dy, dx, dwb, N, C, OC);
         if (!smoke_backend_ok("GEMM")) return 1;
         cudaMemcpy(y, dy, 2 * N * OC, cudaMemcpyDeviceToHost);
         double num = 0, den = 0;
@@ -309,7 +309,8 @@ static int smoke(void) {
             }
         double rel = sqrt(num / den);
         printf("smoke: GEMM relative error %.2e\n", rel);
-        be->release(be, dw, PR_TIER_DEVICE); be->release(be, dx, PR_TIER_DEVICE); be->release(be, dy, PR_TIER_DEVICE);
+        be->release(be, dw, PR_TIER_DEVICE); be->release(be, dwb, PR_TIER_DEVICE);
+        be->release(be, dx, PR_TIER_DEVICE); be->release(be, dy, PR_TIER_DEVICE);
         free(w); free(x); free(y);
         if (!(rel <= 1e-2)) return smoke_fail("GEMM", "relative error above 1e-2");
     }

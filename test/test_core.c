@@ -1425,6 +1425,60 @@ static pr_status accumulate_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
+/* A rank's training state (pr_trainer_state_bytes) on dp 8, sized for the GPU (bf16 weights for the
+   kernels) and for the CPU: unsharded every parameter whole; under ZeRO the master weights, m and v
+   a 1/dp slice each, the gradients and the kernels' weights whole (padded to dp slices). */
+typedef struct { int zero, gpu; size_t state[8], n[8], slice[8], pad[8]; } state_job;
+
+static pr_status state_rank(pr_comm *world, void *user, pr_error *err) {
+    state_job *j = user;
+    pr_backend storage, sizes;
+    const pr_backend *be = pr_backend_measure(j->gpu ? pr_backend_cuda_sizes(&sizes) : pr_backend_cpu(), &storage);
+    pr_comm *w = NULL;
+    pr_status s = pr_comm_measure(&w, world, err);
+    if (s) return s;
+    pr_config c = small_config(0, 0, 2);
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    if (!(s = pr_mesh_init(&mesh, w, 8, 1, 1, 1, 1, err))) {
+        mesh.zero = j->zero;
+        if (!(s = pr_trainer_create_mesh(&tr, &c, be, &mesh, err))) {
+            const int r = world->rank;
+            j->state[r] = pr_trainer_state_bytes(tr);
+            j->n[r] = pr_trainer_param_count(tr);
+            j->slice[r] = tr->slice_cap;
+            j->pad[r] = tr->n_pad;
+        }
+        pr_trainer_destroy(tr);
+        pr_mesh_free(&mesh);
+    }
+    w->destroy(w);
+    return s;
+}
+
+static void test_state_bytes(void) {
+    for (int gpu = 0; gpu < 2; gpu++)
+        for (int zero = 0; zero <= 2; zero++) {
+            state_job j;
+            pr_error err;
+            memset(&j, 0, sizeof j);
+            j.zero = zero;
+            j.gpu = gpu;
+            CHECK(pr_comm_local_run(8, state_rank, &j, &err) == PR_OK, "state bytes, zero %d: %s", zero, err.message);
+            const size_t weight = gpu ? 2 : sizeof(pr_real), n = j.n[0];
+            for (int r = 0; r < 8; r++) {
+                const size_t want = zero ? sizeof(pr_real) * (j.pad[r] + 3 * j.slice[r]) + weight * j.pad[r]
+                                         : (4 * sizeof(pr_real) + (gpu ? weight : 0)) * n;
+                CHECK(j.state[r] == want && j.n[r] == n && (!zero || (j.pad[r] == 8 * j.slice[r] && 8 * j.slice[r] >= n)),
+                      "%s sizes, zero %d, rank %d: %zu state bytes, expected %zu", gpu ? "GPU" : "CPU", zero, r, j.state[r], want);
+            }
+            /* fp32 state, bf16 kernel weights at dp 8: 18 bytes a parameter, and 4 + 2 + 12/8 = 7.5 sharded */
+            const double per = (double)j.state[0] / (double)n;
+            if (gpu && sizeof(pr_real) == 4)
+                CHECK(zero ? per >= 7.5 && per < 7.6 : per == 18, "GPU sizes, zero %d: %.3f bytes a parameter", zero, per);
+        }
+}
+
 static void test_measure_mesh(void) {
     const int S[6] = { 5, 1, 8, 3, 6, 2 };
     static test_group tg[2];
@@ -3010,6 +3064,7 @@ int main(void) {
     test_grad_reduce_bf16();
     test_step_metrics();
     test_measure_mesh();
+    test_state_bytes();
     test_checkpoints();
     test_other_shape();
     test_train_state();

@@ -69,27 +69,19 @@ static void expect_backend_ok(const char *what) {
     CHECK(be->take_error(be, &err) == PR_OK, "%s: %s", what, err.message);
 }
 
-/* A parameter arena on the device holding w (n floats), handed to prepare_weights. */
-static float *weights(const double *w, size_t n) {
-    float *d = dev_f32(w, n);
-    be->prepare_weights(be, d, n);
-    return d;
-}
-
 /* ---------------------------------------------------------------- kernels */
 static void test_matmul(int N, int C, int OC) {
-    double *x = random_bf16((size_t)N * C, 1), *w = random_f32((size_t)OC * C, 0.1), *dy = random_bf16((size_t)N * OC, 1);
-    double *wb = malloc(sizeof(double) * (size_t)OC * C);     /* the GEMM reads the bf16 copy */
-    for (size_t i = 0; i < (size_t)OC * C; i++) wb[i] = from_bf16(to_bf16(w[i]));
+    /* the weights as the kernels read them: bf16 */
+    double *x = random_bf16((size_t)N * C, 1), *wb = random_bf16((size_t)OC * C, 0.1), *dy = random_bf16((size_t)N * OC, 1);
     double *dx0 = random_bf16((size_t)N * C, 1), *dw0 = random_f32((size_t)OC * C, 1);
     double *ref_y = calloc((size_t)N * OC, sizeof(double)), *ref_dx = copy_of(dx0, (size_t)N * C), *ref_dw = copy_of(dw0, (size_t)OC * C);
     ref_matmul_fwd(ref_y, x, wb, N, C, OC);
     ref_matmul_bwd(ref_dx, ref_dw, dy, x, wb, N, C, OC);
-    float *dw_arena = weights(w, (size_t)OC * C);
+    void *w_ = dev_bf16(wb, (size_t)OC * C);
     void *dx_ = dev_bf16(x, (size_t)N * C), *dy_ = dev_bf16(dy, (size_t)N * OC), *y_ = dev_poison((size_t)N * OC, 2);
     void *ddx = dev_bf16(dx0, (size_t)N * C), *ddw = dev_f32(dw0, (size_t)OC * C);
-    be->matmul_fwd(be, y_, dx_, dw_arena, N, C, OC);
-    be->matmul_bwd(be, ddx, ddw, dy_, dx_, dw_arena, N, C, OC);
+    be->matmul_fwd(be, y_, dx_, w_, N, C, OC);
+    be->matmul_bwd(be, ddx, ddw, dy_, dx_, w_, N, C, OC);
     expect_backend_ok("matmul");
     double *y = host_bf16(y_, (size_t)N * OC), *gdx = host_bf16(ddx, (size_t)N * C), *gdw = host_f32(ddw, (size_t)OC * C);
     char what[96];
@@ -99,18 +91,18 @@ static void test_matmul(int N, int C, int OC) {
     EXPECT_CLOSE(gdx, ref_dx, (size_t)N * C, TOL_BF16, what);
     snprintf(what, sizeof what, "matmul_bwd dw %dx%dx%d", N, C, OC);
     EXPECT_CLOSE(gdw, ref_dw, (size_t)OC * C, TOL_FP32, what);
-    release(dw_arena); release(dx_); release(dy_); release(y_); release(ddx); release(ddw);
-    free(x); free(w); free(wb); free(dy); free(dx0); free(dw0); free(ref_y); free(ref_dx); free(ref_dw);
+    release(w_); release(dx_); release(dy_); release(y_); release(ddx); release(ddw);
+    free(x); free(wb); free(dy); free(dx0); free(dw0); free(ref_y); free(ref_dx); free(ref_dw);
     free(y); free(gdx); free(gdw);
 }
 
 static void test_rmsnorm(int N, int C) {
-    double *x = random_bf16((size_t)N * C, 2), *w = random_f32(C, 1), *dy = random_bf16((size_t)N * C, 1);
+    double *x = random_bf16((size_t)N * C, 2), *w = random_bf16(C, 1), *dy = random_bf16((size_t)N * C, 1);
     double *dx0 = random_bf16((size_t)N * C, 1), *dw0 = random_f32(C, 1);
     double *ry = malloc(sizeof(double) * N * C), *rr = malloc(sizeof(double) * N);
     double *rdx = copy_of(dx0, (size_t)N * C), *rdw = copy_of(dw0, C);
     ref_rmsnorm_fwd(ry, rr, x, w, N, C, 1e-5);
-    void *x_ = dev_bf16(x, (size_t)N * C), *w_ = dev_f32(w, C), *y_ = dev_poison((size_t)N * C, 2), *r_ = dev_poison(N, 4);
+    void *x_ = dev_bf16(x, (size_t)N * C), *w_ = dev_bf16(w, C), *y_ = dev_poison((size_t)N * C, 2), *r_ = dev_poison(N, 4);
     be->rmsnorm_fwd(be, y_, r_, x_, w_, N, C, 1e-5);
     double *gr = host_f32(r_, N);
     /* the backward on the GPU's own rstd, the reference on its own: both within fp32 of each other */
@@ -172,12 +164,11 @@ static void test_elementwise(size_t n) {
 static void test_embed_rows(int N, int C, int V) {
     int32_t *tok = malloc(sizeof(int32_t) * N);
     for (int i = 0; i < N; i++) tok[i] = (int32_t)((uniform() + 1) / 2 * (V / 4));   /* repeats on purpose */
-    double *emb = random_f32((size_t)V * C, 1), *dy = random_bf16((size_t)N * C, 1), *demb0 = random_f32((size_t)V * C, 1);
+    double *emb = random_bf16((size_t)V * C, 1), *dy = random_bf16((size_t)N * C, 1), *demb0 = random_f32((size_t)V * C, 1);
     double *ry = malloc(sizeof(double) * N * C), *rd = copy_of(demb0, (size_t)V * C);
     ref_embed_fwd(ry, tok, emb, N, C);
     ref_embed_bwd(rd, dy, tok, N, C);
-    for (size_t i = 0; i < (size_t)N * C; i++) ry[i] = from_bf16(to_bf16(ry[i]));   /* the output is bf16 */
-    void *emb_ = dev_f32(emb, (size_t)V * C), *y_ = dev_poison((size_t)N * C, 2), *dy_ = dev_bf16(dy, (size_t)N * C);
+    void *emb_ = dev_bf16(emb, (size_t)V * C), *y_ = dev_poison((size_t)N * C, 2), *dy_ = dev_bf16(dy, (size_t)N * C);
     void *d_ = dev_f32(demb0, (size_t)V * C);
     be->embed_fwd(be, y_, tok, emb_, N, C);
     be->embed_bwd(be, d_, dy_, tok, N, C);
@@ -195,7 +186,7 @@ static void test_embed_rows(int N, int C, int V) {
             rg[(size_t)m * C + c] = dy[(size_t)rows[m] * C + c];
             rs[(size_t)rows[m] * C + c] += dy[(size_t)rows[m] * C + c];
         }
-    EXPECT_CLOSE(gy, ry, (size_t)N * C, 1e-12, "embed_fwd (exact after bf16 rounding)");
+    EXPECT_CLOSE(gy, ry, (size_t)N * C, 1e-12, "embed_fwd (exact: bf16 rows copied)");
     EXPECT_CLOSE(gd, rd, (size_t)V * C, TOL_FP32, "embed_bwd");
     EXPECT_CLOSE(gg, rg, (size_t)M * C, 1e-12, "gather_rows (exact)");
     EXPECT_CLOSE(gs, rs, (size_t)N * C, 1e-12, "scatter_add_rows (doubling is exact)");
