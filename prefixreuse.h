@@ -63,12 +63,13 @@
         pass, one layer forward and backward, batches and the GRPO loss head
      4. The schedules: Phase A, Phase B, Phase C, the step (reuse or baseline; its token weights
         from an optimizer step's loss denominators, pr_step_loss_totals), AdamW (over this
-        rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces)
+        rank's slice of the arena: all of it, or 1/dp under ZeRO; the gradient norm in fixed pieces;
+        the weights the kernels read refreshed from the master weights)
      5. Offload of the prefix's dormant state
      6. MoE: routing, dispatch to the experts (EP), the sparse MLP, the load-balancing loss
      7. The parallel layer: the communicator, the device mesh, collectives inside a step, sharded
         parameters (TP, EP, PP), context parallelism, pipeline stages, groups split across DP
-        ranks, data parallelism (ZeRO: AdamW state sharded over dp, pr_mesh.zero), in-process
+        ranks, data parallelism (ZeRO: master weights and AdamW state sharded over dp, pr_mesh.zero), in-process
         ranks (NCCL is in prefixreuse_cuda.cu), a measuring communicator; the gradient sum over dp in
         bf16 on request
      8. File formats: platform i/o, JSON, model configuration (Hugging Face config.json: Llama 3,
@@ -745,7 +746,8 @@ typedef struct {
          optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
      a mesh of W > 1 ranks, version 2, each rank writing only what it holds:
          rank-<r>-of-<W>.safetensors  rank r's pieces, 1-D: "<name>" its parameter shard,
-                                   "exp_avg.<name>", "exp_avg_sq.<name>" m and v of its ZeRO slice
+                                   "exp_avg.<name>", "exp_avg_sq.<name>" m and v (under ZeRO each
+                                   of the three its slice)
          state_index.json          the mesh; per full tensor its shape and pieces: kind (param,
                                    exp_avg, exp_avg_sq), file, key, the rank's rectangle of the
                                    full tensor (rows, cols [first, end)) and the elements
@@ -779,7 +781,9 @@ PRDEF size_t pr_trainer_param_count(const pr_trainer *tr);
    under ZeRO; on the GPU 18, and 2 + 4 + 12/dp under ZeRO (7.5 at dp 8). 0 for a NULL trainer. */
 PRDEF size_t pr_trainer_state_bytes(const pr_trainer *tr);
 /* Host copies of the whole arena (n = pr_trainer_param_count reals). A NULL trainer or buffer or
-   another n is PR_ERR_ARG, and nothing is copied. */
+   another n is PR_ERR_ARG, and nothing is copied. Under ZeRO a rank holds a slice of the master
+   weights: get_params is PR_ERR_UNSUPPORTED there (pr_trainer_get_full gathers them), and
+   set_params takes the slice and the whole copy the kernels read. */
 PRDEF pr_status pr_trainer_get_params(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_set_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
 PRDEF pr_status pr_trainer_get_grads(const pr_trainer *tr, pr_real *dst, size_t n, pr_error *err);
@@ -800,8 +804,9 @@ PRDEF void pr_step_stats_add(pr_step_stats *step, const pr_step_stats *group);
    token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
 /* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm.
-   Under ZeRO (pr_mesh.zero) each dp rank clips and updates its slice and the weights are
-   all-gathered over dp, bitwise as without; collective over the mesh. */
+   Under ZeRO (pr_mesh.zero) each dp rank clips and updates its slice of the master weights and
+   the weights the kernels read are all-gathered over dp (in their own type: bf16 on the GPU),
+   bitwise as without; collective over the mesh. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
@@ -924,9 +929,11 @@ typedef struct {
     pr_comm *world, *dp_comm, *pp_comm, *cp_comm, *tp_comm;
     pr_comm *ends_comm;      /* the pipeline's first and last stage (a tied embedding lives on both); alone elsewhere */
     /* Sharded training state over the dp ranks (ZeRO), set after pr_mesh_init (which makes it 0)
-       and before pr_trainer_create_mesh. 0: every dp rank holds all of its arena's AdamW state.
-       1: the arena is cut into dp slices; each rank keeps m and v of its slice only, clips and
-       updates that slice, and the updated parameters are all-gathered over dp. 2: as 1, and the
+       and before pr_trainer_create_mesh. 0: every dp rank holds all of its arena's master weights
+       and AdamW state. 1: the arena is cut into dp slices; each rank keeps the master weights, m
+       and v of its slice only, clips and updates that slice, and the updated weights are
+       all-gathered over dp into the whole copy the kernels read (bf16 on the GPU, where a rank
+       then holds 2 + 4 + 12/dp bytes a parameter: 7.5 at dp 8). 2: as 1, and the
        step's gradient sum over dp is a reduce-scatter, so that after it a rank holds the summed
        gradient of its slice only (pr_trainer_get_full gathers the rest). The gradient buffer is
        still whole, for the step's accumulation: stage 2 saves traffic here, not memory. Results
@@ -954,8 +961,9 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
    set takes this rank's slices of src; get assembles dst (parameters or gradients) on every
-   rank (collective over tp and pp, and over dp after a ZeRO-2 step, whose reduce-scatter left
-   each rank its slice of the summed gradient). Without a mesh they are get/set_params and
+   rank (collective over tp and pp, and over dp under ZeRO for the parameters, whose master weights
+   each rank holds a slice of, and after a ZeRO-2 step, whose reduce-scatter left each rank its
+   slice of the summed gradient). Without a mesh they are get/set_params and
    get_grads. The count of a NULL trainer is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
@@ -2302,7 +2310,7 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
 
 #define PR__MAX_HEAD_DIM PR_MAX_HEAD_DIM   /* bounds the host copy of the RoPE frequencies */
 
-/* The AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
+/* The master weights' and AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
    that depends on the arena's size only, so that every stage cuts the same way), the units dealt
    out in dp contiguous runs of equal length (the last ones shorter, or empty). */
 static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
@@ -5049,8 +5057,8 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 }
 
 /* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
-   every rank: collective over tp and pp, and under ZeRO over dp for the moments and a scattered
-   gradient. */
+   every rank: collective over tp and pp, and under ZeRO over dp for the master weights, the
+   moments and a scattered gradient. */
 static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
 static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
     pr_comm *dp = tr->mesh ? tr->mesh->dp_comm : NULL;

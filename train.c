@@ -156,7 +156,7 @@ static void usage(FILE *f) {
         "  --bench-budget MIB     device memory a rank for --bench capacity, training state included (default 64);\n"
         "                         capacity takes the mesh flags (--dp --tp --pp --cp --ep --zero): every rank sized\n"
         "  --bench-sizes K        --bench capacity: build (this build's element sizes, default) | gpu (the CUDA\n"
-        "                         backend's: bf16 activations and its bf16 weight copy), from any build\n"
+        "                         backend's: bf16 activations and weights), from any build\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8); --bench tree:\n"
