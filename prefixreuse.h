@@ -822,9 +822,8 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
    each group's own), but for the expert load (pr_trainer_expert_load), which is the whole step's
    (the sum of the groups' loads), and the offload stats, which cover every node (dormant_bytes:
    the deepest chain of nodes, whose blocks rest at once). MoE and offload as in
-   pr_trainer_compute_grads. The reuse schedule; on a mesh, TP and PP run inside the tree (with tp
-   or pp, opt->accumulate is refused: see pr_trainer_compute_grads_tree_dp); CP is refused with
-   PR_ERR_UNSUPPORTED. */
+   pr_trainer_compute_grads. The reuse schedule; on a mesh, TP, CP and PP run inside the tree (with
+   tp, cp or pp, opt->accumulate is refused: see pr_trainer_compute_grads_tree_dp). */
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err);
 /* Model FLOPs of that step: each group's suffixes as pr_step_flops counts them, each node once. */
@@ -1954,15 +1953,22 @@ typedef struct {
    layer's forward fills again before its backward (pr__layer_rebuild). */
 typedef enum { PR__KEEP_ALL = 0, PR__KEEP_INPUT_KV, PR__KEEP_INPUT } pr__keep;
 
+/* One prefix pass's rows in a path: all of them (every CP rank's), the rows of one CP chunk (all
+   of them without CP), and this rank's. */
+typedef struct { int rows, chunk, own; } pr__kv_seg;
+
 /* The K/V a pass attends to ahead of its own rows, and where their gradients gather: the group's
-   prefix in Phase B, or in a prefix tree every node from the root down to the pass. Each layer's
-   rows are one buffer into which each prefix pass writes its own K/V in place, at its first row,
-   so a pass reads all the rows above it as one region and sends their dK/dV back as one. */
+   prefix in Phase B, or in a prefix tree every node from the root down to the pass. The path is a
+   stack of segments, one a prefix pass (a group's prefix; a tree's nodes down to the one in hand),
+   pushed before its Phase A and popped after its Phase C. Each layer's rows are one buffer into
+   which each prefix pass writes its own K/V in place, after the segments above it, so a pass
+   reads all the rows above it as one region and sends their dK/dV back as one. Under CP a rank
+   holds its chunk of each segment, a whole chunk's room in the K/V buffers so that it can be
+   gathered, and its own rows of gK/gV. */
 typedef struct {
-    int rows;                 /* the rows above a pass (all CP ranks'); set before each pass that reads them */
-    int own;                  /* the rows of those this rank holds (its CP shard) */
-    int cp_chunk;             /* CP: the rows of one chunk of the prefix (0 without CP) */
-    int kv_rows;              /* rows in each K/V buffer: under CP a whole chunk, so that it can be gathered */
+    int rows, own, kv;        /* the segments' rows: all CP ranks', this rank's, and in the K/V buffers */
+    pr__kv_seg *seg;          /* (max_seg) */
+    int n_seg, max_seg;
     void **k, **v;            /* (L) the K/V cache, NKV*HS acts a row */
     pr_real **gk, **gv;       /* (L) their accumulated dK/dV, in reals: the G suffixes' sums are never
                                  rounded to the activations' precision */
@@ -1982,9 +1988,10 @@ typedef struct {
     pr__route *route;         /* (L) MoE only */
     const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
     /* CP: the pass is this rank's chunk of a segment split into chunks of cp_chunk rows; its own
-       K/V hold cp_chunk rows so that they can be gathered. cp_pre_rows/cp_pre_chunk: the cached
-       prefix the pass reads (Phase B), split the same way (0: none). */
-    int cp_chunk, cp_pre_rows, cp_pre_chunk;
+       K/V hold cp_chunk rows so that they can be gathered. pre: the path whose first pre_seg
+       segments (cp_pre_rows rows) the pass reads ahead of its own rows (NULL: none). */
+    int cp_chunk, cp_pre_rows, pre_seg;
+    const pr__kv_path *pre;
     void *kreg, *vreg;                   /* CP: gathered attention region */
     pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
     pr_real *pad, *shard;                /* CP: a reduce-scatter's input and output */
@@ -2006,8 +2013,7 @@ typedef struct {
     void *dk, *dv;               /* (N, NKV*HS) acts: the pass's own dK/dV, added into; they already
                                     hold what must be injected (gK/gV in Phase C, zeros otherwise) */
     const void *kp, *vp;         /* (P, NKV*HS) the cached prefix K/V the pass attends to, or NULL */
-    pr_real *dkp, *dvp;          /* (P, NKV*HS) where the cached prefix's dK/dV go, or NULL */
-    int pre_own;                 /* under CP: the prefix shard's rows on this rank (dkp/dvp's share) */
+    pr_real *dkp, *dvp;          /* (P, NKV*HS) where the cached prefix's dK/dV go (under CP its shard's), or NULL */
 } pr__kv_grads;
 
 static pr__kv_grads pr__kv_own(void *dk, void *dv) {
@@ -2056,9 +2062,10 @@ typedef struct {
 } pr__offload;
 
 /* A prefix pass (Phase A's, or a prefix tree node's) from its forward to its backward: rows
-   start .. start+N-1 of the path (pr__kv_path) it writes its K/V into. */
+   start .. start+len-1 of the path (pr__kv_path) it writes its K/V into, the last segment there. */
 typedef struct {
-    int start;
+    int start, len;
+    int own_above;            /* the rows above it this rank holds (all of them without CP) */
     pr__arena *a;             /* the memory its pass lives in */
     pr__batch batch;          /* its rows as one segment, with the loss rows of the suffixes' first tokens */
     pr__pass pass;            /* its saved tensors; pass.acts[l].k/v are its rows of the path's K/V */
@@ -2189,11 +2196,12 @@ static pr__layer_g pr__layer_grads(pr_trainer *tr, int l) {
     g.router = base + o->router; g.experts = base + o->experts;
     return g;
 }
-/* The weight at arena offset `off` (or `off` elements past w) as the kernels read it. */
-static const void *pr__weight_at(const pr_trainer *tr, const void *w, size_t off) {
-    return (const char *)w + off * tr->be->act_bytes;
+/* `elems` elements of the activations' type past base, read-only (the weights the kernels read, a
+   cached K/V); the weight at arena offset `off` as the kernels read it. */
+static const void *pr__cact_at(const pr_trainer *tr, const void *base, size_t elems) {
+    return (const char *)base + elems * tr->be->act_bytes;
 }
-static const void *pr__weight(const pr_trainer *tr, size_t off) { return pr__weight_at(tr, tr->weights, off); }
+static const void *pr__weight(const pr_trainer *tr, size_t off) { return pr__cact_at(tr, tr->weights, off); }
 static pr__layer_w pr__layer_weights(const pr_trainer *tr, int l) {
     const pr__layer_off *o = &tr->layer_off[l];
     pr__layer_w w;
@@ -3080,16 +3088,18 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     return PR_OK;
 }
 
-/* A pass's host view of a batch; path: the cached K/V above it that it reads (Phase B), or NULL. */
-static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__kv_path *path) {
+/* A pass's host view of a batch; path: the cached K/V above it, its first n_seg segments, that the
+   pass reads (Phase B; a prefix pass below others), or NULL. */
+static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const pr__kv_path *path, int n_seg) {
     memset(p, 0, sizeof *p);
     p->lay = b->lay;
     p->tokens = b->tokens;
     p->real = b->real;
     p->cp_chunk = b->cp_chunk;
-    if (path && pr__cp(tr) > 1) {
-        p->cp_pre_rows = path->rows;
-        p->cp_pre_chunk = path->cp_chunk;
+    if (path && n_seg && pr__cp(tr) > 1) {
+        p->pre = path;
+        p->pre_seg = n_seg;
+        for (int i = 0; i < n_seg; i++) p->cp_pre_rows += path->seg[i].rows;
     }
 }
 
@@ -3136,21 +3146,24 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
 
 /* ================================================================ 4. THE SCHEDULES */
 /* ---------------------------------------------------------------- 4.1 Phase A: the prefix forward, once */
-/* The path's memory, for passes of up to `cap` rows above them (own: this rank's share; kv_rows:
-   rows in each K/V buffer, which under CP holds a whole chunk so that it can be gathered): the
-   K/V cache, gK/gV (zeroed: a prefix pass's backward zeroes its rows again once it has read
-   them, for the next node on those rows) and one pass's dK/dV, from the prefix arena. */
-static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int cap, int own, int kv_rows, int cp_chunk, pr_error *err) {
+/* The path's memory, for up to max_seg segments of up to `own` rows of this rank and kv_rows rows
+   in the K/V buffers: the K/V cache, gK/gV (zeroed: a prefix pass's backward zeroes its rows
+   again once it has read them, for the next node on those rows) and one pass's dK/dV, from the
+   prefix arena. No segment yet. */
+static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int own, int kv_rows, int max_seg, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers;
     const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
     memset(path, 0, sizeof *path);
-    path->rows = cap;
-    path->own = own;
-    path->cp_chunk = cp_chunk;
-    path->kv_rows = kv_rows;
+    path->max_seg = max_seg;
     void **m = (void **)PR_MALLOC(sizeof(void *) * 4 * (size_t)L);
-    if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    path->seg = (pr__kv_seg *)PR_MALLOC(sizeof(pr__kv_seg) * (size_t)max_seg);
+    if (!m || !path->seg) {
+        PR_FREE(m);
+        PR_FREE(path->seg);
+        path->seg = NULL;
+        return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    }
     path->k = m; path->v = m + L; path->gk = (pr_real **)(m + 2 * L); path->gv = (pr_real **)(m + 3 * L);
     for (int l = 0; l < L; l++) {
         path->k[l] = pr__act(tr, &tr->prefix_arena, (size_t)kv_rows * kvd);
@@ -3170,24 +3183,47 @@ static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int cap, int 
 
 static void pr__path_free(pr__kv_path *path) {
     PR_FREE(path->k);     /* the four arrays are one allocation; the buffers are the prefix arena's */
+    PR_FREE(path->seg);
     memset(path, 0, sizeof *path);
+}
+
+/* A prefix pass of `rows` rows joins the path (before its Phase A), and leaves it (after its
+   Phase C). Its chunk and this rank's rows of it as pr__batch_make cuts it. */
+static void pr__path_push(pr_trainer *tr, pr__kv_path *path, int rows) {
+    pr__kv_seg *sg = &path->seg[path->n_seg++];
+    int r0;
+    sg->rows = rows;
+    sg->own = pr__cp_share(tr, rows, &r0, &sg->chunk);
+    path->rows += rows;
+    path->own += sg->own;
+    path->kv += sg->chunk;
+}
+static void pr__path_pop(pr__kv_path *path) {
+    const pr__kv_seg *sg = &path->seg[--path->n_seg];
+    path->rows -= sg->rows;
+    path->own -= sg->own;
+    path->kv -= sg->chunk;
 }
 
 /* A prefix pass's memory: its batch (rows start .. start+len-1 of group g's prefix, with the loss
    rows of the suffixes' first tokens when it ends the prefix), its pass in ps->a with every
    layer's saved tensors (under recompute the layers' inputs, and for the forward alone the
-   region their other tensors share), and its K/V placed in the path. */
+   region their other tensors share), and its K/V placed in the path, in its segment (the last,
+   after the segments above it). */
 static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path, int start,
                                   int len, pr_error *err) {
     pr_status st = pr__batch_make(tr, &ps->batch, cx->g, cx->tok_weight, start, len, PR__BATCH_PREFIX, 0, err);
     if (st) return st;
     const int P = ps->batch.N;        /* the rows this rank holds (all of them without CP) */
+    const pr__kv_seg *mine = &path->seg[path->n_seg - 1];
     ps->start = start;
-    pr__pass_init(tr, &ps->pass, &ps->batch, NULL);
+    ps->len = len;
+    ps->own_above = path->own - mine->own;
+    pr__pass_init(tr, &ps->pass, &ps->batch, path, path->n_seg - 1);
     ps->pass.keep = cx->opt->recompute == PR_RECOMPUTE_NONE ? PR__KEEP_ALL : PR__KEEP_INPUT_KV;
     pr__offload *o = &ps->off;
     st = pr__offload_begin(tr, o, &cx->opt->offload, &ps->pass, P, ps->below, ps->pool_stack, err);
-    if (!st) st = pr__pass_alloc(tr, ps->a, &ps->pass, P, !o->on, path, start, err);
+    if (!st) st = pr__pass_alloc(tr, ps->a, &ps->pass, P, !o->on, path, path->kv - mine->chunk, err);
     if (!st) st = pr__pass_comm_alloc(tr, &tr->step_arena, &ps->pass, err);     /* released when the forward ends */
     if (!st && ps->pass.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, &tr->step_arena, &ps->pass, err);
     if (!st && o->on) st = pr__slot_take(tr, o, &ps->pass, 0, err);
@@ -3244,7 +3280,6 @@ static void pr__kv_above(pr_trainer *tr, pr__kv_grads *kv, const pr__kv_path *pa
     tr->be->zero(tr->be, path->dv_mb, n * sizeof(pr_real));
     kv->kp = path->k[l]; kv->vp = path->v[l];
     kv->dkp = path->dk_mb; kv->dvp = path->dv_mb;
-    kv->pre_own = own;
 }
 
 static void pr__mb_close(pr_trainer *tr, pr__mb *m) {
@@ -3267,7 +3302,7 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path
                                   path ? PR__BATCH_SUFFIX : PR__BATCH_FULL, path && cx->opt->layout == PR_LAYOUT_PACKED, err);
     if (st) return st;
     m->a = &tr->mb_arena[i % tr->n_mb_arena];
-    pr__pass_init(tr, &m->p, &m->b, path);
+    pr__pass_init(tr, &m->p, &m->b, path, path ? path->n_seg : 0);
     m->p.keep = cx->opt->recompute == PR_RECOMPUTE_ALL ? PR__KEEP_INPUT : PR__KEEP_ALL;
     st = pr__pass_alloc(tr, m->a, &m->p, m->b.N, 1, NULL, 0, err);
     if (!st && m->p.keep != PR__KEEP_ALL) st = pr__pass_rebuilt_alloc(tr, m->a, &m->p, err);
@@ -3402,7 +3437,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, P = ps->pass.N, C = c->hidden_size, kvd = c->num_key_value_heads * c->head_dim;
-    const size_t above = (size_t)ps->start * kvd, own = (size_t)P * kvd;
+    const size_t above = (size_t)ps->own_above * kvd, own = (size_t)P * kvd;
     const pr_hooks *h = &cx->opt->hooks;
     const size_t budget = cx->opt->offload.device_budget;
     pr__offload *o = &ps->off;
@@ -3418,7 +3453,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         pr__step_ctx *e = heads[k];
         pr__batch own_rows;           /* another group: the same rows, its own loss rows */
         memset(&own_rows, 0, sizeof own_rows);
-        if (k) st = pr__batch_make(tr, &own_rows, e->g, e->tok_weight, ps->start, P, PR__BATCH_PREFIX, 0, err);
+        if (k) st = pr__batch_make(tr, &own_rows, e->g, e->tok_weight, ps->start, ps->len, PR__BATCH_PREFIX, 0, err);
         if (!st) st = pr__head(tr, &tr->step_arena, ps->pass.res[L], s.dres, k ? &own_rows.head : &ps->batch.head,
                                &e->opt->loss, e->logp, &e->loss, err);
         pr__batch_free(&own_rows);
@@ -3441,7 +3476,7 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         be->zero(be, gk, own * sizeof(pr_real));
         be->zero(be, gv, own * sizeof(pr_real));
         pr__kv_grads kv = pr__kv_own(s.dk, s.dv);
-        if (ps->start) pr__kv_above(tr, &kv, path, l, ps->start);
+        if (ps->start) pr__kv_above(tr, &kv, path, l, ps->own_above);
         pr__layer_backward(tr, &ps->pass, l, &s, &kv);
         if (ps->start) {
             be->add_reals(be, path->gk[l], path->dk_mb, above);
@@ -3672,7 +3707,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     const int P = cx->g->P;
     int r0, chunk;
     const int own = pr__cp_share(tr, P, &r0, &chunk);
-    pr__kv_path path;
+    pr__kv_path path;       /* one segment: the group's prefix */
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
     ps.a = &tr->prefix_arena;
@@ -3680,7 +3715,8 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     ps.aux_c = cx->moe.on ? cx->moe.c : NULL;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
-    pr_status st = pr__path_alloc(tr, &path, P, own, chunk > own ? chunk : own, pr__cp(tr) > 1 ? chunk : 0, err);
+    pr_status st = pr__path_alloc(tr, &path, own, chunk, 1, err);
+    if (!st) pr__path_push(tr, &path, P);
     if (!st && cx->owner) st = pr__phase_a_prefix_forward(tr, cx, &ps, &path, 0, P, err);
     if (!st && cx->team) pr__split_share_kv(tr, cx, &path);
     be->sync(be);
@@ -3697,7 +3733,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     s->seconds[PR_PHASE_A] = t1 - t0; s->seconds[PR_PHASE_B] = t2 - t1; s->seconds[PR_PHASE_C] = t3 - t2;
     s->offload = ps.off.st;
     const size_t L = (size_t)c->num_hidden_layers;
-    s->prefix_kv_bytes = L * 2 * (size_t)path.kv_rows * (size_t)c->num_key_value_heads * c->head_dim * be->act_bytes;
+    s->prefix_kv_bytes = L * 2 * (size_t)path.kv * (size_t)c->num_key_value_heads * c->head_dim * be->act_bytes;
     s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)own, cx->opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL) +
                             (size_t)own * c->hidden_size * be->act_bytes;
     pr__offload_end(tr, &ps.off);
@@ -3909,7 +3945,7 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     ps.pool_stack = t->pool_stack;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
-    t->path.rows = t->path.own = nd->start;
+    pr__path_push(tr, &t->path, nd->len);
     pr_status st = pr__phase_a_prefix_forward(tr, cx, &ps, &t->path, nd->start, nd->len, err);
     for (int k = 0; k < tree->n_groups && cx->moe.on && !st; k++)    /* the node's routing sums: every group's below */
         if (&t->cx[k] != cx && pr__tree_below(tree, node, k))
@@ -3923,7 +3959,6 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
         int n_mb = 0;
         t0 = pr__now();
         pr__enter_phase(tr, PR_PHASE_B);
-        t->path.rows = t->path.own = nd->start + nd->len;
         st = pr__phase_b_suffix_microbatches(tr, &t->cx[k], &t->path, &n_mb, err);
         be->sync(be);
         t->s->seconds[PR_PHASE_B] += pr__now() - t0;
@@ -3947,6 +3982,7 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     if (!st) st = pr__phase_c_prefix_backward(tr, cx, &ps, &t->path, t->heads, n_heads, err);
     be->sync(be);
     t->s->seconds[PR_PHASE_C] += pr__now() - t0;
+    pr__path_pop(&t->path);
     pr__offload_stats_add(&t->s->offload, &ps.off.st);
     pr__offload_end(tr, &ps.off);
     PR_FREE(ps.route_sums);
@@ -3986,8 +4022,6 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: NULL argument or no groups");
     if (opt->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
-    if (pr__cp(tr) > 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "prefix trees with cp are not implemented (dp, pp and tp are)");
     pr_status st = pr__tree_check(tree, groups, n, err);
     for (int k = 0; k < n && !st; k++) {
         if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
@@ -4005,7 +4039,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     pr_step_opts *o = (pr_step_opts *)PR_MALLOC(sizeof(pr_step_opts) * (size_t)n);
     int *idx = (int *)PR_MALLOC(sizeof(int) * (5 * (size_t)N + 2 * (size_t)n));
     t.heads = (pr__step_ctx **)PR_MALLOC(sizeof(pr__step_ctx *) * (size_t)n);
-    size_t *stack = (size_t *)PR_MALLOC(sizeof(size_t) * (size_t)N);
+    size_t *stack = (size_t *)PR_MALLOC(sizeof(size_t) * 4 * (size_t)N);
     t.aux_c = (double *)PR_MALLOC(sizeof(double) * ((size_t)tr->cfg.num_experts + 1));
     if (!t.cx || !o || !idx || !t.heads || !stack || !t.aux_c) {
         PR_FREE(t.cx); PR_FREE(o); PR_FREE(idx); PR_FREE(t.heads); PR_FREE(stack); PR_FREE(t.aux_c);
@@ -4014,13 +4048,24 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     t.first_child = idx; t.next_sibling = idx + N; t.first_end = idx + 2 * N; t.from = idx + 3 * N;
     t.copies = idx + 4 * N; t.next_end = idx + 5 * N;
     for (int i = 0; i < N; i++) t.first_child[i] = t.next_sibling[i] = t.first_end[i] = t.from[i] = -1;
-    for (int i = 0; i < N; i++) {                /* the trajectories below each node; the dormant bytes down to it */
+    /* the trajectories below each node; down to it the dormant bytes and the path's rows: this rank's,
+       in the K/V buffers, and its segments */
+    size_t *own = stack + N, *kv = stack + 2 * (size_t)N, *depth = stack + 3 * (size_t)N, own_cap = 0, kv_cap = 0, depth_cap = 0;
+    for (int i = 0; i < N; i++) {
+        const int up = tree->nodes[i].parent;
+        int r0, chunk;
         t.copies[i] = 0;
         for (int k = 0; k < n; k++) t.copies[i] += pr__tree_below(tree, i, k) ? groups[k].G : 0;
         stack[i] = (size_t)tr->cfg.num_hidden_layers *
                    pr__layer_block(tr, NULL, (size_t)tree->nodes[i].len, opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL);
-        if (tree->nodes[i].parent >= 0) stack[i] += stack[tree->nodes[i].parent];
+        own[i] = (size_t)pr__cp_share(tr, tree->nodes[i].len, &r0, &chunk);
+        kv[i] = (size_t)chunk;
+        depth[i] = 1;
+        if (up >= 0) stack[i] += stack[up], own[i] += own[up], kv[i] += kv[up], depth[i] += depth[up];
         if (stack[i] > t.pool_stack) t.pool_stack = stack[i];
+        if (own[i] > own_cap) own_cap = own[i];
+        if (kv[i] > kv_cap) kv_cap = kv[i];
+        if (depth[i] > depth_cap) depth_cap = depth[i];
     }
     PR_FREE(stack);
     for (int i = N - 1; i >= 0; i--)             /* children in node order */
@@ -4045,7 +4090,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     pr_step_stats s;
     memset(&s, 0, sizeof s);
     t.s = &s;
-    int begun = 0, maxP = 0;
+    int begun = 0;
     for (int i = 0; i < N && !st; i++)
         if (t.from[i] < 0) st = pr__fail(err, PR_ERR_ARG, "prefix tree: node %d has no group below it", i);
     for (int k = 0; k < n && !st; k++) {    /* the first group's step zeroes the gradients; the rest add */
@@ -4053,12 +4098,11 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         o[k].accumulate = opt->accumulate || k > 0;
         st = pr__step_begin(tr, &t.cx[k], &groups[k], &o[k], NULL, NULL, err);
         begun += !st;              /* a failed begin gave its memory back itself */
-        if (groups[k].P > maxP) maxP = groups[k].P;
     }
-    if (!st) st = pr__path_alloc(tr, &t.path, maxP, maxP, maxP, 0, err);
+    if (!st) st = pr__path_alloc(tr, &t.path, (int)own_cap, (int)kv_cap, (int)depth_cap, err);
     for (int i = 0; i < N && !st; i++)
         if (tree->nodes[i].parent < 0) st = pr__tree_node_run(tr, &t, i, NULL, err);
-    s.prefix_kv_bytes = (size_t)tr->cfg.num_hidden_layers * 2 * (size_t)maxP * tr->cfg.num_key_value_heads *
+    s.prefix_kv_bytes = (size_t)tr->cfg.num_hidden_layers * 2 * kv_cap * tr->cfg.num_key_value_heads *
                         tr->cfg.head_dim * tr->be->act_bytes;
     pr__path_free(&t.path);
     pr__arena_reset(tr, &tr->prefix_arena);
@@ -4087,8 +4131,8 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
 
 PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *groups, int n, const pr_prefix_tree *tree,
                                               const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
-    if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__pp(tr) > 1))
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp or pp, a step accumulates "
+    if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp, cp or pp, a step accumulates "
                         "through pr_trainer_compute_grads_tree_dp (its sums over the mesh run once, after the last group)");
     return pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
 }
@@ -4579,8 +4623,8 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
     for (int le = 0; le < tr->n_experts; le++) {
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
-        const void *wg = pr__weight_at(tr, w->experts, (size_t)le * 3 * Fm * C), *wu = pr__weight_at(tr, wg, (size_t)Fm * C);
-        const void *wd = pr__weight_at(tr, wu, (size_t)Fm * C);
+        const void *wg = pr__cact_at(tr, w->experts, (size_t)le * 3 * Fm * C), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
+        const void *wd = pr__cact_at(tr, wu, (size_t)Fm * C);
         void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
         void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
         be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
@@ -4621,7 +4665,7 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
         const size_t eo = (size_t)le * 3 * Fm * C;
-        const void *wd = pr__weight_at(tr, w->experts, eo + 2 * (size_t)Fm * C);
+        const void *wd = pr__cact_at(tr, w->experts, eo + 2 * (size_t)Fm * C);
         pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
         void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
         void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
@@ -4638,7 +4682,7 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
         const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
         if (!M) continue;
         const size_t eo = (size_t)le * 3 * Fm * C;
-        const void *wg = pr__weight_at(tr, w->experts, eo), *wu = pr__weight_at(tr, wg, (size_t)Fm * C);
+        const void *wg = pr__cact_at(tr, w->experts, eo), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
         pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
         void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
         void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
@@ -5156,18 +5200,24 @@ static void pr__mesh_sync_grads(pr_trainer *tr) {
 }
 
 /* ---------------------------------------------------------------- 7.4 Context parallelism */
-/* CP attention. The chunks before this rank's (and in Phase B the cached prefix, whose
-   shards the ranks hold alike) are gathered into one region the pass's queries see whole, in
-   front of their own causal rows: the two-region attention runs unchanged on it. Its backward
-   returns the region's dK/dV to the chunks' owners by reduce-scatter. */
+/* CP attention. The chunks before this rank's (and the cached path above the pass: a group's
+   prefix in Phase B, a tree's nodes, whose shards the ranks hold alike) are gathered into one
+   region the pass's queries see whole, in front of their own causal rows: the two-region
+   attention runs unchanged on it. Its backward returns the region's dK/dV to the chunks' owners
+   by reduce-scatter. */
 static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
     const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
     const pr_comm_type t = pr__act_type(tr);
     pr_comm *c = tr->mesh->cp_comm;
     pr_error e;
-    if (ps->cp_pre_rows) {      /* the prefix first, then the pass's chunks from row cp_pre_rows on */
-        pr__comm_done(tr, c->all_gather(c, ps->kreg, kp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
-        pr__comm_done(tr, c->all_gather(c, ps->vreg, vp, (size_t)ps->cp_pre_chunk * kvd, t, &e), &e);
+    size_t row = 0, kv_row = 0;  /* the path's segments in order (each gather's padding is the next one's room), then the pass's chunks */
+    for (int i = 0; i < ps->pre_seg; i++) {
+        const pr__kv_seg *sg = &ps->pre->seg[i];
+        const size_t n = (size_t)sg->chunk * kvd;
+        pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, row * kvd), pr__cact_at(tr, kp, kv_row * kvd), n, t, &e), &e);
+        pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, row * kvd), pr__cact_at(tr, vp, kv_row * kvd), n, t, &e), &e);
+        row += (size_t)sg->rows;
+        kv_row += (size_t)sg->chunk;
     }
     const size_t at = (size_t)ps->cp_pre_rows * kvd;
     pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, at), a->k, (size_t)ps->cp_chunk * kvd, t, &e), &e);
@@ -5205,8 +5255,8 @@ static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real 
     return ps->shard;
 }
 
-/* kv: the own rows' gradient buffers (holding what must be injected) and the cached prefix
-   shard's (Phase B), pre_own its rows on this rank. The region is gathered again rather than
+/* kv: the own rows' gradient buffers (holding what must be injected) and the cached path's shard
+   (its segments' rows on this rank one after another). The region is gathered again rather than
    kept from the forward: keeping every layer's would hold the whole unsharded K/V. */
 static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, pr__layer_acts *a, const pr__kv_grads *kv) {
     const pr_config *c = &tr->cfg;
@@ -5215,7 +5265,6 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     void *dk = kv->dk, *dv = kv->dv;
     const void *kp = kv->kp, *vp = kv->vp;
     pr_real *dkp = kv->dkp, *dvp = kv->dvp;
-    const int pre_own = kv->pre_own;
     if (!ps->kreg) {
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
@@ -5231,10 +5280,14 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     const size_t before = N ? np - pre : 0;
     be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
     be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
-    if (pre) {                  /* the cached prefix: its gradient goes to the shards' owners */
-        const size_t bytes = (size_t)pre_own * kvd * sizeof(pr_real);
-        be->copy(be, dkp, pr__cp_return(tr, ps, ps->dkreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
-        be->copy(be, dvp, pr__cp_return(tr, ps, ps->dvreg, 0, N ? pre : 0, NULL, 0, (size_t)ps->cp_pre_chunk), bytes);
+    size_t row = 0, own = 0;    /* the cached path: each segment's gradient to its shards' owners */
+    for (int i = 0; i < ps->pre_seg; i++) {
+        const pr__kv_seg *sg = &ps->pre->seg[i];
+        const size_t n = N ? (size_t)sg->rows : 0, bytes = (size_t)sg->own * kvd * sizeof(pr_real);
+        be->copy(be, dkp + own * kvd, pr__cp_return(tr, ps, ps->dkreg, row, n, NULL, 0, (size_t)sg->chunk), bytes);
+        be->copy(be, dvp + own * kvd, pr__cp_return(tr, ps, ps->dvreg, row, n, NULL, 0, (size_t)sg->chunk), bytes);
+        row += (size_t)sg->rows;
+        own += (size_t)sg->own;
     }
 }
 
@@ -5288,8 +5341,15 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
     const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
     const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
     if (cp > 1) {
-        const size_t region = cp * (size_t)ps->cp_pre_chunk + cp * (size_t)ps->cp_chunk;
-        const size_t big = (size_t)(ps->cp_chunk > ps->cp_pre_chunk ? ps->cp_chunk : ps->cp_pre_chunk);
+        /* the region: every gather's rows from where it starts (the path's segments, then the
+           pass's chunks); a reduce-scatter's blocks: the largest chunk of them */
+        size_t region = (size_t)ps->cp_pre_rows + cp * (size_t)ps->cp_chunk, big = (size_t)ps->cp_chunk, row = 0;
+        for (int i = 0; i < ps->pre_seg; i++) {
+            const pr__kv_seg *sg = &ps->pre->seg[i];
+            if (row + cp * (size_t)sg->chunk > region) region = row + cp * (size_t)sg->chunk;
+            if ((size_t)sg->chunk > big) big = (size_t)sg->chunk;
+            row += (size_t)sg->rows;
+        }
         ps->kreg = pr__act(tr, a, region * kvd); ps->vreg = pr__act(tr, a, region * kvd);
         ps->dkreg = pr__reals(tr, a, region * kvd); ps->dvreg = pr__reals(tr, a, region * kvd);
         ps->pad = pr__reals(tr, a, cp * big * kvd); ps->shard = pr__reals(tr, a, big * kvd);
@@ -5388,7 +5448,7 @@ static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const p
 static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path) {
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;
-    const size_t n = (size_t)path->kv_rows * c->num_key_value_heads * c->head_dim;
+    const size_t n = (size_t)path->kv * c->num_key_value_heads * c->head_dim;
     const size_t ns = cx->moe.on ? 2 * (size_t)cx->moe.E + 1 : 0;
     for (int peer = 1; peer < t->size; peer++) {
         if (t->rank && t->rank != peer) continue;

@@ -37,6 +37,7 @@ typedef struct {
     int bench_gpu_sizes;             /* --bench capacity with the CUDA backend's sizes (pr_backend_cuda_sizes) */
     uint64_t seed;
     int bench_total, bench_reps, layers;
+    int bench_system;                /* --bench tree: the shared system prompt's tokens (0: half the prompt) */
     int bench_groups[8], n_bench_groups;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
@@ -158,6 +159,8 @@ static void usage(FILE *f) {
         "  --bench-sizes K        --bench capacity: build (this build's element sizes, default) | gpu (the CUDA\n"
         "                         backend's: bf16 activations and weights), from any build\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
+        "  --bench-system N       --bench tree: tokens of the system prompt every group's prompt opens with, at\n"
+        "                         most the prompt (5/6 of --bench-total; default half of it)\n"
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8); --bench tree:\n"
         "                         the numbers of groups a step\n"
@@ -253,6 +256,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
+        else if (!strcmp(a, "--bench-system")) ok = parse_int(v, &o->bench_system) && o->bench_system >= 1;
         else if (!strcmp(a, "--layers")) ok = parse_int(v, &o->layers) && o->layers >= 1;
         else if (!strcmp(a, "--dp")) ok = parse_int(v, &o->dp) && o->dp >= 1 && o->dp <= 64;
         else if (!strcmp(a, "--groups-per-step") || !strcmp(a, "--dp-groups"))
@@ -337,9 +341,8 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --replay runs its own three trainers on one rank: without --check, --bench, mesh flags, or saves\n");
         return 0;
     }
-    if (o->tree && (o->bench || o->replay || o->cp > 1 || o->prefix_tree)) {
-        fprintf(stderr, "train: --schedule tree trains or checks on one rank or a dp x pp x tp mesh: without --bench, --replay, "
-                "--prefix-tree or --cp\n");
+    if (o->tree && (o->bench || o->replay || o->prefix_tree)) {
+        fprintf(stderr, "train: --schedule tree trains or checks on one rank or a mesh: without --bench, --replay or --prefix-tree\n");
         return 0;
     }
     if (o->prefix_tree && (o->check || o->bench || o->replay || on_mesh(o))) {
@@ -1513,13 +1516,19 @@ static int time_groups(const options *o, pr_trainer *tr, const pr_group *groups,
 }
 
 /* A step of n groups (n = each --bench-groups value), G = 8 each, whose prompts (5/6 of a
-   trajectory of --bench-total tokens) all open with the same system prompt (half the prompt):
+   trajectory of --bench-total tokens) all open with the same system prompt (--bench-system tokens,
+   half the prompt by default):
    one by one full-sequence, one by one with reuse, and as their prefix tree, timed, beside the
    FLOP bound of each ratio (pr_step_flops, pr_tree_flops). */
 static int run_bench_tree(const options *o, const pr_config *cfg) {
-    const int T = o->bench_total, S = T / 6, P = T - S, sys = P / 2, G = 8;
+    const int T = o->bench_total, S = T / 6, P = T - S, sys = o->bench_system ? o->bench_system : P / 2, G = 8;
     pr_error err;
     pr_trainer *tr;
+    if (sys > P) {
+        fprintf(stderr, "train: --bench-system %d: the system prompt is part of a prompt of %d tokens (5/6 of --bench-total %d)\n",
+                sys, P, T);
+        return 1;
+    }
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     printf("bench tree: %s, %d layers, hidden %d; each group G %d of %d-token trajectories, prompt %d (a system prompt of %d shared "
            "by every group, then %d of its own), suffix %d; best of %d, %s\n", cfg->model_type, cfg->num_hidden_layers,
