@@ -28,6 +28,9 @@
 #   TORCH_SPLITS  prefix fractions of torch-ref (0.8333, i.e. 10k/2k)
 #   REPS          timed runs per bench_cuda cell (3)
 #   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
+#   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
+#   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
+#   TREE_GROUPS   train-tree: groups a step (8)
 #
 # Sizing: Llama3-8B (C 4096, 32/8 heads of 128, MLP 14336, vocab 128256). A layer holds 218M
 # matrix parameters: 6 x 218M = 1.31 GFLOP per token (fwd + bwd). Attention: 4 * 128 * 32 = 16.4k
@@ -54,14 +57,19 @@ BENCH_TOTAL=${BENCH_TOTAL:-12288}
 TORCH_SPLITS=${TORCH_SPLITS:-0.8333}
 REPS=${REPS:-3}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
-export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES
+TREE_TOTAL=${TREE_TOTAL:-4096}
+TREE_SYSTEM=${TREE_SYSTEM:-2048}
+TREE_GROUPS=${TREE_GROUPS:-8}
+export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES TREE_TOTAL TREE_SYSTEM TREE_GROUPS
 
 # The stages, in the order they run: name | expected seconds on an H100 | longest | needs the build | what.
 # Expected times: build ~35 s (the CUDA object is one nvcc call, its two targets in parallel); the
 # sanitizers on a tiny model and small attention shapes; bench-cuda ~20 s of GEMMs (6 shapes x 16
 # cuBLASLt candidates) and ~25 s of attention (the 10k + 32 x 2k case is 12 TFLOP forward, 30
 # backward); train-bench and train-memory from the sizing above, ~20 s of host initialisation each;
-# torch-ref ~40 s of torch.compile and a few steps; replay ~25 s (three tiny-model runs of 100 steps).
+# torch-ref ~40 s of torch.compile and a few steps; replay ~25 s (three tiny-model runs of 100 steps);
+# train-tree: 8 groups of G 8 at 4096 tokens, one layer, ~540M attention pairs for the baseline (~4 s
+# with the FFMA kernels), reuse and the tree less, two reps each, ~20 s of host initialisation.
 # `--list` prints the sum: above the budget, so the last stages wait for a follow-up call.
 stages() {
     cat <<'EOF'
@@ -82,6 +90,7 @@ ncu|40|180|1|ncu --clock-control none on the attention kernels (causal 8k): spee
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
 train-memory|110|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
 torch-ref|60|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
+train-tree|60|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF
 }
@@ -91,7 +100,7 @@ group() {
     case $1 in
     all) echo "$all_stages" ;;
     sanitize) echo "memcheck racecheck initcheck synccheck" ;;
-    bench) echo "bench-cuda sdpa ncu train-bench train-memory torch-ref" ;;
+    bench) echo "bench-cuda sdpa ncu train-bench train-memory torch-ref train-tree" ;;
     *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
     esac
 }
@@ -352,6 +361,15 @@ body_torch_ref() {
     return $rc
 }
 
+body_train_tree() {
+    ./train_cuda --bench tree --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$TREE_TOTAL" \
+        --bench-system "$TREE_SYSTEM" --bench-groups "$TREE_GROUPS" --microbatch 1 --bench-reps 2
+    rc=$?
+    # rows: groups baseline-s reuse-s tree-s tree/reuse bound ratio tree/baseline bound ratio A+C A+C
+    key "$(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
+    return $rc
+}
+
 body_after() {
     have nvidia-smi || skip "no nvidia-smi"
     nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used,memory.total --format=csv
@@ -371,7 +389,7 @@ fi
 usage() {
     echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
-    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench train-memory torch-ref)"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench train-memory torch-ref train-tree)"
 }
 list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
@@ -450,7 +468,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS MEM_GROUPS=$MEM_GROUPS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES"
+    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS MEM_GROUPS=$MEM_GROUPS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"
