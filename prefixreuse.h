@@ -1966,7 +1966,7 @@ typedef struct { int rows, chunk, own; } pr__kv_seg;
    holds its chunk of each segment, a whole chunk's room in the K/V buffers so that it can be
    gathered, and its own rows of gK/gV. */
 typedef struct {
-    int rows, own, kv;        /* the segments' rows: all CP ranks', this rank's, and in the K/V buffers */
+    int own, kv;              /* the segments' rows: this rank's, and in the K/V buffers */
     pr__kv_seg *seg;          /* (max_seg) */
     int n_seg, max_seg;
     void **k, **v;            /* (L) the K/V cache, NKV*HS acts a row */
@@ -3194,13 +3194,11 @@ static void pr__path_push(pr_trainer *tr, pr__kv_path *path, int rows) {
     int r0;
     sg->rows = rows;
     sg->own = pr__cp_share(tr, rows, &r0, &sg->chunk);
-    path->rows += rows;
     path->own += sg->own;
     path->kv += sg->chunk;
 }
 static void pr__path_pop(pr__kv_path *path) {
     const pr__kv_seg *sg = &path->seg[--path->n_seg];
-    path->rows -= sg->rows;
     path->own -= sg->own;
     path->kv -= sg->chunk;
 }

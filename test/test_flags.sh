@@ -42,7 +42,8 @@ check "bad value '0' for --replay"          --replay 0
 check "bad value '0' for --prefix-tree"     --prefix-tree 0
 check "--prefix-tree reports on the trace"  --prefix-tree 4 --check
 check "bad value '0' for --tree-min"       --tree-min 0
-check "--schedule tree trains or checks on one rank or a dp x pp x tp mesh" --schedule tree --cp 2
+check "--schedule tree trains or checks on one rank or a mesh" --schedule tree --prefix-tree 8
+check "bad value '0' for --bench-system"   --bench tree --bench-system 0
 check "bad value 'tpu' for --bench-sizes"   --bench capacity --bench-sizes tpu
 check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes gpu
 check "--bench speed and memory run on one rank" --bench memory --dp 2
