@@ -1911,8 +1911,9 @@ struct pr_trainer {
     size_t live_bytes, phase_peak[3];      /* device tier: what the arenas and offload slots hold */
     uint16_t *grad_wire;                   /* pr_mesh.bf16_grad_reduce: the gradients' bf16 chunks on the wire */
     size_t grad_wire_n;
-    pr_real *stage;                        /* backend memory host values pass through to a collective */
-    size_t stage_cap;
+    pr_real *stage;                        /* backend memory (PR__STAGE_REALS) that host values and a padded
+                                              gradient pass through to a collective, in chunks */
+    pr_real *stage_host;                   /* host reals (PR__STAGE_REALS) host doubles are converted in */
     void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
     size_t pool_cap;
     char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
@@ -2342,6 +2343,11 @@ static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
 /* The gradient sum over dp in bf16 moves chunks of at most 2^22 elements (8 MiB): a chunk of the
    arena for an all-reduce; under ZeRO-2 a chunk of every rank's slice, packed rank after rank, and
    the block the reduce-scatter returns. The chunk, and the wire buffer's elements: */
+/* The staging buffers' reals (backend memory and host, taken at trainer creation): host values and
+   padded gradient rows cross to the collectives through them, in chunks. */
+#ifndef PR__STAGE_REALS                    /* the tests make it small, to cross chunk boundaries */
+#define PR__STAGE_REALS ((size_t)1 << 20)
+#endif
 #ifndef PR__GRAD_WIRE_MAX                  /* the tests make it small, to cross chunk boundaries */
 #define PR__GRAD_WIRE_MAX ((size_t)1 << 22)
 #endif
@@ -2421,6 +2427,14 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: cannot allocate %.2f GiB (%zu bytes) for %zu parameters, their "
                         "gradients and AdamW state", (double)bytes / (1 << 30), bytes, n_params);
     }
+    /* taken now, so that no rank leaves a collective for want of memory mid-step (any trainer may
+       step over a dp communicator: pr_trainer_compute_grads_dp) */
+    tr->stage = (pr_real *)be->alloc(be, sizeof(pr_real) * PR__STAGE_REALS, PR_TIER_DEVICE);
+    tr->stage_host = (pr_real *)PR_MALLOC(sizeof(pr_real) * PR__STAGE_REALS);
+    if (!tr->stage || !tr->stage_host) {
+        pr_trainer_destroy(tr);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory for the collectives' staging buffers");
+    }
     if (mesh && mesh->bf16_grad_reduce && mesh->dp > 1) {
         tr->grad_wire_n = pr__grad_wire_size(tr, mesh->dp);
         tr->grad_wire = (uint16_t *)be->alloc(be, sizeof(uint16_t) * tr->grad_wire_n, PR_TIER_DEVICE);
@@ -2476,6 +2490,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (tr->arena) tr->be->release(tr->be, tr->arena, PR_TIER_DEVICE);
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
+    PR_FREE(tr->stage_host);
     if (tr->grad_wire) tr->be->release(tr->be, tr->grad_wire, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
@@ -4925,39 +4940,28 @@ static void pr__tp_sum(pr_trainer *tr, void *x, size_t n) {
     pr__comm_done(tr, c->all_reduce(c, x, n, pr__act_type(tr), &e), &e);
 }
 
-/* Backend memory for n reals, to stage what a collective moves (its buffers are backend memory):
-   host values, or a replicated KV head's gradient rows padded to the full tensor; kept across
-   steps. NULL, with alloc_failed set, without memory. */
-static pr_real *pr__staging(pr_trainer *tr, size_t n) {
-    if (n <= tr->stage_cap) return tr->stage;
-    if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
-    tr->stage = (pr_real *)tr->be->alloc(tr->be, n * sizeof(pr_real), PR_TIER_DEVICE);
-    tr->stage_cap = tr->stage ? n : 0;
-    if (!tr->stage) tr->alloc_failed = 1;
-    return tr->stage;
-}
-
-/* Host values summed over c, staged through backend memory. */
+/* Host values summed over c, through the staging buffer (a collective's buffers are backend
+   memory), PR__STAGE_REALS at a time: every rank runs the same chunks. */
 static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n) {
-    if (c->size == 1 || !n) return;
-    pr_real *dev = pr__staging(tr, n);
-    if (!dev) return;                     /* alloc_failed reports it */
+    if (c->size == 1) return;
     pr_error e;
-    tr->be->upload_reals(tr->be, dev, x, n);
-    pr__comm_done(tr, c->all_reduce(c, dev, n, PR_COMM_REAL, &e), &e);
-    tr->be->download_reals(tr->be, x, dev, n);
-}
-static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
-    if (c->size == 1 || !n) return;
-    pr_real *h = (pr_real *)PR_MALLOC(sizeof(pr_real) * n);
-    if (!h) {
-        tr->alloc_failed = 1;
-        return;
+    for (size_t a = 0; a < n; a += PR__STAGE_REALS) {
+        const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
+        tr->be->upload_reals(tr->be, tr->stage, x + a, k);
+        pr__comm_done(tr, c->all_reduce(c, tr->stage, k, PR_COMM_REAL, &e), &e);
+        tr->be->download_reals(tr->be, x + a, tr->stage, k);
     }
-    for (size_t i = 0; i < n; i++) h[i] = (pr_real)x[i];
-    pr__sum_host(tr, c, h, n);
-    for (size_t i = 0; i < n; i++) x[i] = h[i];
-    PR_FREE(h);
+}
+/* The same for host doubles, each chunk converted to reals in the host staging buffer. */
+static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
+    if (c->size == 1) return;
+    pr_real *h = tr->stage_host;
+    for (size_t a = 0; a < n; a += PR__STAGE_REALS) {
+        const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
+        for (size_t i = 0; i < k; i++) h[i] = (pr_real)x[a + i];
+        pr__sum_host(tr, c, h, k);
+        for (size_t i = 0; i < k; i++) x[a + i] = h[i];
+    }
 }
 
 /* ---------------------------------------------------------------- 7.3 Sharded parameters and gradients (TP, EP, PP) */
@@ -5160,19 +5164,21 @@ static void pr__sum_partial_grad(pr_trainer *tr, int t) {
     const pr_tensor_info *ti = &tr->tensors[t];
     const pr__shard *sh = &tr->shard[t];
     pr_comm *c = tr->mesh->tp_comm;
-    pr_real *g = tr->grads + ti->offset;
+    pr_real *g = tr->grads + ti->offset, *pad = tr->stage;
     pr_error e;
-    const size_t full = (size_t)(sh->full_rows * sh->full_cols), at = (size_t)(sh->row0 * sh->full_cols);
+    const size_t full = (size_t)(sh->full_rows * sh->full_cols), at = (size_t)(sh->row0 * sh->full_cols), end = at + ti->numel;
     if (full == ti->numel) {
         pr__comm_done(tr, c->all_reduce(c, g, full, PR_COMM_REAL, &e), &e);
         return;
     }
-    pr_real *pad = pr__staging(tr, full);
-    if (!pad) return;                     /* alloc_failed reports it */
-    tr->be->zero(tr->be, pad, sizeof(pr_real) * full);
-    tr->be->copy(tr->be, pad + at, g, sizeof(pr_real) * ti->numel);
-    pr__comm_done(tr, c->all_reduce(c, pad, full, PR_COMM_REAL, &e), &e);
-    tr->be->copy(tr->be, g, pad + at, sizeof(pr_real) * ti->numel);
+    for (size_t a = 0; a < full; a += PR__STAGE_REALS) {    /* the full tensor through the staging buffer */
+        const size_t k = full - a < PR__STAGE_REALS ? full - a : PR__STAGE_REALS;
+        const size_t lo = at > a ? at : a, hi = end < a + k ? end : a + k;    /* this rank's rows in the chunk */
+        tr->be->zero(tr->be, pad, sizeof(pr_real) * k);
+        if (lo < hi) tr->be->copy(tr->be, pad + (lo - a), g + (lo - at), sizeof(pr_real) * (hi - lo));
+        pr__comm_done(tr, c->all_reduce(c, pad, k, PR_COMM_REAL, &e), &e);
+        if (lo < hi) tr->be->copy(tr->be, g + (lo - at), pad + (lo - a), sizeof(pr_real) * (hi - lo));
+    }
 }
 
 /* A mesh step's gradients made whole on every rank: the partial sums over tp of the weights that
@@ -5377,27 +5383,24 @@ static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, const void *out, 
     else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
 }
-/* The same for host doubles (nd_out, nd_in of them), staged through backend memory. */
+/* The same for host doubles (nd_out, nd_in of them), through the staging buffers, half of each a
+   way: the peer sends what this rank receives, so both run the same rounds. */
 static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
-    pr_error e;
-    pr_status st;
-    if (!d_out && !d_in) return;
-    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0;
-    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (no + ni + 1)), *dev = pr__staging(tr, no + ni + 1);
-    if (!host || !dev) {
-        PR_FREE(host);
-        tr->alloc_failed = 1;
-        return;
+    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0, half = PR__STAGE_REALS / 2;
+    pr_real *host = tr->stage_host, *dev = tr->stage;
+    for (size_t a = 0; a < no || a < ni; a += half) {
+        const size_t o = a < no ? (no - a < half ? no - a : half) : 0, i = a < ni ? (ni - a < half ? ni - a : half) : 0;
+        pr_error e;
+        pr_status st;
+        for (size_t j = 0; j < o; j++) host[j] = (pr_real)d_out[a + j];
+        tr->be->upload_reals(tr->be, dev, host, o);
+        if (o && i) st = c->send_recv(c, dev, o, peer, dev + half, i, peer, PR_COMM_REAL, &e);
+        else if (o) st = c->send(c, dev, o, PR_COMM_REAL, peer, &e);
+        else st = c->recv(c, dev + half, i, PR_COMM_REAL, peer, &e);
+        pr__comm_done(tr, st, &e);
+        tr->be->download_reals(tr->be, host + half, dev + half, i);
+        for (size_t j = 0; j < i; j++) d_in[a + j] = host[half + j];
     }
-    for (size_t i = 0; i < no; i++) host[i] = (pr_real)d_out[i];
-    tr->be->upload_reals(tr->be, dev, host, no);
-    if (no && ni) st = c->send_recv(c, dev, no, peer, dev + no, ni, peer, PR_COMM_REAL, &e);
-    else if (no) st = c->send(c, dev, no, PR_COMM_REAL, peer, &e);
-    else st = c->recv(c, dev + no, ni, PR_COMM_REAL, peer, &e);
-    pr__comm_done(tr, st, &e);
-    tr->be->download_reals(tr->be, host + no, dev + no, ni);
-    for (size_t i = 0; i < ni; i++) d_in[i] = host[no + i];
-    PR_FREE(host);
 }
 /* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in,
    then host doubles (MoE routing sums or aux gradients) the same way. */

@@ -4,6 +4,7 @@
 #define _POSIX_C_SOURCE 200809L   /* mkdtemp, access, opendir */
 #define PREFIXREUSE_IMPLEMENTATION
 #define PR__GRAD_WIRE_MAX ((size_t)1 << 10)   /* a gradient sum in bf16 crosses several chunk boundaries */
+#define PR__STAGE_REALS ((size_t)40)         /* host sums, pipeline doubles and padded KV gradients in several chunks */
 #include "../prefixreuse.h"
 #include "harness.h"
 
