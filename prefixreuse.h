@@ -5104,55 +5104,50 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
 
 /* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
    every rank: collective over tp and pp, and under ZeRO over dp for the master weights, the
-   moments and a scattered gradient. */
-static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
+   moments and a scattered gradient. The host holds the whole; the device no more than the
+   staging buffer, through which every collective runs in chunks alike on every rank, so that a
+   model of any size is gathered. A rank whose host memory fails still joins every collective
+   (with zeros) and reports. */
 static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
-    pr_comm *dp = tr->mesh ? tr->mesh->dp_comm : NULL;
-    const size_t mine = tr->mesh ? (size_t)tr->mesh->dp_rank * tr->slice_cap : 0;
+    const pr_backend *be = tr->be;
+    if (!tr->mesh) {
+        be->download_reals(be, dst, arena, n);
+        return PR_OK;
+    }
+    pr_comm *dp = tr->mesh->dp_comm, *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    const int D = tr->mesh->dp, me = tr->mesh->dp_rank;
+    pr_status st = PR_OK, cs;
     if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
-        pr_status st = dp->all_gather(dp, tr->grads, tr->grads + mine, tr->slice_cap, PR_COMM_REAL, err);
+        st = dp->all_gather(dp, tr->grads, tr->grads + (size_t)me * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, err);
         if (st) return st;
         tr->grads_scattered = 0;
     }
-    if (!tr->zero || arena == tr->grads) return pr__get_full_arena_local(tr, arena, dst, n, err);
-    /* the master weights or a moment: the slices gathered into a whole arena first */
-    const pr_backend *be = tr->be;
-    pr_real *whole = (pr_real *)be->alloc(be, sizeof(pr_real) * tr->n_pad, PR_TIER_DEVICE);
-    pr_status st = whole ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a gathered slice arena (%zu reals)", tr->n_pad);
-    if (whole) {
-        be->copy(be, whole + mine, arena, sizeof(pr_real) * tr->slice_cap);
-        st = dp->all_gather(dp, whole, whole + mine, tr->slice_cap, PR_COMM_REAL, err);
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad);    /* this rank's arena, whole */
+    if (!local) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of host memory for %zu reals", tr->n_pad);
+    if (!tr->zero || arena == tr->grads) {
+        if (local) be->download_reals(be, local, arena, tr->n_params);
+    } else {                     /* the master weights or a moment: every rank's slice, a chunk of each at a time */
+        const size_t k = PR__STAGE_REALS / (size_t)D;
+        for (size_t a = 0; a < tr->slice_cap; a += k) {
+            const size_t m = tr->slice_cap - a < k ? tr->slice_cap - a : k;
+            be->copy(be, tr->stage + (size_t)me * m, arena + a, sizeof(pr_real) * m);
+            cs = dp->all_gather(dp, tr->stage, tr->stage + (size_t)me * m, m, PR_COMM_REAL, st ? NULL : err);
+            if (!st) st = cs;
+            for (int r = 0; local && r < D; r++) be->download_reals(be, local + (size_t)r * tr->slice_cap + a, tr->stage + (size_t)r * m, m);
+        }
     }
-    if (!st) st = pr__get_full_arena_local(tr, whole, dst, n, err);
-    if (whole) be->release(be, whole, PR_TIER_DEVICE);
-    return st;
-}
-
-static pr_status pr__get_full_arena_local(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
-    if (!tr->mesh) {
-        tr->be->download_reals(tr->be, dst, arena, n);
-        return PR_OK;
-    }
-    const pr_backend *be = tr->be;
-    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params);
-    pr_real *dev = (pr_real *)be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);    /* collectives take backend memory */
-    pr_status st = local && dev ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of memory for %zu reals", n);
-    if (!st) {
-        be->download_reals(be, local, arena, tr->n_params);
-        memset(dst, 0, sizeof(pr_real) * n);
-        pr__shard_copy(tr, dst, local, 1);
-        be->upload_reals(be, dev, dst, n);
-    }
-    /* every rank joins the sums, even one that failed above (it adds zeros and reports) */
-    if (st && dev) be->zero(be, dev, sizeof(pr_real) * n);
-    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
-    for (int i = 0; i < 2 && dev; i++) {
-        pr_status cs = sum_over[i]->all_reduce(sum_over[i], dev, n, PR_COMM_REAL, st ? NULL : err);
-        if (!st) st = cs;
-    }
-    if (!st) be->download_reals(be, dst, dev, n);
+    memset(dst, 0, sizeof(pr_real) * n);
+    if (!st) pr__shard_copy(tr, dst, local, 1);
     PR_FREE(local);
-    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    for (size_t a = 0; a < n; a += PR__STAGE_REALS) {      /* the shards summed over tp and pp */
+        const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
+        be->upload_reals(be, tr->stage, dst + a, k);
+        for (int i = 0; i < 2; i++) {
+            cs = sum_over[i]->all_reduce(sum_over[i], tr->stage, k, PR_COMM_REAL, st ? NULL : err);
+            if (!st) st = cs;
+        }
+        be->download_reals(be, dst + a, tr->stage, k);
+    }
     return st;
 }
 
