@@ -2340,14 +2340,15 @@ static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
     tr->slice_n = n - tr->slice_lo < tr->slice_cap ? n - tr->slice_lo : tr->slice_cap;
 }
 
-/* The gradient sum over dp in bf16 moves chunks of at most 2^22 elements (8 MiB): a chunk of the
-   arena for an all-reduce; under ZeRO-2 a chunk of every rank's slice, packed rank after rank, and
-   the block the reduce-scatter returns. The chunk, and the wire buffer's elements: */
 /* The staging buffers' reals (backend memory and host, taken at trainer creation): host values and
    padded gradient rows cross to the collectives through them, in chunks. */
 #ifndef PR__STAGE_REALS                    /* the tests make it small, to cross chunk boundaries */
 #define PR__STAGE_REALS ((size_t)1 << 20)
 #endif
+
+/* The gradient sum over dp in bf16 moves chunks of at most 2^22 elements (8 MiB): a chunk of the
+   arena for an all-reduce; under ZeRO-2 a chunk of every rank's slice, packed rank after rank, and
+   the block the reduce-scatter returns. The chunk, and the wire buffer's elements: */
 #ifndef PR__GRAD_WIRE_MAX                  /* the tests make it small, to cross chunk boundaries */
 #define PR__GRAD_WIRE_MAX ((size_t)1 << 22)
 #endif
