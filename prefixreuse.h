@@ -420,17 +420,7 @@ PRDEF pr_status pr_step_loss_totals(const pr_group *groups, int n, int64_t norm_
 PRDEF const char *pr_loss_norm_name(pr_loss_norm norm);
 PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_error *err);
 
-/* Per-row inputs of the loss head: the token each row predicts and what its loss needs. */
-typedef struct {
-    int M;
-    const int32_t *target;      /* (M) */
-    const pr_real *old_logp;    /* (M) */
-    const pr_real *ref_logp;    /* (M) or NULL */
-    const pr_real *advantage;   /* (M) */
-    const pr_real *weight;      /* (M) normaliser times loss mask: the row's share of the loss */
-} pr_head_rows;
-
-/* One token's GRPO loss and d(loss)/d(logp), the formula above: every backend's loss head uses it.
+/* One token's GRPO loss and d(loss)/d(logp), the formula above: the trainer's loss head uses it.
    ref_logp may be NULL (no KL term); opt NULL: the defaults of pr_step_opts_default; dloss_dlogp
    may be NULL (not written). */
 PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref_logp, double advantage,
@@ -498,7 +488,8 @@ struct pr_backend {
     /* h = silu(gate) * up, n elements */
     void (*swiglu_fwd)(const pr_backend *be, void *h, const void *gate, const void *up, size_t n);
     void (*swiglu_bwd)(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate, const void *up, size_t n);
-    /* tokens: host memory */
+    /* tokens: host memory, ids into emb's rows; a token < 0 (its row on another TP rank's slice of
+       the vocabulary): a zero row forward, nothing backward */
     void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C);
     void (*embed_bwd)(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C);
     void (*add)(const pr_backend *be, void *y, const void *x, size_t n);                 /* y += x */
@@ -515,10 +506,15 @@ struct pr_backend {
        w NULL: all 1; the rows of one scatter are distinct. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
-    /* The loss head on logits (M,V): writes each row's log-prob of its target (logp, host, M) and
-       adds sum_rows weight*loss to *loss; replaces logits by d(loss)/d(logits). */
-    void (*loss_head)(const pr_backend *be, void *logits, const pr_head_rows *rows, const pr_loss_opts *opt,
-                      int V, pr_real *logp, double *loss);
+    /* The loss head's two passes over logits (M,V): V columns of the vocabulary, all of it or this
+       TP rank's slice; target (host, M): a column, or < 0 where the row's target is on another
+       rank's slice. logit_stats writes each row's max z, sum exp(z - max) and z[target] (0 for a
+       target < 0) to stats (host, M x 3); the trainer combines the slices' statistics into each
+       row's log-sum-exp and its loss slope coef (host, M), and logit_grad replaces the logits by
+       d(loss)/d(logits) = coef (onehot(target) - exp(z - lse)). */
+    void (*logit_stats)(const pr_backend *be, double *stats, const void *logits, const int32_t *target, int M, int V);
+    void (*logit_grad)(const pr_backend *be, void *logits, const double *lse, const double *coef, const int32_t *target,
+                       int M, int V);
     /* MoE routing runs on the host (a softmax and a top-k over N x E values); these move its
        inputs and outputs and apply its weights. Activations to/from host reals: */
     void (*upload_acts)(const pr_backend *be, void *dst, const pr_real *host, size_t n);
@@ -537,7 +533,7 @@ PRDEF const pr_backend *pr_backend_cpu(void);
 
 /* A backend that sizes without computing, for memory planning: it takes the element sizes and
    logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
-   nothing may read, and every kernel returns at once (log-probs come back as 0). The trainer's
+   nothing may read, and every kernel returns at once (log-probs come back as those of all-zero logits). The trainer's
    memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
    at any model size, in milliseconds. Activations read back to the host are a fixed pseudo-random
    pattern, so that MoE routing spreads tokens evenly. Fills *storage and returns it (NULL if either
@@ -912,7 +908,11 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
      o/down, an all-reduce after each); every rank caches its own head shard of the prefix K/V.
      tp must divide the query heads, and divide the KV heads or be a multiple of them: above
      them each KV head is replicated on tp / KV heads ranks, as in Megatron (each holds the KV
-     head its query heads share under GQA, and the replicas' k/v gradients are summed).
+     head its query heads share under GQA, and the replicas' k/v gradients are summed). The
+     embedding and the LM head are split by vocabulary rows (Megatron's vocabulary-parallel
+     layers): each rank looks up its slice's tokens and a sum over tp completes the rows; the
+     logits stay in slices, the log-sum-exp combines the slices' maxima and sums, and the head's
+     d(input) is summed over tp.
    - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
      split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
      Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
@@ -1547,11 +1547,16 @@ static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, c
 
 static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C) {
     (void)be;
-    for (int n = 0; n < N; n++) memcpy(PR__R(out) + (size_t)n * C, PR__CR(emb) + (size_t)tokens[n] * C, sizeof(pr_real) * C);
+    for (int n = 0; n < N; n++) {
+        pr_real *o = PR__R(out) + (size_t)n * C;
+        if (tokens[n] >= 0) memcpy(o, PR__CR(emb) + (size_t)tokens[n] * C, sizeof(pr_real) * C);
+        else memset(o, 0, sizeof(pr_real) * C);
+    }
 }
 static void pr__cpu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
     (void)be;
-    for (int n = 0; n < N; n++) pr__axpy(demb + (size_t)tokens[n] * C, 1, PR__CR(dout) + (size_t)n * C, C);
+    for (int n = 0; n < N; n++)
+        if (tokens[n] >= 0) pr__axpy(demb + (size_t)tokens[n] * C, 1, PR__CR(dout) + (size_t)n * C, C);
 }
 
 static void pr__cpu_add(const pr_backend *be, void *y, const void *x, size_t n) {
@@ -1631,26 +1636,26 @@ PRDEF double pr_grpo_token_loss(double logp, double old, const pr_real *ref, dou
     return loss;
 }
 
-/* logp = logits[target] - logsumexp(logits);  d(w l)/dlogits = w l'(logp) (onehot(target) - softmax) */
-static void pr__cpu_loss_head(const pr_backend *be, void *logits_, const pr_head_rows *rows, const pr_loss_opts *opt,
-                              int V, pr_real *logp, double *loss) {
+static void pr__cpu_logit_stats(const pr_backend *be, double *stats, const void *logits, const int32_t *target, int M, int V) {
     (void)be;
-    double total = 0;
-    for (int m = 0; m < rows->M; m++) {
-        pr_real *z = PR__R(logits_) + (size_t)m * V;
+    for (int m = 0; m < M; m++) {
+        const pr_real *z = PR__CR(logits) + (size_t)m * V;
         double mx = -INFINITY, sum = 0;
         for (int i = 0; i < V; i++) if (z[i] > mx) mx = z[i];
         for (int i = 0; i < V; i++) sum += PR__EXP((pr_real)(z[i] - mx));
-        double lse = mx + log(sum), lp = z[rows->target[m]] - lse, dl;
-        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
-                                       rows->advantage[m], opt, &dl);
-        double w = rows->weight[m], c = w * dl;
-        total += w * l;
-        logp[m] = (pr_real)lp;
-        for (int i = 0; i < V; i++) z[i] = (pr_real)(-c * PR__EXP((pr_real)(z[i] - lse)));
-        z[rows->target[m]] += (pr_real)c;
+        stats[3 * m] = mx;
+        stats[3 * m + 1] = sum;
+        stats[3 * m + 2] = target[m] >= 0 ? z[target[m]] : 0;
     }
-    *loss += total;
+}
+static void pr__cpu_logit_grad(const pr_backend *be, void *logits, const double *lse, const double *coef, const int32_t *target,
+                               int M, int V) {
+    (void)be;
+    for (int m = 0; m < M; m++) {
+        pr_real *z = PR__R(logits) + (size_t)m * V;
+        for (int i = 0; i < V; i++) z[i] = (pr_real)(-coef[m] * PR__EXP((pr_real)(z[i] - lse[m])));
+        if (target[m] >= 0) z[target[m]] += (pr_real)coef[m];
+    }
 }
 
 static double pr__cpu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
@@ -1695,7 +1700,7 @@ static const pr_backend pr__cpu_backend = {
     .add = pr__cpu_add, .acts_to_reals = pr__cpu_acts_to_reals, .reals_to_acts = pr__cpu_reals_to_acts,
     .add_reals = pr__cpu_add_reals, .reals_to_bf16 = pr__cpu_reals_to_bf16,
     .bf16_to_reals = pr__cpu_bf16_to_reals, .gather_rows = pr__cpu_gather_rows, .scatter_add_rows = pr__cpu_scatter_add_rows,
-    .loss_head = pr__cpu_loss_head,
+    .logit_stats = pr__cpu_logit_stats, .logit_grad = pr__cpu_logit_grad,
     .upload_acts = pr__cpu_upload_acts, .download_acts = pr__cpu_download_acts,
     .row_dots = pr__cpu_row_dots,
     .sum_squares = pr__cpu_sum_squares, .scale = pr__cpu_scale, .adamw = pr__cpu_adamw,
@@ -1770,10 +1775,14 @@ static void pr__measure_from_bf16(const pr_backend *be, pr_real *dst, const uint
 static void pr__measure_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be; (void)dst; (void)src; (void)rows; (void)w; (void)M; (void)C;
 }
-static void pr__measure_loss_head(const pr_backend *be, void *z, const pr_head_rows *rows, const pr_loss_opts *o, int V,
-                                  pr_real *logp, double *loss) {
-    (void)be; (void)z; (void)o; (void)V; (void)loss;
-    memset(logp, 0, sizeof(pr_real) * (size_t)rows->M);
+/* every row's logits 0 with its target among them: log-probs of -log V come back */
+static void pr__measure_logit_stats(const pr_backend *be, double *stats, const void *z, const int32_t *t, int M, int V) {
+    (void)be; (void)z; (void)t;
+    for (int m = 0; m < M; m++) { stats[3 * m] = 0; stats[3 * m + 1] = V; stats[3 * m + 2] = 0; }
+}
+static void pr__measure_logit_grad(const pr_backend *be, void *z, const double *lse, const double *c, const int32_t *t,
+                                   int M, int V) {
+    (void)be; (void)z; (void)lse; (void)c; (void)t; (void)M; (void)V;
 }
 static void pr__measure_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; (void)dst; (void)host; (void)n; }
 /* Activations read back to the host are a fixed pseudo-random pattern in [-1, 1): what the host
@@ -1830,7 +1839,8 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
     be->acts_to_reals = pr__measure_acts_to_reals; be->reals_to_acts = pr__measure_upload_acts;
     be->reals_to_bf16 = pr__measure_to_bf16; be->bf16_to_reals = pr__measure_from_bf16;
     be->gather_rows = pr__measure_rows; be->scatter_add_rows = pr__measure_rows;
-    be->loss_head = pr__measure_loss_head; be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
+    be->logit_stats = pr__measure_logit_stats; be->logit_grad = pr__measure_logit_grad;
+    be->sum_squares = pr__measure_sum_squares; be->scale = pr__measure_scale;
     be->adamw = pr__measure_adamw;
     be->upload_acts = pr__measure_upload_acts; be->download_acts = pr__measure_download_acts;
     be->row_dots = pr__measure_row_dots;
@@ -1875,6 +1885,7 @@ struct pr_trainer {
     int layer0;                            /* PP: the full model's index of this stage's first layer */
     int has_embed, has_head;               /* PP: the embedding (first stage, and the last if tied), final norm and LM head (last) */
     int expert0, n_experts;                /* MoE: the experts this rank holds, expert0 .. expert0+n_experts-1 */
+    int vocab0;                            /* TP: the vocabulary rows this rank holds, vocab0 .. vocab0+cfg.vocab_size-1 */
     size_t n_full;                         /* the full model's parameter count */
     pr__shard *shard;                      /* (n_tensors) mesh only */
     pr_status comm_st;                     /* the step's first failed collective, its message in comm_err */
@@ -2166,6 +2177,7 @@ static int pr__pp(const pr_trainer *tr);
 static int pr__first_stage(const pr_trainer *tr);
 static int pr__last_stage(const pr_trainer *tr);
 static void pr__tp_sum(pr_trainer *tr, void *x, size_t n);
+static int pr__vocab0(int V, int tp, int r);
 static void pr__sum_host(pr_trainer *tr, pr_comm *c, pr_real *x, size_t n);
 static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n);
 static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_config *local, int *layer0, int *expert0,
@@ -2369,6 +2381,8 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     pr_status st = pr_config_validate(cfg, err);
     if (!st) st = pr__shard_config(cfg, mesh, &local, &layer0, &expert0, &n_experts, err);
     if (!st && be->check_config) st = be->check_config(be, &local, err);
+    if (!st && mesh && (size_t)mesh->dp > PR__STAGE_REALS)      /* a gather moves a piece of every dp rank's slice at once */
+        st = pr__fail(err, PR_ERR_UNSUPPORTED, "dp %d is more than the staging buffers' %zu reals", mesh->dp, (size_t)PR__STAGE_REALS);
     if (st) return st;
     if (cfg->head_dim > PR__MAX_HEAD_DIM)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "head_dim %d is larger than %d", cfg->head_dim, PR__MAX_HEAD_DIM);
@@ -2383,6 +2397,7 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
     tr->has_head = !mesh || mesh->pp_rank == mesh->pp - 1;
     tr->expert0 = expert0;
     tr->n_experts = n_experts;
+    tr->vocab0 = mesh ? pr__vocab0(cfg->vocab_size, mesh->tp, mesh->tp_rank) : 0;
     tr->be = be;
     int count; size_t total;
     pr__build_layout(tr, NULL, &count, &total);           /* sizes only */
@@ -3119,43 +3134,95 @@ static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const
     }
 }
 
+/* Each row's log-sum-exp over the whole vocabulary and its target's logit, from the statistics
+   (max, sum, z[target]) of n rows' logits over this rank's columns. Under TP each rank holds a
+   slice of the vocabulary: the slices' pairs are gathered (each rank's in its own place of a sum
+   over tp, so that every rank combines the same numbers in the same order) and the target's logit
+   comes from the slice that has it (the others add 0). `gathered`: (2 tp + 1) n doubles. */
+static void pr__head_lse(pr_trainer *tr, const double *stats, double *gathered, int n, double *lse, double *zt) {
+    const int tp = pr__tp(tr);
+    if (tp == 1) {
+        for (int m = 0; m < n; m++) {
+            lse[m] = stats[3 * m] + log(stats[3 * m + 1]);
+            zt[m] = stats[3 * m + 2];
+        }
+        return;
+    }
+    const size_t N = (size_t)n, r = (size_t)tr->mesh->tp_rank;
+    memset(gathered, 0, sizeof(double) * (2 * (size_t)tp + 1) * N);
+    for (size_t m = 0; m < N; m++) {
+        gathered[2 * r * N + m] = stats[3 * m];
+        gathered[(2 * r + 1) * N + m] = stats[3 * m + 1];
+        gathered[2 * (size_t)tp * N + m] = stats[3 * m + 2];
+    }
+    pr__sum_doubles(tr, tr->mesh->tp_comm, gathered, (2 * (size_t)tp + 1) * N);
+    for (size_t m = 0; m < N; m++) {
+        double mx = -INFINITY, sum = 0;
+        for (size_t k = 0; k < (size_t)tp; k++) if (gathered[2 * k * N + m] > mx) mx = gathered[2 * k * N + m];
+        for (size_t k = 0; k < (size_t)tp; k++) sum += gathered[(2 * k + 1) * N + m] * exp(gathered[2 * k * N + m] - mx);
+        lse[m] = mx + log(sum);
+        zt[m] = gathered[2 * (size_t)tp * N + m];
+    }
+}
+
+/* The pass's embeddings into res[0]. Under TP each rank looks up the tokens of its vocabulary
+   slice (zero rows for the others), and a sum over tp completes every row. */
+static void pr__embed(pr_trainer *tr, pr__pass *p) {
+    tr->be->embed_fwd(tr->be, p->res[0], p->tokens, pr__weight(tr, tr->off_embed), p->N, tr->cfg.hidden_size);
+    pr__tp_sum(tr, p->res[0], (size_t)p->N * tr->cfg.hidden_size);
+}
+
 /* Final norm, LM head and GRPO loss for the plan's rows of x_final, fused with their backward:
    the loss of a row depends on nothing but that row's log-prob, so d(loss)/d(x_final) is known at
-   once and is added into dx_final. Rows go through in chunks that bound the logits' memory. */
+   once and is added into dx_final. Rows go through in chunks that bound the logits' memory. Under
+   TP the LM head is split by vocabulary rows: each rank's logits are its slice's, the log-sum-exp
+   is combined over the slices, and d(loss)/d(x) is summed over them. */
 static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, void *dx_final, const pr__head_plan *hp,
                           const pr_loss_opts *lo, pr_real *logp_flat, double *loss, pr_error *err) {
     const pr_backend *be = tr->be;
-    const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size;
+    const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size, tp = pr__tp(tr);
     if (hp->M == 0) return PR_OK;
     int ch = (int)(be->logit_chunk / (size_t)V);
     if (ch < 1) ch = 1;
     if (ch > hp->M) ch = hp->M;
     void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
     void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
-    pr_real *lp = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)ch);
-    if (tr->alloc_failed || !lp) {
-        PR_FREE(lp);
+    /* per row: the statistics, their gathering over tp, the log-sum-exp, the target's logit, the slope */
+    double *host = (double *)PR_MALLOC(sizeof(double) * (size_t)ch * (3 + (tp > 1 ? 2 * (size_t)tp + 1 : 0) + 3));
+    if (tr->alloc_failed || !host) {
+        PR_FREE(host);
         return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
     }
+    double *stats = host, *gathered = stats + 3 * (size_t)ch, *lse = gathered + (tp > 1 ? 2 * (size_t)tp + 1 : 0) * ch;
+    double *zt = lse + ch, *coef = zt + ch;
     const void *wn = pr__weight(tr, tr->off_norm), *wh = pr__weight(tr, pr__lm_head_off(tr));
     pr_real *gn = tr->grads + tr->off_norm, *gh = tr->grads + pr__lm_head_off(tr);
     for (int m0 = 0; m0 < hp->M; m0 += ch) {
         int n = hp->M - m0 < ch ? hp->M - m0 : ch;
-        pr_head_rows rows = { n, hp->target + m0, hp->old_logp + m0, hp->ref_logp ? hp->ref_logp + m0 : NULL,
-                              hp->advantage + m0, hp->weight + m0 };
         be->gather_rows(be, xr, x_final, hp->row + m0, NULL, n, C);
         be->rmsnorm_fwd(be, xn, rstd, xr, wn, n, C, tr->cfg.rms_norm_eps);
         be->matmul_fwd(be, logits, xn, wh, n, C, V);
-        be->loss_head(be, logits, &rows, lo, V, lp, loss);              /* logits now hold dlogits */
+        be->logit_stats(be, stats, logits, hp->target + m0, n, V);
+        pr__head_lse(tr, stats, gathered, n, lse, zt);
+        double total = 0;
+        for (int m = 0; m < n; m++) {
+            const int k = m0 + m;
+            double dl, lp = zt[m] - lse[m];
+            double l = pr_grpo_token_loss(lp, hp->old_logp[k], hp->ref_logp ? hp->ref_logp + k : NULL, hp->advantage[k], lo, &dl);
+            total += hp->weight[k] * l;
+            coef[m] = hp->weight[k] * dl;
+            if (logp_flat) logp_flat[hp->flat[k]] = (pr_real)lp;
+        }
+        *loss += total;
+        be->logit_grad(be, logits, lse, coef, hp->target + m0, n, V);      /* logits now hold dlogits */
         pr__zero_acts(tr, dxn, (size_t)n * C);
         be->matmul_bwd(be, dxn, gh, logits, xn, wh, n, C, V);
+        pr__tp_sum(tr, dxn, (size_t)n * C);
         pr__zero_acts(tr, dxr, (size_t)n * C);
         be->rmsnorm_bwd(be, dxr, gn, dxn, xr, wn, rstd, n, C);
         be->scatter_add_rows(be, dx_final, dxr, hp->row + m0, NULL, n, C);
-        if (logp_flat)
-            for (int m = 0; m < n; m++) logp_flat[hp->flat[m0 + m]] = lp[m];
     }
-    PR_FREE(lp);
+    PR_FREE(host);
     return PR_OK;
 }
 
@@ -3252,7 +3319,6 @@ static pr_status pr__prefix_alloc(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_s
    are its part of the K/V cache that Phase B reads. */
 static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr__prefix_state *ps, pr__kv_path *path,
                                             int start, int len, pr_error *err) {
-    const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers, kvd = c->num_key_value_heads * c->head_dim;
     const size_t E = (size_t)c->num_experts;
@@ -3264,7 +3330,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
     if (cx->moe.on && !(ps->route_sums = (double *)PR_MALLOC(sizeof(double) * (2 * E + 1))))
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (ps->route_sums) memset(ps->route_sums, 0, sizeof(double) * (2 * E + 1));
-    if (pr__first_stage(tr)) be->embed_fwd(be, ps->pass.res[0], ps->pass.tokens, pr__weight(tr, tr->off_embed), P, c->hidden_size);
+    if (pr__first_stage(tr)) pr__embed(tr, &ps->pass);
     else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, ps->route_sums, 2 * E + 1);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
@@ -3335,10 +3401,9 @@ static pr_status pr__mb_open(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path
    in a training pass (train 1) the last stage then runs the loss head, whose gradient starts the
    backward, and with MoE works out the microbatch's aux gradient. */
 static pr_status pr__mb_forward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path, pr__mb *m, int train, pr_error *err) {
-    const pr_backend *be = tr->be;
     const int L = tr->cfg.num_hidden_layers, C = tr->cfg.hidden_size;
     pr__pass *p = &m->p;
-    if (pr__first_stage(tr)) be->embed_fwd(be, p->res[0], p->tokens, pr__weight(tr, tr->off_embed), p->N, C);
+    if (pr__first_stage(tr)) pr__embed(tr, p);
     for (int l = 0; l < L; l++)
         pr__layer_forward(tr, p, l, path ? path->k[l] : NULL, path ? path->v[l] : NULL);
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE routing of %d rows", p->N);
@@ -3564,7 +3629,7 @@ PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_erro
 
 static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, const pr_step_opts *o, pr_error *err) {
     if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
-    pr_status st = pr_group_validate(g, tr->cfg.vocab_size, err);
+    pr_status st = pr_group_validate(g, tr->model.vocab_size, err);
     if (st) return st;
     int smax = 0;
     for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
@@ -4966,6 +5031,10 @@ static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
 }
 
 /* ---------------------------------------------------------------- 7.3 Sharded parameters and gradients (TP, EP, PP) */
+/* The first vocabulary row of TP rank r's slice (r = tp: the vocabulary's end): the embedding and
+   the LM head are split by rows, as even a split as there is. */
+static int pr__vocab0(int V, int tp, int r) { return (int)((int64_t)r * V / tp); }
+
 /* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
    the experts divided by ep (each whole), otherwise each expert's columns divided by tp; under PP
    the stage's layers, layer0 .. layer0 + num_hidden_layers - 1 (as even a split as there is). */
@@ -4987,6 +5056,10 @@ static pr_status pr__shard_config(const pr_config *cfg, const pr_mesh *m, pr_con
                         "replicated on tp / KV heads ranks)", tp, NKV);
     local->num_attention_heads /= tp;
     local->num_key_value_heads = NKV >= tp ? NKV / tp : 1;    /* above the KV heads: the one its query heads share */
+    if (cfg->vocab_size < tp)
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "tp %d is larger than the vocabulary (%d): each TP rank holds a slice of "
+                        "the embedding's and the LM head's rows", tp, cfg->vocab_size);
+    local->vocab_size = pr__vocab0(cfg->vocab_size, tp, m->tp_rank + 1) - pr__vocab0(cfg->vocab_size, tp, m->tp_rank);
     if (cfg->num_experts) {
         if (ep > 1 && cfg->num_experts % ep)
             return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d must divide the %d experts", ep, cfg->num_experts);
@@ -5033,11 +5106,13 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
         sh->full_rows = ft[j].shape[0];
         sh->full_cols = fc;
         /* the TP ranks holding these same values: all of them for a whole tensor, tp / KV heads for
-           a replicated KV head's rows, one for a column shard or an expert of EP */
+           a replicated KV head's rows, one for a column shard, a slice of the vocabulary
+           or an expert of EP */
         const int64_t row_blocks = ft[j].shape[0] / t->shape[0];
-        const int distinct = lc < fc || (ep > 1 && strstr(t->name, ".mlp.experts."));
+        const int vocab_rows = !strcmp(t->name, "model.embed_tokens.weight") || !strcmp(t->name, "lm_head.weight");
+        const int distinct = lc < fc || vocab_rows || (ep > 1 && strstr(t->name, ".mlp.experts."));
         const int replicas = distinct ? 1 : tp / (int)row_blocks;
-        sh->row0 = row_blocks > 1 ? tp_rank / replicas * t->shape[0] : 0;
+        sh->row0 = vocab_rows ? tr->vocab0 : row_blocks > 1 ? tp_rank / replicas * t->shape[0] : 0;
         sh->col0 = lc < fc ? tp_rank * lc : 0;
         sh->elsewhere = tp_rank % replicas || (tied_copy && i == 0);    /* the embedding comes first */
         /* gradients from this rank's heads only: the q/k norms (shared by all heads) and a
@@ -5306,7 +5381,14 @@ static int pr__cp_share(const pr_trainer *tr, int n, int *r0, int *chunk) {
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err) {
     pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
-    if (st || pr__cp(tr) == 1) return st;
+    if (st) return st;
+    if (pr__tp(tr) > 1) {      /* tokens and targets as rows of this rank's vocabulary slice, -1 off it */
+        const int v0 = tr->vocab0, nv = tr->cfg.vocab_size;
+        for (int r = 0; r < b->N; r++) b->tokens[r] = b->tokens[r] >= v0 && b->tokens[r] < v0 + nv ? b->tokens[r] - v0 : -1;
+        for (int m = 0; m < b->head.M; m++)
+            b->head.target[m] = b->head.target[m] >= v0 && b->head.target[m] < v0 + nv ? b->head.target[m] - v0 : -1;
+    }
+    if (pr__cp(tr) == 1) return PR_OK;
     int r0, chunk;
     const int rows = pr__cp_share(tr, b->N, &r0, &chunk);
     memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);

@@ -707,8 +707,8 @@ typedef struct {
     void *scratch;                 /* reduction partials and attention row statistics */
     size_t scratch_cap;
     double *reduce_host;           /* pinned: results the host waits for */
-    float *logp_host;              /* pinned: the loss head's log-probs, then its slopes */
-    size_t logp_cap;               /* rows it holds */
+    float *row_host;               /* pinned: the loss head's per-row values (3 floats a row) */
+    size_t row_host_cap;           /* rows it holds */
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
     int attention_kind;            /* PR_CUDA_ATTENTION_FFMA or _MMA (pr_backend_cuda_set_attention) */
@@ -1564,11 +1564,12 @@ __global__ void pr_k_bf16_to_f32(float *dst, const bf16 *src, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < n) dst[i] = __bfloat162float(src[i]);
 }
+/* a token < 0 (another TP rank's vocabulary slice): a zero row */
 __global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const bf16 *emb, int N, int C) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)N * C) return;
     size_t r = i / C, c = i % C;
-    out[i] = emb[(size_t)tok[r] * C + c];
+    out[i] = tok[r] >= 0 ? emb[(size_t)tok[r] * C + c] : __float2bfloat16(0.0f);
 }
 /* Block x: one distinct token; its rows (in row order) summed per column, then added once. */
 __global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int32_t *uniq, const int *start, const int *rows, int C) {
@@ -1652,19 +1653,25 @@ static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *toke
     pr_k_embed_fwd<<<pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream>>>((bf16 *)out, dt, (const bf16 *)emb, N, C);
     pr_cu_launched(cx, "embed_fwd");
 }
-/* Rows grouped by token (a stable counting order built on the host), so that each embedding row
-   has one writer that sums its rows in row order. */
-static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N, int C) {
+/* Rows grouped by token (a stable order built on the host), so that each embedding row has one
+   writer that sums its rows in row order. Tokens < 0 (another TP rank's rows) are left out. */
+static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N_rows, int C) {
     pr_cu *cx = pr_cu_of(be);
-    if (N <= 0) return;
-    int *rows = (int *)malloc(sizeof(int) * (size_t)N), *start = (int *)malloc(sizeof(int) * (size_t)(N + 1));
-    int32_t *uniq = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
+    if (N_rows <= 0) return;
+    int *rows = (int *)malloc(sizeof(int) * (size_t)N_rows), *start = (int *)malloc(sizeof(int) * (size_t)(N_rows + 1));
+    int32_t *uniq = (int32_t *)malloc(sizeof(int32_t) * (size_t)N_rows);
     if (!rows || !start || !uniq) {
         free(rows); free(start); free(uniq);
         pr_cu_fail(cx, PR_ERR_NOMEM, "embedding backward: out of host memory");
         return;
     }
-    for (int i = 0; i < N; i++) rows[i] = i;
+    int N = 0;                     /* the rows of this rank's tokens */
+    for (int i = 0; i < N_rows; i++)
+        if (tokens[i] >= 0) rows[N++] = i;
+    if (N == 0) {
+        free(rows); free(start); free(uniq);
+        return;
+    }
     /* a bottom-up merge sort by token, stable, so each token's rows stay in row order */
     for (int width = 1; width < N; width *= 2) {
         int *tmp = start;          /* borrowed as the merge buffer; rebuilt below */
@@ -1727,8 +1734,10 @@ static void pr_cu_upload_acts(const pr_backend *be, void *dst, const pr_real *ho
     uint16_t *h = (uint16_t *)malloc(2 * (n ? n : 1));
     if (!h) { pr_cu_fail(cx, PR_ERR_NOMEM, "upload_acts: out of host memory"); return; }
     for (size_t i = 0; i < n; i++) h[i] = pr_f32_to_bf16(host[i]);
-    /* from pageable memory the runtime stages the data before returning, so h can go at once */
-    pr_cu_ok(cx, cudaMemcpyAsync(dst, h, 2 * n, cudaMemcpyHostToDevice, cx->stream), "upload_acts");
+    /* h is freed at once, so the copy is waited for: the runtime only says that a copy from
+       pageable memory "might" be staged before it returns */
+    if (pr_cu_ok(cx, cudaMemcpyAsync(dst, h, 2 * n, cudaMemcpyHostToDevice, cx->stream), "upload_acts"))
+        pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "upload_acts");
     free(h);
 }
 static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
@@ -1742,8 +1751,9 @@ static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void 
 }
 
 /* ---------------------------------------------------------------- loss head */
-/* One block per row, over the vocabulary: lse = max + log sum exp(z - max), logp = z[target] - lse. */
-__global__ void pr_k_logprob(float *logp, float *lse_out, const bf16 *logits, const int32_t *target, int V) {
+/* One block per row, over its V columns: max z, sum exp(z - max), and z[target] (0 for a target < 0,
+   on another TP rank's slice of the vocabulary). */
+__global__ void pr_k_logit_stats(float *stats, const bf16 *logits, const int32_t *target, int V) {
     __shared__ float buf[32];
     const bf16 *z = logits + (size_t)blockIdx.x * V;
     float mx = -INFINITY;
@@ -1753,15 +1763,16 @@ __global__ void pr_k_logprob(float *logp, float *lse_out, const bf16 *logits, co
     for (int i = threadIdx.x; i < V; i += blockDim.x) s += __expf(__bfloat162float(z[i]) - mx);
     s = pr_block_sum(s, buf);
     if (threadIdx.x == 0) {
-        float lse = mx + logf(s);
-        lse_out[blockIdx.x] = lse;
-        logp[blockIdx.x] = __bfloat162float(z[target[blockIdx.x]]) - lse;
+        const int tg = target[blockIdx.x];
+        stats[3 * blockIdx.x] = mx;
+        stats[3 * blockIdx.x + 1] = s;
+        stats[3 * blockIdx.x + 2] = tg >= 0 ? __bfloat162float(z[tg]) : 0.0f;
     }
 }
-/* dlogits = c (onehot(target) - softmax), c = weight * dloss/dlogp (from the host) */
-__global__ void pr_k_dlogits(bf16 *logits, const float *lse, const float *coef, const int32_t *target, int V) {
+/* dlogits = c (onehot(target) - exp(z - lse)); lse_coef: M log-sum-exps, then M slopes */
+__global__ void pr_k_logit_grad(bf16 *logits, const float *lse_coef, const int32_t *target, int M, int V) {
     bf16 *z = logits + (size_t)blockIdx.x * V;
-    const float L = lse[blockIdx.x], c = coef[blockIdx.x];
+    const float L = lse_coef[blockIdx.x], c = lse_coef[M + blockIdx.x];
     const int tg = target[blockIdx.x];
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
         float g = -c * __expf(__bfloat162float(z[i]) - L) + (i == tg ? c : 0.0f);
@@ -1769,45 +1780,48 @@ __global__ void pr_k_dlogits(bf16 *logits, const float *lse, const float *coef, 
     }
 }
 
-/* The log-probs come to the host, where the GRPO formula (one copy, in the header) gives each
-   row's loss and slope; the slopes go back for the gradient pass. */
-static void pr_cu_loss_head(const pr_backend *be, void *logits, const pr_head_rows *rows, const pr_loss_opts *opt,
-                            int V, pr_real *logp, double *loss) {
+/* The pinned buffer for M rows of the loss head's host values (3 floats a row). */
+static float *pr_cu_row_host(pr_cu *cx, int M) {
+    if ((size_t)M <= cx->row_host_cap) return cx->row_host;
+    cudaFreeHost(cx->row_host);
+    cx->row_host = NULL;
+    cx->row_host_cap = 0;
+    if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->row_host, sizeof(float) * 3 * (size_t)M), "loss head buffer")) return NULL;
+    cx->row_host_cap = (size_t)M;
+    return cx->row_host;
+}
+/* The statistics come to the host, where the trainer combines the vocabulary slices' and applies
+   the GRPO formula; the log-sum-exps and slopes come back for the gradient pass. */
+static void pr_cu_logit_stats(const pr_backend *be, double *stats, const void *logits, const int32_t *target, int M, int V) {
     pr_cu *cx = pr_cu_of(be);
-    const int M = rows->M;
     if (M <= 0) return;
-    if ((size_t)M > cx->logp_cap) {     /* room for M log-probs, then M slopes */
-        cudaFreeHost(cx->logp_host);
-        cx->logp_host = NULL;
-        cx->logp_cap = 0;
-        if (!pr_cu_ok(cx, cudaMallocHost((void **)&cx->logp_host, sizeof(float) * (size_t)M * 2), "loss head buffer")) return;
-        cx->logp_cap = (size_t)M;
-    }
-    /* the targets and, later, the slopes: both must survive until the gradient pass */
-    if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)M) + pr_cu_stage_size(sizeof(float) * (size_t)M))) return;
-    const int32_t *dt = (const int32_t *)pr_cu_stage(cx, rows->target, sizeof(int32_t) * (size_t)M);
-    float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M * 2), *dlogp = dev, *dlse = dev ? dev + M : NULL;
-    if (!dt || !dev) return;
-    pr_k_logprob<<<(unsigned)M, 512, 0, cx->stream>>>(dlogp, dlse, (const bf16 *)logits, dt, V);
-    pr_cu_launched(cx, "logprob");
-    if (!pr_cu_ok(cx, cudaMemcpyAsync(cx->logp_host, dlogp, sizeof(float) * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "logp download") ||
-        !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "logp download"))
+    float *host = pr_cu_row_host(cx, M);
+    const int32_t *dt = (const int32_t *)pr_cu_stage(cx, target, sizeof(int32_t) * (size_t)M);
+    float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * 3 * (size_t)M);
+    if (!host || !dt || !dev) return;
+    pr_k_logit_stats<<<(unsigned)M, 512, 0, cx->stream>>>(dev, (const bf16 *)logits, dt, V);
+    pr_cu_launched(cx, "logit_stats");
+    if (!pr_cu_ok(cx, cudaMemcpyAsync(host, dev, sizeof(float) * 3 * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "logit statistics download") ||
+        !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "logit statistics download"))
         return;
-    float *coef = cx->logp_host + M;
-    double total = 0;
+    for (size_t i = 0; i < 3 * (size_t)M; i++) stats[i] = host[i];
+}
+static void pr_cu_logit_grad(const pr_backend *be, void *logits, const double *lse, const double *coef, const int32_t *target,
+                             int M, int V) {
+    pr_cu *cx = pr_cu_of(be);
+    if (M <= 0) return;
+    float *host = pr_cu_row_host(cx, M);
+    if (!host) return;
     for (int m = 0; m < M; m++) {
-        double dl, lp = cx->logp_host[m];
-        double l = pr_grpo_token_loss(lp, rows->old_logp[m], rows->ref_logp ? rows->ref_logp + m : NULL,
-                                      rows->advantage[m], opt, &dl);
-        total += rows->weight[m] * l;
-        coef[m] = (float)(rows->weight[m] * dl);
-        logp[m] = (pr_real)lp;
+        host[m] = (float)lse[m];
+        host[M + m] = (float)coef[m];
     }
-    *loss += total;
-    const float *dc = (const float *)pr_cu_stage(cx, coef, sizeof(float) * (size_t)M);
-    if (!dc) return;
-    pr_k_dlogits<<<(unsigned)M, 512, 0, cx->stream>>>((bf16 *)logits, dlse, dc, dt, V);
-    pr_cu_launched(cx, "dlogits");
+    if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)M) + pr_cu_stage_size(sizeof(float) * 2 * (size_t)M))) return;
+    const int32_t *dt = (const int32_t *)pr_cu_stage(cx, target, sizeof(int32_t) * (size_t)M);
+    const float *dlc = (const float *)pr_cu_stage(cx, host, sizeof(float) * 2 * (size_t)M);
+    if (!dt || !dlc) return;
+    pr_k_logit_grad<<<(unsigned)M, 512, 0, cx->stream>>>((bf16 *)logits, dlc, dt, M, V);
+    pr_cu_launched(cx, "logit_grad");
 }
 
 /* ---------------------------------------------------------------- optimizer */
@@ -1927,7 +1941,7 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     cudaFree(cx->stage_dev);
     cudaFreeHost(cx->stage_host);
     cudaFreeHost(cx->reduce_host);
-    cudaFreeHost(cx->logp_host);
+    cudaFreeHost(cx->row_host);
     if (cx->lt) cublasLtDestroy(cx->lt);
     if (cx->stream) cudaStreamDestroy(cx->stream);
     free(cx);
@@ -2006,7 +2020,8 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->row_dots = pr_cu_row_dots;
     be->upload_acts = pr_cu_upload_acts;
     be->download_acts = pr_cu_download_acts;
-    be->loss_head = pr_cu_loss_head;
+    be->logit_stats = pr_cu_logit_stats;
+    be->logit_grad = pr_cu_logit_grad;
     be->sum_squares = pr_cu_sum_squares;
     be->scale = pr_cu_scale;
     be->adamw = pr_cu_adamw;

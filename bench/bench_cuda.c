@@ -283,6 +283,7 @@ static int smoke(void) {
         void *dwb = dalloc(2 * OC * C), *dx = dalloc(2 * N * C), *dy = dalloc(2 * N * OC);
         cudaMemcpy(dw, w, sizeof(float) * OC * C, cudaMemcpyHostToDevice);
         cudaMemcpy(dx, x, 2 * N * C, cudaMemcpyHostToDevice);
+        cudaDeviceSynchronize();     /* a pageable copy may return before it lands; the backend's stream does not wait for it */
         be->reals_to_acts(be, dwb, dw, (size_t)OC * C);       /* the bf16 weights the kernels read */
         be->matmul_fwd(be, dy, dx, dwb, N, C, OC);
         if (!smoke_backend_ok("GEMM")) return 1;

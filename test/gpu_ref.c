@@ -51,12 +51,11 @@ void ref_embed_fwd(double *out, const int32_t *tokens, const double *emb, int N,
 void ref_embed_bwd(double *demb, const double *dout, const int32_t *tokens, int N, int C) {
     cpu()->embed_bwd(cpu(), demb, dout, tokens, N, C);
 }
-void ref_loss_head(double *logits, int M, const int32_t *target, const double *old_logp, const double *ref_logp,
-                   const double *advantage, const double *weight, double kl_coef, int V, double *logp, double *loss) {
-    pr_head_rows rows = { M, target, old_logp, ref_logp, advantage, weight };
-    pr_loss_opts o = pr_step_opts_default().loss;
-    o.kl_coef = kl_coef;
-    cpu()->loss_head(cpu(), logits, &rows, &o, V, logp, loss);
+void ref_logit_stats(double *stats, const double *logits, const int32_t *target, int M, int V) {
+    cpu()->logit_stats(cpu(), stats, logits, target, M, V);
+}
+void ref_logit_grad(double *logits, const double *lse, const double *coef, const int32_t *target, int M, int V) {
+    cpu()->logit_grad(cpu(), logits, lse, coef, target, M, V);
 }
 void ref_adamw(double *p, const double *g, double *m, double *v, size_t n, double lr, double b1, double b2,
                double eps, double wd, long step) {

@@ -21,9 +21,8 @@ void ref_swiglu_fwd(double *h, const double *gate, const double *up, size_t n);
 void ref_swiglu_bwd(double *dgate, double *dup, const double *dh, const double *gate, const double *up, size_t n);
 void ref_embed_fwd(double *out, const int32_t *tokens, const double *emb, int N, int C);
 void ref_embed_bwd(double *demb, const double *dout, const int32_t *tokens, int N, int C);
-/* The loss head with the default clip range (0.2, 0.28) and the given KL weight, token-mean rows. */
-void ref_loss_head(double *logits, int M, const int32_t *target, const double *old_logp, const double *ref_logp,
-                   const double *advantage, const double *weight, double kl_coef, int V, double *logp, double *loss);
+void ref_logit_stats(double *stats, const double *logits, const int32_t *target, int M, int V);
+void ref_logit_grad(double *logits, const double *lse, const double *coef, const int32_t *target, int M, int V);
 void ref_adamw(double *p, const double *g, double *m, double *v, size_t n, double lr, double b1, double b2,
                double eps, double wd, long step);
 #endif

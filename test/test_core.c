@@ -1731,8 +1731,9 @@ typedef struct {
     const char *dir;
     pr_real *arena[16][4];        /* each rank's parameters, gradients, AdamW m and v after the step */
     size_t n;                     /* the local arena's length (the same on every TP rank) */
-    size_t kv_off[16], kv_numel[16];
-    int n_kv;                     /* the local k/v projections' places in the arena */
+    size_t kv_off[8][16], kv_numel[16];
+    int n_kv;                     /* the local k/v projections' places in each rank's arena (a vocabulary
+                                     slice of its own before them) */
     int reload_same[16];
 } kvrep_run;
 
@@ -1759,13 +1760,14 @@ static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
         memcpy(m->arena[r][2], tr->adam_m, sizeof(pr_real) * n);
         memcpy(m->arena[r][3], tr->adam_v, sizeof(pr_real) * n);
     }
-    if (!s && r == 0) {
-        m->n = n;
+    if (!s) {
+        int kv = 0;
         for (int t = 0; t < tr->n_tensors; t++)
             if (strstr(tr->tensors[t].name, "k_proj") || strstr(tr->tensors[t].name, "v_proj")) {
-                m->kv_off[m->n_kv] = tr->tensors[t].offset;
-                m->kv_numel[m->n_kv++] = tr->tensors[t].numel;
+                m->kv_off[r][kv] = tr->tensors[t].offset;
+                m->kv_numel[kv++] = tr->tensors[t].numel;
             }
+        if (r == 0) m->n_kv = kv;
     }
     if (!s) s = pr_trainer_save_state(tr, m->dir, &state, NULL, err);
     if (!s) s = world->barrier(world, err);                          /* world rank 0 has written it */
@@ -1800,8 +1802,9 @@ static void kvrep_replicas_case(const pr_config *c, mesh_shape shape, const pr_g
             for (int k = 0; k < 4; k++)
                 for (int t = 0; t < m.n_kv; t++) {
                     const size_t bytes = sizeof(pr_real) * m.kv_numel[t];
-                    if (r % rep) same &= !memcmp(m.arena[r][k] + m.kv_off[t], m.arena[r - 1][k] + m.kv_off[t], bytes);
-                    else if (r && k == 0) distinct &= memcmp(m.arena[r][k] + m.kv_off[t], m.arena[r - 1][k] + m.kv_off[t], bytes) != 0;
+                    const pr_real *mine = m.arena[r][k] + m.kv_off[r][t], *before = r ? m.arena[r - 1][k] + m.kv_off[r - 1][t] : NULL;
+                    if (r % rep) same &= !memcmp(mine, before, bytes);
+                    else if (r && k == 0) distinct &= memcmp(mine, before, bytes) != 0;
                 }
         }
         CHECK(m.n_kv > 0 && same, "%s: the replicas of a KV head differ (parameters, gradients or AdamW moments)", label);
@@ -1886,7 +1889,19 @@ static void test_kv_replication(void) {
     for (int r = 0; r < 6; r++)
         CHECK(f.st[r] == PR_ERR_UNSUPPORTED && strstr(f.err[r].message, "tp 6 must divide the KV heads (4) or be a multiple of them"),
               "tp 6 over 4 KV heads, rank %d: %s '%s'", r, pr_status_name(f.st[r]), f.st[r] ? f.err[r].message : "");
-    /* the shipped Qwen3-30B-A3B (4 KV heads) shards at tp 8 ep 8: 4 query heads and 1 KV head, 16 experts a rank */
+    /* fewer vocabulary rows than TP ranks: a rank would hold no slice of the embedding */
+    pr_config few = small_config(0, 0, 2);
+    few.num_attention_heads = 8;
+    few.vocab_size = 3;
+    memset(&f, 0, sizeof f);
+    f.c = &few;
+    f.tp = 4;
+    CHECK(pr_comm_local_run(4, kvrep_refuse_rank, &f, &err) == PR_OK, "refusal run: %s", err.message);
+    for (int r = 0; r < 4; r++)
+        CHECK(f.st[r] == PR_ERR_UNSUPPORTED && strstr(f.err[r].message, "tp 4 is larger than the vocabulary (3)"),
+              "tp 4 over a vocabulary of 3, rank %d: %s '%s'", r, pr_status_name(f.st[r]), f.st[r] ? f.err[r].message : "");
+    /* the shipped Qwen3-30B-A3B (4 KV heads) shards at tp 8 ep 8: 4 query heads and 1 KV head, 16 experts and
+       151,936 / 8 vocabulary rows a rank */
     pr_config big, local;
     pr_mesh eight;
     memset(&eight, 0, sizeof eight);
@@ -1896,9 +1911,13 @@ static void test_kv_replication(void) {
     int layer0, expert0, n_experts;
     CHECK(!pr_config_load(&big, "model/qwen3-30b-a3b", &err) &&
           !pr__shard_config(&big, &eight, &local, &layer0, &expert0, &n_experts, &err) && local.num_attention_heads == 4 &&
-          local.num_key_value_heads == 1 && n_experts == 16 && expert0 == 80, "qwen3-30b-a3b at tp 8: %s", err.message);
+          local.num_key_value_heads == 1 && n_experts == 16 && expert0 == 80 && local.vocab_size == 18992 &&
+          pr__vocab0(big.vocab_size, 8, 5) == 94960, "qwen3-30b-a3b at tp 8: %s", err.message);
+    /* an uneven split: 61 rows over tp 4 as 15, 15, 15, 16 */
+    const int v0[5] = { 0, 15, 30, 45, 61 };
+    for (int r = 0; r <= 4; r++) CHECK(pr__vocab0(61, 4, r) == v0[r], "vocabulary 61 over tp 4: rank %d starts at %d", r, pr__vocab0(61, 4, r));
     printf("kv replication: %d layouts with tp above the KV heads vs the single-rank baseline, ZeRO, replicas bitwise equal, "
-           "state round trip, qwen3-30b-a3b at tp 8, tp 6 over 4 KV heads refused\n", n);
+           "state round trip, qwen3-30b-a3b at tp 8, tp 6 over 4 KV heads and tp 4 over a vocabulary of 3 refused\n", n);
 }
 
 /* ---- offload of the prefix's dormant state */

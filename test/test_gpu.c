@@ -163,7 +163,8 @@ static void test_elementwise(size_t n) {
 
 static void test_embed_rows(int N, int C, int V) {
     int32_t *tok = malloc(sizeof(int32_t) * N);
-    for (int i = 0; i < N; i++) tok[i] = (int32_t)((uniform() + 1) / 2 * (V / 4));   /* repeats on purpose */
+    for (int i = 0; i < N; i++)     /* repeats on purpose; -1: a token of another TP rank's vocabulary slice */
+        tok[i] = i % 7 == 3 ? -1 : (int32_t)((uniform() + 1) / 2 * (V / 4));
     double *emb = random_bf16((size_t)V * C, 1), *dy = random_bf16((size_t)N * C, 1), *demb0 = random_f32((size_t)V * C, 1);
     double *ry = malloc(sizeof(double) * N * C), *rd = copy_of(demb0, (size_t)V * C);
     ref_embed_fwd(ry, tok, emb, N, C);
@@ -194,37 +195,36 @@ static void test_embed_rows(int N, int C, int V) {
     free(tok); free(emb); free(dy); free(demb0); free(ry); free(rd); free(rows); free(gy); free(gd); free(gg); free(gs); free(rg); free(rs);
 }
 
-static void test_loss_head(int M, int V, double kl) {
-    double *z = random_bf16((size_t)M * V, 4);
+/* The loss head's two passes, rows whose target is on another TP rank's vocabulary slice (< 0)
+   among them: the statistics against the CPU's on the same bf16 logits, then the gradient pass
+   from the CPU's log-sum-exps and slopes. */
+static void test_logit_head(int M, int V) {
+    double *z = random_bf16((size_t)M * V, 4), *coef = random_f32((size_t)M, 0.1);
     int32_t *tg = malloc(sizeof(int32_t) * M);
-    double *old = malloc(sizeof(double) * M), *ref = malloc(sizeof(double) * M), *adv = malloc(sizeof(double) * M);
-    double *wt = malloc(sizeof(double) * M);
-    float *oldf = malloc(sizeof(float) * M), *reff = malloc(sizeof(float) * M), *advf = malloc(sizeof(float) * M), *wtf = malloc(sizeof(float) * M);
-    for (int m = 0; m < M; m++) {
-        tg[m] = (int32_t)((uniform() + 1) / 2 * (V - 1));
-        old[m] = oldf[m] = (float)(-log((double)V) + 0.5 * uniform());
-        ref[m] = reff[m] = (float)(old[m] + 0.1 * uniform());
-        adv[m] = advf[m] = (float)uniform();
-        wt[m] = wtf[m] = (float)(1.0 / M);
-    }
-    double *rz = copy_of(z, (size_t)M * V), *rlp = malloc(sizeof(double) * M), rloss = 0;
-    ref_loss_head(rz, M, tg, old, ref, adv, wt, kl, V, rlp, &rloss);
+    for (int m = 0; m < M; m++) tg[m] = m % 5 == 4 ? -1 : (int32_t)((uniform() + 1) / 2 * (V - 1));
+    double *rst = malloc(sizeof(double) * 3 * M), *gst = malloc(sizeof(double) * 3 * M), *lse = malloc(sizeof(double) * M);
+    double *rz = copy_of(z, (size_t)M * V);
+    ref_logit_stats(rst, z, tg, M, V);
+    for (int m = 0; m < M; m++) lse[m] = rst[3 * m] + log(rst[3 * m + 1]);
+    ref_logit_grad(rz, lse, coef, tg, M, V);
     void *z_ = dev_bf16(z, (size_t)M * V);
-    pr_head_rows rows = { M, tg, oldf, reff, advf, wtf };
-    pr_loss_opts o = pr_step_opts_default().loss;
-    o.kl_coef = kl;
-    float *lp = malloc(sizeof(float) * M);
-    double loss = 0;
-    be->loss_head(be, z_, &rows, &o, V, lp, &loss);
-    expect_backend_ok("loss_head");
-    double *gz = host_bf16(z_, (size_t)M * V), *glp = malloc(sizeof(double) * M);
-    for (int m = 0; m < M; m++) glp[m] = lp[m];
-    EXPECT_CLOSE(glp, rlp, M, TOL_FP32, "loss_head logp");
-    CHECK(fabs(loss - rloss) <= 1e-4 * fabs(rloss) + 1e-7, "loss_head loss %.9g vs %.9g", loss, rloss);
-    EXPECT_CLOSE(gz, rz, (size_t)M * V, TOL_BF16, "loss_head dlogits");
+    be->logit_stats(be, gst, z_, tg, M, V);
+    be->logit_grad(be, z_, lse, coef, tg, M, V);
+    expect_backend_ok("logit_stats/logit_grad");
+    double *rmax = malloc(sizeof(double) * M), *gmax = malloc(sizeof(double) * M), *rsum = malloc(sizeof(double) * M);
+    double *gsum = malloc(sizeof(double) * M), *rzt = malloc(sizeof(double) * M), *gzt = malloc(sizeof(double) * M);
+    for (int m = 0; m < M; m++) {
+        rmax[m] = rst[3 * m]; rsum[m] = rst[3 * m + 1]; rzt[m] = rst[3 * m + 2];
+        gmax[m] = gst[3 * m]; gsum[m] = gst[3 * m + 1]; gzt[m] = gst[3 * m + 2];
+    }
+    EXPECT_CLOSE(gmax, rmax, M, 1e-12, "logit_stats max (exact: a bf16 logit)");
+    EXPECT_CLOSE(gsum, rsum, M, TOL_FP32, "logit_stats sum of exponentials");
+    EXPECT_CLOSE(gzt, rzt, M, 1e-12, "logit_stats target logit (exact; 0 off the slice)");
+    double *gz = host_bf16(z_, (size_t)M * V);
+    EXPECT_CLOSE(gz, rz, (size_t)M * V, TOL_BF16, "logit_grad dlogits");
     release(z_);
-    free(z); free(tg); free(old); free(ref); free(adv); free(wt); free(oldf); free(reff); free(advf); free(wtf);
-    free(rz); free(rlp); free(lp); free(gz); free(glp);
+    free(z); free(coef); free(tg); free(rst); free(gst); free(lse); free(rz); free(rmax); free(gmax); free(rsum); free(gsum);
+    free(rzt); free(gzt); free(gz);
 }
 
 static void test_optimizer(size_t n) {
@@ -393,8 +393,8 @@ int main(int argc, char **argv) {
         test_rope(8, 128, 9000);       /* positions past 8k: the angle is reduced in double */
         test_elementwise(100003);
         test_embed_rows(257, 96, 1000);
-        test_loss_head(7, 257, 0);
-        test_loss_head(33, 5000, 0.04);
+        test_logit_head(7, 257);
+        test_logit_head(33, 5000);
         test_optimizer(1000003);
     }
     if (attention) {
