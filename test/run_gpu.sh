@@ -1,7 +1,8 @@
 #!/bin/sh
 # The GPU tests (make test-gpu), from the repository root:
 #   build/test_gpu      every CUDA kernel and the two-region attention against the double CPU
-#                       path, and bitwise reproducibility of the backward and of whole steps;
+#                       path, bitwise reproducibility of the backward and of whole steps, and
+#                       the bf16 weights the kernels read refreshed by an AdamW step;
 #   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too;
 #                       microbatches of 1, 2 and 3), and with offload on: reuse with and without
 #                       offload bitwise equal (copy stream);

@@ -342,6 +342,43 @@ static void test_step_determinism(const char *model, pr_schedule sched) {
     pr_trace_free(&trace);
 }
 
+/* After an AdamW step the bf16 weights the kernels read are the updated fp32 masters rounded to
+   nearest even, element for element (a stale copy would train on the old weights unnoticed). */
+static void test_weights_refresh(const char *model) {
+    pr_error err;
+    pr_config cfg;
+    pr_trace trace;
+    pr_trainer *tr = NULL;
+    if (pr_config_load(&cfg, model, &err) || pr_trace_read(&trace, "data/sample.trace", &err)) {
+        CHECK(0, "weights refresh setup: %s", err.message);
+        return;
+    }
+    if (pr_trainer_create(&tr, &cfg, be, &err) || pr_trainer_init_params(tr, 7, &err)) {
+        CHECK(0, "weights refresh trainer: %s", err.message);
+        pr_trace_free(&trace);
+        return;
+    }
+    const size_t n = pr_trainer_param_count(tr);
+    float *master = malloc(sizeof(float) * n);
+    double *before = host_bf16(tr->weights, n);
+    pr_step_opts o = pr_step_opts_default();
+    pr_adamw_opts adam = pr_adamw_opts_default();
+    int ok = !pr_trainer_compute_grads(tr, &trace.groups[0], &o, NULL, NULL, &err) && !pr_trainer_adamw_step(tr, &adam, NULL, &err) &&
+             !pr_trainer_get_params(tr, master, n, &err);
+    CHECK(ok, "weights refresh step on %s: %s", model, err.message);
+    double *after = host_bf16(tr->weights, n);
+    size_t stale = 0, moved = 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        stale += after[i] != (double)pr_bf16_to_f32(pr_f32_to_bf16(master[i]));
+        moved += after[i] != before[i];
+    }
+    CHECK(ok && stale == 0, "%s: %zu of %zu bf16 weights are not the updated masters rounded", model, stale, n);
+    CHECK(ok && moved > n / 10, "%s: only %zu of %zu bf16 weights changed in the step", model, moved, n);
+    free(master); free(before); free(after);
+    pr_trainer_destroy(tr);
+    pr_trace_free(&trace);
+}
+
 static void usage(FILE *f) {
     fprintf(f, "usage: test_gpu [kernels] [attention] [steps] [--cases LIST] [--list]\n"
                "  the named parts only (default: all); --cases 0,3,8-10: those attention shapes only\n"
@@ -411,6 +448,7 @@ int main(int argc, char **argv) {
         test_step_determinism("model/tiny", PR_SCHEDULE_REUSE);
         test_step_determinism("model/tiny", PR_SCHEDULE_BASELINE);
         test_step_determinism("model/tiny-qwen3", PR_SCHEDULE_REUSE);
+        test_weights_refresh("model/tiny");
     }
     pr_backend_cuda_destroy(be);
     return test_report();
