@@ -533,9 +533,9 @@ PRDEF const pr_backend *pr_backend_cpu(void);
 
 /* A backend that sizes without computing, for memory planning: it takes the element sizes and
    logit chunk of `like` (any backend), every allocation succeeds at a placeholder address that
-   nothing may read, and every kernel returns at once (log-probs come back as those of all-zero logits). The trainer's
-   memory accounting (per-phase peaks, offload statistics) runs exactly as it would on `like`,
-   at any model size, in milliseconds. Activations read back to the host are a fixed pseudo-random
+   nothing may read, and every kernel returns at once (log-probs come back as those of all-zero
+   logits). The trainer's memory accounting (per-phase peaks, offload statistics) runs exactly as
+   it would on `like`, at any model size, in milliseconds. Activations read back to the host are a fixed pseudo-random
    pattern, so that MoE routing spreads tokens evenly. Fills *storage and returns it (NULL if either
    is NULL). On a mesh, pair it with pr_comm_measure. */
 PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *storage);
