@@ -1951,7 +1951,8 @@ typedef struct {
 
 /* One MoE layer's routing of one pass, decided on the host and kept for its backward. */
 typedef struct {
-    double *prob;             /* (N,E) the router's softmax */
+    pr_real *prob;            /* (N,E) the router's softmax (computed in double, kept in pr_real: at
+                                 48 layers of 128 experts it is the largest host buffer of a pass) */
     double *wsum;             /* (N) sum of the top-k probabilities: the renormaliser (1 without norm_topk_prob) */
     int *start;               /* (E+1) expert e owns slots start[e] .. start[e+1]-1 */
     int *row;                 /* (N*k) each slot's row, slots grouped by expert, rows ascending within one */
@@ -2788,11 +2789,11 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
         memset(ps->route, 0, sizeof(pr__route) * (size_t)L);
         for (int l = 0; l < L; l++) {
             pr__route *rt = &ps->route[l];
-            char *m = (char *)PR_MALLOC(sizeof(double) * (n * E + n) + sizeof(int) * (E + 1 + slots) + sizeof(pr_real) * 2 * slots);
+            char *m = (char *)PR_MALLOC(sizeof(double) * n + sizeof(pr_real) * (n * E + 2 * slots) + sizeof(int) * (E + 1 + slots));
             if (!m) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the routing of %d rows", N);
-            rt->prob = (double *)m;
-            rt->wsum = rt->prob + n * E;
-            rt->w = (pr_real *)(rt->wsum + n);
+            rt->wsum = (double *)m;
+            rt->prob = (pr_real *)(rt->wsum + n);
+            rt->w = rt->prob + n * E;
             rt->dw = rt->w + slots;
             rt->start = (int *)(rt->dw + slots);
             rt->row = rt->start + E + 1;
@@ -2828,7 +2829,7 @@ static pr_status pr__pass_rebuilt_alloc(pr_trainer *tr, pr__arena *a, pr__pass *
 
 static void pr__pass_free_host(pr__pass *ps, int L) {
     if (ps->route)
-        for (int l = 0; l < L; l++) PR_FREE(ps->route[l].prob);   /* one allocation per layer */
+        for (int l = 0; l < L; l++) PR_FREE(ps->route[l].wsum);   /* one allocation per layer, from wsum */
     PR_FREE(ps->route);
     PR_FREE(ps->acts);
     PR_FREE(ps->res);
@@ -4504,9 +4505,12 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
     const pr_config *c = &tr->cfg;
     const int E = c->num_experts, k = c->num_experts_per_tok;
     pr_real *z = (pr_real *)PR_MALLOC(sizeof(pr_real) * (size_t)N * E);
+    /* one row's softmax, then each row's top-k probabilities (in double, for the weights) */
+    double *pd = (double *)PR_MALLOC(sizeof(double) * ((size_t)E + (size_t)N * k)), *dsel = pd ? pd + E : NULL;
     int *sel = (int *)PR_MALLOC(sizeof(int) * ((size_t)N * k + E)), *fill = sel ? sel + (size_t)N * k : NULL;
-    if (!z || !sel) {
+    if (!z || !pd || !sel) {
         PR_FREE(z);
+        PR_FREE(pd);
         PR_FREE(sel);
         tr->alloc_failed = 1;
         return;
@@ -4515,7 +4519,7 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
     memset(rt->start, 0, sizeof(int) * (size_t)(E + 1));
     for (int r = 0; r < N; r++) {
         const pr_real *zr = z + (size_t)r * E;
-        double *p = rt->prob + (size_t)r * E, mx = -INFINITY, sum = 0;
+        double *p = pd, mx = -INFINITY, sum = 0;
         for (int e = 0; e < E; e++) if (zr[e] > mx) mx = zr[e];
         for (int e = 0; e < E; e++) sum += p[e] = exp((double)zr[e] - mx);
         for (int e = 0; e < E; e++) p[e] /= sum;
@@ -4534,6 +4538,8 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
             rt->start[sr[j] + 1]++;
         }
         rt->wsum[r] = c->norm_topk_prob ? top : 1.0;
+        for (int j = 0; j < k; j++) dsel[(size_t)r * k + j] = p[sr[j]];
+        for (int e = 0; e < E; e++) rt->prob[(size_t)r * E + e] = (pr_real)p[e];
     }
     for (int e = 0; e < E; e++) rt->start[e + 1] += rt->start[e];
     memcpy(fill, rt->start, sizeof(int) * (size_t)E);
@@ -4541,9 +4547,10 @@ static void pr__moe_route(pr_trainer *tr, pr__route *rt, const void *logits, int
         for (int j = 0; j < k; j++) {
             int e = sel[(size_t)r * k + j], slot = fill[e]++;
             rt->row[slot] = r;
-            rt->w[slot] = (pr_real)(rt->prob[(size_t)r * E + e] / rt->wsum[r]);
+            rt->w[slot] = (pr_real)(dsel[(size_t)r * k + j] / rt->wsum[r]);
         }
     PR_FREE(z);
+    PR_FREE(pd);
     PR_FREE(sel);
 }
 
@@ -4793,7 +4800,7 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
             dp[(size_t)r * E + e] += ((double)rt->dw[j] - D[r]) / rt->wsum[r];
         }
     for (int r = 0; r < N; r++) {
-        const double *p = rt->prob + (size_t)r * E;
+        const pr_real *p = rt->prob + (size_t)r * E;
         double *dpr = dp + (size_t)r * E, dot = 0;
         if (ps->aux_g && ps->real[r])
             for (int e = 0; e < E; e++) dpr[e] += ps->aux_g[e];
