@@ -1063,9 +1063,16 @@ static int pr__mul_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
-/* Wall-clock seconds: timespec_get (C11, C++17; no POSIX feature macros needed). A C99 build has
-   only clock(), processor time: its phase timings then add up the time of every thread. */
-#if (defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L) || (defined(__cplusplus) && __cplusplus >= 201703L)
+/* Elapsed seconds: the monotonic clock where <time.h> shows it (POSIX feature macros), which no
+   clock adjustment moves; else timespec_get (C11, C++17), the settable wall clock. A C99 build
+   has only clock(), processor time: its phase timings then add up the time of every thread. */
+#if defined(CLOCK_MONOTONIC) && !defined(_WIN32)
+static double pr__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#elif (defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L) || (defined(__cplusplus) && __cplusplus >= 201703L)
 static double pr__now(void) {
     struct timespec ts;
     timespec_get(&ts, TIME_UTC);
