@@ -3190,7 +3190,9 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
     const pr_backend *be = tr->be;
     const int C = tr->cfg.hidden_size, V = tr->cfg.vocab_size, tp = pr__tp(tr);
     if (hp->M == 0) return PR_OK;
-    int ch = (int)(be->logit_chunk / (size_t)V);
+    /* rows a chunk, alike on every TP rank (each chunk is a collective): sized by the largest slice */
+    const int v_max = (int)(((int64_t)tr->model.vocab_size + tp - 1) / tp);
+    int ch = (int)(be->logit_chunk / (size_t)v_max);
     if (ch < 1) ch = 1;
     if (ch > hp->M) ch = hp->M;
     void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
@@ -4211,7 +4213,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     total.offload = s.offload;
     total.offload.dormant_bytes = t.pool_stack;
     total.prefix_kv_bytes = s.prefix_kv_bytes;
-    total.flops = pr_tree_flops(&tr->cfg, groups, n, tree);
+    total.flops = pr_tree_flops(&tr->model, groups, n, tree);
     if (stats) *stats = total;
     return PR_OK;
 }

@@ -1844,6 +1844,59 @@ static pr_status kvrep_refuse_rank(pr_comm *world, void *user, pr_error *err) {
     return PR_OK;
 }
 
+/* The loss head in chunks on an uneven vocabulary split (61 rows over tp 2: 30 and 31): a chunk
+   size of 60 logits gives each slice a different row count, yet every TP rank must run the same
+   chunks, as each is a collective. Loss and gradients against one rank with the same chunks. */
+typedef struct { const pr_config *c; const pr_backend *be; const pr_group *g; const pr_real *init; double loss[2];
+                 pr_real *grads; size_t n; } head_chunk_run;
+static pr_status head_chunk_rank(pr_comm *world, void *user, pr_error *err) {
+    head_chunk_run *h = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, 1, 1, 1, 2, 1, err);
+    if (s) return s;
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats st;
+    if (!(s = pr_trainer_create_mesh(&tr, h->c, h->be, &mesh, err))) s = pr_trainer_set_full_params(tr, h->init, h->n, err);
+    if (!s) s = pr_trainer_compute_grads(tr, h->g, &o, &st, NULL, err);
+    if (!s) h->loss[world->rank] = st.loss;
+    pr_real *grads = world->rank ? malloc(sizeof(pr_real) * h->n) : h->grads;      /* every rank gathers; rank 0 keeps */
+    if (!s) s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, h->n, err);
+    if (world->rank) free(grads);
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+static void test_head_chunks_uneven_vocab(void) {
+    pr_config c = small_config(0, 0, 2);
+    static test_group tg;
+    const int S[3] = { 6, 4, 7 };
+    make_group(&tg, 9, 3, S, c.vocab_size, 1401);
+    pr_backend be = *pr_backend_cpu();
+    be.logit_chunk = 60;
+    pr_trainer *one = make_model_on(&c, 5, &be);
+    pr_real *init = params_of(one);
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats st;
+    pr_error err;
+    CHECK(c.vocab_size == 61 && !pr_trainer_compute_grads(one, &tg.g, &o, &st, NULL, &err), "head chunks: one rank: %s", err.message);
+    head_chunk_run h = { &c, &be, &tg.g, init, { 0, 0 }, NULL, pr_trainer_param_count(one) };
+    h.grads = malloc(sizeof(pr_real) * h.n);
+    pr_real *ref = malloc(sizeof(pr_real) * h.n);
+    CHECK(!pr_trainer_get_grads(one, ref, h.n, &err), "head chunks: %s", err.message);
+    pr_status rs = pr_comm_local_run(2, head_chunk_rank, &h, &err);
+    CHECK(rs == PR_OK, "head chunks on tp 2: %s", err.message);
+    if (rs == PR_OK) {
+        const double tol = sizeof(pr_real) == 8 ? 1e-12 : 1e-6;
+        CHECK(fabs(h.loss[0] - st.loss) <= tol * fabs(st.loss) && h.loss[1] == h.loss[0], "head chunks on tp 2: loss %.17g, %.17g vs %.17g",
+              h.loss[0], h.loss[1], st.loss);
+        CHECK(close_arenas(one, h.grads, ref, "gradient", "head chunks"), "head chunks on tp 2: the gradients differ from one rank's");
+    }
+    printf("loss head: chunks of 60 logits over a vocabulary of 61 split 30/31 over tp 2 vs one rank\n");
+    free(h.grads); free(ref); free(init);
+    pr_trainer_destroy(one);
+}
+
 static void test_kv_replication(void) {
     const int S[6] = { 5, 1, 8, 3, 6, 2 };
     static test_group tg[2];
@@ -3085,6 +3138,7 @@ int main(void) {
     test_prefix_loss();
     test_mesh();
     test_kv_replication();
+    test_head_chunks_uneven_vocab();
     test_zero();
     test_grad_reduce_bf16();
     test_step_metrics();
