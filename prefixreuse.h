@@ -3146,24 +3146,18 @@ static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const
    (max, sum, z[target]) of n rows' logits over this rank's columns. Under TP each rank holds a
    slice of the vocabulary: the slices' pairs are gathered (each rank's in its own place of a sum
    over tp, so that every rank combines the same numbers in the same order) and the target's logit
-   comes from the slice that has it (the others add 0). `gathered`: (2 tp + 1) n doubles. */
+   comes from the slice that has it (the others add 0). One slice combines to its own numbers
+   bitwise. `gathered`: (2 tp + 1) n doubles. */
 static void pr__head_lse(pr_trainer *tr, const double *stats, double *gathered, int n, double *lse, double *zt) {
     const int tp = pr__tp(tr);
-    if (tp == 1) {
-        for (int m = 0; m < n; m++) {
-            lse[m] = stats[3 * m] + log(stats[3 * m + 1]);
-            zt[m] = stats[3 * m + 2];
-        }
-        return;
-    }
-    const size_t N = (size_t)n, r = (size_t)tr->mesh->tp_rank;
+    const size_t N = (size_t)n, r = tp > 1 ? (size_t)tr->mesh->tp_rank : 0;
     memset(gathered, 0, sizeof(double) * (2 * (size_t)tp + 1) * N);
     for (size_t m = 0; m < N; m++) {
         gathered[2 * r * N + m] = stats[3 * m];
         gathered[(2 * r + 1) * N + m] = stats[3 * m + 1];
         gathered[2 * (size_t)tp * N + m] = stats[3 * m + 2];
     }
-    pr__sum_doubles(tr, tr->mesh->tp_comm, gathered, (2 * (size_t)tp + 1) * N);
+    if (tp > 1) pr__sum_doubles(tr, tr->mesh->tp_comm, gathered, (2 * (size_t)tp + 1) * N);
     for (size_t m = 0; m < N; m++) {
         double mx = -INFINITY, sum = 0;
         for (size_t k = 0; k < (size_t)tp; k++) if (gathered[2 * k * N + m] > mx) mx = gathered[2 * k * N + m];
@@ -3198,12 +3192,12 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
     void *xr = pr__act(tr, a, (size_t)ch * C), *xn = pr__act(tr, a, (size_t)ch * C), *rstd = pr__stat(tr, a, (size_t)ch);
     void *logits = pr__act(tr, a, (size_t)ch * V), *dxn = pr__act(tr, a, (size_t)ch * C), *dxr = pr__act(tr, a, (size_t)ch * C);
     /* per row: the statistics, their gathering over tp, the log-sum-exp, the target's logit, the slope */
-    double *host = (double *)PR_MALLOC(sizeof(double) * (size_t)ch * (3 + (tp > 1 ? 2 * (size_t)tp + 1 : 0) + 3));
+    double *host = (double *)PR_MALLOC(sizeof(double) * (size_t)ch * (3 + 2 * (size_t)tp + 1 + 3));
     if (tr->alloc_failed || !host) {
         PR_FREE(host);
         return pr__fail(err, PR_ERR_NOMEM, "out of memory for the loss head (%d rows x vocabulary %d)", ch, V);
     }
-    double *stats = host, *gathered = stats + 3 * (size_t)ch, *lse = gathered + (tp > 1 ? 2 * (size_t)tp + 1 : 0) * ch;
+    double *stats = host, *gathered = stats + 3 * (size_t)ch, *lse = gathered + (2 * (size_t)tp + 1) * ch;
     double *zt = lse + ch, *coef = zt + ch;
     const void *wn = pr__weight(tr, tr->off_norm), *wh = pr__weight(tr, pr__lm_head_off(tr));
     pr_real *gn = tr->grads + tr->off_norm, *gh = tr->grads + pr__lm_head_off(tr);
@@ -5050,6 +5044,10 @@ static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
 /* The first vocabulary row of TP rank r's slice (r = tp: the vocabulary's end): the embedding and
    the LM head are split by rows, as even a split as there is. */
 static int pr__vocab0(int V, int tp, int r) { return (int)((int64_t)r * V / tp); }
+/* Token t as a row of this rank's slice, -1 when another rank's slice holds it. */
+static int32_t pr__vocab_row(const pr_trainer *tr, int32_t t) {
+    return t >= tr->vocab0 && t < tr->vocab0 + tr->cfg.vocab_size ? t - tr->vocab0 : -1;
+}
 
 /* This rank's shard of cfg on the mesh: heads, KV heads and MLP columns divided by tp; under EP
    the experts divided by ep (each whole), otherwise each expert's columns divided by tp; under PP
@@ -5399,10 +5397,8 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
     pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
     if (st) return st;
     if (pr__tp(tr) > 1) {      /* tokens and targets as rows of this rank's vocabulary slice, -1 off it */
-        const int v0 = tr->vocab0, nv = tr->cfg.vocab_size;
-        for (int r = 0; r < b->N; r++) b->tokens[r] = b->tokens[r] >= v0 && b->tokens[r] < v0 + nv ? b->tokens[r] - v0 : -1;
-        for (int m = 0; m < b->head.M; m++)
-            b->head.target[m] = b->head.target[m] >= v0 && b->head.target[m] < v0 + nv ? b->head.target[m] - v0 : -1;
+        for (int r = 0; r < b->N; r++) b->tokens[r] = pr__vocab_row(tr, b->tokens[r]);
+        for (int m = 0; m < b->head.M; m++) b->head.target[m] = pr__vocab_row(tr, b->head.target[m]);
     }
     if (pr__cp(tr) == 1) return PR_OK;
     int r0, chunk;

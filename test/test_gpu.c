@@ -311,21 +311,32 @@ static void test_attention(int index) {
     att_problem_free(&p);
 }
 
-/* ---------------------------------------------------------------- a whole step, twice */
-static void test_step_determinism(const char *model, pr_schedule sched) {
+/* ---------------------------------------------------------------- whole steps */
+/* A trainer of the model on the GPU, seeded, and the sample trace; NULL (a failed check) if
+   either cannot be had. */
+static pr_trainer *step_setup(const char *model, pr_trace *trace, const char *what) {
     pr_error err;
     pr_config cfg;
-    pr_trace trace;
     pr_trainer *tr = NULL;
-    if (pr_config_load(&cfg, model, &err) || pr_trace_read(&trace, "data/sample.trace", &err)) {
-        CHECK(0, "step determinism setup: %s", err.message);
-        return;
+    if (pr_config_load(&cfg, model, &err) || pr_trace_read(trace, "data/sample.trace", &err)) {
+        CHECK(0, "%s setup: %s", what, err.message);
+        return NULL;
     }
     if (pr_trainer_create(&tr, &cfg, be, &err) || pr_trainer_init_params(tr, 7, &err)) {
-        CHECK(0, "step determinism trainer: %s", err.message);
-        pr_trace_free(&trace);
-        return;
+        CHECK(0, "%s trainer: %s", what, err.message);
+        pr_trainer_destroy(tr);
+        pr_trace_free(trace);
+        return NULL;
     }
+    return tr;
+}
+
+/* One step, twice: the same gradients bitwise. */
+static void test_step_determinism(const char *model, pr_schedule sched) {
+    pr_error err;
+    pr_trace trace;
+    pr_trainer *tr = step_setup(model, &trace, "step determinism");
+    if (!tr) return;
     size_t n = pr_trainer_param_count(tr);
     float *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n);
     pr_step_opts o = pr_step_opts_default();
@@ -346,18 +357,9 @@ static void test_step_determinism(const char *model, pr_schedule sched) {
    nearest even, element for element (a stale copy would train on the old weights unnoticed). */
 static void test_weights_refresh(const char *model) {
     pr_error err;
-    pr_config cfg;
     pr_trace trace;
-    pr_trainer *tr = NULL;
-    if (pr_config_load(&cfg, model, &err) || pr_trace_read(&trace, "data/sample.trace", &err)) {
-        CHECK(0, "weights refresh setup: %s", err.message);
-        return;
-    }
-    if (pr_trainer_create(&tr, &cfg, be, &err) || pr_trainer_init_params(tr, 7, &err)) {
-        CHECK(0, "weights refresh trainer: %s", err.message);
-        pr_trace_free(&trace);
-        return;
-    }
+    pr_trainer *tr = step_setup(model, &trace, "weights refresh");
+    if (!tr) return;
     const size_t n = pr_trainer_param_count(tr);
     float *master = malloc(sizeof(float) * n);
     double *before = host_bf16(tr->weights, n);
