@@ -285,22 +285,28 @@ __device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
     return (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS + (t.r1 - 1 - t.seg0) / PR_MMA_ROWS + 1;
 }
 
-/* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, from a swizzled [row][k] tile at rows
-   16*warp) B (16k x 16*np2, from a swizzled [n][k] tile, without .trans) over K = 16*KC. */
-template <int W, int KC, int NP>
-__device__ __forceinline__ void pr_mma_abt(float (*acc)[4], uint32_t a_base, int a_row0, uint32_t b_base, int b_row0, int lane) {
+/* A fragments of 16 rows from a swizzled [row][k] tile of rows of W (at rows a_row0), over
+   K = 16*KC: loaded once where a warp's rows stay in place across the walk (Q and dO in the forward
+   and dQ, K and V in dK/dV), so each product below reads only its B operand from shared memory. */
+template <int W, int KC>
+__device__ __forceinline__ void pr_mma_load_a(uint32_t (*af)[4], uint32_t a_base, int a_row0, int lane) {
 PR_UNROLL
-    for (int kc = 0; kc < KC; kc++) {
-        uint32_t a[4];
-        pr_ldsm_x4(a, a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+    for (int kc = 0; kc < KC; kc++)
+        pr_ldsm_x4(af[kc], a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+}
+/* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, fragments af) B (16k x 16*NP, from a swizzled
+   [n][k] tile at rows b_row0, without .trans) over K = 16*KC. */
+template <int W, int KC, int NP>
+__device__ __forceinline__ void pr_mma_abt(float (*acc)[4], const uint32_t (*af)[4], uint32_t b_base, int b_row0, int lane) {
+PR_UNROLL
+    for (int kc = 0; kc < KC; kc++)
 PR_UNROLL
         for (int np = 0; np < NP; np++) {
             uint32_t b[4];
             pr_ldsm_x4(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), W));
-            pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
-            pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+            pr_mma_bf16(acc[2 * np], af[kc], b[0], b[1]);
+            pr_mma_bf16(acc[2 * np + 1], af[kc], b[2], b[3]);
         }
-    }
 }
 /* acc (16 x W, W/8 n8 tiles) += bf16(X) (16 x 16*KC, the accumulators x of 2*KC n8 tiles, repacked)
    V (a swizzled [k][n] tile at rows b_row0, with .trans). */
@@ -349,9 +355,7 @@ pr_k_attention_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, cons
     pr_cp_async_wait<1>();
     __syncthreads();
     uint32_t qf[HS / 16][4];                      /* this warp's 16 query rows, as A fragments */
-PR_UNROLL
-    for (int kc = 0; kc < HS / 16; kc++)
-        pr_ldsm_x4(qf[kc], pr_smem_u32(qs) + 2u * (uint32_t)pr_swz(16 * warp + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), HS));
+    pr_mma_load_a<HS, HS / 16>(qf, pr_smem_u32(qs), 16 * warp, lane);
 
     float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
 PR_UNROLL
@@ -372,16 +376,7 @@ PR_UNROLL
         float s[8][4];
 PR_UNROLL
         for (int nt = 0; nt < 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        const uint32_t kb = pr_smem_u32(ks + st * T);
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++)
-PR_UNROLL
-            for (int np = 0; np < 4; np++) {
-                uint32_t b[4];
-                pr_ldsm_x4(b, kb + 2u * (uint32_t)pr_swz(16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), HS));
-                pr_mma_bf16(s[2 * np], qf[kc], b[0], b[1]);
-                pr_mma_bf16(s[2 * np + 1], qf[kc], b[2], b[3]);
-            }
+        pr_mma_abt<HS, HS / 16, 4>(s, qf, pr_smem_u32(ks + st * T), 0, lane);
         /* scale to the log2 domain; mask the prefix's tail, keys past the segment, the causal upper part */
         const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
 PR_UNROLL
@@ -432,8 +427,11 @@ PR_UNROLL
 }
 
 /* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
-   then K and V (two stages each). dq = bf16(dq + scale * sum over keys of bf16(dS) K). A key tile
-   is taken in sub-tiles of KN keys, so that S and dP of HS 128 fit the registers beside dQ. */
+   then K and V (two stages each). dq = bf16(dq + scale * sum over keys of bf16(dS) K). The warp's
+   Q and dO rows stay in registers as A fragments, so the inner loop reads from shared memory only
+   the B operands, one ldmatrix.x4 per two mma (as in the forward); a key tile is taken in sub-tiles
+   of KN keys, so that S and dP of HS 128 fit the registers beside dQ and those fragments (247 at
+   HS 128 with nvcc 13.0, no spills: test/check_sass.sh). */
 template <int HS>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
 pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
@@ -457,6 +455,11 @@ pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const fl
         pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         pr_cp_async_commit();
     }
+    pr_cp_async_wait<1>();                            /* Q and dO landed (the first K, V may not have) */
+    __syncthreads();
+    uint32_t qf[HS / 16][4], dof[HS / 16][4];         /* this warp's 16 rows of Q and dO, as A fragments */
+    pr_mma_load_a<HS, HS / 16>(qf, pr_smem_u32(qs), 16 * warp, lane);
+    pr_mma_load_a<HS, HS / 16>(dof, pr_smem_u32(dos), 16 * warp, lane);
     float lse2[2], Drow[2];                           /* rows g and g+8: lse*log2e and D */
 PR_UNROLL
     for (int rr = 0; rr < 2; rr++) {
@@ -479,7 +482,7 @@ PR_UNROLL
         __syncthreads();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
-PR_UNROLL
+PR_UNROLL_1
         for (int sub = 0; sub < PR_MMA_ROWS / KN; sub++) {
             /* S = Q K^T, dP = dO V^T: 16 rows x KN keys */
             float s[KN / 8][4], dp[KN / 8][4];
@@ -487,8 +490,8 @@ PR_UNROLL
             for (int nt = 0; nt < KN / 8; nt++)
 PR_UNROLL
                 for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
-            pr_mma_abt<HS, HS / 16, KN / 16>(s, pr_smem_u32(qs), 16 * warp, kb, sub * KN, lane);
-            pr_mma_abt<HS, HS / 16, KN / 16>(dp, pr_smem_u32(dos), 16 * warp, vb, sub * KN, lane);
+            pr_mma_abt<HS, HS / 16, KN / 16>(s, qf, kb, sub * KN, lane);
+            pr_mma_abt<HS, HS / 16, KN / 16>(dp, dof, vb, sub * KN, lane);
             /* P = exp2(S scale log2e - lse log2e) where visible, else 0;  dS = P (dP - D), into s */
 PR_UNROLL
             for (int nt = 0; nt < KN / 8; nt++)
@@ -518,8 +521,10 @@ PR_UNROLL
 }
 
 /* dK/dV. Grid (key-tile work units, NKV). Shared memory: K, V (64 x HS), then Q, dO (two stages
-   each) and lse, D of the query tile's 64 rows (two stages). The query tile is taken in sub-tiles
-   of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK and dV. */
+   each) and lse, D of the query tile's 64 rows (two stages). The warp's 16 keys of K and V stay in
+   registers as A fragments (one ldmatrix.x4 per two mma in the inner loop); the query tile is
+   taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK, dV
+   and those fragments (255 at HS 128 with nvcc 13.0, no spills). */
 template <int HS>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
 pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, const bf16 *dout,
@@ -554,6 +559,11 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     };
     load_step(0, 0);
     pr_cp_async_commit();
+    pr_cp_async_wait<1>();                            /* K and V landed (the first step's Q, dO may not have) */
+    __syncthreads();
+    uint32_t kf[HS / 16][4], vf[HS / 16][4];          /* this warp's 16 keys of K and V, as A fragments */
+    pr_mma_load_a<HS, HS / 16>(kf, pr_smem_u32(ks), 16 * warp, lane);
+    pr_mma_load_a<HS, HS / 16>(vf, pr_smem_u32(vs), 16 * warp, lane);
 
     float gk[HS / 8][4], gv[HS / 8][4];
 PR_UNROLL
@@ -578,8 +588,8 @@ PR_UNROLL
             for (int nt = 0; nt < QN / 8; nt++)
 PR_UNROLL
                 for (int i = 0; i < 4; i++) p[nt][i] = dp[nt][i] = 0.0f;
-            pr_mma_abt<HS, HS / 16, QN / 16>(p, pr_smem_u32(ks), 16 * warp, qb, sub * QN, lane);
-            pr_mma_abt<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
+            pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
+            pr_mma_abt<HS, HS / 16, QN / 16>(dp, vf, db, sub * QN, lane);
             /* P^T where visible, else 0;  dS^T = P^T (dP^T - D), into dp */
 PR_UNROLL
             for (int nt = 0; nt < QN / 8; nt++)
@@ -712,6 +722,7 @@ typedef struct {
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
     int attention_kind;            /* PR_CUDA_ATTENTION_FFMA or _MMA (pr_backend_cuda_set_attention) */
+    unsigned smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
     pr_status failed;              /* first failure since take_error */
     char message[512];
 } pr_cu;
@@ -1332,6 +1343,18 @@ static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay) {
     return n;
 }
 
+/* A kernel with more than 48 KiB of dynamic shared memory opts in to it, once per device (the
+   setting belongs to the function): the attention kernels' opt-ins, one bit each, by kernel and head dim. */
+enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA };
+template <typename K>
+static int pr_cu_smem_attr(pr_cu *cx, K kernel, int which, int HS, size_t smem, const char *what) {
+    const unsigned bit = 1u << (4 * which + (HS == 16 ? 0 : HS == 32 ? 1 : HS == 64 ? 2 : 3));
+    if (cx->smem_opted & bit) return 1;
+    if (!pr_cu_ok(cx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), what)) return 0;
+    cx->smem_opted |= bit;
+    return 1;
+}
+
 /* Shared memory of the kernels: two tiles of 64 x HS floats (+ two rows of statistics for dkv). */
 static size_t pr_cu_att_smem(int HS, int with_stats) {
     return sizeof(float) * (size_t)(2 * PR_ATT_ROWS * HS + (with_stats ? 2 * PR_ATT_ROWS : 0));
@@ -1347,9 +1370,7 @@ static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *
     free(tiles);
     if (!dt) return;
     size_t smem = pr_cu_att_smem(HS, 0);
-    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_fwd<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                  "attention_fwd shared memory"))
-        return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_fwd<HS>, PR_CU_ATT_FWD, HS, smem, "attention_fwd shared memory")) return;
     pr_k_attention_fwd<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
@@ -1388,17 +1409,13 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem = pr_cu_att_smem(HS, 0);
-    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_bwd_dq<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                  "attention_bwd_dq shared memory"))
-        return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq<HS>, PR_CU_ATT_DQ, HS, smem, "attention_bwd_dq shared memory")) return;
     pr_k_attention_bwd_dq<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
         (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dq");
     smem = pr_cu_att_smem(HS, 1);
-    if (!pr_cu_ok(cx, cudaFuncSetAttribute(pr_k_attention_bwd_dkv<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                  "attention_bwd_dkv shared memory"))
-        return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv<HS>, PR_CU_ATT_DKV, HS, smem, "attention_bwd_dkv shared memory")) return;
     pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, (const bf16 *)dout, (const float *)lse, Dr,
         (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, N, NH, NKV);
@@ -1412,11 +1429,6 @@ static size_t pr_cu_mul(size_t a, size_t b, int *ok) {
 }
 
 
-template <typename K>
-static int pr_cu_smem_attr(pr_cu *cx, K kernel, size_t smem, const char *what) {
-    return pr_cu_ok(cx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), what);
-}
-
 template <int HS>
 static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
                                     const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
@@ -1427,7 +1439,7 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     free(tiles);
     if (!dt) return;
     const size_t smem = pr_mma_smem_bytes(HS, 0);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_fwd_mma<HS>, smem, "attention_fwd_mma shared memory")) return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_fwd_mma<HS>, PR_CU_ATT_FWD_MMA, HS, smem, "attention_fwd_mma shared memory")) return;
     pr_k_attention_fwd_mma<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
@@ -1470,13 +1482,13 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem = pr_mma_smem_bytes(HS, 1);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, smem, "attention_bwd_dq_mma shared memory")) return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
     pr_k_attention_bwd_dq_mma<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
         (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
         (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dq_mma");
     smem = pr_mma_smem_bytes(HS, 2);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, smem, "attention_bwd_dkv_mma shared memory")) return;
+    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
     pr_k_attention_bwd_dkv_mma<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
         (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
