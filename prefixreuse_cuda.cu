@@ -214,7 +214,8 @@ __device__ __forceinline__ float pr_quad_add(float v) {
    pr_backend_cuda_set_attention selects these, until test/test_gpu_attention.c has passed on a GPU.
 
    The algorithm is test/attn_model.h's, with its names:
-     Query tiles: 64-row pieces of one segment, a block of 4 warps x 16 rows. Key tiles: 64 keys,
+     Query tiles: 64-row pieces of one segment, a block of 4 warps x 16 rows (the forward takes
+     two of them a block, each warp 16 rows of both, with the same results). Key tiles: 64 keys,
      region 0 (prefix rows [0, n_prefix), tail masked), then region 1 (the segment's rows from its
      first, up to the tile holding the query tile's last row; causal mask where a key can pass a
      row, past-the-segment keys masked). Scores in fp32 scaled by scale*log2(e), exp2, online
@@ -234,6 +235,7 @@ __device__ __forceinline__ float pr_quad_add(float v) {
      reproducible. */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
+#define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
 #define PR_MMA_PREFIX_BLOCKS 256       /* the chunk rule's target of prefix dK/dV blocks */
 #define PR_LOG2E 1.4426950408889634f
 #define PR_LN2 0.6931471805599453f
@@ -245,14 +247,15 @@ typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
    segment (region 1, chunk -1), seen by query tiles [qlo, qhi) of the query-tile list. */
 typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
 
-/* The query tiles of segments seg_off (n_seg + 1 offsets): 64-row pieces of each segment, in
-   segment order, then row order. Writes them to out unless NULL; returns their count. */
-static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off) {
+/* The query tiles of segments seg_off (n_seg + 1 offsets): `rows`-row pieces of each segment (64,
+   or 128 for the tensor-core forward), in segment order, then row order. Writes them to out unless
+   NULL; returns their count. */
+static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off, int rows) {
     int n = 0;
     for (int s = 0; s < n_seg; s++)
-        for (int r0 = seg_off[s]; r0 < seg_off[s + 1]; r0 += PR_MMA_ROWS, n++)
+        for (int r0 = seg_off[s]; r0 < seg_off[s + 1]; r0 += rows, n++)
             if (out) {
-                pr_att_tile x = { r0, r0 + PR_MMA_ROWS < seg_off[s + 1] ? r0 + PR_MMA_ROWS : seg_off[s + 1], seg_off[s], seg_off[s + 1] };
+                pr_att_tile x = { r0, r0 + rows < seg_off[s + 1] ? r0 + rows : seg_off[s + 1], seg_off[s], seg_off[s + 1] };
                 out[n] = x;
             }
     return n;
@@ -308,20 +311,27 @@ PR_UNROLL
             pr_mma_bf16(acc[2 * np + 1], af[kc], b[2], b[3]);
         }
 }
-/* acc (16 x W, W/8 n8 tiles) += bf16(X) (16 x 16*KC, the accumulators x of 2*KC n8 tiles, repacked)
-   V (a swizzled [k][n] tile at rows b_row0, with .trans). */
-template <int W, int KC>
-__device__ __forceinline__ void pr_mma_pv(float (*acc)[4], float (*x)[4], uint32_t b_base, int b_row0, int lane) {
+/* For each of the first m_live of M 16-row tiles: acc[m] (16 x W, W/8 n8 tiles) += bf16(X[m])
+   (16 x 16*KC, the accumulators x[m] of 2*KC n8 tiles, repacked) V (a swizzled [k][n] tile at rows
+   b_row0, with .trans): the M tiles share each fragment of V read. */
+template <int W, int KC, int M>
+__device__ __forceinline__ void pr_mma_pv(float (*acc)[W / 8][4], float (*x)[2 * KC][4], int m_live, uint32_t b_base, int b_row0, int lane) {
 PR_UNROLL
     for (int kc = 0; kc < KC; kc++) {
-        uint32_t a[4];
-        pr_c_to_a(a, x[2 * kc], x[2 * kc + 1]);
+        uint32_t a[M][4];
+PR_UNROLL
+        for (int mi = 0; mi < M; mi++)
+            if (mi < m_live) pr_c_to_a(a[mi], x[mi][2 * kc], x[mi][2 * kc + 1]);
 PR_UNROLL
         for (int dp = 0; dp < W / 16; dp++) {
             uint32_t b[4];
             pr_ldsm_x4_trans(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * kc + pr_ldm_bt_row(lane), 16 * dp + pr_ldm_bt_col(lane), W));
-            pr_mma_bf16(acc[2 * dp], a, b[0], b[1]);
-            pr_mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
+PR_UNROLL
+            for (int mi = 0; mi < M; mi++)
+                if (mi < m_live) {
+                    pr_mma_bf16(acc[mi][2 * dp], a[mi], b[0], b[1]);
+                    pr_mma_bf16(acc[mi][2 * dp + 1], a[mi], b[2], b[3]);
+                }
         }
     }
 }
@@ -329,22 +339,32 @@ __device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
     return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
-/* Forward. Grid (query tiles, NH); the tiles run in reverse, so the longest walks start first.
-   Shared memory: Q (64 x HS), then K and V (two stages each). */
+/* Forward. Grid (forward query tiles, NH); the tiles run in reverse, so the longest walks start
+   first. A forward tile is up to PR_MMA_FWD_ROWS = 128 rows of one segment: two of the backward's
+   64-row tiles, walking the key tiles of the later one. Warp w holds rows 16w and 64 + 16w of it
+   (the 16-row m tiles mi = 0, 1), so each fragment of K and V read from shared memory feeds both;
+   Q is read again at each key tile (beside two tiles' accumulators it does not fit the registers).
+   The earlier half's rows see the extra key tiles entirely masked, which leaves their values
+   unchanged bit for bit (corr = 1, P = 0): every row's result is the 64-row algorithm's
+   (attn_model.h). A tile of up to 64 rows runs its first m tile only.
+   Shared memory: Q (128 x HS), then K and V (two stages each). */
 template <int HS>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
 pr_k_attention_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                        const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
-    constexpr int T = PR_MMA_ROWS * HS;
+    constexpr int T = PR_MMA_ROWS * HS, M = PR_MMA_FWD_ROWS / PR_MMA_ROWS;
     extern __shared__ __align__(128) unsigned char pr_mma_smem[];
-    bf16 *qs = (bf16 *)pr_mma_smem, *ks = qs + T, *vs = ks + 2 * T;
+    bf16 *qs = (bf16 *)pr_mma_smem, *ks = qs + M * T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
     const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
     const float sl2 = rsqrtf((float)HS) * PR_LOG2E;
     const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
+    const int m_live = (t.r1 - t.r0 + PR_MMA_ROWS - 1) / PR_MMA_ROWS;   /* 64-row halves holding rows */
 
-    pr_mma_copy<HS>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
+PR_UNROLL
+    for (int mi = 0; mi < M; mi++)                  /* an empty half: zeros, from a row that exists */
+        pr_mma_copy<HS>(qs + mi * T, q, mi < m_live ? t.r0 + mi * PR_MMA_ROWS : t.r0, t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
     pr_cp_async_commit();
     {
         const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
@@ -352,14 +372,14 @@ pr_k_attention_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, cons
         pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         pr_cp_async_commit();
     }
-    pr_cp_async_wait<1>();
-    __syncthreads();
-    uint32_t qf[HS / 16][4];                      /* this warp's 16 query rows, as A fragments */
-    pr_mma_load_a<HS, HS / 16>(qf, pr_smem_u32(qs), 16 * warp, lane);
 
-    float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+    float acc[M][HS / 8][4], m[M][2], l[M][2];
 PR_UNROLL
-    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    for (int mi = 0; mi < M; mi++) {
+        m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.0f;
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) acc[mi][dt][0] = acc[mi][dt][1] = acc[mi][dt][2] = acc[mi][dt][3] = 0.0f;
+    }
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
         if (it + 1 < nkt) {                         /* the next tile loads while this one computes */
@@ -372,58 +392,85 @@ PR_UNROLL
         __syncthreads();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
 
-        /* S = Q K^T (16 rows x 64 keys per warp) */
-        float s[8][4];
+        /* S = Q K^T (16 rows x 64 keys per warp and m tile), each K fragment feeding every m tile */
+        float s[M][8][4];
 PR_UNROLL
-        for (int nt = 0; nt < 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        pr_mma_abt<HS, HS / 16, 4>(s, qf, pr_smem_u32(ks + st * T), 0, lane);
-        /* scale to the log2 domain; mask the prefix's tail, keys past the segment, the causal upper part */
-        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
+        for (int mi = 0; mi < M; mi++)
 PR_UNROLL
-        for (int nt = 0; nt < 8; nt++)
+            for (int nt = 0; nt < 8; nt++) s[mi][nt][0] = s[mi][nt][1] = s[mi][nt][2] = s[mi][nt][3] = 0.0f;
+        const uint32_t kb = pr_smem_u32(ks + st * T);
 PR_UNROLL
-            for (int i = 0; i < 4; i++) {
-                const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
-                s[nt][i] = whole || (key < x.end && (!x.own || key <= row)) ? s[nt][i] * sl2 : -INFINITY;
+        for (int kc = 0; kc < HS / 16; kc++) {
+            uint32_t a[M][4];
+PR_UNROLL
+            for (int mi = 0; mi < M; mi++)
+                if (mi < m_live) pr_ldsm_x4(a[mi], pr_smem_u32(qs + mi * T) + 2u * (uint32_t)pr_swz(16 * warp + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), HS));
+PR_UNROLL
+            for (int np = 0; np < 4; np++) {
+                uint32_t b[4];
+                pr_ldsm_x4(b, kb + 2u * (uint32_t)pr_swz(16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), HS));
+PR_UNROLL
+                for (int mi = 0; mi < M; mi++)
+                    if (mi < m_live) {
+                        pr_mma_bf16(s[mi][2 * np], a[mi], b[0], b[1]);
+                        pr_mma_bf16(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                    }
             }
-        /* online softmax, rows g (rr 0) and g+8 (rr 1) */
+        }
 PR_UNROLL
-        for (int rr = 0; rr < 2; rr++) {
-            float mx = m[rr];
-PR_UNROLL
-            for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rr], s[nt][2 * rr + 1]));
-            mx = pr_quad_max(mx);
-            const float base = mx == -INFINITY ? 0.0f : mx, corr = exp2f(m[rr] - base);
-            m[rr] = mx;
-            float sum = 0.0f;
+        for (int mi = 0; mi < M; mi++) {
+            if (mi >= m_live) continue;
+            const int r0 = t.r0 + mi * PR_MMA_ROWS;   /* this m tile's 64-row half */
+            /* scale to the log2 domain; mask the prefix's tail, keys past the segment, the causal upper part */
+            const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= r0);
 PR_UNROLL
             for (int nt = 0; nt < 8; nt++)
 PR_UNROLL
-                for (int j = 0; j < 2; j++) {
-                    s[nt][2 * rr + j] = exp2f(s[nt][2 * rr + j] - base);
-                    sum += s[nt][2 * rr + j];
+                for (int i = 0; i < 4; i++) {
+                    const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = r0 + 16 * warp + pr_mma_c_row(lane, i);
+                    s[mi][nt][i] = whole || (key < x.end && (!x.own || key <= row)) ? s[mi][nt][i] * sl2 : -INFINITY;
                 }
-            l[rr] = l[rr] * corr + sum;               /* this lane's part of the row; the quad's sum at the end */
+            /* online softmax, rows g (rr 0) and g+8 (rr 1) */
 PR_UNROLL
-            for (int dt = 0; dt < HS / 8; dt++) acc[dt][2 * rr] *= corr, acc[dt][2 * rr + 1] *= corr;
+            for (int rr = 0; rr < 2; rr++) {
+                float mx = m[mi][rr];
+PR_UNROLL
+                for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * rr], s[mi][nt][2 * rr + 1]));
+                mx = pr_quad_max(mx);
+                const float base = mx == -INFINITY ? 0.0f : mx, corr = exp2f(m[mi][rr] - base);
+                m[mi][rr] = mx;
+                float sum = 0.0f;
+PR_UNROLL
+                for (int nt = 0; nt < 8; nt++)
+PR_UNROLL
+                    for (int j = 0; j < 2; j++) {
+                        s[mi][nt][2 * rr + j] = exp2f(s[mi][nt][2 * rr + j] - base);
+                        sum += s[mi][nt][2 * rr + j];
+                    }
+                l[mi][rr] = l[mi][rr] * corr + sum;   /* this lane's part of the row; the quad's sum at the end */
+PR_UNROLL
+                for (int dt = 0; dt < HS / 8; dt++) acc[mi][dt][2 * rr] *= corr, acc[mi][dt][2 * rr + 1] *= corr;
+            }
         }
         /* O += bf16(P) V */
-        pr_mma_pv<HS, 4>(acc, s, pr_smem_u32(vs + st * T), 0, lane);
+        pr_mma_pv<HS, 4, M>(acc, s, m_live, pr_smem_u32(vs + st * T), 0, lane);
         __syncthreads();                             /* this stage is refilled next iteration */
     }
     /* epilogue: out = bf16(acc / l), lse = (m + log2 l) ln 2; a row that saw nothing: 0, +inf */
 PR_UNROLL
-    for (int rr = 0; rr < 2; rr++) {
-        const float lt = pr_quad_add(l[rr]);
-        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
-        if (row >= t.r1) continue;
-        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-        bf16 *o = out + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr);
+    for (int mi = 0; mi < M; mi++)
 PR_UNROLL
-        for (int dt = 0; dt < HS / 8; dt++)
-            *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[dt][2 * rr] * inv, acc[dt][2 * rr + 1] * inv);
-        if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[rr] + log2f(lt)) * PR_LN2 : INFINITY;
-    }
+        for (int rr = 0; rr < 2; rr++) {
+            const float lt = pr_quad_add(l[mi][rr]);
+            const int row = t.r0 + mi * PR_MMA_ROWS + 16 * warp + pr_mma_c_row(lane, 2 * rr);
+            if (row >= t.r1) continue;
+            const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+            bf16 *o = out + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr);
+PR_UNROLL
+            for (int dt = 0; dt < HS / 8; dt++)
+                *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[mi][dt][2 * rr] * inv, acc[mi][dt][2 * rr + 1] * inv);
+            if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[mi][rr] + log2f(lt)) * PR_LN2 : INFINITY;
+        }
 }
 
 /* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
@@ -503,7 +550,7 @@ PR_UNROLL
                     s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
                 }
             /* dQ += bf16(dS) K: K as the [k][n] operand, .trans */
-            pr_mma_pv<HS, KN / 16>(acc, s, kb, sub * KN, lane);
+            pr_mma_pv<HS, KN / 16, 1>(&acc, &s, 1, kb, sub * KN, lane);
         }
         __syncthreads();
     }
@@ -603,8 +650,8 @@ PR_UNROLL
                     dp[nt][i] = pv * (dp[nt][i] - dst[c]);
                 }
             /* dV += bf16(P^T) dO,  dK += bf16(dS^T) Q: dO and Q as [k][n] operands, .trans */
-            pr_mma_pv<HS, QN / 16>(gv, p, db, sub * QN, lane);
-            pr_mma_pv<HS, QN / 16>(gk, dp, qb, sub * QN, lane);
+            pr_mma_pv<HS, QN / 16, 1>(&gv, &p, 1, db, sub * QN, lane);
+            pr_mma_pv<HS, QN / 16, 1>(&gk, &dp, 1, qb, sub * QN, lane);
         }
         __syncthreads();
     }
@@ -658,11 +705,11 @@ static int pr_mma_prefix_chunks(int n_prefix, int NKV, int n_qtiles) {
     return C < 1 ? 1 : (int)C;
 }
 
-/* Dynamic shared memory of the kernels: 0 forward (Q, K and V twice), 1 dQ (Q, dO, K and V twice),
+/* Dynamic shared memory of the kernels: 0 forward (Q of 128 rows, K and V twice), 1 dQ (Q, dO, K and V twice),
    2 dK/dV (K, V, Q and dO twice, lse and D twice). */
 static size_t pr_mma_smem_bytes(int HS, int kernel) {
     const size_t T = 2 * PR_MMA_ROWS * (size_t)HS;
-    return kernel == 0 ? 5 * T : kernel == 1 ? 6 * T : 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
+    return kernel == 0 ? (PR_MMA_FWD_ROWS / PR_MMA_ROWS + 4) * T : kernel == 1 ? 6 * T : 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
 }
 
 /* The dK/dV blocks' work: each of the prefix's key tiles in C chunks of the nq query tiles qt,
@@ -1123,7 +1170,6 @@ static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *
    seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal). */
 #define PR_ATT_ROWS 64
 #define PR_ATT_THREADS (PR_ATT_ROWS * 4)
-static_assert(PR_ATT_ROWS == PR_MMA_ROWS, "both kernel families take their query tiles from pr_att_query_tiles");
 
 __device__ __forceinline__ float pr_quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -1333,12 +1379,13 @@ pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, float *dkp, float *dvp, const bf16 *d
     }
 }
 
-/* The query tiles of a layout (pr_att_query_tiles) in host memory the caller frees; the count, or -1. */
-static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay) {
-    int n = pr_att_query_tiles(NULL, lay->n_seg, lay->seg_off);
+/* The query tiles of a layout (pr_att_query_tiles, `rows` a tile) in host memory the caller frees;
+   the count, or -1. */
+static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay, int rows) {
+    int n = pr_att_query_tiles(NULL, lay->n_seg, lay->seg_off, rows);
     pr_att_tile *t = (pr_att_tile *)malloc(sizeof(pr_att_tile) * (size_t)(n ? n : 1));
     if (!t) return -1;
-    pr_att_query_tiles(t, lay->n_seg, lay->seg_off);
+    pr_att_query_tiles(t, lay->n_seg, lay->seg_off, rows);
     *out = t;
     return n;
 }
@@ -1364,7 +1411,7 @@ template <int HS>
 static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
                                    const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
     pr_att_tile *tiles;
-    int nt = pr_cu_query_tiles(&tiles, lay);
+    int nt = pr_cu_query_tiles(&tiles, lay, PR_ATT_ROWS);
     if (nt < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
     const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
     free(tiles);
@@ -1383,7 +1430,7 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
                                    const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
     const int N = lay->seg_off[lay->n_seg], np = lay->n_prefix;
     pr_att_tile *qt;
-    int nq = pr_cu_query_tiles(&qt, lay);
+    int nq = pr_cu_query_tiles(&qt, lay, PR_ATT_ROWS);
     if (nq < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
     /* key tiles: the prefix region's, then the own tiles (the query tiles themselves) */
     int npt = (np + PR_ATT_ROWS - 1) / PR_ATT_ROWS, nk = npt + nq;
@@ -1433,7 +1480,7 @@ template <int HS>
 static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
                                     const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
     pr_att_tile *tiles;
-    int nt = pr_cu_query_tiles(&tiles, lay);
+    int nt = pr_cu_query_tiles(&tiles, lay, PR_MMA_FWD_ROWS);
     if (nt < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
     const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
     free(tiles);
@@ -1452,7 +1499,7 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
                                     const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV) {
     const int N = lay->seg_off[lay->n_seg], np = lay->n_prefix;
     pr_att_tile *qt;
-    const int nq = pr_cu_query_tiles(&qt, lay);
+    const int nq = pr_cu_query_tiles(&qt, lay, PR_MMA_ROWS);
     if (nq < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
     /* the dK/dV blocks' work (pr_mma_key_tiles) */
     const int C = pr_mma_prefix_chunks(np, NKV, nq);

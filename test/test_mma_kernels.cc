@@ -401,16 +401,16 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     const std::vector<bf16> *ins[] = { &qb, &kb, &vb, &kpb, &vpb, &dob };
     for (const std::vector<bf16> *b : ins) emu_inputs.push_back(emu_buffer{ (const char *)b->data(), 2 * b->size() });
 
-    /* forward: grid (query tiles, NH) */
-    const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data());
-    std::vector<pr_att_tile> qt(nqt);
-    pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data());
+    /* forward: grid (forward query tiles, NH) */
+    const int nft = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
+    std::vector<pr_att_tile> ft(nft);
+    pr_att_query_tiles(ft.data(), s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
     std::vector<bf16> out(nq);
     std::vector<float> lse(nl, NAN);
     for (bf16 &x : out) x.bits = 0xFFFF;
-    emu_launch(nqt, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 0), [&] {
+    emu_launch(nft, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 0), [&] {
         pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
-                                   np ? vpb.data() : NULL, qt.data(), np, NH, NKV);
+                                   np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
     });
     /* the tile-level model (test/attn_model.c) on the same inputs */
     std::vector<float> fq(q.begin(), q.end()), fk(k.begin(), k.end()), fv(v.begin(), v.end()), fkp(kp.begin(), kp.end()),
@@ -456,6 +456,9 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     }
     emu_inputs.push_back(emu_buffer{ (const char *)lsef.data(), 4 * lsef.size() });
     emu_inputs.push_back(emu_buffer{ (const char *)D.data(), 4 * D.size() });
+    const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_ROWS);
+    std::vector<pr_att_tile> qt(nqt);
+    pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data(), PR_MMA_ROWS);
     const int C = pr_mma_prefix_chunks(np, NKV, nqt);
     const int nkt = (int)pr_mma_key_tiles(NULL, qt.data(), nqt, np, C);
     std::vector<pr_att_ktile> kt(nkt);
