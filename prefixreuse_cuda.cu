@@ -288,14 +288,19 @@ __device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
     return (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS + (t.r1 - 1 - t.seg0) / PR_MMA_ROWS + 1;
 }
 
-/* A fragments of 16 rows from a swizzled [row][k] tile of rows of W (at rows a_row0), over
-   K = 16*KC: loaded once where a warp's rows stay in place across the walk (Q and dO in the forward
-   and dQ, K and V in dK/dV), so each product below reads only its B operand from shared memory. */
+/* The A fragment of 16 rows (from a_row0) and k columns [16 kc, 16 kc + 16) of a swizzled [row][k]
+   tile of rows of W. */
+template <int W>
+__device__ __forceinline__ void pr_mma_load_a_kc(uint32_t a[4], uint32_t a_base, int a_row0, int kc, int lane) {
+    pr_ldsm_x4(a, a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+}
+/* All KC of them (K = 16*KC): loaded once where a warp's rows stay in place across the walk and fit
+   the registers (Q and dO in dQ, K and V in dK/dV), so each product below reads only its B operand
+   from shared memory. */
 template <int W, int KC>
 __device__ __forceinline__ void pr_mma_load_a(uint32_t (*af)[4], uint32_t a_base, int a_row0, int lane) {
 PR_UNROLL
-    for (int kc = 0; kc < KC; kc++)
-        pr_ldsm_x4(af[kc], a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+    for (int kc = 0; kc < KC; kc++) pr_mma_load_a_kc<W>(af[kc], a_base, a_row0, kc, lane);
 }
 /* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, fragments af) B (16k x 16*NP, from a swizzled
    [n][k] tile at rows b_row0, without .trans) over K = 16*KC. */
@@ -404,7 +409,7 @@ PR_UNROLL
             uint32_t a[M][4];
 PR_UNROLL
             for (int mi = 0; mi < M; mi++)
-                if (mi < m_live) pr_ldsm_x4(a[mi], pr_smem_u32(qs + mi * T) + 2u * (uint32_t)pr_swz(16 * warp + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), HS));
+                if (mi < m_live) pr_mma_load_a_kc<HS>(a[mi], pr_smem_u32(qs + mi * T), 16 * warp, kc, lane);
 PR_UNROLL
             for (int np = 0; np < 4; np++) {
                 uint32_t b[4];
@@ -476,7 +481,7 @@ PR_UNROLL
 /* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
    then K and V (two stages each). dq = bf16(dq + scale * sum over keys of bf16(dS) K). The warp's
    Q and dO rows stay in registers as A fragments, so the inner loop reads from shared memory only
-   the B operands, one ldmatrix.x4 per two mma (as in the forward); a key tile is taken in sub-tiles
+   the B operands, one ldmatrix.x4 per two mma; a key tile is taken in sub-tiles
    of KN keys, so that S and dP of HS 128 fit the registers beside dQ and those fragments (247 at
    HS 128 with nvcc 13.0, no spills: test/check_sass.sh). */
 template <int HS>
