@@ -181,6 +181,10 @@ __device__ __forceinline__ void pr_cp_async4(uint32_t dst, const void *src, bool
 }
 __device__ __forceinline__ void pr_cp_async_commit(void) { asm volatile("cp.async.commit_group;" ::); }
 template <int N> __device__ __forceinline__ void pr_cp_async_wait(void) { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+/* A plain 4-byte shared-memory load (dK/dV's lse and D rows): named, like the instructions above,
+   so that the emulated block sees every shared-memory access the kernels make and can check each
+   against the barriers (test/test_mma_kernels.cc). */
+__device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
 __device__ __forceinline__ float pr_quad_max(float v) {
     for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
     return v;
@@ -209,8 +213,10 @@ __device__ __forceinline__ float pr_quad_add(float v) {
    NOT YET VALIDATED ON A GPU. They compile warning-free, ptxas reports no spills, the SASS holds
    HMMA and no local memory (test/check_sass.sh); their warp-level rules pass an emulation of the
    instructions (test/test_mma_emul.cc), and the kernels themselves, compiled for the host, match
-   the double CPU attention on an emulated block (test/test_mma_kernels.cc), which cannot show
-   what only the real machine's timing or numerics would. The backend runs the FFMA kernels unless
+   the double CPU attention on an emulated block (test/test_mma_kernels.cc), which also finds no
+   shared-memory race against the barriers, no output element with two writing blocks and no
+   bank conflict in their ldmatrix; it cannot show what only the real machine's timing or
+   numerics would. The backend runs the FFMA kernels unless
    pr_backend_cuda_set_attention selects these, until test/test_gpu_attention.c has passed on a GPU.
 
    The algorithm is test/attn_model.h's, with its names:
@@ -650,9 +656,9 @@ PR_UNROLL
                     const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, i), row = qt.r0 + c;
                     const int key = key0 + pr_mma_c_row(lane, i);
                     const bool vis = key < kt.end && row < qt.r1 && (!own || key <= row);
-                    const float pv = vis ? exp2f(p[nt][i] * sl2 - lst[c] * PR_LOG2E) : 0.0f;
+                    const float pv = vis ? exp2f(p[nt][i] * sl2 - pr_lds_f32(lst + c) * PR_LOG2E) : 0.0f;
                     p[nt][i] = pv;
-                    dp[nt][i] = pv * (dp[nt][i] - dst[c]);
+                    dp[nt][i] = pv * (dp[nt][i] - pr_lds_f32(dst + c));
                 }
             /* dV += bf16(P^T) dO,  dK += bf16(dS^T) Q: dO and Q as [k][n] operands, .trans */
             pr_mma_pv<HS, QN / 16, 1>(&gv, &p, 1, db, sub * QN, lane);

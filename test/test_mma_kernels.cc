@@ -12,16 +12,24 @@
    latest moment the hardware allows), zero-filled when asked; their sources are checked against
    the input buffers and their destinations, like every ldmatrix address, against the launch's
    dynamic shared memory, which starts filled with NaN bytes. Blocks run one after another.
-   Not emulated: the timing of the real machine (so a race that the barriers do not order cannot
-   show), and the approximate exp2/log2 (the host's are exact to an fp32 rounding).
+   Races are checked against the barriers, not against the order the fibers happen to run in:
+   every shared-memory access (cp.async, ldmatrix, pr_lds_f32) is checked word by word, the way
+   compute-sanitizer's racecheck does on the GPU (see "racecheck" below). Each launch's outputs are
+   checked for one writer per element, and the kernels' ldmatrix phases for bank conflicts. Not
+   emulated: the timing of the real machine, and the approximate exp2/log2 (the host's are exact
+   to an fp32 rounding).
 
    Checked, forward and backward, over shapes with prefixes 0, 1, 63, 64, 65 and 130, ragged
    packed and padded segments, GQA 1, 2 and 4, head dims 64 and 128, prefix dK/dV chunked (C > 1,
    with the in-order reduction kernel) and added directly (C = 1): out and lse, and the increments
    of dq, dk, dv, dkp, dvp over random starting contents, with test/test_gpu_attention.c's
    tolerances against the reference, and a quarter of its absolute part against the model (with
-   one bf16 spacing for a flipped final rounding). Negative controls: copies that land one wait_group late, and ldmatrix ignoring
-   .trans, must each be caught. */
+   one bf16 spacing for a flipped final rounding); no race in any kernel, no output element with
+   two writers, no bank conflict. Negative controls, each of which must be caught: copies that
+   land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
+   stage's reads skipped, and those after a wait_group skipped (as races in each of the three
+   kernels: their values stay within tolerance on this machine); the dQ launch given one query
+   tile twice (as elements with two writers). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -98,6 +106,7 @@ struct emu_thread {
     int mask;
     std::vector<emu_copy> open;                  /* cp.async: the group being issued, and the committed ones */
     std::vector<std::vector<emu_copy>> groups;
+    bool waited;                                 /* a wait_group since the last barrier (planted faults) */
 };
 static std::vector<emu_thread> emu_threads;
 static std::vector<char> emu_stacks;
@@ -111,7 +120,10 @@ static pr_emu_dim3 emu_block, emu_grid, emu_bdim;
 static std::function<void()> *emu_body;
 static size_t emu_smem_bytes;
 static int emu_errors;                           /* divergence, deadlock, bad addresses */
-static int fault_late_copies, fault_ignore_trans;  /* negative controls */
+/* negative controls: copies land a wait_group late; ldmatrix ignores .trans; barriers skipped (1:
+   those not right after a wait_group, which end a stage's reads; 2: those right after one, which
+   publish its copies); the dQ launch given one query tile twice */
+static int fault_late_copies, fault_ignore_trans, fault_skip_barrier, fault_duplicate_tile;
 struct emu_buffer { const char *p; size_t bytes; };
 static std::vector<emu_buffer> emu_inputs;       /* where cp.async may read */
 
@@ -120,9 +132,69 @@ static std::vector<emu_buffer> emu_inputs;       /* where cp.async may read */
 #define gridDim emu_grid
 #define blockDim emu_bdim
 
+/* A fault the machine saw, counted in `count`; the first few are reported as failures, unless a
+   negative control planted it (emu_quiet), which then checks the counts. */
+static bool emu_quiet;
+#define EMU_FAULT(count, ...)                          \
+    do {                                               \
+        if ((count)++ < 3 && !emu_quiet) CHECK(0, __VA_ARGS__); \
+    } while (0)
 static void emu_error(const char *what) {
-    if (emu_errors++ < 5) CHECK(0, "emulated block (%u, %u) thread %u: %s", emu_block.x, emu_block.y, emu_cur ? emu_cur->idx.x : 0, what);
+    EMU_FAULT(emu_errors, "emulated block (%u, %u) thread %u: %s", emu_block.x, emu_block.y, emu_cur ? emu_cur->idx.x : 0, what);
 }
+
+/* ---------------------------------------------------------------- racecheck
+   Shared memory is checked word by word (4 bytes) against the barriers, whatever order the fibers
+   happen to run in: an epoch is the stretch between two releases of __syncthreads, and the warps
+   of one epoch may interleave in any way. A cp.async is in flight from its issue until its
+   issuing thread's wait_group completes it; its data may be read by that thread after the wait,
+   by anyone else only in a later epoch. Flagged: a read of a word while a copy into it is in
+   flight, or in the epoch its copy completed by another thread (a missing barrier after a wait);
+   a copy into a word another warp read in the same epoch (a missing barrier before a stage is
+   refilled), or into a word whose earlier copy is in flight or completed in this epoch by another
+   thread. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
+struct emu_word { int writer, landed, read_epoch; uint32_t readers; };   /* writer -1: none; landed -1: in flight */
+static std::vector<emu_word> emu_shadow(EMU_SMEM_MAX / 4);
+static int emu_epoch;
+static long emu_races;
+static void emu_race(const char *what, uint32_t word, int copier) {
+    char by[48] = "";
+    if (copier >= 0) snprintf(by, sizeof by, " (the copy is thread %d's)", copier);
+    EMU_FAULT(emu_races, "race in block (%u, %u), thread %u, shared byte %u: %s%s", emu_block.x, emu_block.y,
+              emu_cur ? emu_cur->idx.x : 0, 4 * word, what, by);
+}
+static void emu_shadow_reset(size_t bytes) {
+    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0 };
+    emu_epoch = 0;
+}
+/* bytes at addr read by warp `warp`: by one thread of it (`thread`), or by all of it (-1) */
+static void emu_shadow_read(uint32_t addr, int bytes, int warp, int thread) {
+    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
+        emu_word &x = emu_shadow[w];
+        if (x.writer >= 0 && x.landed < 0) emu_race("read while a cp.async into it is in flight", w, x.writer);
+        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != thread)
+            emu_race("read in the epoch its cp.async completed, no barrier between", w, x.writer);
+        if (x.read_epoch != emu_epoch) x.read_epoch = emu_epoch, x.readers = 0;
+        x.readers |= 1u << warp;
+    }
+}
+static void emu_shadow_issue(uint32_t addr, int bytes) {
+    const int me = (int)emu_cur->idx.x;
+    if ((size_t)addr + bytes > emu_smem_bytes) return;          /* reported when it lands */
+    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
+        emu_word &x = emu_shadow[w];
+        if (x.writer >= 0 && x.landed < 0) emu_race("cp.async into a word another cp.async has in flight", w, x.writer);
+        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me)
+            emu_race("cp.async into a word another thread's copy completed in this epoch", w, x.writer);
+        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32))))
+            emu_race("cp.async into a word another warp read in this epoch, no barrier between", w, -1);
+        x.writer = me, x.landed = -1;
+    }
+}
+static void emu_shadow_land(uint32_t addr, int bytes) {
+    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) emu_shadow[w].landed = emu_epoch;
+}
+
 static void emu_to_scheduler(void) {
 #if EMU_FAST_SWITCH
     emu_switch(&emu_cur->sp, emu_sched_sp);
@@ -142,7 +214,12 @@ static void emu_yield(int state) {
     emu_cur->state = state;
     emu_to_scheduler();
 }
-static void __syncthreads(void) { emu_yield(T_BAR); }
+static void __syncthreads(void) {
+    const bool after_wait = emu_cur->waited;
+    emu_cur->waited = false;
+    if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait)) return;
+    emu_yield(T_BAR);
+}
 
 static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_mma_smem); }
 static void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
@@ -164,6 +241,7 @@ static float emu_shfl_xor(float v, int mask) {
 }
 static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
     emu_copy c = { dst, src, bytes, fill };
+    emu_shadow_issue(dst, bytes);
     emu_cur->open.push_back(c);
 }
 static void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
@@ -181,16 +259,27 @@ static void emu_land(const std::vector<emu_copy> &g) {
         if (!inside || (uintptr_t)c.src % c.bytes) { emu_error("cp.async source outside the inputs or misaligned"); continue; }
         if (c.fill) memcpy(pr_mma_smem + c.dst, c.src, c.bytes);
         else memset(pr_mma_smem + c.dst, 0, c.bytes);
+        emu_shadow_land(c.dst, c.bytes);
     }
 }
 /* cp.async.wait_group N: all but the newest N committed groups complete (one more stays pending
    under the planted fault). */
 template <int N> static void pr_cp_async_wait(void) {
     const size_t keep = N + (fault_late_copies ? 1 : 0);
+    emu_cur->waited = true;
     while (emu_cur->groups.size() > keep) {
         emu_land(emu_cur->groups.front());
         emu_cur->groups.erase(emu_cur->groups.begin());
     }
+}
+static float pr_lds_f32(const float *p) {
+    const uint32_t a = pr_smem_u32(p);
+    if (a % 4 || (size_t)a + 4 > emu_smem_bytes) {
+        emu_error("shared-memory load misaligned or outside the launch's");
+        return NAN;
+    }
+    emu_shadow_read(a, 4, (int)emu_cur->idx.x / 32, (int)emu_cur->idx.x);
+    return *p;
 }
 static float pr_quad_max(float v);
 static float pr_quad_add(float v);
@@ -210,6 +299,7 @@ static float pr_quad_add(float v) {
 }
 
 /* ================================================================ the block scheduler */
+static long emu_n_ldsm, emu_n_mma;             /* ldmatrix.x4 and mma.sync executed, per warp */
 static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the same op */
     const int op = lane[0].op;
     for (int l = 1; l < 32; l++)
@@ -219,6 +309,9 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
         for (int l = 0; l < 32; l++) addr[l] = lane[l].addr;
         for (int l = 0; l < 32; l++)
             if ((size_t)addr[l] + 16 > emu_smem_bytes) { emu_cur = &lane[l]; emu_error("ldmatrix address outside shared memory"); return; }
+        emu_cur = &lane[0];
+        for (int l = 0; l < 32; l++) emu_shadow_read(addr[l], 16, (int)lane[0].idx.x / 32, -1);
+        emu_n_ldsm++;
         emu_ldmatrix(out, (const uint16_t *)pr_mma_smem, emu_smem_bytes / 2, addr, 4, op == OP_LDSM_T && !fault_ignore_trans);
         for (int l = 0; l < 32; l++) memcpy(lane[l].regs, out[l], sizeof out[l]);
     } else if (op == OP_MMA) {
@@ -230,6 +323,7 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
             memcpy(c[l], lane[l].d, sizeof c[l]);
         }
         emu_mma(d, a, b, c);
+        emu_n_mma++;
         for (int l = 0; l < 32; l++) memcpy(lane[l].d, d[l], sizeof d[l]);
     } else {
         float v[32];
@@ -241,6 +335,9 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
 
 static void emu_fiber(void) {
     (*emu_body)();
+    size_t pending = emu_cur->open.size();
+    for (const std::vector<emu_copy> &g : emu_cur->groups) pending += g.size();
+    if (pending) emu_error("the thread ends with cp.async copies it never waited for");
     emu_cur->state = T_DONE;
     emu_to_scheduler();
     abort();                                     /* never resumed */
@@ -257,6 +354,7 @@ static void emu_run_block(unsigned threads) {
         e.state = T_RUN;
         e.open.clear();
         e.groups.clear();
+        e.waited = false;
 #if EMU_FAST_SWITCH
         /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
            stack as a called function does (rsp = 8 mod 16) */
@@ -288,6 +386,7 @@ static void emu_run_block(unsigned threads) {
         for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
         if (done == threads) return;
         if (bar == threads) {
+            emu_epoch++;
             for (unsigned t = 0; t < threads; t++) emu_threads[t].state = T_RUN;
             continue;
         }
@@ -297,19 +396,49 @@ static void emu_run_block(unsigned threads) {
     }
 }
 
-template <typename F> static void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, F f) {
+/* One writer: each element of a launch's outputs changed by at most one of its blocks, the claim
+   the kernels' determinism rests on (blocks run one after another here, so two writers of one
+   element would both be seen, where on the GPU one could lose the other's update). */
+struct emu_out { const char *name; void *p; size_t n, elem; };
+static long emu_multi_writers;
+
+/* Runs the grid, blocks one after another, each from NaN-filled shared memory; returns the races
+   its blocks showed. */
+template <typename F>
+static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::vector<emu_out> &outs, F f) {
     std::function<void()> body = f;
     emu_body = &body;
     emu_smem_bytes = smem;
-    if (smem > EMU_SMEM_MAX) { emu_error("dynamic shared memory over the emulator's"); return; }
+    if (smem > EMU_SMEM_MAX) { emu_error("dynamic shared memory over the emulator's"); return 0; }
     emu_grid.x = gx, emu_grid.y = gy, emu_grid.z = 1;
     emu_bdim.x = threads, emu_bdim.y = emu_bdim.z = 1;
+    const long races0 = emu_races;
+    std::vector<std::vector<long>> owner(outs.size());
+    std::vector<std::vector<unsigned char>> before(outs.size());
+    for (size_t o = 0; o < outs.size(); o++) owner[o].assign(outs[o].n, -1);
     for (unsigned y = 0; y < gy && emu_errors == 0; y++)
         for (unsigned x = 0; x < gx && emu_errors == 0; x++) {
             emu_block.x = x, emu_block.y = y, emu_block.z = 0;
             memset(pr_mma_smem, 0xFF, smem);
+            emu_shadow_reset(smem);
+            for (size_t o = 0; o < outs.size(); o++) {
+                const unsigned char *p = (const unsigned char *)outs[o].p;
+                before[o].assign(p, p + outs[o].n * outs[o].elem);
+            }
             emu_run_block(threads);
+            const long id = (long)y * gx + x;
+            for (size_t o = 0; o < outs.size(); o++) {
+                const size_t el = outs[o].elem;
+                const unsigned char *p = (const unsigned char *)outs[o].p;
+                for (size_t i = 0; i < outs[o].n; i++) {
+                    if (!memcmp(p + i * el, &before[o][i * el], el)) continue;
+                    if (owner[o][i] >= 0 && owner[o][i] != id)
+                        EMU_FAULT(emu_multi_writers, "blocks %ld and %ld of one launch both write element %zu of %s", owner[o][i], id, i, outs[o].name);
+                    owner[o][i] = id;
+                }
+            }
         }
+    return emu_races - races0;
 }
 
 /* ================================================================ the attention on the emulator */
@@ -379,13 +508,24 @@ static double model_worst(const std::vector<double> &got, const std::vector<doub
 }
 
 struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
+/* per kernel (forward, dQ, dK/dV): races seen, and the ldmatrix.x4 and mma.sync its warps executed */
+enum { K_FWD, K_DQ, K_DKV, NK };
+static const char *kname[NK] = { "forward", "dQ", "dK/dV" };
+struct kernel_stats { long races[NK], ldsm[NK], mma[NK]; };
+template <typename F>
+static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f) {
+    emu_n_ldsm = emu_n_mma = 0;
+    ks->races[kernel] = emu_launch(gx, gy, PR_MMA_THREADS, smem, outs, f);
+    ks->ldsm[kernel] = emu_n_ldsm, ks->mma[kernel] = emu_n_mma;
+}
 enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
 static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
 
 /* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma make them, on the emulator; returns the
-   worst error / tolerance per tensor. */
+   worst error / tolerance per tensor, and each kernel's races and instruction counts in ks. */
 template <int HS>
-static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
+static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], int backward, kernel_stats *ks) {
+    memset(ks, 0, sizeof *ks);
     std::vector<int> seg_off(s.n_seg + 1, 0);
     for (int i = 0; i < s.n_seg; i++) seg_off[i + 1] = seg_off[i] + s.lens[i];
     const int N = seg_off[s.n_seg], np = s.n_prefix, NH = s.NH, NKV = s.NKV, qd = NH * HS, kvd = NKV * HS;
@@ -408,7 +548,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     std::vector<bf16> out(nq);
     std::vector<float> lse(nl, NAN);
     for (bf16 &x : out) x.bits = 0xFFFF;
-    emu_launch(nft, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 0), [&] {
+    launch_counted(ks, K_FWD, nft, NH, pr_mma_smem_bytes(HS, 0), { { "out", out.data(), nq, 2 }, { "lse", lse.data(), nl, 4 } }, [&] {
         pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                    np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
     });
@@ -464,17 +604,22 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     std::vector<pr_att_ktile> kt(nkt);
     pr_mma_key_tiles(kt.data(), qt.data(), nqt, np, C);
     std::vector<float> part(C > 1 ? 2 * (size_t)C * npk : 1, NAN);
-    emu_launch(nqt, NH, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 1), [&] {
+    std::vector<pr_att_tile> qt_dq = qt;              /* the planted fault: one tile twice */
+    if (fault_duplicate_tile && nqt > 1) qt_dq[1] = qt_dq[0];
+    launch_counted(ks, K_DQ, nqt, NH, pr_mma_smem_bytes(HS, 1), { { "dq", dq.data(), nq, 2 } }, [&] {
         pr_k_attention_bwd_dq_mma<HS>(dq.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
-                                      np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt.data(), np, NH, NKV);
+                                      np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
     });
-    emu_launch(nkt, NKV, PR_MMA_THREADS, pr_mma_smem_bytes(HS, 2), [&] {
+    const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
+                                            { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
+    launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
         pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, dob.data(),
                                        lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                        np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
     });
     if (C > 1)
-        emu_launch(4, 1, 128, 0, [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
+        emu_launch(4, 1, 128, 0, { { "dkp", dkp.data(), npk, 4 }, { "dvp", dvp.data(), npk, 4 } },
+                   [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
     std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
     /* the model's backward from the same start values */
     std::vector<float> mg[5];
@@ -497,9 +642,9 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
 }
 
-static void run(const shape &s, double ratio[NT], double model_ratio[NT], int backward) {
-    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, backward);
-    else run_shape<128>(s, ratio, model_ratio, backward);
+static void run(const shape &s, double ratio[NT], double model_ratio[NT], int backward, kernel_stats *ks) {
+    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, backward, ks);
+    else run_shape<128>(s, ratio, model_ratio, backward, ks);
 }
 
 int main(void) {
@@ -519,36 +664,60 @@ int main(void) {
 #else
     const size_t n_shapes = sizeof shapes / sizeof *shapes;
 #endif
+    emu_conflicts = 0;
     for (size_t i = 0; i < n_shapes; i++) {
         const shape &s = shapes[i];
         double r[NT], mr[NT];
+        kernel_stats ks;
         emu_errors = 0;
-        run(s, r, mr, 1);
-        int seg_off_len = 0;
+        emu_races = emu_multi_writers = 0;
+        run(s, r, mr, 1, &ks);
         char what[160];
         int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
-        for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]), seg_off_len += s.lens[i];
+        for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]);
         printf("%-52s err/tol", what);
         for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], r[t]);
         printf("\n%52s vs model", "");
         for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], mr[t]);
+        printf("\n%52s races", "");
+        for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
+        printf(", ldmatrix.x4 per mma");
+        for (int k = 0; k < NK; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
         printf("\n");
         for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
         CHECK(emu_errors == 0, "%s: %d errors on the emulated machine", what, emu_errors);
+        for (int k = 0; k < NK; k++) CHECK(ks.races[k] == 0, "%s: %ld shared-memory races in the %s kernel", what, ks.races[k], kname[k]);
+        CHECK(emu_multi_writers == 0, "%s: %ld output elements written by two blocks of one launch", what, emu_multi_writers);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
     }
-    /* negative controls: the same kernels on a faulty machine must fail */
+    printf("ldmatrix phases with bank conflicts in the kernels: %ld\n", emu_conflicts);
+    CHECK(emu_conflicts == 0, "%ld ldmatrix phases of the kernels with bank conflicts", emu_conflicts);
+
+    /* negative controls: the same kernels on a faulty machine must fail, each fault where it should */
     const shape ctl = { 65, 2, { 7, 70 }, 2, 1, 64 };
-    for (int f = 0; f < 2; f++) {
+    static const char *fault_name[] = { "copies land a wait_group late", "ldmatrix ignores .trans",
+                                        "the barriers that end a stage's reads skipped", "the barriers after a wait_group skipped",
+                                        "the dQ launch given one query tile twice" };
+    for (int f = 0; f < 5; f++) {
         double r[NT], mr[NT];
+        kernel_stats ks;
         emu_errors = 0;
-        fault_late_copies = f == 0, fault_ignore_trans = f == 1;
-        run(ctl, r, mr, 0);
-        fault_late_copies = fault_ignore_trans = 0;
-        printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors\n",
-               f == 0 ? "copies land a wait_group late" : "ldmatrix ignores .trans", r[T_OUT], r[T_LSE], emu_errors);
-        CHECK(r[T_OUT] > 1 || r[T_LSE] > 1 || emu_errors, "planted fault '%s' not detected (out %.2f, lse %.2f)",
-              f == 0 ? "copies land a wait_group late" : "ldmatrix ignores .trans", r[T_OUT], r[T_LSE]);
+        emu_races = emu_multi_writers = 0;
+        fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : 0;
+        fault_duplicate_tile = f == 4;
+        emu_quiet = true;
+        run(ctl, r, mr, f >= 2, &ks);
+        emu_quiet = false;
+        fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = 0;
+        printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld, %ld elements with two writers\n",
+               fault_name[f], r[T_OUT], r[T_LSE], emu_errors, ks.races[K_FWD], ks.races[K_DQ], ks.races[K_DKV], emu_multi_writers);
+        if (f < 2)
+            CHECK(r[T_OUT] > 1 || r[T_LSE] > 1 || emu_errors, "planted fault '%s' not detected (out %.2f, lse %.2f)", fault_name[f],
+                  r[T_OUT], r[T_LSE]);
+        else if (f < 4)
+            for (int k = 0; k < NK; k++) CHECK(ks.races[k] > 0, "planted fault '%s': no race seen in the %s kernel", fault_name[f], kname[k]);
+        else
+            CHECK(emu_multi_writers > 0, "planted fault '%s': no element seen written twice", fault_name[f]);
     }
     return test_report();
 }
