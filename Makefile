@@ -97,7 +97,8 @@ TEST_BINS += build/test_mma_emul build/test_mma_kernels
 
 # The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
-# CPU attention (test_mma_kernels; prefixreuse_cuda.cu compiled with PR_CUDA_HOST_EMULATION).
+# CPU attention, the FFMA kernels' too (test_mma_kernels; prefixreuse_cuda.cu compiled with
+# PR_CUDA_HOST_EMULATION and PR_CUDA_KERNEL_EMULATION).
 CXX ?= c++
 MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build

@@ -197,10 +197,253 @@ __device__ __forceinline__ float pr_quad_add(float v) {
 /* ================================================================ end of WARP-LEVEL PIECES */
 
 #if !defined(PR_CUDA_HOST_EMULATION) || defined(PR_CUDA_KERNEL_EMULATION)
-/* With PR_CUDA_KERNEL_EMULATION beside PR_CUDA_HOST_EMULATION, the tensor-core kernels below also
+/* With PR_CUDA_KERNEL_EMULATION beside PR_CUDA_HOST_EMULATION, the attention kernels below also
    compile for the host, where test/test_mma_kernels.cc runs them on an emulated block (it defines
    bf16, the CUDA built-ins and the instructions of the WARP-LEVEL PIECES). */
 #include <stdlib.h>
+
+/* ---------------------------------------------------------------- attention */
+/* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1) (the FFMA kernels' prefix key
+   tiles have seg0 = seg1 = -1). */
+typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
+/* The query tiles of segments seg_off (n_seg + 1 offsets): `rows`-row pieces of each segment (64,
+   or 128 for the tensor-core forward), in segment order, then row order. Writes them to out unless
+   NULL; returns their count. */
+static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off, int rows) {
+    int n = 0;
+    for (int s = 0; s < n_seg; s++)
+        for (int r0 = seg_off[s]; r0 < seg_off[s + 1]; r0 += rows, n++)
+            if (out) {
+                pr_att_tile x = { r0, r0 + rows < seg_off[s + 1] ? r0 + rows : seg_off[s + 1], seg_off[s], seg_off[s + 1] };
+                out[n] = x;
+            }
+    return n;
+}
+
+/* Tiles of 64 rows, four threads per row: thread part p holds head dims p, p+4, p+8, ... so that
+   for each step the four parts read four neighbouring shared-memory words (no bank conflict) and
+   the eight rows of a warp read the same words (a broadcast). A row's dot product is the sum of
+   its four parts, reduced by two shuffles in a fixed order.
+   Key index j of a query row: j < n_prefix is prefix row j (kp/vp), j >= n_prefix is row
+   seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal).
+   Not yet run on a GPU; compiled for the host, they match the double CPU attention on an
+   emulated block (test/test_mma_kernels.cc, head dims 64 and 128). */
+#define PR_ATT_ROWS 64
+#define PR_ATT_THREADS (PR_ATT_ROWS * 4)
+
+/* Loads rows [r0, r0+n) (n <= 64) of one head (column offset col, row stride ld) into smem as
+   float, zero-filling the rest of the tile. */
+template <int HS>
+__device__ void pr_att_load(float *dst, const bf16 *src, int r0, int n, size_t ld, int col) {
+    for (int e = threadIdx.x; e < PR_ATT_ROWS * HS; e += blockDim.x) {
+        int r = e / HS, d = e % HS;
+        dst[e] = r < n ? __bfloat162float(src[(size_t)(r0 + r) * ld + col + d]) : 0.0f;
+    }
+}
+
+/* Walks the keys query row r of tile t sees, in a fixed order: region 0, the n_prefix shared rows
+   (kp, vp); region 1, the tile's own segment up to its last row (k, v), causal per row. Each
+   64-key tile of K and V is loaded into shared memory, then visit(k_row, v_row, visible) runs for
+   each of its keys on every thread of the block, so that shuffles inside visit see full warps;
+   visible is false for the keys this row does not see. */
+template <int HS, typename Visit>
+__device__ __forceinline__ void pr_att_walk_keys(float *ks, float *vs, const pr_att_tile &t, int r, bool valid,
+                                                 int n_prefix, const bf16 *k, const bf16 *v, const bf16 *kp,
+                                                 const bf16 *vp, size_t kvd, int hk, Visit visit) {
+    for (int region = 0; region < 2; region++) {
+        const int count = region == 0 ? n_prefix : t.r1 - t.seg0, base = region == 0 ? 0 : t.seg0;
+        const bf16 *kb = region == 0 ? kp : k, *vb = region == 0 ? vp : v;
+        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
+            const int jn = min(PR_ATT_ROWS, count - j0);
+            __syncthreads();
+            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
+            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
+            __syncthreads();
+            for (int jj = 0; jj < jn; jj++)
+                visit(ks + jj * HS, vs + jj * HS, valid && (region == 0 || j0 + jj <= r - t.seg0));
+        }
+    }
+}
+
+/* Forward. Grid (query tiles, NH). Online softmax over the prefix keys, then the own keys. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
+                   const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    float *const smem = (float *)pr_dyn_smem;
+    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
+    const pr_att_tile t = tiles[blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
+    const int r = t.r0 + (threadIdx.x >> 2);
+    const bool valid = r < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    float qr[D], acc[D];
+    for (int i = 0; i < D; i++) {
+        qr[i] = valid ? __bfloat162float(q[(size_t)r * qd + (size_t)h * HS + part + 4 * i]) * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+        float s = 0;
+        for (int i = 0; i < D; i++) s += qr[i] * kj[part + 4 * i];
+        s = pr_quad_add(s);
+        if (!visible) return;
+        if (s > m) {                   /* a new maximum: rescale what was accumulated under the old one */
+            float c = __expf(m - s);
+            for (int i = 0; i < D; i++) acc[i] *= c;
+            l *= c;
+            m = s;
+        }
+        float p = __expf(s - m);
+        l += p;
+        for (int i = 0; i < D; i++) acc[i] += p * vj[part + 4 * i];
+    });
+    if (!valid) return;
+    float inv = 1.0f / l;
+    for (int i = 0; i < D; i++) out[(size_t)r * qd + (size_t)h * HS + part + 4 * i] = __float2bfloat16(acc[i] * inv);
+    if (part == 0) lse[(size_t)r * NH + h] = m + logf(l);
+}
+
+/* dq. Grid (query tiles, NH): like the forward, with p rebuilt from lse:
+   p = exp(s - lse), ds = p (dout.v - D), dq += scale ds k. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
+                      const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
+                      int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    float *const smem = (float *)pr_dyn_smem;
+    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
+    const pr_att_tile t = tiles[blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
+    const int r = t.r0 + (threadIdx.x >> 2);
+    const bool valid = r < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    float qr[D], dor[D], g[D];
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
+        qr[i] = valid ? __bfloat162float(q[o]) * scale : 0.0f;
+        dor[i] = valid ? __bfloat162float(dout[o]) : 0.0f;
+        g[i] = 0.0f;
+    }
+    const float L = valid ? lse[(size_t)r * NH + h] : 0.0f, Drow = valid ? Dr[(size_t)r * NH + h] : 0.0f;
+    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+        float s = 0, dp = 0;
+        for (int i = 0; i < D; i++) {
+            s += qr[i] * kj[part + 4 * i];
+            dp += dor[i] * vj[part + 4 * i];
+        }
+        s = pr_quad_add(s);
+        dp = pr_quad_add(dp);
+        if (!visible) return;
+        float ds = __expf(s - L) * (dp - Drow) * scale;
+        for (int i = 0; i < D; i++) g[i] += ds * kj[part + 4 * i];
+    });
+    if (!valid) return;
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
+        dq[o] = __float2bfloat16(__bfloat162float(dq[o]) + g[i]);
+    }
+}
+
+/* dk, dv. Grid (key tiles, NKV): a block owns 64 keys of one KV head and loops over every query
+   row that sees them, for each query head of the GQA group, in a fixed order:
+     prefix key tile (seg0 < 0): every row of every segment;   own key tile: the rest of its segment.
+   dv += p dout,  dk += scale p (dout.v - D) q. One writer per row: no atomics, same bits every run.
+   Own keys' sums are added to the bf16 dk/dv once; prefix keys' go into the fp32 accumulators
+   dkp/dvp (the schedule's gK/gV precision), so nothing the suffixes send the prefix is rounded to
+   bf16. */
+template <int HS>
+__global__ void __launch_bounds__(PR_ATT_THREADS)
+pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, float *dkp, float *dvp, const bf16 *dout, const float *lse, const float *Dr,
+                       const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp,
+                       const pr_att_tile *ktiles, int N, int NH, int NKV) {
+    constexpr int D = HS / 4;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    float *const smem = (float *)pr_dyn_smem;
+    float *qs = smem, *ds_ = smem + PR_ATT_ROWS * HS, *ls = ds_ + PR_ATT_ROWS * HS, *dd = ls + PR_ATT_ROWS;
+    const pr_att_tile t = ktiles[blockIdx.x];
+    const int hk = blockIdx.y, group = NH / NKV, part = threadIdx.x & 3;
+    const bool prefix = t.seg0 < 0;
+    const int j = t.r0 + (threadIdx.x >> 2);                /* prefix row, or row of the own segment */
+    const bool valid = j < t.r1;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS);
+    const bf16 *kb = prefix ? kp : k, *vb = prefix ? vp : v;
+    float kr[D], vr[D], gk[D], gv[D];
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
+        kr[i] = valid ? __bfloat162float(kb[o]) * scale : 0.0f;
+        vr[i] = valid ? __bfloat162float(vb[o]) : 0.0f;
+        gk[i] = gv[i] = 0.0f;
+    }
+    /* the query rows to visit: [q_begin, q_end) */
+    const int q_begin = prefix ? 0 : t.r0, q_end = prefix ? N : t.seg1;
+    for (int h = hk * group; h < (hk + 1) * group; h++)
+        for (int i0 = q_begin; i0 < q_end; i0 += PR_ATT_ROWS) {
+            int in = min(PR_ATT_ROWS, q_end - i0);
+            __syncthreads();
+            pr_att_load<HS>(qs, q, i0, in, qd, h * HS);
+            pr_att_load<HS>(ds_, dout, i0, in, qd, h * HS);
+            for (int e = threadIdx.x; e < PR_ATT_ROWS; e += blockDim.x) {
+                ls[e] = e < in ? lse[(size_t)(i0 + e) * NH + h] : 0.0f;
+                dd[e] = e < in ? Dr[(size_t)(i0 + e) * NH + h] : 0.0f;
+            }
+            __syncthreads();
+            for (int ii = 0; ii < in; ii++) {
+                float s = 0, dp = 0;
+                for (int i = 0; i < D; i++) {
+                    s += kr[i] * qs[ii * HS + part + 4 * i];
+                    dp += vr[i] * ds_[ii * HS + part + 4 * i];
+                }
+                s = pr_quad_add(s);
+                dp = pr_quad_add(dp);
+                /* own keys: query row i0+ii sees key j when j <= i0+ii (same segment by construction) */
+                if (!valid || (!prefix && j > i0 + ii)) continue;
+                float p = __expf(s - ls[ii]), ds = p * (dp - dd[ii]) * scale;
+                for (int i = 0; i < D; i++) {
+                    gv[i] += p * ds_[ii * HS + part + 4 * i];
+                    gk[i] += ds * qs[ii * HS + part + 4 * i];
+                }
+            }
+        }
+    if (!valid) return;
+    for (int i = 0; i < D; i++) {
+        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
+        if (prefix) {
+            dkp[o] += gk[i];
+            dvp[o] += gv[i];
+        } else {
+            dk[o] = __float2bfloat16(__bfloat162float(dk[o]) + gk[i]);
+            dv[o] = __float2bfloat16(__bfloat162float(dv[o]) + gv[i]);
+        }
+    }
+}
+
+/* Dynamic shared memory of the kernels above: two tiles of 64 x HS floats (+ two rows of statistics for dkv). */
+static size_t pr_att_smem_bytes(int HS, int with_stats) {
+    return sizeof(float) * (size_t)(2 * PR_ATT_ROWS * HS + (with_stats ? 2 * PR_ATT_ROWS : 0));
+}
+
+/* The dk/dv blocks' key tiles: the prefix region's 64-key tiles (seg0 = seg1 = -1), then the own
+   tiles, which are the nq query tiles qt themselves. Writes them to out unless NULL; returns their
+   count. */
+static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int n_prefix) {
+    const int npt = (n_prefix + PR_ATT_ROWS - 1) / PR_ATT_ROWS;
+    if (out) {
+        for (int i = 0; i < npt; i++) {
+            pr_att_tile x = { i * PR_ATT_ROWS, (i + 1) * PR_ATT_ROWS < n_prefix ? (i + 1) * PR_ATT_ROWS : n_prefix, -1, -1 };
+            out[i] = x;
+        }
+        if (nq) memcpy(out + npt, qt, sizeof(pr_att_tile) * (size_t)nq);
+    }
+    return npt + nq;
+}
 
 /* ---------------------------------------------------------------- attention on tensor cores */
 /* The same attention as the kernels above (two key regions, causal own segment, GQA, one writer
@@ -246,26 +489,9 @@ __device__ __forceinline__ float pr_quad_add(float v) {
 #define PR_LOG2E 1.4426950408889634f
 #define PR_LN2 0.6931471805599453f
 
-/* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1) (the FFMA kernels' prefix key
-   tiles have seg0 = seg1 = -1). */
-typedef struct { int r0, r1, seg0, seg1; } pr_att_tile;
 /* A dK/dV block's work: keys [j0, min(j0 + 64, end)) of region 0 (prefix, chunk >= 0) or of a
    segment (region 1, chunk -1), seen by query tiles [qlo, qhi) of the query-tile list. */
 typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
-
-/* The query tiles of segments seg_off (n_seg + 1 offsets): `rows`-row pieces of each segment (64,
-   or 128 for the tensor-core forward), in segment order, then row order. Writes them to out unless
-   NULL; returns their count. */
-static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off, int rows) {
-    int n = 0;
-    for (int s = 0; s < n_seg; s++)
-        for (int r0 = seg_off[s]; r0 < seg_off[s + 1]; r0 += rows, n++)
-            if (out) {
-                pr_att_tile x = { r0, r0 + rows < seg_off[s + 1] ? r0 + rows : seg_off[s + 1], seg_off[s], seg_off[s + 1] };
-                out[n] = x;
-            }
-    return n;
-}
 
 /* Rows [row0, row0 + n) (0 < n <= 64) of one head (column col, row stride ld) into a swizzled
    64 x HS tile, rows n..63 zero-filled: 16-byte cp.async by the whole block (not yet committed). */
@@ -364,8 +590,8 @@ __global__ void __launch_bounds__(PR_MMA_THREADS)
 pr_k_attention_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                        const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
     constexpr int T = PR_MMA_ROWS * HS, M = PR_MMA_FWD_ROWS / PR_MMA_ROWS;
-    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
-    bf16 *qs = (bf16 *)pr_mma_smem, *ks = qs + M * T, *vs = ks + 2 * T;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *qs = (bf16 *)pr_dyn_smem, *ks = qs + M * T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
     const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
@@ -496,8 +722,8 @@ pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const fl
                           const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
                           int NH, int NKV) {
     constexpr int T = PR_MMA_ROWS * HS, KN = HS == 128 ? 32 : 64;
-    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
-    bf16 *qs = (bf16 *)pr_mma_smem, *dos = qs + T, *ks = dos + T, *vs = ks + 2 * T;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *qs = (bf16 *)pr_dyn_smem, *dos = qs + T, *ks = dos + T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
     const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
@@ -590,8 +816,8 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
                            const bf16 *kp, const bf16 *vp, const pr_att_ktile *ktiles, const pr_att_tile *qtiles,
                            int n_prefix, int NH, int NKV) {
     constexpr int T = PR_MMA_ROWS * HS, QN = HS == 128 ? 16 : 64;
-    extern __shared__ __align__(128) unsigned char pr_mma_smem[];
-    bf16 *ks = (bf16 *)pr_mma_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
     float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
     const pr_att_ktile kt = ktiles[blockIdx.x];
     const int hk = blockIdx.y, group = NH / NKV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -747,7 +973,7 @@ static long long pr_mma_key_tiles(pr_att_ktile *out, const pr_att_tile *qt, int 
     return n;
 }
 
-#endif /* tensor-core kernels */
+#endif /* attention kernels */
 
 #ifndef PR_CUDA_HOST_EMULATION
 
@@ -1172,97 +1398,7 @@ static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *
     pr_cu_rope(be, dx, lay, heads, HS, inv_freq, -1.0f);
 }
 
-/* ---------------------------------------------------------------- attention */
-/* Tiles of 64 rows, four threads per row: thread part p holds head dims p, p+4, p+8, ... so that
-   for each step the four parts read four neighbouring shared-memory words (no bank conflict) and
-   the eight rows of a warp read the same words (a broadcast). A row's dot product is the sum of
-   its four parts, reduced by two shuffles in a fixed order.
-   Key index j of a query row: j < n_prefix is prefix row j (kp/vp), j >= n_prefix is row
-   seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal). */
-#define PR_ATT_ROWS 64
-#define PR_ATT_THREADS (PR_ATT_ROWS * 4)
-
-__device__ __forceinline__ float pr_quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    v += __shfl_xor_sync(0xffffffffu, v, 2);
-    return v;
-}
-
-/* Loads rows [r0, r0+n) (n <= 64) of one head (column offset col, row stride ld) into smem as
-   float, zero-filling the rest of the tile. */
-template <int HS>
-__device__ void pr_att_load(float *dst, const bf16 *src, int r0, int n, size_t ld, int col) {
-    for (int e = threadIdx.x; e < PR_ATT_ROWS * HS; e += blockDim.x) {
-        int r = e / HS, d = e % HS;
-        dst[e] = r < n ? __bfloat162float(src[(size_t)(r0 + r) * ld + col + d]) : 0.0f;
-    }
-}
-
-/* Walks the keys query row r of tile t sees, in a fixed order: region 0, the n_prefix shared rows
-   (kp, vp); region 1, the tile's own segment up to its last row (k, v), causal per row. Each
-   64-key tile of K and V is loaded into shared memory, then visit(k_row, v_row, visible) runs for
-   each of its keys on every thread of the block, so that shuffles inside visit see full warps;
-   visible is false for the keys this row does not see. */
-template <int HS, typename Visit>
-__device__ __forceinline__ void pr_att_walk_keys(float *ks, float *vs, const pr_att_tile &t, int r, bool valid,
-                                                 int n_prefix, const bf16 *k, const bf16 *v, const bf16 *kp,
-                                                 const bf16 *vp, size_t kvd, int hk, Visit visit) {
-    for (int region = 0; region < 2; region++) {
-        const int count = region == 0 ? n_prefix : t.r1 - t.seg0, base = region == 0 ? 0 : t.seg0;
-        const bf16 *kb = region == 0 ? kp : k, *vb = region == 0 ? vp : v;
-        for (int j0 = 0; j0 < count; j0 += PR_ATT_ROWS) {
-            const int jn = min(PR_ATT_ROWS, count - j0);
-            __syncthreads();
-            pr_att_load<HS>(ks, kb, base + j0, jn, kvd, hk * HS);
-            pr_att_load<HS>(vs, vb, base + j0, jn, kvd, hk * HS);
-            __syncthreads();
-            for (int jj = 0; jj < jn; jj++)
-                visit(ks + jj * HS, vs + jj * HS, valid && (region == 0 || j0 + jj <= r - t.seg0));
-        }
-    }
-}
-
-/* Forward. Grid (query tiles, NH). Online softmax over the prefix keys, then the own keys. */
-template <int HS>
-__global__ void __launch_bounds__(PR_ATT_THREADS)
-pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
-                   const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
-    constexpr int D = HS / 4;
-    extern __shared__ float smem[];
-    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
-    const pr_att_tile t = tiles[blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
-    const int r = t.r0 + (threadIdx.x >> 2);
-    const bool valid = r < t.r1;
-    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
-    const float scale = rsqrtf((float)HS);
-    float qr[D], acc[D];
-    for (int i = 0; i < D; i++) {
-        qr[i] = valid ? __bfloat162float(q[(size_t)r * qd + (size_t)h * HS + part + 4 * i]) * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
-    float m = -INFINITY, l = 0.0f;
-    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
-        float s = 0;
-        for (int i = 0; i < D; i++) s += qr[i] * kj[part + 4 * i];
-        s = pr_quad_sum(s);
-        if (!visible) return;
-        if (s > m) {                   /* a new maximum: rescale what was accumulated under the old one */
-            float c = __expf(m - s);
-            for (int i = 0; i < D; i++) acc[i] *= c;
-            l *= c;
-            m = s;
-        }
-        float p = __expf(s - m);
-        l += p;
-        for (int i = 0; i < D; i++) acc[i] += p * vj[part + 4 * i];
-    });
-    if (!valid) return;
-    float inv = 1.0f / l;
-    for (int i = 0; i < D; i++) out[(size_t)r * qd + (size_t)h * HS + part + 4 * i] = __float2bfloat16(acc[i] * inv);
-    if (part == 0) lse[(size_t)r * NH + h] = m + logf(l);
-}
-
+/* ---------------------------------------------------------------- attention: launches */
 /* D[r, h] = dout . out over the head: the softmax backward's row term. */
 __global__ void pr_k_attention_rowdot(float *Dr, const bf16 *dout, const bf16 *out, int N, int NH, int HS) {
     int idx = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1272,122 +1408,6 @@ __global__ void pr_k_attention_rowdot(float *Dr, const bf16 *dout, const bf16 *o
     for (int i = lane; i < HS; i += 32) s += __bfloat162float(a[i]) * __bfloat162float(b[i]);
     s = pr_warp_sum(s);
     if (lane == 0) Dr[idx] = s;
-}
-
-/* dq. Grid (query tiles, NH): like the forward, with p rebuilt from lse:
-   p = exp(s - lse), ds = p (dout.v - D), dq += scale ds k. */
-template <int HS>
-__global__ void __launch_bounds__(PR_ATT_THREADS)
-pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
-                      const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
-                      int NH, int NKV) {
-    constexpr int D = HS / 4;
-    extern __shared__ float smem[];
-    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
-    const pr_att_tile t = tiles[blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
-    const int r = t.r0 + (threadIdx.x >> 2);
-    const bool valid = r < t.r1;
-    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
-    const float scale = rsqrtf((float)HS);
-    float qr[D], dor[D], g[D];
-    for (int i = 0; i < D; i++) {
-        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
-        qr[i] = valid ? __bfloat162float(q[o]) * scale : 0.0f;
-        dor[i] = valid ? __bfloat162float(dout[o]) : 0.0f;
-        g[i] = 0.0f;
-    }
-    const float L = valid ? lse[(size_t)r * NH + h] : 0.0f, Drow = valid ? Dr[(size_t)r * NH + h] : 0.0f;
-    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
-        float s = 0, dp = 0;
-        for (int i = 0; i < D; i++) {
-            s += qr[i] * kj[part + 4 * i];
-            dp += dor[i] * vj[part + 4 * i];
-        }
-        s = pr_quad_sum(s);
-        dp = pr_quad_sum(dp);
-        if (!visible) return;
-        float ds = __expf(s - L) * (dp - Drow) * scale;
-        for (int i = 0; i < D; i++) g[i] += ds * kj[part + 4 * i];
-    });
-    if (!valid) return;
-    for (int i = 0; i < D; i++) {
-        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
-        dq[o] = __float2bfloat16(__bfloat162float(dq[o]) + g[i]);
-    }
-}
-
-/* dk, dv. Grid (key tiles, NKV): a block owns 64 keys of one KV head and loops over every query
-   row that sees them, for each query head of the GQA group, in a fixed order:
-     prefix key tile (seg0 < 0): every row of every segment;   own key tile: the rest of its segment.
-   dv += p dout,  dk += scale p (dout.v - D) q. One writer per row: no atomics, same bits every run.
-   Own keys' sums are added to the bf16 dk/dv once; prefix keys' go into the fp32 accumulators
-   dkp/dvp (the schedule's gK/gV precision), so nothing the suffixes send the prefix is rounded to
-   bf16. */
-template <int HS>
-__global__ void __launch_bounds__(PR_ATT_THREADS)
-pr_k_attention_bwd_dkv(bf16 *dk, bf16 *dv, float *dkp, float *dvp, const bf16 *dout, const float *lse, const float *Dr,
-                       const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp,
-                       const pr_att_tile *ktiles, int N, int NH, int NKV) {
-    constexpr int D = HS / 4;
-    extern __shared__ float smem[];
-    float *qs = smem, *ds_ = smem + PR_ATT_ROWS * HS, *ls = ds_ + PR_ATT_ROWS * HS, *dd = ls + PR_ATT_ROWS;
-    const pr_att_tile t = ktiles[blockIdx.x];
-    const int hk = blockIdx.y, group = NH / NKV, part = threadIdx.x & 3;
-    const bool prefix = t.seg0 < 0;
-    const int j = t.r0 + (threadIdx.x >> 2);                /* prefix row, or row of the own segment */
-    const bool valid = j < t.r1;
-    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
-    const float scale = rsqrtf((float)HS);
-    const bf16 *kb = prefix ? kp : k, *vb = prefix ? vp : v;
-    float kr[D], vr[D], gk[D], gv[D];
-    for (int i = 0; i < D; i++) {
-        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
-        kr[i] = valid ? __bfloat162float(kb[o]) * scale : 0.0f;
-        vr[i] = valid ? __bfloat162float(vb[o]) : 0.0f;
-        gk[i] = gv[i] = 0.0f;
-    }
-    /* the query rows to visit: [q_begin, q_end) */
-    const int q_begin = prefix ? 0 : t.r0, q_end = prefix ? N : t.seg1;
-    for (int h = hk * group; h < (hk + 1) * group; h++)
-        for (int i0 = q_begin; i0 < q_end; i0 += PR_ATT_ROWS) {
-            int in = min(PR_ATT_ROWS, q_end - i0);
-            __syncthreads();
-            pr_att_load<HS>(qs, q, i0, in, qd, h * HS);
-            pr_att_load<HS>(ds_, dout, i0, in, qd, h * HS);
-            for (int e = threadIdx.x; e < PR_ATT_ROWS; e += blockDim.x) {
-                ls[e] = e < in ? lse[(size_t)(i0 + e) * NH + h] : 0.0f;
-                dd[e] = e < in ? Dr[(size_t)(i0 + e) * NH + h] : 0.0f;
-            }
-            __syncthreads();
-            for (int ii = 0; ii < in; ii++) {
-                float s = 0, dp = 0;
-                for (int i = 0; i < D; i++) {
-                    s += kr[i] * qs[ii * HS + part + 4 * i];
-                    dp += vr[i] * ds_[ii * HS + part + 4 * i];
-                }
-                s = pr_quad_sum(s);
-                dp = pr_quad_sum(dp);
-                /* own keys: query row i0+ii sees key j when j <= i0+ii (same segment by construction) */
-                if (!valid || (!prefix && j > i0 + ii)) continue;
-                float p = __expf(s - ls[ii]), ds = p * (dp - dd[ii]) * scale;
-                for (int i = 0; i < D; i++) {
-                    gv[i] += p * ds_[ii * HS + part + 4 * i];
-                    gk[i] += ds * qs[ii * HS + part + 4 * i];
-                }
-            }
-        }
-    if (!valid) return;
-    for (int i = 0; i < D; i++) {
-        size_t o = (size_t)j * kvd + (size_t)hk * HS + part + 4 * i;
-        if (prefix) {
-            dkp[o] += gk[i];
-            dvp[o] += gv[i];
-        } else {
-            dk[o] = __float2bfloat16(__bfloat162float(dk[o]) + gk[i]);
-            dv[o] = __float2bfloat16(__bfloat162float(dv[o]) + gv[i]);
-        }
-    }
 }
 
 /* The query tiles of a layout (pr_att_query_tiles, `rows` a tile) in host memory the caller frees;
@@ -1413,10 +1433,6 @@ static int pr_cu_smem_attr(pr_cu *cx, K kernel, int which, int HS, size_t smem, 
     return 1;
 }
 
-/* Shared memory of the kernels: two tiles of 64 x HS floats (+ two rows of statistics for dkv). */
-static size_t pr_cu_att_smem(int HS, int with_stats) {
-    return sizeof(float) * (size_t)(2 * PR_ATT_ROWS * HS + (with_stats ? 2 * PR_ATT_ROWS : 0));
-}
 
 template <int HS>
 static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *q, const void *k, const void *v,
@@ -1427,7 +1443,7 @@ static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *
     const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
     free(tiles);
     if (!dt) return;
-    size_t smem = pr_cu_att_smem(HS, 0);
+    size_t smem = pr_att_smem_bytes(HS, 0);
     if (!pr_cu_smem_attr(cx, pr_k_attention_fwd<HS>, PR_CU_ATT_FWD, HS, smem, "attention_fwd shared memory")) return;
     pr_k_attention_fwd<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
@@ -1443,15 +1459,10 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
     pr_att_tile *qt;
     int nq = pr_cu_query_tiles(&qt, lay, PR_ATT_ROWS);
     if (nq < 0) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
-    /* key tiles: the prefix region's, then the own tiles (the query tiles themselves) */
-    int npt = (np + PR_ATT_ROWS - 1) / PR_ATT_ROWS, nk = npt + nq;
+    const int nk = pr_att_key_tiles(NULL, qt, nq, np);
     pr_att_tile *kt = (pr_att_tile *)malloc(sizeof(pr_att_tile) * (size_t)(nk ? nk : 1));
     if (!kt) { free(qt); pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
-    for (int i = 0; i < npt; i++) {
-        pr_att_tile x = { i * PR_ATT_ROWS, (i + 1) * PR_ATT_ROWS < np ? (i + 1) * PR_ATT_ROWS : np, -1, -1 };
-        kt[i] = x;
-    }
-    memcpy(kt + npt, qt, sizeof(pr_att_tile) * (size_t)nq);
+    pr_att_key_tiles(kt, qt, nq, np);
     if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nq) + pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nk))) {
         free(qt);
         free(kt);
@@ -1466,13 +1477,13 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
     pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
-    size_t smem = pr_cu_att_smem(HS, 0);
+    size_t smem = pr_att_smem_bytes(HS, 0);
     if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq<HS>, PR_CU_ATT_DQ, HS, smem, "attention_bwd_dq shared memory")) return;
     pr_k_attention_bwd_dq<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
         (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dq");
-    smem = pr_cu_att_smem(HS, 1);
+    smem = pr_att_smem_bytes(HS, 1);
     if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv<HS>, PR_CU_ATT_DKV, HS, smem, "attention_bwd_dkv shared memory")) return;
     pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, (const bf16 *)dout, (const float *)lse, Dr,

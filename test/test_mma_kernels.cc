@@ -1,9 +1,11 @@
-/* The tensor-core attention kernels themselves (prefixreuse_cuda.cu, compiled for the host with
+/* The attention kernels themselves (prefixreuse_cuda.cu, compiled for the host with
    PR_CUDA_KERNEL_EMULATION), run on an emulated GPU block and compared, without a GPU, with the
-   library's CPU attention in double precision (test/gpu_ref.c), and with the tile-level model of
-   the same algorithm (test/attn_model.c), which they must match far more closely.
+   library's CPU attention in double precision (test/gpu_ref.c): the tensor-core kernels, also
+   with the tile-level model of their algorithm (test/attn_model.c), which they must match far
+   more closely; and the FFMA kernels, the backend's default and the GPU tests' reference.
 
-   The emulated block: one fiber (ucontext) per thread, 128 of them, run in turn until each reaches
+   The emulated block: one fiber (ucontext) per thread (128 for the tensor-core kernels, 256 for
+   the FFMA ones), run in turn until each reaches
    a synchronisation point. __syncthreads releases when every thread has arrived. A warp-collective
    instruction (ldmatrix, mma.sync, shfl) executes when all 32 lanes of the warp have arrived at it,
    through test/mma_emu.h's emulation written from the PTX ISA; lanes of one warp arriving at
@@ -25,7 +27,11 @@
    of dq, dk, dv, dkp, dvp over random starting contents, with test/test_gpu_attention.c's
    tolerances against the reference, and a quarter of its absolute part against the model (with
    one bf16 spacing for a flipped final rounding); no race in any kernel, no output element with
-   two writers, no bank conflict. Negative controls, each of which must be caught: copies that
+   two writers, no bank conflict. The FFMA kernels on the same inputs: the same tolerances for
+   their bf16 outputs, 2e-5 (relative, and of the largest value) for their fp32 prefix dK/dV;
+   their plain shared-memory accesses are not race-checked, their outputs are checked for one
+   writer. Head dims 16 and 32 (FFMA only) run the same code with shorter loops and are left to
+   the GPU test. Negative controls, each of which must be caught: copies that
    land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
    stage's reads skipped, and those after a wait_group skipped (as races in each of the three
    kernels: their values stay within tolerance on this machine); the dQ launch given one query
@@ -61,9 +67,16 @@ static inline float2 make_float2(float x, float y) { float2 r = { x, y }; return
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline int min(int a, int b) { return a < b ? a : b; }
+#define __expf(x) expf(x)                 /* glibc declares its own __expf */
+static inline float __bfloat162float(bf16 x) { return bf16_value(x.bits); }
+static inline bf16 __float2bfloat16(float x) {
+    bf16 r;
+    r.bits = emu_bf16_bits(emu_round_bf16(x));
+    return r;
+}
 
 #define EMU_SMEM_MAX (232 * 1024)
-__attribute__((aligned(128))) unsigned char pr_mma_smem[EMU_SMEM_MAX];
+__attribute__((aligned(128))) unsigned char pr_dyn_smem[EMU_SMEM_MAX];
 
 enum { T_RUN, T_BAR, T_WARP, T_DONE };
 enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL };
@@ -221,7 +234,7 @@ static void __syncthreads(void) {
     emu_yield(T_BAR);
 }
 
-static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_mma_smem); }
+static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_dyn_smem); }
 static void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
     emu_cur->op = OP_LDSM, emu_cur->addr = addr, emu_cur->regs = r;
     emu_yield(T_WARP);
@@ -257,8 +270,8 @@ static void emu_land(const std::vector<emu_copy> &g) {
         for (const emu_buffer &b : emu_inputs)
             inside |= (const char *)c.src >= b.p && (const char *)c.src + c.bytes <= b.p + b.bytes;
         if (!inside || (uintptr_t)c.src % c.bytes) { emu_error("cp.async source outside the inputs or misaligned"); continue; }
-        if (c.fill) memcpy(pr_mma_smem + c.dst, c.src, c.bytes);
-        else memset(pr_mma_smem + c.dst, 0, c.bytes);
+        if (c.fill) memcpy(pr_dyn_smem + c.dst, c.src, c.bytes);
+        else memset(pr_dyn_smem + c.dst, 0, c.bytes);
         emu_shadow_land(c.dst, c.bytes);
     }
 }
@@ -312,7 +325,7 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
         emu_cur = &lane[0];
         for (int l = 0; l < 32; l++) emu_shadow_read(addr[l], 16, (int)lane[0].idx.x / 32, -1);
         emu_n_ldsm++;
-        emu_ldmatrix(out, (const uint16_t *)pr_mma_smem, emu_smem_bytes / 2, addr, 4, op == OP_LDSM_T && !fault_ignore_trans);
+        emu_ldmatrix(out, (const uint16_t *)pr_dyn_smem, emu_smem_bytes / 2, addr, 4, op == OP_LDSM_T && !fault_ignore_trans);
         for (int l = 0; l < 32; l++) memcpy(lane[l].regs, out[l], sizeof out[l]);
     } else if (op == OP_MMA) {
         uint32_t a[32][4], b[32][2];
@@ -419,7 +432,7 @@ static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, 
     for (unsigned y = 0; y < gy && emu_errors == 0; y++)
         for (unsigned x = 0; x < gx && emu_errors == 0; x++) {
             emu_block.x = x, emu_block.y = y, emu_block.z = 0;
-            memset(pr_mma_smem, 0xFF, smem);
+            memset(pr_dyn_smem, 0xFF, smem);
             emu_shadow_reset(smem);
             for (size_t o = 0; o < outs.size(); o++) {
                 const unsigned char *p = (const unsigned char *)outs[o].p;
@@ -523,8 +536,21 @@ static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
 
 /* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma make them, on the emulator; returns the
    worst error / tolerance per tensor, and each kernel's races and instruction counts in ks. */
+/* worst |lse - ref| / (2e-5 (|ref| + 1)); NaN counts as infinite */
+static double lse_ratio(const std::vector<float> &lse, const std::vector<double> &ref) {
+    double worst = 0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        double r = fabs(lse[i] - ref[i]) / (2e-5 * (fabs(ref[i]) + 1));
+        if (r != r) return INFINITY;
+        if (r > worst) worst = r;
+    }
+    return worst;
+}
+
+#define FFMA_FP32_TOL 2e-5
 template <int HS>
-static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], int backward, kernel_stats *ks) {
+static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], double ffma_ratio[NT], int backward,
+                      kernel_stats *ks) {
     memset(ks, 0, sizeof *ks);
     std::vector<int> seg_off(s.n_seg + 1, 0);
     for (int i = 0; i < s.n_seg; i++) seg_off[i + 1] = seg_off[i] + s.lens[i];
@@ -562,13 +588,22 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     model_ratio[T_LSE] = model_worst(std::vector<double>(lse.begin(), lse.end()), NULL, std::vector<double>(ml.begin(), ml.end()),
                                      NULL, nl, true);
     ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
-    double wl = 0;
-    for (size_t i = 0; i < nl; i++) {
-        double r = fabs(lse[i] - rl[i]) / (2e-5 * (fabs(rl[i]) + 1));
-        wl = r > wl || r != r ? (r != r ? INFINITY : r) : wl;
-    }
-    ratio[T_LSE] = wl;
-    for (int t = T_DQ; t < NT; t++) ratio[t] = model_ratio[t] = 0;
+    ratio[T_LSE] = lse_ratio(lse, rl);
+
+    /* the FFMA kernels, the GPU tests' reference, on the same inputs: grid (64-row query tiles, NH) */
+    const int nqa = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_ATT_ROWS);
+    std::vector<pr_att_tile> qa(nqa);
+    pr_att_query_tiles(qa.data(), s.n_seg, seg_off.data(), PR_ATT_ROWS);
+    std::vector<bf16> out_f(nq);
+    std::vector<float> lse_f(nl, NAN);
+    for (bf16 &x : out_f) x.bits = 0xFFFF;
+    emu_launch(nqa, NH, PR_ATT_THREADS, pr_att_smem_bytes(HS, 0), { { "out", out_f.data(), nq, 2 }, { "lse", lse_f.data(), nl, 4 } }, [&] {
+        pr_k_attention_fwd<HS>(out_f.data(), lse_f.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                               np ? vpb.data() : NULL, qa.data(), np, NH, NKV);
+    });
+    ffma_ratio[T_OUT] = worst_ratio(from_bf16(out_f), NULL, ro, nq, false);
+    ffma_ratio[T_LSE] = lse_ratio(lse_f, rl);
+    for (int t = T_DQ; t < NT; t++) ratio[t] = model_ratio[t] = ffma_ratio[t] = 0;
     if (!backward) return;
 
     /* backward from the reference forward in the GPU's formats: D, dQ, dK/dV, the chunk sum */
@@ -640,11 +675,38 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
     ratio[T_DKP] = np ? worst_ratio(dkpd, &init[3], ref[3], npk, true) : 0;
     ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
+
+    /* the FFMA backward from the same start values: dq blocks over the query tiles, dk/dv blocks over
+       the prefix's key tiles and the own ones (pr_att_key_tiles) */
+    std::vector<bf16> dq_f = to_bf16(init[0]), dk_f = to_bf16(init[1]), dv_f = to_bf16(init[2]);
+    std::vector<float> dkp_f(npk), dvp_f(npk);
+    for (size_t i = 0; i < npk; i++) dkp_f[i] = (float)init[3][i], dvp_f[i] = (float)init[4][i];
+    const int nka = pr_att_key_tiles(NULL, qa.data(), nqa, np);
+    std::vector<pr_att_tile> ka(nka);
+    pr_att_key_tiles(ka.data(), qa.data(), nqa, np);
+    emu_launch(nqa, NH, PR_ATT_THREADS, pr_att_smem_bytes(HS, 0), { { "dq", dq_f.data(), nq, 2 } }, [&] {
+        pr_k_attention_bwd_dq<HS>(dq_f.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                  np ? kpb.data() : NULL, np ? vpb.data() : NULL, qa.data(), np, NH, NKV);
+    });
+    emu_launch(nka, NKV, PR_ATT_THREADS, pr_att_smem_bytes(HS, 1),
+               { { "dk", dk_f.data(), nk, 2 }, { "dv", dv_f.data(), nk, 2 }, { "dkp", dkp_f.data(), npk, 4 }, { "dvp", dvp_f.data(), npk, 4 } },
+               [&] {
+                   pr_k_attention_bwd_dkv<HS>(dk_f.data(), dv_f.data(), dkp_f.data(), dvp_f.data(), dob.data(), lsef.data(), D.data(),
+                                              qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL, np ? vpb.data() : NULL,
+                                              ka.data(), N, NH, NKV);
+               });
+    ffma_ratio[T_DQ] = worst_ratio(from_bf16(dq_f), &init[0], ref[0], nq, false);
+    ffma_ratio[T_DK] = worst_ratio(from_bf16(dk_f), &init[1], ref[1], nk, false);
+    ffma_ratio[T_DV] = worst_ratio(from_bf16(dv_f), &init[2], ref[2], nk, false);
+    /* their prefix dK/dV is fp32 throughout (no bf16 P or dS): a tolerance 400 times tighter */
+    const std::vector<double> dkp_fd(dkp_f.begin(), dkp_f.end()), dvp_fd(dvp_f.begin(), dvp_f.end());
+    ffma_ratio[T_DKP] = np ? incr_ratio(dkp_fd, &init[3], ref[3], npk, FFMA_FP32_TOL * max_abs(ref[3], npk), FFMA_FP32_TOL) : 0;
+    ffma_ratio[T_DVP] = np ? incr_ratio(dvp_fd, &init[4], ref[4], npk, FFMA_FP32_TOL * max_abs(ref[4], npk), FFMA_FP32_TOL) : 0;
 }
 
-static void run(const shape &s, double ratio[NT], double model_ratio[NT], int backward, kernel_stats *ks) {
-    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, backward, ks);
-    else run_shape<128>(s, ratio, model_ratio, backward, ks);
+static void run(const shape &s, double ratio[NT], double model_ratio[NT], double ffma_ratio[NT], int backward, kernel_stats *ks) {
+    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, ffma_ratio, backward, ks);
+    else run_shape<128>(s, ratio, model_ratio, ffma_ratio, backward, ks);
 }
 
 int main(void) {
@@ -667,11 +729,11 @@ int main(void) {
     emu_conflicts = 0;
     for (size_t i = 0; i < n_shapes; i++) {
         const shape &s = shapes[i];
-        double r[NT], mr[NT];
+        double r[NT], mr[NT], fr[NT];
         kernel_stats ks;
         emu_errors = 0;
         emu_races = emu_multi_writers = 0;
-        run(s, r, mr, 1, &ks);
+        run(s, r, mr, fr, 1, &ks);
         char what[160];
         int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
         for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]);
@@ -679,6 +741,8 @@ int main(void) {
         for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], r[t]);
         printf("\n%52s vs model", "");
         for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], mr[t]);
+        printf("\n%52s FFMA    ", "");
+        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], fr[t]);
         printf("\n%52s races", "");
         for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
         printf(", ldmatrix.x4 per mma");
@@ -689,6 +753,7 @@ int main(void) {
         for (int k = 0; k < NK; k++) CHECK(ks.races[k] == 0, "%s: %ld shared-memory races in the %s kernel", what, ks.races[k], kname[k]);
         CHECK(emu_multi_writers == 0, "%s: %ld output elements written by two blocks of one launch", what, emu_multi_writers);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
+        for (int t = 0; t < NT; t++) CHECK(fr[t] <= 1, "%s: the FFMA kernels' %s off the reference by %.2f x the tolerance", what, tname[t], fr[t]);
     }
     printf("ldmatrix phases with bank conflicts in the kernels: %ld\n", emu_conflicts);
     CHECK(emu_conflicts == 0, "%ld ldmatrix phases of the kernels with bank conflicts", emu_conflicts);
@@ -699,14 +764,14 @@ int main(void) {
                                         "the barriers that end a stage's reads skipped", "the barriers after a wait_group skipped",
                                         "the dQ launch given one query tile twice" };
     for (int f = 0; f < 5; f++) {
-        double r[NT], mr[NT];
+        double r[NT], mr[NT], fr[NT];
         kernel_stats ks;
         emu_errors = 0;
         emu_races = emu_multi_writers = 0;
         fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : 0;
         fault_duplicate_tile = f == 4;
         emu_quiet = true;
-        run(ctl, r, mr, f >= 2, &ks);
+        run(ctl, r, mr, fr, f >= 2, &ks);
         emu_quiet = false;
         fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = 0;
         printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld, %ld elements with two writers\n",
