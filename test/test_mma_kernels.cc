@@ -534,8 +534,6 @@ static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned g
 enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
 static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
 
-/* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma make them, on the emulator; returns the
-   worst error / tolerance per tensor, and each kernel's races and instruction counts in ks. */
 /* worst |lse - ref| / (2e-5 (|ref| + 1)); NaN counts as infinite */
 static double lse_ratio(const std::vector<float> &lse, const std::vector<double> &ref) {
     double worst = 0;
@@ -548,6 +546,10 @@ static double lse_ratio(const std::vector<float> &lse, const std::vector<double>
 }
 
 #define FFMA_FP32_TOL 2e-5
+/* The kernels' launches, as pr_cu_attention_{fwd,bwd}_mma and pr_cu_attention_{fwd,bwd}_hs make
+   them, on the emulator: the worst error / tolerance per tensor of the tensor-core kernels against
+   the reference (ratio) and the model (model_ratio), and of the FFMA kernels against the reference
+   (ffma_ratio); each tensor-core kernel's races and instruction counts in ks. */
 template <int HS>
 static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], double ffma_ratio[NT], int backward,
                       kernel_stats *ks) {
