@@ -554,10 +554,14 @@ void pr_backend_cuda_destroy(const pr_backend *be);
 /* The CUDA backend's attention kernels for head dims 64 and 128 (16 and 32 always run the FFMA
    kernels): PR_CUDA_ATTENTION_FFMA, the CUDA-core kernels, the default and the reference;
    PR_CUDA_ATTENTION_MMA, the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later:
-   PR_ERR_UNSUPPORTED below). The tensor-core kernels have not yet run on a GPU: the default stays
-   FFMA until test/test_gpu_attention.c has validated them on one. */
+   PR_ERR_UNSUPPORTED below); PR_CUDA_ATTENTION_MMA_ATOMIC, the same forward and
+   FlashAttention-2's fused backward, which adds dQ with fp32 atomics instead of running a dQ
+   kernel: dq is not bitwise reproducible (dk, dv, dkp, dvp are MMA's, bit for bit); it exists to
+   measure what the deterministic backward costs. The tensor-core kernels have not yet run on a
+   GPU: the default stays FFMA until test/test_gpu_attention.c has validated them on one. */
 #define PR_CUDA_ATTENTION_FFMA 0
 #define PR_CUDA_ATTENTION_MMA 1
+#define PR_CUDA_ATTENTION_MMA_ATOMIC 2
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err);
 
 /* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */

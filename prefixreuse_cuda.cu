@@ -10,7 +10,8 @@
        segment's own causal rows), online softmax, no score matrix, and a backward that gives each
        dq/dk/dv/dkp/dvp row a single writer, so results are bitwise reproducible run to run;
      - every reduction (RMSNorm weight gradients, embedding gradients, the gradient norm) is a fixed
-       tree or a fixed loop: no float atomics anywhere.
+       tree or a fixed loop: no float atomics, except in the backward PR_CUDA_ATTENTION_MMA_ATOMIC
+       selects, which exists to measure what that determinism costs.
    Kernels, GEMMs, ordinary copies and the NCCL communicator's collectives run on one stream, in
    issue order; only offload's block copies run on a second stream, ordered by events. A fault is
    reported at the next synchronisation; CUDA_LAUNCH_BLOCKING=1 makes every launch synchronous, so
@@ -106,13 +107,19 @@ inline PR_HD int pr_mma_c_col(int lane, int i) { return 2 * (lane & 3) + (i & 1)
      of n8 tile 0, then of n8 tile 1.
    B operand with .trans, array [k][n] (V for P V; K for dS K; dO, Q for P^T dO, dS^T Q):
      matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15): b0, b1 of n8
-     tile 0, then of n8 tile 1. */
+     tile 0, then of n8 tile 1.
+   A operand with .trans, array [k][m] (dS stored transposed, keys as rows, for dQ = dS K in the
+     fused backward): matrices (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
+     are registers a0..a3, each transposed on the way in. Its lane rule is the same expression as
+     the B operand's without .trans: lanes 8-15 address the second 8 columns of the first 8 rows. */
 inline PR_HD int pr_ldm_a_row(int lane) { return lane & 15; }
 inline PR_HD int pr_ldm_a_col(int lane) { return (lane >> 4) * 8; }
 inline PR_HD int pr_ldm_bn_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
 inline PR_HD int pr_ldm_bn_col(int lane) { return ((lane >> 3) & 1) * 8; }
 inline PR_HD int pr_ldm_bt_row(int lane) { return lane & 15; }
 inline PR_HD int pr_ldm_bt_col(int lane) { return (lane >> 4) * 8; }
+inline PR_HD int pr_ldm_at_row(int lane) { return pr_ldm_bn_row(lane); }
+inline PR_HD int pr_ldm_at_col(int lane) { return pr_ldm_bn_col(lane); }
 
 /* The element offset of (row, col) in a swizzled tile of rows of W bf16 (W a multiple of 64). */
 inline PR_HD int pr_swz(int row, int col, int W) {
@@ -150,6 +157,13 @@ inline PR_HD void pr_c_to_a(uint32_t a[4], const float c0[4], const float c1[4])
     a[2] = pr_pack_bf16x2(c1[0], c1[1]);   /* row g,   cols 8+2t, 8+2t+1 */
     a[3] = pr_pack_bf16x2(c1[2], c1[3]);   /* row g+8, cols 8+2t, 8+2t+1 */
 }
+/* Where a lane's accumulators of rows g + 8 rr, columns col0 + 2t and + 1 of a 16-row tile at row0
+   go in a swizzled [row][col] tile of W bf16 columns, as one packed pair (the fused backward's
+   bf16(dS^T)): the pair's element offset. The warp's 32 lanes store 8 rows x 4 words at once; the
+   swizzle puts them in 32 different banks. */
+inline PR_HD int pr_c_pair_offset(int row0, int col0, int lane, int rr, int W) {
+    return pr_swz(row0 + pr_mma_c_row(lane, 2 * rr), col0 + pr_mma_c_col(lane, 0), W);
+}
 /* Quad reductions: a row of C lives in the four lanes of one group (same g); shfl.bfly with masks
    1 then 2 combines them, every lane ends with the quad's value, in the same order on each lane. */
 #define PR_QUAD_STEPS 2
@@ -185,6 +199,10 @@ template <int N> __device__ __forceinline__ void pr_cp_async_wait(void) { asm vo
    so that the emulated block sees every shared-memory access the kernels make and can check each
    against the barriers (test/test_mma_kernels.cc). */
 __device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
+/* A 4-byte shared-memory store (the fused backward's dS tile), named for the same reason. */
+__device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v)); }
+/* *p += v in global memory, atomically (red.global.add.f32): the fused backward's dQ only. */
+__device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ float pr_quad_max(float v) {
     for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
     return v;
@@ -481,7 +499,11 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      (tile, head, chunk) stores scale dK, dV in fp32 to partial buffer `chunk`, and a last kernel
      adds the partials, summed in chunk order, into dkp/dvp. With C = 1 the block adds into
      dkp/dvp itself (the same bits). Every sum has one order fixed by the shape: bitwise
-     reproducible. */
+     reproducible.
+   For comparison only, PR_CUDA_ATTENTION_MMA_ATOMIC runs no dQ kernel: the dK/dV blocks also add
+     each step's bf16(dS) K into an fp32 dQ accumulator with atomics (FlashAttention-2's fused
+     backward), and a last kernel forms dq = bf16(dq + scale dQ): 5 products of a (query, key) tile
+     instead of 7, at the price of dq's bits varying run to run. */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
 #define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
@@ -804,21 +826,63 @@ PR_UNROLL
     }
 }
 
+/* The fused backward's dQ (FUSED_DQ below): dq_acc (fp32, unscaled) of query tile qt's rows, head
+   h, += bf16(dS) K over the block's 64 keys. Warp w takes queries [16w, 16w + 16): dS as the A
+   operand, read with .trans from the [key][query] tile dss (W 64), K as the [k][n] operand (.trans);
+   32 columns of dQ at a time (16 accumulators beside the registers dK and dV hold), each added with
+   an fp32 atomic: the order in which blocks add varies run to run, so dq's bits do too. */
+template <int HS>
+__device__ __forceinline__ void pr_mma_dq_atomic(float *dq_acc, uint32_t dss, uint32_t ks, const pr_att_tile &qt, int h,
+                                                 size_t qd, int warp, int lane) {
+    const int row = qt.r0 + 16 * warp + pr_mma_c_row(lane, 0);      /* rows g and g + 8 */
+    float *g = dq_acc + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 0);
+    const bool live0 = row < qt.r1, live1 = row + 8 < qt.r1;
+PR_UNROLL_1
+    for (int dc = 0; dc < HS / 32; dc++, g += 32) {
+        float acc[4][4];
+PR_UNROLL
+        for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+PR_UNROLL
+        for (int kc = 0; kc < PR_MMA_ROWS / 16; kc++) {
+            uint32_t a[4];                            /* read again for each 32 columns: kept, they would spill */
+            pr_ldsm_x4_trans(a, dss + 2u * (uint32_t)pr_swz(16 * kc + pr_ldm_at_row(lane), 16 * warp + pr_ldm_at_col(lane), PR_MMA_ROWS));
+PR_UNROLL
+            for (int dp = 0; dp < 2; dp++) {
+                uint32_t b[4];
+                pr_ldsm_x4_trans(b, ks + 2u * (uint32_t)pr_swz(16 * kc + pr_ldm_bt_row(lane), 32 * dc + 16 * dp + pr_ldm_bt_col(lane), HS));
+                pr_mma_bf16(acc[2 * dp], a, b[0], b[1]);
+                pr_mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+PR_UNROLL
+        for (int nt = 0; nt < 4; nt++) {
+            if (live0) pr_red_add_f32(g + 8 * nt, acc[nt][0]), pr_red_add_f32(g + 8 * nt + 1, acc[nt][1]);
+            if (live1) pr_red_add_f32(g + 8 * qd + 8 * nt, acc[nt][2]), pr_red_add_f32(g + 8 * qd + 8 * nt + 1, acc[nt][3]);
+        }
+    }
+}
+
 /* dK/dV. Grid (key-tile work units, NKV). Shared memory: K, V (64 x HS), then Q, dO (two stages
    each) and lse, D of the query tile's 64 rows (two stages). The warp's 16 keys of K and V stay in
    registers as A fragments (one ldmatrix.x4 per two mma in the inner loop); the query tile is
    taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK, dV
-   and those fragments (255 at HS 128 with nvcc 13.0, no spills). */
-template <int HS>
+   and those fragments (255 at HS 128 with nvcc 13.0, no spills).
+   FUSED_DQ (PR_CUDA_ATTENTION_MMA_ATOMIC, for measuring what determinism costs): FlashAttention-2's
+   fused backward, which needs no dQ kernel. Each step also stores bf16(dS^T) into a 64 x 64 tile
+   of shared memory and, after a barrier, adds its dS K into the fp32 dq_acc with atomics
+   (pr_mma_dq_atomic): 5 matrix products of a (query, key) tile instead of 7, and dq no longer
+   bitwise reproducible. dk, dv, dkp and dvp are the deterministic kernel's, bit for bit. */
+template <int HS, bool FUSED_DQ = false>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
-pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, const bf16 *dout,
-                           const float *lse, const float *Dr, const bf16 *q, const bf16 *k, const bf16 *v,
-                           const bf16 *kp, const bf16 *vp, const pr_att_ktile *ktiles, const pr_att_tile *qtiles,
-                           int n_prefix, int NH, int NKV) {
+pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, float *dq_acc,
+                           const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
+                           const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_ktile *ktiles,
+                           const pr_att_tile *qtiles, int n_prefix, int NH, int NKV) {
     constexpr int T = PR_MMA_ROWS * HS, QN = HS == 128 ? 16 : 64;
     extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
     bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
     float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
+    bf16 *dss = (bf16 *)(ds + 2 * PR_MMA_ROWS);       /* FUSED_DQ: bf16(dS^T) of a step, [key][query], swizzled */
     const pr_att_ktile kt = ktiles[blockIdx.x];
     const int hk = blockIdx.y, group = NH / NKV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool own = kt.chunk < 0;
@@ -886,9 +950,21 @@ PR_UNROLL
                     p[nt][i] = pv;
                     dp[nt][i] = pv * (dp[nt][i] - pr_lds_f32(dst + c));
                 }
+            if constexpr (FUSED_DQ) {                 /* bf16(dS^T), as the dK product below rounds it */
+PR_UNROLL
+                for (int nt = 0; nt < QN / 8; nt++)
+PR_UNROLL
+                    for (int rr = 0; rr < 2; rr++)
+                        pr_sts_b32(pr_smem_u32(dss) + 2u * (uint32_t)pr_c_pair_offset(16 * warp, sub * QN + 8 * nt, lane, rr, PR_MMA_ROWS),
+                                   pr_pack_bf16x2(dp[nt][2 * rr], dp[nt][2 * rr + 1]));
+            }
             /* dV += bf16(P^T) dO,  dK += bf16(dS^T) Q: dO and Q as [k][n] operands, .trans */
             pr_mma_pv<HS, QN / 16, 1>(&gv, &p, 1, db, sub * QN, lane);
             pr_mma_pv<HS, QN / 16, 1>(&gk, &dp, 1, qb, sub * QN, lane);
+        }
+        if constexpr (FUSED_DQ) {
+            __syncthreads();                          /* the step's dS tile is whole */
+            pr_mma_dq_atomic<HS>(dq_acc, pr_smem_u32(dss), pr_smem_u32(ks), qt, hk * group + s / nq, qd, warp, lane);
         }
         __syncthreads();
     }
@@ -921,6 +997,17 @@ PR_UNROLL
     }
 }
 
+/* The fused backward's last step: dq = bf16(dq + scale acc), scale = 1/sqrt(HS) as the dQ kernel
+   computes it; n (even) elements. */
+__global__ void pr_k_attention_dq_add(bf16 *dq, const float *acc, int HS, size_t n) {
+    const float scale = rsqrtf((float)HS);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; 2 * i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t *g = (uint32_t *)dq + i;
+        const float2 o = pr_bf16x2_unpack(*g);
+        *g = pr_pack_bf16x2(o.x + scale * acc[2 * i], o.y + scale * acc[2 * i + 1]);
+    }
+}
+
 /* dkp, dvp (n each) += the C partials (part: dK's C, then dV's C), summed in chunk order. */
 __global__ void pr_k_attention_chunk_sum(float *dkp, float *dvp, const float *part, int C, size_t n) {
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < 2 * n; e += (size_t)gridDim.x * blockDim.x) {
@@ -943,10 +1030,10 @@ static int pr_mma_prefix_chunks(int n_prefix, int NKV, int n_qtiles) {
 }
 
 /* Dynamic shared memory of the kernels: 0 forward (Q of 128 rows, K and V twice), 1 dQ (Q, dO, K and V twice),
-   2 dK/dV (K, V, Q and dO twice, lse and D twice). */
+   2 dK/dV (K, V, Q and dO twice, lse and D twice), 3 the fused dK/dV (and the 64 x 64 bf16 dS tile). */
 static size_t pr_mma_smem_bytes(int HS, int kernel) {
-    const size_t T = 2 * PR_MMA_ROWS * (size_t)HS;
-    return kernel == 0 ? (PR_MMA_FWD_ROWS / PR_MMA_ROWS + 4) * T : kernel == 1 ? 6 * T : 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
+    const size_t T = 2 * PR_MMA_ROWS * (size_t)HS, dkv = 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
+    return kernel == 0 ? (PR_MMA_FWD_ROWS / PR_MMA_ROWS + 4) * T : kernel == 1 ? 6 * T : kernel == 2 ? dkv : dkv + 2 * PR_MMA_ROWS * PR_MMA_ROWS;
 }
 
 /* The dK/dV blocks' work: each of the prefix's key tiles in C chunks of the nq query tiles qt,
@@ -1005,7 +1092,7 @@ typedef struct {
     size_t row_host_cap;           /* rows it holds */
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
-    int attention_kind;            /* PR_CUDA_ATTENTION_FFMA or _MMA (pr_backend_cuda_set_attention) */
+    int attention_kind;            /* PR_CUDA_ATTENTION_FFMA, _MMA or _MMA_ATOMIC (pr_backend_cuda_set_attention) */
     unsigned smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
     pr_status failed;              /* first failure since take_error */
     char message[512];
@@ -1423,7 +1510,7 @@ static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay, int ro
 
 /* A kernel with more than 48 KiB of dynamic shared memory opts in to it, once per device (the
    setting belongs to the function): the attention kernels' opt-ins, one bit each, by kernel and head dim. */
-enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA };
+enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA, PR_CU_ATT_DKV_FUSED };
 template <typename K>
 static int pr_cu_smem_attr(pr_cu *cx, K kernel, int which, int HS, size_t smem, const char *what) {
     const unsigned bit = 1u << (4 * which + (HS == 16 ? 0 : HS == 32 ? 1 : HS == 64 ? 2 : 3));
@@ -1537,31 +1624,53 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     free(qt);
     free(kt);
     if (!dqt || !dkt) return;
-    /* scratch: D (N, NH), then, with C > 1, the partials (2, C, n_prefix, NKV*HS), all fp32 */
+    /* scratch: D (N, NH), then, with C > 1, the partials (2, C, n_prefix, NKV*HS), then, fused, dQ's
+       accumulator (N, NH*HS), all fp32 */
+    const int fused = cx->attention_kind == PR_CUDA_ATTENTION_MMA_ATOMIC;
     int fits = 1;
     const size_t d_bytes = pr_cu_stage_size(pr_cu_mul(pr_cu_mul((size_t)N, (size_t)NH, &fits), sizeof(float), &fits));
     const size_t np_elems = pr_cu_mul((size_t)np, pr_cu_mul((size_t)NKV, (size_t)HS, &fits), &fits);
-    const size_t part_bytes = C > 1 ? pr_cu_mul(pr_cu_mul(2 * (size_t)C, np_elems, &fits), sizeof(float), &fits) : 0;
-    if (!fits || d_bytes > (size_t)-1 - part_bytes) { pr_cu_fail(cx, PR_ERR_NOMEM, "attention: scratch size overflows"); return; }
-    char *scratch = (char *)pr_cu_scratch(cx, d_bytes + part_bytes);
+    const size_t part_bytes = pr_cu_stage_size(C > 1 ? pr_cu_mul(pr_cu_mul(2 * (size_t)C, np_elems, &fits), sizeof(float), &fits) : 0);
+    const size_t nq_elems = pr_cu_mul((size_t)N, pr_cu_mul((size_t)NH, (size_t)HS, &fits), &fits);
+    const size_t acc_bytes = fused ? pr_cu_mul(nq_elems, sizeof(float), &fits) : 0;
+    if (!fits || d_bytes > (size_t)-1 - part_bytes || d_bytes + part_bytes > (size_t)-1 - acc_bytes) {
+        pr_cu_fail(cx, PR_ERR_NOMEM, "attention: scratch size overflows");
+        return;
+    }
+    char *scratch = (char *)pr_cu_scratch(cx, d_bytes + part_bytes + acc_bytes);
     if (!scratch) return;
     float *Dr = (float *)scratch, *part = C > 1 ? (float *)(scratch + d_bytes) : NULL;
+    float *dq_acc = fused ? (float *)(scratch + d_bytes + part_bytes) : NULL;
 
     pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
-    size_t smem = pr_mma_smem_bytes(HS, 1);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
-    pr_k_attention_bwd_dq_mma<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
-        (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
-        (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
-    pr_cu_launched(cx, "attention_bwd_dq_mma");
-    smem = pr_mma_smem_bytes(HS, 2);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
-    pr_k_attention_bwd_dkv_mma<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
-        (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
-        (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
-    pr_cu_launched(cx, "attention_bwd_dkv_mma");
+    size_t smem;
+    if (fused) {
+        if (!pr_cu_ok(cx, cudaMemsetAsync(dq_acc, 0, acc_bytes, cx->stream), "attention: clearing dQ's accumulator")) return;
+        smem = pr_mma_smem_bytes(HS, 3);
+        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS, true>, PR_CU_ATT_DKV_FUSED, HS, smem, "attention_bwd_dkv_mma (fused) shared memory")) return;
+        pr_k_attention_bwd_dkv_mma<HS, true><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
+            (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
+            (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
+        pr_cu_launched(cx, "attention_bwd_dkv_mma (fused)");
+        const unsigned blocks = pr_cu_blocks(nq_elems / 2, 256);
+        pr_k_attention_dq_add<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dq, dq_acc, HS, nq_elems);
+        pr_cu_launched(cx, "attention_dq_add");
+    } else {
+        smem = pr_mma_smem_bytes(HS, 1);
+        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
+        pr_k_attention_bwd_dq_mma<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
+            (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
+            (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
+        pr_cu_launched(cx, "attention_bwd_dq_mma");
+        smem = pr_mma_smem_bytes(HS, 2);
+        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
+        pr_k_attention_bwd_dkv_mma<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
+            (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, NULL, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
+            (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
+        pr_cu_launched(cx, "attention_bwd_dkv_mma");
+    }
     if (part) {
         unsigned blocks = pr_cu_blocks(2 * np_elems, 256);
         pr_k_attention_chunk_sum<<<blocks < 4096 ? blocks : 4096, 256, 0, cx->stream>>>(dkp, dvp, part, C, np_elems);
@@ -1572,7 +1681,7 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
 /* The tensor-core kernels run when selected, for head dims 64 and 128, on 16-byte aligned
    activations (their 16-byte copies) and 8-byte aligned dkp/dvp. */
 static int pr_cu_use_mma(const pr_cu *cx, int HS, const void *const *p, int n, const float *dkp, const float *dvp) {
-    if (cx->attention_kind != PR_CUDA_ATTENTION_MMA || (HS != 64 && HS != 128)) return 0;
+    if (cx->attention_kind == PR_CUDA_ATTENTION_FFMA || (HS != 64 && HS != 128)) return 0;
     for (int i = 0; i < n; i++)
         if ((uintptr_t)p[i] & 15) return 0;
     return !((uintptr_t)dkp & 7) && !((uintptr_t)dvp & 7);
@@ -2114,10 +2223,10 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
     pr_status st = PR_OK;
     const char *why = NULL;
     int major = 0;
-    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA)) {
+    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA && kind != PR_CUDA_ATTENTION_MMA_ATOMIC)) {
         st = PR_ERR_ARG;
         why = "pr_backend_cuda_set_attention: no backend, or an unknown kind";
-    } else if (kind == PR_CUDA_ATTENTION_MMA &&
+    } else if (kind != PR_CUDA_ATTENTION_FFMA &&
                (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr_cu_of(be)->device) != cudaSuccess ||
                 major < 8)) {
         st = PR_ERR_UNSUPPORTED;

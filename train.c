@@ -46,7 +46,7 @@ typedef struct {
     int groups_per_step;             /* 0: the trace's steps (version 2), else dp groups; N: N consecutive groups a step */
     long loss_norm_len;              /* seq-mean-token-sum-norm's length (0: the step's longest suffix) */
     const char *nccl_id;
-    int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA or _MMA */
+    int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA, _MMA or _MMA_ATOMIC */
 } options;
 
 #define MAX_STEP_GROUPS 65536          /* --groups-per-step */
@@ -114,7 +114,8 @@ static void usage(FILE *f) {
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
         "  --attention K          train_cuda: ffma (the CUDA-core kernels, default) | mma (tensor cores, sm_80+;\n"
-        "                         not yet validated on a GPU)\n"
+        "                         not yet validated on a GPU) | mma-atomic (mma with a backward that adds dQ by\n"
+        "                         atomics: not bitwise reproducible; to measure what determinism costs)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
@@ -268,8 +269,9 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
         else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
         else if (!strcmp(a, "--attention")) {
-            if (!strcmp(v, "ffma")) o->attention = 0;
-            else if (!strcmp(v, "mma")) o->attention = 1;
+            if (!strcmp(v, "ffma")) o->attention = PR_CUDA_ATTENTION_FFMA;
+            else if (!strcmp(v, "mma")) o->attention = PR_CUDA_ATTENTION_MMA;
+            else if (!strcmp(v, "mma-atomic")) o->attention = PR_CUDA_ATTENTION_MMA_ATOMIC;
             else ok = 0;
         }
         else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
@@ -382,11 +384,11 @@ static pr_status select_attention(const options *o, pr_error *err) {
 #ifdef PR_CUDA
     const pr_backend *be = backend(err);
     if (!be) return err->status;
-    return pr_backend_cuda_set_attention(be, o->attention ? PR_CUDA_ATTENTION_MMA : PR_CUDA_ATTENTION_FFMA, err);
+    return pr_backend_cuda_set_attention(be, o->attention, err);
 #else
-    if (!o->attention) return PR_OK;
+    if (o->attention == PR_CUDA_ATTENTION_FFMA) return PR_OK;
     err->status = PR_ERR_UNSUPPORTED;
-    snprintf(err->message, sizeof err->message, "--attention mma: the tensor-core kernels are train_cuda's (make cuda)");
+    snprintf(err->message, sizeof err->message, "--attention mma, mma-atomic: the tensor-core kernels are train_cuda's (make cuda)");
     return err->status;
 #endif
 }

@@ -191,8 +191,10 @@ static void att_call(void *arg) {
                            a->q, a->k, a->v, a->kp, a->vp, &a->lay, a->NH, a->NKV, a->HS);
 }
 
-/* n_prefix prefix keys, then n_seg segments of len rows each. */
-static void bench_attention(const char *label, int n_prefix, int n_seg, int len) {
+/* n_prefix prefix keys, then n_seg segments of len rows each: the forward (unless bwd_only) and
+   the backward timed, printed as TFLOP/s; the backward's seconds returned. With base_bwd > 0 (the
+   deterministic backward's seconds on the same case), the line also gives base_bwd / this one. */
+static double bench_attention(const char *label, int n_prefix, int n_seg, int len, int bwd_only, double base_bwd) {
     const int NH = 32, NKV = 8, HS = 128, N = n_seg * len;
     int *seg = malloc(sizeof(int) * (n_seg + 1));
     for (int s = 0; s <= n_seg; s++) seg[s] = s * len;
@@ -216,15 +218,21 @@ static void bench_attention(const char *label, int n_prefix, int n_seg, int len)
     double pairs = (double)n_seg * ((double)len * n_prefix + (double)len * (len + 1) / 2);
     double ffwd = 4 * pairs * HS * NH, fbwd = 2.5 * ffwd;
     a.bwd = 0;
-    double tf = median_time(att_call, &a);
+    if (bwd_only) att_call(&a);                        /* out and lse for the backward */
+    double tf = bwd_only ? 0 : median_time(att_call, &a);
     a.bwd = 1;
     double tb = median_time(att_call, &a);
     pr_error err;
     if (be->take_error(be, &err)) printf("attention: %s\n", err.message);
-    printf("%-48s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
+    if (bwd_only)
+        printf("%-48s %8s %8.1f   (%.2f ms; deterministic / this: %.3f)\n", label, "-", fbwd / tb / 1e12, tb * 1e3,
+               base_bwd > 0 ? base_bwd / tb : 0.0);
+    else
+        printf("%-48s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
     void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) if (all[i]) be->release(be, all[i], PR_TIER_DEVICE);
     free(seg);
+    return tb;
 }
 
 /* ---------------------------------------------------------------- --smoke */
@@ -388,10 +396,13 @@ static void usage(FILE *f) {
     fprintf(f, "\n");
 }
 
-/* One table of the selected attention cases with the kernels of `kind`: the default FFMA ones, or
-   the tensor-core ones (PR_CUDA_ATTENTION_MMA, not yet validated on a GPU: test_gpu_attention
-   first), timed second, so that a fault in the new kernels cannot cost the other figures. */
-static void bench_attention_table(const int *sel, int kind, const char *title) {
+/* One table of the selected attention cases with the kernels of `kind`: the default FFMA ones, the
+   tensor-core ones (PR_CUDA_ATTENTION_MMA, not yet validated on a GPU: test_gpu_attention first),
+   timed after them, so that a fault in the new kernels cannot cost the other figures, and last the
+   tensor-core backward that adds dQ with atomics (PR_CUDA_ATTENTION_MMA_ATOMIC; its forward is
+   MMA's, so only the backward is timed), each case beside the deterministic backward's time in
+   bwd_time (filled by the MMA table): the cost of determinism, measured. */
+static void bench_attention_table(const int *sel, int kind, const char *title, double *bwd_time) {
     pr_error err;
     if (pr_backend_cuda_set_attention(be, kind, &err)) {
         printf("\n%s: %s\n", title, err.message);
@@ -402,7 +413,10 @@ static void bench_attention_table(const int *sel, int kind, const char *title) {
         if (sel[c]) {
             char label[80];
             snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
-            bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len);
+            const int atomic = kind == PR_CUDA_ATTENTION_MMA_ATOMIC;
+            const double tb = bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len, atomic,
+                                              atomic ? bwd_time[c] : 0);
+            if (kind == PR_CUDA_ATTENTION_MMA) bwd_time[c] = tb;
         }
     pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
 }
@@ -441,9 +455,12 @@ int main(int argc, char **argv) {
            prop.multiProcessorCount, reps, max_seconds);
     if (gemm) bench_gemm(N);
     if (attention) {
-        bench_attention_table(att_sel, PR_CUDA_ATTENTION_FFMA, "attention, bf16, HS 128, 32 query / 8 KV heads");
+        double bwd_time[N_ATT_CASES] = { 0 };
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_FFMA, "attention, bf16, HS 128, 32 query / 8 KV heads", bwd_time);
         printf("\n");
-        bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA, "tensor-core attention (MMA), same cases");
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA, "tensor-core attention (MMA), same cases", bwd_time);
+        printf("\n");
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA_ATOMIC, "MMA, backward with atomic dQ (not deterministic)", bwd_time);
     }
     if (be->take_error(be, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     pr_backend_cuda_destroy(be);

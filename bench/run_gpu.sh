@@ -77,16 +77,16 @@ preflight|5|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compu
 build|35|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
 smoke|10|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
 test-gpu|45|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
-mma|40|150|1|build/test_gpu_attention: tensor-core attention vs CPU double, FFMA and the tile model; memcheck and racecheck --quick
+mma|45|150|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck and racecheck --quick
 memcheck|40|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|30|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
 initcheck|25|120|1|compute-sanitizer initcheck: train_cuda --check on model/tiny with offload; test_gpu attention
 synccheck|25|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
 determinism|12|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|25|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse drift against the floor, JSON lines
-bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region
+bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward
 sdpa|30|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
-ncu|40|180|1|ncu --clock-control none on the attention kernels (causal 8k): speed of light, occupancy, stalls
+ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
 train-memory|110|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
 torch-ref|60|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
@@ -295,9 +295,12 @@ body_bench_cuda() {
     ./build/bench_cuda --reps "$REPS"
     rc=$?
     key "$(grep '^GEMM: mean' "$stage_base.log" | cut -c7-)"
-    # attention lines: "<label> [name]  fwd  bwd   (fwd ms / bwd ms)"
+    # attention lines: "<label> [name]  fwd  bwd   (fwd ms / bwd ms)", FFMA's then MMA's; then the
+    # atomic-dQ backward's "<label> [name]  -  bwd   (bwd ms; deterministic / this: ratio)"
     key "$(awk '/\[(causal8k|p10k-8x2k|p10k-32x2k)\]/ { n = $0; sub(/.*\[/, "", n); sub(/\].*/, "", n)
-                printf "%s%s %s/%s", sep, n, $(NF-5), $(NF-4); sep = ", " }' "$stage_base.log") TF/s fwd/bwd"
+                if ($0 ~ /deterministic \/ this:/) { r = $NF; sub(/\)/, "", r); printf "%s%s atomic-dQ bwd %s (det/atomic time %s)", sep, n, $(NF-6), r }
+                else printf "%s%s %s/%s", sep, n, $(NF-5), $(NF-4)
+                sep = ", " }' "$stage_base.log") TF/s fwd/bwd"
     return $rc
 }
 
@@ -314,7 +317,9 @@ body_ncu() {
     rep="$stage_base.attention"
     lim_p=$(( stage_limit - 20 ))
     [ $lim_p -ge 10 ] || lim_p=10
-    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd)' --launch-skip 1 --launch-count 3 \
+    # every attention launch of one rep (a warm-up and a timed run each): FFMA's fwd x2, dq, dkv x2;
+    # MMA's the same; the atomic-dQ table's fwd_mma and fused dkv x2: 15
+    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd)' --launch-count 15 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats -f -o "$rep" \
         ./build/bench_cuda --only attention --att causal8k --reps 1
@@ -324,7 +329,7 @@ body_ncu() {
     ncu -i "$rep.ncu-rep" --page raw --csv > "$stage_base.raw.csv" 2>&1
     # per kernel (a block per kernel, headed by its name and launch): duration, SM and memory throughput
     key "$(awk 'function out() { if (k != "") { printf "%s%s %s %s, SM %s%%, memory %s%%", sep, k, dur, unit, sm, mem; sep = "; " } }
-               /pr_k_attention_.*Context/ { out(); k = $0; sub(/.*pr_k_attention_/, "", k); sub(/[<(].*/, "", k); sm = mem = dur = unit = "?" }
+               /pr_k_attention_.*Context/ { out(); k = $0; sub(/.*pr_k_attention_/, "", k); sub(/[(].*/, "", k); sm = mem = dur = unit = "?" }
                /^ *Duration/ { dur = $NF; unit = $(NF-1) }
                /Compute \(SM\) Throughput/ { sm = $NF }
                /^ *Memory Throughput/ && $(NF-1) == "%" { mem = $NF }

@@ -60,6 +60,17 @@ static inline void emu_phase(const uint32_t *addr8) {
     if (seen != 0xff) emu_conflicts++;
 }
 
+/* A warp's 4-byte accesses (32 lanes' byte addresses): conflict-free when no two lanes touch
+   different words of one bank. */
+static inline void emu_words(const uint32_t addr[32]) {
+    for (int i = 0; i < 32; i++)
+        for (int j = 0; j < i; j++)
+            if ((addr[i] / 4) % 32 == (addr[j] / 4) % 32 && addr[i] / 4 != addr[j] / 4) {
+                emu_conflicts++;
+                return;
+            }
+}
+
 /* ldmatrix: smem is the shared memory as b16 elements; addr the 32 lanes' byte addresses. */
 static inline void emu_ldmatrix(uint32_t out[32][4], const uint16_t *smem, size_t smem_elems, const uint32_t addr[32], int num,
                          bool trans) {

@@ -6,7 +6,8 @@
      - the FFMA kernels, the backend's reference (PR_CUDA_ATTENTION_FFMA), and
      - the tile-level model of the same algorithm (test/attn_model.c), with the same bf16 roundings
        of P and dS, which the kernels must match far more closely (MODEL below),
-   and the backward's bits run to run. q, k and kp are drawn with standard deviation sqrt(2.5), so
+   and the backward's bits run to run; and the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq
+   against the reference and the model, its other outputs bitwise the MMA kernels'. q, k and kp are drawn with standard deviation sqrt(2.5), so
    that the scores q.k/sqrt(HS) have a standard deviation of about 2.5 and the softmax is peaked.
    The backward runs from the reference forward's out (rounded to bf16) and lse (fp32), so that all
    three backwards see the same inputs. Its outputs are added into (dq, dk, dv bf16; dkp, dvp
@@ -138,7 +139,7 @@ static run_out run(int kind, const shape *s, const int *seg_off, void *const *in
     for (int t = 0; t < 5; t++) r.g[t] = gpu_upload(be, init[t], n[T_DQ + t], t < 3);
     be->attention_bwd(be, r.g[0], r.g[1], r.g[2], np ? (float *)r.g[3] : NULL, np ? (float *)r.g[4] : NULL, in[5], in[6], in[7],
                       in[0], in[1], in[2], np ? in[3] : NULL, np ? in[4] : NULL, &lay, s->NH, s->NKV, s->HS);
-    expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : "FFMA attention");
+    expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? "tensor-core attention, fused backward" : "FFMA attention");
     return r;
 }
 static void release_run(run_out *r) {
@@ -183,6 +184,8 @@ static void test_shape(const shape *s) {
     run_out m1 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out f = run(PR_CUDA_ATTENTION_FFMA, s, seg_off, in, init, n);
+    run_out a = run(PR_CUDA_ATTENTION_MMA_ATOMIC, s, seg_off, in, init, n);
+    double *adq = gpu_download(be, a.g[0], nq, 1);
 
     double *mo = gpu_download(be, m1.o, nq, 1), *ml = gpu_download(be, m1.l, nl, 0);
     double *fo = gpu_download(be, f.o, nq, 1), *fl = gpu_download(be, f.l, nl, 0);
@@ -206,7 +209,7 @@ static void test_shape(const shape *s) {
         for (size_t i = 0; i < n[T_DQ + t]; i++) fo_inc[t][i] = fg[t][i] - init[t][i];
     }
     /* the model: forward from the inputs, backward from the same out, lse and start values */
-    double r_model[NT], lse_model;
+    double r_model[NT], lse_model, r_fused_model = INFINITY;
     {
         float *fq = to_float(q, nq), *fk = to_float(k, nk), *fv = to_float(v, nk), *fkp = to_float(kp, npk), *fvp = to_float(vp, npk);
         float *fdo = to_float(dout, nq), *fbo = to_float(bo, nq), *fbl = to_float(bl, nl);
@@ -226,6 +229,7 @@ static void test_shape(const shape *s) {
             double *minc = alloc_d(n[T_DQ + t]);
             for (size_t i = 0; i < n[T_DQ + t]; i++) minc[i] = amg[t][i] - init[t][i];
             r_model[T_DQ + t] = model_ratio(mg[t], init[t], minc, ref[t], n[T_DQ + t], t >= 3);
+            if (t == 0) r_fused_model = model_ratio(adq, init[0], minc, ref[0], nq, 0);
             free(minc);
         }
         free(fq); free(fk); free(fv); free(fkp); free(fvp); free(fdo); free(fbo); free(fbl); free(amo); free(aml);
@@ -260,8 +264,20 @@ static void test_shape(const shape *s) {
     for (int t = 0; t < 5; t++) same &= same_bits(m1.g[t], m2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
     CHECK(same, "%s: MMA forward and backward bitwise reproducible", what);
 
+    /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq within the same tolerances, the rest MMA's bits */
+    const double r_fused = worst_ratio(adq, init[0], ref[0], nq, 0);
+    int fused_same = same_bits(a.o, m1.o, 2 * nq) && same_bits(a.l, m1.l, 4 * nl);
+    for (int t = 1; t < 5; t++) fused_same &= same_bits(a.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+    printf("  fused backward: dq %.2f, vs model %.2f; dq's bits %s MMA's\n", r_fused, r_fused_model,
+           same_bits(a.g[0], m1.g[0], 2 * nq) ? "equal to" : "differ from");
+    CHECK(r_fused <= 1, "%s: fused backward's dq off the double reference by %.2f x the tolerance", what, r_fused);
+    CHECK(r_fused_model <= 1, "%s: fused backward's dq off the model by %.2f x its tolerance", what, r_fused_model);
+    CHECK(fused_same, "%s: the fused backward's out, lse, dk, dv, dkp, dvp are MMA's, bit for bit", what);
+
     release_run(&m1);
     release_run(&m2);
+    release_run(&a);
+    free(adq);
     release_run(&f);
     for (int i = 0; i < 8; i++) release(in[i]);
     for (int t = 0; t < 5; t++) free(ref[t]), free(init[t]), free(mg[t]), free(fg[t]), free(fo_inc[t]);

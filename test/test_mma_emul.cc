@@ -12,10 +12,13 @@
      reductions; every ldmatrix and every 16-byte copy free of bank conflicts; each map a bijection.
    The backward's products are the same forms (dP = dO V^T and S^T = K Q^T as Q K^T; dQ = dS K,
    dV = P^T dO, dK = dS^T Q as P V).
+   The fused backward's dQ = bf16(dS) K, with dS^T stored from accumulators in packed pairs and read
+   back as the A operand with .trans, against a naive product, stores and reads free of bank
+   conflicts.
    Negative controls: each planted wrong rule (A registers 1 and 2 swapped, K loaded with .trans,
    V without, the C rows g and g+8 swapped, the repacked tiles swapped, the bf16 halves swapped, the
-   swizzle left out of the reads, a quad mask crossing groups, the B lane rule of the other form)
-   must make the comparison fail; unswizzled tiles must show the conflicts. */
+   swizzle left out of the reads, a quad mask crossing groups, the B lane rule of the other form,
+   the A .trans operand read with the plain A lane rule or without .trans) must make the comparison fail; unswizzled tiles must show the conflicts. */
 #define PR_CUDA_HOST_EMULATION
 #include "../prefixreuse_cuda.cu"
 #include "harness.h"
@@ -221,6 +224,67 @@ static double check_pv(int HS, fault f, bool x2) {
     return rel_err(O, ref);
 }
 
+/* dQ = bf16(dS) K as the fused backward forms it: each warp's accumulators of dS^T (its 16 keys
+   x 64 queries, keys as rows) stored as packed bf16 pairs into a 64 x 64 [key][query] tile
+   (pr_c_pair_offset, each store checked for bank conflicts), then each warp's 16 queries read back
+   as the A operand with .trans (pr_ldm_at_*), times K (64 x HS) as the [k][n] operand with .trans.
+   at_fault 1: the plain A lane rule (pr_ldm_a_*) used with .trans; 2: A loaded without .trans.
+   Returns the relative error against the naive product. */
+static double check_ds_k(int HS, int at_fault) {
+    tile K = make_tile(64, HS);
+    std::vector<double> dst(64 * 64), O(64 * (size_t)HS, NAN), ref(64 * (size_t)HS);
+    for (double &x : dst) x = (float)uniform();
+    std::vector<uint16_t> dss(64 * 64, 0);
+    for (int w = 0; w < 4; w++)
+        for (int nt = 0; nt < 8; nt++)
+            for (int rr = 0; rr < 2; rr++) {
+                uint32_t addr[32];
+                for (int l = 0; l < 32; l++) {
+                    float c[4];                  /* lane l's accumulators of n8 tile nt, by the ISA's C layout */
+                    for (int i = 0; i < 4; i++) {
+                        int r, q;
+                        emu_c_pos(l, i, &r, &q);
+                        c[i] = (float)dst[(size_t)(16 * w + r) * 64 + 8 * nt + q];
+                    }
+                    const int off = pr_c_pair_offset(16 * w, 8 * nt, l, rr, 64);
+                    const uint32_t v = pr_pack_bf16x2(c[2 * rr], c[2 * rr + 1]);
+                    dss[(size_t)off] = (uint16_t)v, dss[(size_t)off + 1] = (uint16_t)(v >> 16);
+                    addr[l] = 2u * (uint32_t)off;
+                }
+                emu_words(addr);
+            }
+    for (int i = 0; i < 64; i++)
+        for (int d = 0; d < HS; d++) {
+            double sum = 0;
+            for (int j = 0; j < 64; j++) sum += emu_round_bf16(dst[(size_t)j * 64 + i]) * K.val[(size_t)j * HS + d];
+            ref[(size_t)i * HS + d] = sum;
+        }
+    for (int w = 0; w < 4; w++) {
+        std::vector<acc_t> acc((size_t)HS / 8);
+        for (auto &t : acc) memset(t, 0, sizeof(acc_t));
+        for (int kc = 0; kc < 4; kc++) {
+            uint32_t a[32][4], addr[32];
+            for (int l = 0; l < 32; l++) {
+                const int r = at_fault == 1 ? pr_ldm_a_row(l) : pr_ldm_at_row(l), c = at_fault == 1 ? pr_ldm_a_col(l) : pr_ldm_at_col(l);
+                addr[l] = 2u * (uint32_t)pr_swz(16 * kc + r, 16 * w + c, 64);
+            }
+            emu_ldmatrix(a, dss.data(), dss.size(), addr, 4, at_fault != 2);
+            for (int dp = 0; dp < HS / 16; dp++) {
+                uint32_t b[32][4], b0[32][2], b1[32][2];
+                for (int l = 0; l < 32; l++) addr[l] = smem_addr(K, 16 * kc + pr_ldm_bt_row(l), 16 * dp + pr_ldm_bt_col(l), F_NONE);
+                emu_ldmatrix(b, K.smem.data(), K.smem.size(), addr, 4, true);
+                for (int l = 0; l < 32; l++) b0[l][0] = b[l][0], b0[l][1] = b[l][1], b1[l][0] = b[l][2], b1[l][1] = b[l][3];
+                emu_mma(acc[(size_t)2 * dp], a, b0, acc[(size_t)2 * dp]);
+                emu_mma(acc[(size_t)2 * dp + 1], a, b1, acc[(size_t)2 * dp + 1]);
+            }
+        }
+        for (int dt = 0; dt < HS / 8; dt++)
+            for (int l = 0; l < 32; l++)
+                for (int i = 0; i < 4; i++) O[(size_t)(16 * w + pr_mma_c_row(l, i)) * HS + 8 * dt + pr_mma_c_col(l, i)] = acc[(size_t)dt][l][i];
+    }
+    return rel_err(O, ref);
+}
+
 /* Row max and row sum of S (64 x 64, four warps) through per-lane partials and the quad
    reduction's shfl.bfly steps; returns the largest error over every lane's result. */
 static double check_quad(int HS, fault f) {
@@ -333,6 +397,15 @@ int main(void) {
         }
         double e = check_quad(HS, F_NONE);
         CHECK(e < 1e-5, "HS %d: quad row max and row sum, error %.2e", HS, e);
+        emu_conflicts = 0;
+        e = check_ds_k(HS, 0);
+        CHECK(e < tol, "HS %d: dQ = bf16(dS) K, dS^T stored in pairs and read as A with .trans, relative error %.2e", HS, e);
+        CHECK(emu_conflicts == 0, "HS %d: %ld bank conflicts in dS's stores and reads", HS, emu_conflicts);
+        for (int f = 1; f <= 2; f++) {
+            e = check_ds_k(HS, f);
+            CHECK(e > 1e-2, "HS %d: planted fault '%s' not detected (error %.2e)", HS,
+                  f == 1 ? "the A .trans operand with the plain A lane rule" : "the A .trans operand loaded without .trans", e);
+        }
 
         /* negative controls: each planted fault must be seen */
         for (int f = F_A_SWAP12; f < F_COUNT; f++) {

@@ -27,13 +27,17 @@
    of dq, dk, dv, dkp, dvp over random starting contents, with test/test_gpu_attention.c's
    tolerances against the reference, and a quarter of its absolute part against the model (with
    one bf16 spacing for a flipped final rounding); no race in any kernel, no output element with
-   two writers, no bank conflict. The FFMA kernels on the same inputs: the same tolerances for
+   two writers, no bank conflict. The fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC: the dK/dV
+   kernel also adding dS K into an fp32 dQ accumulator by atomics, then the dq_add kernel): its dq
+   with the same tolerances against the reference and the model, its dk, dv, dkp, dvp bitwise the
+   deterministic dK/dV kernel's, the stores of its dS tile race-checked like the copies. The FFMA
+   kernels on the same inputs: the same tolerances for
    their bf16 outputs, 2e-5 (relative, and of the largest value) for their fp32 prefix dK/dV;
    their plain shared-memory accesses are not race-checked, their outputs are checked for one
    writer. Head dims 16 and 32 (FFMA only) run the same code with shorter loops and are left to
    the GPU test. Negative controls, each of which must be caught: copies that
    land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
-   stage's reads skipped, and those after a wait_group skipped (as races in each of the three
+   stage's reads skipped, and those after a wait_group skipped (as races in each of the four
    kernels: their values stay within tolerance on this machine); the dQ launch given one query
    tile twice (as elements with two writers). */
 #include <math.h>
@@ -165,14 +169,17 @@ static void emu_error(const char *what) {
    flight, or in the epoch its copy completed by another thread (a missing barrier after a wait);
    a copy into a word another warp read in the same epoch (a missing barrier before a stage is
    refilled), or into a word whose earlier copy is in flight or completed in this epoch by another
-   thread. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
+   thread. A plain store (pr_sts_b32) completes at once: it races a copy in flight or completed in
+   this epoch by another thread, another thread's store in this epoch, and another warp's read in
+   this epoch; a read of it by another thread (or by ldmatrix) in the same epoch is flagged as for
+   a copy. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
 struct emu_word { int writer, landed, read_epoch; uint32_t readers; };   /* writer -1: none; landed -1: in flight */
 static std::vector<emu_word> emu_shadow(EMU_SMEM_MAX / 4);
 static int emu_epoch;
 static long emu_races;
 static void emu_race(const char *what, uint32_t word, int copier) {
     char by[48] = "";
-    if (copier >= 0) snprintf(by, sizeof by, " (the copy is thread %d's)", copier);
+    if (copier >= 0) snprintf(by, sizeof by, " (the write is thread %d's)", copier);
     EMU_FAULT(emu_races, "race in block (%u, %u), thread %u, shared byte %u: %s%s", emu_block.x, emu_block.y,
               emu_cur ? emu_cur->idx.x : 0, 4 * word, what, by);
 }
@@ -186,7 +193,7 @@ static void emu_shadow_read(uint32_t addr, int bytes, int warp, int thread) {
         emu_word &x = emu_shadow[w];
         if (x.writer >= 0 && x.landed < 0) emu_race("read while a cp.async into it is in flight", w, x.writer);
         else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != thread)
-            emu_race("read in the epoch its cp.async completed, no barrier between", w, x.writer);
+            emu_race("read in the epoch its cp.async completed or its store ran, no barrier between", w, x.writer);
         if (x.read_epoch != emu_epoch) x.read_epoch = emu_epoch, x.readers = 0;
         x.readers |= 1u << warp;
     }
@@ -202,6 +209,18 @@ static void emu_shadow_issue(uint32_t addr, int bytes) {
         if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32))))
             emu_race("cp.async into a word another warp read in this epoch, no barrier between", w, -1);
         x.writer = me, x.landed = -1;
+    }
+}
+static void emu_shadow_store(uint32_t addr, int bytes) {
+    const int me = (int)emu_cur->idx.x;
+    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
+        emu_word &x = emu_shadow[w];
+        if (x.writer >= 0 && x.landed < 0) emu_race("store into a word a cp.async has in flight", w, x.writer);
+        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me)
+            emu_race("store into a word another thread wrote in this epoch", w, x.writer);
+        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32))))
+            emu_race("store into a word another warp read in this epoch, no barrier between", w, -1);
+        x.writer = me, x.landed = emu_epoch;
     }
 }
 static void emu_shadow_land(uint32_t addr, int bytes) {
@@ -293,6 +312,24 @@ static float pr_lds_f32(const float *p) {
     }
     emu_shadow_read(a, 4, (int)emu_cur->idx.x / 32, (int)emu_cur->idx.x);
     return *p;
+}
+static void pr_sts_b32(uint32_t addr, uint32_t v) {
+    if (addr % 4 || (size_t)addr + 4 > emu_smem_bytes) {
+        emu_error("shared-memory store misaligned or outside the launch's");
+        return;
+    }
+    emu_shadow_store(addr, 4);
+    memcpy(pr_dyn_smem + addr, &v, 4);
+}
+/* The fused backward's atomics: blocks run one after another here, so a plain add; the target must
+   lie in the launch's atomic buffer. */
+static emu_buffer emu_red_target;
+static void pr_red_add_f32(float *p, float v) {
+    if ((const char *)p < emu_red_target.p || (const char *)(p + 1) > emu_red_target.p + emu_red_target.bytes || (uintptr_t)p % 4) {
+        emu_error("atomic add outside the accumulator or misaligned");
+        return;
+    }
+    *p += v;
 }
 static float pr_quad_max(float v);
 static float pr_quad_add(float v);
@@ -521,18 +558,22 @@ static double model_worst(const std::vector<double> &got, const std::vector<doub
 }
 
 struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
-/* per kernel (forward, dQ, dK/dV): races seen, and the ldmatrix.x4 and mma.sync its warps executed */
-enum { K_FWD, K_DQ, K_DKV, NK };
-static const char *kname[NK] = { "forward", "dQ", "dK/dV" };
-struct kernel_stats { long races[NK], ldsm[NK], mma[NK]; };
+/* per kernel (forward, dQ, dK/dV, the fused dK/dV): races seen, and the ldmatrix.x4 and mma.sync
+   its warps executed; and the elements of dk, dv, dkp, dvp in which the fused backward's bits
+   differ from the dK/dV kernel's */
+enum { K_FWD, K_DQ, K_DKV, K_FUSED, NK };
+static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV" };
+struct kernel_stats { long races[NK], ldsm[NK], mma[NK], fused_differs; };
 template <typename F>
 static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f) {
     emu_n_ldsm = emu_n_mma = 0;
     ks->races[kernel] = emu_launch(gx, gy, PR_MMA_THREADS, smem, outs, f);
     ks->ldsm[kernel] = emu_n_ldsm, ks->mma[kernel] = emu_n_mma;
 }
-enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
-static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp" };
+/* the tensors compared; dq_fused: the fused backward's dq (PR_CUDA_ATTENTION_MMA_ATOMIC) */
+enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, T_DQ_FUSED, NT };
+static const char *tname[NT] = { "out", "lse", "dq", "dk", "dv", "dkp", "dvp", "dq_fused" };
+static bool shown(int t, int n_prefix) { return n_prefix || (t != T_DKP && t != T_DVP); }
 
 /* worst |lse - ref| / (2e-5 (|ref| + 1)); NaN counts as infinite */
 static double lse_ratio(const std::vector<float> &lse, const std::vector<double> &ref) {
@@ -650,7 +691,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
                                             { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
     launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
-        pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, dob.data(),
+        pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, NULL, dob.data(),
                                        lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                        np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
     });
@@ -665,13 +706,38 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     CHECK(am_attention_bwd(mg[0].data(), mg[1].data(), mg[2].data(), np ? mg[3].data() : NULL, np ? mg[4].data() : NULL,
                            fdo.data(), fbo.data(), fbl.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL,
                            np ? fvp.data() : NULL, &alay, NH, NKV, HS, NULL) == 0, "model backward");
+
+    /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC) from the same start values, as
+       pr_cu_attention_bwd_mma launches it: dq through the fp32 accumulator and the dq_add kernel;
+       its dk, dv, dkp, dvp must be the dK/dV kernel's above, bit for bit */
+    std::vector<bf16> dq_x = to_bf16(init[0]), dk_x = to_bf16(init[1]), dv_x = to_bf16(init[2]);
+    std::vector<float> dkp_x(npk), dvp_x(npk), dq_acc(nq, 0.0f), part_x(part.size(), NAN);
+    for (size_t i = 0; i < npk; i++) dkp_x[i] = (float)init[3][i], dvp_x[i] = (float)init[4][i];
+    emu_red_target = emu_buffer{ (const char *)dq_acc.data(), 4 * dq_acc.size() };
+    launch_counted(ks, K_FUSED, nkt, NKV, pr_mma_smem_bytes(HS, 3),
+                   { { "dk", dk_x.data(), nk, 2 }, { "dv", dv_x.data(), nk, 2 }, { "dkp", dkp_x.data(), npk, 4 },
+                     { "dvp", dvp_x.data(), npk, 4 }, { "partials", part_x.data(), part_x.size(), 4 } }, [&] {
+        pr_k_attention_bwd_dkv_mma<HS, true>(dk_x.data(), dv_x.data(), dkp_x.data(), dvp_x.data(), C > 1 ? part_x.data() : NULL, C,
+                                             dq_acc.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                             np ? kpb.data() : NULL, np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
+    });
+    if (C > 1)
+        emu_launch(4, 1, 128, 0, { { "dkp", dkp_x.data(), npk, 4 }, { "dvp", dvp_x.data(), npk, 4 } },
+                   [&] { pr_k_attention_chunk_sum(dkp_x.data(), dvp_x.data(), part_x.data(), C, (size_t)np * kvd); });
+    emu_launch(4, 1, 128, 0, { { "dq", dq_x.data(), nq, 2 } }, [&] { pr_k_attention_dq_add(dq_x.data(), dq_acc.data(), HS, nq); });
+    ks->fused_differs = 0;
+    for (size_t i = 0; i < nk; i++) ks->fused_differs += (dk_x[i].bits != dk[i].bits) + (dv_x[i].bits != dv[i].bits);
+    for (size_t i = 0; np && i < npk; i++) ks->fused_differs += memcmp(&dkp_x[i], &dkp[i], 4) != 0, ks->fused_differs += memcmp(&dvp_x[i], &dvp[i], 4) != 0;
+
     const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
     for (int t = 0; t < 5; t++) {
         if (t >= 3 && !np) { model_ratio[T_DQ + t] = 0; continue; }
         std::vector<double> minc(n[t]);
         for (size_t i = 0; i < n[t]; i++) minc[i] = mg[t][i] - init[t][i];
         model_ratio[T_DQ + t] = model_worst(got[t], &init[t], minc, &ref[t], n[t], t >= 3);
+        if (t == 0) model_ratio[T_DQ_FUSED] = model_worst(from_bf16(dq_x), &init[0], minc, &ref[0], nq, false);
     }
+    ratio[T_DQ_FUSED] = worst_ratio(from_bf16(dq_x), &init[0], ref[0], nq, false);
     ratio[T_DQ] = worst_ratio(from_bf16(dq), &init[0], ref[0], nq, false);
     ratio[T_DK] = worst_ratio(from_bf16(dk), &init[1], ref[1], nk, false);
     ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
@@ -740,11 +806,11 @@ int main(void) {
         int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
         for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]);
         printf("%-52s err/tol", what);
-        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], r[t]);
+        for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], r[t]);
         printf("\n%52s vs model", "");
-        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], mr[t]);
+        for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], mr[t]);
         printf("\n%52s FFMA    ", "");
-        for (int t = 0; t < NT; t++) if (t < T_DKP || s.n_prefix) printf(" %s %.2f", tname[t], fr[t]);
+        for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix) && t != T_DQ_FUSED) printf(" %s %.2f", tname[t], fr[t]);
         printf("\n%52s races", "");
         for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
         printf(", ldmatrix.x4 per mma");
@@ -753,6 +819,8 @@ int main(void) {
         for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
         CHECK(emu_errors == 0, "%s: %d errors on the emulated machine", what, emu_errors);
         for (int k = 0; k < NK; k++) CHECK(ks.races[k] == 0, "%s: %ld shared-memory races in the %s kernel", what, ks.races[k], kname[k]);
+        CHECK(ks.fused_differs == 0, "%s: the fused backward's dk, dv, dkp, dvp differ from the dK/dV kernel's in %ld elements", what,
+              ks.fused_differs);
         CHECK(emu_multi_writers == 0, "%s: %ld output elements written by two blocks of one launch", what, emu_multi_writers);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
         for (int t = 0; t < NT; t++) CHECK(fr[t] <= 1, "%s: the FFMA kernels' %s off the reference by %.2f x the tolerance", what, tname[t], fr[t]);
@@ -776,8 +844,9 @@ int main(void) {
         run(ctl, r, mr, fr, f >= 2, &ks);
         emu_quiet = false;
         fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = 0;
-        printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld, %ld elements with two writers\n",
-               fault_name[f], r[T_OUT], r[T_LSE], emu_errors, ks.races[K_FWD], ks.races[K_DQ], ks.races[K_DKV], emu_multi_writers);
+        printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld %ld, %ld elements with two writers\n",
+               fault_name[f], r[T_OUT], r[T_LSE], emu_errors, ks.races[K_FWD], ks.races[K_DQ], ks.races[K_DKV], ks.races[K_FUSED],
+               emu_multi_writers);
         if (f < 2)
             CHECK(r[T_OUT] > 1 || r[T_LSE] > 1 || emu_errors, "planted fault '%s' not detected (out %.2f, lse %.2f)", fault_name[f],
                   r[T_OUT], r[T_LSE]);
