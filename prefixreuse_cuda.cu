@@ -1648,15 +1648,6 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     size_t smem;
     if (fused) {
         if (!pr_cu_ok(cx, cudaMemsetAsync(dq_acc, 0, acc_bytes, cx->stream), "attention: clearing dQ's accumulator")) return;
-        smem = pr_mma_smem_bytes(HS, 3);
-        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS, true>, PR_CU_ATT_DKV_FUSED, HS, smem, "attention_bwd_dkv_mma (fused) shared memory")) return;
-        pr_k_attention_bwd_dkv_mma<HS, true><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
-            (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
-            (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
-        pr_cu_launched(cx, "attention_bwd_dkv_mma (fused)");
-        const unsigned blocks = pr_cu_blocks(nq_elems / 2, 256);
-        pr_k_attention_dq_add<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dq, dq_acc, HS, nq_elems);
-        pr_cu_launched(cx, "attention_dq_add");
     } else {
         smem = pr_mma_smem_bytes(HS, 1);
         if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
@@ -1664,12 +1655,18 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
             (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
             (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
         pr_cu_launched(cx, "attention_bwd_dq_mma");
-        smem = pr_mma_smem_bytes(HS, 2);
-        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv_mma<HS>, PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
-        pr_k_attention_bwd_dkv_mma<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
-            (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, NULL, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
-            (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
-        pr_cu_launched(cx, "attention_bwd_dkv_mma");
+    }
+    auto dkv = fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
+    smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);
+    if (!pr_cu_smem_attr(cx, dkv, fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
+    dkv<<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
+        (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
+        (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
+    pr_cu_launched(cx, fused ? "attention_bwd_dkv_mma (fused)" : "attention_bwd_dkv_mma");
+    if (fused) {
+        const unsigned blocks = pr_cu_blocks(nq_elems / 2, 256);
+        pr_k_attention_dq_add<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dq, dq_acc, HS, nq_elems);
+        pr_cu_launched(cx, "attention_dq_add");
     }
     if (part) {
         unsigned blocks = pr_cu_blocks(2 * np_elems, 256);
