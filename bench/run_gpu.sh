@@ -28,6 +28,9 @@
 #   TORCH_SPLITS  prefix fractions of torch-ref (0.8333, i.e. 10k/2k)
 #   REPS          timed runs per bench_cuda cell (3)
 #   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
+#   ATTENTION     train_cuda's attention kernels in train-bench, train-memory and train-tree: ffma,
+#                 mma, or auto (the default): mma once the mma stage has passed on this machine
+#                 against the CUDA object now built (build/mma-passed holds its checksum), else ffma
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
@@ -60,7 +63,8 @@ RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
-export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES TREE_TOTAL TREE_SYSTEM TREE_GROUPS
+ATTENTION=${ATTENTION:-auto}
+export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds on an H100 | longest | needs the build | what.
 # Expected times: build ~35 s (the CUDA object is one nvcc call, its two targets in parallel); the
@@ -219,6 +223,7 @@ body_test_gpu() {
 # racecheck on the first six shapes.
 body_mma() {
     fail=0
+    rm -f build/mma-passed
     sub tests 80 ./build/test_gpu_attention || fail=1
     key "tests: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.tests.log" | tail -n 1)"
     if have compute-sanitizer; then
@@ -227,7 +232,17 @@ body_mma() {
             key "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$tool.log" | sed 's/^=* *//' | tr '\n' ' ')"
         done
     fi
+    # the train-* stages' ATTENTION=auto: mma while this object stands
+    [ $fail -eq 0 ] && cksum < build/prefixreuse_cuda.o > build/mma-passed
     return $fail
+}
+
+# train_cuda's --attention for the train-* stages (ATTENTION above)
+attention() {
+    case $ATTENTION in
+        auto) if [ -f build/mma-passed ] && [ "$(cksum < build/prefixreuse_cuda.o)" = "$(cat build/mma-passed)" ]; then echo mma; else echo ffma; fi ;;
+        *) echo "$ATTENTION" ;;
+    esac
 }
 
 # compute-sanitizer TOOL on a tiny training step and on the attention tests, half the stage's time each
@@ -340,20 +355,22 @@ body_ncu() {
 }
 
 body_train_bench() {
+    att=$(attention)
     ./train_cuda --bench --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups "$BENCH_GROUPS" --microbatch 1 --bench-reps 1
+        --bench-groups "$BENCH_GROUPS" --microbatch 1 --bench-reps 1 --attention "$att"
     rc=$?
-    key "$(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
+    key "attention $att; $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
     # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU]
     key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ && NF >= 9 { printf "%s%s G%s %s (bound %s, MFU %s/%s)", sep, $1, $2, $5, $6, $10, $11; sep = ", " }' "$stage_base.log" | cut -c1-300)"
     return $rc
 }
 
 body_train_memory() {
+    att=$(attention)
     ./train_cuda --bench memory --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups "$MEM_GROUPS"
+        --bench-groups "$MEM_GROUPS" --attention "$att"
     rc=$?
-    key "$(awk '$2 == "reuse+offload" { l = $0 } END { if (l != "") print "last split, reuse+offload: " l }' "$stage_base.log" | tr -s ' ' | cut -c1-200)"
+    key "attention $att; $(awk '$2 == "reuse+offload" { l = $0 } END { if (l != "") print "last split, reuse+offload: " l }' "$stage_base.log" | tr -s ' ' | cut -c1-200)"
     return $rc
 }
 
@@ -367,11 +384,12 @@ body_torch_ref() {
 }
 
 body_train_tree() {
+    att=$(attention)
     ./train_cuda --bench tree --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$TREE_TOTAL" \
-        --bench-system "$TREE_SYSTEM" --bench-groups "$TREE_GROUPS" --microbatch 1 --bench-reps 2
+        --bench-system "$TREE_SYSTEM" --bench-groups "$TREE_GROUPS" --microbatch 1 --bench-reps 2 --attention "$att"
     rc=$?
     # rows: groups baseline-s reuse-s tree-s tree/reuse bound ratio tree/baseline bound ratio A+C A+C
-    key "$(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
+    key "attention $att; $(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
     return $rc
 }
 
@@ -473,7 +491,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS MEM_GROUPS=$MEM_GROUPS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS"
+    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS MEM_GROUPS=$MEM_GROUPS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"
