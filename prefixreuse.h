@@ -553,9 +553,10 @@ pr_status pr_backend_cuda_create(const pr_backend **be, int device, pr_error *er
 void pr_backend_cuda_destroy(const pr_backend *be);
 /* The CUDA backend's attention kernels for head dims 64 and 128 (16 and 32 always run the FFMA
    kernels): PR_CUDA_ATTENTION_FFMA, the CUDA-core kernels, the default and the reference;
-   PR_CUDA_ATTENTION_MMA, the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later:
-   PR_ERR_UNSUPPORTED below); PR_CUDA_ATTENTION_MMA_ATOMIC, the same forward and
-   FlashAttention-2's fused backward, which adds dQ with fp32 atomics instead of running a dQ
+   PR_CUDA_ATTENTION_MMA, the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later
+   and 99,328 bytes of shared memory a block: PR_ERR_UNSUPPORTED below); PR_CUDA_ATTENTION_MMA_ATOMIC,
+   the same forward and FlashAttention-2's fused backward (107,520 bytes: not on GPUs of 99 KiB a
+   block), which adds dQ with fp32 atomics instead of running a dQ
    kernel: dq is not bitwise reproducible (dk, dv, dkp, dvp are MMA's, bit for bit); it exists to
    measure what the deterministic backward costs. The tensor-core kernels have not yet run on a
    GPU: the default stays FFMA until test/test_gpu_attention.c has validated them on one. */

@@ -8,7 +8,8 @@
      - GEMMs through cuBLASLt (bf16 in, fp32 compute; weight gradients accumulated into fp32);
      - attention: one kernel family for both key regions (the shared prefix K/V, then each
        segment's own causal rows), online softmax, no score matrix, and a backward that gives each
-       dq/dk/dv/dkp/dvp row a single writer, so results are bitwise reproducible run to run;
+       dq/dk/dv/dkp/dvp row a single writer, so results are bitwise reproducible run to run (all
+       but the comparison backward PR_CUDA_ATTENTION_MMA_ATOMIC, below);
      - every reduction (RMSNorm weight gradients, embedding gradients, the gradient norm) is a fixed
        tree or a fixed loop: no float atomics, except in the backward PR_CUDA_ATTENTION_MMA_ATOMIC
        selects, which exists to measure what that determinism costs.
@@ -200,7 +201,7 @@ template <int N> __device__ __forceinline__ void pr_cp_async_wait(void) { asm vo
    against the barriers (test/test_mma_kernels.cc). */
 __device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
 /* A 4-byte shared-memory store (the fused backward's dS tile), named for the same reason. */
-__device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v)); }
+__device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 /* *p += v in global memory, atomically (red.global.add.f32): the fused backward's dQ only. */
 __device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ float pr_quad_max(float v) {
@@ -465,7 +466,7 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
 
 /* ---------------------------------------------------------------- attention on tensor cores */
 /* The same attention as the kernels above (two key regions, causal own segment, GQA, one writer
-   per output row, no atomics), on the tensor cores: bf16 mma.sync.m16n8k16 with fp32 accumulation,
+   per output row, no atomics; PR_CUDA_ATTENTION_MMA_ATOMIC's dQ apart), on the tensor cores: bf16 mma.sync.m16n8k16 with fp32 accumulation,
    ldmatrix from XOR-swizzled shared memory, cp.async double buffering (FlashAttention-2's route,
    sm_80 and later; H100 runs it from the compute_80 PTX or the sm_90a build). Head dims 64 and 128;
    16 and 32 keep the kernels above, where a 16-wide k step would leave most of an mma idle and the
@@ -835,10 +836,10 @@ template <int HS>
 __device__ __forceinline__ void pr_mma_dq_atomic(float *dq_acc, uint32_t dss, uint32_t ks, const pr_att_tile &qt, int h,
                                                  size_t qd, int warp, int lane) {
     const int row = qt.r0 + 16 * warp + pr_mma_c_row(lane, 0);      /* rows g and g + 8 */
-    float *g = dq_acc + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 0);
+    size_t at = (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 0);   /* an offset: past the tile, no pointer is formed */
     const bool live0 = row < qt.r1, live1 = row + 8 < qt.r1;
 PR_UNROLL_1
-    for (int dc = 0; dc < HS / 32; dc++, g += 32) {
+    for (int dc = 0; dc < HS / 32; dc++, at += 32) {
         float acc[4][4];
 PR_UNROLL
         for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
@@ -854,10 +855,15 @@ PR_UNROLL
                 pr_mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
             }
         }
+        if (live0) {
+            float *g = dq_acc + at;
 PR_UNROLL
-        for (int nt = 0; nt < 4; nt++) {
-            if (live0) pr_red_add_f32(g + 8 * nt, acc[nt][0]), pr_red_add_f32(g + 8 * nt + 1, acc[nt][1]);
-            if (live1) pr_red_add_f32(g + 8 * qd + 8 * nt, acc[nt][2]), pr_red_add_f32(g + 8 * qd + 8 * nt + 1, acc[nt][3]);
+            for (int nt = 0; nt < 4; nt++) pr_red_add_f32(g + 8 * nt, acc[nt][0]), pr_red_add_f32(g + 8 * nt + 1, acc[nt][1]);
+        }
+        if (live1) {
+            float *g = dq_acc + at + 8 * qd;
+PR_UNROLL
+            for (int nt = 0; nt < 4; nt++) pr_red_add_f32(g + 8 * nt, acc[nt][2]), pr_red_add_f32(g + 8 * nt + 1, acc[nt][3]);
         }
     }
 }
@@ -2216,18 +2222,24 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     return PR_OK;
 }
 
+/* The tensor-core kernels need compute capability 8.0 and, at head dim 128, the shared memory of
+   their largest block: 99,328 bytes (dK/dV), 107,520 with the atomic-dQ backward's dS tile, which
+   GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have. */
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
     pr_status st = PR_OK;
-    const char *why = NULL;
-    int major = 0;
+    char why[200] = "";
+    int major = 0, optin = 0;
+    const size_t need = kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? pr_mma_smem_bytes(128, 3) : pr_mma_smem_bytes(128, 2);
     if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA && kind != PR_CUDA_ATTENTION_MMA_ATOMIC)) {
         st = PR_ERR_ARG;
-        why = "pr_backend_cuda_set_attention: no backend, or an unknown kind";
+        snprintf(why, sizeof why, "pr_backend_cuda_set_attention: no backend, or an unknown kind");
     } else if (kind != PR_CUDA_ATTENTION_FFMA &&
                (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, pr_cu_of(be)->device) != cudaSuccess ||
-                major < 8)) {
+                cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, pr_cu_of(be)->device) != cudaSuccess ||
+                major < 8 || (size_t)optin < need)) {
         st = PR_ERR_UNSUPPORTED;
-        why = "the tensor-core attention needs a GPU of compute capability 8.0 or later";
+        snprintf(why, sizeof why, "the tensor-core attention%s needs compute capability 8.0 and %zu bytes of shared memory a block; "
+                 "this GPU: %d.x, %d bytes", kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? " with the atomic-dQ backward" : "", need, major, optin);
     }
     if (st) {
         if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", why); }

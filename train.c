@@ -352,6 +352,10 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (o->log && (o->check || o->bench)) { fprintf(stderr, "train: --log FILE writes the steps of a training run or of --replay\n"); return 0; }
+    if (o->check && o->attention == PR_CUDA_ATTENTION_MMA_ATOMIC) {
+        fprintf(stderr, "train: --check compares bits, which --attention mma-atomic does not reproduce: use mma or ffma\n");
+        return 0;
+    }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if (o->grad_reduce_bf16 && o->dp < 2) {

@@ -224,9 +224,11 @@ static double bench_attention(const char *label, int n_prefix, int n_seg, int le
     double tb = median_time(att_call, &a);
     pr_error err;
     if (be->take_error(be, &err)) printf("attention: %s\n", err.message);
-    if (bwd_only)
-        printf("%-48s %8s %8.1f   (%.2f ms; deterministic / this: %.3f)\n", label, "-", fbwd / tb / 1e12, tb * 1e3,
-               base_bwd > 0 ? base_bwd / tb : 0.0);
+    if (bwd_only) {
+        char ratio[32] = "-";
+        if (base_bwd > 0) snprintf(ratio, sizeof ratio, "%.3f", base_bwd / tb);
+        printf("%-48s %8s %8.1f   (%.2f ms; deterministic / this: %s)\n", label, "-", fbwd / tb / 1e12, tb * 1e3, ratio);
+    }
     else
         printf("%-48s %8.1f %8.1f   (%.2f / %.2f ms)\n", label, ffwd / tf / 1e12, fbwd / tb / 1e12, tf * 1e3, tb * 1e3);
     void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };

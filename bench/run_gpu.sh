@@ -333,8 +333,8 @@ body_ncu() {
     lim_p=$(( stage_limit - 20 ))
     [ $lim_p -ge 10 ] || lim_p=10
     # every attention launch of one rep (a warm-up and a timed run each): FFMA's fwd x2, dq, dkv x2;
-    # MMA's the same; the atomic-dQ table's fwd_mma and fused dkv x2: 15
-    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd)' --launch-count 15 \
+    # MMA's the same; the atomic-dQ table's fwd_mma, then fused dkv and dq_add x2: 17
+    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd|dq_add)' --launch-count 17 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats -f -o "$rep" \
         ./build/bench_cuda --only attention --att causal8k --reps 1

@@ -39,7 +39,8 @@
    land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
    stage's reads skipped, and those after a wait_group skipped (as races in each of the four
    kernels: their values stay within tolerance on this machine); the dQ launch given one query
-   tile twice (as elements with two writers). */
+   tile twice (as elements with two writers); the fused kernel's barrier between its dS tile's
+   stores and their reads skipped (as races in that kernel alone). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -124,6 +125,7 @@ struct emu_thread {
     std::vector<emu_copy> open;                  /* cp.async: the group being issued, and the committed ones */
     std::vector<std::vector<emu_copy>> groups;
     bool waited;                                 /* a wait_group since the last barrier (planted faults) */
+    bool stored;                                 /* a shared-memory store since the last barrier (planted faults) */
 };
 static std::vector<emu_thread> emu_threads;
 static std::vector<char> emu_stacks;
@@ -139,7 +141,8 @@ static size_t emu_smem_bytes;
 static int emu_errors;                           /* divergence, deadlock, bad addresses */
 /* negative controls: copies land a wait_group late; ldmatrix ignores .trans; barriers skipped (1:
    those not right after a wait_group, which end a stage's reads; 2: those right after one, which
-   publish its copies); the dQ launch given one query tile twice */
+   publish its copies; 3: those right after a shared-memory store, which publish the fused
+   backward's dS tile); the dQ launch given one query tile twice */
 static int fault_late_copies, fault_ignore_trans, fault_skip_barrier, fault_duplicate_tile;
 struct emu_buffer { const char *p; size_t bytes; };
 static std::vector<emu_buffer> emu_inputs;       /* where cp.async may read */
@@ -247,9 +250,10 @@ static void emu_yield(int state) {
     emu_to_scheduler();
 }
 static void __syncthreads(void) {
-    const bool after_wait = emu_cur->waited;
-    emu_cur->waited = false;
-    if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait)) return;
+    const bool after_wait = emu_cur->waited, after_store = emu_cur->stored;
+    emu_cur->waited = emu_cur->stored = false;
+    if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait) || (fault_skip_barrier == 3 && after_store))
+        return;
     emu_yield(T_BAR);
 }
 
@@ -319,6 +323,7 @@ static void pr_sts_b32(uint32_t addr, uint32_t v) {
         return;
     }
     emu_shadow_store(addr, 4);
+    emu_cur->stored = true;
     memcpy(pr_dyn_smem + addr, &v, 4);
 }
 /* The fused backward's atomics: blocks run one after another here, so a plain add; the target must
@@ -404,7 +409,7 @@ static void emu_run_block(unsigned threads) {
         e.state = T_RUN;
         e.open.clear();
         e.groups.clear();
-        e.waited = false;
+        e.waited = e.stored = false;
 #if EMU_FAST_SWITCH
         /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
            stack as a called function does (rsp = 8 mod 16) */
@@ -832,13 +837,13 @@ int main(void) {
     const shape ctl = { 65, 2, { 7, 70 }, 2, 1, 64 };
     static const char *fault_name[] = { "copies land a wait_group late", "ldmatrix ignores .trans",
                                         "the barriers that end a stage's reads skipped", "the barriers after a wait_group skipped",
-                                        "the dQ launch given one query tile twice" };
-    for (int f = 0; f < 5; f++) {
+                                        "the dQ launch given one query tile twice", "the barrier after the dS tile's stores skipped" };
+    for (int f = 0; f < 6; f++) {
         double r[NT], mr[NT], fr[NT];
         kernel_stats ks;
         emu_errors = 0;
         emu_races = emu_multi_writers = 0;
-        fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : 0;
+        fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : f == 5 ? 3 : 0;
         fault_duplicate_tile = f == 4;
         emu_quiet = true;
         run(ctl, r, mr, fr, f >= 2, &ks);
@@ -852,8 +857,11 @@ int main(void) {
                   r[T_OUT], r[T_LSE]);
         else if (f < 4)
             for (int k = 0; k < NK; k++) CHECK(ks.races[k] > 0, "planted fault '%s': no race seen in the %s kernel", fault_name[f], kname[k]);
-        else
+        else if (f == 4)
             CHECK(emu_multi_writers > 0, "planted fault '%s': no element seen written twice", fault_name[f]);
+        else
+            CHECK(ks.races[K_FUSED] > 0 && ks.races[K_DKV] == 0, "planted fault '%s': races %ld in the fused kernel, %ld in dK/dV",
+                  fault_name[f], ks.races[K_FUSED], ks.races[K_DKV]);
     }
     return test_report();
 }
