@@ -34,8 +34,8 @@
    kernels on the same inputs: the same tolerances for
    their bf16 outputs, 2e-5 (relative, and of the largest value) for their fp32 prefix dK/dV;
    their plain shared-memory accesses are not race-checked, their outputs are checked for one
-   writer. Head dims 16 and 32 (FFMA only) run the same code with shorter loops and are left to
-   the GPU test. Negative controls, each of which must be caught: copies that
+   writer; at head dims 16 and 32 (model/tiny's and tiny-qwen3's, which the GPU tests and the smoke
+   run train) they run alone. Negative controls, each of which must be caught: copies that
    land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
    stage's reads skipped, and those after a wait_group skipped (as races in each of the four
    kernels: their values stay within tolerance on this machine); the dQ launch given one query
@@ -600,6 +600,7 @@ template <int HS>
 static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], double ffma_ratio[NT], int backward,
                       kernel_stats *ks) {
     memset(ks, 0, sizeof *ks);
+    for (int t = 0; t < NT; t++) ratio[t] = model_ratio[t] = ffma_ratio[t] = 0;
     std::vector<int> seg_off(s.n_seg + 1, 0);
     for (int i = 0; i < s.n_seg; i++) seg_off[i + 1] = seg_off[i] + s.lens[i];
     const int N = seg_off[s.n_seg], np = s.n_prefix, NH = s.NH, NKV = s.NKV, qd = NH * HS, kvd = NKV * HS;
@@ -615,28 +616,33 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     const std::vector<bf16> *ins[] = { &qb, &kb, &vb, &kpb, &vpb, &dob };
     for (const std::vector<bf16> *b : ins) emu_inputs.push_back(emu_buffer{ (const char *)b->data(), 2 * b->size() });
 
-    /* forward: grid (forward query tiles, NH) */
-    const int nft = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
-    std::vector<pr_att_tile> ft(nft);
-    pr_att_query_tiles(ft.data(), s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
-    std::vector<bf16> out(nq);
-    std::vector<float> lse(nl, NAN);
-    for (bf16 &x : out) x.bits = 0xFFFF;
-    launch_counted(ks, K_FWD, nft, NH, pr_mma_smem_bytes(HS, 0), { { "out", out.data(), nq, 2 }, { "lse", lse.data(), nl, 4 } }, [&] {
-        pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
-                                   np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
-    });
-    /* the tile-level model (test/attn_model.c) on the same inputs */
+    /* the tile-level model's inputs (test/attn_model.c) */
     std::vector<float> fq(q.begin(), q.end()), fk(k.begin(), k.end()), fv(v.begin(), v.end()), fkp(kp.begin(), kp.end()),
-        fvp(vp.begin(), vp.end()), mo(nq), ml(nl);
+        fvp(vp.begin(), vp.end());
     am_layout alay = { s.n_seg, seg_off.data(), np };
-    CHECK(am_attention_fwd(mo.data(), ml.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL, np ? fvp.data() : NULL,
-                           &alay, NH, NKV, HS, NULL) == 0, "model forward");
-    model_ratio[T_OUT] = model_worst(from_bf16(out), NULL, std::vector<double>(mo.begin(), mo.end()), NULL, nq, false);
-    model_ratio[T_LSE] = model_worst(std::vector<double>(lse.begin(), lse.end()), NULL, std::vector<double>(ml.begin(), ml.end()),
-                                     NULL, nl, true);
-    ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
-    ratio[T_LSE] = lse_ratio(lse, rl);
+
+    if constexpr (HS >= 64) {   /* the tensor-core kernels: head dims 64 and 128 */
+        /* forward: grid (forward query tiles, NH) */
+        const int nft = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
+        std::vector<pr_att_tile> ft(nft);
+        pr_att_query_tiles(ft.data(), s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
+        std::vector<bf16> out(nq);
+        std::vector<float> lse(nl, NAN);
+        for (bf16 &x : out) x.bits = 0xFFFF;
+        launch_counted(ks, K_FWD, nft, NH, pr_mma_smem_bytes(HS, 0), { { "out", out.data(), nq, 2 }, { "lse", lse.data(), nl, 4 } }, [&] {
+            pr_k_attention_fwd_mma<HS>(out.data(), lse.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                       np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
+        });
+        /* the tile-level model (test/attn_model.c) on the same inputs */
+        std::vector<float> mo(nq), ml(nl);
+        CHECK(am_attention_fwd(mo.data(), ml.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL, np ? fvp.data() : NULL,
+                               &alay, NH, NKV, HS, NULL) == 0, "model forward");
+        model_ratio[T_OUT] = model_worst(from_bf16(out), NULL, std::vector<double>(mo.begin(), mo.end()), NULL, nq, false);
+        model_ratio[T_LSE] = model_worst(std::vector<double>(lse.begin(), lse.end()), NULL, std::vector<double>(ml.begin(), ml.end()),
+                                         NULL, nl, true);
+        ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
+        ratio[T_LSE] = lse_ratio(lse, rl);
+    }
 
     /* the FFMA kernels, the GPU tests' reference, on the same inputs: grid (64-row query tiles, NH) */
     const int nqa = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_ATT_ROWS);
@@ -651,7 +657,6 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     });
     ffma_ratio[T_OUT] = worst_ratio(from_bf16(out_f), NULL, ro, nq, false);
     ffma_ratio[T_LSE] = lse_ratio(lse_f, rl);
-    for (int t = T_DQ; t < NT; t++) ratio[t] = model_ratio[t] = ffma_ratio[t] = 0;
     if (!backward) return;
 
     /* backward from the reference forward in the GPU's formats: D, dQ, dK/dV, the chunk sum */
@@ -668,10 +673,9 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
         const double scale = 0.5 * max_abs(ref[t], n[t]);
         init[t] = draw(n[t], scale > 0 ? scale : 1, false, t < 3);
     }
-    std::vector<bf16> ob = to_bf16(bo), dq = to_bf16(init[0]), dk = to_bf16(init[1]), dv = to_bf16(init[2]);
-    std::vector<float> lsef(nl), D(nl), dkp(npk), dvp(npk);
+    std::vector<bf16> ob = to_bf16(bo);
+    std::vector<float> lsef(nl), D(nl);
     for (size_t i = 0; i < nl; i++) lsef[i] = (float)bl[i];
-    for (size_t i = 0; i < npk; i++) dkp[i] = (float)init[3][i], dvp[i] = (float)init[4][i];
     for (size_t rh = 0; rh < nl; rh++) {               /* the rowdot kernel: D = dO . O in fp32 */
         float acc = 0;
         for (int d = 0; d < HS; d++) acc += bf16_value(dob[rh * HS + d].bits) * bf16_value(ob[rh * HS + d].bits);
@@ -679,75 +683,80 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     }
     emu_inputs.push_back(emu_buffer{ (const char *)lsef.data(), 4 * lsef.size() });
     emu_inputs.push_back(emu_buffer{ (const char *)D.data(), 4 * D.size() });
-    const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_ROWS);
-    std::vector<pr_att_tile> qt(nqt);
-    pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data(), PR_MMA_ROWS);
-    const int C = pr_mma_prefix_chunks(np, NKV, nqt);
-    const int nkt = (int)pr_mma_key_tiles(NULL, qt.data(), nqt, np, C);
-    std::vector<pr_att_ktile> kt(nkt);
-    pr_mma_key_tiles(kt.data(), qt.data(), nqt, np, C);
-    std::vector<float> part(C > 1 ? 2 * (size_t)C * npk : 1, NAN);
-    std::vector<pr_att_tile> qt_dq = qt;              /* the planted fault: one tile twice */
-    if (fault_duplicate_tile && nqt > 1) qt_dq[1] = qt_dq[0];
-    launch_counted(ks, K_DQ, nqt, NH, pr_mma_smem_bytes(HS, 1), { { "dq", dq.data(), nq, 2 } }, [&] {
-        pr_k_attention_bwd_dq_mma<HS>(dq.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
-                                      np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
-    });
-    const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
-                                            { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
-    launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
-        pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, NULL, dob.data(),
-                                       lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
-                                       np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
-    });
-    if (C > 1)
-        emu_launch(4, 1, 128, 0, { { "dkp", dkp.data(), npk, 4 }, { "dvp", dvp.data(), npk, 4 } },
-                   [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
-    std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
-    /* the model's backward from the same start values */
-    std::vector<float> mg[5];
-    for (int t = 0; t < 5; t++) mg[t].assign(init[t].begin(), init[t].end());
-    std::vector<float> fdo(dout.begin(), dout.end()), fbo(bo.begin(), bo.end()), fbl(bl.begin(), bl.end());
-    CHECK(am_attention_bwd(mg[0].data(), mg[1].data(), mg[2].data(), np ? mg[3].data() : NULL, np ? mg[4].data() : NULL,
-                           fdo.data(), fbo.data(), fbl.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL,
-                           np ? fvp.data() : NULL, &alay, NH, NKV, HS, NULL) == 0, "model backward");
+    if constexpr (HS >= 64) {
+        std::vector<bf16> dq = to_bf16(init[0]), dk = to_bf16(init[1]), dv = to_bf16(init[2]);
+        std::vector<float> dkp(npk), dvp(npk);
+        for (size_t i = 0; i < npk; i++) dkp[i] = (float)init[3][i], dvp[i] = (float)init[4][i];
+        const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_ROWS);
+        std::vector<pr_att_tile> qt(nqt);
+        pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data(), PR_MMA_ROWS);
+        const int C = pr_mma_prefix_chunks(np, NKV, nqt);
+        const int nkt = (int)pr_mma_key_tiles(NULL, qt.data(), nqt, np, C);
+        std::vector<pr_att_ktile> kt(nkt);
+        pr_mma_key_tiles(kt.data(), qt.data(), nqt, np, C);
+        std::vector<float> part(C > 1 ? 2 * (size_t)C * npk : 1, NAN);
+        std::vector<pr_att_tile> qt_dq = qt;              /* the planted fault: one tile twice */
+        if (fault_duplicate_tile && nqt > 1) qt_dq[1] = qt_dq[0];
+        launch_counted(ks, K_DQ, nqt, NH, pr_mma_smem_bytes(HS, 1), { { "dq", dq.data(), nq, 2 } }, [&] {
+            pr_k_attention_bwd_dq_mma<HS>(dq.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                          np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
+        });
+        const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
+                                                { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
+        launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
+            pr_k_attention_bwd_dkv_mma<HS>(dk.data(), dv.data(), dkp.data(), dvp.data(), C > 1 ? part.data() : NULL, C, NULL, dob.data(),
+                                           lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                           np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
+        });
+        if (C > 1)
+            emu_launch(4, 1, 128, 0, { { "dkp", dkp.data(), npk, 4 }, { "dvp", dvp.data(), npk, 4 } },
+                       [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
+        std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
+        /* the model's backward from the same start values */
+        std::vector<float> mg[5];
+        for (int t = 0; t < 5; t++) mg[t].assign(init[t].begin(), init[t].end());
+        std::vector<float> fdo(dout.begin(), dout.end()), fbo(bo.begin(), bo.end()), fbl(bl.begin(), bl.end());
+        CHECK(am_attention_bwd(mg[0].data(), mg[1].data(), mg[2].data(), np ? mg[3].data() : NULL, np ? mg[4].data() : NULL,
+                               fdo.data(), fbo.data(), fbl.data(), fq.data(), fk.data(), fv.data(), np ? fkp.data() : NULL,
+                               np ? fvp.data() : NULL, &alay, NH, NKV, HS, NULL) == 0, "model backward");
 
-    /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC) from the same start values, as
-       pr_cu_attention_bwd_mma launches it: dq through the fp32 accumulator and the dq_add kernel;
-       its dk, dv, dkp, dvp must be the dK/dV kernel's above, bit for bit */
-    std::vector<bf16> dq_x = to_bf16(init[0]), dk_x = to_bf16(init[1]), dv_x = to_bf16(init[2]);
-    std::vector<float> dkp_x(npk), dvp_x(npk), dq_acc(nq, 0.0f), part_x(part.size(), NAN);
-    for (size_t i = 0; i < npk; i++) dkp_x[i] = (float)init[3][i], dvp_x[i] = (float)init[4][i];
-    emu_red_target = emu_buffer{ (const char *)dq_acc.data(), 4 * dq_acc.size() };
-    launch_counted(ks, K_FUSED, nkt, NKV, pr_mma_smem_bytes(HS, 3),
-                   { { "dk", dk_x.data(), nk, 2 }, { "dv", dv_x.data(), nk, 2 }, { "dkp", dkp_x.data(), npk, 4 },
-                     { "dvp", dvp_x.data(), npk, 4 }, { "partials", part_x.data(), part_x.size(), 4 } }, [&] {
-        pr_k_attention_bwd_dkv_mma<HS, true>(dk_x.data(), dv_x.data(), dkp_x.data(), dvp_x.data(), C > 1 ? part_x.data() : NULL, C,
-                                             dq_acc.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
-                                             np ? kpb.data() : NULL, np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
-    });
-    if (C > 1)
-        emu_launch(4, 1, 128, 0, { { "dkp", dkp_x.data(), npk, 4 }, { "dvp", dvp_x.data(), npk, 4 } },
-                   [&] { pr_k_attention_chunk_sum(dkp_x.data(), dvp_x.data(), part_x.data(), C, (size_t)np * kvd); });
-    emu_launch(4, 1, 128, 0, { { "dq", dq_x.data(), nq, 2 } }, [&] { pr_k_attention_dq_add(dq_x.data(), dq_acc.data(), HS, nq); });
-    ks->fused_differs = 0;
-    for (size_t i = 0; i < nk; i++) ks->fused_differs += (dk_x[i].bits != dk[i].bits) + (dv_x[i].bits != dv[i].bits);
-    for (size_t i = 0; np && i < npk; i++) ks->fused_differs += memcmp(&dkp_x[i], &dkp[i], 4) != 0, ks->fused_differs += memcmp(&dvp_x[i], &dvp[i], 4) != 0;
+        /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC) from the same start values, as
+           pr_cu_attention_bwd_mma launches it: dq through the fp32 accumulator and the dq_add kernel;
+           its dk, dv, dkp, dvp must be the dK/dV kernel's above, bit for bit */
+        std::vector<bf16> dq_x = to_bf16(init[0]), dk_x = to_bf16(init[1]), dv_x = to_bf16(init[2]);
+        std::vector<float> dkp_x(npk), dvp_x(npk), dq_acc(nq, 0.0f), part_x(part.size(), NAN);
+        for (size_t i = 0; i < npk; i++) dkp_x[i] = (float)init[3][i], dvp_x[i] = (float)init[4][i];
+        emu_red_target = emu_buffer{ (const char *)dq_acc.data(), 4 * dq_acc.size() };
+        launch_counted(ks, K_FUSED, nkt, NKV, pr_mma_smem_bytes(HS, 3),
+                       { { "dk", dk_x.data(), nk, 2 }, { "dv", dv_x.data(), nk, 2 }, { "dkp", dkp_x.data(), npk, 4 },
+                         { "dvp", dvp_x.data(), npk, 4 }, { "partials", part_x.data(), part_x.size(), 4 } }, [&] {
+            pr_k_attention_bwd_dkv_mma<HS, true>(dk_x.data(), dv_x.data(), dkp_x.data(), dvp_x.data(), C > 1 ? part_x.data() : NULL, C,
+                                                 dq_acc.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                                 np ? kpb.data() : NULL, np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
+        });
+        if (C > 1)
+            emu_launch(4, 1, 128, 0, { { "dkp", dkp_x.data(), npk, 4 }, { "dvp", dvp_x.data(), npk, 4 } },
+                       [&] { pr_k_attention_chunk_sum(dkp_x.data(), dvp_x.data(), part_x.data(), C, (size_t)np * kvd); });
+        emu_launch(4, 1, 128, 0, { { "dq", dq_x.data(), nq, 2 } }, [&] { pr_k_attention_dq_add(dq_x.data(), dq_acc.data(), HS, nq); });
+        ks->fused_differs = 0;
+        for (size_t i = 0; i < nk; i++) ks->fused_differs += (dk_x[i].bits != dk[i].bits) + (dv_x[i].bits != dv[i].bits);
+        for (size_t i = 0; np && i < npk; i++) ks->fused_differs += memcmp(&dkp_x[i], &dkp[i], 4) != 0, ks->fused_differs += memcmp(&dvp_x[i], &dvp[i], 4) != 0;
 
-    const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
-    for (int t = 0; t < 5; t++) {
-        if (t >= 3 && !np) { model_ratio[T_DQ + t] = 0; continue; }
-        std::vector<double> minc(n[t]);
-        for (size_t i = 0; i < n[t]; i++) minc[i] = mg[t][i] - init[t][i];
-        model_ratio[T_DQ + t] = model_worst(got[t], &init[t], minc, &ref[t], n[t], t >= 3);
-        if (t == 0) model_ratio[T_DQ_FUSED] = model_worst(from_bf16(dq_x), &init[0], minc, &ref[0], nq, false);
+        const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
+        for (int t = 0; t < 5; t++) {
+            if (t >= 3 && !np) { model_ratio[T_DQ + t] = 0; continue; }
+            std::vector<double> minc(n[t]);
+            for (size_t i = 0; i < n[t]; i++) minc[i] = mg[t][i] - init[t][i];
+            model_ratio[T_DQ + t] = model_worst(got[t], &init[t], minc, &ref[t], n[t], t >= 3);
+            if (t == 0) model_ratio[T_DQ_FUSED] = model_worst(from_bf16(dq_x), &init[0], minc, &ref[0], nq, false);
+        }
+        ratio[T_DQ_FUSED] = worst_ratio(from_bf16(dq_x), &init[0], ref[0], nq, false);
+        ratio[T_DQ] = worst_ratio(from_bf16(dq), &init[0], ref[0], nq, false);
+        ratio[T_DK] = worst_ratio(from_bf16(dk), &init[1], ref[1], nk, false);
+        ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
+        ratio[T_DKP] = np ? worst_ratio(dkpd, &init[3], ref[3], npk, true) : 0;
+        ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
     }
-    ratio[T_DQ_FUSED] = worst_ratio(from_bf16(dq_x), &init[0], ref[0], nq, false);
-    ratio[T_DQ] = worst_ratio(from_bf16(dq), &init[0], ref[0], nq, false);
-    ratio[T_DK] = worst_ratio(from_bf16(dk), &init[1], ref[1], nk, false);
-    ratio[T_DV] = worst_ratio(from_bf16(dv), &init[2], ref[2], nk, false);
-    ratio[T_DKP] = np ? worst_ratio(dkpd, &init[3], ref[3], npk, true) : 0;
-    ratio[T_DVP] = np ? worst_ratio(dvpd, &init[4], ref[4], npk, true) : 0;
 
     /* the FFMA backward from the same start values: dq blocks over the query tiles, dk/dv blocks over
        the prefix's key tiles and the own ones (pr_att_key_tiles) */
@@ -778,8 +787,12 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
 }
 
 static void run(const shape &s, double ratio[NT], double model_ratio[NT], double ffma_ratio[NT], int backward, kernel_stats *ks) {
-    if (s.HS == 64) run_shape<64>(s, ratio, model_ratio, ffma_ratio, backward, ks);
-    else run_shape<128>(s, ratio, model_ratio, ffma_ratio, backward, ks);
+    switch (s.HS) {
+    case 16: run_shape<16>(s, ratio, model_ratio, ffma_ratio, backward, ks); break;
+    case 32: run_shape<32>(s, ratio, model_ratio, ffma_ratio, backward, ks); break;
+    case 64: run_shape<64>(s, ratio, model_ratio, ffma_ratio, backward, ks); break;
+    default: run_shape<128>(s, ratio, model_ratio, ffma_ratio, backward, ks);
+    }
 }
 
 int main(void) {
@@ -793,9 +806,13 @@ int main(void) {
         { 65, 2, { 7, 128 }, 2, 1, 128 },
         { 130, 2, { 40, 65 }, 4, 4, 64 },                 /* three prefix tiles x 4 KV heads, C = 3 */
         { 130, 1, { 20 }, 2, 2, 64 },                     /* C = 1: added into dkp/dvp directly */
+        /* the FFMA kernels alone (no tensor-core kernels at these head dims): model/tiny's 16, tiny-qwen3's 32 */
+        { 65, 3, { 7, 70, 1 }, 4, 2, 16 },
+        { 0, 2, { 130, 64 }, 4, 1, 32 },
+        { 130, 2, { 40, 65 }, 4, 4, 32 },
     };
 #if defined(__SANITIZE_ADDRESS__) || EMU_SANITIZED
-    const size_t n_shapes = 4;                    /* ucontext under AddressSanitizer: slower */
+    const size_t n_shapes = 4;                    /* ucontext under AddressSanitizer: slower (and the head dims 16, 32 last) */
 #else
     const size_t n_shapes = sizeof shapes / sizeof *shapes;
 #endif
@@ -810,16 +827,23 @@ int main(void) {
         char what[160];
         int len = snprintf(what, sizeof what, "P %d NH %d NKV %d HS %d, segments", s.n_prefix, s.NH, s.NKV, s.HS);
         for (int i = 0; i < s.n_seg; i++) len += snprintf(what + len, sizeof what - len, " %d", s.lens[i]);
-        printf("%-52s err/tol", what);
-        for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], r[t]);
-        printf("\n%52s vs model", "");
-        for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], mr[t]);
-        printf("\n%52s FFMA    ", "");
+        const bool mma = s.HS >= 64;
+        if (mma) {
+            printf("%-52s err/tol", what);
+            for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], r[t]);
+            printf("\n%52s vs model", "");
+            for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix)) printf(" %s %.2f", tname[t], mr[t]);
+            printf("\n%52s FFMA    ", "");
+        } else {
+            printf("%-52s FFMA    ", what);
+        }
         for (int t = 0; t < NT; t++) if (shown(t, s.n_prefix) && t != T_DQ_FUSED) printf(" %s %.2f", tname[t], fr[t]);
-        printf("\n%52s races", "");
-        for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
-        printf(", ldmatrix.x4 per mma");
-        for (int k = 0; k < NK; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
+        if (mma) {
+            printf("\n%52s races", "");
+            for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
+            printf(", ldmatrix.x4 per mma");
+            for (int k = 0; k < NK; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
+        }
         printf("\n");
         for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
         CHECK(emu_errors == 0, "%s: %d errors on the emulated machine", what, emu_errors);
