@@ -284,30 +284,48 @@ __device__ __forceinline__ void pr_att_walk_keys(float *ks, float *vs, const pr_
     }
 }
 
+/* The thread of an FFMA query-tile block (the forward, dq): four threads a query row, row r of tile
+   blockIdx.x for head blockIdx.y (KV head hk), this one holding its columns part + 4 i; K and V
+   tiles staged in shared memory at ks and vs; o the offset of the row's column `part` in q-shaped
+   buffers (rows of NH * HS). */
+struct pr_att_qrow {
+    pr_att_tile t;
+    int h, hk, part, r;
+    bool valid;
+    size_t kvd, o;
+    float *ks, *vs;
+};
+template <int HS>
+__device__ __forceinline__ pr_att_qrow pr_att_qrow_of(const pr_att_tile *tiles, int NH, int NKV) {
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    pr_att_qrow x;
+    x.t = tiles[blockIdx.x];
+    x.h = blockIdx.y, x.hk = x.h / (NH / NKV), x.part = threadIdx.x & 3;
+    x.r = x.t.r0 + (threadIdx.x >> 2);
+    x.valid = x.r < x.t.r1;
+    x.kvd = (size_t)NKV * HS;
+    x.o = (size_t)x.r * NH * HS + (size_t)x.h * HS + x.part;
+    x.ks = (float *)pr_dyn_smem, x.vs = x.ks + PR_ATT_ROWS * HS;
+    return x;
+}
+
 /* Forward. Grid (query tiles, NH). Online softmax over the prefix keys, then the own keys. */
 template <int HS>
 __global__ void __launch_bounds__(PR_ATT_THREADS)
 pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                    const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
     constexpr int D = HS / 4;
-    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
-    float *const smem = (float *)pr_dyn_smem;
-    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
-    const pr_att_tile t = tiles[blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
-    const int r = t.r0 + (threadIdx.x >> 2);
-    const bool valid = r < t.r1;
-    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const pr_att_qrow x = pr_att_qrow_of<HS>(tiles, NH, NKV);
     const float scale = rsqrtf((float)HS);
     float qr[D], acc[D];
     for (int i = 0; i < D; i++) {
-        qr[i] = valid ? __bfloat162float(q[(size_t)r * qd + (size_t)h * HS + part + 4 * i]) * scale : 0.0f;
+        qr[i] = x.valid ? __bfloat162float(q[x.o + 4 * i]) * scale : 0.0f;
         acc[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+    pr_att_walk_keys<HS>(x.ks, x.vs, x.t, x.r, x.valid, n_prefix, k, v, kp, vp, x.kvd, x.hk, [&](const float *kj, const float *vj, bool visible) {
         float s = 0;
-        for (int i = 0; i < D; i++) s += qr[i] * kj[part + 4 * i];
+        for (int i = 0; i < D; i++) s += qr[i] * kj[x.part + 4 * i];
         s = pr_quad_add(s);
         if (!visible) return;
         if (s > m) {                   /* a new maximum: rescale what was accumulated under the old one */
@@ -318,12 +336,12 @@ pr_k_attention_fwd(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf
         }
         float p = __expf(s - m);
         l += p;
-        for (int i = 0; i < D; i++) acc[i] += p * vj[part + 4 * i];
+        for (int i = 0; i < D; i++) acc[i] += p * vj[x.part + 4 * i];
     });
-    if (!valid) return;
+    if (!x.valid) return;
     float inv = 1.0f / l;
-    for (int i = 0; i < D; i++) out[(size_t)r * qd + (size_t)h * HS + part + 4 * i] = __float2bfloat16(acc[i] * inv);
-    if (part == 0) lse[(size_t)r * NH + h] = m + logf(l);
+    for (int i = 0; i < D; i++) out[x.o + 4 * i] = __float2bfloat16(acc[i] * inv);
+    if (x.part == 0) lse[(size_t)x.r * NH + x.h] = m + logf(l);
 }
 
 /* dq. Grid (query tiles, NH): like the forward, with p rebuilt from lse:
@@ -334,40 +352,30 @@ pr_k_attention_bwd_dq(bf16 *dq, const bf16 *dout, const float *lse, const float 
                       const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
                       int NH, int NKV) {
     constexpr int D = HS / 4;
-    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
-    float *const smem = (float *)pr_dyn_smem;
-    float *ks = smem, *vs = smem + PR_ATT_ROWS * HS;
-    const pr_att_tile t = tiles[blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), part = threadIdx.x & 3;
-    const int r = t.r0 + (threadIdx.x >> 2);
-    const bool valid = r < t.r1;
-    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const pr_att_qrow x = pr_att_qrow_of<HS>(tiles, NH, NKV);
     const float scale = rsqrtf((float)HS);
     float qr[D], dor[D], g[D];
     for (int i = 0; i < D; i++) {
-        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
-        qr[i] = valid ? __bfloat162float(q[o]) * scale : 0.0f;
-        dor[i] = valid ? __bfloat162float(dout[o]) : 0.0f;
+        qr[i] = x.valid ? __bfloat162float(q[x.o + 4 * i]) * scale : 0.0f;
+        dor[i] = x.valid ? __bfloat162float(dout[x.o + 4 * i]) : 0.0f;
         g[i] = 0.0f;
     }
-    const float L = valid ? lse[(size_t)r * NH + h] : 0.0f, Drow = valid ? Dr[(size_t)r * NH + h] : 0.0f;
-    pr_att_walk_keys<HS>(ks, vs, t, r, valid, n_prefix, k, v, kp, vp, kvd, hk, [&](const float *kj, const float *vj, bool visible) {
+    const size_t rh = (size_t)x.r * NH + x.h;
+    const float L = x.valid ? lse[rh] : 0.0f, Drow = x.valid ? Dr[rh] : 0.0f;
+    pr_att_walk_keys<HS>(x.ks, x.vs, x.t, x.r, x.valid, n_prefix, k, v, kp, vp, x.kvd, x.hk, [&](const float *kj, const float *vj, bool visible) {
         float s = 0, dp = 0;
         for (int i = 0; i < D; i++) {
-            s += qr[i] * kj[part + 4 * i];
-            dp += dor[i] * vj[part + 4 * i];
+            s += qr[i] * kj[x.part + 4 * i];
+            dp += dor[i] * vj[x.part + 4 * i];
         }
         s = pr_quad_add(s);
         dp = pr_quad_add(dp);
         if (!visible) return;
         float ds = __expf(s - L) * (dp - Drow) * scale;
-        for (int i = 0; i < D; i++) g[i] += ds * kj[part + 4 * i];
+        for (int i = 0; i < D; i++) g[i] += ds * kj[x.part + 4 * i];
     });
-    if (!valid) return;
-    for (int i = 0; i < D; i++) {
-        size_t o = (size_t)r * qd + (size_t)h * HS + part + 4 * i;
-        dq[o] = __float2bfloat16(__bfloat162float(dq[o]) + g[i]);
-    }
+    if (!x.valid) return;
+    for (int i = 0; i < D; i++) dq[x.o + 4 * i] = __float2bfloat16(__bfloat162float(dq[x.o + 4 * i]) + g[i]);
 }
 
 /* dk, dv. Grid (key tiles, NKV): a block owns 64 keys of one KV head and loops over every query
