@@ -201,29 +201,26 @@ static void emu_shadow_read(uint32_t addr, int bytes, int warp, int thread) {
         x.readers |= 1u << warp;
     }
 }
-static void emu_shadow_issue(uint32_t addr, int bytes) {
+/* bytes at addr written by the current thread: by a cp.async it issues (in flight until its wait
+   completes it), or by a plain store (complete at once) */
+static void emu_shadow_write(uint32_t addr, int bytes, bool async) {
     const int me = (int)emu_cur->idx.x;
-    if ((size_t)addr + bytes > emu_smem_bytes) return;          /* reported when it lands */
+    const char *what = async ? "cp.async" : "store";
+    char why[96];
     for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
         emu_word &x = emu_shadow[w];
-        if (x.writer >= 0 && x.landed < 0) emu_race("cp.async into a word another cp.async has in flight", w, x.writer);
-        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me)
-            emu_race("cp.async into a word another thread's copy completed in this epoch", w, x.writer);
-        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32))))
-            emu_race("cp.async into a word another warp read in this epoch, no barrier between", w, -1);
-        x.writer = me, x.landed = -1;
-    }
-}
-static void emu_shadow_store(uint32_t addr, int bytes) {
-    const int me = (int)emu_cur->idx.x;
-    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
-        emu_word &x = emu_shadow[w];
-        if (x.writer >= 0 && x.landed < 0) emu_race("store into a word a cp.async has in flight", w, x.writer);
-        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me)
-            emu_race("store into a word another thread wrote in this epoch", w, x.writer);
-        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32))))
-            emu_race("store into a word another warp read in this epoch, no barrier between", w, -1);
-        x.writer = me, x.landed = emu_epoch;
+        if (x.writer >= 0 && x.landed < 0) {
+            snprintf(why, sizeof why, "%s into a word a cp.async has in flight", what);
+            emu_race(why, w, x.writer);
+        } else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me) {
+            snprintf(why, sizeof why, "%s into a word another thread wrote in this epoch", what);
+            emu_race(why, w, x.writer);
+        }
+        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32)))) {
+            snprintf(why, sizeof why, "%s into a word another warp read in this epoch, no barrier between", what);
+            emu_race(why, w, -1);
+        }
+        x.writer = me, x.landed = async ? -1 : emu_epoch;
     }
 }
 static void emu_shadow_land(uint32_t addr, int bytes) {
@@ -277,7 +274,7 @@ static float emu_shfl_xor(float v, int mask) {
 }
 static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
     emu_copy c = { dst, src, bytes, fill };
-    emu_shadow_issue(dst, bytes);
+    if ((size_t)dst + bytes <= emu_smem_bytes) emu_shadow_write(dst, bytes, true);   /* outside: reported when it lands */
     emu_cur->open.push_back(c);
 }
 static void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
@@ -322,7 +319,7 @@ static void pr_sts_b32(uint32_t addr, uint32_t v) {
         emu_error("shared-memory store misaligned or outside the launch's");
         return;
     }
-    emu_shadow_store(addr, 4);
+    emu_shadow_write(addr, 4, false);
     emu_cur->stored = true;
     memcpy(pr_dyn_smem + addr, &v, 4);
 }
