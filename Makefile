@@ -94,13 +94,15 @@ build/test_attn_model-double: $(ATTN_MODEL) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
 TEST_BINS += build/test_attn_model-double
 TEST_BINS += build/test_mma_emul build/test_mma_kernels
+# the CUDA backend on the emulated device (below): the GPU suite without a GPU
+TEST_BINS += build/emu/train_cuda build/emu/test_gpu build/emu/test_gpu_attention build/compare_st
 
 # The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
 # CPU attention, the FFMA kernels' too (test_mma_kernels; prefixreuse_cuda.cu compiled with
 # PR_CUDA_HOST_EMULATION and PR_CUDA_KERNEL_EMULATION).
 CXX ?= c++
-MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h
+MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h test/gpu_emu.h
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
 build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
@@ -258,3 +260,24 @@ build/test_gpu_attention: test/test_gpu_attention.c test/gpu_copy.h test/gpu_ref
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu_attention.o build/gpu_ref_attention.o build/attn_model_attention.o build/prefixreuse_cuda.o $(CUDA_LIBS)
 test-gpu-attention: build/test_gpu_attention
 	./build/test_gpu_attention
+
+# The CUDA backend on an emulated device (test/cuda_emu.cc; no GPU, no nvcc): prefixreuse_cuda.cu's
+# host code and every kernel compiled for the host against an emulated CUDA runtime, cuBLASLt and
+# device, linked into the GPU tests and train_cuda in place of the CUDA object. make test-gpu-emu
+# runs test/run_gpu.sh (the GPU suite) with them, against the CPU double build.
+.PHONY: test-gpu-emu
+EMU_CUDA = build/emu/prefixreuse_cuda.o
+build/emu:
+	mkdir -p build/emu
+$(EMU_CUDA): test/cuda_emu.cc $(MMA_EMU_DEPS) $(HEADER) | build/emu
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -DPR_NO_NCCL -c -o $@ test/cuda_emu.cc
+build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
+	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<
+build/emu/train_cuda: build/train_cuda.o $(EMU_CUDA)
+	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
+build/emu/test_gpu: build/emu/test_gpu.o build/emu/gpu_ref.o $(EMU_CUDA)
+	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
+build/emu/test_gpu_attention: build/emu/test_gpu_attention.o build/emu/gpu_ref.o build/emu/attn_model.o $(EMU_CUDA)
+	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
+test-gpu-emu: build/emu/test_gpu build/emu/train_cuda build/train-double build/compare_st
+	@TRAIN_CUDA=build/emu/train_cuda TEST_GPU=build/emu/test_gpu sh test/run_gpu.sh

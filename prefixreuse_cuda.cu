@@ -22,16 +22,23 @@
 
    Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... (the Makefile's `make cuda`).
 
-   PR_CUDA_HOST_EMULATION: defined before including this file from a host C++17 program, it
-   compiles only the WARP-LEVEL PIECES section below (no CUDA header, no kernel), so that a test
-   can run the tensor-core kernels' fragment, ldmatrix, swizzle and repacking rules through an
-   emulation of the instructions (test/test_mma_emul.cc). */
+   Compiled for the host, without a GPU, by the tests (C++17, the including file supplies what
+   CUDA would):
+     PR_CUDA_HOST_EMULATION: only the WARP-LEVEL PIECES section below (no CUDA header, no
+       kernel), so that a test can run the tensor-core kernels' fragment, ldmatrix, swizzle and
+       repacking rules through an emulation of the instructions (test/test_mma_emul.cc);
+     with PR_CUDA_KERNEL_EMULATION beside it: the attention kernels too (test/test_mma_kernels.cc);
+     PR_CUDA_DEVICE_EMULATION alone: the whole backend, host code and every kernel, against an
+       emulated CUDA runtime, cuBLASLt and device (test/cuda_emu.cc), so that the GPU tests and
+       train_cuda run on the CPU (make test-gpu-emu); no NCCL. */
 #ifndef PR_CUDA_HOST_EMULATION
 #include "prefixreuse.h"
 
+#ifndef PR_CUDA_DEVICE_EMULATION
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#endif
 #ifndef PR_NO_NCCL
 #include <nccl.h>
 #endif
@@ -49,7 +56,12 @@
 #error "the CUDA backend keeps fp32 master weights: build prefixreuse_cuda.cu and its callers without PR_DOUBLE"
 #endif
 
+#ifndef PR_CUDA_DEVICE_EMULATION
 typedef __nv_bfloat16 bf16;
+/* Every kernel launch goes through this: test/cuda_emu.cc defines it to run the kernel on its
+   emulated device instead, so the host code below runs unchanged without a GPU. */
+#define PR_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#endif
 #endif /* PR_CUDA_HOST_EMULATION */
 
 /* ================================================================ WARP-LEVEL PIECES
@@ -204,14 +216,6 @@ __device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
 __device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 /* *p += v in global memory, atomically (red.global.add.f32): the fused backward's dQ only. */
 __device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p, v); }
-__device__ __forceinline__ float pr_quad_max(float v) {
-    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
-    return v;
-}
-__device__ __forceinline__ float pr_quad_add(float v) {
-    for (int s = 0; s < PR_QUAD_STEPS; s++) v += __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s));
-    return v;
-}
 #endif
 /* ================================================================ end of WARP-LEVEL PIECES */
 
@@ -220,6 +224,16 @@ __device__ __forceinline__ float pr_quad_add(float v) {
    compile for the host, where test/test_mma_kernels.cc runs them on an emulated block (it defines
    bf16, the CUDA built-ins and the instructions of the WARP-LEVEL PIECES). */
 #include <stdlib.h>
+
+/* the quad reductions, through shfl.bfly (emulated on the host) */
+__device__ __forceinline__ float pr_quad_max(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
+    return v;
+}
+__device__ __forceinline__ float pr_quad_add(float v) {
+    for (int s = 0; s < PR_QUAD_STEPS; s++) v += __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s));
+    return v;
+}
 
 /* ---------------------------------------------------------------- attention */
 /* A tile: 64 consecutive rows [r0, r1) of the segment [seg0, seg1) (the FFMA kernels' prefix key
@@ -1427,7 +1441,7 @@ static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const
                               int N, int C, double eps) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
-    pr_k_rmsnorm_fwd<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)out, (float *)rstd, (const bf16 *)inp,
+    PR_LAUNCH(pr_k_rmsnorm_fwd, pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream, (bf16 *)out, (float *)rstd, (const bf16 *)inp,
                                                                           (const bf16 *)w, N, C, (float)eps);
     pr_cu_launched(cx, "rmsnorm_fwd");
 }
@@ -1435,7 +1449,7 @@ static void pr_cu_rmsnorm_bwd(const pr_backend *be, void *dinp, pr_real *dw, con
                               const void *w, const void *rstd, int N, int C) {
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
-    pr_k_rmsnorm_bwd_dx<<<pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream>>>((bf16 *)dinp, (const bf16 *)dout,
+    PR_LAUNCH(pr_k_rmsnorm_bwd_dx, pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream, (bf16 *)dinp, (const bf16 *)dout,
                                                                              (const bf16 *)inp, (const bf16 *)w, (const float *)rstd, N, C);
     pr_cu_launched(cx, "rmsnorm_bwd_dx");
     /* at most 1024 chunks: the partials stay small and the final loop short */
@@ -1443,10 +1457,10 @@ static void pr_cu_rmsnorm_bwd(const pr_backend *be, void *dinp, pr_real *dw, con
     float *part = (float *)pr_cu_scratch(cx, (size_t)chunks * C * sizeof(float));
     if (!part) return;
     dim3 grid(pr_cu_blocks((size_t)C, 128), (unsigned)chunks);
-    pr_k_rmsnorm_bwd_dw_part<<<grid, 128, 0, cx->stream>>>(part, (const bf16 *)dout, (const bf16 *)inp,
+    PR_LAUNCH(pr_k_rmsnorm_bwd_dw_part, grid, 128, 0, cx->stream, part, (const bf16 *)dout, (const bf16 *)inp,
                                                              (const float *)rstd, N, C, rows_per_chunk);
     pr_cu_launched(cx, "rmsnorm_bwd_dw");
-    pr_k_sum_parts<<<pr_cu_blocks((size_t)C, 128), 128, 0, cx->stream>>>(dw, part, chunks, C);
+    PR_LAUNCH(pr_k_sum_parts, pr_cu_blocks((size_t)C, 128), 128, 0, cx->stream, dw, part, chunks, C);
     pr_cu_launched(cx, "rmsnorm_bwd_sum");
 }
 
@@ -1488,7 +1502,7 @@ static void pr_cu_rope(const pr_backend *be, void *x, const pr_seq_layout *lay, 
     const int *seg = (const int *)pr_cu_stage(cx, lay->seg_off, sizeof(int) * (size_t)(lay->n_seg + 1));
     if (!seg) return;
     size_t total = (size_t)N * heads * (HS / 2);
-    pr_k_rope<<<pr_cu_blocks(total, 256), 256, 0, cx->stream>>>((bf16 *)x, seg, lay->n_seg, lay->pos0, N, heads, HS,
+    PR_LAUNCH(pr_k_rope, pr_cu_blocks(total, 256), 256, 0, cx->stream, (bf16 *)x, seg, lay->n_seg, lay->pos0, N, heads, HS,
                                                                  inv_freq, sign);
     pr_cu_launched(cx, "rope");
 }
@@ -1546,7 +1560,7 @@ static void pr_cu_attention_fwd_hs(pr_cu *cx, void *out, void *lse, const void *
     if (!dt) return;
     size_t smem = pr_att_smem_bytes(HS, 0);
     if (!pr_cu_smem_attr(cx, pr_k_attention_fwd<HS>, PR_CU_ATT_FWD, HS, smem, "attention_fwd shared memory")) return;
-    pr_k_attention_fwd<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
+    PR_LAUNCH(pr_k_attention_fwd<HS>, dim3((unsigned)nt, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
     pr_cu_launched(cx, "attention_fwd");
@@ -1575,18 +1589,18 @@ static void pr_cu_attention_bwd_hs(pr_cu *cx, void *dq, void *dk, void *dv, floa
     free(kt);
     float *Dr = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)N * NH);
     if (!dqt || !dkt || !Dr) return;
-    pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
+    PR_LAUNCH(pr_k_attention_rowdot, pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream, Dr, (const bf16 *)dout,
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem = pr_att_smem_bytes(HS, 0);
     if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq<HS>, PR_CU_ATT_DQ, HS, smem, "attention_bwd_dq shared memory")) return;
-    pr_k_attention_bwd_dq<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream>>>(
+    PR_LAUNCH(pr_k_attention_bwd_dq<HS>, dim3((unsigned)nq, (unsigned)NH), PR_ATT_THREADS, smem, cx->stream,
         (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
         (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dq");
     smem = pr_att_smem_bytes(HS, 1);
     if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dkv<HS>, PR_CU_ATT_DKV, HS, smem, "attention_bwd_dkv shared memory")) return;
-    pr_k_attention_bwd_dkv<HS><<<dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream>>>(
+    PR_LAUNCH(pr_k_attention_bwd_dkv<HS>, dim3((unsigned)nk, (unsigned)NKV), PR_ATT_THREADS, smem, cx->stream,
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, (const bf16 *)dout, (const float *)lse, Dr,
         (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, N, NH, NKV);
     pr_cu_launched(cx, "attention_bwd_dkv");
@@ -1610,7 +1624,7 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     if (!dt) return;
     const size_t smem = pr_mma_smem_bytes(HS, 0);
     if (!pr_cu_smem_attr(cx, pr_k_attention_fwd_mma<HS>, PR_CU_ATT_FWD_MMA, HS, smem, "attention_fwd_mma shared memory")) return;
-    pr_k_attention_fwd_mma<HS><<<dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
+    PR_LAUNCH(pr_k_attention_fwd_mma<HS>, dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
     pr_cu_launched(cx, "attention_fwd_mma");
@@ -1656,7 +1670,7 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     float *Dr = (float *)scratch, *part = C > 1 ? (float *)(scratch + d_bytes) : NULL;
     float *dq_acc = fused ? (float *)(scratch + d_bytes + part_bytes) : NULL;
 
-    pr_k_attention_rowdot<<<pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream>>>(Dr, (const bf16 *)dout,
+    PR_LAUNCH(pr_k_attention_rowdot, pr_cu_blocks((size_t)N * NH, 8), 256, 0, cx->stream, Dr, (const bf16 *)dout,
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem;
@@ -1665,7 +1679,7 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     } else {
         smem = pr_mma_smem_bytes(HS, 1);
         if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
-        pr_k_attention_bwd_dq_mma<HS><<<dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream>>>(
+        PR_LAUNCH(pr_k_attention_bwd_dq_mma<HS>, dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
             (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
             (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
         pr_cu_launched(cx, "attention_bwd_dq_mma");
@@ -1673,18 +1687,18 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     auto dkv = fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
     smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);
     if (!pr_cu_smem_attr(cx, dkv, fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
-    dkv<<<dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream>>>(
+    PR_LAUNCH(dkv, dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
         (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
     pr_cu_launched(cx, fused ? "attention_bwd_dkv_mma (fused)" : "attention_bwd_dkv_mma");
     if (fused) {
         const unsigned blocks = pr_cu_blocks(nq_elems / 2, 256);
-        pr_k_attention_dq_add<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dq, dq_acc, HS, nq_elems);
+        PR_LAUNCH(pr_k_attention_dq_add, blocks < 65536 ? blocks : 65536, 256, 0, cx->stream, (bf16 *)dq, dq_acc, HS, nq_elems);
         pr_cu_launched(cx, "attention_dq_add");
     }
     if (part) {
         unsigned blocks = pr_cu_blocks(2 * np_elems, 256);
-        pr_k_attention_chunk_sum<<<blocks < 4096 ? blocks : 4096, 256, 0, cx->stream>>>(dkp, dvp, part, C, np_elems);
+        PR_LAUNCH(pr_k_attention_chunk_sum, blocks < 4096 ? blocks : 4096, 256, 0, cx->stream, dkp, dvp, part, C, np_elems);
         pr_cu_launched(cx, "attention_chunk_sum");
     }
 }
@@ -1807,40 +1821,40 @@ __global__ void pr_k_row_dots(float *out, const bf16 *a, const bf16 *b, int M, i
 static void pr_cu_swiglu_fwd(const pr_backend *be, void *h, const void *gate, const void *up, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_swiglu_fwd<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
+    PR_LAUNCH(pr_k_swiglu_fwd, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
     pr_cu_launched(cx, "swiglu_fwd");
 }
 static void pr_cu_swiglu_bwd(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate,
                              const void *up, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_swiglu_bwd<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh,
+    PR_LAUNCH(pr_k_swiglu_bwd, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh,
                                                                    (const bf16 *)gate, (const bf16 *)up, n);
     pr_cu_launched(cx, "swiglu_bwd");
 }
 static void pr_cu_add(const pr_backend *be, void *y, const void *x, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_add<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>((bf16 *)y, (const bf16 *)x, n);
+    PR_LAUNCH(pr_k_add, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)y, (const bf16 *)x, n);
     pr_cu_launched(cx, "add");
 }
 static void pr_cu_add_reals(const pr_backend *be, float *y, const float *x, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_add_f32<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(y, x, n);
+    PR_LAUNCH(pr_k_add_f32, pr_cu_blocks(n, 256), 256, 0, cx->stream, y, x, n);
     pr_cu_launched(cx, "add_reals");
 }
 static void pr_cu_acts_to_reals(const pr_backend *be, float *dst, const void *src, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_bf16_to_f32<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(dst, (const bf16 *)src, n);
+    PR_LAUNCH(pr_k_bf16_to_f32, pr_cu_blocks(n, 256), 256, 0, cx->stream, dst, (const bf16 *)src, n);
     pr_cu_launched(cx, "acts_to_reals");
 }
 static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *src, size_t n) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     unsigned blocks = pr_cu_blocks(n, 256);
-    pr_k_to_bf16<<<blocks < 65536 ? blocks : 65536, 256, 0, cx->stream>>>((bf16 *)dst, src, n);
+    PR_LAUNCH(pr_k_to_bf16, blocks < 65536 ? blocks : 65536, 256, 0, cx->stream, (bf16 *)dst, src, n);
     pr_cu_launched(cx, "reals_to_acts");
 }
 /* The gradient sum over dp in bf16: the same conversions, on the wire buffer. */
@@ -1851,7 +1865,7 @@ static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *toke
     if (N <= 0) return;
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, tokens, sizeof(int32_t) * (size_t)N);
     if (!dt) return;
-    pr_k_embed_fwd<<<pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream>>>((bf16 *)out, dt, (const bf16 *)emb, N, C);
+    PR_LAUNCH(pr_k_embed_fwd, pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream, (bf16 *)out, dt, (const bf16 *)emb, N, C);
     pr_cu_launched(cx, "embed_fwd");
 }
 /* Rows grouped by token (a stable order built on the host), so that each embedding row has one
@@ -1899,7 +1913,7 @@ static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dou
     }
     free(rows); free(start); free(uniq);
     if (!du || !ds || !dr) return;
-    pr_k_embed_bwd<<<dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream>>>(demb, (const bf16 *)dout, du, ds, dr, C);
+    PR_LAUNCH(pr_k_embed_bwd, dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream, demb, (const bf16 *)dout, du, ds, dr, C);
     pr_cu_launched(cx, "embed_bwd");
 }
 /* Row lists (and weights) are staged together: both must survive until the kernel runs. */
@@ -1909,8 +1923,8 @@ static void pr_cu_rows_op(pr_cu *cx, int scatter, void *dst, const void *src, co
     const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
     const float *dw = w ? (const float *)pr_cu_stage(cx, w, sizeof(float) * (size_t)M) : NULL;
     if (!dr || (w && !dw)) return;
-    if (scatter) pr_k_scatter_add_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
-    else pr_k_gather_rows<<<pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream>>>((bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
+    if (scatter) PR_LAUNCH(pr_k_scatter_add_rows, pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream, (bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
+    else PR_LAUNCH(pr_k_gather_rows, pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream, (bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
     pr_cu_launched(cx, scatter ? "scatter_add_rows" : "gather_rows");
 }
 static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
@@ -1924,7 +1938,7 @@ static void pr_cu_row_dots(const pr_backend *be, pr_real *out, const void *a, co
     if (M <= 0) return;
     float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M);
     if (!dev) return;
-    pr_k_row_dots<<<pr_cu_blocks((size_t)M, 8), 256, 0, cx->stream>>>(dev, (const bf16 *)a, (const bf16 *)b, M, C);
+    PR_LAUNCH(pr_k_row_dots, pr_cu_blocks((size_t)M, 8), 256, 0, cx->stream, dev, (const bf16 *)a, (const bf16 *)b, M, C);
     pr_cu_launched(cx, "row_dots");
     if (pr_cu_ok(cx, cudaMemcpyAsync(out, dev, sizeof(float) * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "row_dots download"))
         pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "row_dots");
@@ -1955,7 +1969,7 @@ static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void 
 /* One block per row, over its V columns: max z, sum exp(z - max), and z[target] (0 for a target < 0,
    on another TP rank's slice of the vocabulary). */
 __global__ void pr_k_logit_stats(float *stats, const bf16 *logits, const int32_t *target, int V) {
-    __shared__ float buf[32];
+    static __shared__ float buf[32];
     const bf16 *z = logits + (size_t)blockIdx.x * V;
     float mx = -INFINITY;
     for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, __bfloat162float(z[i]));
@@ -2000,7 +2014,7 @@ static void pr_cu_logit_stats(const pr_backend *be, double *stats, const void *l
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, target, sizeof(int32_t) * (size_t)M);
     float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * 3 * (size_t)M);
     if (!host || !dt || !dev) return;
-    pr_k_logit_stats<<<(unsigned)M, 512, 0, cx->stream>>>(dev, (const bf16 *)logits, dt, V);
+    PR_LAUNCH(pr_k_logit_stats, (unsigned)M, 512, 0, cx->stream, dev, (const bf16 *)logits, dt, V);
     pr_cu_launched(cx, "logit_stats");
     if (!pr_cu_ok(cx, cudaMemcpyAsync(host, dev, sizeof(float) * 3 * (size_t)M, cudaMemcpyDeviceToHost, cx->stream), "logit statistics download") ||
         !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "logit statistics download"))
@@ -2021,15 +2035,22 @@ static void pr_cu_logit_grad(const pr_backend *be, void *logits, const double *l
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, target, sizeof(int32_t) * (size_t)M);
     const float *dlc = (const float *)pr_cu_stage(cx, host, sizeof(float) * 2 * (size_t)M);
     if (!dt || !dlc) return;
-    pr_k_logit_grad<<<(unsigned)M, 512, 0, cx->stream>>>((bf16 *)logits, dlc, dt, M, V);
+    PR_LAUNCH(pr_k_logit_grad, (unsigned)M, 512, 0, cx->stream, (bf16 *)logits, dlc, dt, M, V);
     pr_cu_launched(cx, "logit_grad");
 }
 
 /* ---------------------------------------------------------------- optimizer */
-#define PR_CU_REDUCE_BLOCKS 1024   /* fixed, so the summation tree (and the result) never changes */
+/* The sum of squares' blocks: a function of n alone (at least 4 elements a thread, at most 1024
+   blocks), so the summation tree, and the result, never change for a given n; a small tensor does
+   not launch 262,144 threads to sum a few thousand values. */
+#define PR_CU_REDUCE_BLOCKS 1024
+static unsigned pr_cu_reduce_blocks(size_t n) {
+    const unsigned b = pr_cu_blocks(n, 4 * 256);
+    return b < PR_CU_REDUCE_BLOCKS ? b : PR_CU_REDUCE_BLOCKS;
+}
 
 __global__ void pr_k_sum_squares(double *part, const float *x, size_t n) {
-    __shared__ double buf[32];
+    static __shared__ double buf[32];
     double s = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         s += (double)x[i] * x[i];
@@ -2067,11 +2088,12 @@ __global__ void pr_k_adamw(float *p, const float *g, float *m, float *v, size_t 
 
 static double pr_cu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
     pr_cu *cx = pr_cu_of(be);
+    const unsigned blocks = pr_cu_reduce_blocks(n);
     double *part = (double *)pr_cu_scratch(cx, sizeof(double) * (PR_CU_REDUCE_BLOCKS + 1));
     if (!part) return NAN;
-    pr_k_sum_squares<<<PR_CU_REDUCE_BLOCKS, 256, 0, cx->stream>>>(part, x, n);
+    PR_LAUNCH(pr_k_sum_squares, blocks, 256, 0, cx->stream, part, x, n);
     pr_cu_launched(cx, "sum_squares");
-    pr_k_sum_parts_double<<<1, 32, 0, cx->stream>>>(part + PR_CU_REDUCE_BLOCKS, part, PR_CU_REDUCE_BLOCKS);
+    PR_LAUNCH(pr_k_sum_parts_double, 1, 32, 0, cx->stream, part + PR_CU_REDUCE_BLOCKS, part, (int)blocks);
     pr_cu_launched(cx, "sum_squares_total");
     if (!pr_cu_ok(cx, cudaMemcpyAsync(cx->reduce_host, part + PR_CU_REDUCE_BLOCKS, sizeof(double),
                                       cudaMemcpyDeviceToHost, cx->stream), "sum_squares download") ||
@@ -2082,7 +2104,7 @@ static double pr_cu_sum_squares(const pr_backend *be, const pr_real *x, size_t n
 static void pr_cu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
-    pr_k_scale<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(x, n, (float)s);
+    PR_LAUNCH(pr_k_scale, pr_cu_blocks(n, 256), 256, 0, cx->stream, x, n, (float)s);
     pr_cu_launched(cx, "scale");
 }
 static void pr_cu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n,
@@ -2090,7 +2112,7 @@ static void pr_cu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_r
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     double c1 = 1 - pow(b1, (double)step), c2 = 1 - pow(b2, (double)step);
-    pr_k_adamw<<<pr_cu_blocks(n, 256), 256, 0, cx->stream>>>(p, g, m, v, n, lr, b1, b2, eps, wd, c1, c2);
+    PR_LAUNCH(pr_k_adamw, pr_cu_blocks(n, 256), 256, 0, cx->stream, p, g, m, v, n, lr, b1, b2, eps, wd, c1, c2);
     pr_cu_launched(cx, "adamw");
 }
 

@@ -961,16 +961,21 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
 /* ------------------------------------------------------------------ --check */
 typedef struct { double max_abs, max_rel; long bad; } diff;
 
-/* The mixed test |a-b| <= atol + rtol*|b| (+ allow[i] when given), per element. */
-static diff compare(const pr_real *a, const pr_real *b, size_t n, double atol, double rtol, const double *allow) {
+/* The mixed test |a-b| <= atol + rtol*|b| (+ allow[i] when given), per element; atol_at[i]
+   instead of atol when given. */
+static diff compare_at(const pr_real *a, const pr_real *b, size_t n, double atol, const double *atol_at, double rtol,
+                       const double *allow) {
     diff d = { 0, 0, 0 };
     for (size_t i = 0; i < n; i++) {
         double e = fabs((double)a[i] - b[i]), r = e / (fabs((double)b[i]) > 1e-300 ? fabs((double)b[i]) : 1e-300);
         if (e > d.max_abs) d.max_abs = e;
         if (e > 0 && r > d.max_rel) d.max_rel = r;
-        if (!(e <= atol + rtol * fabs((double)b[i]) + (allow ? allow[i] : 0))) d.bad++;
+        if (!(e <= (atol_at ? atol_at[i] : atol) + rtol * fabs((double)b[i]) + (allow ? allow[i] : 0))) d.bad++;
     }
     return d;
+}
+static diff compare(const pr_real *a, const pr_real *b, size_t n, double atol, double rtol, const double *allow) {
+    return compare_at(a, b, n, atol, NULL, rtol, allow);
 }
 /* ||a - b|| / ||b||: the size of a difference against the whole vector's, where an element's
    relative difference is dominated by entries near zero. */
@@ -1024,8 +1029,13 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     /* Tolerances from the precision of the build, fixed before any run: a few thousand ulps of
        accumulated reordering for float, the same reasoning at double's 2^-52. With bf16
        activations every GEMM output and saved tensor is rounded at bf16's spacing, 2^-8 relative:
-       rtol is twice that, and atol the same spacing at the scale of the baseline's gradients
-       (2^-7 times their root mean square), the mixed test of the paper's bf16 runs. */
+       rtol is twice that. A gradient element is a sum over tokens whose terms carry that rounding
+       while the sum may cancel, so its error follows the size of the terms, not of the element:
+       atol is two bf16 spacings (2^-6) at the scale of the tensor's largest baseline gradient.
+       That is the mixed test of the paper's bf16 runs, applied per tensor; one global atol (2^-7
+       times the root mean square of all gradients) fails the baseline itself against the double
+       build on the emulated device (make test-gpu-emu), where the rounding is the GPU's and the
+       sums are exact. The loss is compared with 2^-7 times that root mean square. */
     const int bf16 = bf16_activations();
     const double rtol = bf16 ? 0x1p-7 : sizeof(pr_real) == 8 ? 1e-10 : 2e-4;
     double atol = sizeof(pr_real) == 8 ? 1e-13 : 1e-6;
@@ -1041,7 +1051,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
            o->step.microbatch, o->tree ? "tree" : "reuse", o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            recompute_name[o->step.recompute],
            bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
-           bf16 ? "2^-7 x rms(gradients)" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
+           bf16 ? "2^-6 x max|gradient| of each tensor" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
     double worst_loss = 0, wire_l2_g = 0, wire_l2_p = 0;
     int rc = 0;
@@ -1072,8 +1082,8 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         size_t n = pr_trainer_param_count(base);
         pr_real *ga = malloc(sizeof(pr_real) * n), *gb = malloc(sizeof(pr_real) * n);
         pr_real *pa = malloc(sizeof(pr_real) * n), *pb = malloc(sizeof(pr_real) * n);
-        double *allow = malloc(sizeof(double) * n);
-        int failed = !ga || !gb || !pa || !pb || !allow;
+        double *allow = malloc(sizeof(double) * n), *atol_at = malloc(sizeof(double) * n);
+        int failed = !ga || !gb || !pa || !pb || !allow || !atol_at;
         if (failed) fprintf(stderr, "train: out of memory\n");
         sb.loss = sr.loss = 0;
         for (int k = 0; k < nb && !failed; k++) {
@@ -1118,25 +1128,35 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         }
         if (failed) rc = 1;
         else {
+            double atol_max = atol;
+            for (size_t i = 0; i < n; i++) atol_at[i] = atol;
             if (bf16) {
                 double ss = 0;
                 for (size_t i = 0; i < n; i++) ss += (double)ga[i] * ga[i];
                 atol = 0x1p-7 * sqrt(ss / (double)n);
+                atol_max = 0;
+                for (int t = 0; t < pr_trainer_tensor_count(base); t++) {
+                    const pr_tensor_info *ti = pr_trainer_tensor(base, t);
+                    double m = 0;
+                    for (size_t i = ti->offset; i < ti->offset + ti->numel && i < n; i++) m = fmax(m, fabs((double)ga[i]));
+                    for (size_t i = ti->offset; i < ti->offset + ti->numel && i < n; i++) atol_at[i] = 0x1p-6 * m;
+                    atol_max = fmax(atol_max, 0x1p-6 * m);
+                }
             }
             /* A gradient inside its tolerance moves the first AdamW step g/(|g|+eps) by at most
                lr * tol_g / (|g|+eps), the slope of that map, and never by more than 2 lr: below the
                gradient's own noise floor a step's sign is noise in either schedule. */
             double c = adam.max_grad_norm > 0 && gnorm > adam.max_grad_norm ? adam.max_grad_norm / gnorm : 1.0;
             for (size_t i = 0; i < n; i++) {
-                double gi_abs = c * fabs((double)ga[i]), tol_g = c * (atol + rtol * fabs((double)ga[i]));
+                double gi_abs = c * fabs((double)ga[i]), tol_g = c * (atol_at[i] + rtol * fabs((double)ga[i]));
                 allow[i] = adam.lr * fmin(2.0, tol_g / (gi_abs + adam.eps));
             }
-            diff dg = compare(gb, ga, n, atol, rtol, NULL), dp = compare(pb, pa, n, atol, rtol, allow);
+            diff dg = compare_at(gb, ga, n, 0, atol_at, rtol, NULL), dp = compare_at(pb, pa, n, 0, atol_at, rtol, allow);
             double dl = fabs(sb.loss - sr.loss);
             if (nb > 1) printf("  step of groups %d..%d (%lld trajectories)", gi, (gi + nb - 1) % trace->n_groups, (long long)so.loss.step.trajectories);
             else printf("  group %d (P %3d, G %2d)", gi, g->P, g->G);
-            printf(": loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol %.1e\n",
-                   sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol);
+            printf(": loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol up to %.1e\n",
+                   sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol_max);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
@@ -1147,7 +1167,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 else plain_diffs += d;
             }
         }
-        free(ga); free(gb); free(pa); free(pb); free(allow);
+        free(ga); free(gb); free(pa); free(pb); free(allow); free(atol_at);
         pr_trainer_destroy(base);
         pr_trainer_destroy(reuse);
     }

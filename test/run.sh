@@ -13,6 +13,13 @@ run "$dir/test_cxx"
 run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
+# The GPU suite (test/run_gpu.sh) and the tensor-core attention's GPU test on the emulated device
+# (test/cuda_emu.cc): the CUDA backend's host code and kernels against the CPU double build. Built
+# in build/emu by make test; the sanitizer build has none.
+if [ -x "$dir/emu/train_cuda" ]; then
+    run env TRAIN_CUDA="$dir/emu/train_cuda" TEST_GPU="$dir/emu/test_gpu" sh "$(dirname "$0")/run_gpu.sh"
+    run "$dir/emu/test_gpu_attention"
+fi
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
 for p in float double; do

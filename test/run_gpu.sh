@@ -8,22 +8,25 @@
 #                       offload bitwise equal (copy stream);
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer).
-# Last line: "N passed, N failed".
+# Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make
+# test-gpu-emu: those built on the emulated device, test/cuda_emu.cc).
 . "$(dirname "$0")/tally.sh"
-run build/test_gpu
+TRAIN_CUDA=${TRAIN_CUDA:-./train_cuda}
+TEST_GPU=${TEST_GPU:-build/test_gpu}
+run "$TEST_GPU"
 for m in tiny tiny-qwen3; do
-    for lay in padded packed; do run ./train_cuda --config model/$m --check --microbatch 3 --layout $lay --kl-coef 0.04; done
-    run ./train_cuda --config model/$m --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+    for lay in padded packed; do run "$TRAIN_CUDA" --config model/$m --check --microbatch 3 --layout $lay --kl-coef 0.04; done
+    run "$TRAIN_CUDA" --config model/$m --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
     # one suffix per microbatch: gK/gV summed over the most Phase-B passes (fp32 on the GPU)
-    run ./train_cuda --config model/$m --check --microbatch 1
+    run "$TRAIN_CUDA" --config model/$m --check --microbatch 1
 done
 for scope in microbatch group; do
-    run ./train_cuda --config model/tiny-moe --check --microbatch 3 --aux-scope $scope
+    run "$TRAIN_CUDA" --config model/tiny-moe --check --microbatch 3 --aux-scope $scope
 done
 tmp=$(mktemp -d)
 for m in tiny tiny-qwen3; do
     run build/train-double --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-cpu.safetensors"
-    run ./train_cuda --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
+    run "$TRAIN_CUDA" --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
 done
 rm -rf "$tmp"

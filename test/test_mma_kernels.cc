@@ -4,22 +4,11 @@
    with the tile-level model of their algorithm (test/attn_model.c), which they must match far
    more closely; and the FFMA kernels, the backend's default and the GPU tests' reference.
 
-   The emulated block: one fiber (ucontext) per thread (128 for the tensor-core kernels, 256 for
-   the FFMA ones), run in turn until each reaches
-   a synchronisation point. __syncthreads releases when every thread has arrived. A warp-collective
-   instruction (ldmatrix, mma.sync, shfl) executes when all 32 lanes of the warp have arrived at it,
-   through test/mma_emu.h's emulation written from the PTX ISA; lanes of one warp arriving at
-   different ones is reported as divergence, threads that never meet as a deadlock. cp.async
-   copies land only when the issuing thread's cp.async.wait_group lets their group complete (the
-   latest moment the hardware allows), zero-filled when asked; their sources are checked against
-   the input buffers and their destinations, like every ldmatrix address, against the launch's
-   dynamic shared memory, which starts filled with NaN bytes. Blocks run one after another.
-   Races are checked against the barriers, not against the order the fibers happen to run in:
-   every shared-memory access (cp.async, ldmatrix, pr_lds_f32) is checked word by word, the way
-   compute-sanitizer's racecheck does on the GPU (see "racecheck" below). Each launch's outputs are
-   checked for one writer per element, and the kernels' ldmatrix phases for bank conflicts. Not
-   emulated: the timing of the real machine, and the approximate exp2/log2 (the host's are exact
-   to an fp32 rounding).
+   The emulated block is test/gpu_emu.h's (one fiber per thread, the warp-collective instructions
+   from the PTX ISA, cp.async landing as late as the hardware allows, racecheck against the
+   barriers), with every launch's outputs checked for one writer per element and the kernels'
+   ldmatrix phases for bank conflicts. Not emulated: the timing of the real machine, and the
+   approximate exp2/log2 (the host's are exact to an fp32 rounding).
 
    Checked, forward and backward, over shapes with prefixes 0, 1, 63, 64, 65 and 130, ragged
    packed and padded segments, GQA 1, 2 and 4, head dims 64 and 128, prefix dK/dV chunked (C > 1,
@@ -46,9 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <ucontext.h>
 
-#include <functional>
 #include <vector>
 
 #include "harness.h"
@@ -58,440 +45,16 @@ extern "C" {
 #include "gpu_ref.h"
 }
 
-/* ================================================================ the CUDA built-ins on the host */
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(n)
-#define __shared__
-#define __align__(n) __attribute__((aligned(n)))
-typedef struct pr_emu_bf16 { uint16_t bits; } bf16;
-struct pr_emu_dim3 { unsigned x, y, z; };
-struct float2 { float x, y; };
-static inline float2 make_float2(float x, float y) { float2 r = { x, y }; return r; }
-static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-static inline int min(int a, int b) { return a < b ? a : b; }
-#define __expf(x) expf(x)                 /* glibc declares its own __expf */
-static inline float __bfloat162float(bf16 x) { return bf16_value(x.bits); }
-static inline bf16 __float2bfloat16(float x) {
-    bf16 r;
-    r.bits = emu_bf16_bits(emu_round_bf16(x));
-    return r;
-}
+#define EMU_REPORT(...) CHECK(0, __VA_ARGS__)
+#include "gpu_emu.h"
 
-#define EMU_SMEM_MAX (232 * 1024)
-__attribute__((aligned(128))) unsigned char pr_dyn_smem[EMU_SMEM_MAX];
-
-enum { T_RUN, T_BAR, T_WARP, T_DONE };
-enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL };
-struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
-/* Switching between fibers: ucontext, or on x86-64 (outside AddressSanitizer, which follows
-   ucontext only) a plain switch of the callee-saved registers and the stack pointer, without
-   glibc's signal-mask system call: the emulation makes tens of millions of switches. */
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define EMU_SANITIZED 1
-#endif
-#endif
-#ifndef EMU_SANITIZED
-#define EMU_SANITIZED 0
-#endif
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !EMU_SANITIZED && !defined(EMU_UCONTEXT)
-#define EMU_FAST_SWITCH 1
-extern "C" void emu_switch(void **save_sp, void *load_sp);
-__asm__(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
-        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
-        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
-        ".size emu_switch, .-emu_switch\n");
-#else
-#define EMU_FAST_SWITCH 0
-#endif
-struct emu_thread {
-#if EMU_FAST_SWITCH
-    void *sp;                                    /* its stack pointer while switched out */
-#else
-    ucontext_t ctx;
-#endif
-    pr_emu_dim3 idx;
-    int state, op;
-    uint32_t addr, *regs;                        /* ldmatrix */
-    float *d;                                    /* mma */
-    const uint32_t *a;
-    uint32_t b0, b1;
-    float val;                                   /* shfl */
-    int mask;
-    std::vector<emu_copy> open;                  /* cp.async: the group being issued, and the committed ones */
-    std::vector<std::vector<emu_copy>> groups;
-    bool waited;                                 /* a wait_group since the last barrier (planted faults) */
-    bool stored;                                 /* a shared-memory store since the last barrier (planted faults) */
-};
-static std::vector<emu_thread> emu_threads;
-static std::vector<char> emu_stacks;
-#if EMU_FAST_SWITCH
-static void *emu_sched_sp;
-#else
-static ucontext_t emu_sched;
-#endif
-static emu_thread *emu_cur;
-static pr_emu_dim3 emu_block, emu_grid, emu_bdim;
-static std::function<void()> *emu_body;
-static size_t emu_smem_bytes;
-static int emu_errors;                           /* divergence, deadlock, bad addresses */
-/* negative controls: copies land a wait_group late; ldmatrix ignores .trans; barriers skipped (1:
-   those not right after a wait_group, which end a stage's reads; 2: those right after one, which
-   publish its copies; 3: those right after a shared-memory store, which publish the fused
-   backward's dS tile); the dQ launch given one query tile twice */
-static int fault_late_copies, fault_ignore_trans, fault_skip_barrier, fault_duplicate_tile;
-struct emu_buffer { const char *p; size_t bytes; };
-static std::vector<emu_buffer> emu_inputs;       /* where cp.async may read */
-
-#define threadIdx (emu_cur->idx)
-#define blockIdx emu_block
-#define gridDim emu_grid
-#define blockDim emu_bdim
-
-/* A fault the machine saw, counted in `count`; the first few are reported as failures, unless a
-   negative control planted it (emu_quiet), which then checks the counts. */
-static bool emu_quiet;
-#define EMU_FAULT(count, ...)                          \
-    do {                                               \
-        if ((count)++ < 3 && !emu_quiet) CHECK(0, __VA_ARGS__); \
-    } while (0)
-static void emu_error(const char *what) {
-    EMU_FAULT(emu_errors, "emulated block (%u, %u) thread %u: %s", emu_block.x, emu_block.y, emu_cur ? emu_cur->idx.x : 0, what);
-}
-
-/* ---------------------------------------------------------------- racecheck
-   Shared memory is checked word by word (4 bytes) against the barriers, whatever order the fibers
-   happen to run in: an epoch is the stretch between two releases of __syncthreads, and the warps
-   of one epoch may interleave in any way. A cp.async is in flight from its issue until its
-   issuing thread's wait_group completes it; its data may be read by that thread after the wait,
-   by anyone else only in a later epoch. Flagged: a read of a word while a copy into it is in
-   flight, or in the epoch its copy completed by another thread (a missing barrier after a wait);
-   a copy into a word another warp read in the same epoch (a missing barrier before a stage is
-   refilled), or into a word whose earlier copy is in flight or completed in this epoch by another
-   thread. A plain store (pr_sts_b32) completes at once: it races a copy in flight or completed in
-   this epoch by another thread, another thread's store in this epoch, and another warp's read in
-   this epoch; a read of it by another thread (or by ldmatrix) in the same epoch is flagged as for
-   a copy. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
-struct emu_word { int writer, landed, read_epoch; uint32_t readers; };   /* writer -1: none; landed -1: in flight */
-static std::vector<emu_word> emu_shadow(EMU_SMEM_MAX / 4);
-static int emu_epoch;
-static long emu_races;
-static void emu_race(const char *what, uint32_t word, int copier) {
-    char by[48] = "";
-    if (copier >= 0) snprintf(by, sizeof by, " (the write is thread %d's)", copier);
-    EMU_FAULT(emu_races, "race in block (%u, %u), thread %u, shared byte %u: %s%s", emu_block.x, emu_block.y,
-              emu_cur ? emu_cur->idx.x : 0, 4 * word, what, by);
-}
-static void emu_shadow_reset(size_t bytes) {
-    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0 };
-    emu_epoch = 0;
-}
-/* bytes at addr read by warp `warp`: by one thread of it (`thread`), or by all of it (-1) */
-static void emu_shadow_read(uint32_t addr, int bytes, int warp, int thread) {
-    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
-        emu_word &x = emu_shadow[w];
-        if (x.writer >= 0 && x.landed < 0) emu_race("read while a cp.async into it is in flight", w, x.writer);
-        else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != thread)
-            emu_race("read in the epoch its cp.async completed or its store ran, no barrier between", w, x.writer);
-        if (x.read_epoch != emu_epoch) x.read_epoch = emu_epoch, x.readers = 0;
-        x.readers |= 1u << warp;
-    }
-}
-/* bytes at addr written by the current thread: by a cp.async it issues (in flight until its wait
-   completes it), or by a plain store (complete at once) */
-static void emu_shadow_write(uint32_t addr, int bytes, bool async) {
-    const int me = (int)emu_cur->idx.x;
-    const char *what = async ? "cp.async" : "store";
-    char why[96];
-    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
-        emu_word &x = emu_shadow[w];
-        if (x.writer >= 0 && x.landed < 0) {
-            snprintf(why, sizeof why, "%s into a word a cp.async has in flight", what);
-            emu_race(why, w, x.writer);
-        } else if (x.writer >= 0 && x.landed == emu_epoch && x.writer != me) {
-            snprintf(why, sizeof why, "%s into a word another thread wrote in this epoch", what);
-            emu_race(why, w, x.writer);
-        }
-        if (x.read_epoch == emu_epoch && (x.readers & ~(1u << (me / 32)))) {
-            snprintf(why, sizeof why, "%s into a word another warp read in this epoch, no barrier between", what);
-            emu_race(why, w, -1);
-        }
-        x.writer = me, x.landed = async ? -1 : emu_epoch;
-    }
-}
-static void emu_shadow_land(uint32_t addr, int bytes) {
-    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) emu_shadow[w].landed = emu_epoch;
-}
-
-static void emu_to_scheduler(void) {
-#if EMU_FAST_SWITCH
-    emu_switch(&emu_cur->sp, emu_sched_sp);
-#else
-    swapcontext(&emu_cur->ctx, &emu_sched);
-#endif
-}
-static void emu_to_fiber(emu_thread *t) {
-    emu_cur = t;
-#if EMU_FAST_SWITCH
-    emu_switch(&emu_sched_sp, t->sp);
-#else
-    swapcontext(&emu_sched, &t->ctx);
-#endif
-}
-static void emu_yield(int state) {
-    emu_cur->state = state;
-    emu_to_scheduler();
-}
-static void __syncthreads(void) {
-    const bool after_wait = emu_cur->waited, after_store = emu_cur->stored;
-    emu_cur->waited = emu_cur->stored = false;
-    if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait) || (fault_skip_barrier == 3 && after_store))
-        return;
-    emu_yield(T_BAR);
-}
-
-static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_dyn_smem); }
-static void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
-    emu_cur->op = OP_LDSM, emu_cur->addr = addr, emu_cur->regs = r;
-    emu_yield(T_WARP);
-}
-static void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
-    emu_cur->op = OP_LDSM_T, emu_cur->addr = addr, emu_cur->regs = r;
-    emu_yield(T_WARP);
-}
-static void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    emu_cur->op = OP_MMA, emu_cur->d = d, emu_cur->a = a, emu_cur->b0 = b0, emu_cur->b1 = b1;
-    emu_yield(T_WARP);
-}
-static float emu_shfl_xor(float v, int mask) {
-    emu_cur->op = OP_SHFL, emu_cur->val = v, emu_cur->mask = mask;
-    emu_yield(T_WARP);
-    return emu_cur->val;
-}
-static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
-    emu_copy c = { dst, src, bytes, fill };
-    if ((size_t)dst + bytes <= emu_smem_bytes) emu_shadow_write(dst, bytes, true);   /* outside: reported when it lands */
-    emu_cur->open.push_back(c);
-}
-static void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
-static void pr_cp_async4(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 4, fill); }
-static void pr_cp_async_commit(void) {
-    emu_cur->groups.push_back(emu_cur->open);
-    emu_cur->open.clear();
-}
-static void emu_land(const std::vector<emu_copy> &g) {
-    for (const emu_copy &c : g) {
-        if (c.dst % c.bytes || c.dst + c.bytes > emu_smem_bytes) { emu_error("cp.async destination outside shared memory"); continue; }
-        bool inside = false;
-        for (const emu_buffer &b : emu_inputs)
-            inside |= (const char *)c.src >= b.p && (const char *)c.src + c.bytes <= b.p + b.bytes;
-        if (!inside || (uintptr_t)c.src % c.bytes) { emu_error("cp.async source outside the inputs or misaligned"); continue; }
-        if (c.fill) memcpy(pr_dyn_smem + c.dst, c.src, c.bytes);
-        else memset(pr_dyn_smem + c.dst, 0, c.bytes);
-        emu_shadow_land(c.dst, c.bytes);
-    }
-}
-/* cp.async.wait_group N: all but the newest N committed groups complete (one more stays pending
-   under the planted fault). */
-template <int N> static void pr_cp_async_wait(void) {
-    const size_t keep = N + (fault_late_copies ? 1 : 0);
-    emu_cur->waited = true;
-    while (emu_cur->groups.size() > keep) {
-        emu_land(emu_cur->groups.front());
-        emu_cur->groups.erase(emu_cur->groups.begin());
-    }
-}
-static float pr_lds_f32(const float *p) {
-    const uint32_t a = pr_smem_u32(p);
-    if (a % 4 || (size_t)a + 4 > emu_smem_bytes) {
-        emu_error("shared-memory load misaligned or outside the launch's");
-        return NAN;
-    }
-    emu_shadow_read(a, 4, (int)emu_cur->idx.x / 32, (int)emu_cur->idx.x);
-    return *p;
-}
-static void pr_sts_b32(uint32_t addr, uint32_t v) {
-    if (addr % 4 || (size_t)addr + 4 > emu_smem_bytes) {
-        emu_error("shared-memory store misaligned or outside the launch's");
-        return;
-    }
-    emu_shadow_write(addr, 4, false);
-    emu_cur->stored = true;
-    memcpy(pr_dyn_smem + addr, &v, 4);
-}
-/* The fused backward's atomics: blocks run one after another here, so a plain add; the target must
-   lie in the launch's atomic buffer. */
-static emu_buffer emu_red_target;
-static void pr_red_add_f32(float *p, float v) {
-    if ((const char *)p < emu_red_target.p || (const char *)(p + 1) > emu_red_target.p + emu_red_target.bytes || (uintptr_t)p % 4) {
-        emu_error("atomic add outside the accumulator or misaligned");
-        return;
-    }
-    *p += v;
-}
-static float pr_quad_max(float v);
-static float pr_quad_add(float v);
+/* negative control: the dQ launch given one query tile twice */
+static int fault_duplicate_tile;
 
 #define PR_CUDA_HOST_EMULATION
 #define PR_CUDA_KERNEL_EMULATION
 #include "../prefixreuse_cuda.cu"
 
-/* the device code's quad reductions (prefixreuse_cuda.cu), with shfl.bfly emulated */
-static float pr_quad_max(float v) {
-    for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, emu_shfl_xor(v, pr_quad_xor(s)));
-    return v;
-}
-static float pr_quad_add(float v) {
-    for (int s = 0; s < PR_QUAD_STEPS; s++) v += emu_shfl_xor(v, pr_quad_xor(s));
-    return v;
-}
-
-/* ================================================================ the block scheduler */
-static long emu_n_ldsm, emu_n_mma;             /* ldmatrix.x4 and mma.sync executed, per warp */
-static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the same op */
-    const int op = lane[0].op;
-    for (int l = 1; l < 32; l++)
-        if (lane[l].op != op) { emu_cur = &lane[l]; emu_error("lanes of a warp at different instructions"); return; }
-    if (op == OP_LDSM || op == OP_LDSM_T) {
-        uint32_t addr[32], out[32][4];
-        for (int l = 0; l < 32; l++) addr[l] = lane[l].addr;
-        for (int l = 0; l < 32; l++)
-            if ((size_t)addr[l] + 16 > emu_smem_bytes) { emu_cur = &lane[l]; emu_error("ldmatrix address outside shared memory"); return; }
-        emu_cur = &lane[0];
-        for (int l = 0; l < 32; l++) emu_shadow_read(addr[l], 16, (int)lane[0].idx.x / 32, -1);
-        emu_n_ldsm++;
-        emu_ldmatrix(out, (const uint16_t *)pr_dyn_smem, emu_smem_bytes / 2, addr, 4, op == OP_LDSM_T && !fault_ignore_trans);
-        for (int l = 0; l < 32; l++) memcpy(lane[l].regs, out[l], sizeof out[l]);
-    } else if (op == OP_MMA) {
-        uint32_t a[32][4], b[32][2];
-        float c[32][4], d[32][4];
-        for (int l = 0; l < 32; l++) {
-            memcpy(a[l], lane[l].a, sizeof a[l]);
-            b[l][0] = lane[l].b0, b[l][1] = lane[l].b1;
-            memcpy(c[l], lane[l].d, sizeof c[l]);
-        }
-        emu_mma(d, a, b, c);
-        emu_n_mma++;
-        for (int l = 0; l < 32; l++) memcpy(lane[l].d, d[l], sizeof d[l]);
-    } else {
-        float v[32];
-        for (int l = 0; l < 32; l++) v[l] = lane[l].val;
-        for (int l = 0; l < 32; l++) lane[l].val = v[l ^ lane[l].mask];   /* shfl.sync.bfly */
-    }
-    for (int l = 0; l < 32; l++) lane[l].state = T_RUN;
-}
-
-static void emu_fiber(void) {
-    (*emu_body)();
-    size_t pending = emu_cur->open.size();
-    for (const std::vector<emu_copy> &g : emu_cur->groups) pending += g.size();
-    if (pending) emu_error("the thread ends with cp.async copies it never waited for");
-    emu_cur->state = T_DONE;
-    emu_to_scheduler();
-    abort();                                     /* never resumed */
-}
-
-/* Runs one block of `threads` threads (a multiple of 32) to its end. */
-static void emu_run_block(unsigned threads) {
-    const size_t stack = 128 * 1024;
-    emu_threads.resize(threads);
-    emu_stacks.resize(stack * threads);
-    for (unsigned t = 0; t < threads; t++) {
-        emu_thread &e = emu_threads[t];
-        e.idx.x = t, e.idx.y = e.idx.z = 0;
-        e.state = T_RUN;
-        e.open.clear();
-        e.groups.clear();
-        e.waited = e.stored = false;
-#if EMU_FAST_SWITCH
-        /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
-           stack as a called function does (rsp = 8 mod 16) */
-        uintptr_t top = ((uintptr_t)&emu_stacks[stack * (t + 1)] & ~(uintptr_t)15) - 8;
-        void **sp = (void **)top;
-        *--sp = (void *)emu_fiber;
-        for (int r = 0; r < 6; r++) *--sp = NULL;
-        e.sp = sp;
-#else
-        getcontext(&e.ctx);
-        e.ctx.uc_stack.ss_sp = &emu_stacks[stack * t];
-        e.ctx.uc_stack.ss_size = stack;
-        e.ctx.uc_link = &emu_sched;
-        makecontext(&e.ctx, emu_fiber, 0);
-#endif
-    }
-    for (;;) {
-        for (unsigned t = 0; t < threads; t++)
-            if (emu_threads[t].state == T_RUN) emu_to_fiber(&emu_threads[t]);
-        int progress = 0;
-        for (unsigned w = 0; w < threads / 32; w++) {
-            int at = 0;
-            for (int l = 0; l < 32; l++) at += emu_threads[32 * w + l].state == T_WARP;
-            if (at == 32) emu_warp_op(&emu_threads[32 * w]), progress = 1;
-            else if (at) { emu_cur = &emu_threads[32 * w]; emu_error("warp divergence at a warp-collective instruction"); return; }
-        }
-        if (progress) continue;
-        unsigned bar = 0, done = 0;
-        for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
-        if (done == threads) return;
-        if (bar == threads) {
-            emu_epoch++;
-            for (unsigned t = 0; t < threads; t++) emu_threads[t].state = T_RUN;
-            continue;
-        }
-        emu_cur = &emu_threads[0];
-        emu_error("deadlock: threads at a barrier while others have ended");
-        return;
-    }
-}
-
-/* One writer: each element of a launch's outputs changed by at most one of its blocks, the claim
-   the kernels' determinism rests on (blocks run one after another here, so two writers of one
-   element would both be seen, where on the GPU one could lose the other's update). */
-struct emu_out { const char *name; void *p; size_t n, elem; };
-static long emu_multi_writers;
-
-/* Runs the grid, blocks one after another, each from NaN-filled shared memory; returns the races
-   its blocks showed. */
-template <typename F>
-static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::vector<emu_out> &outs, F f) {
-    std::function<void()> body = f;
-    emu_body = &body;
-    emu_smem_bytes = smem;
-    if (smem > EMU_SMEM_MAX) { emu_error("dynamic shared memory over the emulator's"); return 0; }
-    emu_grid.x = gx, emu_grid.y = gy, emu_grid.z = 1;
-    emu_bdim.x = threads, emu_bdim.y = emu_bdim.z = 1;
-    const long races0 = emu_races;
-    std::vector<std::vector<long>> owner(outs.size());
-    std::vector<std::vector<unsigned char>> before(outs.size());
-    for (size_t o = 0; o < outs.size(); o++) owner[o].assign(outs[o].n, -1);
-    for (unsigned y = 0; y < gy && emu_errors == 0; y++)
-        for (unsigned x = 0; x < gx && emu_errors == 0; x++) {
-            emu_block.x = x, emu_block.y = y, emu_block.z = 0;
-            memset(pr_dyn_smem, 0xFF, smem);
-            emu_shadow_reset(smem);
-            for (size_t o = 0; o < outs.size(); o++) {
-                const unsigned char *p = (const unsigned char *)outs[o].p;
-                before[o].assign(p, p + outs[o].n * outs[o].elem);
-            }
-            emu_run_block(threads);
-            const long id = (long)y * gx + x;
-            for (size_t o = 0; o < outs.size(); o++) {
-                const size_t el = outs[o].elem;
-                const unsigned char *p = (const unsigned char *)outs[o].p;
-                for (size_t i = 0; i < outs[o].n; i++) {
-                    if (!memcmp(p + i * el, &before[o][i * el], el)) continue;
-                    if (owner[o][i] >= 0 && owner[o][i] != id)
-                        EMU_FAULT(emu_multi_writers, "blocks %ld and %ld of one launch both write element %zu of %s", owner[o][i], id, i, outs[o].name);
-                    owner[o][i] = id;
-                }
-            }
-        }
-    return emu_races - races0;
-}
 
 /* ================================================================ the attention on the emulator */
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
@@ -611,7 +174,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     std::vector<bf16> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v), kpb = to_bf16(kp), vpb = to_bf16(vp), dob = to_bf16(dout);
     emu_inputs.clear();
     const std::vector<bf16> *ins[] = { &qb, &kb, &vb, &kpb, &vpb, &dob };
-    for (const std::vector<bf16> *b : ins) emu_inputs.push_back(emu_buffer{ (const char *)b->data(), 2 * b->size() });
+    for (const std::vector<bf16> *b : ins) emu_buffer_add(emu_inputs, b->data(), 2 * b->size());
 
     /* the tile-level model's inputs (test/attn_model.c) */
     std::vector<float> fq(q.begin(), q.end()), fk(k.begin(), k.end()), fv(v.begin(), v.end()), fkp(kp.begin(), kp.end()),
@@ -678,8 +241,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
         for (int d = 0; d < HS; d++) acc += bf16_value(dob[rh * HS + d].bits) * bf16_value(ob[rh * HS + d].bits);
         D[rh] = acc;
     }
-    emu_inputs.push_back(emu_buffer{ (const char *)lsef.data(), 4 * lsef.size() });
-    emu_inputs.push_back(emu_buffer{ (const char *)D.data(), 4 * D.size() });
+    emu_buffer_add(emu_inputs, lsef.data(), 4 * lsef.size());
+    emu_buffer_add(emu_inputs, D.data(), 4 * D.size());
     if constexpr (HS >= 64) {
         std::vector<bf16> dq = to_bf16(init[0]), dk = to_bf16(init[1]), dv = to_bf16(init[2]);
         std::vector<float> dkp(npk), dvp(npk);
@@ -723,7 +286,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
         std::vector<bf16> dq_x = to_bf16(init[0]), dk_x = to_bf16(init[1]), dv_x = to_bf16(init[2]);
         std::vector<float> dkp_x(npk), dvp_x(npk), dq_acc(nq, 0.0f), part_x(part.size(), NAN);
         for (size_t i = 0; i < npk; i++) dkp_x[i] = (float)init[3][i], dvp_x[i] = (float)init[4][i];
-        emu_red_target = emu_buffer{ (const char *)dq_acc.data(), 4 * dq_acc.size() };
+        emu_accumulators.clear(), emu_buffer_add(emu_accumulators, dq_acc.data(), 4 * dq_acc.size());
         launch_counted(ks, K_FUSED, nkt, NKV, pr_mma_smem_bytes(HS, 3),
                        { { "dk", dk_x.data(), nk, 2 }, { "dv", dv_x.data(), nk, 2 }, { "dkp", dkp_x.data(), npk, 4 },
                          { "dvp", dvp_x.data(), npk, 4 }, { "partials", part_x.data(), part_x.size(), 4 } }, [&] {
