@@ -279,7 +279,8 @@ template <typename K> static cudaError_t cudaFuncSetAttribute(K kernel, cudaFunc
    emulated block is one-dimensional, as all of the backend's are. */
 template <typename K, typename... A>
 static void emu_kernel_launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
-    const int optin = emu_smem_optin.count(reinterpret_cast<const void *>(kernel)) ? emu_smem_optin[reinterpret_cast<const void *>(kernel)] : 0;
+    const std::map<const void *, int>::const_iterator opted = emu_smem_optin.find(reinterpret_cast<const void *>(kernel));
+    const int optin = opted == emu_smem_optin.end() ? 0 : opted->second;
     const char *bad = NULL;
     if (!emu_known_stream(s)) bad = "unknown stream";
     else if (grid.x < 1 || grid.x > 0x7fffffffu || grid.y < 1 || grid.y > 65535 || grid.z != 1) bad = "grid out of range (or 3-D)";

@@ -74,6 +74,12 @@ static std::vector<double> draw(size_t n, double sd, bool normal, bool bf16_valu
     }
     return x;
 }
+/* the launch's query tiles of `rows` rows (pr_att_query_tiles, counted then filled) */
+static std::vector<pr_att_tile> query_tiles(int n_seg, const int *seg_off, int rows) {
+    std::vector<pr_att_tile> t(pr_att_query_tiles(NULL, n_seg, seg_off, rows));
+    pr_att_query_tiles(t.data(), n_seg, seg_off, rows);
+    return t;
+}
 static std::vector<bf16> to_bf16(const std::vector<double> &x) {
     std::vector<bf16> y(x.size());
     for (size_t i = 0; i < x.size(); i++) y[i].bits = (uint16_t)pr_bf16_bits((float)x[i]);
@@ -183,9 +189,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
 
     if constexpr (HS >= 64) {   /* the tensor-core kernels: head dims 64 and 128 */
         /* forward: grid (forward query tiles, NH) */
-        const int nft = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
-        std::vector<pr_att_tile> ft(nft);
-        pr_att_query_tiles(ft.data(), s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
+        const std::vector<pr_att_tile> ft = query_tiles(s.n_seg, seg_off.data(), PR_MMA_FWD_ROWS);
+        const int nft = (int)ft.size();
         std::vector<bf16> out(nq);
         std::vector<float> lse(nl, NAN);
         for (bf16 &x : out) x.bits = 0xFFFF;
@@ -205,9 +210,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
     }
 
     /* the FFMA kernels, the GPU tests' reference, on the same inputs: grid (64-row query tiles, NH) */
-    const int nqa = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_ATT_ROWS);
-    std::vector<pr_att_tile> qa(nqa);
-    pr_att_query_tiles(qa.data(), s.n_seg, seg_off.data(), PR_ATT_ROWS);
+    const std::vector<pr_att_tile> qa = query_tiles(s.n_seg, seg_off.data(), PR_ATT_ROWS);
+    const int nqa = (int)qa.size();
     std::vector<bf16> out_f(nq);
     std::vector<float> lse_f(nl, NAN);
     for (bf16 &x : out_f) x.bits = 0xFFFF;
@@ -247,9 +251,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
         std::vector<bf16> dq = to_bf16(init[0]), dk = to_bf16(init[1]), dv = to_bf16(init[2]);
         std::vector<float> dkp(npk), dvp(npk);
         for (size_t i = 0; i < npk; i++) dkp[i] = (float)init[3][i], dvp[i] = (float)init[4][i];
-        const int nqt = pr_att_query_tiles(NULL, s.n_seg, seg_off.data(), PR_MMA_ROWS);
-        std::vector<pr_att_tile> qt(nqt);
-        pr_att_query_tiles(qt.data(), s.n_seg, seg_off.data(), PR_MMA_ROWS);
+        const std::vector<pr_att_tile> qt = query_tiles(s.n_seg, seg_off.data(), PR_MMA_ROWS);
+        const int nqt = (int)qt.size();
         const int C = pr_mma_prefix_chunks(np, NKV, nqt);
         const int nkt = (int)pr_mma_key_tiles(NULL, qt.data(), nqt, np, C);
         std::vector<pr_att_ktile> kt(nkt);
