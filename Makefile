@@ -95,7 +95,7 @@ build/test_attn_model-double: $(ATTN_MODEL) | build
 TEST_BINS += build/test_attn_model-double
 TEST_BINS += build/test_mma_emul build/test_mma_kernels
 # the CUDA backend on the emulated device (below): the GPU suite without a GPU
-TEST_BINS += build/emu/train_cuda build/emu/test_gpu build/emu/test_gpu_attention build/compare_st
+TEST_BINS += build/test_cuda_emu build/emu/train_cuda build/emu/test_gpu build/emu/test_gpu_attention build/compare_st
 
 # The tensor-core attention on the host (C++17, no GPU): its warp-level rules through an emulation
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
@@ -117,7 +117,8 @@ test: $(TEST_BINS)
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 asan: | build
-	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels
+	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels build/asan/test_cuda_emu \
+	    build/asan/train_cuda-emu
 	@sh test/run.sh build/asan
 
 build/asan: $(HEADER) test/*.c test/test_cxx.cc train.c
@@ -136,6 +137,13 @@ asan: build/asan/test_attn_model-double
 
 build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
+build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_cuda_emu.cc
+# train_cuda on the emulated device: the CUDA backend's host code and kernels under the sanitizers
+build/asan/train_cuda-emu: train.c test/cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) $(HEADER) build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -DPR_NO_NCCL -c -o build/asan/cuda_emu.o test/cuda_emu.cc
+	$(CC) $(WARN) -O1 -g $(SAN) -DPR_CUDA -c -o build/asan/train_cuda.o train.c
+	$(CXX) -O1 -g $(SAN) $(LDFLAGS) -o $@ build/asan/train_cuda.o build/asan/cuda_emu.o -lm
 build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h $(MMA_EMU_DEPS) build/asan
 	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/gpu_ref_host.o test/gpu_ref.c
 	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/attn_model_host.o test/attn_model.c
@@ -269,8 +277,11 @@ test-gpu-attention: build/test_gpu_attention
 EMU_CUDA = build/emu/prefixreuse_cuda.o
 build/emu:
 	mkdir -p build/emu
-$(EMU_CUDA): test/cuda_emu.cc $(MMA_EMU_DEPS) $(HEADER) | build/emu
+$(EMU_CUDA): test/cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) $(HEADER) | build/emu
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -DPR_NO_NCCL -c -o $@ test/cuda_emu.cc
+# the emulated device's own rules, each shown by the failure it turns a mistake into
+build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) | build
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_cuda_emu.cc
 build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<
 build/emu/train_cuda: build/train_cuda.o $(EMU_CUDA)

@@ -29,8 +29,9 @@
        repacking rules through an emulation of the instructions (test/test_mma_emul.cc);
      with PR_CUDA_KERNEL_EMULATION beside it: the attention kernels too (test/test_mma_kernels.cc);
      PR_CUDA_DEVICE_EMULATION alone: the whole backend, host code and every kernel, against an
-       emulated CUDA runtime, cuBLASLt and device (test/cuda_emu.cc), so that the GPU tests and
-       train_cuda run on the CPU (make test-gpu-emu); no NCCL. */
+       emulated CUDA runtime, cuBLASLt and device (test/cuda_emu.h; test/cuda_emu.cc compiles
+       this file against it), so that the GPU tests and train_cuda run on the CPU (make
+       test-gpu-emu); no NCCL. */
 #ifndef PR_CUDA_HOST_EMULATION
 #include "prefixreuse.h"
 
@@ -58,7 +59,7 @@
 
 #ifndef PR_CUDA_DEVICE_EMULATION
 typedef __nv_bfloat16 bf16;
-/* Every kernel launch goes through this: test/cuda_emu.cc defines it to run the kernel on its
+/* Every kernel launch goes through this: test/cuda_emu.h defines it to run the kernel on its
    emulated device instead, so the host code below runs unchanged without a GPU. */
 #define PR_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
 #endif

@@ -248,15 +248,15 @@ static void __syncthreads(void) {
 }
 
 static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_dyn_smem); }
-static void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
+static inline void pr_ldsm_x4(uint32_t r[4], uint32_t addr) {
     emu_cur->op = OP_LDSM, emu_cur->addr = addr, emu_cur->regs = r;
     emu_yield(T_WARP);
 }
-static void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+static inline void pr_ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
     emu_cur->op = OP_LDSM_T, emu_cur->addr = addr, emu_cur->regs = r;
     emu_yield(T_WARP);
 }
-static void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+static inline void pr_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     emu_cur->op = OP_MMA, emu_cur->d = d, emu_cur->a = a, emu_cur->b0 = b0, emu_cur->b1 = b1;
     emu_yield(T_WARP);
 }
@@ -275,13 +275,13 @@ static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
     if ((size_t)dst + bytes <= emu_smem_bytes) emu_shadow_write(dst, bytes, true);   /* outside: reported when it lands */
     emu_cur->open.push_back(c);
 }
-static void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
-static void pr_cp_async4(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 4, fill); }
-static void pr_cp_async_commit(void) {
+static inline void pr_cp_async16(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 16, fill); }
+static inline void pr_cp_async4(uint32_t dst, const void *src, bool fill) { emu_cp_async(dst, src, 4, fill); }
+static inline void pr_cp_async_commit(void) {
     emu_cur->groups.push_back(emu_cur->open);
     emu_cur->open.clear();
 }
-static void emu_land(const std::vector<emu_copy> &g) {
+static inline void emu_land(const std::vector<emu_copy> &g) {
     for (const emu_copy &c : g) {
         if (c.dst % c.bytes || c.dst + c.bytes > emu_smem_bytes) { emu_error("cp.async destination outside shared memory"); continue; }
         if (!emu_within(emu_inputs, c.src, c.bytes) || (uintptr_t)c.src % c.bytes) { emu_error("cp.async source outside the inputs or misaligned"); continue; }
@@ -300,7 +300,7 @@ template <int N> static void pr_cp_async_wait(void) {
         emu_cur->groups.erase(emu_cur->groups.begin());
     }
 }
-static float pr_lds_f32(const float *p) {
+static inline float pr_lds_f32(const float *p) {
     const uint32_t a = pr_smem_u32(p);
     if (a % 4 || (size_t)a + 4 > emu_smem_bytes) {
         emu_error("shared-memory load misaligned or outside the launch's");
@@ -309,7 +309,7 @@ static float pr_lds_f32(const float *p) {
     emu_shadow_read(a, 4, (int)emu_cur->idx.x / 32, (int)emu_cur->idx.x);
     return *p;
 }
-static void pr_sts_b32(uint32_t addr, uint32_t v) {
+static inline void pr_sts_b32(uint32_t addr, uint32_t v) {
     if (addr % 4 || (size_t)addr + 4 > emu_smem_bytes) {
         emu_error("shared-memory store misaligned or outside the launch's");
         return;
@@ -320,7 +320,7 @@ static void pr_sts_b32(uint32_t addr, uint32_t v) {
 }
 /* The fused backward's atomics: blocks run one after another here, so a plain add; the target must
    lie in one of emu_accumulators. */
-static void pr_red_add_f32(float *p, float v) {
+static inline void pr_red_add_f32(float *p, float v) {
     if (!emu_within(emu_accumulators, p, 4) || (uintptr_t)p % 4) {
         emu_error("atomic add outside the accumulator or misaligned");
         return;

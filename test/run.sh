@@ -13,13 +13,23 @@ run "$dir/test_cxx"
 run sh "$(dirname "$0")/test_flags.sh" "$dir/train-float"
 run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
+run "$dir/test_cuda_emu"
 # The GPU suite (test/run_gpu.sh) and the tensor-core attention's GPU test on the emulated device
 # (test/cuda_emu.cc): the CUDA backend's host code and kernels against the CPU double build. Built
 # in build/emu by make test; the sanitizer build has none.
 if [ -x "$dir/emu/train_cuda" ]; then
     run env TRAIN_CUDA="$dir/emu/train_cuda" TEST_GPU="$dir/emu/test_gpu" sh "$(dirname "$0")/run_gpu.sh"
     run "$dir/emu/test_gpu_attention"
+    # offload's copy stream run as early as allowed (test/cuda_emu.h): a copy that overwrites what
+    # compute still reads, or one not ordered behind the compute it copies, then shows
+    for args in "--microbatch 2 --offload on --offload-pool 0.5 --device-budget 4" "--microbatch 2 --layout packed --recompute all --offload on" \
+                "--config model/tiny-moe --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on"; do
+        run env PR_EMU_SCHEDULE=eager-side "$dir/emu/train_cuda" --check $args
+    done
 fi
+# the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
+# emulated kernels under the sanitizers take minutes a run)
+if [ -x "$dir/train_cuda-emu" ]; then run "$dir/train_cuda-emu" --check --offload on; fi
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
 for p in float double; do

@@ -5,7 +5,8 @@
 #                       the bf16 weights the kernels read refreshed by an AdamW step;
 #   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too;
 #                       microbatches of 1, 2 and 3), and with offload on: reuse with and without
-#                       offload bitwise equal (copy stream);
+#                       offload bitwise equal (copy stream); recomputation and the prefix-tree
+#                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer).
 # Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make
@@ -23,6 +24,9 @@ done
 for scope in microbatch group; do
     run "$TRAIN_CUDA" --config model/tiny-moe --check --microbatch 3 --aux-scope $scope
 done
+# recomputation and the prefix-tree schedule, both with offload's copies
+run "$TRAIN_CUDA" --check --microbatch 2 --layout packed --recompute all --offload on
+run "$TRAIN_CUDA" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on
 tmp=$(mktemp -d)
 for m in tiny tiny-qwen3; do
     run build/train-double --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-cpu.safetensors"

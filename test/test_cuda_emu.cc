@@ -1,0 +1,259 @@
+/* test_cuda_emu.cc — the emulated device's own rules (test/cuda_emu.h), each shown by the wrong
+   result it produces: the GPU suite on the emulated device (make test-gpu-emu) can only catch a
+   missing synchronisation, a copy that runs past its allocation or a launch the hardware refuses
+   because the emulation turns each into a visible failure, and this checks that it does. Every
+   case runs a small program twice where it can, once with the synchronisation a real program
+   needs and once without, and expects the second to go wrong. */
+#include "cuda_emu.h"
+#undef CHECK                                    /* cuda_emu.h's faults are done with; the harness's from here */
+#include "harness.h"
+
+static __global__ void k_fill(float *x, float v, int n) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) x[i] = v;
+}
+static __global__ void k_copy(float *y, const float *x, int n) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) y[i] = x[i];
+}
+/* thread 0 waits at a barrier the others never reach */
+static __global__ void k_deadlock(int unused) {
+    (void)unused;
+    if (threadIdx.x == 0) __syncthreads();
+}
+
+enum { N = 64 };
+static cudaStream_t compute, side;              /* created in this order: `side` is the one eager-side runs early */
+
+/* the first fault of a case, cleared for the next: whether one was seen */
+static bool fault_seen(void) {
+    const bool seen = emu_sticky != 0;
+    emu_sticky = 0, emu_errors = 0, emu_races = 0;
+    (void)cudaGetLastError();
+    return seen;
+}
+
+static void test_streams_run_late(float *a, float *pinned) {
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 1.0f, N);
+    cudaMemcpyAsync(pinned, a, sizeof(float) * N, cudaMemcpyDeviceToHost, compute);
+    CHECK(isnan(pinned[0]) && isnan(pinned[N - 1]), "a queued copy into pinned memory has not run before a wait: %g", pinned[0]);
+    cudaStreamSynchronize(compute);
+    CHECK(pinned[0] == 1 && pinned[N - 1] == 1, "after the stream's synchronisation, the kernel and the copy have run: %g", pinned[0]);
+
+    float pageable[N];
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 2.0f, N);
+    cudaMemcpyAsync(pageable, a, sizeof pageable, cudaMemcpyDeviceToHost, compute);
+    CHECK(pageable[0] == 2 && pageable[N - 1] == 2, "a copy into pageable memory returns when done: %g", pageable[0]);
+
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 3.0f, N);
+    cudaMemcpyAsync(pinned, a, sizeof(float) * N, cudaMemcpyDeviceToHost, compute);
+    float *other;
+    cudaMalloc((void **)&other, 16);
+    cudaFree(other);
+    CHECK(pinned[0] == 3, "cudaFree synchronises the device: %g", pinned[0]);
+    CHECK(!fault_seen(), "no fault in the well-synchronised programs");
+}
+
+static void test_fresh_memory_is_nan(void) {
+    float *fresh, *host, out[N];
+    cudaMalloc((void **)&fresh, sizeof out);
+    cudaMallocHost((void **)&host, sizeof out);
+    cudaMemcpyAsync(out, fresh, sizeof out, cudaMemcpyDeviceToHost, compute);
+    CHECK(isnan(out[0]) && isnan(out[N - 1]) && isnan(host[0]), "device and pinned memory start as NaN");
+    cudaFree(fresh);
+    cudaFreeHost(host);
+}
+
+/* a copy from pageable memory reads its source when called, one from pinned memory when it runs */
+static void test_copy_sources(float *a, float *pinned) {
+    float pageable[N], out[N];
+    for (int i = 0; i < N; i++) pageable[i] = 4, pinned[i] = 4;
+    cudaMemcpyAsync(a, pageable, sizeof pageable, cudaMemcpyHostToDevice, compute);
+    pageable[0] = 5;
+    cudaMemcpyAsync(out, a, sizeof out, cudaMemcpyDeviceToHost, compute);
+    CHECK(out[0] == 4, "from pageable memory: the value at the call (%g)", out[0]);
+    cudaMemcpyAsync(a, pinned, sizeof(float) * N, cudaMemcpyHostToDevice, compute);
+    pinned[0] = 5;                              /* a host write racing the queued copy */
+    cudaMemcpyAsync(out, a, sizeof out, cudaMemcpyDeviceToHost, compute);
+    CHECK(out[0] == 5, "from pinned memory: the value when the copy runs (%g), so reusing the buffer early shows", out[0]);
+}
+
+/* the side stream waits for compute's work through an event, or sees it not done */
+static void test_events_order_streams(float *a, float *pinned) {
+    cudaEvent_t e;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 6.0f, N);
+    cudaEventRecord(e, compute);
+    cudaStreamWaitEvent(side, e, 0);
+    cudaMemcpyAsync(pinned, a, sizeof(float) * N, cudaMemcpyDeviceToHost, side);
+    cudaStreamSynchronize(side);
+    CHECK(pinned[0] == 6, "with the event: the side stream's copy sees compute's kernel (%g)", pinned[0]);
+
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 7.0f, N);
+    cudaMemcpyAsync(pinned, a, sizeof(float) * N, cudaMemcpyDeviceToHost, side);
+    cudaStreamSynchronize(side);
+    CHECK(pinned[0] == 6, "without it: the copy reads what was there before compute's kernel (%g)", pinned[0]);
+    cudaStreamSynchronize(compute);
+    cudaEventDestroy(e);
+}
+
+/* compute reads `a` in a kernel queued after the side stream's copy into `a` was ordered behind
+   the mark: the copy overwrites what compute still reads. Running late hides it (the copy runs
+   when waited for, after the kernel); eager-side shows it. */
+static int race_seen(float *a, float *b, float *pinned, int eager) {
+    emu_eager_side = eager;
+    float out[N];
+    cudaEvent_t mark;
+    cudaEventCreateWithFlags(&mark, cudaEventDisableTiming);
+    PR_LAUNCH(k_fill, 1, N, 0, compute, a, 8.0f, N);
+    cudaEventRecord(mark, compute);
+    for (int i = 0; i < N; i++) pinned[i] = 9;
+    cudaStreamWaitEvent(side, mark, 0);
+    cudaMemcpyAsync(a, pinned, sizeof(float) * N, cudaMemcpyHostToDevice, side);
+    PR_LAUNCH(k_copy, 1, N, 0, compute, b, (const float *)a, N);
+    const bool kernel_pending = compute->done < compute->ops.size();
+    cudaStreamSynchronize(compute);
+    cudaStreamSynchronize(side);
+    cudaMemcpyAsync(out, b, sizeof out, cudaMemcpyDeviceToHost, compute);
+    cudaEventDestroy(mark);
+    emu_eager_side = 0;
+    CHECK(kernel_pending, "the side stream's work does not run compute's work queued after the mark");
+    CHECK(out[0] == 8 || out[0] == 9, "the kernel read one of the two values (%g)", out[0]);
+    return out[0] == 9;
+}
+static void test_schedules(float *a, float *b, float *pinned) {
+    CHECK(!race_seen(a, b, pinned, 0), "late: the side stream's copy runs after the kernel");
+    CHECK(race_seen(a, b, pinned, 1), "eager-side: the side stream's copy runs before the kernel, the race shows");
+}
+
+static void test_bounds(float *a) {
+    float host[2 * N];
+    CHECK(cudaMemcpyAsync(host, a, sizeof(float) * (N + 1), cudaMemcpyDeviceToHost, compute) == cudaErrorInvalidValue && fault_seen(),
+          "a copy one element past its allocation");
+    CHECK(cudaMemcpyAsync(a, host, sizeof(float) * N, cudaMemcpyDeviceToHost, compute) == cudaErrorInvalidValue && fault_seen(),
+          "a copy whose kind names the wrong sides");
+    CHECK(cudaMemsetAsync(a + 1, 0, sizeof(float) * N, compute) == cudaErrorInvalidValue && fault_seen(), "a memset past the end");
+    CHECK(cudaMemsetAsync(host, 0, sizeof host, compute) == cudaErrorInvalidValue && fault_seen(), "a memset of host memory");
+    cudaMemsetAsync(a + 1, 0, sizeof(float) * N, compute);
+    CHECK(cudaMemsetAsync(a, 0, 4, compute) == cudaErrorLaunchFailure, "a fault is sticky: the next, correct call returns it");
+    CHECK(fault_seen(), "and it was reported");
+}
+
+static void test_launches(float *a) {
+    float out[N];
+    PR_LAUNCH(k_fill, 1, 48, 0, compute, a, 10.0f, N);
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue, "a block of 48 threads is refused");
+    PR_LAUNCH(k_fill, dim3(1, 65536), 64, 0, compute, a, 10.0f, N);
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue, "a grid 65536 blocks high is refused");
+    PR_LAUNCH(k_fill, 1, N, 64 << 10, compute, a, 10.0f, N);
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue, "64 KiB of shared memory without the kernel's opt-in is refused");
+    cudaMemcpyAsync(out, a, sizeof out, cudaMemcpyDeviceToHost, compute);
+    CHECK(out[0] != 10, "no refused launch ran (%g)", out[0]);
+    CHECK(cudaFuncSetAttribute(k_fill, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 << 10) == cudaSuccess, "the opt-in");
+    PR_LAUNCH(k_fill, 1, N, 64 << 10, compute, a, 10.0f, N);
+    CHECK(cudaGetLastError() == cudaSuccess, "with the opt-in the launch is taken");
+    cudaMemcpyAsync(out, a, sizeof out, cudaMemcpyDeviceToHost, compute);
+    CHECK(out[0] == 10 && !fault_seen(), "and runs (%g)", out[0]);
+    PR_LAUNCH(k_deadlock, 1, 64, 0, compute, 0);
+    CHECK(cudaGetLastError() == cudaSuccess, "a faulting kernel launches");
+    CHECK(cudaStreamSynchronize(compute) == cudaErrorLaunchFailure && fault_seen(), "its fault shows at the next wait");
+}
+
+/* cuBLASLt: D (m x n, column-major) = op(A) op(B) + D, against a plain product, and its operands checked */
+static void test_matmul(void) {
+    enum { M = 5, K = 7, NC = 3 };
+    float *A32;
+    uint16_t *A, *B;
+    float *D, hostD[M * NC];
+    uint16_t hA[K * M], hB[K * NC];
+    double ref[M * NC];
+    for (int i = 0; i < K * M; i++) hA[i] = emu_bf16_bits(emu_round_bf16((i % 9) - 4));
+    for (int i = 0; i < K * NC; i++) hB[i] = emu_bf16_bits(emu_round_bf16((i % 5) * 0.5));
+    /* A stored K x M (op T gives M x K), B stored K x NC (op N) */
+    for (int j = 0; j < NC; j++)
+        for (int i = 0; i < M; i++) {
+            double s = 1;                       /* D's initial value, accumulated onto */
+            for (int p = 0; p < K; p++) s += bf16_value(hA[p + i * K]) * bf16_value(hB[p + j * K]);
+            ref[i + j * M] = s;
+        }
+    cudaMalloc((void **)&A, sizeof hA + 2);
+    cudaMalloc((void **)&B, sizeof hB);
+    cudaMalloc((void **)&D, sizeof hostD);
+    cudaMalloc((void **)&A32, 4);
+    cudaMemcpyAsync(A, hA, sizeof hA, cudaMemcpyHostToDevice, compute);
+    cudaMemcpyAsync(B, hB, sizeof hB, cudaMemcpyHostToDevice, compute);
+    for (int i = 0; i < M * NC; i++) hostD[i] = 1;
+    cudaMemcpyAsync(D, hostD, sizeof hostD, cudaMemcpyHostToDevice, compute);
+
+    cublasLtHandle_t h;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulPreference_t pref;
+    const cublasOperation_t T = CUBLAS_OP_T;
+    const uint32_t align = 16;
+    cublasLtCreate(&h);
+    cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof T);
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, M, K);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, NC, K);
+    cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, M, NC, M);
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof align);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, 1, &res, &found) == CUBLAS_STATUS_SUCCESS && found == 1,
+          "an algorithm is found");
+    const float one = 1;
+    CHECK(cublasLtMatmul(h, desc, &one, A, la, B, lb, &one, D, ld, D, ld, &res.algo, NULL, 0, compute) == CUBLAS_STATUS_SUCCESS,
+          "the product is queued");
+    cudaMemcpyAsync(hostD, D, sizeof hostD, cudaMemcpyDeviceToHost, compute);
+    double worst = 0;
+    for (int i = 0; i < M * NC; i++) worst = fmax(worst, fabs(hostD[i] - ref[i]));
+    CHECK(worst == 0, "op(A) = A^T: D = A^T B + D exactly (off by %g)", worst);
+
+    CHECK(cublasLtMatmul(h, desc, &one, (const char *)A + 2, la, B, lb, &one, D, ld, D, ld, &res.algo, NULL, 0, compute) ==
+                  CUBLAS_STATUS_INVALID_VALUE && fault_seen(),
+          "A 2 bytes off the 16-byte alignment its algorithm was chosen for");
+    CHECK(cublasLtMatmul(h, desc, &one, A, la, B, lb, &one, A32, ld, A32, ld, &res.algo, NULL, 0, compute) == CUBLAS_STATUS_INVALID_VALUE &&
+                  fault_seen(),
+          "D past its allocation");
+    CHECK(cublasLtMatmul(h, desc, &one, A, la, B, lb, &one, D, ld, D, ld, &res.algo, D, 64, compute) == CUBLAS_STATUS_INVALID_VALUE &&
+                  fault_seen(),
+          "a workspace larger than the algorithm was chosen for");
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(desc);
+    cublasLtDestroy(h);
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(D);
+    cudaFree(A32);
+}
+
+int main(void) {
+    emu_eager_side = 0;                         /* the environment does not choose for this test */
+    cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+    float *a, *b, *pinned;
+    cudaMalloc((void **)&a, sizeof(float) * N);
+    cudaMalloc((void **)&b, sizeof(float) * N);
+    cudaMallocHost((void **)&pinned, sizeof(float) * N);
+    emu_quiet = true;                           /* the faults below are planted: checked, not reported */
+    test_streams_run_late(a, pinned);
+    test_fresh_memory_is_nan();
+    test_copy_sources(a, pinned);
+    test_events_order_streams(a, pinned);
+    test_schedules(a, b, pinned);
+    test_bounds(a);
+    test_launches(a);
+    test_matmul();
+    cudaFree(a);
+    cudaFree(b);
+    cudaFreeHost(pinned);
+    cudaStreamDestroy(side);
+    cudaStreamDestroy(compute);
+    CHECK(emu_allocs.empty() && emu_device_bytes == 0, "every allocation released");
+    return test_report();
+}
