@@ -580,6 +580,20 @@ __device__ __forceinline__ void pr_mma_load_a(uint32_t (*af)[4], uint32_t a_base
 PR_UNROLL
     for (int kc = 0; kc < KC; kc++) pr_mma_load_a_kc<W>(af[kc], a_base, a_row0, kc, lane);
 }
+/* N n8 tiles' accumulators (4 floats a lane each) to zero, before a product sums into them */
+template <int N>
+__device__ __forceinline__ void pr_mma_zero(float (*acc)[4]) {
+PR_UNROLL
+    for (int nt = 0; nt < N; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+}
+/* A double-buffered walk's turn: closes the group of copies just issued (the next tile's, or none
+   on the last turn), waits for every group but that one, so this turn's tile has landed for this
+   thread, and the barrier makes it so for every thread of the block. */
+__device__ __forceinline__ void pr_cp_async_turn(void) {
+    pr_cp_async_commit();
+    pr_cp_async_wait<1>();
+    __syncthreads();
+}
 /* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, fragments af) B (16k x 16*NP, from a swizzled
    [n][k] tile at rows b_row0, without .trans) over K = 16*KC. */
 template <int W, int KC, int NP>
@@ -660,8 +674,7 @@ PR_UNROLL
 PR_UNROLL
     for (int mi = 0; mi < M; mi++) {
         m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.0f;
-PR_UNROLL
-        for (int dt = 0; dt < HS / 8; dt++) acc[mi][dt][0] = acc[mi][dt][1] = acc[mi][dt][2] = acc[mi][dt][3] = 0.0f;
+        pr_mma_zero<HS / 8>(acc[mi]);
     }
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
@@ -670,17 +683,13 @@ PR_UNROLL
             pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         }
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();
-        __syncthreads();
+        pr_cp_async_turn();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
 
         /* S = Q K^T (16 rows x 64 keys per warp and m tile), each K fragment feeding every m tile */
         float s[M][8][4];
 PR_UNROLL
-        for (int mi = 0; mi < M; mi++)
-PR_UNROLL
-            for (int nt = 0; nt < 8; nt++) s[mi][nt][0] = s[mi][nt][1] = s[mi][nt][2] = s[mi][nt][3] = 0.0f;
+        for (int mi = 0; mi < M; mi++) pr_mma_zero<8>(s[mi]);
         const uint32_t kb = pr_smem_u32(ks + st * T);
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) {
@@ -798,8 +807,7 @@ PR_UNROLL
         Drow[rr] = row < t.r1 ? Dr[(size_t)row * NH + h] : 0.0f;
     }
     float acc[HS / 8][4];
-PR_UNROLL
-    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    pr_mma_zero<HS / 8>(acc);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
         if (it + 1 < nkt) {
@@ -807,19 +815,15 @@ PR_UNROLL
             pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         }
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();
-        __syncthreads();
+        pr_cp_async_turn();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
 PR_UNROLL_1
         for (int sub = 0; sub < PR_MMA_ROWS / KN; sub++) {
             /* S = Q K^T, dP = dO V^T: 16 rows x KN keys */
             float s[KN / 8][4], dp[KN / 8][4];
-PR_UNROLL
-            for (int nt = 0; nt < KN / 8; nt++)
-PR_UNROLL
-                for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
+            pr_mma_zero<KN / 8>(s);
+            pr_mma_zero<KN / 8>(dp);
             pr_mma_abt<HS, HS / 16, KN / 16>(s, qf, kb, sub * KN, lane);
             pr_mma_abt<HS, HS / 16, KN / 16>(dp, dof, vb, sub * KN, lane);
             /* P = exp2(S scale log2e - lse log2e) where visible, else 0;  dS = P (dP - D), into s */
@@ -864,8 +868,7 @@ __device__ __forceinline__ void pr_mma_dq_atomic(float *dq_acc, uint32_t dss, ui
 PR_UNROLL_1
     for (int dc = 0; dc < HS / 32; dc++, at += 32) {
         float acc[4][4];
-PR_UNROLL
-        for (int nt = 0; nt < 4; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        pr_mma_zero<4>(acc);
 PR_UNROLL
         for (int kc = 0; kc < PR_MMA_ROWS / 16; kc++) {
             uint32_t a[4];                            /* read again for each 32 columns: kept, they would spill */
@@ -943,17 +946,13 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     pr_mma_load_a<HS, HS / 16>(vf, pr_smem_u32(vs), 16 * warp, lane);
 
     float gk[HS / 8][4], gv[HS / 8][4];
-PR_UNROLL
-    for (int dt = 0; dt < HS / 8; dt++)
-PR_UNROLL
-        for (int i = 0; i < 4; i++) gk[dt][i] = gv[dt][i] = 0.0f;
+    pr_mma_zero<HS / 8>(gk);
+    pr_mma_zero<HS / 8>(gv);
     const int key0 = kt.j0 + 16 * warp;               /* this warp's 16 keys */
     for (int s = 0; s < steps; s++) {
         const int st = s & 1;
         if (s + 1 < steps) load_step(s + 1, st ^ 1);
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();
-        __syncthreads();
+        pr_cp_async_turn();
         const pr_att_tile qt = qtiles[kt.qlo + s % nq];
         const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
         const float *lst = ls + st * PR_MMA_ROWS, *dst = ds + st * PR_MMA_ROWS;
@@ -961,10 +960,8 @@ PR_UNROLL_1
         for (int sub = 0; sub < PR_MMA_ROWS / QN; sub++) {
             /* S^T = K Q^T, dP^T = V dO^T: 16 keys x QN queries */
             float p[QN / 8][4], dp[QN / 8][4];
-PR_UNROLL
-            for (int nt = 0; nt < QN / 8; nt++)
-PR_UNROLL
-                for (int i = 0; i < 4; i++) p[nt][i] = dp[nt][i] = 0.0f;
+            pr_mma_zero<QN / 8>(p);
+            pr_mma_zero<QN / 8>(dp);
             pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
             pr_mma_abt<HS, HS / 16, QN / 16>(dp, vf, db, sub * QN, lane);
             /* P^T where visible, else 0;  dS^T = P^T (dP^T - D), into dp */
