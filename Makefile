@@ -8,6 +8,7 @@
 #   make fuzz                the trace and safetensors/config parsers and the config size checks under libFuzzer (clang)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
+#   make test-gpu-mesh       train_cuda on dp, tp, pp, cp and ep meshes, one process a GPU (needs 4 GPUs)
 #   make bench-cuda          the CUDA GEMMs beside cuBLASLt's best, and attention TFLOP/s (needs a GPU)
 #   make NCCL=0 cuda         without NCCL (found in NCCL_HOME, the CUDA toolkit or PyTorch's nvidia-nccl wheel)
 #   make info                what was found: compiler, OpenMP, BLAS, nvcc, NCCL
@@ -140,8 +141,8 @@ build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
 build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_cuda_emu.cc
 # train_cuda on the emulated device: the CUDA backend's host code and kernels under the sanitizers
-build/asan/train_cuda-emu: train.c test/cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) $(HEADER) build/asan
-	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -DPR_NO_NCCL -c -o build/asan/cuda_emu.o test/cuda_emu.cc
+build/asan/train_cuda-emu: train.c test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -c -o build/asan/cuda_emu.o test/cuda_emu.cc
 	$(CC) $(WARN) -O1 -g $(SAN) -DPR_CUDA -c -o build/asan/train_cuda.o train.c
 	$(CXX) -O1 -g $(SAN) $(LDFLAGS) -o $@ build/asan/train_cuda.o build/asan/cuda_emu.o -lm
 build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h $(MMA_EMU_DEPS) build/asan
@@ -271,14 +272,15 @@ test-gpu-attention: build/test_gpu_attention
 
 # The CUDA backend on an emulated device (test/cuda_emu.cc; no GPU, no nvcc): prefixreuse_cuda.cu's
 # host code and every kernel compiled for the host against an emulated CUDA runtime, cuBLASLt and
-# device, linked into the GPU tests and train_cuda in place of the CUDA object. make test-gpu-emu
-# runs test/run_gpu.sh (the GPU suite) with them, against the CPU double build.
+# device, linked into the GPU tests and train_cuda in place of the CUDA object, with an emulated NCCL
+# between processes (test/nccl_emu.h). make test-gpu-emu runs test/run_gpu.sh (the GPU suite) and
+# test/run_mesh_gpu.sh (train_cuda on meshes of processes) with them, against the CPU double build.
 .PHONY: test-gpu-emu
 EMU_CUDA = build/emu/prefixreuse_cuda.o
 build/emu:
 	mkdir -p build/emu
-$(EMU_CUDA): test/cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) $(HEADER) | build/emu
-	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -DPR_NO_NCCL -c -o $@ test/cuda_emu.cc
+$(EMU_CUDA): test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) | build/emu
+	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -c -o $@ test/cuda_emu.cc
 # the emulated device's own rules, each shown by the failure it turns a mistake into
 build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_cuda_emu.cc
@@ -292,3 +294,8 @@ build/emu/test_gpu_attention: build/emu/test_gpu_attention.o build/emu/gpu_ref.o
 	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
 test-gpu-emu: build/emu/test_gpu build/emu/train_cuda build/train-double build/compare_st
 	@TRAIN_CUDA=build/emu/train_cuda TEST_GPU=build/emu/test_gpu sh test/run_gpu.sh
+	@TRAIN_CUDA=build/emu/train_cuda sh test/run_mesh_gpu.sh
+# train_cuda on meshes of up to 4 processes, one a GPU (needs 4 GPUs and NCCL)
+.PHONY: test-gpu-mesh
+test-gpu-mesh: train_cuda build/train-double build/compare_st
+	@sh test/run_mesh_gpu.sh

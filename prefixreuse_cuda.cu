@@ -40,7 +40,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #endif
-#ifndef PR_NO_NCCL
+#if !defined(PR_NO_NCCL) && !defined(PR_CUDA_DEVICE_EMULATION)
 #include <nccl.h>
 #endif
 #include <sys/stat.h>

@@ -613,6 +613,9 @@ typedef struct {
     pr_step_opts opts;
     pr_real *grads, *params;     /* check: rank 0's gathered copies (full model) */
     double loss;
+    long clipped;                /* check: the step's tokens whose clipped PPO term was taken */
+    int has_rank0;               /* check: rank 0 ran in this process, which holds its copies (with
+                                    train_cuda, one process a rank: only one process does) */
     int split;                   /* a step had fewer groups than dp ranks: its groups were split */
     rank_report rep[256];
 } mesh_job;
@@ -673,8 +676,10 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         if (!st) st = pr_trainer_get_full(tr, PR_ARENA_GRADS, g, n, err);
         if (!st) st = pr_trainer_adamw_step(tr, &o->adam, NULL, err);
         if (!st) st = pr_trainer_get_full(tr, PR_ARENA_PARAMS, p, n, err);
+        double clipped = (double)ss.clipped_tokens;
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
-        if (!st && lead) j->loss = ss.loss;
+        if (!st) st = sum_over(m.dp_comm, be, &clipped, err);
+        if (!st && lead) j->loss = ss.loss, j->clipped = lround(clipped), j->has_rank0 = 1;
         for (int k = 0; !st && k < 3; k++) r->seconds[k] += ss.seconds[k];
         r->kv_bytes = ss.prefix_kv_bytes;
         r->stack_bytes = ss.prefix_stack_bytes;
@@ -1025,6 +1030,16 @@ static long plain_bitwise_diffs(const options *o, const pr_config *cfg, const pr
     return diffs;
 }
 
+/* The gradient tensors with elements outside their tolerance, to say where a failed check failed. */
+static void print_tensors_out(const pr_trainer *tr, const pr_real *a, const pr_real *b, const double *atol_at, double rtol) {
+    for (int t = 0; t < pr_trainer_tensor_count(tr); t++) {
+        const pr_tensor_info *ti = pr_trainer_tensor(tr, t);
+        diff d = compare_at(a + ti->offset, b + ti->offset, ti->numel, 0, atol_at + ti->offset, rtol, NULL);
+        if (d.bad) printf("    %-48s %8ld of %8zu gradients out, max abs %.2e (atol %.1e)\n", ti->name, d.bad, ti->numel, d.max_abs,
+                          atol_at[ti->offset]);
+    }
+}
+
 static int run_check(const options *o, const pr_config *cfg, const pr_trace *trace) {
     /* Tolerances from the precision of the build, fixed before any run: a few thousand ulps of
        accumulated reordering for float, the same reasoning at double's 2^-52. With bf16
@@ -1086,11 +1101,12 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         int failed = !ga || !gb || !pa || !pb || !allow || !atol_at;
         if (failed) fprintf(stderr, "train: out of memory\n");
         sb.loss = sr.loss = 0;
+        sb.clipped_tokens = sr.clipped_tokens = 0;
         for (int k = 0; k < nb && !failed; k++) {
             pr_step_stats s1;
             ob.accumulate = k > 0;
             if (pr_trainer_compute_grads(base, &batch[k], &ob, &s1, NULL, &err)) failed = fail(&err);
-            else sb.loss += s1.loss;
+            else sb.loss += s1.loss, sb.clipped_tokens += s1.clipped_tokens;
         }
         if (!failed && (pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_adamw_step(base, &adam, &gnorm, &err) ||
                         pr_trainer_get_params(base, pa, n, &err)))
@@ -1106,6 +1122,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             j.o = &reals;
             if (mesh_run(&j, &err)) failed = fail(&err);
             sr.loss = j.loss;
+            sr.clipped_tokens = j.clipped;
             if (!failed && o->grad_reduce_bf16) {
                 pr_real *gw = malloc(sizeof(pr_real) * n), *pw = malloc(sizeof(pr_real) * n);
                 j.o = o; j.grads = gw; j.params = pw;
@@ -1127,7 +1144,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 failed = fail(&err);
         }
         if (failed) rc = 1;
-        else {
+        else if (!on_mesh(o) || j.has_rank0) {
             double atol_max = atol;
             for (size_t i = 0; i < n; i++) atol_at[i] = atol;
             if (bf16) {
@@ -1157,6 +1174,11 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             else printf("  group %d (P %3d, G %2d)", gi, g->P, g->G);
             printf(": loss %+.9f vs %+.9f  grads max abs %.2e rel %.2e (%ld out)  params max abs %.2e rel %.2e (%ld out)  atol up to %.1e\n",
                    sb.loss, sr.loss, dg.max_abs, dg.max_rel, dg.bad, dp.max_abs, dp.max_rel, dp.bad, atol_max);
+            if (sb.clipped_tokens != sr.clipped_tokens)      /* the objective's own step, not the schedule's */
+                printf("    clipped tokens: baseline %ld, %s %ld: a ratio within rounding of 1 - eps-low or 1 + eps-high "
+                       "clips in one run only, and that token's gradient terms go with it\n", sb.clipped_tokens,
+                       o->tree ? "tree" : "reuse", sr.clipped_tokens);
+            if (dg.bad) print_tensors_out(base, gb, ga, atol_at, rtol);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
@@ -1174,6 +1196,10 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     free(batch);
     if (rc) return rc;
     if (on_mesh(o)) print_rank_reports(o, &j);
+    if (on_mesh(o) && !j.has_rank0) {
+        printf("check: this process ran its rank of the mesh; the process of rank 0 compares\n");
+        return 0;
+    }
     int pass = worst_g.bad == 0 && worst_p.bad == 0 && plain_diffs == 0;
     if (o->grad_reduce_bf16)
         printf("check: the gradient sum over dp in bf16 vs in %s (reuse): gradients max abs %.2e, relative L2 %.2e; "

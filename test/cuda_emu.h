@@ -27,7 +27,7 @@
        allocations, pointers against the alignment the algorithm was chosen for.
    A fault inside a kernel is sticky, as on a GPU: every later call returns it. Not emulated:
    timing, overlap of two streams' operations (each runs whole, in one of the two orders the
-   schedules force; compute-sanitizer's part on a GPU), NCCL (built with PR_NO_NCCL).
+   schedules force; compute-sanitizer's part on a GPU). NCCL: test/nccl_emu.h, ranks as processes.
    test/test_cuda_emu.cc checks these rules themselves. */
 #ifndef PR_CUDA_EMU_H
 #define PR_CUDA_EMU_H
@@ -152,8 +152,10 @@ static cudaError_t cudaGetLastError(void) {
     emu_last = cudaSuccess;
     return emu_result(e);
 }
-static inline cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return emu_result(cudaSuccess); }
-static inline cudaError_t cudaSetDevice(int d) { return emu_result(d == 0 ? cudaSuccess : cudaErrorInvalidDevice); }
+/* a node's GPUs, one a process (test/nccl_emu.h: one rank each); this process has one device's memory */
+static const int EMU_DEVICES = 8;
+static inline cudaError_t cudaGetDeviceCount(int *n) { *n = EMU_DEVICES; return emu_result(cudaSuccess); }
+static inline cudaError_t cudaSetDevice(int d) { return emu_result(d >= 0 && d < EMU_DEVICES ? cudaSuccess : cudaErrorInvalidDevice); }
 static inline cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int device) {
     if (device != 0) return cudaErrorInvalidDevice;
     if (a == cudaDevAttrComputeCapabilityMajor) *v = 9;

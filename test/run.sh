@@ -15,11 +15,13 @@ run "$dir/test_mma_emul"
 run "$dir/test_mma_kernels"
 run "$dir/test_cuda_emu"
 # The GPU suite (test/run_gpu.sh) and the tensor-core attention's GPU test on the emulated device
-# (test/cuda_emu.cc): the CUDA backend's host code and kernels against the CPU double build. Built
+# (test/cuda_emu.cc), and train_cuda on meshes of processes (test/run_mesh_gpu.sh, test/nccl_emu.h's
+# NCCL): the CUDA backend's host code and kernels against the CPU double build. Built
 # in build/emu by make test; the sanitizer build has none.
 if [ -x "$dir/emu/train_cuda" ]; then
     run env TRAIN_CUDA="$dir/emu/train_cuda" TEST_GPU="$dir/emu/test_gpu" sh "$(dirname "$0")/run_gpu.sh"
     run "$dir/emu/test_gpu_attention"
+    run env TRAIN_CUDA="$dir/emu/train_cuda" sh "$(dirname "$0")/run_mesh_gpu.sh"
     # offload's copy stream run as early as allowed (test/cuda_emu.h): a copy that overwrites what
     # compute still reads, or one not ordered behind the compute it copies, then shows
     for args in "--microbatch 2 --offload on --offload-pool 0.5 --device-budget 4" "--microbatch 2 --layout packed --recompute all --offload on" \

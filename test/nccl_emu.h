@@ -1,0 +1,356 @@
+/* nccl_emu.h — an emulated NCCL for the emulated device (test/cuda_emu.h): the ranks of a world
+   are processes on this host, one per emulated GPU, as train_cuda runs on a real node (RANK,
+   WORLD_SIZE, LOCAL_RANK, --nccl-id). It gives the NCCL communicator in prefixreuse_cuda.cu and
+   train_cuda's launch path their first run with more than one rank, which one lent GPU cannot.
+
+   What NCCL's documentation defines, and no more:
+     - a communicator's members meet in a POSIX shared-memory segment named by the unique id (a
+       split's segment by its parent's name, the split's number and the colour); the last member
+       to attach removes the name, so a finished or crashed launch leaves nothing behind;
+     - every pair of ranks (a rank with itself too) has a one-way mailbox of EMU_NCCL_CHUNK bytes:
+       a send waits for it to be empty and fills it, a receive waits for it to be full and drains
+       it, chunk by chunk, so messages of any size pass in order;
+     - collectives and the sends and receives between ncclGroupStart and ncclGroupEnd are queued
+       on the stream like kernels and run when the stream does; a group's operations progress
+       together (an all-to-all does not wait for one peer before serving the next);
+     - all-gather and reduce-scatter are sends and receives to and from every rank; a sum adds the
+       ranks' contributions in rank order on every rank, in the type's own arithmetic (bf16 rounded
+       after each addition, as a ring's steps round), so every rank holds the same bits;
+     - buffers are checked against the device's allocations; counts that do not match between a
+       send and its receive, and a rank that never comes (EMU_NCCL_WAIT_S without progress), are
+       device faults.
+   Not emulated: the ring and tree algorithms' own summation orders, ncclCommAbort, non-blocking
+   communicators, reductions other than the sum. */
+#ifndef PR_NCCL_EMU_H
+#define PR_NCCL_EMU_H
+#include <fcntl.h>
+#include <sched.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <string>
+
+typedef enum {
+    ncclSuccess = 0,
+    ncclUnhandledCudaError = 1,
+    ncclSystemError = 2,
+    ncclInternalError = 3,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+} ncclResult_t;
+typedef enum { ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9 } ncclDataType_t;
+typedef enum { ncclSum = 0 } ncclRedOp_t;
+#define NCCL_UNIQUE_ID_BYTES 128
+#define NCCL_SPLIT_NOCOLOR -1
+typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
+typedef struct emu_nccl_config ncclConfig_t;
+
+enum { EMU_NCCL_CHUNK = 64 << 10, EMU_NCCL_MAX_RANKS = 64, EMU_NCCL_WAIT_S = 300 };
+
+/* The shared segment: a header, then size x size mailboxes, mailbox (from, to) at from * size + to.
+   Its fields are accessed with atomics only where another process writes them. */
+struct emu_nccl_box { uint32_t full; uint32_t pad; uint64_t bytes; unsigned char data[EMU_NCCL_CHUNK]; };
+struct emu_nccl_shm { uint32_t size, attached; uint64_t pad; emu_nccl_box box[1]; };
+struct ncclComm {
+    emu_nccl_shm *shm;
+    size_t map_bytes;
+    int rank, size, splits;
+    std::string name;
+};
+typedef struct ncclComm *ncclComm_t;
+
+static const char *ncclGetErrorString(ncclResult_t r) {
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    }
+    return "unknown result";
+}
+
+static size_t emu_nccl_map_bytes(int size) { return offsetof(emu_nccl_shm, box) + sizeof(emu_nccl_box) * (size_t)size * (size_t)size; }
+
+/* Waiting for another process: yields, and after EMU_NCCL_WAIT_S without progress gives up. */
+struct emu_nccl_wait {
+    time_t since = time(NULL);
+    void progressed(void) { since = time(NULL); }
+    bool expired(void) {
+        sched_yield();
+        return time(NULL) - since > EMU_NCCL_WAIT_S;
+    }
+};
+
+static ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    static unsigned count;
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "/pr-nccl-emu-%ld-%u-%ld", (long)getpid(), count++, (long)t.tv_nsec);
+    return ncclSuccess;
+}
+
+/* Opens (or creates) the segment `name` for a communicator of `size` and waits for all of its
+   members; the last to attach removes the name. */
+static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, int size, int rank) {
+    if (size < 1 || size > EMU_NCCL_MAX_RANKS || rank < 0 || rank >= size || name.size() > 200) return ncclInvalidArgument;
+    const size_t bytes = emu_nccl_map_bytes(size);
+    int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    if (fd < 0) return ncclSystemError;
+    struct stat sb;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &sb) == 0 && ((size_t)sb.st_size >= bytes || ftruncate(fd, (off_t)bytes) == 0))
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return ncclSystemError;
+    emu_nccl_shm *shm = (emu_nccl_shm *)p;
+    uint32_t expect = 0;
+    __atomic_compare_exchange_n(&shm->size, &expect, (uint32_t)size, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&shm->size, __ATOMIC_ACQUIRE) != (uint32_t)size) {
+        munmap(p, bytes);
+        return ncclInvalidUsage;                  /* members that disagree on the size */
+    }
+    if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
+    emu_nccl_wait w;
+    while (__atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
+        if (w.expired()) {
+            munmap(p, bytes);
+            return ncclSystemError;
+        }
+    ncclComm *c = new ncclComm;
+    c->shm = shm;
+    c->map_bytes = bytes;
+    c->rank = rank;
+    c->size = size;
+    c->splits = 0;
+    c->name = name;
+    *out = c;
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+    id.internal[NCCL_UNIQUE_ID_BYTES - 1] = 0;
+    if (id.internal[0] != '/') return ncclInvalidArgument;
+    return emu_nccl_attach(comm, id.internal, nranks, rank);
+}
+static ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { *rank = c->rank; return ncclSuccess; }
+static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->size; return ncclSuccess; }
+static ncclResult_t ncclCommDestroy(ncclComm_t c) {
+    if (c) {
+        munmap(c->shm, c->map_bytes);
+        delete c;
+    }
+    return ncclSuccess;
+}
+
+/* ================================================================ point to point */
+/* One side of a message: `bytes` from or into buf, moved chunk by chunk. */
+struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved; };
+
+/* Moves what it can of ops, all of them at once, until every one is done: a send or receive
+   starts only after the earlier ones in ops to or from the same peer. */
+static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, const char *what) {
+    emu_nccl_wait w;
+    for (;;) {
+        bool pending = false;
+        for (size_t k = 0; k < ops.size(); k++) {
+            emu_nccl_p2p &o = ops[k];
+            bool earlier = false;
+            for (size_t i = 0; i < k && !earlier; i++)
+                earlier = ops[i].send == o.send && ops[i].peer == o.peer && ops[i].moved < ops[i].bytes;
+            if (o.moved == o.bytes || earlier) {
+                pending |= o.moved < o.bytes;
+                continue;
+            }
+            emu_nccl_box *b = &c->shm->box[o.send ? c->rank * c->size + o.peer : o.peer * c->size + c->rank];
+            if (__atomic_load_n(&b->full, __ATOMIC_ACQUIRE) == (o.send ? 0u : 1u)) {
+                if (o.send) {
+                    const size_t n = o.bytes - o.moved < (size_t)EMU_NCCL_CHUNK ? o.bytes - o.moved : (size_t)EMU_NCCL_CHUNK;
+                    memcpy(b->data, o.buf + o.moved, n);
+                    b->bytes = n;
+                    o.moved += n;
+                } else {
+                    if (o.moved + b->bytes > o.bytes) {
+                        emu_device_fault("%s: rank %d receives more from rank %d than the %zu bytes it asked for", what, c->rank,
+                                         o.peer, o.bytes);
+                        return false;
+                    }
+                    memcpy(o.buf + o.moved, b->data, b->bytes);
+                    o.moved += b->bytes;
+                }
+                __atomic_store_n(&b->full, o.send ? 1u : 0u, __ATOMIC_RELEASE);
+                w.progressed();
+            }
+            pending |= o.moved < o.bytes;
+        }
+        if (!pending) return true;
+        if (w.expired()) {
+            emu_device_fault("%s: rank %d of %d waited %d s for its peers (a rank that never came, or sends and receives that "
+                             "do not match)", what, c->rank, c->size, (int)EMU_NCCL_WAIT_S);
+            return false;
+        }
+    }
+}
+
+/* ================================================================ queued operations */
+static size_t emu_nccl_type_bytes(ncclDataType_t t) { return t == ncclFloat64 ? 8 : t == ncclFloat32 ? 4 : 2; }
+static bool emu_nccl_type_ok(ncclDataType_t t) { return t == ncclFloat32 || t == ncclFloat64 || t == ncclBfloat16; }
+
+/* dst[i] = the sum over ranks q, in rank order, of parts[q][i] */
+static void emu_nccl_sum(void *dst, const std::vector<std::vector<unsigned char>> &parts, size_t n, ncclDataType_t t) {
+    for (size_t i = 0; i < n; i++) {
+        if (t == ncclFloat64) {
+            double s = ((const double *)parts[0].data())[i];
+            for (size_t q = 1; q < parts.size(); q++) s += ((const double *)parts[q].data())[i];
+            ((double *)dst)[i] = s;
+        } else if (t == ncclFloat32) {
+            float s = ((const float *)parts[0].data())[i];
+            for (size_t q = 1; q < parts.size(); q++) s += ((const float *)parts[q].data())[i];
+            ((float *)dst)[i] = s;
+        } else {
+            bf16 s = ((const bf16 *)parts[0].data())[i];
+            for (size_t q = 1; q < parts.size(); q++)
+                s = __float2bfloat16(__bfloat162float(s) + __bfloat162float(((const bf16 *)parts[q].data())[i]));
+            ((bf16 *)dst)[i] = s;
+        }
+    }
+}
+
+/* The group being gathered by ncclGroupStart ... ncclGroupEnd (depth > 0), and its stream. */
+static struct { int depth; ncclComm_t comm; cudaStream_t stream; std::vector<emu_nccl_p2p> ops; } emu_nccl_group;
+
+static ncclResult_t emu_nccl_check(const char *what, ncclComm_t c, const void *buf, size_t bytes, cudaStream_t s) {
+    if (!c || !emu_known_stream(s)) return ncclInvalidArgument;
+    if (bytes && !emu_is_device(buf, bytes)) {
+        emu_device_fault("%s: %zu bytes at %p are not inside one device allocation", what, bytes, buf);
+        return ncclInvalidArgument;
+    }
+    return ncclSuccess;
+}
+
+/* Sends and receives in ops, queued on s as one operation (or added to the open group). */
+static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vector<emu_nccl_p2p> &ops, const char *what) {
+    if (emu_nccl_group.depth > 0) {
+        if (emu_nccl_group.ops.empty()) emu_nccl_group.comm = c, emu_nccl_group.stream = s;
+        if (c != emu_nccl_group.comm || s != emu_nccl_group.stream) return ncclInvalidUsage;
+        emu_nccl_group.ops.insert(emu_nccl_group.ops.end(), ops.begin(), ops.end());
+        return ncclSuccess;
+    }
+    std::string w = what;
+    emu_enqueue(s, [c, ops, w] {
+        std::vector<emu_nccl_p2p> todo = ops;
+        if (!emu_sticky) emu_nccl_progress(c, todo, w.c_str());
+    });
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclGroupStart(void) {
+    emu_nccl_group.depth++;
+    return ncclSuccess;
+}
+static ncclResult_t ncclGroupEnd(void) {
+    if (emu_nccl_group.depth == 0) return ncclInvalidUsage;
+    if (--emu_nccl_group.depth > 0 || emu_nccl_group.ops.empty()) return ncclSuccess;
+    std::vector<emu_nccl_p2p> ops;
+    ops.swap(emu_nccl_group.ops);
+    return emu_nccl_queue(emu_nccl_group.comm, emu_nccl_group.stream, ops, "ncclGroupEnd");
+}
+
+static ncclResult_t ncclSend(const void *buf, size_t count, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t s) {
+    if (!emu_nccl_type_ok(t) || !c || peer < 0 || peer >= c->size) return ncclInvalidArgument;
+    const size_t bytes = count * emu_nccl_type_bytes(t);
+    ncclResult_t r = emu_nccl_check("ncclSend", c, buf, bytes, s);
+    if (r != ncclSuccess) return r;
+    return emu_nccl_queue(c, s, { { true, peer, (unsigned char *)buf, bytes, 0 } }, "ncclSend");
+}
+static ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t s) {
+    if (!emu_nccl_type_ok(t) || !c || peer < 0 || peer >= c->size) return ncclInvalidArgument;
+    const size_t bytes = count * emu_nccl_type_bytes(t);
+    ncclResult_t r = emu_nccl_check("ncclRecv", c, buf, bytes, s);
+    if (r != ncclSuccess) return r;
+    return emu_nccl_queue(c, s, { { false, peer, (unsigned char *)buf, bytes, 0 } }, "ncclRecv");
+}
+
+/* A collective: block q of send (block_bytes each, or the whole of send when `same` is set) goes to
+   rank q, and rank q's answer lands in parts[q]; then finish(parts) writes the result. Queued on s
+   behind what is queued there; not part of a group. */
+static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStream_t s, const void *send, size_t block_bytes,
+                                        bool same, std::function<void(std::vector<std::vector<unsigned char>> &)> finish) {
+    if (emu_nccl_group.depth > 0) return ncclInvalidUsage;   /* not used by the backend inside a group */
+    std::string w = what;
+    emu_enqueue(s, [c, send, block_bytes, same, finish, w] {
+        if (emu_sticky) return;
+        std::vector<std::vector<unsigned char>> parts((size_t)c->size, std::vector<unsigned char>(block_bytes));
+        std::vector<emu_nccl_p2p> ops;
+        for (int q = 0; q < c->size; q++) {
+            ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block_bytes), block_bytes, 0 });
+            ops.push_back({ false, q, parts[(size_t)q].data(), block_bytes, 0 });
+        }
+        if (emu_nccl_progress(c, ops, w.c_str())) finish(parts);
+    });
+    return ncclSuccess;
+}
+
+static ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
+                                  cudaStream_t s) {
+    if (!emu_nccl_type_ok(t) || op != ncclSum) return ncclInvalidArgument;
+    const size_t bytes = count * emu_nccl_type_bytes(t);
+    ncclResult_t r = emu_nccl_check("ncclAllReduce", c, send, bytes, s);
+    if (r == ncclSuccess) r = emu_nccl_check("ncclAllReduce", c, recv, bytes, s);
+    if (r != ncclSuccess) return r;
+    return emu_nccl_collective("ncclAllReduce", c, s, send, bytes, true,
+                               [recv, count, t](std::vector<std::vector<unsigned char>> &parts) { emu_nccl_sum(recv, parts, count, t); });
+}
+static ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t, ncclComm_t c, cudaStream_t s) {
+    if (!emu_nccl_type_ok(t)) return ncclInvalidArgument;
+    const size_t bytes = count * emu_nccl_type_bytes(t);
+    ncclResult_t r = emu_nccl_check("ncclAllGather", c, send, bytes, s);
+    if (r == ncclSuccess) r = emu_nccl_check("ncclAllGather", c, recv, bytes * (size_t)c->size, s);
+    if (r != ncclSuccess) return r;
+    return emu_nccl_collective("ncclAllGather", c, s, send, bytes, true, [recv, bytes](std::vector<std::vector<unsigned char>> &parts) {
+        for (size_t q = 0; q < parts.size(); q++) memcpy((unsigned char *)recv + q * bytes, parts[q].data(), bytes);
+    });
+}
+static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
+                                      cudaStream_t s) {
+    if (!emu_nccl_type_ok(t) || op != ncclSum) return ncclInvalidArgument;
+    const size_t bytes = count * emu_nccl_type_bytes(t);
+    ncclResult_t r = emu_nccl_check("ncclReduceScatter", c, send, bytes * (size_t)c->size, s);
+    if (r == ncclSuccess) r = emu_nccl_check("ncclReduceScatter", c, recv, bytes, s);
+    if (r != ncclSuccess) return r;
+    return emu_nccl_collective("ncclReduceScatter", c, s, send, bytes, false,
+                               [recv, count, t](std::vector<std::vector<unsigned char>> &parts) { emu_nccl_sum(recv, parts, count, t); });
+}
+
+/* Every member calls it, in the same order as its other splits of c: the members' colours and keys
+   go round, and those of this colour attach to their own segment, ranked by key, then by rank in c. */
+static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *out, ncclConfig_t *config) {
+    (void)config;
+    if (!c || !out) return ncclInvalidArgument;
+    const int mine[2] = { color, key };
+    std::vector<int> all(2 * (size_t)c->size);
+    std::vector<emu_nccl_p2p> ops;
+    for (int q = 0; q < c->size; q++) {
+        ops.push_back({ true, q, (unsigned char *)mine, sizeof mine, 0 });
+        ops.push_back({ false, q, (unsigned char *)&all[2 * (size_t)q], sizeof mine, 0 });
+    }
+    const int split = c->splits++;
+    if (!emu_nccl_progress(c, ops, "ncclCommSplit")) return ncclSystemError;
+    *out = NULL;
+    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+    int rank = 0, size = 0;
+    for (int q = 0; q < c->size; q++) {
+        if (all[2 * (size_t)q] != color) continue;
+        size++;
+        const int k = all[2 * (size_t)q + 1];
+        rank += k < key || (k == key && q < c->rank);
+    }
+    return emu_nccl_attach(out, c->name + "-s" + std::to_string(split) + "c" + std::to_string(color), size, rank);
+}
+#endif

@@ -1,0 +1,60 @@
+#!/bin/sh
+# train_cuda on a mesh, from the repository root: one process a rank, as on a node of GPUs (RANK,
+# WORLD_SIZE, LOCAL_RANK, --nccl-id), through the NCCL communicator. On the emulated device
+# (make test-gpu-emu: TRAIN_CUDA=build/emu/train_cuda, test/nccl_emu.h's NCCL between processes)
+# it runs on any machine; on a real node it needs 4 GPUs.
+#   --check on dp, tp, pp, cp and ep meshes (MoE's all-to-all), split groups, the prefix-tree schedule and the bf16
+#   sum over dp: bf16 reuse on the mesh vs the bf16 baseline on one rank (rank 0 compares);
+#   ZeRO stage 2 against stage 0 after three steps; one step's gradients on a tp x pp mesh
+#   against the CPU double build's, per tensor, within 2^-5 relative; a stale --nccl-id file
+#   from an earlier launch replaced, not joined.
+# A bf16 mesh rounds its sums differently from one rank, so a token whose PPO ratio lies within
+# rounding of 1 - eps-low or 1 + eps-high may clip in one run only, and its gradient terms differ
+# whole (the check prints the clipped-token counts when they differ): the runs past dp use a clip
+# range no token of the trace reaches. Clipping itself is checked on one rank (test/run_gpu.sh)
+# and exactly on the CPU. Last line: "N passed, N failed".
+# shellcheck disable=SC2086   # $wide is four words on purpose
+. "$(dirname "$0")/tally.sh"
+TRAIN_CUDA=${TRAIN_CUDA:-./train_cuda}
+tmp=$(mktemp -d)
+wide="--eps-low 0.99 --eps-high 100"
+
+# ranks N ARGS...: N processes of train_cuda ARGS, each under a time limit; rank 0's output, the
+# other ranks' last lines; fails unless every rank exits 0.
+ranks() {
+    n=$1; shift
+    r=0; pids=
+    while [ "$r" -lt "$n" ]; do
+        RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r timeout 900 "$TRAIN_CUDA" "$@" --nccl-id "$tmp/nccl-id" > "$tmp/rank$r.log" 2>&1 &
+        pids="$pids $!"
+        r=$((r + 1))
+    done
+    bad=0
+    for pid in $pids; do wait "$pid" || bad=1; done
+    cat "$tmp/rank0.log"
+    r=1
+    while [ "$r" -lt "$n" ]; do
+        printf 'rank %d: %s\n' "$r" "$(tail -n 1 "$tmp/rank$r.log")"
+        r=$((r + 1))
+    done
+    return $bad
+}
+
+# an id file an earlier launch left behind: rank 0 replaces it, and no rank joins the old world
+printf 'stale' > "$tmp/nccl-id"
+touch -d '1 hour ago' "$tmp/nccl-id"
+run ranks 2 --dp 2 --check
+run ranks 2 --dp 2 --check --grad-reduce bf16
+run ranks 4 --dp 2 --tp 2 --check $wide
+run ranks 4 --pp 2 --tp 2 --check --microbatch 2 $wide
+run ranks 4 --cp 2 --dp 2 --check --layout packed $wide
+run ranks 4 --dp 4 --groups-per-step 2 --check $wide
+run ranks 4 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --check --microbatch 3 $wide
+run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --check $wide
+for z in 0 2; do run ranks 2 --dp 2 --zero $z --steps 3 --save "$tmp/zero$z.safetensors"; done
+run build/compare_st "$tmp/zero2.safetensors" "$tmp/zero0.safetensors" 1e-5
+run build/train-double --steps 1 --clip 0 $wide --save-grads "$tmp/cpu.safetensors"
+run ranks 4 --tp 2 --pp 2 --steps 1 --clip 0 $wide --save-grads "$tmp/mesh.safetensors"
+run build/compare_st "$tmp/mesh.safetensors" "$tmp/cpu.safetensors" 0.03125
+rm -rf "$tmp"
+report
