@@ -138,7 +138,7 @@ asan: build/asan/test_attn_model-double
 
 build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
-build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) build/asan
+build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_cuda_emu.cc
 # train_cuda on the emulated device: the CUDA backend's host code and kernels under the sanitizers
 build/asan/train_cuda-emu: train.c test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) build/asan
@@ -282,7 +282,7 @@ build/emu:
 $(EMU_CUDA): test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) | build/emu
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) -c -o $@ test/cuda_emu.cc
 # the emulated device's own rules, each shown by the failure it turns a mistake into
-build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h $(MMA_EMU_DEPS) | build
+build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_cuda_emu.cc
 build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<

@@ -20,7 +20,8 @@
        send and its receive, and a rank that never comes (EMU_NCCL_WAIT_S without progress), are
        device faults.
    Not emulated: the ring and tree algorithms' own summation orders, ncclCommAbort, non-blocking
-   communicators, reductions other than the sum. */
+   communicators, reductions other than the sum. test/test_cuda_emu.cc checks these rules on a
+   world of three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
 #include <fcntl.h>
@@ -63,7 +64,7 @@ struct ncclComm {
 };
 typedef struct ncclComm *ncclComm_t;
 
-static const char *ncclGetErrorString(ncclResult_t r) {
+static inline const char *ncclGetErrorString(ncclResult_t r) {
     switch (r) {
     case ncclSuccess: return "no error";
     case ncclUnhandledCudaError: return "unhandled cuda error";

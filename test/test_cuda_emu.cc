@@ -3,8 +3,12 @@
    missing synchronisation, a copy that runs past its allocation or a launch the hardware refuses
    because the emulation turns each into a visible failure, and this checks that it does. Every
    case runs a small program twice where it can, once with the synchronisation a real program
-   needs and once without, and expects the second to go wrong. */
+   needs and once without, and expects the second to go wrong. The emulated NCCL (test/nccl_emu.h)
+   runs on three child processes: its sums must come out in rank order, bit for bit, its messages
+   whole past a mailbox's size, and a mismatched receive must fault. */
 #include "cuda_emu.h"
+#include "nccl_emu.h"
+#include <sys/wait.h>
 #undef CHECK                                    /* cuda_emu.h's faults are done with; the harness's from here */
 #include "harness.h"
 
@@ -232,6 +236,120 @@ static void test_matmul(void) {
     cudaFree(A32);
 }
 
+/* ---------------------------------------------------------------- NCCL between processes */
+enum { RANKS = 3, BIG = 40000 };               /* BIG floats: 156 KiB, past two mailboxes */
+
+/* rank 0's values lie in [1, 2), the others' are 4e-8, under half of 1's spacing (2^-23): added to
+   rank 0's one by one they vanish, added to each other first they do not, so any other order of
+   the sum gives other bits */
+static float value_at(int rank, size_t i) { return rank == 0 ? 1.0f + (float)(i % 977) * 0x1p-10f : 4e-8f; }
+
+/* what a sum over the ranks must be: rank 0's value, plus rank 1's, plus rank 2's, rounded in turn */
+static float sum_in_rank_order(size_t i) {
+    float s = value_at(0, i);
+    for (int r = 1; r < RANKS; r++) s += value_at(r, i);
+    return s;
+}
+
+/* One rank of the world `id`, in a child process: each collective the backend uses, a split, and
+   a receive shorter than its send, which must fault. Returns this rank's failed checks. */
+static int nccl_rank(ncclUniqueId id, int rank) {
+    cudaStream_t s;
+    ncclComm_t c, sub;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    CHECK(ncclCommInitRank(&c, RANKS, id, rank) == ncclSuccess, "rank %d joins", rank);
+    std::vector<float> host((size_t)RANKS * BIG);
+    float *x, *y;
+    cudaMalloc((void **)&x, sizeof(float) * RANKS * BIG);
+    cudaMalloc((void **)&y, sizeof(float) * RANKS * BIG);
+
+    for (size_t i = 0; i < BIG; i++) host[i] = value_at(rank, i);
+    cudaMemcpyAsync(x, host.data(), sizeof(float) * BIG, cudaMemcpyHostToDevice, s);
+    ncclAllReduce(x, x, BIG, ncclFloat32, ncclSum, c, s);
+    cudaMemcpyAsync(host.data(), x, sizeof(float) * BIG, cudaMemcpyDeviceToHost, s);
+    bool same = true;
+    for (size_t i = 0; i < BIG; i++) same &= host[i] == sum_in_rank_order(i);
+    CHECK(same, "all-reduce in place, past the mailbox's size: the sum in rank order, bit for bit, on rank %d", rank);
+
+    for (size_t i = 0; i < BIG; i++) host[i] = value_at(rank, i);
+    cudaMemcpyAsync(x + (size_t)rank * BIG, host.data(), sizeof(float) * BIG, cudaMemcpyHostToDevice, s);
+    ncclAllGather(x + (size_t)rank * BIG, x, BIG, ncclFloat32, c, s);
+    cudaMemcpyAsync(host.data(), x, sizeof(float) * RANKS * BIG, cudaMemcpyDeviceToHost, s);
+    same = true;
+    for (int q = 0; q < RANKS; q++)
+        for (size_t i = 0; i < BIG; i++) same &= host[(size_t)q * BIG + i] == value_at(q, i);
+    CHECK(same, "in-place all-gather: every rank's block in rank order, on rank %d", rank);
+
+    for (int q = 0; q < RANKS; q++)                 /* block q goes to rank q: the sum there is q's */
+        for (size_t i = 0; i < BIG; i++) host[(size_t)q * BIG + i] = value_at(rank, i + (size_t)q);
+    cudaMemcpyAsync(x, host.data(), sizeof(float) * RANKS * BIG, cudaMemcpyHostToDevice, s);
+    ncclReduceScatter(x, y, BIG, ncclFloat32, ncclSum, c, s);
+    cudaMemcpyAsync(host.data(), y, sizeof(float) * BIG, cudaMemcpyDeviceToHost, s);
+    same = true;
+    for (size_t i = 0; i < BIG; i++) same &= host[i] == sum_in_rank_order(i + (size_t)rank);
+    CHECK(same, "reduce-scatter: this rank's block of the sum, on rank %d", rank);
+
+    for (int q = 0; q < RANKS; q++)                 /* an all-to-all as one group: block q to rank q */
+        for (size_t i = 0; i < BIG; i++) host[(size_t)q * BIG + i] = (float)(rank * RANKS + q) + (float)i;
+    cudaMemcpyAsync(x, host.data(), sizeof(float) * RANKS * BIG, cudaMemcpyHostToDevice, s);
+    ncclGroupStart();
+    for (int q = 0; q < RANKS; q++) {
+        ncclSend(x + (size_t)q * BIG, BIG, ncclFloat32, q, c, s);
+        ncclRecv(y + (size_t)q * BIG, BIG, ncclFloat32, q, c, s);
+    }
+    ncclGroupEnd();
+    cudaMemcpyAsync(host.data(), y, sizeof(float) * RANKS * BIG, cudaMemcpyDeviceToHost, s);
+    same = true;
+    for (int q = 0; q < RANKS; q++)
+        for (size_t i = 0; i < BIG; i++) same &= host[(size_t)q * BIG + i] == (float)(q * RANKS + rank) + (float)i;
+    CHECK(same, "all-to-all of messages past the mailbox's size, sends and receives in one group, on rank %d", rank);
+
+    int sub_rank = -1, sub_size = 0;                /* colour: rank parity; key: reversed */
+    CHECK(ncclCommSplit(c, rank % 2, -rank, &sub, NULL) == ncclSuccess && ncclCommUserRank(sub, &sub_rank) == ncclSuccess &&
+              ncclCommCount(sub, &sub_size) == ncclSuccess,
+          "rank %d splits", rank);
+    const int want_size = rank % 2 ? RANKS / 2 : (RANKS + 1) / 2, want_rank = (want_size - 1) - rank / 2;
+    CHECK(sub_size == want_size && sub_rank == want_rank, "split by parity, ranked by key: rank %d is %d of %d, not %d of %d", rank,
+          sub_rank, sub_size, want_rank, want_size);
+    ncclCommDestroy(sub);
+
+    CHECK(ncclAllReduce(host.data(), host.data(), 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument && fault_seen(),
+          "a buffer outside the device's allocations is refused, on rank %d", rank);
+    if (rank < 2) {                                 /* last: the mailbox from 0 to 1 stays full */
+        if (rank == 0) ncclSend(x, 8, ncclFloat32, 1, c, s);
+        else ncclRecv(y, 4, ncclFloat32, 0, c, s);
+        cudaStreamSynchronize(s);
+        CHECK(fault_seen() == (rank == 1), "8 floats sent into a receive of 4 fault on the receiving rank %d only", rank);
+    }
+    ncclCommDestroy(c);
+    cudaFree(x);
+    cudaFree(y);
+    cudaStreamDestroy(s);
+    return test_failed;
+}
+
+static void test_nccl(void) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id");
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child[RANKS];
+    for (int r = 0; r < RANKS; r++)
+        if ((child[r] = fork()) == 0) {
+            const int failures = nccl_rank(id, r);
+            fflush(stdout);
+            _exit(failures ? 1 : 0);
+        }
+    for (int r = 0; r < RANKS; r++) {
+        int status = 0;
+        CHECK(child[r] > 0 && waitpid(child[r], &status, 0) == child[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "rank %d's process passed its checks (its failures are printed above)", r);
+    }
+    const int fd = shm_open(id.internal, O_RDWR, 0600);
+    CHECK(fd < 0, "the world's shared segment is gone once every rank joined");
+    if (fd >= 0) close(fd);
+}
+
 int main(void) {
     emu_eager_side = 0;                         /* the environment does not choose for this test */
     cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
@@ -249,6 +367,7 @@ int main(void) {
     test_bounds(a);
     test_launches(a);
     test_matmul();
+    test_nccl();
     cudaFree(a);
     cudaFree(b);
     cudaFreeHost(pinned);
