@@ -594,6 +594,14 @@ static void print_steps(const options *o, const pr_trace *t) {
     printf("\n");
 }
 
+static void print_offload(const char *indent, const pr_offload_stats *s) {
+    printf("%soffload: dormant %.2f MiB (%.2f MiB a layer), pool %.2f MiB, out %.2f MiB, back %.2f MiB; "
+           "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks\n",
+           indent, s->dormant_bytes / 1048576.0, s->block_bytes / 1048576.0, s->pool_bytes / 1048576.0,
+           s->offloaded_bytes / 1048576.0, s->loaded_bytes / 1048576.0, s->prefetches, s->demand_loads,
+           s->prefetches_refused, s->pool_fallbacks);
+}
+
 /* ------------------------------------------------------------------ the mesh */
 
 /* One rank's account of its run: time per phase, summed over steps, and the payload bytes each of
@@ -723,6 +731,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
             printf("step %3ld  groups %ld..%ld  loss %+.6f  grad-norm %.4f  rank 0: A %7.1f ms  B %7.1f ms  C %7.1f ms", step,
                    pos % ng, (pos + nb - 1) % ng, ss.loss, gnorm, 1e3 * ss.seconds[0], 1e3 * ss.seconds[1], 1e3 * ss.seconds[2]);
             print_progress(k + 1, o->steps, start);
+            if (o->step.offload.enabled) print_offload("          rank 0 ", &ss.offload);
             log_step(log, step, ss.loss, gnorm);
             long tokens = 0;
             for (int b = 0; b < nb; b++) tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
@@ -808,14 +817,6 @@ static void print_rank_reports(const options *o, const mesh_job *j) {
         printf("  split groups: each peer gets rank %d's prefix K/V, %.3f MiB; the prefix's whole activation stack would be "
                "%.3f MiB (%.1fx)\n", r0, p->kv_bytes / 1048576.0, (p->kv_bytes + p->stack_bytes) / 1048576.0,
                (double)(p->kv_bytes + p->stack_bytes) / p->kv_bytes);
-}
-
-static void print_offload(const char *indent, const pr_offload_stats *s) {
-    printf("%soffload: dormant %.2f MiB (%.2f MiB a layer), pool %.2f MiB, out %.2f MiB, back %.2f MiB; "
-           "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks\n",
-           indent, s->dormant_bytes / 1048576.0, s->block_bytes / 1048576.0, s->pool_bytes / 1048576.0,
-           s->offloaded_bytes / 1048576.0, s->loaded_bytes / 1048576.0, s->prefetches, s->demand_loads,
-           s->prefetches_refused, s->pool_fallbacks);
 }
 
 /* MoE: the aux term and, per layer, how evenly the logical tokens spread over the experts. */

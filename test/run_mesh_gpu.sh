@@ -5,7 +5,8 @@
 # it runs on any machine; on a real node it needs 4 GPUs.
 #   --check on dp, tp, pp, cp and ep meshes (MoE's all-to-all), split groups, the prefix-tree schedule and the bf16
 #   sum over dp: bf16 reuse on the mesh vs the bf16 baseline on one rank (rank 0 compares);
-#   ZeRO stage 2 against stage 0 after three steps; one step's gradients on a tp x pp mesh
+#   ZeRO stage 2 against stage 0 after three steps; an exact resume (ZeRO-2, dp x tp) and offload
+#   on a dp x pp mesh, each bit for bit against the run without; one step's gradients on a tp x pp mesh
 #   against the CPU double build's, per tensor, within 2^-5 relative; a stale --nccl-id file
 #   from an earlier launch replaced, not joined.
 # A bf16 mesh rounds its sums differently from one rank, so a token whose PPO ratio lies within
@@ -13,7 +14,7 @@
 # whole (the check prints the clipped-token counts when they differ): the runs past dp use a clip
 # range no token of the trace reaches. Clipping itself is checked on one rank (test/run_gpu.sh)
 # and exactly on the CPU. Last line: "N passed, N failed".
-# shellcheck disable=SC2086   # $wide is four words on purpose
+# shellcheck disable=SC2086   # $wide and $zt are several words on purpose
 . "$(dirname "$0")/tally.sh"
 TRAIN_CUDA=${TRAIN_CUDA:-./train_cuda}
 tmp=$(mktemp -d)
@@ -53,6 +54,13 @@ run ranks 4 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --check --microbatch 3 
 run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --check $wide
 for z in 0 2; do run ranks 2 --dp 2 --zero $z --steps 3 --save "$tmp/zero$z.safetensors"; done
 run build/compare_st "$tmp/zero2.safetensors" "$tmp/zero0.safetensors" 1e-5
+zt="--dp 2 --tp 2 --zero 2"
+run ranks 4 $zt --steps 4 --save "$tmp/whole.safetensors"
+run ranks 4 $zt --steps 2 --save-state "$tmp/state"
+run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors"
+run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
+for off in off on; do run ranks 4 --dp 2 --pp 2 --steps 2 --microbatch 2 --offload $off --save "$tmp/offload-$off.safetensors"; done
+run build/compare_st "$tmp/offload-on.safetensors" "$tmp/offload-off.safetensors" 0
 run build/train-double --steps 1 --clip 0 $wide --save-grads "$tmp/cpu.safetensors"
 run ranks 4 --tp 2 --pp 2 --steps 1 --clip 0 $wide --save-grads "$tmp/mesh.safetensors"
 run build/compare_st "$tmp/mesh.safetensors" "$tmp/cpu.safetensors" 0.03125
