@@ -1129,7 +1129,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 j.o = o; j.grads = gw; j.params = pw;
                 if (!gw || !pw) failed = 1, fprintf(stderr, "train: out of memory\n");
                 else if (mesh_run(&j, &err)) failed = fail(&err);
-                else {
+                else if (j.has_rank0) {
                     worst_of(&wire_g, compare(gw, gb, n, 0, 0, NULL));
                     worst_of(&wire_p, compare(pw, pb, n, 0, 0, NULL));
                     wire_l2_g = fmax(wire_l2_g, rel_l2(gw, gb, n));

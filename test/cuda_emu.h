@@ -157,7 +157,7 @@ static const int EMU_DEVICES = 8;
 static inline cudaError_t cudaGetDeviceCount(int *n) { *n = EMU_DEVICES; return emu_result(cudaSuccess); }
 static inline cudaError_t cudaSetDevice(int d) { return emu_result(d >= 0 && d < EMU_DEVICES ? cudaSuccess : cudaErrorInvalidDevice); }
 static inline cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int device) {
-    if (device != 0) return cudaErrorInvalidDevice;
+    if (device < 0 || device >= EMU_DEVICES) return cudaErrorInvalidDevice;
     if (a == cudaDevAttrComputeCapabilityMajor) *v = 9;
     else if (a == cudaDevAttrMaxSharedMemoryPerBlockOptin) *v = EMU_SMEM_OPTIN;
     else return cudaErrorInvalidValue;

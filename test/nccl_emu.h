@@ -6,19 +6,23 @@
    What NCCL's documentation defines, and no more:
      - a communicator's members meet in a POSIX shared-memory segment named by the unique id (a
        split's segment by its parent's name, the split's number and the colour); the last member
-       to attach removes the name, so a finished or crashed launch leaves nothing behind;
+       to attach removes the name (a member that finds the segment's size or its own rank taken
+       removes it too), so a finished or failed launch leaves nothing behind;
      - every pair of ranks (a rank with itself too) has a one-way mailbox of EMU_NCCL_CHUNK bytes:
        a send waits for it to be empty and fills it, a receive waits for it to be full and drains
-       it, chunk by chunk, so messages of any size pass in order;
+       it, chunk by chunk, so messages of any size pass in order; each chunk carries its message's
+       size, and a receive of another size faults (NCCL matches a send with one receive);
      - collectives and the sends and receives between ncclGroupStart and ncclGroupEnd are queued
        on the stream like kernels and run when the stream does; a group's operations progress
        together (an all-to-all does not wait for one peer before serving the next);
      - all-gather and reduce-scatter are sends and receives to and from every rank; a sum adds the
        ranks' contributions in rank order on every rank, in the type's own arithmetic (bf16 rounded
        after each addition, as a ring's steps round), so every rank holds the same bits;
-     - buffers are checked against the device's allocations; counts that do not match between a
-       send and its receive, and a rank that never comes (EMU_NCCL_WAIT_S without progress), are
-       device faults.
+     - buffers outside the device's allocations are refused (ncclInvalidArgument, the CUDA context
+       unharmed); counts that do not match between a send and its receive, and a rank that never
+       comes (EMU_NCCL_WAIT_S without progress), are device faults;
+     - ncclCommDestroy and ncclCommSplit first run the work queued on every stream, as NCCL
+       finishes a communicator's operations before either.
    Not emulated: the ring and tree algorithms' own summation orders, ncclCommAbort, non-blocking
    communicators, reductions other than the sum. test/test_cuda_emu.cc checks these rules on a
    world of three processes. */
@@ -54,8 +58,8 @@ enum { EMU_NCCL_CHUNK = 64 << 10, EMU_NCCL_MAX_RANKS = 64, EMU_NCCL_WAIT_S = 300
 
 /* The shared segment: a header, then size x size mailboxes, mailbox (from, to) at from * size + to.
    Its fields are accessed with atomics only where another process writes them. */
-struct emu_nccl_box { uint32_t full; uint32_t pad; uint64_t bytes; unsigned char data[EMU_NCCL_CHUNK]; };
-struct emu_nccl_shm { uint32_t size, attached; uint64_t pad; emu_nccl_box box[1]; };
+struct emu_nccl_box { uint32_t full; uint32_t pad; uint64_t bytes, message; unsigned char data[EMU_NCCL_CHUNK]; };
+struct emu_nccl_shm { uint32_t size, attached, joined[EMU_NCCL_MAX_RANKS]; emu_nccl_box box[1]; };
 struct ncclComm {
     emu_nccl_shm *shm;
     size_t map_bytes;
@@ -78,13 +82,24 @@ static inline const char *ncclGetErrorString(ncclResult_t r) {
 
 static size_t emu_nccl_map_bytes(int size) { return offsetof(emu_nccl_shm, box) + sizeof(emu_nccl_box) * (size_t)size * (size_t)size; }
 
-/* Waiting for another process: yields, and after EMU_NCCL_WAIT_S without progress gives up. */
+/* Waiting for another process: yields, then sleeps a little between looks (a waiting rank leaves
+   the cores to the ranks that compute), and after EMU_NCCL_WAIT_S without progress gives up. */
+static double emu_nccl_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 struct emu_nccl_wait {
-    time_t since = time(NULL);
-    void progressed(void) { since = time(NULL); }
+    double since = emu_nccl_now();
+    unsigned idle = 0;
+    void progressed(void) { since = emu_nccl_now(), idle = 0; }
     bool expired(void) {
-        sched_yield();
-        return time(NULL) - since > EMU_NCCL_WAIT_S;
+        if (idle++ < 1000) sched_yield();
+        else {
+            const struct timespec nap = { 0, 50000 };
+            nanosleep(&nap, NULL);
+        }
+        return emu_nccl_now() - since > EMU_NCCL_WAIT_S;
     }
 };
 
@@ -105,25 +120,30 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
     int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
     if (fd < 0) return ncclSystemError;
     struct stat sb;
-    void *p = MAP_FAILED;
-    if (fstat(fd, &sb) == 0 && ((size_t)sb.st_size >= bytes || ftruncate(fd, (off_t)bytes) == 0))
+    void *p = MAP_FAILED;                       /* a new segment is sized once; one of another size is not ours */
+    if (fstat(fd, &sb) == 0 && ((size_t)sb.st_size == bytes || (sb.st_size == 0 && ftruncate(fd, (off_t)bytes) == 0)))
         p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) return ncclSystemError;
-    emu_nccl_shm *shm = (emu_nccl_shm *)p;
-    uint32_t expect = 0;
-    __atomic_compare_exchange_n(&shm->size, &expect, (uint32_t)size, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&shm->size, __ATOMIC_ACQUIRE) != (uint32_t)size) {
-        munmap(p, bytes);
-        return ncclInvalidUsage;                  /* members that disagree on the size */
+    if (p == MAP_FAILED) {
+        shm_unlink(name.c_str());
+        return ncclInvalidUsage;
     }
-    if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
+    emu_nccl_shm *shm = (emu_nccl_shm *)p;
+    uint32_t expect = 0, free_slot = 0;
+    __atomic_compare_exchange_n(&shm->size, &expect, (uint32_t)size, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    ncclResult_t r = ncclSuccess;
+    if (__atomic_load_n(&shm->size, __ATOMIC_ACQUIRE) != (uint32_t)size) r = ncclInvalidUsage;   /* members disagree on the size */
+    else if (!__atomic_compare_exchange_n(&shm->joined[rank], &free_slot, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        r = ncclInvalidUsage;                   /* two members with one rank */
+    else if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
     emu_nccl_wait w;
-    while (__atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
-        if (w.expired()) {
-            munmap(p, bytes);
-            return ncclSystemError;
-        }
+    while (r == ncclSuccess && __atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
+        if (w.expired()) r = ncclSystemError;
+    if (r != ncclSuccess) {
+        shm_unlink(name.c_str());
+        munmap(p, bytes);
+        return r;
+    }
     ncclComm *c = new ncclComm;
     c->shm = shm;
     c->map_bytes = bytes;
@@ -143,6 +163,7 @@ static ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId 
 static ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { *rank = c->rank; return ncclSuccess; }
 static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->size; return ncclSuccess; }
 static ncclResult_t ncclCommDestroy(ncclComm_t c) {
+    emu_run_all();
     if (c) {
         munmap(c->shm, c->map_bytes);
         delete c;
@@ -175,11 +196,12 @@ static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, cons
                     const size_t n = o.bytes - o.moved < (size_t)EMU_NCCL_CHUNK ? o.bytes - o.moved : (size_t)EMU_NCCL_CHUNK;
                     memcpy(b->data, o.buf + o.moved, n);
                     b->bytes = n;
+                    b->message = o.bytes;
                     o.moved += n;
                 } else {
-                    if (o.moved + b->bytes > o.bytes) {
-                        emu_device_fault("%s: rank %d receives more from rank %d than the %zu bytes it asked for", what, c->rank,
-                                         o.peer, o.bytes);
+                    if (b->message != o.bytes) {
+                        emu_device_fault("%s: rank %d receives %llu bytes from rank %d, a message of %llu", what, c->rank,
+                                         (unsigned long long)o.bytes, o.peer, (unsigned long long)b->message);
                         return false;
                     }
                     memcpy(o.buf + o.moved, b->data, b->bytes);
@@ -229,7 +251,7 @@ static struct { int depth; ncclComm_t comm; cudaStream_t stream; std::vector<emu
 static ncclResult_t emu_nccl_check(const char *what, ncclComm_t c, const void *buf, size_t bytes, cudaStream_t s) {
     if (!c || !emu_known_stream(s)) return ncclInvalidArgument;
     if (bytes && !emu_is_device(buf, bytes)) {
-        emu_device_fault("%s: %zu bytes at %p are not inside one device allocation", what, bytes, buf);
+        fprintf(stderr, "emulated NCCL: %s: %zu bytes at %p are not inside one device allocation\n", what, bytes, buf);
         return ncclInvalidArgument;
     }
     return ncclSuccess;
@@ -334,6 +356,7 @@ static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count
 static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *out, ncclConfig_t *config) {
     (void)config;
     if (!c || !out) return ncclInvalidArgument;
+    emu_run_all();
     const int mine[2] = { color, key };
     std::vector<int> all(2 * (size_t)c->size);
     std::vector<emu_nccl_p2p> ops;

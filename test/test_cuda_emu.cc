@@ -313,13 +313,13 @@ static int nccl_rank(ncclUniqueId id, int rank) {
           sub_rank, sub_size, want_rank, want_size);
     ncclCommDestroy(sub);
 
-    CHECK(ncclAllReduce(host.data(), host.data(), 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument && fault_seen(),
-          "a buffer outside the device's allocations is refused, on rank %d", rank);
+    CHECK(ncclAllReduce(host.data(), host.data(), 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument && !fault_seen(),
+          "a buffer outside the device's allocations is refused, the context unharmed, on rank %d", rank);
     if (rank < 2) {                                 /* last: the mailbox from 0 to 1 stays full */
-        if (rank == 0) ncclSend(x, 8, ncclFloat32, 1, c, s);
-        else ncclRecv(y, 4, ncclFloat32, 0, c, s);
+        if (rank == 0) ncclSend(x, 4, ncclFloat32, 1, c, s);   /* a message of 4 floats, a receive of 8 */
+        else ncclRecv(y, 8, ncclFloat32, 0, c, s);
         cudaStreamSynchronize(s);
-        CHECK(fault_seen() == (rank == 1), "8 floats sent into a receive of 4 fault on the receiving rank %d only", rank);
+        CHECK(fault_seen() == (rank == 1), "4 floats sent into a receive of 8 fault on the receiving rank %d only", rank);
     }
     ncclCommDestroy(c);
     cudaFree(x);
