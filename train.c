@@ -1101,13 +1101,13 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         double *allow = malloc(sizeof(double) * n), *atol_at = malloc(sizeof(double) * n);
         int failed = !ga || !gb || !pa || !pb || !allow || !atol_at;
         if (failed) fprintf(stderr, "train: out of memory\n");
-        sb.loss = sr.loss = 0;
-        sb.clipped_tokens = sr.clipped_tokens = 0;
+        memset(&sb, 0, sizeof sb);
+        sr = sb;
         for (int k = 0; k < nb && !failed; k++) {
             pr_step_stats s1;
             ob.accumulate = k > 0;
             if (pr_trainer_compute_grads(base, &batch[k], &ob, &s1, NULL, &err)) failed = fail(&err);
-            else sb.loss += s1.loss, sb.clipped_tokens += s1.clipped_tokens;
+            else pr_step_stats_add(&sb, &s1);
         }
         if (!failed && (pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_adamw_step(base, &adam, &gnorm, &err) ||
                         pr_trainer_get_params(base, pa, n, &err)))

@@ -225,24 +225,23 @@ static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, cons
 static size_t emu_nccl_type_bytes(ncclDataType_t t) { return t == ncclFloat64 ? 8 : t == ncclFloat32 ? 4 : 2; }
 static bool emu_nccl_type_ok(ncclDataType_t t) { return t == ncclFloat32 || t == ncclFloat64 || t == ncclBfloat16; }
 
-/* dst[i] = the sum over ranks q, in rank order, of parts[q][i] */
-static void emu_nccl_sum(void *dst, const std::vector<std::vector<unsigned char>> &parts, size_t n, ncclDataType_t t) {
+/* One addition in the type's own arithmetic: bf16 rounds each sum, as a ring's steps do. */
+static double emu_nccl_add(double a, double b) { return a + b; }
+static float emu_nccl_add(float a, float b) { return a + b; }
+static bf16 emu_nccl_add(bf16 a, bf16 b) { return __float2bfloat16(__bfloat162float(a) + __bfloat162float(b)); }
+template <typename T>
+static void emu_nccl_sum_as(T *dst, const T *parts, int ranks, size_t n) {
     for (size_t i = 0; i < n; i++) {
-        if (t == ncclFloat64) {
-            double s = ((const double *)parts[0].data())[i];
-            for (size_t q = 1; q < parts.size(); q++) s += ((const double *)parts[q].data())[i];
-            ((double *)dst)[i] = s;
-        } else if (t == ncclFloat32) {
-            float s = ((const float *)parts[0].data())[i];
-            for (size_t q = 1; q < parts.size(); q++) s += ((const float *)parts[q].data())[i];
-            ((float *)dst)[i] = s;
-        } else {
-            bf16 s = ((const bf16 *)parts[0].data())[i];
-            for (size_t q = 1; q < parts.size(); q++)
-                s = __float2bfloat16(__bfloat162float(s) + __bfloat162float(((const bf16 *)parts[q].data())[i]));
-            ((bf16 *)dst)[i] = s;
-        }
+        T s = parts[i];
+        for (int q = 1; q < ranks; q++) s = emu_nccl_add(s, parts[(size_t)q * n + i]);
+        dst[i] = s;
     }
+}
+/* dst[i] = the sum over the ranks' blocks of parts (n values each, rank after rank), in rank order */
+static void emu_nccl_sum(void *dst, const unsigned char *parts, int ranks, size_t n, ncclDataType_t t) {
+    if (t == ncclFloat64) emu_nccl_sum_as((double *)dst, (const double *)parts, ranks, n);
+    else if (t == ncclFloat32) emu_nccl_sum_as((float *)dst, (const float *)parts, ranks, n);
+    else emu_nccl_sum_as((bf16 *)dst, (const bf16 *)parts, ranks, n);
 }
 
 /* The group being gathered by ncclGroupStart ... ncclGroupEnd (depth > 0), and its stream. */
@@ -300,22 +299,27 @@ static ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t t, int peer
     return emu_nccl_queue(c, s, { { false, peer, (unsigned char *)buf, bytes, 0 } }, "ncclRecv");
 }
 
-/* A collective: block q of send (block_bytes each, or the whole of send when `same` is set) goes to
-   rank q, and rank q's answer lands in parts[q]; then finish(parts) writes the result. Queued on s
-   behind what is queued there; not part of a group. */
+/* What collectives and the split are made of: block q of send (block bytes each, or the whole of
+   send to every rank when `same` is set) goes to rank q, and rank q's block lands at recv + q * block. */
+static bool emu_nccl_exchange(ncclComm_t c, const void *send, size_t block, bool same, unsigned char *recv, const char *what) {
+    std::vector<emu_nccl_p2p> ops;
+    for (int q = 0; q < c->size; q++) {
+        ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block), block, 0 });
+        ops.push_back({ false, q, recv + (size_t)q * block, block, 0 });
+    }
+    return emu_nccl_progress(c, ops, what);
+}
+
+/* A collective: the exchange into parts (the ranks' blocks, rank after rank), then finish(parts)
+   writes the result. Queued on s behind what is queued there; not part of a group. */
 static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStream_t s, const void *send, size_t block_bytes,
-                                        bool same, std::function<void(std::vector<std::vector<unsigned char>> &)> finish) {
+                                        bool same, std::function<void(const unsigned char *)> finish) {
     if (emu_nccl_group.depth > 0) return ncclInvalidUsage;   /* not used by the backend inside a group */
     std::string w = what;
     emu_enqueue(s, [c, send, block_bytes, same, finish, w] {
         if (emu_sticky) return;
-        std::vector<std::vector<unsigned char>> parts((size_t)c->size, std::vector<unsigned char>(block_bytes));
-        std::vector<emu_nccl_p2p> ops;
-        for (int q = 0; q < c->size; q++) {
-            ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block_bytes), block_bytes, 0 });
-            ops.push_back({ false, q, parts[(size_t)q].data(), block_bytes, 0 });
-        }
-        if (emu_nccl_progress(c, ops, w.c_str())) finish(parts);
+        std::vector<unsigned char> parts((size_t)c->size * block_bytes);
+        if (emu_nccl_exchange(c, send, block_bytes, same, parts.data(), w.c_str())) finish(parts.data());
     });
     return ncclSuccess;
 }
@@ -327,8 +331,9 @@ static ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, nc
     ncclResult_t r = emu_nccl_check("ncclAllReduce", c, send, bytes, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclAllReduce", c, recv, bytes, s);
     if (r != ncclSuccess) return r;
+    const int ranks = c->size;
     return emu_nccl_collective("ncclAllReduce", c, s, send, bytes, true,
-                               [recv, count, t](std::vector<std::vector<unsigned char>> &parts) { emu_nccl_sum(recv, parts, count, t); });
+                               [recv, ranks, count, t](const unsigned char *parts) { emu_nccl_sum(recv, parts, ranks, count, t); });
 }
 static ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t, ncclComm_t c, cudaStream_t s) {
     if (!emu_nccl_type_ok(t)) return ncclInvalidArgument;
@@ -336,9 +341,8 @@ static ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, nc
     ncclResult_t r = emu_nccl_check("ncclAllGather", c, send, bytes, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclAllGather", c, recv, bytes * (size_t)c->size, s);
     if (r != ncclSuccess) return r;
-    return emu_nccl_collective("ncclAllGather", c, s, send, bytes, true, [recv, bytes](std::vector<std::vector<unsigned char>> &parts) {
-        for (size_t q = 0; q < parts.size(); q++) memcpy((unsigned char *)recv + q * bytes, parts[q].data(), bytes);
-    });
+    const size_t all = bytes * (size_t)c->size;
+    return emu_nccl_collective("ncclAllGather", c, s, send, bytes, true, [recv, all](const unsigned char *parts) { memcpy(recv, parts, all); });
 }
 static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
                                       cudaStream_t s) {
@@ -347,8 +351,9 @@ static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count
     ncclResult_t r = emu_nccl_check("ncclReduceScatter", c, send, bytes * (size_t)c->size, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclReduceScatter", c, recv, bytes, s);
     if (r != ncclSuccess) return r;
+    const int ranks = c->size;
     return emu_nccl_collective("ncclReduceScatter", c, s, send, bytes, false,
-                               [recv, count, t](std::vector<std::vector<unsigned char>> &parts) { emu_nccl_sum(recv, parts, count, t); });
+                               [recv, ranks, count, t](const unsigned char *parts) { emu_nccl_sum(recv, parts, ranks, count, t); });
 }
 
 /* Every member calls it, in the same order as its other splits of c: the members' colours and keys
@@ -359,13 +364,8 @@ static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *
     emu_run_all();
     const int mine[2] = { color, key };
     std::vector<int> all(2 * (size_t)c->size);
-    std::vector<emu_nccl_p2p> ops;
-    for (int q = 0; q < c->size; q++) {
-        ops.push_back({ true, q, (unsigned char *)mine, sizeof mine, 0 });
-        ops.push_back({ false, q, (unsigned char *)&all[2 * (size_t)q], sizeof mine, 0 });
-    }
     const int split = c->splits++;
-    if (!emu_nccl_progress(c, ops, "ncclCommSplit")) return ncclSystemError;
+    if (!emu_nccl_exchange(c, mine, sizeof mine, true, (unsigned char *)all.data(), "ncclCommSplit")) return ncclSystemError;
     *out = NULL;
     if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
     int rank = 0, size = 0;
