@@ -503,7 +503,8 @@ struct pr_backend {
     void (*reals_to_bf16)(const pr_backend *be, uint16_t *dst, const pr_real *src, size_t n);
     void (*bf16_to_reals)(const pr_backend *be, pr_real *dst, const uint16_t *src, size_t n);
     /* dst row m = w[m] * src row rows[m];  dst row rows[m] += w[m] * src row m. rows and w: host;
-       w NULL: all 1; the rows of one scatter are distinct. */
+       w NULL: all 1. A scatter's rows may repeat (the loss head's last prefix row, an MoE token's
+       experts): a row's additions are summed in m order, the same every run. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     /* The loss head's two passes over logits (M,V): V columns of the vocabulary, all of it or this

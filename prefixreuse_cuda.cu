@@ -1785,7 +1785,7 @@ __global__ void pr_k_embed_fwd(bf16 *out, const int32_t *tok, const bf16 *emb, i
     out[i] = tok[r] >= 0 ? emb[(size_t)tok[r] * C + c] : __float2bfloat16(0.0f);
 }
 /* Block x: one distinct token; its rows (in row order) summed per column, then added once. */
-__global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int32_t *uniq, const int *start, const int *rows, int C) {
+__global__ void pr_k_embed_bwd(float *demb, const bf16 *dout, const int *uniq, const int *start, const int *rows, int C) {
     int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float s = 0;
@@ -1799,12 +1799,19 @@ __global__ void pr_k_gather_rows(bf16 *dst, const bf16 *src, const int *rows, co
     bf16 x = src[(size_t)rows[i / C] * C + i % C];
     dst[i] = w ? __float2bfloat16(w[i / C] * __bfloat162float(x)) : x;
 }
-__global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *rows, const float *w, int M, int C) {
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= (size_t)M * C) return;
-    bf16 *d = dst + (size_t)rows[i / C] * C + i % C;
-    float x = __bfloat162float(src[i]);
-    *d = __float2bfloat16(__bfloat162float(*d) + (w ? w[i / C] * x : x));
+/* Block x: one destination row; its source rows (in source order) weighted and summed per column in
+   fp32, then added once (w NULL: weight 1). */
+__global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *dest, const int *start, const int *rows,
+                                      const float *w, int C) {
+    int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0;
+    for (int i = start[blockIdx.x]; i < start[blockIdx.x + 1]; i++) {
+        float x = __bfloat162float(src[(size_t)rows[i] * C + c]);
+        s += w ? w[rows[i]] * x : x;
+    }
+    bf16 *d = dst + (size_t)dest[blockIdx.x] * C + c;
+    *d = __float2bfloat16(__bfloat162float(*d) + s);
 }
 /* out[m] = a row m . b row m, one warp per row */
 __global__ void pr_k_row_dots(float *out, const bf16 *a, const bf16 *b, int M, int C) {
@@ -1866,32 +1873,29 @@ static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *toke
     PR_LAUNCH(pr_k_embed_fwd, pr_cu_blocks((size_t)N * C, 256), 256, 0, cx->stream, (bf16 *)out, dt, (const bf16 *)emb, N, C);
     pr_cu_launched(cx, "embed_fwd");
 }
-/* Rows grouped by token (a stable order built on the host), so that each embedding row has one
-   writer that sums its rows in row order. Tokens < 0 (another TP rank's rows) are left out. */
-static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N_rows, int C) {
-    pr_cu *cx = pr_cu_of(be);
-    if (N_rows <= 0) return;
+/* Row indices grouped by key, for a sum with one writer per key: the rows i with key[i] >= 0 in
+   a stable order by key (each key's rows in row order), the distinct keys, and where each key's
+   rows start (n + 1 entries), staged on the device together with `extra` more bytes the caller
+   stages next. Returns the number of distinct keys (0: none), or -1 with the failure recorded. */
+typedef struct { const int *key, *start, *row; } pr_cu_groups;
+static int pr_cu_group_by_key(pr_cu *cx, pr_cu_groups *g, const int *key, int N_rows, size_t extra, const char *what) {
     int *rows = (int *)malloc(sizeof(int) * (size_t)N_rows), *start = (int *)malloc(sizeof(int) * (size_t)(N_rows + 1));
-    int32_t *uniq = (int32_t *)malloc(sizeof(int32_t) * (size_t)N_rows);
+    int *uniq = (int *)malloc(sizeof(int) * (size_t)N_rows);
     if (!rows || !start || !uniq) {
         free(rows); free(start); free(uniq);
-        pr_cu_fail(cx, PR_ERR_NOMEM, "embedding backward: out of host memory");
-        return;
+        pr_cu_fail(cx, PR_ERR_NOMEM, "%s: out of host memory", what);
+        return -1;
     }
-    int N = 0;                     /* the rows of this rank's tokens */
+    int N = 0;
     for (int i = 0; i < N_rows; i++)
-        if (tokens[i] >= 0) rows[N++] = i;
-    if (N == 0) {
-        free(rows); free(start); free(uniq);
-        return;
-    }
-    /* a bottom-up merge sort by token, stable, so each token's rows stay in row order */
+        if (key[i] >= 0) rows[N++] = i;
+    /* a bottom-up merge sort by key, stable, so each key's rows stay in row order */
     for (int width = 1; width < N; width *= 2) {
         int *tmp = start;          /* borrowed as the merge buffer; rebuilt below */
         for (int lo = 0; lo < N; lo += 2 * width) {
             int mid = lo + width < N ? lo + width : N, hi = lo + 2 * width < N ? lo + 2 * width : N;
             int a = lo, b = mid, o = lo;
-            while (a < mid && b < hi) tmp[o++] = tokens[rows[b]] < tokens[rows[a]] ? rows[b++] : rows[a++];
+            while (a < mid && b < hi) tmp[o++] = key[rows[b]] < key[rows[a]] ? rows[b++] : rows[a++];
             while (a < mid) tmp[o++] = rows[a++];
             while (b < hi) tmp[o++] = rows[b++];
         }
@@ -1899,37 +1903,52 @@ static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dou
     }
     int nu = 0;
     for (int i = 0; i < N; i++)
-        if (i == 0 || tokens[rows[i]] != tokens[rows[i - 1]]) { uniq[nu] = tokens[rows[i]]; start[nu++] = i; }
+        if (i == 0 || key[rows[i]] != key[rows[i - 1]]) { uniq[nu] = key[rows[i]]; start[nu++] = i; }
     start[nu] = N;
-    const int32_t *du = NULL;
-    const int *ds = NULL, *dr = NULL;
-    if (pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int32_t) * (size_t)nu) + pr_cu_stage_size(sizeof(int) * (size_t)(nu + 1)) +
-                                    pr_cu_stage_size(sizeof(int) * (size_t)N))) {
-        du = (const int32_t *)pr_cu_stage(cx, uniq, sizeof(int32_t) * (size_t)nu);
-        ds = (const int *)pr_cu_stage(cx, start, sizeof(int) * (size_t)(nu + 1));
-        dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)N);
+    memset(g, 0, sizeof *g);
+    if (nu && pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int) * (size_t)nu) + pr_cu_stage_size(sizeof(int) * (size_t)(nu + 1)) +
+                                          pr_cu_stage_size(sizeof(int) * (size_t)N) + pr_cu_stage_size(extra))) {
+        g->key = (const int *)pr_cu_stage(cx, uniq, sizeof(int) * (size_t)nu);
+        g->start = (const int *)pr_cu_stage(cx, start, sizeof(int) * (size_t)(nu + 1));
+        g->row = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)N);
     }
     free(rows); free(start); free(uniq);
-    if (!du || !ds || !dr) return;
-    PR_LAUNCH(pr_k_embed_bwd, dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream, demb, (const bf16 *)dout, du, ds, dr, C);
+    return !nu ? 0 : g->key && g->start && g->row ? nu : -1;
+}
+/* Each embedding row has one writer that sums its rows in row order. Tokens < 0 (another TP
+   rank's rows) are left out. */
+static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N_rows, int C) {
+    pr_cu *cx = pr_cu_of(be);
+    if (N_rows <= 0) return;
+    pr_cu_groups g;
+    const int nu = pr_cu_group_by_key(cx, &g, (const int *)tokens, N_rows, 0, "embedding backward");
+    if (nu <= 0) return;
+    PR_LAUNCH(pr_k_embed_bwd, dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream, demb, (const bf16 *)dout, g.key, g.start, g.row, C);
     pr_cu_launched(cx, "embed_bwd");
 }
-/* Row lists (and weights) are staged together: both must survive until the kernel runs. */
-static void pr_cu_rows_op(pr_cu *cx, int scatter, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
+    /* the row list and the weights are staged together: both must survive until the kernel runs */
     if (!pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(int) * (size_t)M) + pr_cu_stage_size(sizeof(float) * (size_t)M))) return;
     const int *dr = (const int *)pr_cu_stage(cx, rows, sizeof(int) * (size_t)M);
     const float *dw = w ? (const float *)pr_cu_stage(cx, w, sizeof(float) * (size_t)M) : NULL;
     if (!dr || (w && !dw)) return;
-    if (scatter) PR_LAUNCH(pr_k_scatter_add_rows, pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream, (bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
-    else PR_LAUNCH(pr_k_gather_rows, pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream, (bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
-    pr_cu_launched(cx, scatter ? "scatter_add_rows" : "gather_rows");
+    PR_LAUNCH(pr_k_gather_rows, pr_cu_blocks((size_t)M * C, 256), 256, 0, cx->stream, (bf16 *)dst, (const bf16 *)src, dr, dw, M, C);
+    pr_cu_launched(cx, "gather_rows");
 }
-static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
-    pr_cu_rows_op(pr_cu_of(be), 0, dst, src, rows, w, M, C);
-}
+/* Rows repeat (the loss head's last prefix row predicts every suffix's first token; MoE combines
+   each token's experts): grouped by destination, each destination row has one writer. */
 static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
-    pr_cu_rows_op(pr_cu_of(be), 1, dst, src, rows, w, M, C);
+    pr_cu *cx = pr_cu_of(be);
+    if (M <= 0) return;
+    pr_cu_groups g;
+    const int nu = pr_cu_group_by_key(cx, &g, rows, M, w ? sizeof(float) * (size_t)M : 0, "scatter_add_rows");
+    const float *dw = nu > 0 && w ? (const float *)pr_cu_stage(cx, w, sizeof(float) * (size_t)M) : NULL;
+    if (nu <= 0 || (w && !dw)) return;
+    PR_LAUNCH(pr_k_scatter_add_rows, dim3((unsigned)nu, pr_cu_blocks((size_t)C, 256)), 256, 0, cx->stream, (bf16 *)dst,
+              (const bf16 *)src, g.key, g.start, g.row, dw, C);
+    pr_cu_launched(cx, "scatter_add_rows");
 }
 static void pr_cu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
     pr_cu *cx = pr_cu_of(be);

@@ -397,16 +397,26 @@ static pr_status select_attention(const options *o, pr_error *err) {
 #endif
 }
 
-/* The backend of this build: the CPU's, or one CUDA backend on device 0 for the whole run. */
+/* The backend of this build: the CPU's, or one CUDA backend on device LOCAL_RANK (else 0) for the
+   whole run, created on first use and destroyed as main returns (backend_release). */
+#ifdef PR_CUDA
+static const pr_backend *cuda_backend;
+#endif
 static const pr_backend *backend(pr_error *err) {
 #ifdef PR_CUDA
-    static const pr_backend *be;
     const char *local = getenv("LOCAL_RANK");     /* one process per GPU: its device */
-    if (!be && pr_backend_cuda_create(&be, local ? atoi(local) : 0, err)) return NULL;
-    return be;
+    if (!cuda_backend && pr_backend_cuda_create(&cuda_backend, local ? atoi(local) : 0, err)) return NULL;
+    return cuda_backend;
 #else
     (void)err;
     return pr_backend_cpu();
+#endif
+}
+/* Gives the device memory back, so that a leak check at exit sees only what really leaked. */
+static void backend_release(void) {
+#ifdef PR_CUDA
+    if (cuda_backend) pr_backend_cuda_destroy(cuda_backend);
+    cuda_backend = NULL;
 #endif
 }
 
@@ -1860,6 +1870,24 @@ static void resume_config(const char *dir, char *path, size_t cap) {
     snprintf(path, cap, "%s/%s/config.json", dir, name);
 }
 
+/* The jobs on a trace: prefix trees, the check, the replay, or training. */
+static int run_on_trace(const options *o, const pr_config *cfg) {
+    pr_error err;
+    pr_trace trace;
+    if (pr_trace_read(&trace, o->trace, &err)) return fail(&err);
+    if (trace.vocab_size > cfg->vocab_size) {
+        fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o->trace, trace.vocab_size, cfg->vocab_size);
+        pr_trace_free(&trace);
+        return 1;
+    }
+    int rc = o->prefix_tree ? run_prefix_tree(o, &trace)
+             : o->check     ? run_check(o, cfg, &trace)
+             : o->replay    ? run_replay(o, cfg, &trace)
+                            : run_training(o, cfg, &trace);
+    pr_trace_free(&trace);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     options o;
     if (!parse_args(argc, argv, &o)) return 2;
@@ -1876,21 +1904,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (o.layers) cfg.num_hidden_layers = o.layers;
-    if (o.bench == 1) return run_bench_speed(&o, &cfg);
-    if (o.bench == 2) return run_bench_memory(&o, &cfg);
-    if (o.bench == 3) return run_bench_capacity(&o, &cfg);
-    if (o.bench == 4) return run_bench_tree(&o, &cfg);
-    pr_trace trace;
-    if (pr_trace_read(&trace, o.trace, &err)) return fail(&err);
-    if (trace.vocab_size > cfg.vocab_size) {
-        fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o.trace, trace.vocab_size, cfg.vocab_size);
-        pr_trace_free(&trace);
-        return 1;
-    }
-    int rc = o.prefix_tree ? run_prefix_tree(&o, &trace)
-             : o.check     ? run_check(&o, &cfg, &trace)
-             : o.replay    ? run_replay(&o, &cfg, &trace)
-                           : run_training(&o, &cfg, &trace);
-    pr_trace_free(&trace);
+    int rc = o.bench == 1 ? run_bench_speed(&o, &cfg)
+             : o.bench == 2 ? run_bench_memory(&o, &cfg)
+             : o.bench == 3 ? run_bench_capacity(&o, &cfg)
+             : o.bench == 4 ? run_bench_tree(&o, &cfg)
+                            : run_on_trace(&o, &cfg);
+    backend_release();
     return rc;
 }

@@ -195,6 +195,39 @@ static void test_embed_rows(int N, int C, int V) {
     free(tok); free(emb); free(dy); free(demb0); free(ry); free(rd); free(rows); free(gy); free(gd); free(gg); free(gs); free(rg); free(rs);
 }
 
+/* scatter_add_rows with repeated rows, as the loss head (a prefix's last row for every suffix) and
+   MoE's combine (a token's experts) send them: each destination row must receive every addition.
+   Small integers, halves and weights of powers of two keep every partial sum exact in fp32, so the
+   result is the exact sum rounded once to bf16, whatever the order; run twice, the same bits. */
+static void test_scatter_repeats(int N, int M, int C) {
+    int *rows = malloc(sizeof(int) * M);
+    double *src = malloc(sizeof(double) * M * C), *d0 = malloc(sizeof(double) * N * C);
+    pr_real *w = malloc(sizeof(pr_real) * M);
+    for (int m = 0; m < M; m++) {
+        rows[m] = m % 3 ? N - 1 : (m / 3) % N;     /* two thirds onto the last row, the rest spread */
+        w[m] = m % 4 == 1 ? 0.5 : 1.0;
+        for (int c = 0; c < C; c++) src[(size_t)m * C + c] = (double)((m + 3 * c) % 5 - 2);
+    }
+    for (size_t i = 0; i < (size_t)N * C; i++) d0[i] = (double)((int)(i % 17) - 8);
+    double *ref = copy_of(d0, (size_t)N * C);
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < C; c++) ref[(size_t)rows[m] * C + c] += w[m] * src[(size_t)m * C + c];
+    for (size_t i = 0; i < (size_t)N * C; i++) ref[i] = from_bf16(to_bf16(ref[i]));
+    void *src_ = dev_bf16(src, (size_t)M * C);
+    double *got[2];
+    for (int run = 0; run < 2; run++) {
+        void *d_ = dev_bf16(d0, (size_t)N * C);
+        be->scatter_add_rows(be, d_, src_, rows, w, M, C);
+        expect_backend_ok("scatter_add_rows, repeated rows");
+        got[run] = host_bf16(d_, (size_t)N * C);
+        release(d_);
+    }
+    EXPECT_CLOSE(got[0], ref, (size_t)N * C, 1e-12, "scatter_add_rows, repeated rows (exact)");
+    CHECK(!memcmp(got[0], got[1], sizeof(double) * N * C), "scatter_add_rows, repeated rows: two runs differ");
+    release(src_);
+    free(rows); free(src); free(d0); free(w); free(ref); free(got[0]); free(got[1]);
+}
+
 /* The loss head's two passes, rows whose target is on another TP rank's vocabulary slice (< 0)
    among them: the statistics against the CPU's on the same bf16 logits, then the gradient pass
    from the CPU's log-sum-exps and slopes. */
@@ -432,6 +465,7 @@ int main(int argc, char **argv) {
         test_rope(8, 128, 9000);       /* positions past 8k: the angle is reduced in double */
         test_elementwise(100003);
         test_embed_rows(257, 96, 1000);
+        test_scatter_repeats(37, 600, 300);
         test_logit_head(7, 257);
         test_logit_head(33, 5000);
         test_optimizer(1000003);
