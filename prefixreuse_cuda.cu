@@ -260,8 +260,9 @@ static int pr_att_query_tiles(pr_att_tile *out, int n_seg, const int *seg_off, i
    its four parts, reduced by two shuffles in a fixed order.
    Key index j of a query row: j < n_prefix is prefix row j (kp/vp), j >= n_prefix is row
    seg0 + j - n_prefix of its own segment, visible while j - n_prefix <= row - seg0 (causal).
-   Not yet run on a GPU; compiled for the host, they match the double CPU attention on an
-   emulated block (test/test_mma_kernels.cc, head dims 64 and 128). */
+   On an H200 they pass test/test_gpu.c's attention cases against the double CPU path, with
+   memcheck, racecheck and synccheck clean; compiled for the host, they match it on an emulated
+   block (test/test_mma_kernels.cc, head dims 64 and 128). */
 #define PR_ATT_ROWS 64
 #define PR_ATT_THREADS (PR_ATT_ROWS * 4)
 
@@ -495,14 +496,14 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
    16 and 32 keep the kernels above, where a 16-wide k step would leave most of an mma idle and the
    FFMA kernels are already memory-bound.
 
-   NOT YET VALIDATED ON A GPU. They compile warning-free, ptxas reports no spills, the SASS holds
-   HMMA and no local memory (test/check_sass.sh); their warp-level rules pass an emulation of the
-   instructions (test/test_mma_emul.cc), and the kernels themselves, compiled for the host, match
-   the double CPU attention on an emulated block (test/test_mma_kernels.cc), which also finds no
-   shared-memory race against the barriers, no output element with two writing blocks and no
-   bank conflict in their ldmatrix; it cannot show what only the real machine's timing or
-   numerics would. The backend runs the FFMA kernels unless
-   pr_backend_cuda_set_attention selects these, until test/test_gpu_attention.c has passed on a GPU.
+   On an H200 (bench/RESULTS.md, 2026-11-26) test/test_gpu_attention.c passes and memcheck finds
+   nothing; racecheck has not yet finished on them, so the backend runs the FFMA kernels unless
+   pr_backend_cuda_set_attention selects these. They compile warning-free, ptxas reports no
+   spills, the SASS holds HMMA and no local memory (test/check_sass.sh); their warp-level rules
+   pass an emulation of the instructions (test/test_mma_emul.cc), and the kernels themselves,
+   compiled for the host, match the double CPU attention on an emulated block
+   (test/test_mma_kernels.cc), which also finds no shared-memory race against the barriers, no
+   output element with two writing blocks and no bank conflict in their ldmatrix.
 
    The algorithm is test/attn_model.h's, with its names:
      Query tiles: 64-row pieces of one segment, a block of 4 warps x 16 rows (the forward takes
@@ -1799,19 +1800,20 @@ __global__ void pr_k_gather_rows(bf16 *dst, const bf16 *src, const int *rows, co
     bf16 x = src[(size_t)rows[i / C] * C + i % C];
     dst[i] = w ? __float2bfloat16(w[i / C] * __bfloat162float(x)) : x;
 }
-/* Block x: one destination row; its source rows (in source order) weighted and summed per column in
-   fp32, then added once (w NULL: weight 1). */
+/* Block x: one destination row; its source rows added one after another in source order, each
+   weighted (w NULL: weight 1) and rounded to bf16 as it lands: what one writer at a time would
+   leave, the same bits every run. */
 __global__ void pr_k_scatter_add_rows(bf16 *dst, const bf16 *src, const int *dest, const int *start, const int *rows,
                                       const float *w, int C) {
     int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float s = 0;
+    bf16 *d = dst + (size_t)dest[blockIdx.x] * C + c;
+    float acc = __bfloat162float(*d);
     for (int i = start[blockIdx.x]; i < start[blockIdx.x + 1]; i++) {
         float x = __bfloat162float(src[(size_t)rows[i] * C + c]);
-        s += w ? w[rows[i]] * x : x;
+        acc = __bfloat162float(__float2bfloat16(acc + (w ? w[rows[i]] * x : x)));
     }
-    bf16 *d = dst + (size_t)dest[blockIdx.x] * C + c;
-    *d = __float2bfloat16(__bfloat162float(*d) + s);
+    *d = __float2bfloat16(acc);
 }
 /* out[m] = a row m . b row m, one warp per row */
 __global__ void pr_k_row_dots(float *out, const bf16 *a, const bf16 *b, int M, int C) {

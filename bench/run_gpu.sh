@@ -2,7 +2,7 @@
 # Everything a lent GPU is for, in stages that survive each other's failures. POSIX sh: runs under
 # dash or bash, from any directory (it works in the repository root).
 #
-#   bench/run_gpu.sh                        every stage, most informative first (~9 minutes on an H100)
+#   bench/run_gpu.sh                        every stage, most informative first (~10 minutes: two calls)
 #   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, any order)
 #   bench/run_gpu.sh --from sanitize        from a stage or group to the last stage
 #   bench/run_gpu.sh --list                 the stages with their expected and longest times
@@ -28,6 +28,8 @@
 #   TORCH_SPLITS  prefix fractions of torch-ref (0.8333, i.e. 10k/2k)
 #   REPS          timed runs per bench_cuda cell (3)
 #   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
+#   MMA_RACE_SHAPES  test_gpu_attention shapes under racecheck, one process each (1 5 2: causal at
+#                 head dim 128, the two-region padded case, head dim 64)
 #   ATTENTION     train_cuda's attention kernels in train-bench, train-memory and train-tree: ffma,
 #                 mma, or auto (the default): mma once the mma stage has passed on this machine
 #                 against the CUDA object now built (build/mma-passed holds its checksum), else ffma
@@ -60,40 +62,41 @@ BENCH_TOTAL=${BENCH_TOTAL:-12288}
 TORCH_SPLITS=${TORCH_SPLITS:-0.8333}
 REPS=${REPS:-3}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
+MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1 5 2}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
-export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
+export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
-# The stages, in the order they run: name | expected seconds on an H100 | longest | needs the build | what.
-# Expected times: build ~35 s (the CUDA object is one nvcc call, its two targets in parallel); the
-# sanitizers on a tiny model and small attention shapes; bench-cuda ~20 s of GEMMs (6 shapes x 16
-# cuBLASLt candidates) and ~25 s of attention (the 10k + 32 x 2k case is 12 TFLOP forward, 30
-# backward); train-bench and train-memory from the sizing above, ~20 s of host initialisation each;
-# torch-ref ~40 s of torch.compile and a few steps; replay ~25 s (three tiny-model runs of 100 steps);
-# train-tree: 8 groups of G 8 at 4096 tokens, one layer, ~540M attention pairs for the baseline (~4 s
-# with the FFMA kernels), reuse and the tree less, two reps each, ~20 s of host initialisation.
+# The stages, in the order they run: name | expected seconds | longest | needs the build | what.
+# Expected times as measured on an H200 on 2026-11-26 (bench/results/2026-11-26-h200; an H100 is
+# within a few per cent on all but the memory-bound stages): build 16-19 s; test-gpu 13 s; the
+# sanitizers 4-5 s each on --check of the tiny model, except racecheck and initcheck (one step takes
+# 40-55 s under them) and racecheck on the tensor-core kernels (past 30 s for --quick's six shapes);
+# bench-cuda 57 s (FFMA attention is most of it); sdpa 24 s; train-bench 103 s with the FFMA
+# attention, 56 s with mma; train-memory 58 s with mma; torch-ref 31 s; replay 4 s. Not yet
+# measured: ncu, train-tree (8 groups of G 8 at 4096 tokens, one layer, ~20 s of host initialisation).
 # `--list` prints the sum: above the budget, so the last stages wait for a follow-up call.
 stages() {
     cat <<'EOF'
-preflight|5|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
-build|35|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
-smoke|10|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
-test-gpu|45|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
-mma|45|150|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck and racecheck --quick
-memcheck|40|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
-racecheck|30|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
-initcheck|25|120|1|compute-sanitizer initcheck: train_cuda --check on model/tiny with offload; test_gpu attention
-synccheck|25|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
-determinism|12|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
-replay|25|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse drift against the floor, JSON lines
-bench-cuda|45|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward
-sdpa|30|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
+preflight|10|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
+build|20|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
+smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
+test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
+mma|110|240|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
+memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
+racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
+initcheck|60|180|1|compute-sanitizer initcheck: one train_cuda step on model/tiny with offload; test_gpu attention
+synccheck|10|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
+determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
+replay|8|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse drift against the floor, JSON lines
+bench-cuda|60|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward
+sdpa|25|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
-train-memory|110|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
-torch-ref|60|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
+train-memory|70|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
+torch-ref|35|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
 train-tree|60|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF
@@ -227,9 +230,13 @@ body_mma() {
     sub tests 80 ./build/test_gpu_attention || fail=1
     key "tests: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.tests.log" | tail -n 1)"
     if have compute-sanitizer; then
-        for tool in memcheck racecheck; do
-            sub "$tool" 30 compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/test_gpu_attention --quick || fail=1
-            key "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$tool.log" | sed 's/^=* *//' | tr '\n' ' ')"
+        sub memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/test_gpu_attention --quick || fail=1
+        key "memcheck: $(grep -E 'ERROR SUMMARY' "$stage_base.memcheck.log" | sed 's/^=* *//' | tr '\n' ' ')"
+        # racecheck slows these kernels past what --quick fits in: a few shapes, one process each
+        for i in $MMA_RACE_SHAPES; do
+            sub "racecheck-$i" 45 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/test_gpu_attention --shape "$i" || fail=1
+            s=$(grep -E 'RACECHECK SUMMARY' "$stage_base.racecheck-$i.log" | sed 's/^=* *//' | tr '\n' ' ')
+            key "racecheck shape $i: ${s:-no summary (see its log)}"
         done
     fi
     # the train-* stages' ATTENTION=auto: mma while this object stands
@@ -276,7 +283,7 @@ sanitize() {
 }
 body_memcheck() { sanitize memcheck --check; }
 body_racecheck() { sanitize racecheck "--steps 1"; }
-body_initcheck() { sanitize initcheck --check; }
+body_initcheck() { sanitize initcheck "--steps 1"; }     # --check's two schedules over four groups outran 55 s
 body_synccheck() { sanitize synccheck --check; }
 
 body_determinism() {
@@ -421,7 +428,7 @@ list() {
         e=$(field "$s" 2); total=$((total + e))
         printf '%-13s %5ss %5ss %6s  %s\n' "$s" "$e" "$(field "$s" 3)" "$( [ "$(field "$s" 4)" = 1 ] && echo needs || echo -)" "$(field "$s" 5)"
     done
-    echo "all: about $total s expected (H100, make -j16); the budget stops the run at ${BUDGET:-540} s"
+    echo "all: about $total s expected (as measured on an H200, make -j16); the budget stops the run at ${BUDGET:-540} s"
 }
 
 budget=${BUDGET:-540}

@@ -196,9 +196,10 @@ static void test_embed_rows(int N, int C, int V) {
 }
 
 /* scatter_add_rows with repeated rows, as the loss head (a prefix's last row for every suffix) and
-   MoE's combine (a token's experts) send them: each destination row must receive every addition.
-   Small integers, halves and weights of powers of two keep every partial sum exact in fp32, so the
-   result is the exact sum rounded once to bf16, whatever the order; run twice, the same bits. */
+   MoE's combine (a token's experts) send them: each destination row must receive every addition,
+   in source order, each rounded to bf16 as it lands. Small integers, halves and weights of powers
+   of two keep every sum before its rounding exact, so the reference rounds the same way and the
+   result must match it bit for bit, twice. */
 static void test_scatter_repeats(int N, int M, int C) {
     int *rows = malloc(sizeof(int) * M);
     double *src = malloc(sizeof(double) * M * C), *d0 = malloc(sizeof(double) * N * C);
@@ -211,8 +212,10 @@ static void test_scatter_repeats(int N, int M, int C) {
     for (size_t i = 0; i < (size_t)N * C; i++) d0[i] = (double)((int)(i % 17) - 8);
     double *ref = copy_of(d0, (size_t)N * C);
     for (int m = 0; m < M; m++)
-        for (int c = 0; c < C; c++) ref[(size_t)rows[m] * C + c] += w[m] * src[(size_t)m * C + c];
-    for (size_t i = 0; i < (size_t)N * C; i++) ref[i] = from_bf16(to_bf16(ref[i]));
+        for (int c = 0; c < C; c++) {
+            double *r = &ref[(size_t)rows[m] * C + c];
+            *r = from_bf16(to_bf16(*r + w[m] * src[(size_t)m * C + c]));
+        }
     void *src_ = dev_bf16(src, (size_t)M * C);
     double *got[2];
     for (int run = 0; run < 2; run++) {

@@ -20,8 +20,10 @@
    rounding the kernels' other fp32 summation order flips) or 4 fp32 units; on the host emulator
    (test/test_mma_kernels.cc) the kernels stay within a quarter of u max|ref|. Outputs start as NaN where the kernel writes them (out, lse), so a
    row it forgets fails. Each line prints the worst error / tolerance per tensor.
-   Needs a GPU: build/test_gpu_attention [--quick] (make test-gpu-attention; --quick: the first six
-   shapes, for compute-sanitizer). Last line: N passed, N failed. */
+   Needs a GPU: build/test_gpu_attention [--quick | --shape I] (make test-gpu-attention; --quick:
+   the first six shapes, --shape I: shape I alone, both for compute-sanitizer). Last line: N passed, N failed. */
+#include <ctype.h>
+
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "attn_model.h"
@@ -320,7 +322,15 @@ static void test_fallback(void) {
 }
 
 int main(int argc, char **argv) {
-    const int quick = argc > 1 && !strcmp(argv[1], "--quick");   /* the first six shapes: for compute-sanitizer */
+    /* --quick: the first six shapes; --shape I: shape I alone (each for compute-sanitizer, whose
+       racecheck runs these kernels some hundred times slower) */
+    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    int only = -1;
+    if (argc == 3 && !strcmp(argv[1], "--shape") && isdigit((unsigned char)argv[2][0])) only = atoi(argv[2]);
+    if ((argc > 1 && !quick && only < 0) || (quick && argc > 2)) {
+        fprintf(stderr, "usage: test_gpu_attention [--quick | --shape I]\n");
+        return 2;
+    }
     pr_error err;
     if (pr_backend_cuda_create(&be, 0, &err)) {
         printf("FAIL no CUDA backend: %s\n", err.message);
@@ -348,8 +358,16 @@ int main(int argc, char **argv) {
         { 1000, 2, { 40, 90 }, 32, 16, 64 },                         /* C = 1: added into dkp/dvp directly */
         { 1000, 1, { 1000 }, 4, 1, 128 },                            /* P = S */
     };
-    for (size_t i = 0; i < (quick ? 6 : sizeof shapes / sizeof *shapes); i++) test_shape(&shapes[i]);
-    test_fallback();
+    const int n_shapes = (int)(sizeof shapes / sizeof *shapes);
+    if (only >= n_shapes) {
+        printf("FAIL --shape %d: there are %d shapes (0 to %d)\n", only, n_shapes, n_shapes - 1);
+        printf("0 passed, 1 failed\n");
+        pr_backend_cuda_destroy(be);
+        return 1;
+    }
+    for (int i = 0; i < (quick ? 6 : n_shapes); i++)
+        if (only < 0 || i == only) test_shape(&shapes[i]);
+    if (only < 0) test_fallback();
     pr_backend_cuda_destroy(be);
     return test_report();
 }
