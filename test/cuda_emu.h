@@ -19,7 +19,9 @@
        from pinned memory (cudaMallocHost) when it runs; a copy into pageable memory returns when
        done. Copies and memsets must stay inside the allocations their kind names;
      - device and pinned memory start as NaN bytes (what initcheck would flag shows as NaN);
-     - kernels run on test/gpu_emu.h's emulated block, one block after another, with its checks
+     - kernels run on test/gpu_emu.h's emulated block, one block after another (blocks, warps and
+       lanes in reverse order with PR_EMU_ORDER=reverse: a result that depends on the order, such
+       as two threads adding into one element, then changes), with its checks
        (warp-collective instructions, barriers, races in shared memory); launch geometry and
        dynamic shared memory are checked against an H100's limits and each kernel's opt-in;
      - cuBLASLt: D = alpha op(A) op(B) + beta C, column-major, bf16 A and B, products summed in

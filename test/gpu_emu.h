@@ -13,7 +13,11 @@
    hardware allows), zero-filled when asked; their sources are checked against emu_inputs and their
    destinations, like every ldmatrix address, against the launch's dynamic shared memory, which
    starts filled with NaN bytes. Blocks run one after another. Races are checked against the
-   barriers, not against the order the fibers happen to run in (see "racecheck" below). */
+   barriers, not against the order the fibers happen to run in (see "racecheck" below).
+   PR_EMU_ORDER=reverse in the environment runs the blocks of a launch, the warps of a block and
+   the lanes of a warp each in reverse order: a kernel whose result depends on that order (two
+   threads adding into one element, which on a GPU also lose each other's updates) then gives
+   other bits than the forward order, which a comparison of the two runs shows. */
 #ifndef PR_GPU_EMU_H
 #define PR_GPU_EMU_H
 #include <math.h>
@@ -373,6 +377,20 @@ static void emu_fiber(void) {
     abort();                                     /* never resumed */
 }
 
+/* The order blocks, warps and lanes run in: PR_EMU_ORDER (see the top), read at the first launch. */
+static int emu_reversed = -1;
+static bool emu_order_reversed(void) {
+    if (emu_reversed < 0) {
+        const char *v = getenv("PR_EMU_ORDER");
+        emu_reversed = v && !strcmp(v, "reverse");
+        if (v && !emu_reversed && strcmp(v, "forward"))
+            fprintf(stderr, "emulated device: PR_EMU_ORDER=%s is neither forward nor reverse; running forward\n", v);
+    }
+    return emu_reversed;
+}
+/* The i-th of n in the chosen order. */
+static unsigned emu_nth(unsigned i, unsigned n) { return emu_order_reversed() ? n - 1 - i : i; }
+
 /* Runs one block of `threads` threads (a multiple of 32) to its end. */
 static void emu_run_block(unsigned threads) {
     const size_t stack = 128 * 1024;
@@ -405,11 +423,13 @@ static void emu_run_block(unsigned threads) {
        way between barriers; racecheck does not depend on the order chosen), then the barrier
        releases. */
     for (;;) {
-        for (unsigned w = 0; w < threads / 32; w++) {
-            emu_thread *lane = &emu_threads[32 * w];
+        for (unsigned wi = 0; wi < threads / 32; wi++) {
+            emu_thread *lane = &emu_threads[32 * emu_nth(wi, threads / 32)];
             for (;;) {
-                for (int l = 0; l < 32; l++)
-                    if (lane[l].state == T_RUN) emu_to_fiber(&lane[l]);
+                for (unsigned li = 0; li < 32; li++) {
+                    emu_thread *t = &lane[emu_nth(li, 32)];
+                    if (t->state == T_RUN) emu_to_fiber(t);
+                }
                 int at = 0;
                 for (int l = 0; l < 32; l++) at += lane[l].state == T_WARP;
                 if (!at) break;
@@ -453,8 +473,9 @@ static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, 
     std::vector<std::vector<long>> owner(outs.size());
     std::vector<std::vector<unsigned char>> before(outs.size());
     for (size_t o = 0; o < outs.size(); o++) owner[o].assign(outs[o].n, -1);
-    for (unsigned y = 0; y < gy && emu_errors == 0; y++)
-        for (unsigned x = 0; x < gx && emu_errors == 0; x++) {
+    for (unsigned yi = 0; yi < gy && emu_errors == 0; yi++)
+        for (unsigned xi = 0; xi < gx && emu_errors == 0; xi++) {
+            const unsigned x = emu_nth(xi, gx), y = emu_nth(yi, gy);
             emu_block.x = x, emu_block.y = y, emu_block.z = 0;
             memset(pr_dyn_smem, 0xFF, smem);
             emu_shadow_reset(smem);

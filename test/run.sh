@@ -28,6 +28,18 @@ if [ -x "$dir/emu/train_cuda" ]; then
                 "--config model/tiny-moe --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on"; do
         run env PR_EMU_SCHEDULE=eager-side "$dir/emu/train_cuda" --check $args
     done
+    # every kernel's result independent of the order its blocks, warps and lanes run in
+    # (PR_EMU_ORDER, test/gpu_emu.h): two threads adding into one element, updates a GPU loses,
+    # give other bits in reverse. Reuse (its loss head's repeated rows), MoE (its combine), packed.
+    tmp=$(mktemp -d)
+    for args in "--config model/tiny" "--config model/tiny-moe" "--config model/tiny-qwen3 --layout packed --microbatch 2"; do
+        for order in forward reverse; do
+            # shellcheck disable=SC2086   # $args is several words on purpose
+            run env PR_EMU_ORDER=$order "$dir/emu/train_cuda" $args --steps 1 --save-grads "$tmp/$order.safetensors"
+        done
+        run cmp "$tmp/forward.safetensors" "$tmp/reverse.safetensors"
+    done
+    rm -rf "$tmp"
 fi
 # the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
 # emulated kernels under the sanitizers take minutes a run)

@@ -5,7 +5,8 @@
    case runs a small program twice where it can, once with the synchronisation a real program
    needs and once without, and expects the second to go wrong. The emulated NCCL (test/nccl_emu.h)
    runs on three child processes: its sums must come out in rank order, bit for bit, its messages
-   whole past a mailbox's size, and a mismatched receive must fault. */
+   whole past a mailbox's size, and a mismatched receive must fault. Run in reverse order
+   (PR_EMU_ORDER), two threads adding into one element must give other bits. */
 #include "cuda_emu.h"
 #include "nccl_emu.h"
 #include <sys/wait.h>
@@ -19,6 +20,17 @@ static __global__ void k_fill(float *x, float v, int n) {
 static __global__ void k_copy(float *y, const float *x, int n) {
     const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
     if (i < n) y[i] = x[i];
+}
+/* every thread adds its own value into x[0], unsynchronised: the update a GPU can lose. The
+   values' rounding in float depends on the order they land in. */
+static __global__ void k_add_into_one(float *x) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    x[0] += i % 2 ? 1.0f : 1e-8f * (float)(i + 1);
+}
+/* each thread adds into its own element: one writer, any order the same bits */
+static __global__ void k_add_own(float *x) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    x[i] += 1e-8f * (float)(i + 1);
 }
 /* thread 0 waits at a barrier the others never reach */
 static __global__ void k_deadlock(int unused) {
@@ -141,6 +153,29 @@ static void test_bounds(float *a) {
     cudaMemsetAsync(a + 1, 0, sizeof(float) * N, compute);
     CHECK(cudaMemsetAsync(a, 0, 4, compute) == cudaErrorLaunchFailure, "a fault is sticky: the next, correct call returns it");
     CHECK(fault_seen(), "and it was reported");
+}
+
+/* PR_EMU_ORDER=reverse: the blocks, warps and lanes of a launch in reverse order (set directly
+   here: the environment is read once). Two writers of one element give other bits; one writer
+   the same bits. */
+static float run_ordered(bool reversed, float *a, bool one_writer) {
+    emu_reversed = reversed;
+    const float zero[N] = { 0 };
+    float out[N];
+    cudaMemcpyAsync(a, zero, sizeof zero, cudaMemcpyHostToDevice, compute);
+    if (one_writer) PR_LAUNCH(k_add_own, 2, N / 2, 0, compute, a);
+    else PR_LAUNCH(k_add_into_one, 2, N / 2, 0, compute, a);
+    cudaMemcpyAsync(out, a, sizeof out, cudaMemcpyDeviceToHost, compute);
+    float s = 0;
+    for (int i = 0; i < N; i++) s += out[i] * (float)(i + 1);
+    return s;
+}
+static void test_order(float *a) {
+    const float f = run_ordered(false, a, false), r = run_ordered(true, a, false);
+    CHECK(f != r, "two threads adding into one element: forward and reverse order give other bits (%.9g, %.9g)", f, r);
+    CHECK(run_ordered(false, a, true) == run_ordered(true, a, true), "one writer an element: the same bits in either order");
+    emu_reversed = 0;
+    CHECK(!fault_seen(), "no fault in the ordered launches");
 }
 
 static void test_launches(float *a) {
@@ -366,6 +401,7 @@ int main(void) {
     test_schedules(a, b, pinned);
     test_bounds(a);
     test_launches(a);
+    test_order(a);
     test_matmul();
     test_nccl();
     cudaFree(a);
