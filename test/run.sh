@@ -40,6 +40,8 @@ if [ -x "$dir/emu/train_cuda" ]; then
         run cmp "$tmp/forward.safetensors" "$tmp/reverse.safetensors"
     done
     rm -rf "$tmp"
+    # the replay's bf16 rule: reuse and the full-sequence schedule against the CPU's trajectory
+    run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
 fi
 # the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
 # emulated kernels under the sanitizers take minutes a run)

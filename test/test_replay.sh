@@ -1,7 +1,9 @@
 #!/bin/sh
 # train --replay: the reuse drift stays at the floor (exit 0) and its JSON lines parse with every
 # field; a reuse run made wrong on purpose (a MoE prefix token counted once in the aux loss, not G
-# times) drifts far past the floor and fails. Usage: sh test/test_replay.sh TRAIN
+# times) drifts past the floor and fails. Usage: sh test/test_replay.sh TRAIN (the CPU build's
+# train, or a train_cuda, whose bf16 floor is the baseline's distance from the CPU's trajectory:
+# the wrong run is made to matter there with a load-balancing loss 100 times the preset's).
 train=${1:-./train}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -21,11 +23,14 @@ for d in lines:
     assert sorted(d) == sorted(keys), d
     assert all(isinstance(d[k], (int, float)) and math.isfinite(d[k]) for k in keys), d
     assert d["groups"] == 1 and d["first_group"] == d["step"] % 4, d
-    assert d["floor_rel_l2"] > 0, d      # the reordered run really sums in another order
+    assert d["floor_rel_l2"] > 0, d      # the floor is real: sums reordered, or bf16 against the CPU
 PY
 then ok; else bad "the --log JSON lines"; fi
 
-if "$train" --config model/tiny-moe --replay 2 --microbatch 2 --prefix-multiplicity 1 >"$dir/out" 2>&1; then
+mkdir "$dir/moe"
+sed 's/"router_aux_loss_coef": 0.05/"router_aux_loss_coef": 5.0/' model/tiny-moe/config.json > "$dir/moe/config.json"
+grep -q '"router_aux_loss_coef": 5.0' "$dir/moe/config.json" || bad "the MoE preset's aux-loss coefficient was not found"
+if "$train" --config "$dir/moe" --replay 2 --microbatch 2 --prefix-multiplicity 1 >"$dir/out" 2>&1; then
     bad "a wrong reuse run passed the replay"
 elif grep -q "replay: FAIL: 2 of 2 steps" "$dir/out"; then ok; else bad "a wrong reuse run: no FAIL line"; cat "$dir/out"; fi
 
