@@ -504,7 +504,7 @@ struct pr_backend {
     void (*bf16_to_reals)(const pr_backend *be, pr_real *dst, const uint16_t *src, size_t n);
     /* dst row m = w[m] * src row rows[m];  dst row rows[m] += w[m] * src row m. rows and w: host;
        w NULL: all 1. A scatter's rows may repeat (the loss head's last prefix row, an MoE token's
-       experts): a row's additions are summed in m order, the same every run. */
+       experts): a row's additions are summed in m order, the same every run; a row < 0 is skipped. */
     void (*gather_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     void (*scatter_add_rows)(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C);
     /* The loss head's two passes over logits (M,V): V columns of the vocabulary, all of it or this
@@ -1608,7 +1608,8 @@ static void pr__cpu_gather_rows(const pr_backend *be, void *dst, const void *src
 }
 static void pr__cpu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
     (void)be;
-    for (int m = 0; m < M; m++) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, w ? w[m] : 1, PR__CR(src) + (size_t)m * C, C);
+    for (int m = 0; m < M; m++)
+        if (rows[m] >= 0) pr__axpy(PR__R(dst) + (size_t)rows[m] * C, w ? w[m] : 1, PR__CR(src) + (size_t)m * C, C);
 }
 
 static void pr__cpu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) { (void)be; memcpy(dst, host, n * sizeof(pr_real)); }

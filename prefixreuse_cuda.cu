@@ -1881,7 +1881,7 @@ static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *toke
    stages next. Returns the number of distinct keys (0: none), or -1 with the failure recorded. */
 typedef struct { const int *key, *start, *row; } pr_cu_groups;
 static int pr_cu_group_by_key(pr_cu *cx, pr_cu_groups *g, const int *key, int N_rows, size_t extra, const char *what) {
-    int *rows = (int *)malloc(sizeof(int) * (size_t)N_rows), *start = (int *)malloc(sizeof(int) * (size_t)(N_rows + 1));
+    int *rows = (int *)malloc(sizeof(int) * (size_t)N_rows), *start = (int *)malloc(sizeof(int) * ((size_t)N_rows + 1));
     int *uniq = (int *)malloc(sizeof(int) * (size_t)N_rows);
     if (!rows || !start || !uniq) {
         free(rows); free(start); free(uniq);
@@ -1891,12 +1891,13 @@ static int pr_cu_group_by_key(pr_cu *cx, pr_cu_groups *g, const int *key, int N_
     int N = 0;
     for (int i = 0; i < N_rows; i++)
         if (key[i] >= 0) rows[N++] = i;
-    /* a bottom-up merge sort by key, stable, so each key's rows stay in row order */
-    for (int width = 1; width < N; width *= 2) {
+    /* a bottom-up merge sort by key, stable, so each key's rows stay in row order (positions in
+       size_t: 2 * width passes INT_MAX once N does 2^30) */
+    for (size_t width = 1; width < (size_t)N; width *= 2) {
         int *tmp = start;          /* borrowed as the merge buffer; rebuilt below */
-        for (int lo = 0; lo < N; lo += 2 * width) {
-            int mid = lo + width < N ? lo + width : N, hi = lo + 2 * width < N ? lo + 2 * width : N;
-            int a = lo, b = mid, o = lo;
+        for (size_t lo = 0; lo < (size_t)N; lo += 2 * width) {
+            size_t mid = lo + width < (size_t)N ? lo + width : (size_t)N, hi = lo + 2 * width < (size_t)N ? lo + 2 * width : (size_t)N;
+            size_t a = lo, b = mid, o = lo;
             while (a < mid && b < hi) tmp[o++] = key[rows[b]] < key[rows[a]] ? rows[b++] : rows[a++];
             while (a < mid) tmp[o++] = rows[a++];
             while (b < hi) tmp[o++] = rows[b++];

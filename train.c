@@ -1553,7 +1553,11 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
         for (int gi = 0; gi < o->n_bench_groups; gi++) {
             int P = (int)lround(T * fractions[fi]), S = T - P, G = o->bench_groups[gi];
             synth_group sg;
-            if (!synth(&sg, P, S, G, cfg->vocab_size, 77 + fi * 10 + gi)) { fprintf(stderr, "train: out of memory\n"); return 1; }
+            if (!synth(&sg, P, S, G, cfg->vocab_size, 77 + fi * 10 + gi)) {
+                fprintf(stderr, "train: out of memory\n");
+                pr_trainer_destroy(tr);
+                return 1;
+            }
             pr_step_opts ob = o->step, orr = o->step;
             ob.schedule = PR_SCHEDULE_BASELINE;
             orr.schedule = PR_SCHEDULE_REUSE;
@@ -1712,7 +1716,11 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
         int P = (int)lround(T * fractions[fi]), S = T - P;
         synth_group sg;
-        if (!synth(&sg, P, S, G, cfg->vocab_size, 91 + fi)) { fprintf(stderr, "train: out of memory\n"); return 1; }
+        if (!synth(&sg, P, S, G, cfg->vocab_size, 91 + fi)) {
+            fprintf(stderr, "train: out of memory\n");
+            pr_trainer_destroy(tr);
+            return 1;
+        }
         size_t reuse_b = 0;
         for (int v = 0; v < N_MEM_VARIANTS; v++) {
             pr_step_opts so = variant_opts(o, &mem_variants[v]);

@@ -70,13 +70,14 @@ ATTENTION=${ATTENTION:-auto}
 export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
-# Expected times as measured on an H200 on 2026-11-26 (bench/results/2026-11-26-h200; an H100 is
-# within a few per cent on all but the memory-bound stages): build 16-19 s; test-gpu 13 s; the
+# Expected times as measured on an H200 on 2026-11-26 (bench/results/2026-11-26-h200; no H100
+# run yet): build 16-19 s; test-gpu 13 s; the
 # sanitizers 4-5 s each on --check of the tiny model, except racecheck and initcheck (one step takes
 # 40-55 s under them) and racecheck on the tensor-core kernels (past 30 s for --quick's six shapes);
 # bench-cuda 57 s (FFMA attention is most of it); sdpa 24 s; train-bench 103 s with the FFMA
-# attention, 56 s with mma; train-memory 58 s with mma; torch-ref 31 s; replay 4 s. Not yet
-# measured: ncu, train-tree (8 groups of G 8 at 4096 tokens, one layer, ~20 s of host initialisation).
+# attention, 56 s with mma; train-memory 58 s with mma (each variant once: now twice); torch-ref
+# 31 s; replay 4 s (before its reference run moved to the CPU). Not yet measured: ncu, train-tree
+# (8 groups of G 8 at 4096 tokens, one layer, ~20 s of host initialisation).
 # `--list` prints the sum: above the budget, so the last stages wait for a follow-up call.
 stages() {
     cat <<'EOF'
@@ -84,13 +85,13 @@ preflight|10|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), comp
 build|20|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
 smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
 test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
-mma|110|240|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
+mma|110|300|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
 initcheck|60|180|1|compute-sanitizer initcheck: one train_cuda step on model/tiny with offload; test_gpu attention
 synccheck|10|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
-replay|8|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse drift against the floor, JSON lines
+replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|60|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward
 sdpa|25|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused): speed of light, occupancy, stalls

@@ -13,7 +13,9 @@
    hardware allows), zero-filled when asked; their sources are checked against emu_inputs and their
    destinations, like every ldmatrix address, against the launch's dynamic shared memory, which
    starts filled with NaN bytes. Blocks run one after another. Races are checked against the
-   barriers, not against the order the fibers happen to run in (see "racecheck" below).
+   barriers (see "racecheck" below): between warps whatever order the fibers run in; within one
+   warp only a read that runs after another lane's store to the word is flagged, so there the
+   lanes' order (PR_EMU_ORDER below) can change what is seen.
    PR_EMU_ORDER=reverse in the environment runs the blocks of a launch, the warps of a block and
    the lanes of a warp each in reverse order: a kernel whose result depends on that order (two
    threads adding into one element, which on a GPU also lose each other's updates) then gives
@@ -420,7 +422,7 @@ static void emu_run_block(unsigned threads) {
 #endif
     }
     /* Each warp in turn runs until its lanes wait at a barrier or end (warps may interleave in any
-       way between barriers; racecheck does not depend on the order chosen), then the barrier
+       way between barriers; racecheck between warps does not depend on the order chosen), then the barrier
        releases. */
     for (;;) {
         for (unsigned wi = 0; wi < threads / 32; wi++) {

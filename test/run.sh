@@ -33,6 +33,7 @@ if [ -x "$dir/emu/train_cuda" ]; then
     # give other bits in reverse. Reuse (its loss head's repeated rows), MoE (its combine), packed.
     tmp=$(mktemp -d)
     for args in "--config model/tiny" "--config model/tiny-moe" "--config model/tiny-qwen3 --layout packed --microbatch 2"; do
+        rm -f "$tmp/forward.safetensors" "$tmp/reverse.safetensors"
         for order in forward reverse; do
             # shellcheck disable=SC2086   # $args is several words on purpose
             run env PR_EMU_ORDER=$order "$dir/emu/train_cuda" $args --steps 1 --save-grads "$tmp/$order.safetensors"

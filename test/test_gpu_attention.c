@@ -326,7 +326,11 @@ int main(int argc, char **argv) {
        racecheck runs these kernels some hundred times slower) */
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
     int only = -1;
-    if (argc == 3 && !strcmp(argv[1], "--shape") && isdigit((unsigned char)argv[2][0])) only = atoi(argv[2]);
+    if (argc == 3 && !strcmp(argv[1], "--shape") && isdigit((unsigned char)argv[2][0])) {
+        char *end;
+        const long v = strtol(argv[2], &end, 10);
+        if (!*end && v < 1000) only = (int)v;
+    }
     if ((argc > 1 && !quick && only < 0) || (quick && argc > 2)) {
         fprintf(stderr, "usage: test_gpu_attention [--quick | --shape I]\n");
         return 2;
