@@ -439,8 +439,7 @@ static const char *state_parts(int zero, int bf16) {
     return bf16 ? "fp32 master weights, gradients, AdamW m and v; bf16 weights" : "weights, gradients, AdamW m and v";
 }
 
-/* A trainer on the build's backend, initialised from --init or the seed. */
-/* A trainer on backend be (this build's when NULL), with the run's initial weights. */
+/* A trainer on backend be (this build's when NULL), initialised from --init or the seed. */
 static int make_trainer_on(const options *o, const pr_config *cfg, const pr_backend *be, pr_trainer **tr, pr_error *err) {
     if (!be && !(be = backend(err))) return 0;
     if (pr_trainer_create(tr, cfg, be, err)) return 0;
@@ -1347,8 +1346,9 @@ static int reorder_group(reordered_group *r, const pr_group *g, int mb) {
 /* With narrow activations the reuse and full-sequence runs round alike everything they compute
    alike, so reuse strays from the wide reference about as far as the baseline does (0.77-1.26x
    on the emulated device, tiny over 60 steps and the MoE preset over 24); twice leaves room for
-   reuse's own roundings (independent ones of the same size would give 1.4x). What moves the trajectory less than bf16 itself does is below this
-   check's resolution: --check's one step and the CPU build's replay see it. */
+   reuse's own roundings (independent ones of the same size would give 1.4x). What moves the
+   trajectory less than bf16 itself does is below this check's resolution: --check's one step
+   and the CPU build's replay see it. */
 #define REPLAY_MARGIN_NARROW 2.0
 #define REPLAY_FLOOR_MIN (sizeof(pr_real) == 8 ? 1e-15 : 1e-9)
 
@@ -1406,6 +1406,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
     }
     drift worst = { 0, 0 }, worst_floor = { 0, 0 };
     const double margin = narrow ? REPLAY_MARGIN_NARROW : REPLAY_MARGIN;
+    const int ref_run = narrow ? 2 : 0, floor_run = narrow ? 0 : 2;     /* what both drifts are measured from; the floor's */
     int over = 0;                /* steps whose reuse drift is past margin times the floor */
     pr_group *batch = rc ? NULL : malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
     if (!rc && !batch) rc = 1, fprintf(stderr, "train: out of memory\n");
@@ -1432,8 +1433,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
                 rc = fail(&err);
         }
         if (rc) break;
-        const pr_real *ref = run[narrow ? 2 : 0].params;
-        drift d = drift_of(run[1].params, ref, n), f = drift_of(run[narrow ? 0 : 2].params, ref, n);
+        drift d = drift_of(run[1].params, run[ref_run].params, n), f = drift_of(run[floor_run].params, run[ref_run].params, n);
         worst.max_abs = fmax(worst.max_abs, d.max_abs);
         worst.rel_l2 = fmax(worst.rel_l2, d.rel_l2);
         worst_floor.max_abs = fmax(worst_floor.max_abs, f.max_abs);
