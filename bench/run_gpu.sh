@@ -88,7 +88,7 @@ test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double pa
 mma|110|300|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
-initcheck|60|180|1|compute-sanitizer initcheck: one train_cuda step on model/tiny with offload; test_gpu attention
+initcheck|110|280|1|compute-sanitizer initcheck: test_gpu kernels (a GEMM into fresh memory); one train_cuda step on model/tiny with offload, padded and packed; test_gpu attention
 synccheck|10|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
@@ -253,17 +253,26 @@ attention() {
     esac
 }
 
-# compute-sanitizer TOOL on a tiny training step and on the attention tests, half the stage's time each
+# compute-sanitizer TOOL on a tiny training step and on the attention tests, an equal share of the
+# stage's time each. initcheck also runs test_gpu kernels, whose GEMM into fresh memory tells
+# whether the tool sees cuBLASLt's stores, and the step with the packed layout (no padding rows).
 sanitize() {
     tool=$1; step=$2; shift 2
     have compute-sanitizer || skip "compute-sanitizer not found"
-    half=$(( stage_limit / 2 - 5 ))
-    [ $half -ge 10 ] || half=10
+    targets="train attention"
+    [ "$tool" = initcheck ] && targets="kernels train packed attention"
+    n=$(echo $targets | wc -w)
+    share=$(( stage_limit / n - 5 ))
+    [ $share -ge 10 ] || share=10
     fail=0
-    for what in train attention; do
-        if [ $what = train ]; then
+    for what in $targets; do
+        if [ $what = train ] || [ $what = packed ]; then
+            layout=padded
+            [ $what = packed ] && layout=packed
             # shellcheck disable=SC2086   # $step is two words on purpose
-            set -- ./train_cuda --config model/tiny $step --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4
+            set -- ./train_cuda --config model/tiny $step --microbatch 2 --layout $layout --offload on --offload-pool 0.5 --device-budget 4
+        elif [ $what = kernels ]; then
+            set -- build/test_gpu kernels
         elif [ "$tool" = racecheck ]; then
             set -- build/test_gpu attention --cases "$RACE_CASES"
         else
@@ -273,11 +282,11 @@ sanitize() {
         [ "$tool" = memcheck ] && extra="--leak-check full"
         [ "$tool" = racecheck ] && extra="--racecheck-report hazard"
         # shellcheck disable=SC2086
-        sub $what "$half" compute-sanitizer --tool "$tool" --error-exitcode 9 $extra "$@"
+        sub $what "$share" compute-sanitizer --tool "$tool" --error-exitcode 9 $extra "$@"
         rc=$?
         [ $rc -eq 0 ] || fail=1
         s=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$what.log" | sed 's/^=* *//' | tr '\n' ' ')
-        case $rc in 124|137) s="${s}timed out at $half s" ;; esac
+        case $rc in 124|137) s="${s}timed out at $share s" ;; esac
         key "$what: ${s:-exit $rc, no summary}"
     done
     return $fail

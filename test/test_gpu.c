@@ -96,6 +96,32 @@ static void test_matmul(int N, int C, int OC) {
     free(y); free(gdx); free(gdw);
 }
 
+/* The forward GEMM into memory nothing has written (a fresh allocation, not poisoned), then read
+   back. Alone it checks the product again; under compute-sanitizer's initcheck (bench/run_gpu.sh)
+   it tells whether the tool sees cuBLASLt's stores: if it reports the copy back as reading
+   uninitialised memory, reports in kernels that read a GEMM's output are the tool's, not ours.
+   Shapes: model/tiny's q projection over a padded baseline microbatch, and a ragged one. */
+static void test_matmul_fresh_output(int N, int C, int OC) {
+    double *x = random_bf16((size_t)N * C, 1), *wb = random_bf16((size_t)OC * C, 0.1);
+    double *ref_y = calloc((size_t)N * OC, sizeof(double));
+    ref_matmul_fwd(ref_y, x, wb, N, C, OC);
+    void *w_ = dev_bf16(wb, (size_t)OC * C), *x_ = dev_bf16(x, (size_t)N * C);
+    void *y_ = be->alloc(be, sizeof(uint16_t) * (size_t)N * OC, PR_TIER_DEVICE);
+    CHECK(y_ != NULL, "matmul_fwd into fresh memory: no allocation");
+    if (y_) {
+        be->matmul_fwd(be, y_, x_, w_, N, C, OC);
+        expect_backend_ok("matmul into fresh memory");
+        double *y = host_bf16(y_, (size_t)N * OC);
+        char what[96];
+        snprintf(what, sizeof what, "matmul_fwd %dx%dx%d into fresh memory", N, C, OC);
+        EXPECT_CLOSE(y, ref_y, (size_t)N * OC, TOL_BF16, what);
+        free(y);
+        release(y_);
+    }
+    release(w_); release(x_);
+    free(x); free(wb); free(ref_y);
+}
+
 static void test_rmsnorm(int N, int C) {
     double *x = random_bf16((size_t)N * C, 2), *w = random_bf16(C, 1), *dy = random_bf16((size_t)N * C, 1);
     double *dx0 = random_bf16((size_t)N * C, 1), *dw0 = random_f32(C, 1);
@@ -461,6 +487,8 @@ int main(int argc, char **argv) {
         test_matmul(1, 64, 64);
         test_matmul(37, 256, 176);
         test_matmul(200, 512, 1000);
+        test_matmul_fresh_output(256, 64, 64);
+        test_matmul_fresh_output(294, 64, 176);
         test_rmsnorm(1, 64);
         test_rmsnorm(300, 4096);
         test_rmsnorm(5000, 128);       /* the q/k norm's shape: many short rows */
