@@ -454,6 +454,9 @@ struct pr_backend {
        queued with that tag. */
     void (*copy_async)(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag);
     void (*copy_wait)(const pr_backend *be, int tag);
+    /* Optional (NULL: copies untimed). Seconds the copies queued by copy_async since the last call
+       took on their queue, each from its start to its end (waits for them); < 0: not measured. */
+    double (*copy_seconds)(const pr_backend *be);
     /* memory */
     void *(*alloc)(const pr_backend *be, size_t bytes, pr_tier tier);
     void (*release)(const pr_backend *be, void *p, pr_tier tier);
@@ -621,6 +624,9 @@ typedef struct {
     int demand_loads;        /* blocks loaded at their use: the first, and every refused prefetch */
     int prefetches_refused;  /* by the device budget */
     int pool_fallbacks;      /* blocks the pool had no room for */
+    double copy_seconds;     /* the block copies' time on the backend's copy queue, summed: they run
+                                beside the compute, so the step's time with and without offload says
+                                what they cost it (0 where the backend does not time its copies) */
 } pr_offload_stats;
 
 /* MoE load-balancing loss (Switch style, as Qwen3-MoE computes it over every layer's routing
@@ -1703,7 +1709,7 @@ static void pr__cpu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr
 static const pr_backend pr__cpu_backend = {
     .name = "cpu", .act_bytes = sizeof(pr_real), .stat_bytes = sizeof(pr_real), .logit_chunk = (size_t)4 << 20,
     .ctx = NULL, .check_config = NULL, .take_error = NULL, .device_free = NULL,
-    .copy_async = NULL, .copy_wait = NULL,
+    .copy_async = NULL, .copy_wait = NULL, .copy_seconds = NULL,
     .alloc = pr__cpu_alloc, .release = pr__cpu_release, .zero = pr__cpu_zero, .copy = pr__cpu_copy,
     .upload_reals = pr__cpu_upload, .download_reals = pr__cpu_download, .sync = pr__cpu_sync,
     .matmul_fwd = pr__cpu_matmul_fwd, .matmul_bwd = pr__cpu_matmul_bwd,
@@ -3822,12 +3828,12 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     be->sync(be);
     double t3 = pr__now();
     s->seconds[PR_PHASE_A] = t1 - t0; s->seconds[PR_PHASE_B] = t2 - t1; s->seconds[PR_PHASE_C] = t3 - t2;
-    s->offload = ps.off.st;
     const size_t L = (size_t)c->num_hidden_layers;
     s->prefix_kv_bytes = L * 2 * (size_t)path.kv * (size_t)c->num_key_value_heads * c->head_dim * be->act_bytes;
     s->prefix_stack_bytes = L * pr__layer_block(tr, NULL, (size_t)own, cx->opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL) +
                             (size_t)own * c->hidden_size * be->act_bytes;
     pr__offload_end(tr, &ps.off);
+    s->offload = ps.off.st;
     pr__pass_free_host(&ps.pass, c->num_hidden_layers);
     pr__batch_free(&ps.batch);
     PR_FREE(ps.route_sums);
@@ -4018,6 +4024,7 @@ static void pr__offload_stats_add(pr_offload_stats *sum, const pr_offload_stats 
     sum->demand_loads += o->demand_loads;
     sum->prefetches_refused += o->prefetches_refused;
     sum->pool_fallbacks += o->pool_fallbacks;
+    sum->copy_seconds += o->copy_seconds;
 }
 
 static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, const pr__offload *below, pr_error *err) {
@@ -4074,8 +4081,8 @@ static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, co
     be->sync(be);
     t->s->seconds[PR_PHASE_C] += pr__now() - t0;
     pr__path_pop(&t->path);
-    pr__offload_stats_add(&t->s->offload, &ps.off.st);
     pr__offload_end(tr, &ps.off);
+    pr__offload_stats_add(&t->s->offload, &ps.off.st);
     PR_FREE(ps.route_sums);
     pr__pass_free_host(&ps.pass, tr->cfg.num_hidden_layers);
     pr__batch_free(&ps.batch);
@@ -4499,6 +4506,10 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     if (o->on) {
         for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, s);
         tr->be->sync(tr->be);
+        if (tr->be->copy_async && tr->be->copy_seconds) {
+            const double t = tr->be->copy_seconds(tr->be);
+            if (t > 0) o->st.copy_seconds += t;
+        }
         for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
     }
     PR_FREE(o->host);

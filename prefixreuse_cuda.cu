@@ -1107,6 +1107,8 @@ typedef struct {
     cudaStream_t copy_stream;      /* offload's block copies, beside the compute */
     cudaEvent_t compute_mark;      /* where compute stood when a block copy was queued */
     cudaEvent_t copy_done[PR_COPY_TAGS];
+    cudaEvent_t *copy_ev;          /* a timing pair around each block copy since the last copy_seconds */
+    int copy_ev_used, copy_ev_cap, copy_untimed;
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
@@ -1247,13 +1249,46 @@ static void pr_cu_sync(const pr_backend *be) {
         pr_cu_ok(cx, cudaStreamSynchronize(cx->copy_stream), "synchronize copies");
 }
 /* The copy starts once the compute queued so far is done, and runs beside what is queued after. */
+/* A timing pair for the next block copy (index of its first event), or -1: the copy goes untimed,
+   and copy_seconds says so, when no more events can be had. */
+static int pr_cu_copy_timer(pr_cu *cx) {
+    if (cx->copy_ev_used + 2 > cx->copy_ev_cap) {
+        const int cap = cx->copy_ev_cap ? 2 * cx->copy_ev_cap : 64;
+        cudaEvent_t *ev = (cudaEvent_t *)realloc(cx->copy_ev, sizeof(cudaEvent_t) * (size_t)cap);
+        if (!ev) return -1;
+        cx->copy_ev = ev;
+        while (cx->copy_ev_cap < cap && cudaEventCreate(&ev[cx->copy_ev_cap]) == cudaSuccess) cx->copy_ev_cap++;
+        if (cx->copy_ev_used + 2 > cx->copy_ev_cap) return -1;
+    }
+    cx->copy_ev_used += 2;
+    return cx->copy_ev_used - 2;
+}
 static void pr_cu_copy_async(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag) {
     pr_cu *cx = pr_cu_of(be);
     if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_async: tag %d out of range", tag); return; }
+    const int t = pr_cu_copy_timer(cx);
+    if (t < 0) cx->copy_untimed = 1;
     pr_cu_ok(cx, cudaEventRecord(cx->compute_mark, cx->stream), "copy_async mark") &&
         pr_cu_ok(cx, cudaStreamWaitEvent(cx->copy_stream, cx->compute_mark, 0), "copy_async order") &&
+        (t < 0 || pr_cu_ok(cx, cudaEventRecord(cx->copy_ev[t], cx->copy_stream), "copy_async start")) &&
         pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->copy_stream), "copy_async") &&
+        (t < 0 || pr_cu_ok(cx, cudaEventRecord(cx->copy_ev[t + 1], cx->copy_stream), "copy_async end")) &&
         pr_cu_ok(cx, cudaEventRecord(cx->copy_done[tag], cx->copy_stream), "copy_async done");
+}
+/* The pairs' times, summed; the pairs are free again. */
+static double pr_cu_copy_seconds(const pr_backend *be) {
+    pr_cu *cx = pr_cu_of(be);
+    double ms = 0;
+    int ok = !cx->copy_untimed && pr_cu_ok(cx, cudaStreamSynchronize(cx->copy_stream), "copy timing");
+    for (int i = 0; ok && i < cx->copy_ev_used; i += 2) {      /* a timing that fails fails no step */
+        float one = 0;
+        ok = cudaEventElapsedTime(&one, cx->copy_ev[i], cx->copy_ev[i + 1]) == cudaSuccess;
+        ms += one;
+    }
+    if (!ok) cudaGetLastError();
+    cx->copy_ev_used = 0;
+    cx->copy_untimed = 0;
+    return ok ? ms / 1e3 : -1;
 }
 static void pr_cu_copy_wait(const pr_backend *be, int tag) {
     pr_cu *cx = pr_cu_of(be);
@@ -2177,6 +2212,8 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     if (cx->stream) cudaStreamSynchronize(cx->stream);
     if (cx->copy_stream) cudaStreamSynchronize(cx->copy_stream);
     for (int t = 0; t < PR_COPY_TAGS; t++) if (cx->copy_done[t]) cudaEventDestroy(cx->copy_done[t]);
+    for (int i = 0; i < cx->copy_ev_cap; i++) cudaEventDestroy(cx->copy_ev[i]);
+    free(cx->copy_ev);
     if (cx->compute_mark) cudaEventDestroy(cx->compute_mark);
     if (cx->copy_stream) cudaStreamDestroy(cx->copy_stream);
     cudaFree(cx->workspace);
@@ -2233,6 +2270,7 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->device_free = pr_cu_device_free;
     be->copy_async = pr_cu_copy_async;
     be->copy_wait = pr_cu_copy_wait;
+    be->copy_seconds = pr_cu_copy_seconds;
     be->alloc = pr_cu_alloc;
     be->release = pr_cu_release;
     be->zero = pr_cu_zero;

@@ -612,10 +612,14 @@ static void print_steps(const options *o, const pr_trace *t) {
 
 static void print_offload(const char *indent, const pr_offload_stats *s) {
     printf("%soffload: dormant %.2f MiB (%.2f MiB a layer), pool %.2f MiB, out %.2f MiB, back %.2f MiB; "
-           "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks\n",
+           "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks",
            indent, s->dormant_bytes / 1048576.0, s->block_bytes / 1048576.0, s->pool_bytes / 1048576.0,
            s->offloaded_bytes / 1048576.0, s->loaded_bytes / 1048576.0, s->prefetches, s->demand_loads,
            s->prefetches_refused, s->pool_fallbacks);
+    if (s->copy_seconds > 0)
+        printf("; copies %.2f ms on the copy queue (%.1f GB/s)", 1e3 * s->copy_seconds,
+               (s->offloaded_bytes + s->loaded_bytes) / s->copy_seconds / 1e9);
+    printf("\n");
 }
 
 /* ------------------------------------------------------------------ the mesh */
@@ -1711,8 +1715,8 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
            "memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state excluded);\n"
            "each variant's second step (the first allocates what the next ones reuse)\n",
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch);
-    printf("%-11s %-23s %10s %10s %10s %9s %12s %14s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
-           "dormant MiB", "B saved MiB");
+    printf("%-11s %-23s %10s %10s %10s %9s %12s %14s %9s %7s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
+           "dormant MiB", "B saved MiB", "copies ms", "GB/s");
     for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
         int P = (int)lround(T * fractions[fi]), S = T - P;
         synth_group sg;
@@ -1737,6 +1741,9 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
             printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
                    mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
             if (v > MEM_REUSE) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
+            if (mem_variants[v].offload && st.offload.copy_seconds > 0)     /* beside the compute: the step time says what they cost */
+                printf(" %9.2f %7.1f", 1e3 * st.offload.copy_seconds,
+                       (st.offload.offloaded_bytes + st.offload.loaded_bytes) / st.offload.copy_seconds / 1e9);
             printf("\n");
         }
         synth_free(&sg);

@@ -96,7 +96,7 @@ bench-cuda|60|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best;
 sdpa|25|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
-train-memory|70|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off, copy overhead
+train-memory|70|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
 train-tree|60|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
 after|3|20|0|clocks, temperature, power, memory used after the run

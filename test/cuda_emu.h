@@ -36,8 +36,10 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <time.h>
 
 #include <map>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -67,6 +69,7 @@ typedef enum {
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
     cudaErrorLaunchFailure = 719,
 } cudaError_t;
 typedef enum { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault } cudaMemcpyKind;
@@ -99,7 +102,7 @@ static bool emu_is_pinned(const void *p, size_t bytes) { return emu_find(p, byte
 /* Queued work: stream s's operations in order; `done` of them have run. An event is the point a
    stream had reached when it was recorded. */
 struct emu_stream { std::vector<std::function<void()>> ops; size_t done; };
-struct emu_event { emu_stream *stream; size_t at; };
+struct emu_event { emu_stream *stream; size_t at; bool timing; std::shared_ptr<double> when; };
 typedef emu_stream *cudaStream_t;
 typedef emu_event *cudaEvent_t;
 static std::vector<emu_stream *> emu_streams;
@@ -145,6 +148,7 @@ static inline const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "out of memory (emulated)";
     case cudaErrorInvalidDevice: return "invalid device ordinal (emulated)";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle (emulated)";
+    case cudaErrorNotReady: return "device not ready (emulated)";
     case cudaErrorLaunchFailure: return "unspecified launch failure (emulated: see the fault above)";
     }
     return "unknown error (emulated)";
@@ -229,18 +233,36 @@ static cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     return emu_result(cudaSuccess);
 }
 static cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
-    (void)flags;
     *e = new emu_event();
-    (*e)->stream = NULL, (*e)->at = 0;
+    (*e)->stream = NULL, (*e)->at = 0, (*e)->timing = !(flags & cudaEventDisableTiming);
     return emu_result(cudaSuccess);
 }
+static cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
 static cudaError_t cudaEventDestroy(cudaEvent_t e) {
     delete e;
     return emu_result(cudaSuccess);
 }
+/* A timing event also takes the host's clock when its stream runs up to it (the stamp is the
+   event's own, so destroying the event with the stamp still queued is safe, as in CUDA). */
 static cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     if (!emu_known_stream(s)) return cudaErrorInvalidResourceHandle;
     e->stream = s, e->at = s->ops.size();
+    if (e->timing) {
+        std::shared_ptr<double> when = std::make_shared<double>(-1.0);
+        e->when = when;
+        emu_enqueue(s, [when] {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            *when = ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+        });
+    }
+    return emu_result(cudaSuccess);
+}
+/* milliseconds from `start` to `end`, both recorded with timing and reached by their streams */
+static cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    if (!ms || !start || !end || !start->timing || !end->timing) return cudaErrorInvalidResourceHandle;
+    if (!start->when || !end->when || *start->when < 0 || *end->when < 0) return cudaErrorNotReady;
+    *ms = (float)(*end->when - *start->when);
     return emu_result(cudaSuccess);
 }
 /* s's later work waits for what the event's stream had queued when it was recorded */

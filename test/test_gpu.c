@@ -415,6 +415,28 @@ static void test_step_determinism(const char *model, pr_schedule sched) {
     pr_trace_free(&trace);
 }
 
+/* Offload's block copies are timed on the copy queue: a reuse step with offload reports their time
+   (what --bench memory prints beside the step time), one without reports none. */
+static void test_offload_copy_time(const char *model) {
+    pr_error err;
+    pr_trace trace;
+    pr_trainer *tr = step_setup(model, &trace, "offload copy time");
+    if (!tr) return;
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats on, off;
+    o.offload.enabled = 1;
+    int ok = !pr_trainer_compute_grads(tr, &trace.groups[0], &o, &on, NULL, &err);
+    o.offload.enabled = 0;
+    ok = ok && !pr_trainer_compute_grads(tr, &trace.groups[0], &o, &off, NULL, &err);
+    CHECK(ok, "offload step on %s: %s", model, err.message);
+    CHECK(ok && on.offload.offloaded_bytes > 0 && on.offload.copy_seconds > 0, "%s: offload moved %zu bytes in %.3g s of copies",
+          model, ok ? on.offload.offloaded_bytes : 0, ok ? on.offload.copy_seconds : 0.0);
+    CHECK(ok && off.offload.copy_seconds == 0, "%s: a step without offload reports %.3g s of copies", model,
+          ok ? off.offload.copy_seconds : 0.0);
+    pr_trainer_destroy(tr);
+    pr_trace_free(&trace);
+}
+
 /* After an AdamW step the bf16 weights the kernels read are the updated fp32 masters rounded to
    nearest even, element for element (a stale copy would train on the old weights unnoticed). */
 static void test_weights_refresh(const char *model) {
@@ -516,6 +538,7 @@ int main(int argc, char **argv) {
         test_step_determinism("model/tiny", PR_SCHEDULE_BASELINE);
         test_step_determinism("model/tiny-qwen3", PR_SCHEDULE_REUSE);
         test_weights_refresh("model/tiny");
+        test_offload_copy_time("model/tiny");
     }
     pr_backend_cuda_destroy(be);
     return test_report();
