@@ -226,6 +226,21 @@ __device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p,
    bf16, the CUDA built-ins and the instructions of the WARP-LEVEL PIECES). */
 #include <stdlib.h>
 
+/* 2^x as the tensor-core kernels take it: ex2.approx.ftz.f32, one MUFU instruction (exp2f without
+   fast math wraps it in a range test and two multiplies, 4 instructions per score where the
+   exponentials are a tenth of a key tile's work), results below 2^-126 flushed to zero. The host
+   (the emulated kernels) rounds exactly and flushes alike. volatile keeps each in program order:
+   without it, nvcc 13.0 spills 4-10 registers in the hd-128 dK/dV kernel (test/check_sass.sh). */
+__device__ __forceinline__ float pr_exp2(float x) {
+#ifdef __CUDA_ARCH__
+    float y;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    const float y = exp2f(x);
+    return y < 0x1p-126f ? 0.0f : y;
+#endif
+}
 /* the quad reductions, through shfl.bfly (emulated on the host) */
 __device__ __forceinline__ float pr_quad_max(float v) {
     for (int s = 0; s < PR_QUAD_STEPS; s++) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, pr_quad_xor(s)));
@@ -510,9 +525,10 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      two of them a block, each warp 16 rows of both, with the same results). Key tiles: 64 keys,
      region 0 (prefix rows [0, n_prefix), tail masked), then region 1 (the segment's rows from its
      first, up to the tile holding the query tile's last row; causal mask where a key can pass a
-     row, past-the-segment keys masked). Scores in fp32 scaled by scale*log2(e), exp2, online
-     softmax (a row with nothing visible yet subtracts 0, so P = 0, never NaN); P rounded to bf16
-     for P V; l summed from the fp32 P; out = bf16(acc / l); lse = (m + log2 l) ln 2.
+     row, past-the-segment keys masked). Scores S in fp32, online softmax in the log2 domain
+     with c = scale*log2(e): m = running max of S, P = exp2(fma(S, c, -m c)) (a row with nothing
+     visible yet subtracts 0, so P = 0, never NaN); P rounded to bf16 for P V; l summed from the
+     fp32 P; out = bf16(acc / l); lse = (m c + log2 l) ln 2.
    Backward: D = rowsum(dO o O) (the rowdot kernel above). dQ blocks own a query tile and walk the
      forward's key tiles: S = Q K^T, P = exp2(S scale log2e - lse log2e), dP = dO V^T,
      dS = P (dP - D), dQ += bf16(dS) K; dq = bf16(dq + scale dQ). dK/dV blocks own a 64-key tile of
@@ -541,7 +557,10 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
 typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
 
 /* Rows [row0, row0 + n) (0 < n <= 64) of one head (column col, row stride ld) into a swizzled
-   64 x HS tile, rows n..63 zero-filled: 16-byte cp.async by the whole block (not yet committed). */
+   64 x HS tile, rows n..63 zero-filled: 16-byte cp.async by the whole block (not yet committed).
+   Chunk e = threadIdx.x + i * threads (pr_chunk_row/col): a thread keeps its column and, the
+   block's step being a multiple of 8 rows, its swizzled column too, so each chunk costs a row
+   offset, not a swizzle. */
 template <int HS>
 __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
     const uint32_t base = pr_smem_u32(dst);
@@ -714,30 +733,34 @@ PR_UNROLL
         for (int mi = 0; mi < M; mi++) {
             if (mi >= m_live) continue;
             const int r0 = t.r0 + mi * PR_MMA_ROWS;   /* this m tile's 64-row half */
-            /* scale to the log2 domain; mask the prefix's tail, keys past the segment, the causal upper part */
+            /* mask the prefix's tail, keys past the segment, the causal upper part: a tile all
+               of whose keys every row sees (most of a walk) skips the per-element test */
             const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= r0);
+            if (!whole)
 PR_UNROLL
-            for (int nt = 0; nt < 8; nt++)
+                for (int nt = 0; nt < 8; nt++)
 PR_UNROLL
-                for (int i = 0; i < 4; i++) {
-                    const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = r0 + 16 * warp + pr_mma_c_row(lane, i);
-                    s[mi][nt][i] = whole || (key < x.end && (!x.own || key <= row)) ? s[mi][nt][i] * sl2 : -INFINITY;
-                }
-            /* online softmax, rows g (rr 0) and g+8 (rr 1) */
+                    for (int i = 0; i < 4; i++) {
+                        const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = r0 + 16 * warp + pr_mma_c_row(lane, i);
+                        if (!(key < x.end && (!x.own || key <= row))) s[mi][nt][i] = -INFINITY;
+                    }
+            /* online softmax, rows g (rr 0) and g+8 (rr 1), on the unscaled scores: their max is
+               the max of the scaled ones (a positive factor keeps the order, rounding included),
+               and the scale enters each exponent in one fma, FA2's way; m is unscaled */
 PR_UNROLL
             for (int rr = 0; rr < 2; rr++) {
                 float mx = m[mi][rr];
 PR_UNROLL
                 for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * rr], s[mi][nt][2 * rr + 1]));
                 mx = pr_quad_max(mx);
-                const float base = mx == -INFINITY ? 0.0f : mx, corr = exp2f(m[mi][rr] - base);
+                const float base = mx == -INFINITY ? 0.0f : mx * sl2, corr = pr_exp2(m[mi][rr] * sl2 - base);
                 m[mi][rr] = mx;
                 float sum = 0.0f;
 PR_UNROLL
                 for (int nt = 0; nt < 8; nt++)
 PR_UNROLL
                     for (int j = 0; j < 2; j++) {
-                        s[mi][nt][2 * rr + j] = exp2f(s[mi][nt][2 * rr + j] - base);
+                        s[mi][nt][2 * rr + j] = pr_exp2(fmaf(s[mi][nt][2 * rr + j], sl2, -base));
                         sum += s[mi][nt][2 * rr + j];
                     }
                 l[mi][rr] = l[mi][rr] * corr + sum;   /* this lane's part of the row; the quad's sum at the end */
@@ -762,7 +785,7 @@ PR_UNROLL
 PR_UNROLL
             for (int dt = 0; dt < HS / 8; dt++)
                 *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[mi][dt][2 * rr] * inv, acc[mi][dt][2 * rr + 1] * inv);
-            if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[mi][rr] + log2f(lt)) * PR_LN2 : INFINITY;
+            if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[mi][rr] * sl2 + log2f(lt)) * PR_LN2 : INFINITY;
         }
 }
 
@@ -770,7 +793,7 @@ PR_UNROLL
    then K and V (two stages each). dq = bf16(dq + scale * sum over keys of bf16(dS) K). The warp's
    Q and dO rows stay in registers as A fragments, so the inner loop reads from shared memory only
    the B operands, one ldmatrix.x4 per two mma; a key tile is taken in sub-tiles
-   of KN keys, so that S and dP of HS 128 fit the registers beside dQ and those fragments (247 at
+   of KN keys, so that S and dP of HS 128 fit the registers beside dQ and those fragments (240 at
    HS 128 with nvcc 13.0, no spills: test/check_sass.sh). */
 template <int HS>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
@@ -819,6 +842,8 @@ PR_UNROLL
         pr_cp_async_turn();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+        /* every row of the tile sees every key of this tile (most of a walk): no mask */
+        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && t.r1 - t.r0 == PR_MMA_ROWS && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
 PR_UNROLL_1
         for (int sub = 0; sub < PR_MMA_ROWS / KN; sub++) {
             /* S = Q K^T, dP = dO V^T: 16 rows x KN keys */
@@ -827,14 +852,22 @@ PR_UNROLL_1
             pr_mma_zero<KN / 8>(dp);
             pr_mma_abt<HS, HS / 16, KN / 16>(s, qf, kb, sub * KN, lane);
             pr_mma_abt<HS, HS / 16, KN / 16>(dp, dof, vb, sub * KN, lane);
-            /* P = exp2(S scale log2e - lse log2e) where visible, else 0;  dS = P (dP - D), into s */
+            /* P = exp2(S scale log2e - lse log2e) where visible, else 0 (S = -inf: a row past the
+               tile or a row that saw no key has no visible key, so its lse2, 0 or +inf, gives
+               -inf too);  dS = P (dP - D), into s */
+            if (!whole)
+PR_UNROLL
+                for (int nt = 0; nt < KN / 8; nt++)
+PR_UNROLL
+                    for (int i = 0; i < 4; i++) {
+                        const int key = x.j0 + sub * KN + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
+                        if (!(key < x.end && row < t.r1 && (!x.own || key <= row))) s[nt][i] = -INFINITY;
+                    }
 PR_UNROLL
             for (int nt = 0; nt < KN / 8; nt++)
 PR_UNROLL
                 for (int i = 0; i < 4; i++) {
-                    const int key = x.j0 + sub * KN + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
-                    const bool vis = key < x.end && row < t.r1 && (!x.own || key <= row);
-                    const float p = vis ? exp2f(s[nt][i] * sl2 - lse2[i >> 1]) : 0.0f;
+                    const float p = pr_exp2(fmaf(s[nt][i], sl2, -lse2[i >> 1]));
                     s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
                 }
             /* dQ += bf16(dS) K: K as the [k][n] operand, .trans */
@@ -973,7 +1006,7 @@ PR_UNROLL
                     const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, i), row = qt.r0 + c;
                     const int key = key0 + pr_mma_c_row(lane, i);
                     const bool vis = key < kt.end && row < qt.r1 && (!own || key <= row);
-                    const float pv = vis ? exp2f(p[nt][i] * sl2 - pr_lds_f32(lst + c) * PR_LOG2E) : 0.0f;
+                    const float pv = vis ? pr_exp2(fmaf(p[nt][i], sl2, -pr_lds_f32(lst + c) * PR_LOG2E)) : 0.0f;
                     p[nt][i] = pv;
                     dp[nt][i] = pv * (dp[nt][i] - pr_lds_f32(dst + c));
                 }

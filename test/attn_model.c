@@ -169,13 +169,14 @@ static void am__load_keys(am__scratch *w, const am__ctx *c, const am__ktile *kt,
     am__load(w->V, kt->region == 0 ? c->vp : c->v, kt->j0, n, cols, kvd, kh * c->HS, c->HS);
 }
 
-/* S (rows of qt, cols) = Q K^T * scale*log2e in fp32; masked entries -inf. */
+/* S (rows of qt, cols) = Q K^T in fp32, unscaled (the scale enters each exponent by one fma);
+   masked entries -inf. */
 static void am__scores(float *S, const float *Q, const float *K, const am_qtile *qt, const am__ktile *kt, int cols,
                        const am__ctx *c) {
     for (int i = 0; i < qt->r1 - qt->r0; i++)
         for (int jj = 0; jj < cols; jj++)
             S[(size_t)i * cols + jj] = am__visible(kt, kt->j0 + jj, qt->r0 + i, c->o.fault)
-                                           ? am__dot(Q + (size_t)i * c->HS, K + (size_t)jj * c->HS, c->HS) * c->scale_log2
+                                           ? am__dot(Q + (size_t)i * c->HS, K + (size_t)jj * c->HS, c->HS)
                                            : -INFINITY;
 }
 
@@ -194,16 +195,18 @@ static void am__fwd_block(float *out, float *lse, const am__ctx *c, const am_qti
         am__scores(w->S, w->Q, w->K, qt, &w->walk[t], cols, c);
         for (int i = 0; i < nr; i++) {
             float *s = w->S + (size_t)i * cols, *a = w->acc + (size_t)i * HS;
-            /* m_new = max(m, rowmax S); still -inf while nothing is visible to the row */
+            /* m_new = max(m, rowmax S), unscaled (scaling by c > 0 keeps the order); still -inf
+               while nothing is visible to the row */
             float m_new = w->m[i];
             for (int jj = 0; jj < cols; jj++) m_new = fmaxf(m_new, s[jj]);
             /* FA2's rule: subtract 0 instead of a max of -inf, so exp2f sees -inf - 0 = -inf (0), not NaN */
-            const float base = m_new == -INFINITY ? 0.0f : m_new;
-            /* correction of what was accumulated under the old max, then P = exp2f(S - m_new) in place */
-            const float corr = exp2f(w->m[i] - base);
+            const float base = m_new == -INFINITY ? 0.0f : m_new * c->scale_log2;
+            /* correction of what was accumulated under the old max, then P = exp2f(S c - m_new c)
+               in place, the scale inside one fma */
+            const float corr = exp2f(w->m[i] * c->scale_log2 - base);
             float rowsum = 0.0f;
             for (int jj = 0; jj < cols; jj++) {
-                s[jj] = exp2f(s[jj] - base);
+                s[jj] = exp2f(fmaf(s[jj], c->scale_log2, -base));
                 rowsum += s[jj];
             }
             /* l sums P in fp32; acc takes bf16(P) V, the mma's operands, in fp32 */
@@ -223,7 +226,7 @@ static void am__fwd_block(float *out, float *lse, const am__ctx *c, const am_qti
         float *o = out + (size_t)r * qd + (size_t)h * HS;
         const float l = w->l[i], inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int d = 0; d < HS; d++) o[d] = am_bf16_round(w->acc[(size_t)i * HS + d] * inv);
-        lse[(size_t)r * c->NH + h] = l > 0.0f ? (w->m[i] + log2f(l)) * AM_LN2 : INFINITY;
+        lse[(size_t)r * c->NH + h] = l > 0.0f ? (w->m[i] * c->scale_log2 + log2f(l)) * AM_LN2 : INFINITY;
     }
 }
 
@@ -250,8 +253,8 @@ static void am__load_queries(am__scratch *w, const am__ctx *c, const am_qtile *q
 
 /* The step for one (query tile, key tile, head), shared by the dQ and the dK/dV blocks so that
    both use the same bits of P and dS. Quoting the forward (p = exp(s - lse), o = sum_j p_j v_j):
-     S  = Q K^T * scale*log2e            (rows, cols) fp32, masked -inf
-     P  = exp2f(S - lse*log2e)           fp32, 0 where masked
+     S  = Q K^T                          (rows, cols) fp32, masked -inf
+     P  = exp2f(fmaf(S, scale*log2e, -lse*log2e))   fp32, 0 where masked
      dP = dO V^T                         fp32
      dS = P * (dP - D)                   fp32          (w->S holds P, w->dS holds dS) */
 static void am__bwd_step(am__scratch *w, const am__ctx *c, const am_qtile *qt, const am__ktile *kt, int cols) {
@@ -259,7 +262,7 @@ static void am__bwd_step(am__scratch *w, const am__ctx *c, const am_qtile *qt, c
     for (int i = 0; i < qt->r1 - qt->r0; i++)
         for (int jj = 0; jj < cols; jj++) {
             const size_t e = (size_t)i * cols + jj;
-            const float p = exp2f(w->S[e] - w->lse2[i]);
+            const float p = exp2f(fmaf(w->S[e], c->scale_log2, -w->lse2[i]));
             const float dp = am__dot(w->dO + (size_t)i * c->HS, w->V + (size_t)jj * c->HS, c->HS);
             w->S[e] = p;
             w->dS[e] = p * (dp - w->D[i]);

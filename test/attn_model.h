@@ -32,18 +32,20 @@
    end masked). Own key tiles that start after the query tile's last row are seen by no row of the
    tile and are skipped (the only skipped tiles: every row sees every prefix tile, and every own
    tile starting at or before the last row is seen at least by that row). Per row, online softmax:
-     S = Q K^T * scale*log2e (fp32; masked -> -inf);  m_new = max(m, rowmax S);
-     c = exp2f(m - m_new);  P = exp2f(S - m_new) (fp32);  l = c*l + rowsum(P);
+     S = Q K^T (fp32, unscaled; masked -> -inf);  m_new = max(m, rowmax S);  with s2 = scale*log2e:
+     c = exp2f(m s2 - m_new s2);  P = exp2f(fmaf(S, s2, -m_new s2)) (fp32);  l = c*l + rowsum(P);
      acc = c*acc + bf16(P) V (fp32);  m = m_new.
-   A row whose keys are all masked so far has m = -inf: the exponents subtract 0 instead of m_new
+   (The max of S is the max of S s2, s2 > 0 keeping the order through the rounding; the scale goes
+   into the exponent's one fma, as in FA2, and c is exactly 1 where the max stays.)
+   A row whose keys are all masked so far has m = -inf: the exponents subtract 0 instead of m_new s2
    (FA2's rule), so P = 0 and c = 0, never NaN. Epilogue: out = bf16(acc * (1/l)),
-   lse = (m + log2f(l)) * ln 2 (fp32); a row that saw no key gets out 0, lse +inf (P = 0 backward).
+   lse = (m s2 + log2f(l)) * ln 2 (fp32); a row that saw no key gets out 0, lse +inf (P = 0 backward).
 
    BACKWARD: three passes.
      1. rowdot: D[r,h] = sum_d dO[r,d] O[r,d] (fp32 from bf16).
      2. dQ: one block per (query tile, head), walking the key tiles in the forward's order. Per tile
         (the step shared with pass 3, so both see the same bits of P and dS):
-          S = Q K^T * scale*log2e;  P = exp2f(S - lse*log2e) (0 where masked);  dP = dO V^T;
+          S = Q K^T;  P = exp2f(fmaf(S, scale*log2e, -lse*log2e)) (0 where masked);  dP = dO V^T;
           dS = P * (dP - D)                                               (all fp32)
         dQ += bf16(dS) K (fp32); epilogue dq = bf16(dq + scale * dQ).
      3. dK/dV: one block per (key tile, KV head [, prefix chunk]) holding K, V once for the whole
