@@ -626,7 +626,8 @@ typedef struct {
     int pool_fallbacks;      /* blocks the pool had no room for */
     double copy_seconds;     /* the block copies' time on the backend's copy queue, summed: they run
                                 beside the compute, so the step's time with and without offload says
-                                what they cost it (0 where the backend does not time its copies) */
+                                what they cost it (0 where the backend does not time its copies, -1
+                                where some went untimed) */
 } pr_offload_stats;
 
 /* MoE load-balancing loss (Switch style, as Qwen3-MoE computes it over every layer's routing
@@ -4024,7 +4025,7 @@ static void pr__offload_stats_add(pr_offload_stats *sum, const pr_offload_stats 
     sum->demand_loads += o->demand_loads;
     sum->prefetches_refused += o->prefetches_refused;
     sum->pool_fallbacks += o->pool_fallbacks;
-    sum->copy_seconds += o->copy_seconds;
+    sum->copy_seconds = sum->copy_seconds < 0 || o->copy_seconds < 0 ? -1 : sum->copy_seconds + o->copy_seconds;
 }
 
 static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, const pr__offload *below, pr_error *err) {
@@ -4506,9 +4507,9 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     if (o->on) {
         for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, s);
         tr->be->sync(tr->be);
-        if (tr->be->copy_async && tr->be->copy_seconds) {
+        if (tr->be->copy_async && tr->be->copy_seconds) {   /* once untimed, the sum stays "not measured" */
             const double t = tr->be->copy_seconds(tr->be);
-            if (t > 0) o->st.copy_seconds += t;
+            o->st.copy_seconds = t < 0 || o->st.copy_seconds < 0 ? -1 : o->st.copy_seconds + t;
         }
         for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
     }

@@ -746,14 +746,16 @@ PR_UNROLL
                     }
             /* online softmax, rows g (rr 0) and g+8 (rr 1), on the unscaled scores: their max is
                the max of the scaled ones (a positive factor keeps the order, rounding included),
-               and the scale enters each exponent in one fma, FA2's way; m is unscaled */
+               and the scale enters each exponent in one fma, FA2's way; m is unscaled, and its
+               two products by sl2 are rounded alone (never fused into the subtraction), so that
+               corr is exactly 1 where the max stays */
 PR_UNROLL
             for (int rr = 0; rr < 2; rr++) {
                 float mx = m[mi][rr];
 PR_UNROLL
                 for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * rr], s[mi][nt][2 * rr + 1]));
                 mx = pr_quad_max(mx);
-                const float base = mx == -INFINITY ? 0.0f : mx * sl2, corr = pr_exp2(m[mi][rr] * sl2 - base);
+                const float base = mx == -INFINITY ? 0.0f : __fmul_rn(mx, sl2), corr = pr_exp2(__fmul_rn(m[mi][rr], sl2) - base);
                 m[mi][rr] = mx;
                 float sum = 0.0f;
 PR_UNROLL
@@ -1291,6 +1293,7 @@ static int pr_cu_copy_timer(pr_cu *cx) {
         if (!ev) return -1;
         cx->copy_ev = ev;
         while (cx->copy_ev_cap < cap && cudaEventCreate(&ev[cx->copy_ev_cap]) == cudaSuccess) cx->copy_ev_cap++;
+        if (cx->copy_ev_cap < cap) cudaGetLastError();     /* a failed creation fails no launch after it */
         if (cx->copy_ev_used + 2 > cx->copy_ev_cap) return -1;
     }
     cx->copy_ev_used += 2;

@@ -255,7 +255,8 @@ attention() {
 
 # compute-sanitizer TOOL on a tiny training step and on the attention tests, an equal share of the
 # stage's time each. initcheck also runs test_gpu kernels, whose GEMM into fresh memory tells
-# whether the tool sees cuBLASLt's stores, and the step with the packed layout (no padding rows).
+# whether the tool sees cuBLASLt's stores, and the step with the packed layout (no padding rows):
+# an eighth of the stage each for the kernels and the attention tests, the rest for the steps.
 sanitize() {
     tool=$1; step=$2; shift 2
     have compute-sanitizer || skip "compute-sanitizer not found"
@@ -264,8 +265,12 @@ sanitize() {
     n=$(echo $targets | wc -w)
     share=$(( stage_limit / n - 5 ))
     [ $share -ge 10 ] || share=10
+    short=$share                 # initcheck: kernels and attention take seconds, the steps 40-55 s
+    [ "$tool" = initcheck ] && short=$(( stage_limit / 8 )) && share=$(( (stage_limit - 2 * short) / 2 - 5 ))
     fail=0
     for what in $targets; do
+        lim=$share
+        [ $what = kernels ] || [ $what = attention ] && lim=$short
         if [ $what = train ] || [ $what = packed ]; then
             layout=padded
             [ $what = packed ] && layout=packed
@@ -282,11 +287,11 @@ sanitize() {
         [ "$tool" = memcheck ] && extra="--leak-check full"
         [ "$tool" = racecheck ] && extra="--racecheck-report hazard"
         # shellcheck disable=SC2086
-        sub $what "$share" compute-sanitizer --tool "$tool" --error-exitcode 9 $extra "$@"
+        sub $what "$lim" compute-sanitizer --tool "$tool" --error-exitcode 9 $extra "$@"
         rc=$?
         [ $rc -eq 0 ] || fail=1
         s=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$what.log" | sed 's/^=* *//' | tr '\n' ' ')
-        case $rc in 124|137) s="${s}timed out at $share s" ;; esac
+        case $rc in 124|137) s="${s}timed out at $lim s" ;; esac
         key "$what: ${s:-exit $rc, no summary}"
     done
     return $fail

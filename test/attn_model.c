@@ -201,9 +201,11 @@ static void am__fwd_block(float *out, float *lse, const am__ctx *c, const am_qti
             for (int jj = 0; jj < cols; jj++) m_new = fmaxf(m_new, s[jj]);
             /* FA2's rule: subtract 0 instead of a max of -inf, so exp2f sees -inf - 0 = -inf (0), not NaN */
             const float base = m_new == -INFINITY ? 0.0f : m_new * c->scale_log2;
-            /* correction of what was accumulated under the old max, then P = exp2f(S c - m_new c)
-               in place, the scale inside one fma */
-            const float corr = exp2f(w->m[i] * c->scale_log2 - base);
+            /* correction of what was accumulated under the old max (the product a statement of its
+               own, so that no compiler fuses it with the subtraction: corr is exactly 1 where the
+               max stays), then P = exp2f(S c - m_new c) in place, the scale inside one fma */
+            const float m_old = w->m[i] * c->scale_log2;
+            const float corr = exp2f(m_old - base);
             float rowsum = 0.0f;
             for (int jj = 0; jj < cols; jj++) {
                 s[jj] = exp2f(fmaf(s[jj], c->scale_log2, -base));

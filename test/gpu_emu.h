@@ -51,6 +51,8 @@ struct float2 { float x, y; };
 static inline float2 make_float2(float x, float y) { float2 r = { x, y }; return r; }
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+/* a product rounded alone, never fused into an fma (a call the compiler cannot contract) */
+static float __attribute__((noinline)) __fmul_rn(float a, float b) { return a * b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 #define __expf(x) expf(x)                 /* glibc declares its own __expf */
 static inline float __bfloat162float(bf16 x) { return bf16_value(x.bits); }

@@ -100,7 +100,8 @@ static void test_matmul(int N, int C, int OC) {
    back. Alone it checks the product again; under compute-sanitizer's initcheck (bench/run_gpu.sh)
    it tells whether the tool sees cuBLASLt's stores: if it reports the copy back as reading
    uninitialised memory, reports in kernels that read a GEMM's output are the tool's, not ours.
-   Shapes: model/tiny's q projection over a padded baseline microbatch, and a ragged one. */
+   Shapes: model/tiny's q projection over a padded baseline microbatch, and its MLP's up projection
+   over a ragged one. */
 static void test_matmul_fresh_output(int N, int C, int OC) {
     double *x = random_bf16((size_t)N * C, 1), *wb = random_bf16((size_t)OC * C, 0.1);
     double *ref_y = calloc((size_t)N * OC, sizeof(double));
