@@ -678,7 +678,9 @@ __device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
    Q is read again at each key tile (beside two tiles' accumulators it does not fit the registers).
    The earlier half's rows see the extra key tiles entirely masked, which leaves their values
    unchanged bit for bit (corr = 1, P = 0): every row's result is the 64-row algorithm's
-   (attn_model.h). A tile of up to 64 rows runs its first m tile only.
+   (attn_model.h). A tile of up to 64 rows has a second m tile of zero rows of Q: S = Q K^T runs on
+   it anyway (no branch among those mma, which the scheduler cannot move work across), and the
+   softmax and P V skip it (unguarded, P V costs registers the hd-128 kernel does not have).
    Shared memory: Q (128 x HS), then K and V (two stages each). */
 template <int HS>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
@@ -730,18 +732,16 @@ PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) {
             uint32_t a[M][4];
 PR_UNROLL
-            for (int mi = 0; mi < M; mi++)
-                if (mi < m_live) pr_mma_load_a_kc<HS>(a[mi], pr_smem_u32(qs + mi * T), 16 * warp, kc, lane);
+            for (int mi = 0; mi < M; mi++) pr_mma_load_a_kc<HS>(a[mi], pr_smem_u32(qs + mi * T), 16 * warp, kc, lane);
 PR_UNROLL
             for (int np = 0; np < 4; np++) {
                 uint32_t b[4];
                 pr_ldsm_x4(b, kb + 2u * (uint32_t)pr_swz(16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), HS));
 PR_UNROLL
-                for (int mi = 0; mi < M; mi++)
-                    if (mi < m_live) {
-                        pr_mma_bf16(s[mi][2 * np], a[mi], b[0], b[1]);
-                        pr_mma_bf16(s[mi][2 * np + 1], a[mi], b[2], b[3]);
-                    }
+                for (int mi = 0; mi < M; mi++) {
+                    pr_mma_bf16(s[mi][2 * np], a[mi], b[0], b[1]);
+                    pr_mma_bf16(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
             }
         }
 PR_UNROLL
