@@ -764,13 +764,15 @@ PR_UNROLL
                and the scale enters each exponent in one fma, FA2's way; m is unscaled, and its
                two products by sl2 are rounded alone (never fused into the subtraction), so that
                corr is exactly 1 where the max stays */
+            float corr[2];
 PR_UNROLL
             for (int rr = 0; rr < 2; rr++) {
                 float mx = m[mi][rr];
 PR_UNROLL
                 for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * rr], s[mi][nt][2 * rr + 1]));
                 mx = pr_quad_max(mx);
-                const float base = mx == -INFINITY ? 0.0f : __fmul_rn(mx, sl2), corr = pr_exp2(__fmul_rn(m[mi][rr], sl2) - base);
+                const float base = mx == -INFINITY ? 0.0f : __fmul_rn(mx, sl2);
+                corr[rr] = pr_exp2(__fmul_rn(m[mi][rr], sl2) - base);
                 m[mi][rr] = mx;
                 float sum = 0.0f;
 PR_UNROLL
@@ -780,10 +782,15 @@ PR_UNROLL
                         s[mi][nt][2 * rr + j] = pr_exp2(fmaf(s[mi][nt][2 * rr + j], sl2, -base));
                         sum += s[mi][nt][2 * rr + j];
                     }
-                l[mi][rr] = l[mi][rr] * corr + sum;   /* this lane's part of the row; the quad's sum at the end */
-PR_UNROLL
-                for (int dt = 0; dt < HS / 8; dt++) acc[mi][dt][2 * rr] *= corr, acc[mi][dt][2 * rr + 1] *= corr;
+                l[mi][rr] = l[mi][rr] * corr[rr] + sum;   /* this lane's part of the row; the quad's sum at the end */
             }
+            /* acc *= corr, skipped where it changes nothing: no max of the warp's 32 rows moved
+               (every corr exactly 1), which deep in a long walk is most tiles */
+            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f))
+PR_UNROLL
+                for (int dt = 0; dt < HS / 8; dt++)
+PR_UNROLL
+                    for (int i = 0; i < 4; i++) acc[mi][dt][i] *= corr[i >> 1];
         }
         /* O += bf16(P) V */
         pr_mma_pv<HS, 4, M>(acc, s, m_live, pr_smem_u32(vs + st * T), 0, lane);

@@ -237,7 +237,7 @@ static cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     (*e)->stream = NULL, (*e)->at = 0, (*e)->timing = !(flags & cudaEventDisableTiming);
     return emu_result(cudaSuccess);
 }
-static cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
+static inline cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
 static cudaError_t cudaEventDestroy(cudaEvent_t e) {
     delete e;
     return emu_result(cudaSuccess);
@@ -259,7 +259,7 @@ static cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     return emu_result(cudaSuccess);
 }
 /* milliseconds from `start` to `end`, both recorded with timing and reached by their streams */
-static cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+static inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     if (!ms || !start || !end || !start->timing || !end->timing) return cudaErrorInvalidResourceHandle;
     if (!start->when || !end->when || *start->when < 0 || *end->when < 0) return cudaErrorNotReady;
     *ms = (float)(*end->when - *start->when);

@@ -52,7 +52,7 @@ static inline float2 make_float2(float x, float y) { float2 r = { x, y }; return
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 /* a product rounded alone, never fused into an fma (a call the compiler cannot contract) */
-static float __attribute__((noinline)) __fmul_rn(float a, float b) { return a * b; }
+static inline __attribute__((noinline)) float __fmul_rn(float a, float b) { return a * b; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 #define __expf(x) expf(x)                 /* glibc declares its own __expf */
 static inline float __bfloat162float(bf16 x) { return bf16_value(x.bits); }
@@ -66,7 +66,7 @@ static inline bf16 __float2bfloat16(float x) {
 __attribute__((aligned(128))) unsigned char pr_dyn_smem[EMU_SMEM_MAX];
 
 enum { T_RUN, T_BAR, T_WARP, T_DONE };
-enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL };
+enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL, OP_VOTE_ANY };
 struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
 /* Switching between fibers: ucontext, or on x86-64 (outside AddressSanitizer, which follows
    ucontext only) a plain switch of the callee-saved registers and the stack pointer, without
@@ -278,6 +278,13 @@ template <typename T> static T __shfl_xor_sync(unsigned members, T v, int mask) 
     if (members != 0xffffffffu) emu_error("a shuffle with a partial member mask");
     return emu_shfl_xor(v, mask);
 }
+/* vote.any: whether the predicate holds in any lane of the (full) warp, for every lane */
+static inline int __any_sync(unsigned members, int pred) {
+    if (members != 0xffffffffu) emu_error("a vote with a partial member mask");
+    emu_cur->op = OP_VOTE_ANY, emu_cur->val = pred != 0;
+    emu_yield(T_WARP);
+    return emu_cur->val != 0;
+}
 static void emu_cp_async(uint32_t dst, const void *src, int bytes, bool fill) {
     emu_copy c = { dst, src, bytes, fill };
     if ((size_t)dst + bytes <= emu_smem_bytes) emu_shadow_write(dst, bytes, true);   /* outside: reported when it lands */
@@ -363,6 +370,10 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
         emu_mma(d, a, b, c);
         emu_n_mma++;
         for (int l = 0; l < 32; l++) memcpy(lane[l].d, d[l], sizeof d[l]);
+    } else if (op == OP_VOTE_ANY) {
+        bool any = false;
+        for (int l = 0; l < 32; l++) any = any || lane[l].val != 0;
+        for (int l = 0; l < 32; l++) lane[l].val = any;
     } else {
         double v[32];
         for (int l = 0; l < 32; l++) v[l] = lane[l].val;
