@@ -580,6 +580,11 @@ __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0
     const int r0 = pr_chunk_row(threadIdx.x, HS), c = pr_chunk_col(threadIdx.x, HS);
     const uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)pr_swz(r0, c, HS);
     const bf16 *first = src + (size_t)row0 * ld + col + c, *p = first + (size_t)r0 * ld;
+    if (n >= PR_MMA_ROWS) {                     /* a whole tile (most of them): no row test */
+PR_UNROLL
+        for (int i = 0; i < PR_MMA_ROWS / STEP; i++, p += (size_t)STEP * ld) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), p, true);
+        return;
+    }
 PR_UNROLL
     for (int i = 0; i < PR_MMA_ROWS / STEP; i++, p += (size_t)STEP * ld) {
         const bool in = r0 + i * STEP < n;
