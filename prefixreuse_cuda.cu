@@ -561,8 +561,8 @@ typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
    Chunk e = threadIdx.x + i * threads (pr_chunk_row/col): a thread keeps its column and, the
    block's step being a multiple of 8 rows, its swizzled column too, so a chunk costs a pointer
    step; the chunks past row n read row row0 (which exists) and land as zeros. Unrolled, with a
-   fixed trip count: the forward and dQ loops spend a third fewer instructions a key tile than
-   with a loop over e. dK/dV (ROLLED) keeps that loop, rolled: at hd 128 it holds 255 registers,
+   fixed trip count: the forward's loop spends a sixth fewer instructions a key tile, dQ's a
+   third, than with a loop over e (whose trip count the compiler cannot see). dK/dV (ROLLED) keeps that loop, rolled: at hd 128 it holds 255 registers,
    and the unrolled copy's few more spill there (test/check_sass.sh). */
 template <int HS, bool ROLLED = false>
 __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
