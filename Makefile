@@ -245,10 +245,12 @@ test-gpu: build/test_gpu train_cuda build/train-double build/compare_st
 	@sh test/run_gpu.sh
 
 # The attention kernels' resource use and instruction mix (no GPU needed): registers, spills,
-# and the count of each SASS opcode class per kernel.
+# the count of each SASS opcode class per kernel, and each tensor-core kernel's inner loop
+# (bench/sass_loops.py: instructions per HMMA).
 CUOBJDUMP ?= cuobjdump
 sass: build/prefixreuse_cuda.o
 	$(CUOBJDUMP) -res-usage build/prefixreuse_cuda.o | grep -A1 attention
+	$(CUOBJDUMP) -sass build/prefixreuse_cuda.o | python3 bench/sass_loops.py
 	$(CUOBJDUMP) -sass build/prefixreuse_cuda.o | awk '/Function :/{f=$$3} /HMMA|HGMMA|FFMA|MUFU.EX2|LDS|STL|LDL/{split($$0,a,/ +/); for(i in a) if (a[i] ~ /^(HMMA|HGMMA|FFMA|MUFU|LDS|STL|LDL)/) {sub(/\..*/,"",a[i]); n[f" "a[i]]++}} END{for(k in n) print k, n[k]}' | sort
 
 clean:

@@ -88,4 +88,5 @@ for p in float double; do      # trained prefix tokens: a multi-turn trace, both
 done
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
+run python3 test/test_sass_loops.py
 report
