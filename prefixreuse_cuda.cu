@@ -556,18 +556,21 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
    segment (region 1, chunk -1), seen by query tiles [qlo, qhi) of the query-tile list. */
 typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
 
-/* Rows [row0, row0 + n) (0 < n <= 64) of one head (column col, row stride ld) into a swizzled
-   64 x HS tile, rows n..63 zero-filled: 16-byte cp.async by the whole block (not yet committed).
-   Chunk e = threadIdx.x + i * threads (pr_chunk_row/col): a thread keeps its column and, the
-   block's step being a multiple of 8 rows, its swizzled column too, so a chunk costs a pointer
-   step; the chunks past row n read row row0 (which exists) and land as zeros. Unrolled, with a
-   fixed trip count: the forward's loop spends a sixth fewer instructions a key tile, dQ's a
-   third, than with a loop over e (whose trip count the compiler cannot see). dK/dV (ROLLED) keeps that loop, rolled: at hd 128 it holds 255 registers,
-   and the unrolled copy's few more spill there (test/check_sass.sh). */
+/* Rows [row0, row0 + n) of one head (column col, row stride ld; row row0 must exist) into a
+   swizzled 64 x HS tile: n >= 64 a whole tile, rows n..63 zero-filled otherwise (all of them for
+   n <= 0); 16-byte cp.async by the whole block (not yet committed). Chunk e = threadIdx.x +
+   i * threads (pr_chunk_row/col): a thread keeps its column and, the block's step being a
+   multiple of 8 rows, its swizzled column too, so a chunk costs a row offset, not a swizzle; the
+   chunks past row n read row row0 and land as zeros. Unrolled, with a fixed trip count: the
+   forward's loop spends a sixth fewer instructions a key tile and dQ's a third fewer a 32-key
+   sub-tile than with a loop over e, whose trip count the compiler cannot see. dK/dV (ROLLED)
+   keeps that loop: at hd 128 it holds 255 registers, and the unrolled copy's few more spill
+   there (test/check_sass.sh). */
 template <int HS, bool ROLLED = false>
 __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
     if (ROLLED) {
         const uint32_t base = pr_smem_u32(dst);
+PR_UNROLL
         for (int e = threadIdx.x; e < PR_MMA_ROWS * HS / 8; e += PR_MMA_THREADS) {
             const int r = pr_chunk_row(e, HS), c = pr_chunk_col(e, HS);
             const bool in = r < n;
@@ -579,16 +582,20 @@ __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0
     static_assert(STEP % 8 == 0 && PR_MMA_ROWS % STEP == 0, "a thread's swizzled column must not move");
     const int r0 = pr_chunk_row(threadIdx.x, HS), c = pr_chunk_col(threadIdx.x, HS);
     const uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)pr_swz(r0, c, HS);
-    const bf16 *first = src + (size_t)row0 * ld + col + c, *p = first + (size_t)r0 * ld;
+    /* the rows' addresses stepped as integers, each made a pointer only where it is read: no
+       pointer past the rows is formed */
+    const bf16 *first = src + (size_t)row0 * ld + col + c;
+    uintptr_t a = (uintptr_t)first + (uintptr_t)r0 * ld * sizeof(bf16);
+    const uintptr_t step = (uintptr_t)STEP * ld * sizeof(bf16);
     if (n >= PR_MMA_ROWS) {                     /* a whole tile (most of them): no row test */
 PR_UNROLL
-        for (int i = 0; i < PR_MMA_ROWS / STEP; i++, p += (size_t)STEP * ld) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), p, true);
+        for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), (const void *)a, true);
         return;
     }
 PR_UNROLL
-    for (int i = 0; i < PR_MMA_ROWS / STEP; i++, p += (size_t)STEP * ld) {
+    for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) {
         const bool in = r0 + i * STEP < n;
-        pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), in ? p : first, in);
+        pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), in ? (const void *)a : (const void *)first, in);
     }
 }
 
