@@ -4015,6 +4015,9 @@ static int pr__tree_below(const pr_prefix_tree *tree, int node, int k) {
     return 0;
 }
 
+/* Copy times add up while every part was measured; one unmeasured part (-1) makes the sum unmeasured. */
+static double pr__seconds_add(double a, double b) { return a < 0 || b < 0 ? -1 : a + b; }
+
 static void pr__offload_stats_add(pr_offload_stats *sum, const pr_offload_stats *o) {
     if (o->block_bytes > sum->block_bytes) sum->block_bytes = o->block_bytes;
     if (o->host_peak_bytes > sum->host_peak_bytes) sum->host_peak_bytes = o->host_peak_bytes;
@@ -4025,7 +4028,7 @@ static void pr__offload_stats_add(pr_offload_stats *sum, const pr_offload_stats 
     sum->demand_loads += o->demand_loads;
     sum->prefetches_refused += o->prefetches_refused;
     sum->pool_fallbacks += o->pool_fallbacks;
-    sum->copy_seconds = sum->copy_seconds < 0 || o->copy_seconds < 0 ? -1 : sum->copy_seconds + o->copy_seconds;
+    sum->copy_seconds = pr__seconds_add(sum->copy_seconds, o->copy_seconds);
 }
 
 static pr_status pr__tree_node_run(pr_trainer *tr, pr__tree_run *t, int node, const pr__offload *below, pr_error *err) {
@@ -4507,10 +4510,8 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
     if (o->on) {
         for (int s = 0; s < PR__SLOTS; s++) pr__slot_wait(tr, s);
         tr->be->sync(tr->be);
-        if (tr->be->copy_async && tr->be->copy_seconds) {   /* once untimed, the sum stays "not measured" */
-            const double t = tr->be->copy_seconds(tr->be);
-            o->st.copy_seconds = t < 0 || o->st.copy_seconds < 0 ? -1 : o->st.copy_seconds + t;
-        }
+        if (tr->be->copy_async && tr->be->copy_seconds)
+            o->st.copy_seconds = pr__seconds_add(o->st.copy_seconds, tr->be->copy_seconds(tr->be));
         for (int l = 0; l < tr->cfg.num_hidden_layers; l++) pr__block_done(tr, o, l);
     }
     PR_FREE(o->host);

@@ -610,6 +610,11 @@ static void print_steps(const options *o, const pr_trace *t) {
     printf("\n");
 }
 
+/* The block copies' throughput, both directions together. */
+static double copy_gbps(const pr_offload_stats *s) {
+    return (s->offloaded_bytes + s->loaded_bytes) / s->copy_seconds / 1e9;
+}
+
 static void print_offload(const char *indent, const pr_offload_stats *s) {
     printf("%soffload: dormant %.2f MiB (%.2f MiB a layer), pool %.2f MiB, out %.2f MiB, back %.2f MiB; "
            "%d prefetched, %d loaded at use, %d prefetches refused by the budget, %d pool fallbacks",
@@ -617,8 +622,7 @@ static void print_offload(const char *indent, const pr_offload_stats *s) {
            s->offloaded_bytes / 1048576.0, s->loaded_bytes / 1048576.0, s->prefetches, s->demand_loads,
            s->prefetches_refused, s->pool_fallbacks);
     if (s->copy_seconds > 0)
-        printf("; copies %.2f ms on the copy queue (%.1f GB/s)", 1e3 * s->copy_seconds,
-               (s->offloaded_bytes + s->loaded_bytes) / s->copy_seconds / 1e9);
+        printf("; copies %.2f ms on the copy queue (%.1f GB/s)", 1e3 * s->copy_seconds, copy_gbps(s));
     printf("\n");
 }
 
@@ -1742,8 +1746,7 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
                    mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
             if (v > MEM_REUSE) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
             if (mem_variants[v].offload && st.offload.copy_seconds > 0)     /* beside the compute: the step time says what they cost */
-                printf(" %9.2f %7.1f", 1e3 * st.offload.copy_seconds,
-                       (st.offload.offloaded_bytes + st.offload.loaded_bytes) / st.offload.copy_seconds / 1e9);
+                printf(" %9.2f %7.1f", 1e3 * st.offload.copy_seconds, copy_gbps(&st.offload));
             printf("\n");
         }
         synth_free(&sg);
