@@ -646,22 +646,40 @@ typedef struct {
     pr_real *grads, *params;     /* check: rank 0's gathered copies (full model) */
     double loss;
     long clipped;                /* check: the step's tokens whose clipped PPO term was taken */
+    double *load;                /* check, MoE: the step's expert loads (layers x experts), summed over the mesh */
     int has_rank0;               /* check: rank 0 ran in this process, which holds its copies (with
                                     train_cuda, one process a rank: only one process does) */
     int split;                   /* a step had fewer groups than dp ranks: its groups were split */
     rank_report rep[256];
 } mesh_job;
 
-/* x summed over c, through backend memory as collectives need. */
-static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error *err) {
-    pr_real h = (pr_real)*x, *d = be->alloc(be, sizeof(pr_real), PR_TIER_DEVICE);
-    if (!d) return set_error(err, PR_ERR_NOMEM, "out of device memory");
-    be->upload_reals(be, d, &h, 1);
-    pr_status st = c->all_reduce(c, d, 1, PR_COMM_REAL, err);
-    be->download_reals(be, &h, d, 1);
-    be->release(be, d, PR_TIER_DEVICE);
-    *x = h;
+/* x[0..n) summed over c, through backend memory as collectives need. */
+static pr_status sum_over_n(pr_comm *c, const pr_backend *be, double *x, size_t n, pr_error *err) {
+    pr_real *h = malloc(sizeof(pr_real) * n), *d = be->alloc(be, sizeof(pr_real) * n, PR_TIER_DEVICE);
+    pr_status st = !h ? set_error(err, PR_ERR_NOMEM, "out of host memory") : !d ? set_error(err, PR_ERR_NOMEM, "out of device memory") : PR_OK;
+    if (!st) {
+        for (size_t i = 0; i < n; i++) h[i] = (pr_real)x[i];
+        be->upload_reals(be, d, h, n);
+        st = c->all_reduce(c, d, n, PR_COMM_REAL, err);
+        be->download_reals(be, h, d, n);
+        for (size_t i = 0; i < n; i++) x[i] = h[i];
+    }
+    if (d) be->release(be, d, PR_TIER_DEVICE);
+    free(h);
     return st;
+}
+static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error *err) { return sum_over_n(c, be, x, 1, err); }
+
+/* MoE: adds the trainer's expert loads of its last step (logical tokens per expert, each layer it
+   holds) into load, (layers x experts) of the whole model. Two runs of the same step route
+   alike exactly when these agree (bar flips that cancel): the check's routing report. */
+static void add_expert_loads(const pr_trainer *tr, const pr_config *cfg, double *load) {
+    const int E = cfg->num_experts;
+    double *row = E ? malloc(sizeof(double) * (size_t)E) : NULL;
+    for (int l = 0; row && l < cfg->num_hidden_layers; l++)
+        if (!pr_trainer_expert_load(tr, l, row, E, NULL))     /* fails for layers another pp stage holds */
+            for (int e = 0; e < E; e++) load[(size_t)l * E + e] += row[e];
+    free(row);
 }
 
 /* One optimizer step's groups over the mesh's dp ranks: placed whole (pr_trainer_compute_grads_dp),
@@ -711,6 +729,16 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         double clipped = (double)ss.clipped_tokens;
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (!st) st = sum_over(m.dp_comm, be, &clipped, err);
+        if (!st && j->load) {                 /* each dp rank routed its groups, each pp stage its layers */
+            const size_t nl = (size_t)j->cfg->num_hidden_layers * (size_t)j->cfg->num_experts;
+            double *load = calloc(nl, sizeof(double));
+            if (!load) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
+            if (!st) add_expert_loads(tr, j->cfg, load);
+            if (!st) st = sum_over_n(m.dp_comm, be, load, nl, err);
+            if (!st && m.pp_comm) st = sum_over_n(m.pp_comm, be, load, nl, err);
+            if (!st && lead) memcpy(j->load, load, sizeof(double) * nl);
+            free(load);
+        }
         if (!st && lead) j->loss = ss.loss, j->clipped = lround(clipped), j->has_rank0 = 1;
         for (int k = 0; !st && k < 3; k++) r->seconds[k] += ss.seconds[k];
         r->kv_bytes = ss.prefix_kv_bytes;
@@ -878,8 +906,10 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
 
 /* One optimizer step's groups into the gradient arena: one by one in trace order, accumulating, or
    with --schedule tree as their prefix tree. *sum: the step's stats. */
+/* One optimizer step's groups on one rank; load (MoE, optional): the step's expert loads added in
+   (add_expert_loads). */
 static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *batch, int nb, pr_step_opts so, pr_step_stats *sum,
-                             pr_error *err) {
+                             double *load, pr_error *err) {
     memset(sum, 0, sizeof *sum);
     if (o->tree && so.schedule == PR_SCHEDULE_REUSE) {
         pr_prefix_tree t;
@@ -887,6 +917,7 @@ static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *b
         pr_status st = pr_prefix_tree_build(&t, batch, nb, o->tree_min, err);
         if (!st) st = pr_trainer_compute_grads_tree(tr, batch, nb, &t, &so, sum, err);
         pr_prefix_tree_free(&t);
+        if (!st && load) add_expert_loads(tr, pr_trainer_config(tr), load);
         return st;
     }
     for (int b = 0; b < nb; b++) {
@@ -894,6 +925,7 @@ static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *b
         so.accumulate = b > 0;
         pr_status s = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, err);
         if (s) return s;
+        if (load) add_expert_loads(tr, pr_trainer_config(tr), load);
         pr_step_stats_add(sum, &st);
     }
     return PR_OK;
@@ -941,7 +973,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         long tokens = 0;
         const int nb = step_at(o, trace, pos, batch, &so, &err);
         /* the step: its groups' gradients, then one AdamW step */
-        int failed = !nb || step_groups(o, tr, batch, nb, so, &sum, &err) != PR_OK;
+        int failed = !nb || step_groups(o, tr, batch, nb, so, &sum, NULL, &err) != PR_OK;
         for (int b = 0; b < nb; b++) tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
         if (failed || (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
             pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
@@ -1040,7 +1072,7 @@ static long plain_bitwise_diffs(const options *o, const pr_config *cfg, const pr
     int failed = !ga || !pa;
     if (failed) fprintf(stderr, "train: out of memory\n");
     pr_step_stats sum;
-    if (!failed && step_groups(o, tr, groups, nb, without, &sum, &err)) failed = fail(&err);
+    if (!failed && step_groups(o, tr, groups, nb, without, &sum, NULL, &err)) failed = fail(&err);
     if (!failed && (pr_trainer_get_grads(tr, ga, n, &err) || pr_trainer_adamw_step(tr, &o->adam, NULL, &err) ||
                     pr_trainer_get_params(tr, pa, n, &err)))
         failed = fail(&err);
@@ -1063,6 +1095,23 @@ static void print_tensors_out(const pr_trainer *tr, const pr_real *a, const pr_r
         if (d.bad) printf("    %-48s %8ld of %8zu gradients out, max abs %.2e (atol %.1e)\n", ti->name, d.bad, ti->numel, d.max_abs,
                           atol_at[ti->offset]);
     }
+}
+
+/* MoE: where the two runs' expert loads differ, a router logit within rounding of a tie took
+   another expert in one run only (the objective's own discontinuity, as a clipped PPO ratio is):
+   the layers, and how many routings moved at least (half the loads' differences). */
+static void print_routing_flips(const pr_config *cfg, const double *base, const double *other, const char *name) {
+    const int E = cfg->num_experts;
+    int layers = 0;
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        double moved = 0;
+        for (int e = 0; e < E; e++) moved += fabs(base[(size_t)l * E + e] - other[(size_t)l * E + e]);
+        if (moved == 0) continue;
+        if (!layers++) printf("    expert routing differs from %s's: a router logit within rounding of a tie takes another expert in "
+                              "one run only, and the gradient terms of its tokens go with it; routings moved:", name);
+        printf(" layer %d %.0f", l, moved / 2);
+    }
+    if (layers) printf("\n");
 }
 
 static int run_check(const options *o, const pr_config *cfg, const pr_trace *trace) {
@@ -1123,7 +1172,9 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         pr_real *ga = malloc(sizeof(pr_real) * n), *gb = malloc(sizeof(pr_real) * n);
         pr_real *pa = malloc(sizeof(pr_real) * n), *pb = malloc(sizeof(pr_real) * n);
         double *allow = malloc(sizeof(double) * n), *atol_at = malloc(sizeof(double) * n);
-        int failed = !ga || !gb || !pa || !pb || !allow || !atol_at;
+        const size_t nl = (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts;   /* MoE: expert loads, each run's */
+        double *load_b = nl ? calloc(nl, sizeof(double)) : NULL, *load_r = nl ? calloc(nl, sizeof(double)) : NULL;
+        int failed = !ga || !gb || !pa || !pb || !allow || !atol_at || (nl && (!load_b || !load_r));
         if (failed) fprintf(stderr, "train: out of memory\n");
         memset(&sb, 0, sizeof sb);
         sr = sb;
@@ -1131,7 +1182,10 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             pr_step_stats s1;
             ob.accumulate = k > 0;
             if (pr_trainer_compute_grads(base, &batch[k], &ob, &s1, NULL, &err)) failed = fail(&err);
-            else pr_step_stats_add(&sb, &s1);
+            else {
+                pr_step_stats_add(&sb, &s1);
+                if (load_b) add_expert_loads(base, cfg, load_b);
+            }
         }
         if (!failed && (pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_adamw_step(base, &adam, &gnorm, &err) ||
                         pr_trainer_get_params(base, pa, n, &err)))
@@ -1139,6 +1193,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
         if (!failed && on_mesh(o)) {
             memset(&j, 0, sizeof j);
             j.o = o; j.cfg = cfg; j.trace = trace; j.check = 1; j.groups = batch; j.n = nb; j.opts = orr; j.grads = gb; j.params = pb;
+            j.load = load_r;
             j.split = nb < o->dp;
             /* The schedules are compared with the sum over dp in reals, as always; a bf16 sum runs the
                same mesh step once more and its own difference is reported beside. */
@@ -1163,7 +1218,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 free(pw);
             }
         } else if (!failed) {
-            if (step_groups(o, reuse, batch, nb, orr, &sr, &err)) failed = fail(&err);
+            if (step_groups(o, reuse, batch, nb, orr, &sr, load_r, &err)) failed = fail(&err);
             if (!failed && (pr_trainer_get_grads(reuse, gb, n, &err) || pr_trainer_adamw_step(reuse, &adam, NULL, &err) ||
                             pr_trainer_get_params(reuse, pb, n, &err)))
                 failed = fail(&err);
@@ -1203,6 +1258,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 printf("    clipped tokens: baseline %ld, %s %ld: a ratio within rounding of 1 - eps-low or 1 + eps-high "
                        "clips in one run only, and that token's gradient terms go with it\n", sb.clipped_tokens,
                        o->tree ? "tree" : "reuse", sr.clipped_tokens);
+            if (load_b) print_routing_flips(cfg, load_b, load_r, o->tree ? "tree" : "reuse");
             if (dg.bad) print_tensors_out(base, gb, ga, atol_at, rtol);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
             worst_of(&worst_g, dg);
@@ -1214,7 +1270,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 else plain_diffs += d;
             }
         }
-        free(ga); free(gb); free(pa); free(pb); free(allow); free(atol_at);
+        free(ga); free(gb); free(pa); free(pb); free(allow); free(atol_at); free(load_b); free(load_r);
         pr_trainer_destroy(base);
         pr_trainer_destroy(reuse);
     }
@@ -1607,7 +1663,7 @@ static int time_groups(const options *o, pr_trainer *tr, const pr_group *groups,
     *best = INFINITY;
     for (int r = 0; r < o->bench_reps; r++) {
         pr_step_stats st;
-        if (step_groups(&ot, tr, groups, n, so, &st, err)) return 0;
+        if (step_groups(&ot, tr, groups, n, so, &st, NULL, err)) return 0;
         double t = st.seconds[0] + st.seconds[1] + st.seconds[2];
         if (t < *best) *best = t, *ac = st.seconds[0] + st.seconds[2];
     }
