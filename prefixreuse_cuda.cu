@@ -564,29 +564,26 @@ typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
    chunks past row n read row row0 and land as zeros. Unrolled, with a fixed trip count: the
    forward's loop spends a sixth fewer instructions a key tile and dQ's a third fewer a 32-key
    sub-tile than with a loop over e, whose trip count the compiler cannot see. dK/dV (ROLLED)
-   keeps that loop: at hd 128 it holds 255 registers, and the unrolled copy's few more spill
-   there (test/check_sass.sh). */
+   steps the same way in a loop it does not unroll: at hd 128 it holds 255 registers, and the
+   unrolled copy's few more spill there (test/check_sass.sh); rolled, a chunk costs about 14
+   instructions, against 25 for the loop over e. */
 template <int HS, bool ROLLED = false>
 __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
-    if (ROLLED) {
-        const uint32_t base = pr_smem_u32(dst);
-PR_UNROLL
-        for (int e = threadIdx.x; e < PR_MMA_ROWS * HS / 8; e += PR_MMA_THREADS) {
-            const int r = pr_chunk_row(e, HS), c = pr_chunk_col(e, HS);
-            const bool in = r < n;
-            pr_cp_async16(base + 2u * (uint32_t)pr_swz(r, c, HS), src + (size_t)(row0 + (in ? r : 0)) * ld + col + c, in);
-        }
-        return;
-    }
     constexpr int STEP = PR_MMA_THREADS / (HS / 8);
     static_assert(STEP % 8 == 0 && PR_MMA_ROWS % STEP == 0, "a thread's swizzled column must not move");
     const int r0 = pr_chunk_row(threadIdx.x, HS), c = pr_chunk_col(threadIdx.x, HS);
-    const uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)pr_swz(r0, c, HS);
+    uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)pr_swz(r0, c, HS);
     /* the rows' addresses stepped as integers, each made a pointer only where it is read: no
        pointer past the rows is formed */
     const bf16 *first = src + (size_t)row0 * ld + col + c;
     uintptr_t a = (uintptr_t)first + (uintptr_t)r0 * ld * sizeof(bf16);
     const uintptr_t step = (uintptr_t)STEP * ld * sizeof(bf16);
+    if (ROLLED) {
+PR_UNROLL_1
+        for (int left = n - r0, i = 0; i < PR_MMA_ROWS / STEP; i++, left -= STEP, a += step, d += 2u * STEP * HS)
+            pr_cp_async16(d, left > 0 ? (const void *)a : (const void *)first, left > 0);
+        return;
+    }
     if (n >= PR_MMA_ROWS) {                     /* a whole tile (most of them): no row test */
 PR_UNROLL
         for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), (const void *)a, true);
@@ -654,6 +651,22 @@ PR_UNROLL
             pr_mma_bf16(acc[2 * np], af[kc], b[0], b[1]);
             pr_mma_bf16(acc[2 * np + 1], af[kc], b[2], b[3]);
         }
+}
+/* As pr_mma_abt, A read from shared memory (a swizzled [row][k] tile at rows a_row0) a k16 block at a time. */
+template <int W, int KC, int NP>
+__device__ __forceinline__ void pr_mma_abt_s(float (*acc)[4], uint32_t a_base, int a_row0, uint32_t b_base, int b_row0, int lane) {
+PR_UNROLL
+    for (int kc = 0; kc < KC; kc++) {
+        uint32_t a[4];
+        pr_mma_load_a_kc<W>(a, a_base, a_row0, kc, lane);
+PR_UNROLL
+        for (int np = 0; np < NP; np++) {
+            uint32_t b[4];
+            pr_ldsm_x4(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), W));
+            pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
+            pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
 }
 /* For each of the first m_live of M 16-row tiles: acc[m] (16 x W, W/8 n8 tiles) += bf16(X[m])
    (16 x 16*KC, the accumulators x[m] of 2*KC n8 tiles, repacked) V (a swizzled [k][n] tile at rows
@@ -965,10 +978,14 @@ PR_UNROLL
 }
 
 /* dK/dV. Grid (key-tile work units, NKV). Shared memory: K, V (64 x HS), then Q, dO (two stages
-   each) and lse, D of the query tile's 64 rows (two stages). The warp's 16 keys of K and V stay in
-   registers as A fragments (one ldmatrix.x4 per two mma in the inner loop); the query tile is
-   taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK, dV
-   and those fragments (255 at HS 128 with nvcc 13.0, no spills).
+   each) and lse, D of the query tile's 64 rows (two stages). The warp's 16 keys of K stay in
+   registers as A fragments; those of V are read from shared memory at each sub-tile, where they
+   cost 8 ldmatrix.x4 for 64 mma (40 instead of 32 a sub-tile at HS 128) but free the 32 registers
+   whose lack made the compiler recompute lane-derived addresses inside the loop and spill at the
+   least change: with them the step loop's static SASS went from 931 to 430 instructions for its
+   64 mma a 16-query sub-tile (the copies' and the mask's integer work; test/check_sass.sh, nvcc
+   13.0). The query tile is taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit
+   the registers beside dK, dV and K (255 at HS 128, no spills).
    FUSED_DQ (PR_CUDA_ATTENTION_MMA_ATOMIC, for measuring what determinism costs): FlashAttention-2's
    fused backward, which needs no dQ kernel. Each step also stores bf16(dS^T) into a 64 x 64 tile
    of shared memory and, after a barrier, adds its dS K into the fp32 dq_acc with atomics
@@ -1001,7 +1018,9 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
         const int h = hk * group + s / nq, n = qt.r1 - qt.r0;
         pr_mma_copy<HS, true>(qs + st * T, q, qt.r0, n, qd, h * HS);
         pr_mma_copy<HS, true>(dos + st * T, dout, qt.r0, n, qd, h * HS);
-        for (int e = threadIdx.x; e < PR_MMA_ROWS; e += PR_MMA_THREADS) {
+        static_assert(PR_MMA_ROWS <= PR_MMA_THREADS, "a thread a row of lse and D");
+        const int e = threadIdx.x;
+        if (e < PR_MMA_ROWS) {
             const size_t o = (size_t)(qt.r0 + (e < n ? e : 0)) * NH + h;
             pr_cp_async4(pr_smem_u32(ls + st * PR_MMA_ROWS + e), lse + o, e < n);
             pr_cp_async4(pr_smem_u32(ds + st * PR_MMA_ROWS + e), Dr + o, e < n);
@@ -1011,9 +1030,8 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     pr_cp_async_commit();
     pr_cp_async_wait<1>();                            /* K and V landed (the first step's Q, dO may not have) */
     __syncthreads();
-    uint32_t kf[HS / 16][4], vf[HS / 16][4];          /* this warp's 16 keys of K and V, as A fragments */
+    uint32_t kf[HS / 16][4];                          /* this warp's 16 keys of K, as A fragments */
     pr_mma_load_a<HS, HS / 16>(kf, pr_smem_u32(ks), 16 * warp, lane);
-    pr_mma_load_a<HS, HS / 16>(vf, pr_smem_u32(vs), 16 * warp, lane);
 
     float gk[HS / 8][4], gv[HS / 8][4];
     pr_mma_zero<HS / 8>(gk);
@@ -1033,18 +1051,29 @@ PR_UNROLL_1
             pr_mma_zero<QN / 8>(p);
             pr_mma_zero<QN / 8>(dp);
             pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
-            pr_mma_abt<HS, HS / 16, QN / 16>(dp, vf, db, sub * QN, lane);
-            /* P^T where visible, else 0;  dS^T = P^T (dP^T - D), into dp */
+            pr_mma_abt_s<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
+            /* P^T = exp2(S^T scale log2e - lse log2e) where visible, else 0 (S^T = -inf); dS^T =
+               P^T (dP^T - D), into dp. A lane's elements lie in 2 query columns an n8 tile (its
+               keys g and g + 8): lse and D read once a column. */
 PR_UNROLL
             for (int nt = 0; nt < QN / 8; nt++)
 PR_UNROLL
                 for (int i = 0; i < 4; i++) {
-                    const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, i), row = qt.r0 + c;
-                    const int key = key0 + pr_mma_c_row(lane, i);
-                    const bool vis = key < kt.end && row < qt.r1 && (!own || key <= row);
-                    const float pv = vis ? pr_exp2(fmaf(p[nt][i], sl2, -pr_lds_f32(lst + c) * PR_LOG2E)) : 0.0f;
-                    p[nt][i] = pv;
-                    dp[nt][i] = pv * (dp[nt][i] - pr_lds_f32(dst + c));
+                    const int row = qt.r0 + sub * QN + 8 * nt + pr_mma_c_col(lane, i), key = key0 + pr_mma_c_row(lane, i);
+                    if (!(key < kt.end && row < qt.r1 && (!own || key <= row))) p[nt][i] = -INFINITY;
+                }
+PR_UNROLL
+            for (int nt = 0; nt < QN / 8; nt++)
+PR_UNROLL
+                for (int j = 0; j < 2; j++) {
+                    const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, j);
+                    const float lse2 = pr_lds_f32(lst + c) * PR_LOG2E, Dc = pr_lds_f32(dst + c);
+PR_UNROLL
+                    for (int i = j; i < 4; i += 2) {
+                        const float pv = pr_exp2(fmaf(p[nt][i], sl2, -lse2));
+                        p[nt][i] = pv;
+                        dp[nt][i] = pv * (dp[nt][i] - Dc);
+                    }
                 }
             if constexpr (FUSED_DQ) {                 /* bf16(dS^T), as the dK product below rounds it */
 PR_UNROLL
