@@ -140,6 +140,15 @@ inline PR_HD int pr_swz(int row, int col, int W) {
     const int c = col >> 3;
     return row * W + (((c & ~7) | ((c ^ row) & 7)) << 3) + (col & 7);
 }
+/* The byte offset of the 16-byte chunk an ldmatrix lane addresses in a swizzled tile of rows of W
+   bf16: tile row row0 + lr, columns [16 j + 8 cb, + 8), where row0 is a multiple of 8 (every
+   caller's: tiles of 16-row blocks) and lr < 16 the lane's row in its block (pr_ldm_*_row),
+   cb its 8-column half (pr_ldm_*_col / 8). 2 pr_swz(row0 + lr, 16 j + 8 cb, W), written so that
+   the XOR is of lane constants alone: with row0's low bits known to be 0, the compiler takes it
+   once for a lane rather than once for each load (dQ's inner loop: 454 -> 368 instructions). */
+inline PR_HD uint32_t pr_ldsm_off(int row0, int lr, int j, int cb, int W) {
+    return 2u * (uint32_t)((row0 + lr) * W) + 128u * (uint32_t)(j >> 2) + ((32u * (uint32_t)(j & 3)) ^ (16u * (uint32_t)((lr & 7) ^ cb)));
+}
 /* The copy of a rows x W tile in 16-byte chunks: chunk e (thread e % threads, step e / threads)
    is row e / (W/8), chunk e % (W/8): consecutive threads copy consecutive chunks of a row. */
 inline PR_HD int pr_chunk_row(int e, int W) { return e / (W >> 3); }
@@ -614,10 +623,10 @@ __device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
    tile of rows of W. */
 template <int W>
 __device__ __forceinline__ void pr_mma_load_a_kc(uint32_t a[4], uint32_t a_base, int a_row0, int kc, int lane) {
-    pr_ldsm_x4(a, a_base + 2u * (uint32_t)pr_swz(a_row0 + pr_ldm_a_row(lane), 16 * kc + pr_ldm_a_col(lane), W));
+    pr_ldsm_x4(a, a_base + pr_ldsm_off(a_row0, pr_ldm_a_row(lane), kc, pr_ldm_a_col(lane) / 8, W));
 }
 /* All KC of them (K = 16*KC): loaded once where a warp's rows stay in place across the walk and fit
-   the registers (Q and dO in dQ, K and V in dK/dV), so each product below reads only its B operand
+   the registers (Q and dO in dQ, K in dK/dV), so each product below reads only its B operand
    from shared memory. */
 template <int W, int KC>
 __device__ __forceinline__ void pr_mma_load_a(uint32_t (*af)[4], uint32_t a_base, int a_row0, int lane) {
@@ -647,7 +656,7 @@ PR_UNROLL
 PR_UNROLL
         for (int np = 0; np < NP; np++) {
             uint32_t b[4];
-            pr_ldsm_x4(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), W));
+            pr_ldsm_x4(b, b_base + pr_ldsm_off(b_row0 + 16 * np, pr_ldm_bn_row(lane), kc, pr_ldm_bn_col(lane) / 8, W));
             pr_mma_bf16(acc[2 * np], af[kc], b[0], b[1]);
             pr_mma_bf16(acc[2 * np + 1], af[kc], b[2], b[3]);
         }
@@ -662,7 +671,7 @@ PR_UNROLL
 PR_UNROLL
         for (int np = 0; np < NP; np++) {
             uint32_t b[4];
-            pr_ldsm_x4(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * np + pr_ldm_bn_row(lane), 16 * kc + pr_ldm_bn_col(lane), W));
+            pr_ldsm_x4(b, b_base + pr_ldsm_off(b_row0 + 16 * np, pr_ldm_bn_row(lane), kc, pr_ldm_bn_col(lane) / 8, W));
             pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
             pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
         }
@@ -682,7 +691,7 @@ PR_UNROLL
 PR_UNROLL
         for (int dp = 0; dp < W / 16; dp++) {
             uint32_t b[4];
-            pr_ldsm_x4_trans(b, b_base + 2u * (uint32_t)pr_swz(b_row0 + 16 * kc + pr_ldm_bt_row(lane), 16 * dp + pr_ldm_bt_col(lane), W));
+            pr_ldsm_x4_trans(b, b_base + pr_ldsm_off(b_row0 + 16 * kc, pr_ldm_bt_row(lane), dp, pr_ldm_bt_col(lane) / 8, W));
 PR_UNROLL
             for (int mi = 0; mi < M; mi++)
                 if (mi < m_live) {
@@ -955,11 +964,11 @@ PR_UNROLL_1
 PR_UNROLL
         for (int kc = 0; kc < PR_MMA_ROWS / 16; kc++) {
             uint32_t a[4];                            /* read again for each 32 columns: kept, they would spill */
-            pr_ldsm_x4_trans(a, dss + 2u * (uint32_t)pr_swz(16 * kc + pr_ldm_at_row(lane), 16 * warp + pr_ldm_at_col(lane), PR_MMA_ROWS));
+            pr_ldsm_x4_trans(a, dss + pr_ldsm_off(16 * kc, pr_ldm_at_row(lane), warp, pr_ldm_at_col(lane) / 8, PR_MMA_ROWS));
 PR_UNROLL
             for (int dp = 0; dp < 2; dp++) {
                 uint32_t b[4];
-                pr_ldsm_x4_trans(b, ks + 2u * (uint32_t)pr_swz(16 * kc + pr_ldm_bt_row(lane), 32 * dc + 16 * dp + pr_ldm_bt_col(lane), HS));
+                pr_ldsm_x4_trans(b, ks + pr_ldsm_off(16 * kc, pr_ldm_bt_row(lane), 2 * dc + dp, pr_ldm_bt_col(lane) / 8, HS));
                 pr_mma_bf16(acc[2 * dp], a, b[0], b[1]);
                 pr_mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
             }
@@ -982,15 +991,18 @@ PR_UNROLL
    registers as A fragments; those of V are read from shared memory at each sub-tile, where they
    cost 8 ldmatrix.x4 for 64 mma (40 instead of 32 a sub-tile at HS 128) but free the 32 registers
    whose lack made the compiler recompute lane-derived addresses inside the loop and spill at the
-   least change: with them the step loop's static SASS went from 931 to 430 instructions for its
-   64 mma a 16-query sub-tile (the copies' and the mask's integer work; test/check_sass.sh, nvcc
-   13.0). The query tile is taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit
-   the registers beside dK, dV and K (255 at HS 128, no spills).
+   least change. With them, with the steps' (query tile, head) pairs counted rather than divided
+   out, and pr_ldsm_off's addresses, the step loop's static SASS went from 931 to 365 instructions
+   (one 16-query sub-tile's 64 mma counted once; test/check_sass.sh, nvcc 13.0). The query tile is
+   taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK,
+   dV and K (255 at HS 128, no spills).
    FUSED_DQ (PR_CUDA_ATTENTION_MMA_ATOMIC, for measuring what determinism costs): FlashAttention-2's
    fused backward, which needs no dQ kernel. Each step also stores bf16(dS^T) into a 64 x 64 tile
    of shared memory and, after a barrier, adds its dS K into the fp32 dq_acc with atomics
    (pr_mma_dq_atomic): 5 matrix products of a (query, key) tile instead of 7, and dq no longer
-   bitwise reproducible. dk, dv, dkp and dvp are the deterministic kernel's, bit for bit. */
+   bitwise reproducible. dk, dv, dkp and dvp are the deterministic kernel's, bit for bit. Its K
+   fragments are read from shared memory at each use, as V's are: beside the dS tile's work they
+   do not fit the registers (8 more ldmatrix.x4 a sub-tile, 60 for its 80 mma). */
 template <int HS, bool FUSED_DQ = false>
 __global__ void __launch_bounds__(PR_MMA_THREADS)
 pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, float *dq_acc,
@@ -1012,10 +1024,14 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     pr_mma_copy<HS, true>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_mma_copy<HS, true>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_cp_async_commit();
-    /* step s: query head hk*group + s/nq, query tile kt.qlo + s%nq */
-    auto load_step = [&](int s, int st) {
-        const pr_att_tile qt = qtiles[kt.qlo + s % nq];
-        const int h = hk * group + s / nq, n = qt.r1 - qt.r0;
+    /* step s: query head hk*group + s/nq, query tile kt.qlo + s%nq, counted as (tile, head) pairs
+       that advance a step at a time: the loads' pair runs one step ahead of the products' */
+    struct step_at { int tile, head; };
+    const auto next = [&](step_at &a) { if (++a.tile == kt.qhi) a.tile = kt.qlo, a.head++; };
+    step_at ld = { kt.qlo, hk * group }, at = ld;
+    auto load_step = [&](int st) {
+        const pr_att_tile qt = qtiles[ld.tile];
+        const int h = ld.head, n = qt.r1 - qt.r0;
         pr_mma_copy<HS, true>(qs + st * T, q, qt.r0, n, qd, h * HS);
         pr_mma_copy<HS, true>(dos + st * T, dout, qt.r0, n, qd, h * HS);
         static_assert(PR_MMA_ROWS <= PR_MMA_THREADS, "a thread a row of lse and D");
@@ -1025,13 +1041,14 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
             pr_cp_async4(pr_smem_u32(ls + st * PR_MMA_ROWS + e), lse + o, e < n);
             pr_cp_async4(pr_smem_u32(ds + st * PR_MMA_ROWS + e), Dr + o, e < n);
         }
+        next(ld);
     };
-    load_step(0, 0);
+    load_step(0);
     pr_cp_async_commit();
     pr_cp_async_wait<1>();                            /* K and V landed (the first step's Q, dO may not have) */
     __syncthreads();
-    uint32_t kf[HS / 16][4];                          /* this warp's 16 keys of K, as A fragments */
-    pr_mma_load_a<HS, HS / 16>(kf, pr_smem_u32(ks), 16 * warp, lane);
+    uint32_t kf[FUSED_DQ ? 1 : HS / 16][4];           /* this warp's 16 keys of K, as A fragments (FUSED_DQ: read at each use) */
+    if constexpr (!FUSED_DQ) pr_mma_load_a<HS, HS / 16>(kf, pr_smem_u32(ks), 16 * warp, lane);
 
     float gk[HS / 8][4], gv[HS / 8][4];
     pr_mma_zero<HS / 8>(gk);
@@ -1039,9 +1056,9 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     const int key0 = kt.j0 + 16 * warp;               /* this warp's 16 keys */
     for (int s = 0; s < steps; s++) {
         const int st = s & 1;
-        if (s + 1 < steps) load_step(s + 1, st ^ 1);
+        if (s + 1 < steps) load_step(st ^ 1);
         pr_cp_async_turn();
-        const pr_att_tile qt = qtiles[kt.qlo + s % nq];
+        const pr_att_tile qt = qtiles[at.tile];
         const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
         const float *lst = ls + st * PR_MMA_ROWS, *dst = ds + st * PR_MMA_ROWS;
 PR_UNROLL_1
@@ -1050,7 +1067,8 @@ PR_UNROLL_1
             float p[QN / 8][4], dp[QN / 8][4];
             pr_mma_zero<QN / 8>(p);
             pr_mma_zero<QN / 8>(dp);
-            pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
+            if constexpr (FUSED_DQ) pr_mma_abt_s<HS, HS / 16, QN / 16>(p, pr_smem_u32(ks), 16 * warp, qb, sub * QN, lane);
+            else pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
             pr_mma_abt_s<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
             /* P^T = exp2(S^T scale log2e - lse log2e) where visible, else 0 (S^T = -inf); dS^T =
                P^T (dP^T - D), into dp. A lane's elements lie in 2 query columns an n8 tile (its
@@ -1089,8 +1107,9 @@ PR_UNROLL
         }
         if constexpr (FUSED_DQ) {
             __syncthreads();                          /* the step's dS tile is whole */
-            pr_mma_dq_atomic<HS>(dq_acc, pr_smem_u32(dss), pr_smem_u32(ks), qt, hk * group + s / nq, qd, warp, lane);
+            pr_mma_dq_atomic<HS>(dq_acc, pr_smem_u32(dss), pr_smem_u32(ks), qt, at.head, qd, warp, lane);
         }
+        next(at);
         __syncthreads();
     }
     /* own keys: into the bf16 dk/dv once; prefix keys: scale dK, dV into dkp/dvp (C = 1) or partial `chunk` */

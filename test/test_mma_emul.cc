@@ -368,6 +368,25 @@ static void check_ldmatrix_widths(void) {
     }
 }
 
+/* pr_ldsm_off, the kernels' ldmatrix addresses with the swizzle's XOR taken of lane constants, is
+   2 pr_swz of the same element for every row block that starts at a multiple of 8, every lane
+   row, k16 block and 8-column half, at each tile width; and it is not where a block starts
+   elsewhere (its one precondition, which every caller meets). */
+static void check_ldsm_off(void) {
+    int ok = 1, off_grid_differs = 0;
+    for (int W = 64; W <= 128; W += 64)
+        for (int row0 = 0; row0 < 64; row0++)
+            for (int lr = 0; lr < 16; lr++)
+                for (int j = 0; j < W / 16; j++)
+                    for (int cb = 0; cb < 2; cb++) {
+                        const bool same = pr_ldsm_off(row0, lr, j, cb, W) == 2u * (uint32_t)pr_swz(row0 + lr, 16 * j + 8 * cb, W);
+                        if (row0 % 8 == 0) ok &= same;
+                        else off_grid_differs |= !same;
+                    }
+    CHECK(ok, "pr_ldsm_off equals 2 pr_swz for row blocks at multiples of 8");
+    CHECK(off_grid_differs, "pr_ldsm_off differs from pr_swz off the multiples of 8 (the check can fail)");
+}
+
 /* Packing: round to nearest even, low half first, as the ISA's cvt.rn.bf16x2.f32 d, hi, lo. */
 static void check_pack(void) {
     int ok = 1;
@@ -385,6 +404,7 @@ int main(void) {
     check_maps();
     check_ldmatrix_widths();
     check_pack();
+    check_ldsm_off();
     const double tol = 1e-6;   /* fp32 roundings of sums of exact bf16 products */
     for (int HS = 64; HS <= 128; HS *= 2) {
         for (int x2 = 0; x2 < 2; x2++) {
