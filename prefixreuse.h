@@ -810,8 +810,10 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
    phase times added, the phase peaks the larger; every other field becomes the group's (the last
    group's). Start *step zeroed. */
 PRDEF void pr_step_stats_add(pr_step_stats *step, const pr_step_stats *group);
-/* MoE: the last step's load of each expert of `layer`: the logical tokens routed to it (a prefix
-   token counts G times), n = num_experts values. On a pipeline, a layer of this rank's stage. */
+/* MoE: the load of each expert of `layer` over the groups of the last pr_trainer_compute_grads*
+   call: the logical tokens routed to it (a prefix token counts G times), n = num_experts values.
+   Under the _dp calls, this rank's groups (or its share of a split group): their sum over dp is
+   the step's. On a pipeline, a layer of this rank's stage. */
 PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *load, int n, pr_error *err);
 /* Global-norm clipping then AdamW on the gradient arena; grad_norm (optional) gets the pre-clip norm.
    Under ZeRO (pr_mesh.zero) each dp rank clips and updates its slice of the master weights and
@@ -1954,7 +1956,7 @@ struct pr_trainer {
     unsigned char slot_copying[PR__SLOTS]; /* a copy into or out of the slot may still be running */
     int phase;
     int alloc_failed;
-    double *expert_load;                   /* (L,E) MoE: the last step's logical tokens per expert */
+    double *expert_load;                   /* (L,E) MoE: the last compute_grads call's logical tokens per expert */
 };
 
 /* The tensors a layer's backward reads, saved by its forward (shapes for N rows). */
@@ -3773,7 +3775,6 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
         moe->prepass = opt->moe.scope == PR_AUX_SCOPE_GROUP && (B > 1 || team);   /* a team's ranks need the group's routing */
         moe->pre = cx->mem_moe; moe->own = moe->pre + n_sums; moe->F = moe->own + n_sums;
         moe->prob_tot = moe->F + E; moe->c = moe->prob_tot + E;
-        memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * E);
     }
     memset(tr->phase_peak, 0, sizeof tr->phase_peak);
     tr->alloc_failed = 0;
@@ -3859,7 +3860,6 @@ static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
         pr__sum_doubles(tr, cp, &r, 1);
         cx->rows = (long)r;
         pr__sum_host(tr, cp, cx->logp, n_tok);
-        if (moe->on) pr__sum_doubles(tr, cp, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)moe->E);
     }
     if (pr__pp(tr) > 1) {
         pr_comm *pp = tr->mesh->pp_comm;
@@ -3918,6 +3918,17 @@ static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s
     return PR_OK;
 }
 
+/* MoE: the expert load covers the groups of one pr_trainer_compute_grads* call, added up as
+   they route: cleared at the call's start, and summed over cp (each cp rank routed its chunk's
+   rows) once at its end, after the last group. */
+static void pr__load_begin(pr_trainer *tr) {
+    if (tr && tr->expert_load) memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * (size_t)tr->cfg.num_experts);
+}
+static void pr__load_end(pr_trainer *tr) {
+    if (tr && tr->expert_load && pr__cp(tr) > 1)
+        pr__sum_doubles(tr, tr->mesh->cp_comm, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)tr->cfg.num_experts);
+}
+
 /* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
 static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
                                    pr_real *logp, pr_comm *team, pr_error *err) {
@@ -3956,7 +3967,10 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads: on a mesh with tp, cp or pp, a step of several "
                         "groups accumulates through pr_trainer_compute_grads_dp (its sums over the mesh run once, after the "
                         "last group)");
-    return pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
+    pr__load_begin(tr);
+    pr_status st = pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
+    pr__load_end(tr);
+    return st;
 }
 
 /* FLOPs a token costs through the layers (its matmuls), and a (query, key) pair in attention. */
@@ -4236,7 +4250,10 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
     if (tr && opt && opt->accumulate && (pr__tp(tr) > 1 || pr__cp(tr) > 1 || pr__pp(tr) > 1))
         return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp, cp or pp, a step accumulates "
                         "through pr_trainer_compute_grads_tree_dp (its sums over the mesh run once, after the last group)");
-    return pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
+    pr__load_begin(tr);
+    pr_status st = pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
+    pr__load_end(tr);
+    return st;
 }
 
 PRDEF double pr_tree_flops(const pr_config *c, const pr_group *groups, int n, const pr_prefix_tree *tree) {
@@ -5668,6 +5685,7 @@ static pr_status pr__dp_sum_grads(pr_trainer *tr, pr_comm *dp, pr_error *err) {
 
 /* A dp step's start: the gradients at zero (its groups accumulate) ... */
 static void pr__dp_step_begin(pr_trainer *tr) {
+    pr__load_begin(tr);
     tr->comm_st = PR_OK;
     tr->be->zero(tr->be, tr->grads, tr->n_params * sizeof(pr_real));
     tr->grads_scattered = 0;
@@ -5678,6 +5696,7 @@ static void pr__dp_step_begin(pr_trainer *tr) {
    a failed rank's sum is discarded by its own status. */
 static pr_status pr__dp_step_end(pr_trainer *tr, pr_comm *dp, pr_status st, const pr_step_stats *sum, pr_step_stats *stats,
                                  pr_error *err) {
+    pr__load_end(tr);
     pr__mesh_sync_grads(tr);
     pr_status cs = pr__dp_sum_grads(tr, dp, err);
     if (st) return st;

@@ -673,13 +673,16 @@ static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error 
 /* MoE: adds the trainer's expert loads of its last step (logical tokens per expert, each layer it
    holds) into load, (layers x experts) of the whole model. Two runs of the same step route
    alike exactly when these agree (bar flips that cancel): the check's routing report. */
-static void add_expert_loads(const pr_trainer *tr, const pr_config *cfg, double *load) {
+static pr_status add_expert_loads(const pr_trainer *tr, const pr_config *cfg, double *load, pr_error *err) {
     const int E = cfg->num_experts;
-    double *row = E ? malloc(sizeof(double) * (size_t)E) : NULL;
-    for (int l = 0; row && l < cfg->num_hidden_layers; l++)
+    if (!E) return PR_OK;
+    double *row = malloc(sizeof(double) * (size_t)E);
+    if (!row) return set_error(err, PR_ERR_NOMEM, "out of host memory");
+    for (int l = 0; l < cfg->num_hidden_layers; l++)
         if (!pr_trainer_expert_load(tr, l, row, E, NULL))     /* fails for layers another pp stage holds */
             for (int e = 0; e < E; e++) load[(size_t)l * E + e] += row[e];
     free(row);
+    return PR_OK;
 }
 
 /* One optimizer step's groups over the mesh's dp ranks: placed whole (pr_trainer_compute_grads_dp),
@@ -729,13 +732,13 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         double clipped = (double)ss.clipped_tokens;
         if (!st) st = sum_over(m.dp_comm, be, &ss.loss, err);
         if (!st) st = sum_over(m.dp_comm, be, &clipped, err);
-        if (!st && j->load) {                 /* each dp rank routed its groups, each pp stage its layers */
+        if (!st && j->load) {                 /* each dp rank routed its groups, each pp stage its layers (pp_comm: one rank without pp) */
             const size_t nl = (size_t)j->cfg->num_hidden_layers * (size_t)j->cfg->num_experts;
             double *load = calloc(nl, sizeof(double));
             if (!load) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
-            if (!st) add_expert_loads(tr, j->cfg, load);
+            if (!st) st = add_expert_loads(tr, j->cfg, load, err);
             if (!st) st = sum_over_n(m.dp_comm, be, load, nl, err);
-            if (!st && m.pp_comm) st = sum_over_n(m.pp_comm, be, load, nl, err);
+            if (!st) st = sum_over_n(m.pp_comm, be, load, nl, err);
             if (!st && lead) memcpy(j->load, load, sizeof(double) * nl);
             free(load);
         }
@@ -917,7 +920,7 @@ static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *b
         pr_status st = pr_prefix_tree_build(&t, batch, nb, o->tree_min, err);
         if (!st) st = pr_trainer_compute_grads_tree(tr, batch, nb, &t, &so, sum, err);
         pr_prefix_tree_free(&t);
-        if (!st && load) add_expert_loads(tr, pr_trainer_config(tr), load);
+        if (!st && load) st = add_expert_loads(tr, pr_trainer_config(tr), load, err);
         return st;
     }
     for (int b = 0; b < nb; b++) {
@@ -925,7 +928,7 @@ static pr_status step_groups(const options *o, pr_trainer *tr, const pr_group *b
         so.accumulate = b > 0;
         pr_status s = pr_trainer_compute_grads(tr, &batch[b], &so, &st, NULL, err);
         if (s) return s;
-        if (load) add_expert_loads(tr, pr_trainer_config(tr), load);
+        if (load && (s = add_expert_loads(tr, pr_trainer_config(tr), load, err))) return s;
         pr_step_stats_add(sum, &st);
     }
     return PR_OK;
@@ -1099,19 +1102,22 @@ static void print_tensors_out(const pr_trainer *tr, const pr_real *a, const pr_r
 
 /* MoE: where the two runs' expert loads differ, a router logit within rounding of a tie took
    another expert in one run only (the objective's own discontinuity, as a clipped PPO ratio is):
-   the layers, and how many routings moved at least (half the loads' differences). */
-static void print_routing_flips(const pr_config *cfg, const double *base, const double *other, const char *name) {
+   the layers, and how many routings moved at least (half the loads' differences). Returns the
+   count of such layers: the check fails on any, since the two schedules then computed different
+   functions (and where the gradients agree all the same, the loads' own accounting is wrong). */
+static int print_routing_flips(const pr_config *cfg, const double *base, const double *other, const char *name) {
     const int E = cfg->num_experts;
     int layers = 0;
     for (int l = 0; l < cfg->num_hidden_layers; l++) {
         double moved = 0;
         for (int e = 0; e < E; e++) moved += fabs(base[(size_t)l * E + e] - other[(size_t)l * E + e]);
         if (moved == 0) continue;
-        if (!layers++) printf("    expert routing differs from %s's: a router logit within rounding of a tie takes another expert in "
-                              "one run only, and the gradient terms of its tokens go with it; routings moved:", name);
+        if (!layers++) printf("    expert loads differ from %s's (a router logit within rounding of a tie takes another expert in one "
+                              "run only, and the gradient terms of its tokens go with it); routings moved:", name);
         printf(" layer %d %.0f", l, moved / 2);
     }
     if (layers) printf("\n");
+    return layers;
 }
 
 static int run_check(const options *o, const pr_config *cfg, const pr_trace *trace) {
@@ -1184,7 +1190,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
             if (pr_trainer_compute_grads(base, &batch[k], &ob, &s1, NULL, &err)) failed = fail(&err);
             else {
                 pr_step_stats_add(&sb, &s1);
-                if (load_b) add_expert_loads(base, cfg, load_b);
+                if (load_b && add_expert_loads(base, cfg, load_b, &err)) failed = fail(&err);
             }
         }
         if (!failed && (pr_trainer_get_grads(base, ga, n, &err) || pr_trainer_adamw_step(base, &adam, &gnorm, &err) ||
@@ -1258,9 +1264,10 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
                 printf("    clipped tokens: baseline %ld, %s %ld: a ratio within rounding of 1 - eps-low or 1 + eps-high "
                        "clips in one run only, and that token's gradient terms go with it\n", sb.clipped_tokens,
                        o->tree ? "tree" : "reuse", sr.clipped_tokens);
-            if (load_b) print_routing_flips(cfg, load_b, load_r, o->tree ? "tree" : "reuse");
+            const int flipped = load_b ? print_routing_flips(cfg, load_b, load_r, o->tree ? "tree" : "reuse") : 0;
             if (dg.bad) print_tensors_out(base, gb, ga, atol_at, rtol);
             if (!(dl <= atol + rtol * fabs(sb.loss))) dg.bad++;
+            dg.bad += flipped;
             worst_of(&worst_g, dg);
             worst_of(&worst_p, dp);
             worst_loss = fmax(worst_loss, dl);

@@ -69,6 +69,9 @@ for p in float double; do
     run "$dir/train-$p" --check --dp 2 --groups-per-step 1 --kl-coef 0.04
     run "$dir/train-$p" --check --dp 3 --zero 2 --grad-reduce bf16
     run "$dir/train-$p" --config model/tiny-moe --check --dp 4 --groups-per-step 2 --pp 2 --aux-scope group
+    # more groups than dp ranks: each rank's expert load covers all of its groups (the check
+    # compares the loads with the baseline's)
+    run "$dir/train-$p" --config model/tiny-moe --check --tp 2 --groups-per-step 2
 done
 run "$dir/train-float" --bench capacity --bench-sizes gpu --bench-budget 6 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --zero 2
 run "$dir/train-float" --prefix-tree 4 --groups-per-step 4
@@ -81,6 +84,7 @@ run "$dir/train-float" --schedule tree --groups-per-step 2 --steps 2
 run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2 --pp 2
 run "$dir/train-double" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --pp 2 --aux-scope group
 run "$dir/train-double" --check --schedule tree --tree-min 1 --groups-per-step 4 --cp 3 --tp 2
+run "$dir/train-double" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --cp 2   # loads summed over cp once
 run "$dir/train-float" --check --trace data/multiturn.trace --schedule tree --tree-min 8 --cp 2 --dp 2
 for p in float double; do      # trained prefix tokens: a multi-turn trace, both schedules and its tree
     run "$dir/train-$p" --check --trace data/multiturn.trace --microbatch 2 --recompute prefix

@@ -57,9 +57,12 @@ run ranks 4 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --check --microbatch 3 
 # near-tie). FLIP_SEED (test/run.sh on the emulated device, whose rounding is fixed): a seed
 # where it happens; the check fails and names the layers.
 routing_flip() {
-    out=$(ranks 4 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --check --microbatch 3 $wide --seed "$1") && return 1
-    printf '%s\n' "$out" | grep -E 'expert routing differs|^check:'
-    printf '%s\n' "$out" | grep -q 'expert routing differs from reuse.s: .*routings moved: layer'
+    if out=$(ranks 4 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --check --microbatch 3 $wide --seed "$1"); then
+        echo "seed $1: the check passed, so no routing flipped: FLIP_SEED must be a seed whose routing flips"
+        return 1
+    fi
+    printf '%s\n' "$out" | grep -E 'expert loads differ|^check:'
+    printf '%s\n' "$out" | grep -q "expert loads differ from reuse's .*routings moved: layer"
 }
 if [ -n "${FLIP_SEED:-}" ]; then run routing_flip "$FLIP_SEED"; fi
 run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --check $wide
