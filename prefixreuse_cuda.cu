@@ -992,8 +992,9 @@ PR_UNROLL
    cost 8 ldmatrix.x4 for 64 mma (40 instead of 32 a sub-tile at HS 128) but free the 32 registers
    whose lack made the compiler recompute lane-derived addresses inside the loop and spill at the
    least change. With them, with the steps' (query tile, head) pairs counted rather than divided
-   out, and pr_ldsm_off's addresses, the step loop's static SASS went from 931 to 365 instructions
-   (one 16-query sub-tile's 64 mma counted once; test/check_sass.sh, nvcc 13.0). The query tile is
+   out, pr_ldsm_off's addresses and the mask only on steps that cut a key's view, the step loop's
+   static SASS went from 931 to 375 instructions (one 16-query sub-tile's 64 mma counted once, its
+   two paths both; test/check_sass.sh, nvcc 13.0). The query tile is
    taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK,
    dV and K (255 at HS 128, no spills).
    FUSED_DQ (PR_CUDA_ATTENTION_MMA_ATOMIC, for measuring what determinism costs): FlashAttention-2's
@@ -1061,6 +1062,8 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
         const pr_att_tile qt = qtiles[at.tile];
         const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
         const float *lst = ls + st * PR_MMA_ROWS, *dst = ds + st * PR_MMA_ROWS;
+        /* every query of the tile sees every key of the block (most steps): no mask */
+        const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
 PR_UNROLL_1
         for (int sub = 0; sub < PR_MMA_ROWS / QN; sub++) {
             /* S^T = K Q^T, dP^T = V dO^T: 16 keys x QN queries */
@@ -1073,13 +1076,14 @@ PR_UNROLL_1
             /* P^T = exp2(S^T scale log2e - lse log2e) where visible, else 0 (S^T = -inf); dS^T =
                P^T (dP^T - D), into dp. A lane's elements lie in 2 query columns an n8 tile (its
                keys g and g + 8): lse and D read once a column. */
+            if (!whole)
 PR_UNROLL
-            for (int nt = 0; nt < QN / 8; nt++)
+                for (int nt = 0; nt < QN / 8; nt++)
 PR_UNROLL
-                for (int i = 0; i < 4; i++) {
-                    const int row = qt.r0 + sub * QN + 8 * nt + pr_mma_c_col(lane, i), key = key0 + pr_mma_c_row(lane, i);
-                    if (!(key < kt.end && row < qt.r1 && (!own || key <= row))) p[nt][i] = -INFINITY;
-                }
+                    for (int i = 0; i < 4; i++) {
+                        const int row = qt.r0 + sub * QN + 8 * nt + pr_mma_c_col(lane, i), key = key0 + pr_mma_c_row(lane, i);
+                        if (!(key < kt.end && row < qt.r1 && (!own || key <= row))) p[nt][i] = -INFINITY;
+                    }
 PR_UNROLL
             for (int nt = 0; nt < QN / 8; nt++)
 PR_UNROLL
