@@ -3846,7 +3846,8 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
 }
 
 /* Step 4, the sums over the mesh: a split group's routing totals over its team and the group's
-   aux term; the CP chunks' shares of the loss, log-probs, rows and expert load; the last stage's
+   aux term; the CP chunks' shares of the loss, log-probs and rows (the expert load's once a call,
+   pr__load_end); the last stage's
    loss, aux term and log-probs for every stage; the gradients over the mesh. */
 static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
     pr__moe_acc *moe = &cx->moe;
@@ -3928,6 +3929,14 @@ static void pr__load_end(pr_trainer *tr) {
     if (tr && tr->expert_load && pr__cp(tr) > 1)
         pr__sum_doubles(tr, tr->mesh->cp_comm, tr->expert_load, (size_t)tr->cfg.num_hidden_layers * (size_t)tr->cfg.num_experts);
 }
+/* The same at the end of a call without dp: the step's status, or the sum's failure after it (a
+   step that returned PR_OK left no failed collective behind). */
+static pr_status pr__load_end_call(pr_trainer *tr, pr_status st, pr_error *err) {
+    if (!tr) return st;
+    pr__load_end(tr);
+    if (!st && tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
+    return st;
+}
 
 /* One group's step; team: the DP ranks it is split across (see pr__step_ctx), or NULL. */
 static pr_status pr__compute_grads(pr_trainer *tr, const pr_group *g, const pr_step_opts *opt, pr_step_stats *stats,
@@ -3968,9 +3977,7 @@ PRDEF pr_status pr_trainer_compute_grads(pr_trainer *tr, const pr_group *g, cons
                         "groups accumulates through pr_trainer_compute_grads_dp (its sums over the mesh run once, after the "
                         "last group)");
     pr__load_begin(tr);
-    pr_status st = pr__compute_grads(tr, g, opt, stats, logp, NULL, err);
-    pr__load_end(tr);
-    return st;
+    return pr__load_end_call(tr, pr__compute_grads(tr, g, opt, stats, logp, NULL, err), err);
 }
 
 /* FLOPs a token costs through the layers (its matmuls), and a (query, key) pair in attention. */
@@ -4251,9 +4258,7 @@ PRDEF pr_status pr_trainer_compute_grads_tree(pr_trainer *tr, const pr_group *gr
         return pr__fail(err, PR_ERR_UNSUPPORTED, "pr_trainer_compute_grads_tree: on a mesh with tp, cp or pp, a step accumulates "
                         "through pr_trainer_compute_grads_tree_dp (its sums over the mesh run once, after the last group)");
     pr__load_begin(tr);
-    pr_status st = pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err);
-    pr__load_end(tr);
-    return st;
+    return pr__load_end_call(tr, pr__compute_grads_tree(tr, groups, n, tree, opt, stats, err), err);
 }
 
 PRDEF double pr_tree_flops(const pr_config *c, const pr_group *groups, int n, const pr_prefix_tree *tree) {

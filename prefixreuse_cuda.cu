@@ -145,7 +145,7 @@ inline PR_HD int pr_swz(int row, int col, int W) {
    caller's: tiles of 16-row blocks) and lr < 16 the lane's row in its block (pr_ldm_*_row),
    cb its 8-column half (pr_ldm_*_col / 8). 2 pr_swz(row0 + lr, 16 j + 8 cb, W), written so that
    the XOR is of lane constants alone: with row0's low bits known to be 0, the compiler takes it
-   once for a lane rather than once for each load (dQ's inner loop: 454 -> 368 instructions). */
+   once for a lane rather than once for each load (dQ's inner loop: 454 -> 367 instructions). */
 inline PR_HD uint32_t pr_ldsm_off(int row0, int lr, int j, int cb, int W) {
     return 2u * (uint32_t)((row0 + lr) * W) + 128u * (uint32_t)(j >> 2) + ((32u * (uint32_t)(j & 3)) ^ (16u * (uint32_t)((lr & 7) ^ cb)));
 }
