@@ -3847,8 +3847,8 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
 
 /* Step 4, the sums over the mesh: a split group's routing totals over its team and the group's
    aux term; the CP chunks' shares of the loss, log-probs and rows (the expert load's once a call,
-   pr__load_end); the last stage's
-   loss, aux term and log-probs for every stage; the gradients over the mesh. */
+   pr__load_end); the last stage's loss, aux term and log-probs for every stage; the gradients
+   over the mesh. */
 static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
     pr__moe_acc *moe = &cx->moe;
     const size_t n_tok = (size_t)cx->n_tok;

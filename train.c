@@ -670,8 +670,8 @@ static pr_status sum_over_n(pr_comm *c, const pr_backend *be, double *x, size_t 
 }
 static pr_status sum_over(pr_comm *c, const pr_backend *be, double *x, pr_error *err) { return sum_over_n(c, be, x, 1, err); }
 
-/* MoE: adds the trainer's expert loads of its last step (logical tokens per expert, each layer it
-   holds) into load, (layers x experts) of the whole model. Two runs of the same step route
+/* MoE: adds the trainer's expert loads of its last compute_grads call (logical tokens per expert,
+   each layer it holds) into load, (layers x experts) of the whole model. Two runs of the same step route
    alike exactly when these agree (bar flips that cancel): the check's routing report. */
 static pr_status add_expert_loads(const pr_trainer *tr, const pr_config *cfg, double *load, pr_error *err) {
     const int E = cfg->num_experts;
