@@ -647,34 +647,32 @@ __device__ __forceinline__ void pr_cp_async_turn(void) {
     pr_cp_async_wait<1>();
     __syncthreads();
 }
-/* acc (16 x 8 n8 tiles of this warp) += A (16 x 16k, fragments af) B (16k x 16*NP, from a swizzled
-   [n][k] tile at rows b_row0, without .trans) over K = 16*KC. */
+/* acc (16 x 16*NP, 2*NP n8 tiles of this warp) += A (16 x 16, fragment a) B (16 x 16*NP, k16 block
+   kc of a swizzled [n][k] tile at rows b_row0, without .trans). */
+template <int W, int NP>
+__device__ __forceinline__ void pr_mma_abt_kc(float (*acc)[4], const uint32_t a[4], uint32_t b_base, int b_row0, int kc, int lane) {
+PR_UNROLL
+    for (int np = 0; np < NP; np++) {
+        uint32_t b[4];
+        pr_ldsm_x4(b, b_base + pr_ldsm_off(b_row0 + 16 * np, pr_ldm_bn_row(lane), kc, pr_ldm_bn_col(lane) / 8, W));
+        pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
+        pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+}
+/* The same over K = 16*KC: A from its fragments af (pr_mma_abt) or read from shared memory a k16
+   block at a time (pr_mma_abt_s: a swizzled [row][k] tile at rows a_row0). */
 template <int W, int KC, int NP>
 __device__ __forceinline__ void pr_mma_abt(float (*acc)[4], const uint32_t (*af)[4], uint32_t b_base, int b_row0, int lane) {
 PR_UNROLL
-    for (int kc = 0; kc < KC; kc++)
-PR_UNROLL
-        for (int np = 0; np < NP; np++) {
-            uint32_t b[4];
-            pr_ldsm_x4(b, b_base + pr_ldsm_off(b_row0 + 16 * np, pr_ldm_bn_row(lane), kc, pr_ldm_bn_col(lane) / 8, W));
-            pr_mma_bf16(acc[2 * np], af[kc], b[0], b[1]);
-            pr_mma_bf16(acc[2 * np + 1], af[kc], b[2], b[3]);
-        }
+    for (int kc = 0; kc < KC; kc++) pr_mma_abt_kc<W, NP>(acc, af[kc], b_base, b_row0, kc, lane);
 }
-/* As pr_mma_abt, A read from shared memory (a swizzled [row][k] tile at rows a_row0) a k16 block at a time. */
 template <int W, int KC, int NP>
 __device__ __forceinline__ void pr_mma_abt_s(float (*acc)[4], uint32_t a_base, int a_row0, uint32_t b_base, int b_row0, int lane) {
 PR_UNROLL
     for (int kc = 0; kc < KC; kc++) {
         uint32_t a[4];
         pr_mma_load_a_kc<W>(a, a_base, a_row0, kc, lane);
-PR_UNROLL
-        for (int np = 0; np < NP; np++) {
-            uint32_t b[4];
-            pr_ldsm_x4(b, b_base + pr_ldsm_off(b_row0 + 16 * np, pr_ldm_bn_row(lane), kc, pr_ldm_bn_col(lane) / 8, W));
-            pr_mma_bf16(acc[2 * np], a, b[0], b[1]);
-            pr_mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-        }
+        pr_mma_abt_kc<W, NP>(acc, a, b_base, b_row0, kc, lane);
     }
 }
 /* For each of the first m_live of M 16-row tiles: acc[m] (16 x W, W/8 n8 tiles) += bf16(X[m])
@@ -994,9 +992,9 @@ PR_UNROLL
    least change. With them, with the steps' (query tile, head) pairs counted rather than divided
    out, pr_ldsm_off's addresses and the mask only on steps that cut a key's view, the step loop's
    static SASS went from 931 to 375 instructions (one 16-query sub-tile's 64 mma counted once, its
-   two paths both; test/check_sass.sh, nvcc 13.0). The query tile is
-   taken in sub-tiles of QN queries, so that S^T and dP^T of HS 128 fit the registers beside dK,
-   dV and K (255 at HS 128, no spills).
+   two paths both; test/check_sass.sh, nvcc 13.0). The query tile is taken in sub-tiles of QN
+   queries, so that S^T and dP^T of HS 128 fit the registers beside dK, dV and K (255 at HS 128,
+   no spills).
    FUSED_DQ (PR_CUDA_ATTENTION_MMA_ATOMIC, for measuring what determinism costs): FlashAttention-2's
    fused backward, which needs no dQ kernel. Each step also stores bf16(dS^T) into a 64 x 64 tile
    of shared memory and, after a barrier, adds its dS K into the fp32 dq_acc with atomics
