@@ -84,7 +84,9 @@ run "$dir/train-float" --schedule tree --groups-per-step 2 --steps 2
 run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --tp 2 --pp 2
 run "$dir/train-double" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --pp 2 --aux-scope group
 run "$dir/train-double" --check --schedule tree --tree-min 1 --groups-per-step 4 --cp 3 --tp 2
-run "$dir/train-double" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --cp 2   # loads summed over cp once
+for p in float double; do      # the expert load summed over cp once, not once a group
+    run "$dir/train-$p" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --cp 2
+done
 run "$dir/train-float" --check --trace data/multiturn.trace --schedule tree --tree-min 8 --cp 2 --dp 2
 for p in float double; do      # trained prefix tokens: a multi-turn trace, both schedules and its tree
     run "$dir/train-$p" --check --trace data/multiturn.trace --microbatch 2 --recompute prefix
