@@ -564,10 +564,14 @@ void pr_backend_cuda_destroy(const pr_backend *be);
    kernel: dq is not bitwise reproducible (dk, dv, dkp, dvp are MMA's, bit for bit); it exists to
    measure what the deterministic backward costs (on an H200 it is the slower of the two). The
    tensor-core kernels pass test/test_gpu_attention.c on an H200; the default stays FFMA until
-   racecheck has finished on them too. */
+   racecheck has finished on them too. PR_CUDA_ATTENTION_WGMMA: MMA's backward, and a forward on
+   Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code, the
+   Makefile's default: PR_ERR_UNSUPPORTED elsewhere); checked on the emulated device, not yet run
+   on a GPU. */
 #define PR_CUDA_ATTENTION_FFMA 0
 #define PR_CUDA_ATTENTION_MMA 1
 #define PR_CUDA_ATTENTION_MMA_ATOMIC 2
+#define PR_CUDA_ATTENTION_WGMMA 3
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err);
 
 /* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */

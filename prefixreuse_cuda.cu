@@ -149,6 +149,34 @@ inline PR_HD int pr_swz(int row, int col, int W) {
 inline PR_HD uint32_t pr_ldsm_off(int row0, int lr, int j, int cb, int W) {
     return 2u * (uint32_t)((row0 + lr) * W) + 128u * (uint32_t)(j >> 2) + ((32u * (uint32_t)(j & 3)) ^ (16u * (uint32_t)((lr & 7) ^ cb)));
 }
+/* Hopper's wgmma (sm_90a) reads its shared-memory operands through a matrix descriptor, in
+   layouts of its own: with the 128-byte swizzle, rows of 64 bf16 (128 bytes) in atoms of 8 rows
+   (1,024 bytes, 1,024-aligned), chunk c of row r at chunk c ^ (r & 7), the same XOR as pr_swz at
+   W = 64. A tile of `rows` rows and HS columns is stored as HS / 64 panels of 64 columns, one after
+   another, each rows x 128 bytes: the element offset of (row, col). At HS 64 it is pr_swz's. */
+inline PR_HD int pr_wg_swz(int row, int col, int rows) { return (col >> 6) * rows * 64 + pr_swz(row, col & 63, 64); }
+/* The descriptor of an operand at shared-memory byte address addr (PTX ISA, "Matrix Descriptor
+   Format"): bits 0-13 addr >> 4, 16-29 the leading-dimension byte offset >> 4, 32-45 the
+   stride-dimension byte offset >> 4, 49-51 base offset 0 (the atoms are 1,024-aligned), 62-63
+   layout 1 (128-byte swizzle). In these layouts the stride-dimension offset is 1,024 (from one
+   8-row atom to the next); the leading-dimension one is the distance between panels, used only by
+   an MN-major operand (V in P V, N = HS across panels), ignored for a K-major one (Q, K in
+   Q K^T: a k16 block never leaves its panel). */
+#define PR_WG_ATOM 1024u
+inline PR_HD uint64_t pr_wg_desc(uint32_t addr, uint32_t lbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFFu) << 16 | (uint64_t)(PR_WG_ATOM >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+/* A K-major operand's k16 block kc in a panel tile of `rows` rows at byte address base: panel
+   kc / 4, 32 bytes a block inside it (the swizzle applies to the address bits the hardware sees). */
+inline PR_HD uint64_t pr_wg_desc_k(uint32_t base, int kc, int rows) {
+    return pr_wg_desc(base + 128u * (uint32_t)rows * (uint32_t)(kc >> 2) + 32u * (uint32_t)(kc & 3), 16u);
+}
+/* An MN-major operand's k16 block kc (rows 16 kc .. + 15, the k of the product) in a 64-row panel
+   tile at base: 16 rows of 128 bytes a block, panels 64 x 128 bytes apart. */
+inline PR_HD uint64_t pr_wg_desc_mn(uint32_t base, int kc) {
+    return pr_wg_desc(base + 2048u * (uint32_t)kc, 64u * 128u);
+}
 /* The copy of a rows x W tile in 16-byte chunks: chunk e (thread e % threads, step e / threads)
    is row e / (W/8), chunk e % (W/8): consecutive threads copy consecutive chunks of a row. */
 inline PR_HD int pr_chunk_row(int e, int W) { return e / (W >> 3); }
@@ -226,6 +254,45 @@ __device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
 __device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 /* *p += v in global memory, atomically (red.global.add.f32): the fused backward's dQ only. */
 __device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p, v); }
+/* Hopper's warpgroup instructions (sm_90a; the kernel that uses them compiles only there). A
+   warpgroup is 4 consecutive warps; each wgmma is issued by all its 128 threads, runs
+   asynchronously, and its registers (accumulators, A fragments) must be left alone until
+   wgmma.wait_group has retired it. */
+__device__ __forceinline__ void pr_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void pr_wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void pr_wg_wait(void) { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+/* Shared memory written by cp.async or plain stores (the generic proxy) made visible to wgmma's
+   reads (the async proxy): each writing thread, after its writes, before the barrier. */
+__device__ __forceinline__ void pr_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+/* n registers held in place: reads of them after a pr_wg_wait cannot be moved above it, since each
+   depends on this empty statement, which stays after the (volatile) wait. */
+template <int N> __device__ __forceinline__ void pr_wg_hold(float *d) {
+PR_UNROLL
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+/* d (64 x 64, fp32, 32 a thread) += A B^T: A 64 x 16 and B 64 x 16, K-major, both
+   from shared memory through descriptors. */
+__device__ __forceinline__ void pr_wg_ss64(float d[32], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(1));
+}
+/* d (64 x N) += A B: A 64 x 16 from registers (mma.m16n8k16's A fragment, warp w of the
+   warpgroup holding rows 16w .. 16w + 15), B 16 x N MN-major from shared memory (imm-trans-b 1). */
+template <int N> __device__ __forceinline__ void pr_wg_rs(float *d, const uint32_t a[4], uint64_t db);
+template <> __device__ __forceinline__ void pr_wg_rs<64>(float *d, const uint32_t a[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+template <> __device__ __forceinline__ void pr_wg_rs<128>(float *d, const uint32_t a[4], uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
 #endif
 /* ================================================================ end of WARP-LEVEL PIECES */
 
@@ -566,8 +633,9 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
 typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
 
 /* Rows [row0, row0 + n) of one head (column col, row stride ld; row row0 must exist) into a
-   swizzled 64 x HS tile: n >= 64 a whole tile, rows n..63 zero-filled otherwise (all of them for
-   n <= 0); 16-byte cp.async by the whole block (not yet committed). Chunk e = threadIdx.x +
+   swizzled 64 x HS tile (pr_swz; PANELS: wgmma's panels, pr_wg_swz): n >= 64 a whole tile, rows
+   n..63 zero-filled otherwise (all of them for n <= 0); 16-byte cp.async by the whole block of
+   THREADS threads (not yet committed). Chunk e = threadIdx.x +
    i * threads (pr_chunk_row/col): a thread keeps its column and, the block's step being a
    multiple of 8 rows, its swizzled column too, so a chunk costs a row offset, not a swizzle; the
    chunks past row n read row row0 and land as zeros. Unrolled, with a fixed trip count: the
@@ -576,12 +644,12 @@ typedef struct { int j0, end, qlo, qhi, chunk; } pr_att_ktile;
    steps the same way in a loop it does not unroll: at hd 128 it holds 255 registers, and the
    unrolled copy's few more spill there (test/check_sass.sh); rolled, a chunk costs about 14
    instructions, against 25 for the loop over e. */
-template <int HS, bool ROLLED = false>
+template <int HS, bool ROLLED = false, int THREADS = PR_MMA_THREADS, bool PANELS = false>
 __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0, int n, size_t ld, int col) {
-    constexpr int STEP = PR_MMA_THREADS / (HS / 8);
+    constexpr int STEP = THREADS / (HS / 8), PITCH = PANELS ? 64 : HS;   /* rows a turn; elements a stored row */
     static_assert(STEP % 8 == 0 && PR_MMA_ROWS % STEP == 0, "a thread's swizzled column must not move");
     const int r0 = pr_chunk_row(threadIdx.x, HS), c = pr_chunk_col(threadIdx.x, HS);
-    uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)pr_swz(r0, c, HS);
+    uint32_t d = pr_smem_u32(dst) + 2u * (uint32_t)(PANELS ? pr_wg_swz(r0, c, PR_MMA_ROWS) : pr_swz(r0, c, HS));
     /* the rows' addresses stepped as integers, each made a pointer only where it is read: no
        pointer past the rows is formed */
     const bf16 *first = src + (size_t)row0 * ld + col + c;
@@ -589,19 +657,19 @@ __device__ __forceinline__ void pr_mma_copy(bf16 *dst, const bf16 *src, int row0
     const uintptr_t step = (uintptr_t)STEP * ld * sizeof(bf16);
     if (ROLLED) {
 PR_UNROLL_1
-        for (int left = n - r0, i = 0; i < PR_MMA_ROWS / STEP; i++, left -= STEP, a += step, d += 2u * STEP * HS)
+        for (int left = n - r0, i = 0; i < PR_MMA_ROWS / STEP; i++, left -= STEP, a += step, d += 2u * STEP * PITCH)
             pr_cp_async16(d, left > 0 ? (const void *)a : (const void *)first, left > 0);
         return;
     }
     if (n >= PR_MMA_ROWS) {                     /* a whole tile (most of them): no row test */
 PR_UNROLL
-        for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), (const void *)a, true);
+        for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) pr_cp_async16(d + 2u * (uint32_t)(i * STEP * PITCH), (const void *)a, true);
         return;
     }
 PR_UNROLL
     for (int i = 0; i < PR_MMA_ROWS / STEP; i++, a += step) {
         const bool in = r0 + i * STEP < n;
-        pr_cp_async16(d + 2u * (uint32_t)(i * STEP * HS), in ? (const void *)a : (const void *)first, in);
+        pr_cp_async16(d + 2u * (uint32_t)(i * STEP * PITCH), in ? (const void *)a : (const void *)first, in);
     }
 }
 
@@ -703,6 +771,75 @@ __device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
     return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
+/* A 64-key tile's step of the forward's online softmax for a warp's 16 rows from row0 (the
+   forward kernels share it): s (8 n8 tiles, this warp's part of S = Q K^T) masked and turned into
+   P in place, m and l (rows g, g + 8) the running max and this lane's part of the sum, acc (HS/8
+   n8 tiles of O) rescaled. */
+template <int HS>
+__device__ __forceinline__ void pr_fwd_softmax(float (*s)[4], float *m, float *l, float (*acc)[4], const pr_mma_keys &x, int row0,
+                                               int lane, float sl2) {
+    /* mask the prefix's tail, keys past the segment, the causal upper part: a tile all of whose
+       keys every row of the warp sees (most of a walk) skips the per-element test */
+    const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= row0);
+    if (!whole)
+PR_UNROLL
+        for (int nt = 0; nt < 8; nt++)
+PR_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = row0 + pr_mma_c_row(lane, i);
+                if (!(key < x.end && (!x.own || key <= row))) s[nt][i] = -INFINITY;
+            }
+    /* online softmax, rows g (rr 0) and g+8 (rr 1), on the unscaled scores: their max is the max
+       of the scaled ones (a positive factor keeps the order, rounding included), and the scale
+       enters each exponent in one fma, FA2's way; m is unscaled, and its two products by sl2 are
+       rounded alone (never fused into the subtraction), so that corr is exactly 1 where the max
+       stays */
+    float corr[2];
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        float mx = m[rr];
+PR_UNROLL
+        for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rr], s[nt][2 * rr + 1]));
+        mx = pr_quad_max(mx);
+        const float base = mx == -INFINITY ? 0.0f : __fmul_rn(mx, sl2);
+        corr[rr] = pr_exp2(__fmul_rn(m[rr], sl2) - base);
+        m[rr] = mx;
+        float sum = 0.0f;
+PR_UNROLL
+        for (int nt = 0; nt < 8; nt++)
+PR_UNROLL
+            for (int j = 0; j < 2; j++) {
+                s[nt][2 * rr + j] = pr_exp2(fmaf(s[nt][2 * rr + j], sl2, -base));
+                sum += s[nt][2 * rr + j];
+            }
+        l[rr] = l[rr] * corr[rr] + sum;   /* this lane's part of the row; the quad's sum at the end */
+    }
+    /* acc *= corr, skipped where it changes nothing: no max of the warp's 16 rows moved (every
+       corr exactly 1), which deep in a long walk is most tiles */
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f))
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++)
+PR_UNROLL
+            for (int i = 0; i < 4; i++) acc[dt][i] *= corr[i >> 1];
+}
+/* The forward's end for a warp's 16 rows from row0 (those at or past r1 skipped): out =
+   bf16(acc / l), lse = (m + log2 l) ln 2; a row that saw nothing: 0, +inf. */
+template <int HS>
+__device__ __forceinline__ void pr_fwd_store(bf16 *out, float *lse, float (*acc)[4], const float *m, const float *l, int row0, int r1,
+                                             size_t qd, int h, int NH, int lane, float sl2) {
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const float lt = pr_quad_add(l[rr]);
+        const int row = row0 + pr_mma_c_row(lane, 2 * rr);
+        if (row >= r1) continue;
+        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+        bf16 *o = out + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr);
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[dt][2 * rr] * inv, acc[dt][2 * rr + 1] * inv);
+        if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[rr] * sl2 + log2f(lt)) * PR_LN2 : INFINITY;
+    }
+}
+
 /* Forward. Grid (forward query tiles, NH); the tiles run in reverse, so the longest walks start
    first. A forward tile is up to PR_MMA_FWD_ROWS = 128 rows of one segment: two of the backward's
    64-row tiles, walking the key tiles of the later one. Warp w holds rows 16w and 64 + 16w of it
@@ -777,72 +914,99 @@ PR_UNROLL
             }
         }
 PR_UNROLL
-        for (int mi = 0; mi < M; mi++) {
-            if (mi >= m_live) continue;
-            const int r0 = t.r0 + mi * PR_MMA_ROWS;   /* this m tile's 64-row half */
-            /* mask the prefix's tail, keys past the segment, the causal upper part: a tile all
-               of whose keys every row sees (most of a walk) skips the per-element test */
-            const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= r0);
-            if (!whole)
-PR_UNROLL
-                for (int nt = 0; nt < 8; nt++)
-PR_UNROLL
-                    for (int i = 0; i < 4; i++) {
-                        const int key = x.j0 + 8 * nt + pr_mma_c_col(lane, i), row = r0 + 16 * warp + pr_mma_c_row(lane, i);
-                        if (!(key < x.end && (!x.own || key <= row))) s[mi][nt][i] = -INFINITY;
-                    }
-            /* online softmax, rows g (rr 0) and g+8 (rr 1), on the unscaled scores: their max is
-               the max of the scaled ones (a positive factor keeps the order, rounding included),
-               and the scale enters each exponent in one fma, FA2's way; m is unscaled, and its
-               two products by sl2 are rounded alone (never fused into the subtraction), so that
-               corr is exactly 1 where the max stays */
-            float corr[2];
-PR_UNROLL
-            for (int rr = 0; rr < 2; rr++) {
-                float mx = m[mi][rr];
-PR_UNROLL
-                for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[mi][nt][2 * rr], s[mi][nt][2 * rr + 1]));
-                mx = pr_quad_max(mx);
-                const float base = mx == -INFINITY ? 0.0f : __fmul_rn(mx, sl2);
-                corr[rr] = pr_exp2(__fmul_rn(m[mi][rr], sl2) - base);
-                m[mi][rr] = mx;
-                float sum = 0.0f;
-PR_UNROLL
-                for (int nt = 0; nt < 8; nt++)
-PR_UNROLL
-                    for (int j = 0; j < 2; j++) {
-                        s[mi][nt][2 * rr + j] = pr_exp2(fmaf(s[mi][nt][2 * rr + j], sl2, -base));
-                        sum += s[mi][nt][2 * rr + j];
-                    }
-                l[mi][rr] = l[mi][rr] * corr[rr] + sum;   /* this lane's part of the row; the quad's sum at the end */
-            }
-            /* acc *= corr, skipped where it changes nothing: no max of the warp's 32 rows moved
-               (every corr exactly 1), which deep in a long walk is most tiles */
-            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f))
-PR_UNROLL
-                for (int dt = 0; dt < HS / 8; dt++)
-PR_UNROLL
-                    for (int i = 0; i < 4; i++) acc[mi][dt][i] *= corr[i >> 1];
-        }
+        for (int mi = 0; mi < M; mi++)
+            if (mi < m_live) pr_fwd_softmax<HS>(s[mi], m[mi], l[mi], acc[mi], x, t.r0 + mi * PR_MMA_ROWS + 16 * warp, lane, sl2);
         /* O += bf16(P) V */
         pr_mma_pv<HS, 4, M>(acc, s, m_live, pr_smem_u32(vs + st * T), 0, lane);
         __syncthreads();                             /* this stage is refilled next iteration */
     }
-    /* epilogue: out = bf16(acc / l), lse = (m + log2 l) ln 2; a row that saw nothing: 0, +inf */
 PR_UNROLL
-    for (int mi = 0; mi < M; mi++)
+    for (int mi = 0; mi < M; mi++) pr_fwd_store<HS>(out, lse, acc[mi], m[mi], l[mi], t.r0 + mi * PR_MMA_ROWS + 16 * warp, t.r1, qd, h, NH, lane, sl2);
+}
+
+/* The forward on Hopper's warpgroup MMA (wgmma, sm_90a; an empty kernel elsewhere, which
+   pr_backend_cuda_set_attention never selects: pr_k_wgmma_probe). The forward above, each row's
+   algorithm the same (the tiles, walk, masks, online softmax, bf16 P): only the tensor-core
+   instructions differ, so on the emulated block the two give the same bits. A block is two
+   warpgroups (256 threads); warpgroup g holds the 64-row half g of the 128-row tile, its warp w
+   rows 16w .. 16w + 15 of the half, in wgmma's accumulator layout, which is mma.sync's C fragment
+   n8 tile by n8 tile. A key tile: S = Q K^T as HS/16 wgmma m64n64k16, Q and K both read from
+   shared memory through descriptors (no ldmatrix, no registers for Q); O += bf16(P) V as 4 wgmma
+   m64nHSk16, P from registers (mma.sync's A fragment), V MN-major. Shared memory in wgmma's panel
+   layout (pr_wg_swz, 1,024-aligned): Q's two halves, then K and V two stages each, filled by
+   cp.async as above and fenced into the async proxy before the barrier that publishes them. A
+   half without rows (a tile of up to 64) skips its products and softmax: wgmma is issued by a
+   whole warpgroup, so the branch is uniform there. */
+#define PR_WG_THREADS 256
+template <int HS>
+__global__ void __launch_bounds__(PR_WG_THREADS)
+pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
+                         const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
+#if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
+    constexpr int T = PR_MMA_ROWS * HS;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *qs = (bf16 *)pr_dyn_smem, *ks = qs + 2 * T, *vs = ks + 2 * T;
+    const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float sl2 = rsqrtf((float)HS) * PR_LOG2E;
+    const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
+    const bool live = t.r0 + wg * PR_MMA_ROWS < t.r1;     /* this warpgroup's half holds rows */
+    const int row0 = t.r0 + wg * PR_MMA_ROWS + 16 * warp;
+
 PR_UNROLL
-        for (int rr = 0; rr < 2; rr++) {
-            const float lt = pr_quad_add(l[mi][rr]);
-            const int row = t.r0 + mi * PR_MMA_ROWS + 16 * warp + pr_mma_c_row(lane, 2 * rr);
-            if (row >= t.r1) continue;
-            const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-            bf16 *o = out + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr);
-PR_UNROLL
-            for (int dt = 0; dt < HS / 8; dt++)
-                *(uint32_t *)(o + 8 * dt) = pr_pack_bf16x2(acc[mi][dt][2 * rr] * inv, acc[mi][dt][2 * rr + 1] * inv);
-            if ((lane & 3) == 0) lse[(size_t)row * NH + h] = lt > 0.0f ? (m[mi][rr] * sl2 + log2f(lt)) * PR_LN2 : INFINITY;
+    for (int mi = 0; mi < 2; mi++)                  /* an empty half: zeros, from a row that exists */
+        pr_mma_copy<HS, false, PR_WG_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
+                                                    t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
+    pr_cp_async_commit();
+    {
+        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
+        pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_cp_async_commit();
+    }
+    float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+    pr_mma_zero<HS / 8>(acc);
+    const uint32_t qb = pr_smem_u32(qs + wg * T);
+    for (int it = 0; it < nkt; it++) {
+        const int st = it & 1;
+        if (it + 1 < nkt) {                         /* the next tile loads while this one computes */
+            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
+            pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         }
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();                      /* this thread's copies of this tile (and Q) landed, */
+        pr_fence_proxy_async();                     /* visible to wgmma, */
+        __syncthreads();                            /* and every thread's */
+        if (live) {
+            const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+            const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+            float s[8][4];
+            pr_mma_zero<8>(s);
+            pr_wg_fence();
+PR_UNROLL
+            for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
+            pr_wg_commit();
+            pr_wg_wait<0>();
+            pr_wg_hold<32>(&s[0][0]);
+            pr_fwd_softmax<HS>(s, m, l, acc, x, row0, lane, sl2);
+            uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
+PR_UNROLL
+            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
+            pr_wg_fence();
+PR_UNROLL
+            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
+            pr_wg_commit();
+            pr_wg_wait<0>();                        /* V's stage is read before it is refilled */
+            pr_wg_hold<HS / 2>(&acc[0][0]);
+        }
+        __syncthreads();                            /* this stage is refilled next iteration */
+    }
+    if (live) pr_fwd_store<HS>(out, lse, acc, m, l, row0, t.r1, qd, h, NH, lane, sl2);
+#else
+    (void)out, (void)lse, (void)q, (void)k, (void)v, (void)kp, (void)vp, (void)tiles, (void)n_prefix, (void)NH, (void)NKV;
+#endif
 }
 
 /* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
@@ -1692,7 +1856,8 @@ static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay, int ro
 
 /* A kernel with more than 48 KiB of dynamic shared memory opts in to it, once per device (the
    setting belongs to the function): the attention kernels' opt-ins, one bit each, by kernel and head dim. */
-enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA, PR_CU_ATT_DKV_FUSED };
+enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA, PR_CU_ATT_DKV_FUSED,
+       PR_CU_ATT_FWD_WGMMA };
 template <typename K>
 static int pr_cu_smem_attr(pr_cu *cx, K kernel, int which, int HS, size_t smem, const char *what) {
     const unsigned bit = 1u << (4 * which + (HS == 16 ? 0 : HS == 32 ? 1 : HS == 64 ? 2 : 3));
@@ -1776,12 +1941,14 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     const pr_att_tile *dt = nt ? (const pr_att_tile *)pr_cu_stage(cx, tiles, sizeof(pr_att_tile) * (size_t)nt) : NULL;
     free(tiles);
     if (!dt) return;
-    const size_t smem = pr_mma_smem_bytes(HS, 0);
-    if (!pr_cu_smem_attr(cx, pr_k_attention_fwd_mma<HS>, PR_CU_ATT_FWD_MMA, HS, smem, "attention_fwd_mma shared memory")) return;
-    PR_LAUNCH(pr_k_attention_fwd_mma<HS>, dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
+    const size_t smem = pr_mma_smem_bytes(HS, 0);      /* the wgmma forward's too: Q of 128 rows, K and V twice */
+    const int wg = cx->attention_kind == PR_CUDA_ATTENTION_WGMMA;
+    auto kernel = wg ? pr_k_attention_fwd_wgmma<HS> : pr_k_attention_fwd_mma<HS>;
+    if (!pr_cu_smem_attr(cx, kernel, wg ? PR_CU_ATT_FWD_WGMMA : PR_CU_ATT_FWD_MMA, HS, smem, "attention_fwd_mma shared memory")) return;
+    PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), wg ? PR_WG_THREADS : PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
-    pr_cu_launched(cx, "attention_fwd_mma");
+    pr_cu_launched(cx, wg ? "attention_fwd_wgmma" : "attention_fwd_mma");
 }
 
 template <int HS>
@@ -2430,15 +2597,41 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     return PR_OK;
 }
 
+/* Whether the wgmma forward runs here: its body is compiled for sm_90a alone, so on a GPU the probe
+   answers 1 only where the driver picked that code (compute capability 9.0, and a build whose
+   CUDA_ARCH has it), 2 if the dynamic shared memory were not 1,024-aligned as wgmma's swizzled
+   layouts need, 0 elsewhere. */
+__global__ void pr_k_wgmma_probe(int *answer) {
+#if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    *answer = pr_smem_u32(pr_dyn_smem) % PR_WG_ATOM ? 2 : 1;
+#else
+    *answer = 0;
+#endif
+}
+static int pr_cu_wgmma_probe(pr_cu *cx) {
+    int *answer = (int *)pr_cu_scratch(cx, sizeof(int));
+    if (!answer) return -1;
+    PR_LAUNCH(pr_k_wgmma_probe, 1, 32, PR_WG_ATOM, cx->stream, answer);
+    pr_cu_launched(cx, "wgmma_probe");
+    if (!pr_cu_ok(cx, cudaMemcpyAsync(cx->reduce_host, answer, sizeof(int), cudaMemcpyDeviceToHost, cx->stream), "wgmma probe download") ||
+        !pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "wgmma probe"))
+        return -1;
+    int a;
+    memcpy(&a, cx->reduce_host, sizeof a);
+    return a;
+}
+
 /* The tensor-core kernels need compute capability 8.0 and, at head dim 128, the shared memory of
    their largest block: 99,328 bytes (dK/dV), 107,520 with the atomic-dQ backward's dS tile, which
-   GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have. */
+   GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have. The wgmma forward needs sm_90a code
+   (pr_k_wgmma_probe). */
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
     pr_status st = PR_OK;
-    char why[200] = "";
-    int major = 0, optin = 0;
+    char why[sizeof pr_cu_of(be)->message] = "";
+    int major = 0, optin = 0, probe = 1;
     const size_t need = kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? pr_mma_smem_bytes(128, 3) : pr_mma_smem_bytes(128, 2);
-    if (!be || (kind != PR_CUDA_ATTENTION_FFMA && kind != PR_CUDA_ATTENTION_MMA && kind != PR_CUDA_ATTENTION_MMA_ATOMIC)) {
+    if (!be || kind < PR_CUDA_ATTENTION_FFMA || kind > PR_CUDA_ATTENTION_WGMMA) {
         st = PR_ERR_ARG;
         snprintf(why, sizeof why, "pr_backend_cuda_set_attention: no backend, or an unknown kind");
     } else if (kind != PR_CUDA_ATTENTION_FFMA &&
@@ -2448,6 +2641,11 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
         st = PR_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "the tensor-core attention%s needs compute capability 8.0 and %zu bytes of shared memory a block; "
                  "this GPU: %d.x, %d bytes", kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? " with the atomic-dQ backward" : "", need, major, optin);
+    } else if (kind == PR_CUDA_ATTENTION_WGMMA && (probe = pr_cu_wgmma_probe(pr_cu_of(be))) != 1) {
+        st = probe < 0 ? pr_cu_of(be)->failed : PR_ERR_UNSUPPORTED;
+        if (probe < 0) snprintf(why, sizeof why, "%s", pr_cu_of(be)->message);
+        else snprintf(why, sizeof why, "the wgmma attention needs a GPU of compute capability 9.0 and a build with sm_90a code (CUDA_ARCH)%s",
+                      probe == 2 ? "; this one placed dynamic shared memory off a 1,024-byte boundary" : "");
     }
     if (st) {
         if (err) { err->status = st; snprintf(err->message, sizeof err->message, "%s", why); }

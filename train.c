@@ -115,7 +115,8 @@ static void usage(FILE *f) {
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
         "  --attention K          train_cuda: ffma (the CUDA-core kernels, default) | mma (tensor cores, sm_80+,\n"
         "                         head dims 64 and 128, ~20x ffma) | mma-atomic (mma with a backward that adds dQ by\n"
-        "                         atomics: not bitwise reproducible; to measure what determinism costs)\n"
+        "                         atomics: not bitwise reproducible; to measure what determinism costs) | wgmma\n"
+        "                         (mma with a forward on Hopper's wgmma: compute capability 9.0, sm_90a code)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
@@ -275,6 +276,7 @@ static int parse_args(int argc, char **argv, options *o) {
             if (!strcmp(v, "ffma")) o->attention = PR_CUDA_ATTENTION_FFMA;
             else if (!strcmp(v, "mma")) o->attention = PR_CUDA_ATTENTION_MMA;
             else if (!strcmp(v, "mma-atomic")) o->attention = PR_CUDA_ATTENTION_MMA_ATOMIC;
+            else if (!strcmp(v, "wgmma")) o->attention = PR_CUDA_ATTENTION_WGMMA;
             else ok = 0;
         }
         else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
@@ -395,7 +397,7 @@ static pr_status select_attention(const options *o, pr_error *err) {
 #else
     if (o->attention == PR_CUDA_ATTENTION_FFMA) return PR_OK;
     err->status = PR_ERR_UNSUPPORTED;
-    snprintf(err->message, sizeof err->message, "--attention mma, mma-atomic: the tensor-core kernels are train_cuda's (make cuda)");
+    snprintf(err->message, sizeof err->message, "--attention mma, mma-atomic, wgmma: the tensor-core kernels are train_cuda's (make cuda)");
     return err->status;
 #endif
 }

@@ -85,16 +85,16 @@ preflight|10|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), comp
 build|20|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
 smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
 test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
-mma|110|300|1|build/test_gpu_attention: tensor-core attention (and its atomic-dQ backward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
+mma|110|300|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma forward) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
 initcheck|110|280|1|compute-sanitizer initcheck: test_gpu kernels (a GEMM into fresh memory); one train_cuda step on model/tiny with offload, padded and packed; test_gpu attention
 synccheck|10|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
-bench-cuda|60|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward
+bench-cuda|65|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma forward
 sdpa|25|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
-ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused): speed of light, occupancy, stalls
+ncu|50|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma forward): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, G $BENCH_GROUPS: baseline vs reuse, MFU
 train-memory|70|240|1|train_cuda --bench memory, same shapes, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|200|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same shapes
@@ -355,8 +355,9 @@ body_ncu() {
     lim_p=$(( stage_limit - 20 ))
     [ $lim_p -ge 10 ] || lim_p=10
     # every attention launch of one rep (a warm-up and a timed run each): FFMA's fwd x2, dq, dkv x2;
-    # MMA's the same; the atomic-dQ table's fwd_mma, then fused dkv and dq_add x2: 17
-    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd|dq_add)' --launch-count 17 \
+    # MMA's the same; the atomic-dQ table's fwd_mma, then fused dkv and dq_add x2; the wgmma
+    # table's fwd_wgmma x2, dq, dkv x2: 23
+    sub profile $lim_p ncu --clock-control none -k regex:'pr_k_attention_(fwd|bwd|dq_add)' --launch-count 23 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats -f -o "$rep" \
         ./build/bench_cuda --only attention --att causal8k --reps 1

@@ -65,7 +65,8 @@ static inline bf16 __float2bfloat16(float x) {
 #define EMU_SMEM_MAX (232 * 1024)
 __attribute__((aligned(128))) unsigned char pr_dyn_smem[EMU_SMEM_MAX];
 
-enum { T_RUN, T_BAR, T_WARP, T_DONE };
+enum { T_RUN, T_BAR, T_WARP, T_WG, T_DONE };
+enum { WG_FENCE, WG_MMA, WG_COMMIT, WG_WAIT };
 enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL, OP_VOTE_ANY };
 struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
 /* Switching between fibers: ucontext, or on x86-64 (outside AddressSanitizer, which follows
@@ -108,6 +109,12 @@ struct emu_thread {
     std::vector<std::vector<emu_copy>> groups;
     bool waited;                                 /* a wait_group since the last barrier (planted faults) */
     bool stored;                                 /* a shared-memory store since the last barrier (planted faults) */
+    int wg_op;                                   /* a warpgroup instruction (WG_*) and its operands */
+    uint64_t wg_da, wg_db;                       /* wgmma: descriptors (wg_a NULL: A from shared memory) */
+    const uint32_t *wg_a;
+    float *wg_d;
+    int wg_n, wg_wait;                           /* wgmma: N; wait_group: N */
+    std::vector<uint32_t> unfenced;              /* shared words its landed copies and stores wrote, not yet fenced for wgmma */
 };
 static std::vector<emu_thread> emu_threads;
 static std::vector<char> emu_stacks;
@@ -126,6 +133,8 @@ static int emu_errors;                           /* divergence, deadlock, bad ad
    publish its copies; 3: those right after a shared-memory store, which publish the fused
    backward's dS tile) */
 static int fault_late_copies, fault_ignore_trans, fault_skip_barrier;
+/* ... and for wgmma: fence.proxy.async skipped; wait_group retiring nothing (results read before they land) */
+static int fault_skip_proxy_fence, fault_wgmma_unwaited;
 /* Where the kernels may read by cp.async (emu_inputs) and add by atomics (emu_accumulators): sets
    of buffers, kept sorted by address. */
 struct emu_buffer { const char *p; size_t bytes; };
@@ -177,7 +186,7 @@ static void emu_error(const char *what) {
    this epoch by another thread, another thread's store in this epoch, and another warp's read in
    this epoch; a read of it by another thread (or by ldmatrix) in the same epoch is flagged as for
    a copy. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
-struct emu_word { int writer, landed, read_epoch; uint32_t readers; };   /* writer -1: none; landed -1: in flight */
+struct emu_word { int writer, landed, read_epoch; uint32_t readers; bool unfenced; };   /* writer -1: none; landed -1: in flight */
 static std::vector<emu_word> emu_shadow(EMU_SMEM_MAX / 4);
 static int emu_epoch;
 static long emu_races;
@@ -188,7 +197,7 @@ static void emu_race(const char *what, uint32_t word, int copier) {
               emu_cur ? emu_cur->idx.x : 0, 4 * word, what, by);
 }
 static void emu_shadow_reset(size_t bytes) {
-    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0 };
+    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0, false };
     emu_epoch = 0;
 }
 /* bytes at addr read by warp `warp`: by one thread of it (`thread`), or by all of it (-1) */
@@ -222,10 +231,14 @@ static void emu_shadow_write(uint32_t addr, int bytes, bool async) {
             emu_race(why, w, -1);
         }
         x.writer = me, x.landed = async ? -1 : emu_epoch;
+        if (!async) x.unfenced = true, emu_cur->unfenced.push_back(w);
     }
 }
 static void emu_shadow_land(uint32_t addr, int bytes) {
-    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) emu_shadow[w].landed = emu_epoch;
+    for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
+        emu_shadow[w].landed = emu_epoch, emu_shadow[w].unfenced = true;
+        emu_cur->unfenced.push_back(w);
+    }
 }
 
 static void emu_to_scheduler(void) {
@@ -343,6 +356,147 @@ static inline void pr_red_add_f32(float *p, float v) {
     *p += v;
 }
 
+/* ---------------------------------------------------------------- warpgroups (wgmma, sm_90a)
+   A warpgroup is 4 consecutive warps; its instructions (wgmma.fence, mma_async, commit_group,
+   wait_group) execute when all 128 threads have arrived at the same one, like the warp-collective
+   ones, through wgmma_emu.h's reading of the PTX ISA's layouts (descriptors, swizzle, fragments).
+   An mma_async is computed when issued from its operands as they are then, in mma.sync's
+   arithmetic (each k16 block's 16 products summed exactly onto the accumulator, rounded once to
+   fp32), and its result held back: its accumulators read NaN until the wait_group that retires
+   its group writes them, so a kernel reading them early sees NaN; at that wait its shared-memory
+   operands and A registers must still hold what they held at issue (a stage refilled, or P
+   rewritten, under a wgmma in flight is reported). Checked too: the words a wgmma reads were
+   fenced (fence.proxy.async) by the thread whose copy or store wrote them, after it landed; a
+   wgmma.fence came before the first mma_async after a wait_group. */
+#include "wgmma_emu.h"
+static void pr_fence_proxy_async(void) {
+    if (fault_skip_proxy_fence) return;
+    for (uint32_t w : emu_cur->unfenced)
+        if (emu_shadow[w].writer == (int)emu_cur->idx.x && emu_shadow[w].landed >= 0) emu_shadow[w].unfenced = false;
+    emu_cur->unfenced.clear();
+}
+static void emu_wg_yield(int op) {
+    emu_cur->wg_op = op;
+    emu_yield(T_WG);
+}
+static inline void pr_wg_fence(void) { emu_wg_yield(WG_FENCE); }
+static inline void pr_wg_commit(void) { emu_wg_yield(WG_COMMIT); }
+template <int N> static inline void pr_wg_wait(void) {
+    emu_cur->wg_wait = N;
+    emu_wg_yield(WG_WAIT);
+}
+template <int N> static inline void pr_wg_hold(float *) {}
+static void emu_wg_mma(float *d, int n, const uint32_t *a, uint64_t da, uint64_t db) {
+    emu_cur->wg_d = d, emu_cur->wg_n = n, emu_cur->wg_a = a, emu_cur->wg_da = da, emu_cur->wg_db = db;
+    emu_wg_yield(WG_MMA);
+}
+static inline void pr_wg_ss64(float d[32], uint64_t da, uint64_t db) { emu_wg_mma(d, 64, NULL, da, db); }
+template <int N> static inline void pr_wg_rs(float *d, const uint32_t a[4], uint64_t db) { emu_wg_mma(d, N, a, 0, db); }
+
+/* A warpgroup's mma_async in flight: per thread its accumulators, their value once retired, and
+   its A registers; the shared-memory elements it read, with their values. */
+struct emu_wg_mma_op {
+    int group;                                    /* commit_group count at issue: retired by a wait that covers it */
+    float *d[128];
+    std::vector<float> result[128];
+    const uint32_t *a[128];
+    uint32_t a_val[128][4];
+    std::vector<uint32_t> addr;
+    std::vector<uint16_t> val;
+};
+struct emu_wg_state { std::vector<emu_wg_mma_op> ops; int commits; bool fenced; };
+static emu_wg_state emu_wgs[32];
+static long emu_n_wgmma;                          /* mma_async executed, per warpgroup */
+
+static bool emu_wg_read(emu_wg_mma_op &op, uint64_t desc, int mn, int k, int mn_major, double *v) {
+    const uint32_t a = emu_wgmma_smem_addr(desc, mn, k, mn_major, 2);
+    if (a == EMU_WGMMA_BAD || a % 2 || (size_t)a + 2 > emu_smem_bytes) { emu_error("wgmma operand outside shared memory"); return false; }
+    if (emu_shadow[a / 4].unfenced) { emu_error("wgmma reads shared memory written without fence.proxy.async after it landed"); return false; }
+    uint16_t bits;
+    memcpy(&bits, pr_dyn_smem + a, 2);
+    op.addr.push_back(a), op.val.push_back(bits);
+    *v = bf16_value(bits);
+    return true;
+}
+/* Writes back what the retired ops computed, checking their operands held still. */
+static void emu_wg_retire(emu_thread *t, emu_wg_state &s, int upto) {
+    for (size_t i = 0; i < s.ops.size();) {
+        emu_wg_mma_op &op = s.ops[i];
+        if (op.group >= upto) { i++; continue; }
+        for (size_t e = 0; e < op.addr.size(); e++) {
+            uint16_t now;
+            memcpy(&now, pr_dyn_smem + op.addr[e], 2);
+            if (now != op.val[e]) { emu_cur = t; emu_error("shared memory under a wgmma in flight changed before its wait_group"); break; }
+        }
+        bool later = false;                       /* a later op in flight on the same accumulators writes them */
+        for (size_t j = i + 1; j < s.ops.size(); j++) later = later || s.ops[j].d[0] == op.d[0];
+        for (int l = 0; l < 128; l++) {
+            if (op.a[l] && memcmp(op.a[l], op.a_val[l], sizeof op.a_val[l])) { emu_cur = &t[l]; emu_error("A registers of a wgmma in flight changed before its wait_group"); }
+            if (!later) memcpy(op.d[l], op.result[l].data(), sizeof(float) * op.result[l].size());
+        }
+        s.ops.erase(s.ops.begin() + (long)i);
+    }
+}
+static void emu_wg_op(emu_thread *t, int wgi) {   /* t[0..127], all arrived at a warpgroup instruction */
+    emu_wg_state &s = emu_wgs[wgi];
+    const int op = t[0].wg_op;
+    for (int l = 1; l < 128; l++)
+        if (t[l].wg_op != op || (op == WG_WAIT && t[l].wg_wait != t[0].wg_wait) ||
+            (op == WG_MMA && (t[l].wg_da != t[0].wg_da || t[l].wg_db != t[0].wg_db || t[l].wg_n != t[0].wg_n || !t[l].wg_a != !t[0].wg_a))) {
+            emu_cur = &t[l];
+            emu_error("threads of a warpgroup at different instructions or operands");
+            return;
+        }
+    emu_cur = &t[0];
+    if (op == WG_FENCE) s.fenced = true;
+    else if (op == WG_COMMIT) s.commits++;
+    else if (op == WG_WAIT) {
+        if (!fault_wgmma_unwaited) emu_wg_retire(t, s, s.commits - t[0].wg_wait);
+        s.fenced = false;
+    } else {
+        if (!s.fenced) { emu_error("wgmma.mma_async without a wgmma.fence since the last wait_group"); return; }
+        const int n = t[0].wg_n;
+        emu_wg_mma_op x;
+        x.group = s.commits;
+        double A[64][16], B[256][16];
+        for (int r = 0; r < 64; r++)
+            for (int k = 0; k < 16 && !t[0].wg_a; k++)
+                if (!emu_wg_read(x, t[0].wg_da, r, k, 0, &A[r][k])) return;
+        for (int l = 0; l < 128; l++) {
+            x.d[l] = t[l].wg_d, x.a[l] = t[l].wg_a;
+            if (!t[l].wg_a) continue;
+            memcpy(x.a_val[l], t[l].wg_a, sizeof x.a_val[l]);
+            for (int i = 0; i < 8; i++) {
+                int r, c;
+                emu_wgmma_a_coord(l, i, &r, &c);
+                A[r][c] = bf16_value((uint16_t)(x.a_val[l][i / 2] >> (16 * (i % 2))));
+            }
+        }
+        for (int c = 0; c < n; c++)
+            for (int k = 0; k < 16; k++)
+                if (!emu_wg_read(x, t[0].wg_db, c, k, t[0].wg_a ? 1 : 0, &B[c][k])) return;
+        for (size_t e = 0; e < x.addr.size(); e++)           /* read for all four warps, asynchronously */
+            for (int w = 0; w < 4; w++) emu_shadow_read(x.addr[e] & ~3u, 4, (int)t[0].idx.x / 32 + w, -1);
+        const emu_wg_mma_op *prev = NULL;         /* the accumulators' input: the last op in flight on them, or the registers */
+        for (const emu_wg_mma_op &o : s.ops)
+            if (o.d[0] == x.d[0]) prev = &o;
+        for (int l = 0; l < 128; l++) {
+            x.result[l].resize(n / 2);
+            for (int i = 0; i < n / 2; i++) {
+                int r, c;
+                emu_wgmma_d_coord(l, i, &r, &c);
+                double acc = prev ? prev->result[l][i] : x.d[l][i];
+                for (int k = 0; k < 16; k++) acc += A[r][k] * B[c][k];
+                x.result[l][i] = (float)acc;
+            }
+            for (int i = 0; i < n / 2; i++) x.d[l][i] = NAN;
+        }
+        s.ops.push_back(std::move(x));
+        emu_n_wgmma++;
+    }
+    for (int l = 0; l < 128; l++) t[l].state = T_RUN;
+}
+
 /* ================================================================ the block scheduler */
 static long emu_n_ldsm, emu_n_mma;             /* ldmatrix.x4 and mma.sync executed, per warp */
 static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the same op */
@@ -387,6 +541,7 @@ static void emu_fiber(void) {
     size_t pending = emu_cur->open.size();
     for (const std::vector<emu_copy> &g : emu_cur->groups) pending += g.size();
     if (pending) emu_error("the thread ends with cp.async copies it never waited for");
+    if (emu_cur->idx.x % 128 == 0 && !emu_wgs[emu_cur->idx.x / 128].ops.empty()) emu_error("the warpgroup ends with a wgmma it never waited for");
     emu_cur->state = T_DONE;
     emu_to_scheduler();
     abort();                                     /* never resumed */
@@ -418,6 +573,7 @@ static void emu_run_block(unsigned threads) {
         e.open.clear();
         e.groups.clear();
         e.waited = e.stored = false;
+        e.unfenced.clear();
 #if EMU_FAST_SWITCH
         /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
            stack as a called function does (rsp = 8 mod 16) */
@@ -434,6 +590,7 @@ static void emu_run_block(unsigned threads) {
         makecontext(&e.ctx, emu_fiber, 0);
 #endif
     }
+    for (unsigned g = 0; g < threads / 128; g++) emu_wgs[g].ops.clear(), emu_wgs[g].commits = 0, emu_wgs[g].fenced = false;
     /* Each warp in turn runs until its lanes wait at a barrier or end (warps may interleave in any
        way between barriers; racecheck between warps does not depend on the order chosen), then the barrier
        releases. */
@@ -454,6 +611,18 @@ static void emu_run_block(unsigned threads) {
                 if (emu_errors != errors) return;
             }
         }
+        bool moved = false;                       /* warpgroups all of whose threads wait at a warpgroup instruction */
+        for (unsigned g = 0; g < threads / 128; g++) {
+            emu_thread *t = &emu_threads[128 * g];
+            int at = 0;
+            for (int l = 0; l < 128; l++) at += t[l].state == T_WG;
+            if (at < 128) continue;
+            const int errors = emu_errors;
+            emu_wg_op(t, (int)g);
+            if (emu_errors != errors) return;
+            moved = true;
+        }
+        if (moved) continue;
         unsigned bar = 0, done = 0;
         for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
         if (done == threads) return;

@@ -7,7 +7,9 @@
      - the tile-level model of the same algorithm (test/attn_model.c), with the same bf16 roundings
        of P and dS, which the kernels must match far more closely (MODEL below),
    and the backward's bits run to run; and the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq
-   against the reference and the model, its other outputs bitwise the MMA kernels'. q, k and kp are drawn with standard deviation sqrt(2.5), so
+   against the reference and the model, its other outputs bitwise the MMA kernels'; and the wgmma
+   forward (PR_CUDA_ATTENTION_WGMMA, where the GPU runs it): out and lse against the reference and
+   the model, bitwise run to run, its backward MMA's bits. q, k and kp are drawn with standard deviation sqrt(2.5), so
    that the scores q.k/sqrt(HS) have a standard deviation of about 2.5 and the softmax is peaked.
    The backward runs from the reference forward's out (rounded to bf16) and lse (fp32), so that all
    three backwards see the same inputs. Its outputs are added into (dq, dk, dv bf16; dkp, dvp
@@ -40,6 +42,7 @@
 
 static const pr_backend *be;
 static int fused_here;        /* the atomic-dQ backward runs on this GPU (its shared memory: pr_backend_cuda_set_attention) */
+static int wgmma_here;        /* the wgmma forward runs here (compute capability 9.0, sm_90a code) */
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 
 static double uniform(void) {                 /* (-1, 1) */
@@ -142,7 +145,8 @@ static run_out run(int kind, const shape *s, const int *seg_off, void *const *in
     for (int t = 0; t < 5; t++) r.g[t] = gpu_upload(be, init[t], n[T_DQ + t], t < 3);
     be->attention_bwd(be, r.g[0], r.g[1], r.g[2], np ? (float *)r.g[3] : NULL, np ? (float *)r.g[4] : NULL, in[5], in[6], in[7],
                       in[0], in[1], in[2], np ? in[3] : NULL, np ? in[4] : NULL, &lay, s->NH, s->NKV, s->HS);
-    expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? "tensor-core attention, fused backward" : "FFMA attention");
+    expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? "tensor-core attention, fused backward"
+              : kind == PR_CUDA_ATTENTION_WGMMA ? "tensor-core attention, wgmma forward" : "FFMA attention");
     return r;
 }
 static void release_run(run_out *r) {
@@ -187,9 +191,15 @@ static void test_shape(const shape *s) {
     run_out m1 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out f = run(PR_CUDA_ATTENTION_FFMA, s, seg_off, in, init, n);
-    run_out a;
+    run_out a, w1, w2;
     double *adq = NULL;
     memset(&a, 0, sizeof a);
+    memset(&w1, 0, sizeof w1);
+    memset(&w2, 0, sizeof w2);
+    if (wgmma_here) {
+        w1 = run(PR_CUDA_ATTENTION_WGMMA, s, seg_off, in, init, n);
+        w2 = run(PR_CUDA_ATTENTION_WGMMA, s, seg_off, in, init, n);
+    }
     if (fused_here) {
         a = run(PR_CUDA_ATTENTION_MMA_ATOMIC, s, seg_off, in, init, n);
         adq = gpu_download(be, a.g[0], nq, 1);
@@ -217,7 +227,8 @@ static void test_shape(const shape *s) {
         for (size_t i = 0; i < n[T_DQ + t]; i++) fo_inc[t][i] = fg[t][i] - init[t][i];
     }
     /* the model: forward from the inputs, backward from the same out, lse and start values */
-    double r_model[NT], lse_model, r_fused_model = INFINITY;
+    double r_model[NT], lse_model, r_fused_model = INFINITY, r_wg_model = INFINITY, lse_wg_model = INFINITY;
+    double *wo = wgmma_here ? gpu_download(be, w1.o, nq, 1) : NULL, *wl = wgmma_here ? gpu_download(be, w1.l, nl, 0) : NULL;
     {
         float *fq = to_float(q, nq), *fk = to_float(k, nk), *fv = to_float(v, nk), *fkp = to_float(kp, npk), *fvp = to_float(vp, npk);
         float *fdo = to_float(dout, nq), *fbo = to_float(bo, nq), *fbl = to_float(bl, nl);
@@ -233,6 +244,7 @@ static void test_shape(const shape *s) {
         for (size_t i = 0; i < nl; i++) dml[i] = aml[i];
         r_model[T_OUT] = model_ratio(mo, NULL, dmo, ro, nq, 0);
         lse_model = worst_lse(ml, dml, nl);
+        if (wo) r_wg_model = model_ratio(wo, NULL, dmo, ro, nq, 0), lse_wg_model = worst_lse(wl, dml, nl);
         for (int t = 0; t < 5; t++) {
             double *minc = alloc_d(n[T_DQ + t]);
             for (size_t i = 0; i < n[T_DQ + t]; i++) minc[i] = amg[t][i] - init[t][i];
@@ -284,6 +296,25 @@ static void test_shape(const shape *s) {
         CHECK(fused_same, "%s: the fused backward's out, lse, dk, dv, dkp, dvp are MMA's, bit for bit", what);
         release_run(&a);
         free(adq);
+    }
+
+    /* the wgmma forward (PR_CUDA_ATTENTION_WGMMA): out and lse within the same tolerances of the
+       reference and the model, its bits run to run; its backward is MMA's, bit for bit */
+    if (wgmma_here) {
+        const double r_wg = worst_ratio(wo, NULL, ro, nq, 0), lse_wg = worst_lse(wl, rl, nl);
+        int wg_same = same_bits(w1.o, w2.o, 2 * nq) && same_bits(w1.l, w2.l, 4 * nl), bwd_same = 1;
+        for (int t = 0; t < 5; t++) bwd_same &= same_bits(w1.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+        printf("  wgmma forward: out %.2f lse %.2f, vs model out %.2f lse %.2f; its bits %s MMA's\n", r_wg, lse_wg, r_wg_model, lse_wg_model,
+               same_bits(w1.o, m1.o, 2 * nq) && same_bits(w1.l, m1.l, 4 * nl) ? "equal to" : "differ from");
+        CHECK(r_wg <= 1 && lse_wg <= 1, "%s: wgmma forward off the double reference by %.2f (out), %.2f (lse) x the tolerance", what, r_wg, lse_wg);
+        CHECK(r_wg_model <= 1 && lse_wg_model <= 1, "%s: wgmma forward off the model by %.2f (out), %.2f (lse) x its tolerance", what,
+              r_wg_model, lse_wg_model);
+        CHECK(wg_same, "%s: wgmma forward bitwise reproducible", what);
+        CHECK(bwd_same, "%s: the backward under PR_CUDA_ATTENTION_WGMMA is MMA's, bit for bit", what);
+        release_run(&w1);
+        release_run(&w2);
+        free(wo);
+        free(wl);
     }
 
     release_run(&m1);
@@ -344,6 +375,8 @@ int main(int argc, char **argv) {
     printf("tensor-core attention (MMA) against the double CPU path and the FFMA kernels; backward twice\n");
     fused_here = pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_MMA_ATOMIC, &err) == PR_OK;
     if (!fused_here) printf("the atomic-dQ backward does not run on this GPU: %s\n", err.message);
+    wgmma_here = pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_WGMMA, &err) == PR_OK;
+    if (!wgmma_here) printf("the wgmma forward does not run here: %s\n", err.message);
     const shape shapes[] = {
         { 0, 1, { 1 }, 4, 4, 64 },                                   /* S = 1 */
         { 0, 1, { 200 }, 8, 2, 128 },                                /* one causal segment, GQA 4 */

@@ -18,10 +18,13 @@
    Negative controls: each planted wrong rule (A registers 1 and 2 swapped, K loaded with .trans,
    V without, the C rows g and g+8 swapped, the repacked tiles swapped, the bf16 halves swapped, the
    swizzle left out of the reads, a quad mask crossing groups, the B lane rule of the other form,
-   the A .trans operand read with the plain A lane rule or without .trans) must make the comparison fail; unswizzled tiles must show the conflicts. */
+   the A .trans operand read with the plain A lane rule or without .trans) must make the comparison fail; unswizzled tiles must show the conflicts.
+   wgmma's descriptors (the wgmma forward's): each addresses what its tile copy stored, by
+   test/wgmma_emu.h's reading of the PTX ISA (independent of the kernel's rules). */
 #define PR_CUDA_HOST_EMULATION
 #include "../prefixreuse_cuda.cu"
 #include "harness.h"
+#include "wgmma_emu.h"
 
 #include <cmath>
 #include <cstdint>
@@ -387,6 +390,36 @@ static void check_ldsm_off(void) {
     CHECK(off_grid_differs, "pr_ldsm_off differs from pr_swz off the multiples of 8 (the check can fail)");
 }
 
+/* wgmma's operands (test/wgmma_emu.h, read from the PTX ISA): the descriptors the wgmma forward
+   builds address, for every k16 block, exactly the elements pr_wg_swz (its copies' layout) put
+   there: Q or K (K-major, A 64 rows or B 64 rows, element (row, 16 kc + k)) and V (MN-major, B,
+   element (key 16 kc + k, column n)), at both head dims; every address 1,024-atom-relative, so a
+   wrong panel, SBO, LBO or swizzle shows. The negative control: the MN-major descriptor with the
+   leading and stride offsets exchanged must miss. */
+static void check_wgmma_desc(void) {
+    const uint32_t base = 3 * 1024;
+    for (int HS = 64; HS <= 128; HS *= 2) {
+        int k_ok = 1, mn_ok = 1, swapped_ok = 1;
+        for (int kc = 0; kc < HS / 16; kc++)
+            for (int r = 0; r < 64; r++)
+                for (int k = 0; k < 16; k++)
+                    k_ok &= emu_wgmma_smem_addr(pr_wg_desc_k(base, kc, 64), r, k, 0, 2) == base + 2u * (uint32_t)pr_wg_swz(r, 16 * kc + k, 64);
+        for (int kc = 0; kc < 4; kc++)
+            for (int n = 0; n < HS; n++)
+                for (int k = 0; k < 16; k++) {
+                    const uint32_t want = base + 2u * (uint32_t)pr_wg_swz(16 * kc + k, n, 64);
+                    const uint64_t d = pr_wg_desc_mn(base, kc);
+                    const uint64_t lbo = (d >> 16) & 0x3FFF, sbo = (d >> 32) & 0x3FFF;
+                    const uint64_t swapped = (d & ~((uint64_t)0x3FFF << 16) & ~((uint64_t)0x3FFF << 32)) | sbo << 16 | lbo << 32;
+                    mn_ok &= emu_wgmma_smem_addr(d, n, k, 1, 2) == want;
+                    swapped_ok &= emu_wgmma_smem_addr(swapped, n, k, 1, 2) == want;
+                }
+        CHECK(k_ok, "HS %d: the K-major descriptors (Q, K) address pr_wg_swz's elements", HS);
+        CHECK(mn_ok, "HS %d: the MN-major descriptors (V) address pr_wg_swz's elements", HS);
+        CHECK(!swapped_ok, "HS %d: the MN-major descriptor with LBO and SBO exchanged misses (the check can fail)", HS);
+    }
+}
+
 /* Packing: round to nearest even, low half first, as the ISA's cvt.rn.bf16x2.f32 d, hi, lo. */
 static void check_pack(void) {
     int ok = 1;
@@ -405,6 +438,7 @@ int main(void) {
     check_ldmatrix_widths();
     check_pack();
     check_ldsm_off();
+    check_wgmma_desc();
     const double tol = 1e-6;   /* fp32 roundings of sums of exact bf16 products */
     for (int HS = 64; HS <= 128; HS *= 2) {
         for (int x2 = 0; x2 < 2; x2++) {

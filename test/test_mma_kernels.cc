@@ -132,14 +132,16 @@ struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
 /* per kernel (forward, dQ, dK/dV, the fused dK/dV): races seen, and the ldmatrix.x4 and mma.sync
    its warps executed; and the elements of dk, dv, dkp, dvp in which the fused backward's bits
    differ from the dK/dV kernel's */
-enum { K_FWD, K_DQ, K_DKV, K_FUSED, NK };
-static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV" };
-struct kernel_stats { long races[NK], ldsm[NK], mma[NK], fused_differs; };
+enum { K_FWD, K_DQ, K_DKV, K_FUSED, K_FWD_WG, NK };
+static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV", "wgmma forward" };
+/* ...and the elements of out and lse in which the wgmma forward's bits differ from the forward's */
+struct kernel_stats { long races[NK], ldsm[NK], mma[NK], fused_differs, wg_differs; };
 template <typename F>
-static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f) {
-    emu_n_ldsm = emu_n_mma = 0;
-    ks->races[kernel] = emu_launch(gx, gy, PR_MMA_THREADS, smem, outs, f);
-    ks->ldsm[kernel] = emu_n_ldsm, ks->mma[kernel] = emu_n_mma;
+static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f,
+                           unsigned threads = PR_MMA_THREADS) {
+    emu_n_ldsm = emu_n_mma = emu_n_wgmma = 0;
+    ks->races[kernel] = emu_launch(gx, gy, threads, smem, outs, f);
+    ks->ldsm[kernel] = emu_n_ldsm, ks->mma[kernel] = emu_n_mma + emu_n_wgmma;
 }
 /* the tensors compared; dq_fused: the fused backward's dq (PR_CUDA_ATTENTION_MMA_ATOMIC) */
 enum { T_OUT, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, T_DQ_FUSED, NT };
@@ -207,6 +209,18 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
                                          NULL, nl, true);
         ratio[T_OUT] = worst_ratio(from_bf16(out), NULL, ro, nq, false);
         ratio[T_LSE] = lse_ratio(lse, rl);
+
+        /* the wgmma forward on the same inputs: the same algorithm, and here the same arithmetic
+           (a k16 block's products summed onto the accumulator, rounded once), so the same bits */
+        std::vector<bf16> out_w(nq);
+        std::vector<float> lse_w(nl, NAN);
+        for (bf16 &x : out_w) x.bits = 0xFFFF;
+        launch_counted(ks, K_FWD_WG, nft, NH, pr_mma_smem_bytes(HS, 0), { { "out", out_w.data(), nq, 2 }, { "lse", lse_w.data(), nl, 4 } }, [&] {
+            pr_k_attention_fwd_wgmma<HS>(out_w.data(), lse_w.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                         np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
+        }, PR_WG_THREADS);
+        for (size_t i = 0; i < nq; i++) ks->wg_differs += out_w[i].bits != out[i].bits;
+        for (size_t i = 0; i < nl; i++) ks->wg_differs += memcmp(&lse_w[i], &lse[i], 4) != 0;
     }
 
     /* the FFMA kernels, the GPU tests' reference, on the same inputs: grid (64-row query tiles, NH) */
@@ -405,7 +419,8 @@ int main(void) {
             printf("\n%52s races", "");
             for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
             printf(", ldmatrix.x4 per mma");
-            for (int k = 0; k < NK; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
+            for (int k = 0; k < K_FWD_WG; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
+            printf(", wgmma %ld", ks.mma[K_FWD_WG]);
         }
         printf("\n");
         for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
@@ -414,6 +429,8 @@ int main(void) {
         CHECK(ks.fused_differs == 0, "%s: the fused backward's dk, dv, dkp, dvp differ from the dK/dV kernel's in %ld elements", what,
               ks.fused_differs);
         CHECK(emu_multi_writers == 0, "%s: %ld output elements written by two blocks of one launch", what, emu_multi_writers);
+        CHECK(!mma || (ks.wg_differs == 0 && ks.mma[K_FWD_WG] > 0), "%s: the wgmma forward's out and lse differ from the forward's in %ld elements", what,
+              ks.wg_differs);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
         for (int t = 0; t < NT; t++) CHECK(fr[t] <= 1, "%s: the FFMA kernels' %s off the reference by %.2f x the tolerance", what, tname[t], fr[t]);
     }
@@ -424,18 +441,19 @@ int main(void) {
     const shape ctl = { 65, 2, { 7, 70 }, 2, 1, 64 };
     static const char *fault_name[] = { "copies land a wait_group late", "ldmatrix ignores .trans",
                                         "the barriers that end a stage's reads skipped", "the barriers after a wait_group skipped",
-                                        "the dQ launch given one query tile twice", "the barrier after the dS tile's stores skipped" };
-    for (int f = 0; f < 6; f++) {
+                                        "the dQ launch given one query tile twice", "the barrier after the dS tile's stores skipped",
+                                        "fence.proxy.async skipped", "wgmma.wait_group retiring nothing" };
+    for (int f = 0; f < 8; f++) {
         double r[NT], mr[NT], fr[NT];
         kernel_stats ks;
         emu_errors = 0;
         emu_races = emu_multi_writers = 0;
         fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : f == 5 ? 3 : 0;
-        fault_duplicate_tile = f == 4;
+        fault_duplicate_tile = f == 4, fault_skip_proxy_fence = f == 6, fault_wgmma_unwaited = f == 7;
         emu_quiet = true;
         run(ctl, r, mr, fr, f >= 2, &ks);
         emu_quiet = false;
-        fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = 0;
+        fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = fault_skip_proxy_fence = fault_wgmma_unwaited = 0;
         printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld %ld, %ld elements with two writers\n",
                fault_name[f], r[T_OUT], r[T_LSE], emu_errors, ks.races[K_FWD], ks.races[K_DQ], ks.races[K_DKV], ks.races[K_FUSED],
                emu_multi_writers);
@@ -446,9 +464,11 @@ int main(void) {
             for (int k = 0; k < NK; k++) CHECK(ks.races[k] > 0, "planted fault '%s': no race seen in the %s kernel", fault_name[f], kname[k]);
         else if (f == 4)
             CHECK(emu_multi_writers > 0, "planted fault '%s': no element seen written twice", fault_name[f]);
-        else
+        else if (f == 5)
             CHECK(ks.races[K_FUSED] > 0 && ks.races[K_DKV] == 0, "planted fault '%s': races %ld in the fused kernel, %ld in dK/dV",
                   fault_name[f], ks.races[K_FUSED], ks.races[K_DKV]);
+        else
+            CHECK(emu_errors > 0, "planted fault '%s': the emulated machine saw nothing wrong", fault_name[f]);
     }
     return test_report();
 }
