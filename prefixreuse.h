@@ -564,10 +564,10 @@ void pr_backend_cuda_destroy(const pr_backend *be);
    kernel: dq is not bitwise reproducible (dk, dv, dkp, dvp are MMA's, bit for bit); it exists to
    measure what the deterministic backward costs (on an H200 it is the slower of the two). The
    tensor-core kernels pass test/test_gpu_attention.c on an H200; the default stays FFMA until
-   racecheck has finished on them too. PR_CUDA_ATTENTION_WGMMA: MMA's backward, and a forward on
-   Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code, the
-   Makefile's default: PR_ERR_UNSUPPORTED elsewhere); checked on the emulated device, not yet run
-   on a GPU. */
+   racecheck has finished on them too. PR_CUDA_ATTENTION_WGMMA: MMA's kernels (forward, dQ, dK/dV)
+   on Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code, the
+   Makefile's default: PR_ERR_UNSUPPORTED elsewhere), the same algorithm and bitwise reproducible;
+   checked on the emulated device, where its bits are MMA's, not yet run on a GPU. */
 #define PR_CUDA_ATTENTION_FFMA 0
 #define PR_CUDA_ATTENTION_MMA 1
 #define PR_CUDA_ATTENTION_MMA_ATOMIC 2

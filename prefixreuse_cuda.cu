@@ -620,7 +620,15 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
    For comparison only, PR_CUDA_ATTENTION_MMA_ATOMIC runs no dQ kernel: the dK/dV blocks also add
      each step's bf16(dS) K into an fp32 dQ accumulator with atomics (FlashAttention-2's fused
      backward), and a last kernel forms dq = bf16(dq + scale dQ): 5 products of a (query, key) tile
-     instead of 7, at the price of dq's bits varying run to run. */
+     instead of 7, at the price of dq's bits varying run to run.
+   PR_CUDA_ATTENTION_WGMMA runs the same three kernels written for Hopper's warpgroup MMA (wgmma,
+     sm_90a): a warpgroup of 4 warps takes 64 rows (queries, or keys in dK/dV) where the mma.sync
+     kernels' 4 warps do, reads both operands of S = Q K^T, dP = dO V^T (and their transposes)
+     from shared memory through descriptors, and P, dS (and their transposes) from registers for
+     the products that follow; no ldmatrix. Each row's algorithm and every sum's order are the same,
+     so on the emulated block (test/test_mma_kernels.cc, the wgmma layouts read from the PTX ISA in
+     test/wgmma_emu.h) the two families give the same bits; on a GPU the tensor cores' own order
+     inside a k16 block may differ. Not yet run on a GPU. */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
 #define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
@@ -771,16 +779,16 @@ __device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
     return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
-/* A 64-key tile's step of the forward's online softmax for a warp's 16 rows from row0 (the
-   forward kernels share it): s (8 n8 tiles, this warp's part of S = Q K^T) masked and turned into
+/* A 64-key tile's step of the forward's online softmax for a warp's 16 rows from row0, of the
+   64-row half from r0 (the forward kernels share it): s (8 n8 tiles, this warp's part of S = Q K^T) masked and turned into
    P in place, m and l (rows g, g + 8) the running max and this lane's part of the sum, acc (HS/8
    n8 tiles of O) rescaled. */
 template <int HS>
-__device__ __forceinline__ void pr_fwd_softmax(float (*s)[4], float *m, float *l, float (*acc)[4], const pr_mma_keys &x, int row0,
+__device__ __forceinline__ void pr_fwd_softmax(float (*s)[4], float *m, float *l, float (*acc)[4], const pr_mma_keys &x, int r0, int row0,
                                                int lane, float sl2) {
     /* mask the prefix's tail, keys past the segment, the causal upper part: a tile all of whose
-       keys every row of the warp sees (most of a walk) skips the per-element test */
-    const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= row0);
+       keys every row of the 64-row half from r0 sees (most of a walk) skips the per-element test */
+    const bool whole = x.j0 + PR_MMA_ROWS <= x.end && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= r0);
     if (!whole)
 PR_UNROLL
         for (int nt = 0; nt < 8; nt++)
@@ -915,7 +923,8 @@ PR_UNROLL
         }
 PR_UNROLL
         for (int mi = 0; mi < M; mi++)
-            if (mi < m_live) pr_fwd_softmax<HS>(s[mi], m[mi], l[mi], acc[mi], x, t.r0 + mi * PR_MMA_ROWS + 16 * warp, lane, sl2);
+            if (mi < m_live)
+                pr_fwd_softmax<HS>(s[mi], m[mi], l[mi], acc[mi], x, t.r0 + mi * PR_MMA_ROWS, t.r0 + mi * PR_MMA_ROWS + 16 * warp, lane, sl2);
         /* O += bf16(P) V */
         pr_mma_pv<HS, 4, M>(acc, s, m_live, pr_smem_u32(vs + st * T), 0, lane);
         __syncthreads();                             /* this stage is refilled next iteration */
@@ -984,13 +993,14 @@ PR_UNROLL
             const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
             float s[8][4];
             pr_mma_zero<8>(s);
+            pr_wg_hold<32>(&s[0][0]);               /* zeroed before the fence, not moved past it */
             pr_wg_fence();
 PR_UNROLL
             for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
             pr_wg_commit();
             pr_wg_wait<0>();
             pr_wg_hold<32>(&s[0][0]);
-            pr_fwd_softmax<HS>(s, m, l, acc, x, row0, lane, sl2);
+            pr_fwd_softmax<HS>(s, m, l, acc, x, row0 - 16 * warp, row0, lane, sl2);
             uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
 PR_UNROLL
             for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
@@ -1007,6 +1017,56 @@ PR_UNROLL
 #else
     (void)out, (void)lse, (void)q, (void)k, (void)v, (void)kp, (void)vp, (void)tiles, (void)n_prefix, (void)NH, (void)NKV;
 #endif
+}
+
+/* dQ's pieces shared by its two kernels. Rows g and g + 8 of a warp's 16 from row0 (those at or
+   past r1 read as 0): lse * log2e and D. */
+__device__ __forceinline__ void pr_dq_rows(float lse2[2], float Drow[2], const float *lse, const float *Dr, int row0, int r1, int NH, int h,
+                                           int lane) {
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int row = row0 + pr_mma_c_row(lane, 2 * rr);
+        lse2[rr] = row < r1 ? lse[(size_t)row * NH + h] * PR_LOG2E : 0.0f;
+        Drow[rr] = row < r1 ? Dr[(size_t)row * NH + h] : 0.0f;
+    }
+}
+/* dS = P (dP - D) into s, for a warp's 16 rows from row0 and N8 n8 tiles of keys from key0: P =
+   exp2(S scale log2e - lse log2e) where visible, else 0 (S = -inf: a row past the tile (row >=
+   r1) or a row that saw no key has no visible key, so its lse2, 0 or +inf, gives -inf too). whole:
+   every row sees every key here, no mask. */
+template <int N8>
+__device__ __forceinline__ void pr_dq_ds(float (*s)[4], const float (*dp)[4], const pr_mma_keys &x, bool whole, int key0, int row0, int r1,
+                                         int lane, float sl2, const float lse2[2], const float Drow[2]) {
+    if (!whole)
+PR_UNROLL
+        for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int key = key0 + 8 * nt + pr_mma_c_col(lane, i), row = row0 + pr_mma_c_row(lane, i);
+                if (!(key < x.end && row < r1 && (!x.own || key <= row))) s[nt][i] = -INFINITY;
+            }
+PR_UNROLL
+    for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const float p = pr_exp2(fmaf(s[nt][i], sl2, -lse2[i >> 1]));
+            s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
+        }
+}
+/* dq = bf16(dq + scale dQ) for a warp's 16 rows from row0 (those at or past r1 skipped). */
+template <int HS>
+__device__ __forceinline__ void pr_dq_store(bf16 *dq, const float (*acc)[4], int row0, int r1, size_t qd, int h, int lane, float scale) {
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int row = row0 + pr_mma_c_row(lane, 2 * rr);
+        if (row >= r1) continue;
+        uint32_t *g = (uint32_t *)(dq + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr));
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) {
+            const float2 o = pr_bf16x2_unpack(g[4 * dt]);
+            g[4 * dt] = pr_pack_bf16x2(o.x + scale * acc[dt][2 * rr], o.y + scale * acc[dt][2 * rr + 1]);
+        }
+    }
 }
 
 /* dQ. Grid (query tiles, NH), tiles in reverse; the forward's key walk. Shared memory: Q, dO,
@@ -1043,13 +1103,8 @@ pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const fl
     uint32_t qf[HS / 16][4], dof[HS / 16][4];         /* this warp's 16 rows of Q and dO, as A fragments */
     pr_mma_load_a<HS, HS / 16>(qf, pr_smem_u32(qs), 16 * warp, lane);
     pr_mma_load_a<HS, HS / 16>(dof, pr_smem_u32(dos), 16 * warp, lane);
-    float lse2[2], Drow[2];                           /* rows g and g+8: lse*log2e and D */
-PR_UNROLL
-    for (int rr = 0; rr < 2; rr++) {
-        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
-        lse2[rr] = row < t.r1 ? lse[(size_t)row * NH + h] * PR_LOG2E : 0.0f;
-        Drow[rr] = row < t.r1 ? Dr[(size_t)row * NH + h] : 0.0f;
-    }
+    float lse2[2], Drow[2];
+    pr_dq_rows(lse2, Drow, lse, Dr, t.r0 + 16 * warp, t.r1, NH, h, lane);
     float acc[HS / 8][4];
     pr_mma_zero<HS / 8>(acc);
     for (int it = 0; it < nkt; it++) {
@@ -1072,40 +1127,95 @@ PR_UNROLL_1
             pr_mma_zero<KN / 8>(dp);
             pr_mma_abt<HS, HS / 16, KN / 16>(s, qf, kb, sub * KN, lane);
             pr_mma_abt<HS, HS / 16, KN / 16>(dp, dof, vb, sub * KN, lane);
-            /* P = exp2(S scale log2e - lse log2e) where visible, else 0 (S = -inf: a row past the
-               tile or a row that saw no key has no visible key, so its lse2, 0 or +inf, gives
-               -inf too);  dS = P (dP - D), into s */
-            if (!whole)
-PR_UNROLL
-                for (int nt = 0; nt < KN / 8; nt++)
-PR_UNROLL
-                    for (int i = 0; i < 4; i++) {
-                        const int key = x.j0 + sub * KN + 8 * nt + pr_mma_c_col(lane, i), row = t.r0 + 16 * warp + pr_mma_c_row(lane, i);
-                        if (!(key < x.end && row < t.r1 && (!x.own || key <= row))) s[nt][i] = -INFINITY;
-                    }
-PR_UNROLL
-            for (int nt = 0; nt < KN / 8; nt++)
-PR_UNROLL
-                for (int i = 0; i < 4; i++) {
-                    const float p = pr_exp2(fmaf(s[nt][i], sl2, -lse2[i >> 1]));
-                    s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
-                }
+            pr_dq_ds<KN / 8>(s, dp, x, whole, x.j0 + sub * KN, t.r0 + 16 * warp, t.r1, lane, sl2, lse2, Drow);
             /* dQ += bf16(dS) K: K as the [k][n] operand, .trans */
             pr_mma_pv<HS, KN / 16, 1>(&acc, &s, 1, kb, sub * KN, lane);
         }
         __syncthreads();
     }
-PR_UNROLL
-    for (int rr = 0; rr < 2; rr++) {
-        const int row = t.r0 + 16 * warp + pr_mma_c_row(lane, 2 * rr);
-        if (row >= t.r1) continue;
-        uint32_t *g = (uint32_t *)(dq + (size_t)row * qd + (size_t)h * HS + pr_mma_c_col(lane, 2 * rr));
-PR_UNROLL
-        for (int dt = 0; dt < HS / 8; dt++) {
-            const float2 o = pr_bf16x2_unpack(g[4 * dt]);
-            g[4 * dt] = pr_pack_bf16x2(o.x + scale * acc[dt][2 * rr], o.y + scale * acc[dt][2 * rr + 1]);
-        }
+    pr_dq_store<HS>(dq, acc, t.r0 + 16 * warp, t.r1, qd, h, lane, scale);
+}
+
+/* dQ on Hopper's wgmma (sm_90a; PR_CUDA_ATTENTION_WGMMA): the kernel above, each row's algorithm
+   the same, as one warpgroup (128 threads) a 64-row query tile: S = Q K^T and dP = dO V^T as HS/16
+   wgmma m64n64k16 each, all four operands read from shared memory through descriptors (Q, dO, K,
+   V all K-major), then dQ += bf16(dS) K as 4 wgmma m64nHSk16 with dS from registers and K
+   MN-major. A whole 64-key tile a turn (no sub-tiles: Q and dO take no registers here). Shared
+   memory in wgmma's panel layout: Q, dO, then K and V (two stages each), fenced into the async
+   proxy before the barrier that publishes them, as in the wgmma forward. */
+template <int HS>
+__global__ void __launch_bounds__(PR_MMA_THREADS)
+pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const float *Dr, const bf16 *q, const bf16 *k,
+                            const bf16 *v, const bf16 *kp, const bf16 *vp, const pr_att_tile *tiles, int n_prefix,
+                            int NH, int NKV) {
+#if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
+    constexpr int T = PR_MMA_ROWS * HS;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *qs = (bf16 *)pr_dyn_smem, *dos = qs + T, *ks = dos + T, *vs = ks + 2 * T;
+    const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
+    const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS), sl2 = scale * PR_LOG2E;
+    const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix), row0 = t.r0 + 16 * warp;
+
+    pr_mma_copy<HS, false, PR_MMA_THREADS, true>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
+    pr_mma_copy<HS, false, PR_MMA_THREADS, true>(dos, dout, t.r0, t.r1 - t.r0, qd, h * HS);
+    pr_cp_async_commit();
+    {
+        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
+        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_cp_async_commit();
     }
+    float lse2[2], Drow[2];
+    pr_dq_rows(lse2, Drow, lse, Dr, row0, t.r1, NH, h, lane);
+    float acc[HS / 8][4];
+    pr_mma_zero<HS / 8>(acc);
+    const uint32_t qb = pr_smem_u32(qs), dob = pr_smem_u32(dos);
+    for (int it = 0; it < nkt; it++) {
+        const int st = it & 1;
+        if (it + 1 < nkt) {
+            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        }
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();                      /* this thread's copies of this tile (and Q, dO) landed, */
+        pr_fence_proxy_async();                     /* visible to wgmma, */
+        __syncthreads();                            /* and every thread's */
+        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+        const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && t.r1 - t.r0 == PR_MMA_ROWS && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
+        float s[8][4], dp[8][4];
+        pr_mma_zero<8>(s);
+        pr_mma_zero<8>(dp);
+        pr_wg_hold<32>(&s[0][0]);                   /* zeroed before the fence, not moved past it */
+        pr_wg_hold<32>(&dp[0][0]);
+        pr_wg_fence();
+PR_UNROLL
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
+PR_UNROLL
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(dob, kc, PR_MMA_ROWS), pr_wg_desc_k(vb, kc, PR_MMA_ROWS));
+        pr_wg_commit();
+        pr_wg_wait<0>();
+        pr_wg_hold<32>(&s[0][0]);
+        pr_wg_hold<32>(&dp[0][0]);
+        pr_dq_ds<8>(s, dp, x, whole, x.j0, row0, t.r1, lane, sl2, lse2, Drow);
+        uint32_t a[4][4];                           /* bf16(dS) as the A fragments of its 4 k16 blocks */
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) pr_c_to_a(a[kc], s[2 * kc], s[2 * kc + 1]);
+        pr_wg_fence();
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], a[kc], pr_wg_desc_mn(kb, kc));
+        pr_wg_commit();
+        pr_wg_wait<0>();                            /* K's stage is read before it is refilled */
+        pr_wg_hold<HS / 2>(&acc[0][0]);
+        __syncthreads();
+    }
+    pr_dq_store<HS>(dq, acc, row0, t.r1, qd, h, lane, scale);
+#else
+    (void)dq, (void)dout, (void)lse, (void)Dr, (void)q, (void)k, (void)v, (void)kp, (void)vp, (void)tiles, (void)n_prefix, (void)NH, (void)NKV;
+#endif
 }
 
 /* The fused backward's dQ (FUSED_DQ below): dq_acc (fp32, unscaled) of query tile qt's rows, head
@@ -1144,6 +1254,87 @@ PR_UNROLL
             float *g = dq_acc + at + 8 * qd;
 PR_UNROLL
             for (int nt = 0; nt < 4; nt++) pr_red_add_f32(g + 8 * nt, acc[nt][2]), pr_red_add_f32(g + 8 * nt + 1, acc[nt][3]);
+        }
+    }
+}
+
+/* dK/dV's pieces shared by its two kernels. A step's loads (not yet committed): the query tile
+   qt of head h, Q and dO into swizzled tiles (PANELS: wgmma's layout), lse and D of its rows a
+   thread a row; rows past the tile read as zeros. Rolled copies: at HS 128 the mma kernel holds
+   255 registers. */
+template <int HS, bool PANELS>
+__device__ __forceinline__ void pr_dkv_load(bf16 *qs, bf16 *dos, float *ls, float *ds, const pr_att_tile qt, int h, const bf16 *q,
+                                            const bf16 *dout, const float *lse, const float *Dr, size_t qd, int NH) {
+    const int n = qt.r1 - qt.r0;
+    pr_mma_copy<HS, true, PR_MMA_THREADS, PANELS>(qs, q, qt.r0, n, qd, h * HS);
+    pr_mma_copy<HS, true, PR_MMA_THREADS, PANELS>(dos, dout, qt.r0, n, qd, h * HS);
+    static_assert(PR_MMA_ROWS <= PR_MMA_THREADS, "a thread a row of lse and D");
+    const int e = threadIdx.x;
+    if (e < PR_MMA_ROWS) {
+        const size_t o = (size_t)(qt.r0 + (e < n ? e : 0)) * NH + h;
+        pr_cp_async4(pr_smem_u32(ls + e), lse + o, e < n);
+        pr_cp_async4(pr_smem_u32(ds + e), Dr + o, e < n);
+    }
+}
+/* A step's P^T and dS^T for a warp's 16 keys from key0 (rows) and N8 n8 tiles of queries from
+   column c0 of the query tile qt (columns): P^T = exp2(S^T scale log2e - lse log2e) where visible,
+   else 0 (S^T = -inf), into p; dS^T = P^T (dP^T - D), into dp. lst, dst: the tile's lse and D in
+   shared memory. A lane's elements lie in 2 query columns an n8 tile (its keys g and g + 8): lse
+   and D read once a column. whole: every query sees every key here, no mask. */
+template <int N8>
+__device__ __forceinline__ void pr_dkv_ds(float (*p)[4], float (*dp)[4], const pr_att_ktile &kt, bool own, bool whole, int key0,
+                                          const pr_att_tile &qt, int c0, const float *lst, const float *dst, int lane, float sl2) {
+    if (!whole)
+PR_UNROLL
+        for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int row = qt.r0 + c0 + 8 * nt + pr_mma_c_col(lane, i), key = key0 + pr_mma_c_row(lane, i);
+                if (!(key < kt.end && row < qt.r1 && (!own || key <= row))) p[nt][i] = -INFINITY;
+            }
+PR_UNROLL
+    for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+        for (int j = 0; j < 2; j++) {
+            const int c = c0 + 8 * nt + pr_mma_c_col(lane, j);
+            const float lse2 = pr_lds_f32(lst + c) * PR_LOG2E, Dc = pr_lds_f32(dst + c);
+PR_UNROLL
+            for (int i = j; i < 4; i += 2) {
+                const float pv = pr_exp2(fmaf(p[nt][i], sl2, -lse2));
+                p[nt][i] = pv;
+                dp[nt][i] = pv * (dp[nt][i] - Dc);
+            }
+        }
+}
+/* The end of a block: own keys into the bf16 dk/dv once; prefix keys scale dK, dV into dkp/dvp
+   (C = 1) or partial `chunk` (np_elems: a partial's size). A warp's 16 keys from key0. */
+template <int HS>
+__device__ __forceinline__ void pr_dkv_store(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, const pr_att_ktile &kt,
+                                             const float (*gk)[4], const float (*gv)[4], int key0, int hk, size_t np_elems, size_t kvd,
+                                             int lane, float scale) {
+PR_UNROLL
+    for (int rr = 0; rr < 2; rr++) {
+        const int key = key0 + pr_mma_c_row(lane, 2 * rr);
+        if (key >= kt.end) continue;
+        const size_t o = (size_t)key * kvd + (size_t)hk * HS + pr_mma_c_col(lane, 2 * rr);
+PR_UNROLL
+        for (int dt = 0; dt < HS / 8; dt++) {
+            const float k0 = scale * gk[dt][2 * rr], k1 = scale * gk[dt][2 * rr + 1];
+            const float v0 = gv[dt][2 * rr], v1 = gv[dt][2 * rr + 1];
+            if (kt.chunk < 0) {
+                uint32_t *a = (uint32_t *)(dk + o + 8 * dt), *b = (uint32_t *)(dv + o + 8 * dt);
+                const float2 ka = pr_bf16x2_unpack(*a), vb = pr_bf16x2_unpack(*b);
+                *a = pr_pack_bf16x2(ka.x + k0, ka.y + k1);
+                *b = pr_pack_bf16x2(vb.x + v0, vb.y + v1);
+            } else if (!part) {
+                float2 *a = (float2 *)(dkp + o + 8 * dt), *b = (float2 *)(dvp + o + 8 * dt);
+                const float2 ka = *a, vb = *b;
+                *a = make_float2(ka.x + k0, ka.y + k1);
+                *b = make_float2(vb.x + v0, vb.y + v1);
+            } else {
+                *(float2 *)(part + (size_t)kt.chunk * np_elems + o + 8 * dt) = make_float2(k0, k1);
+                *(float2 *)(part + (size_t)(C + kt.chunk) * np_elems + o + 8 * dt) = make_float2(v0, v1);
+            }
         }
     }
 }
@@ -1193,17 +1384,8 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     const auto next = [&](step_at &a) { if (++a.tile == kt.qhi) a.tile = kt.qlo, a.head++; };
     step_at ld = { kt.qlo, hk * group }, at = ld;
     auto load_step = [&](int st) {
-        const pr_att_tile qt = qtiles[ld.tile];
-        const int h = ld.head, n = qt.r1 - qt.r0;
-        pr_mma_copy<HS, true>(qs + st * T, q, qt.r0, n, qd, h * HS);
-        pr_mma_copy<HS, true>(dos + st * T, dout, qt.r0, n, qd, h * HS);
-        static_assert(PR_MMA_ROWS <= PR_MMA_THREADS, "a thread a row of lse and D");
-        const int e = threadIdx.x;
-        if (e < PR_MMA_ROWS) {
-            const size_t o = (size_t)(qt.r0 + (e < n ? e : 0)) * NH + h;
-            pr_cp_async4(pr_smem_u32(ls + st * PR_MMA_ROWS + e), lse + o, e < n);
-            pr_cp_async4(pr_smem_u32(ds + st * PR_MMA_ROWS + e), Dr + o, e < n);
-        }
+        pr_dkv_load<HS, false>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile], ld.head, q, dout,
+                               lse, Dr, qd, NH);
         next(ld);
     };
     load_step(0);
@@ -1235,30 +1417,7 @@ PR_UNROLL_1
             if constexpr (FUSED_DQ) pr_mma_abt_s<HS, HS / 16, QN / 16>(p, pr_smem_u32(ks), 16 * warp, qb, sub * QN, lane);
             else pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
             pr_mma_abt_s<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
-            /* P^T = exp2(S^T scale log2e - lse log2e) where visible, else 0 (S^T = -inf); dS^T =
-               P^T (dP^T - D), into dp. A lane's elements lie in 2 query columns an n8 tile (its
-               keys g and g + 8): lse and D read once a column. */
-            if (!whole)
-PR_UNROLL
-                for (int nt = 0; nt < QN / 8; nt++)
-PR_UNROLL
-                    for (int i = 0; i < 4; i++) {
-                        const int row = qt.r0 + sub * QN + 8 * nt + pr_mma_c_col(lane, i), key = key0 + pr_mma_c_row(lane, i);
-                        if (!(key < kt.end && row < qt.r1 && (!own || key <= row))) p[nt][i] = -INFINITY;
-                    }
-PR_UNROLL
-            for (int nt = 0; nt < QN / 8; nt++)
-PR_UNROLL
-                for (int j = 0; j < 2; j++) {
-                    const int c = sub * QN + 8 * nt + pr_mma_c_col(lane, j);
-                    const float lse2 = pr_lds_f32(lst + c) * PR_LOG2E, Dc = pr_lds_f32(dst + c);
-PR_UNROLL
-                    for (int i = j; i < 4; i += 2) {
-                        const float pv = pr_exp2(fmaf(p[nt][i], sl2, -lse2));
-                        p[nt][i] = pv;
-                        dp[nt][i] = pv * (dp[nt][i] - Dc);
-                    }
-                }
+            pr_dkv_ds<QN / 8>(p, dp, kt, own, whole, key0, qt, sub * QN, lst, dst, lane, sl2);
             if constexpr (FUSED_DQ) {                 /* bf16(dS^T), as the dK product below rounds it */
 PR_UNROLL
                 for (int nt = 0; nt < QN / 8; nt++)
@@ -1278,33 +1437,100 @@ PR_UNROLL
         next(at);
         __syncthreads();
     }
-    /* own keys: into the bf16 dk/dv once; prefix keys: scale dK, dV into dkp/dvp (C = 1) or partial `chunk` */
-    const size_t np_elems = (size_t)n_prefix * kvd;
+    pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);
+}
+
+/* dK/dV on Hopper's wgmma (sm_90a; PR_CUDA_ATTENTION_WGMMA): the kernel above (without FUSED_DQ),
+   each key's algorithm the same, one warpgroup (128 threads) a block, its warp w keys 16w .. 16w +
+   15 of the 64-key tile. A step takes a whole 64-row query tile (no sub-tiles): S^T = K Q^T and
+   dP^T = V dO^T as HS/16 wgmma m64n64k16 each, all four operands K-major in shared memory; then
+   dV += bf16(P^T) dO and dK += bf16(dS^T) Q as 4 wgmma m64nHSk16 each, P^T and dS^T from
+   registers, dO and Q MN-major. K and V are read from shared memory by every step's products,
+   and no ldmatrix remains. Shared memory as the kernel above, in wgmma's panel layout, fenced into
+   the async proxy before the barrier that publishes a step. */
+template <int HS>
+__global__ void __launch_bounds__(PR_MMA_THREADS)
+pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, float *dq_acc, const bf16 *dout,
+                             const float *lse, const float *Dr, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
+                             const bf16 *vp, const pr_att_ktile *ktiles, const pr_att_tile *qtiles, int n_prefix, int NH, int NKV) {
+    (void)dq_acc;                                     /* the mma kernel's signature: FUSED_DQ's, unused here */
+#if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
+    constexpr int T = PR_MMA_ROWS * HS;
+    extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
+    float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
+    const pr_att_ktile kt = ktiles[blockIdx.x];
+    const int hk = blockIdx.y, group = NH / NKV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool own = kt.chunk < 0;
+    const int nq = kt.qhi - kt.qlo, steps = group * nq, key0 = kt.j0 + 16 * warp;
+    const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
+    const float scale = rsqrtf((float)HS), sl2 = scale * PR_LOG2E;
+
+    pr_mma_copy<HS, true, PR_MMA_THREADS, true>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
+    pr_mma_copy<HS, true, PR_MMA_THREADS, true>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
+    pr_cp_async_commit();
+    struct step_at { int tile, head; };                /* as the kernel above: (query tile, head) pairs counted */
+    const auto next = [&](step_at &a) { if (++a.tile == kt.qhi) a.tile = kt.qlo, a.head++; };
+    step_at ld = { kt.qlo, hk * group }, at = ld;
+    auto load_step = [&](int st) {
+        pr_dkv_load<HS, true>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile], ld.head, q, dout,
+                              lse, Dr, qd, NH);
+        next(ld);
+    };
+    load_step(0);
+    pr_cp_async_commit();
+    float gk[HS / 8][4], gv[HS / 8][4];
+    pr_mma_zero<HS / 8>(gk);
+    pr_mma_zero<HS / 8>(gv);
+    const uint32_t kb = pr_smem_u32(ks), vb = pr_smem_u32(vs);
+    for (int s = 0; s < steps; s++) {
+        const int st = s & 1;
+        if (s + 1 < steps) load_step(st ^ 1);
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();                      /* this thread's copies of this step (and K, V) landed, */
+        pr_fence_proxy_async();                     /* visible to wgmma, */
+        __syncthreads();                            /* and every thread's */
+        const pr_att_tile qt = qtiles[at.tile];
+        const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
+        const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
+        float p[8][4], dp[8][4];
+        pr_mma_zero<8>(p);
+        pr_mma_zero<8>(dp);
+        pr_wg_hold<32>(&p[0][0]);                   /* zeroed before the fence, not moved past it */
+        pr_wg_hold<32>(&dp[0][0]);
+        pr_wg_fence();
 PR_UNROLL
-    for (int rr = 0; rr < 2; rr++) {
-        const int key = key0 + pr_mma_c_row(lane, 2 * rr);
-        if (key >= kt.end) continue;
-        const size_t o = (size_t)key * kvd + (size_t)hk * HS + pr_mma_c_col(lane, 2 * rr);
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&p[0][0], pr_wg_desc_k(kb, kc, PR_MMA_ROWS), pr_wg_desc_k(qb, kc, PR_MMA_ROWS));
 PR_UNROLL
-        for (int dt = 0; dt < HS / 8; dt++) {
-            const float k0 = scale * gk[dt][2 * rr], k1 = scale * gk[dt][2 * rr + 1];
-            const float v0 = gv[dt][2 * rr], v1 = gv[dt][2 * rr + 1];
-            if (own) {
-                uint32_t *a = (uint32_t *)(dk + o + 8 * dt), *b = (uint32_t *)(dv + o + 8 * dt);
-                const float2 ka = pr_bf16x2_unpack(*a), vb = pr_bf16x2_unpack(*b);
-                *a = pr_pack_bf16x2(ka.x + k0, ka.y + k1);
-                *b = pr_pack_bf16x2(vb.x + v0, vb.y + v1);
-            } else if (!part) {
-                float2 *a = (float2 *)(dkp + o + 8 * dt), *b = (float2 *)(dvp + o + 8 * dt);
-                const float2 ka = *a, vb = *b;
-                *a = make_float2(ka.x + k0, ka.y + k1);
-                *b = make_float2(vb.x + v0, vb.y + v1);
-            } else {
-                *(float2 *)(part + (size_t)kt.chunk * np_elems + o + 8 * dt) = make_float2(k0, k1);
-                *(float2 *)(part + (size_t)(C + kt.chunk) * np_elems + o + 8 * dt) = make_float2(v0, v1);
-            }
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(vb, kc, PR_MMA_ROWS), pr_wg_desc_k(db, kc, PR_MMA_ROWS));
+        pr_wg_commit();
+        pr_wg_wait<0>();
+        pr_wg_hold<32>(&p[0][0]);
+        pr_wg_hold<32>(&dp[0][0]);
+        pr_dkv_ds<8>(p, dp, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, lane, sl2);
+        uint32_t pa[4][4], da[4][4];                /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) {
+            pr_c_to_a(pa[kc], p[2 * kc], p[2 * kc + 1]);
+            pr_c_to_a(da[kc], dp[2 * kc], dp[2 * kc + 1]);
         }
+        pr_wg_fence();
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gv[0][0], pa[kc], pr_wg_desc_mn(db, kc));
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gk[0][0], da[kc], pr_wg_desc_mn(qb, kc));
+        pr_wg_commit();
+        pr_wg_wait<0>();                            /* the stage is read before it is refilled */
+        pr_wg_hold<HS / 2>(&gv[0][0]);
+        pr_wg_hold<HS / 2>(&gk[0][0]);
+        next(at);
+        __syncthreads();
     }
+    pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);
+#else
+    (void)dk, (void)dv, (void)dkp, (void)dvp, (void)part, (void)C, (void)dout, (void)lse, (void)Dr, (void)q, (void)k, (void)v, (void)kp,
+        (void)vp, (void)ktiles, (void)qtiles, (void)n_prefix, (void)NH, (void)NKV;
+#endif
 }
 
 /* The fused backward's last step: dq = bf16(dq + scale acc), scale = 1/sqrt(HS) as the dQ kernel
@@ -1405,7 +1631,7 @@ typedef struct {
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
     int attention_kind;            /* PR_CUDA_ATTENTION_FFMA, _MMA or _MMA_ATOMIC (pr_backend_cuda_set_attention) */
-    unsigned smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
+    uint64_t smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
     pr_status failed;              /* first failure since take_error */
     char message[512];
 } pr_cu;
@@ -1857,10 +2083,10 @@ static int pr_cu_query_tiles(pr_att_tile **out, const pr_seq_layout *lay, int ro
 /* A kernel with more than 48 KiB of dynamic shared memory opts in to it, once per device (the
    setting belongs to the function): the attention kernels' opt-ins, one bit each, by kernel and head dim. */
 enum { PR_CU_ATT_FWD, PR_CU_ATT_DQ, PR_CU_ATT_DKV, PR_CU_ATT_FWD_MMA, PR_CU_ATT_DQ_MMA, PR_CU_ATT_DKV_MMA, PR_CU_ATT_DKV_FUSED,
-       PR_CU_ATT_FWD_WGMMA };
+       PR_CU_ATT_FWD_WGMMA, PR_CU_ATT_DQ_WGMMA, PR_CU_ATT_DKV_WGMMA };
 template <typename K>
 static int pr_cu_smem_attr(pr_cu *cx, K kernel, int which, int HS, size_t smem, const char *what) {
-    const unsigned bit = 1u << (4 * which + (HS == 16 ? 0 : HS == 32 ? 1 : HS == 64 ? 2 : 3));
+    const uint64_t bit = (uint64_t)1 << (4 * which + (HS == 16 ? 0 : HS == 32 ? 1 : HS == 64 ? 2 : 3));
     if (cx->smem_opted & bit) return 1;
     if (!pr_cu_ok(cx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), what)) return 0;
     cx->smem_opted |= bit;
@@ -1995,23 +2221,27 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem;
+    const int wg = cx->attention_kind == PR_CUDA_ATTENTION_WGMMA;
     if (fused) {
         if (!pr_cu_ok(cx, cudaMemsetAsync(dq_acc, 0, acc_bytes, cx->stream), "attention: clearing dQ's accumulator")) return;
     } else {
-        smem = pr_mma_smem_bytes(HS, 1);
-        if (!pr_cu_smem_attr(cx, pr_k_attention_bwd_dq_mma<HS>, PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
-        PR_LAUNCH(pr_k_attention_bwd_dq_mma<HS>, dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
+        smem = pr_mma_smem_bytes(HS, 1);            /* the wgmma dQ's too: Q, dO, K and V twice */
+        auto dqk = wg ? pr_k_attention_bwd_dq_wgmma<HS> : pr_k_attention_bwd_dq_mma<HS>;
+        if (!pr_cu_smem_attr(cx, dqk, wg ? PR_CU_ATT_DQ_WGMMA : PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
+        PR_LAUNCH(dqk, dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
             (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
             (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
-        pr_cu_launched(cx, "attention_bwd_dq_mma");
+        pr_cu_launched(cx, wg ? "attention_bwd_dq_wgmma" : "attention_bwd_dq_mma");
     }
-    auto dkv = fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
-    smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);
-    if (!pr_cu_smem_attr(cx, dkv, fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem, "attention_bwd_dkv_mma shared memory")) return;
+    auto dkv = wg ? pr_k_attention_bwd_dkv_wgmma<HS> : fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
+    smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);      /* the wgmma dK/dV's too */
+    if (!pr_cu_smem_attr(cx, dkv, wg ? PR_CU_ATT_DKV_WGMMA : fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem,
+                         "attention_bwd_dkv_mma shared memory"))
+        return;
     PR_LAUNCH(dkv, dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
         (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
-    pr_cu_launched(cx, fused ? "attention_bwd_dkv_mma (fused)" : "attention_bwd_dkv_mma");
+    pr_cu_launched(cx, wg ? "attention_bwd_dkv_wgmma" : fused ? "attention_bwd_dkv_mma (fused)" : "attention_bwd_dkv_mma");
     if (fused) {
         const unsigned blocks = pr_cu_blocks(nq_elems / 2, 256);
         PR_LAUNCH(pr_k_attention_dq_add, blocks < 65536 ? blocks : 65536, 256, 0, cx->stream, (bf16 *)dq, dq_acc, HS, nq_elems);

@@ -116,7 +116,7 @@ static void usage(FILE *f) {
         "  --attention K          train_cuda: ffma (the CUDA-core kernels, default) | mma (tensor cores, sm_80+,\n"
         "                         head dims 64 and 128, ~20x ffma) | mma-atomic (mma with a backward that adds dQ by\n"
         "                         atomics: not bitwise reproducible; to measure what determinism costs) | wgmma\n"
-        "                         (mma with a forward on Hopper's wgmma: compute capability 9.0, sm_90a code)\n"
+        "                         (mma's kernels on Hopper's warpgroup MMA: compute capability 9.0, sm_90a code)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"

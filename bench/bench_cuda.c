@@ -403,8 +403,8 @@ static void usage(FILE *f) {
    timed after them, so that a fault in the new kernels cannot cost the other figures, and last the
    tensor-core backward that adds dQ with atomics (PR_CUDA_ATTENTION_MMA_ATOMIC; its forward is
    MMA's, so only the backward is timed), each case beside the deterministic backward's time in
-   bwd_time (filled by the MMA table): the cost of determinism, measured; then the wgmma forward
-   (PR_CUDA_ATTENTION_WGMMA, sm_90a; its backward MMA's, timed again). */
+   bwd_time (filled by the MMA table): the cost of determinism, measured; then the wgmma kernels
+   (PR_CUDA_ATTENTION_WGMMA, sm_90a: forward, dQ and dK/dV on Hopper's warpgroup MMA). */
 static void bench_attention_table(const int *sel, int kind, const char *title, double *bwd_time) {
     pr_error err;
     if (pr_backend_cuda_set_attention(be, kind, &err)) {
@@ -465,7 +465,7 @@ int main(int argc, char **argv) {
         printf("\n");
         bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA_ATOMIC, "MMA, backward with atomic dQ (not deterministic)", bwd_time);
         printf("\n");
-        bench_attention_table(att_sel, PR_CUDA_ATTENTION_WGMMA, "MMA with the wgmma forward (sm_90a; its backward is MMA's)", bwd_time);
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_WGMMA, "wgmma (sm_90a): the same kernels on Hopper's warpgroup MMA", bwd_time);
     }
     if (be->take_error(be, &err)) { fprintf(stderr, "bench_cuda: %s\n", err.message); return 1; }
     pr_backend_cuda_destroy(be);

@@ -8,8 +8,8 @@
        of P and dS, which the kernels must match far more closely (MODEL below),
    and the backward's bits run to run; and the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq
    against the reference and the model, its other outputs bitwise the MMA kernels'; and the wgmma
-   forward (PR_CUDA_ATTENTION_WGMMA, where the GPU runs it): out and lse against the reference and
-   the model, bitwise run to run, its backward MMA's bits. q, k and kp are drawn with standard deviation sqrt(2.5), so
+   kernels (PR_CUDA_ATTENTION_WGMMA, where the GPU runs them: forward, dQ and dK/dV): every output
+   against the reference and the model, bitwise run to run. q, k and kp are drawn with standard deviation sqrt(2.5), so
    that the scores q.k/sqrt(HS) have a standard deviation of about 2.5 and the softmax is peaked.
    The backward runs from the reference forward's out (rounded to bf16) and lse (fp32), so that all
    three backwards see the same inputs. Its outputs are added into (dq, dk, dv bf16; dkp, dvp
@@ -146,7 +146,7 @@ static run_out run(int kind, const shape *s, const int *seg_off, void *const *in
     be->attention_bwd(be, r.g[0], r.g[1], r.g[2], np ? (float *)r.g[3] : NULL, np ? (float *)r.g[4] : NULL, in[5], in[6], in[7],
                       in[0], in[1], in[2], np ? in[3] : NULL, np ? in[4] : NULL, &lay, s->NH, s->NKV, s->HS);
     expect_ok(kind == PR_CUDA_ATTENTION_MMA ? "tensor-core attention" : kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? "tensor-core attention, fused backward"
-              : kind == PR_CUDA_ATTENTION_WGMMA ? "tensor-core attention, wgmma forward" : "FFMA attention");
+              : kind == PR_CUDA_ATTENTION_WGMMA ? "tensor-core attention, wgmma" : "FFMA attention");
     return r;
 }
 static void release_run(run_out *r) {
@@ -228,6 +228,7 @@ static void test_shape(const shape *s) {
     }
     /* the model: forward from the inputs, backward from the same out, lse and start values */
     double r_model[NT], lse_model, r_fused_model = INFINITY, r_wg_model = INFINITY, lse_wg_model = INFINITY;
+    double *model_inc[5];                             /* the model's increments */
     double *wo = wgmma_here ? gpu_download(be, w1.o, nq, 1) : NULL, *wl = wgmma_here ? gpu_download(be, w1.l, nl, 0) : NULL;
     {
         float *fq = to_float(q, nq), *fk = to_float(k, nk), *fv = to_float(v, nk), *fkp = to_float(kp, npk), *fvp = to_float(vp, npk);
@@ -250,7 +251,7 @@ static void test_shape(const shape *s) {
             for (size_t i = 0; i < n[T_DQ + t]; i++) minc[i] = amg[t][i] - init[t][i];
             r_model[T_DQ + t] = model_ratio(mg[t], init[t], minc, ref[t], n[T_DQ + t], t >= 3);
             if (t == 0 && adq) r_fused_model = model_ratio(adq, init[0], minc, ref[0], nq, 0);
-            free(minc);
+            model_inc[t] = minc;
         }
         free(fq); free(fk); free(fv); free(fkp); free(fvp); free(fdo); free(fbo); free(fbl); free(amo); free(aml);
         for (int t = 0; t < 5; t++) free(amg[t]);
@@ -298,24 +299,40 @@ static void test_shape(const shape *s) {
         free(adq);
     }
 
-    /* the wgmma forward (PR_CUDA_ATTENTION_WGMMA): out and lse within the same tolerances of the
-       reference and the model, its bits run to run; its backward is MMA's, bit for bit */
+    /* the wgmma kernels (PR_CUDA_ATTENTION_WGMMA): out, lse and every gradient within the same
+       tolerances of the reference and the model as MMA's, all bits run to run */
     if (wgmma_here) {
-        const double r_wg = worst_ratio(wo, NULL, ro, nq, 0), lse_wg = worst_lse(wl, rl, nl);
-        int wg_same = same_bits(w1.o, w2.o, 2 * nq) && same_bits(w1.l, w2.l, 4 * nl), bwd_same = 1;
-        for (int t = 0; t < 5; t++) bwd_same &= same_bits(w1.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
-        printf("  wgmma forward: out %.2f lse %.2f, vs model out %.2f lse %.2f; its bits %s MMA's\n", r_wg, lse_wg, r_wg_model, lse_wg_model,
-               same_bits(w1.o, m1.o, 2 * nq) && same_bits(w1.l, m1.l, 4 * nl) ? "equal to" : "differ from");
-        CHECK(r_wg <= 1 && lse_wg <= 1, "%s: wgmma forward off the double reference by %.2f (out), %.2f (lse) x the tolerance", what, r_wg, lse_wg);
-        CHECK(r_wg_model <= 1 && lse_wg_model <= 1, "%s: wgmma forward off the model by %.2f (out), %.2f (lse) x its tolerance", what,
-              r_wg_model, lse_wg_model);
-        CHECK(wg_same, "%s: wgmma forward bitwise reproducible", what);
-        CHECK(bwd_same, "%s: the backward under PR_CUDA_ATTENTION_WGMMA is MMA's, bit for bit", what);
+        double r_w[NT], r_wm[NT];
+        const double lse_wg = worst_lse(wl, rl, nl);
+        r_w[T_OUT] = worst_ratio(wo, NULL, ro, nq, 0), r_wm[T_OUT] = r_wg_model;
+        int wg_same = same_bits(w1.o, w2.o, 2 * nq) && same_bits(w1.l, w2.l, 4 * nl), mma_same = same_bits(w1.o, m1.o, 2 * nq);
+        for (int t = 0; t < 5; t++) {
+            double *g = gpu_download(be, w1.g[t], n[T_DQ + t], t < 3);
+            r_w[T_DQ + t] = worst_ratio(g, init[t], ref[t], n[T_DQ + t], t >= 3);
+            r_wm[T_DQ + t] = model_ratio(g, init[t], model_inc[t], ref[t], n[T_DQ + t], t >= 3);
+            wg_same &= same_bits(w1.g[t], w2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+            mma_same &= same_bits(w1.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+            free(g);
+        }
+        printf("  wgmma:     ");
+        for (int t = 0; t < NT; t++) if (t < T_DKP || np) printf(" %s %.2f", tname[t], r_w[t]);
+        printf(" lse %.2f; vs model", lse_wg);
+        for (int t = 0; t < NT; t++) if (t < T_DKP || np) printf(" %.2f", r_wm[t]);
+        printf(" %.2f; bits %s MMA's\n", lse_wg_model, mma_same ? "equal to" : "differ from");
+        for (int t = 0; t < NT; t++) {
+            if (t >= T_DKP && !np) continue;
+            CHECK(r_w[t] <= 1, "%s: wgmma %s off the double reference by %.2f x the tolerance", what, tname[t], r_w[t]);
+            CHECK(r_wm[t] <= 1, "%s: wgmma %s off the model by %.2f x its tolerance", what, tname[t], r_wm[t]);
+        }
+        CHECK(lse_wg <= 1 && lse_wg_model <= 1, "%s: wgmma lse off the reference by %.2f, the model by %.2f x the tolerance", what, lse_wg,
+              lse_wg_model);
+        CHECK(wg_same, "%s: wgmma forward and backward bitwise reproducible", what);
         release_run(&w1);
         release_run(&w2);
         free(wo);
         free(wl);
     }
+    for (int t = 0; t < 5; t++) free(model_inc[t]);
 
     release_run(&m1);
     release_run(&m2);

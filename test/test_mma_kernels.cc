@@ -29,7 +29,14 @@
    stage's reads skipped, and those after a wait_group skipped (as races in each of the four
    kernels: their values stay within tolerance on this machine); the dQ launch given one query
    tile twice (as elements with two writers); the fused kernel's barrier between its dS tile's
-   stores and their reads skipped (as races in that kernel alone). */
+   stores and their reads skipped (as races in that kernel alone).
+   The wgmma kernels (PR_CUDA_ATTENTION_WGMMA: forward, dQ, dK/dV on Hopper's warpgroup MMA) on the
+   same inputs: every output bitwise the mma.sync kernels' (here both sum a k16 block's products
+   exactly onto the accumulator), no race (a wgmma's shared-memory reads count for its whole
+   warpgroup, from issue to wait), with the emulator's wgmma checks (test/gpu_emu.h: operands
+   unchanged until the wait, accumulators unread before it, fence.proxy.async and wgmma.fence in
+   place); negative controls: fence.proxy.async skipped, and wait_group retiring nothing, each
+   seen by the machine. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -132,9 +139,9 @@ struct shape { int n_prefix, n_seg, lens[6], NH, NKV, HS; };
 /* per kernel (forward, dQ, dK/dV, the fused dK/dV): races seen, and the ldmatrix.x4 and mma.sync
    its warps executed; and the elements of dk, dv, dkp, dvp in which the fused backward's bits
    differ from the dK/dV kernel's */
-enum { K_FWD, K_DQ, K_DKV, K_FUSED, K_FWD_WG, NK };
-static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV", "wgmma forward" };
-/* ...and the elements of out and lse in which the wgmma forward's bits differ from the forward's */
+enum { K_FWD, K_DQ, K_DKV, K_FUSED, K_FWD_WG, K_DQ_WG, K_DKV_WG, NK };
+static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV", "wgmma forward", "wgmma dQ", "wgmma dK/dV" };
+/* ...and the elements of out, lse, dq, dk, dv, dkp, dvp in which the wgmma kernels' bits differ from the mma ones' */
 struct kernel_stats { long races[NK], ldsm[NK], mma[NK], fused_differs, wg_differs; };
 template <typename F>
 static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f,
@@ -278,6 +285,13 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             pr_k_attention_bwd_dq_mma<HS>(dq.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
                                           np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
         });
+        /* the wgmma dQ from the same start values: the same bits as the dQ kernel's */
+        std::vector<bf16> dq_w = to_bf16(init[0]);
+        launch_counted(ks, K_DQ_WG, nqt, NH, pr_mma_smem_bytes(HS, 1), { { "dq", dq_w.data(), nq, 2 } }, [&] {
+            pr_k_attention_bwd_dq_wgmma<HS>(dq_w.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
+                                            np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
+        });
+        for (size_t i = 0; i < nq; i++) ks->wg_differs += dq_w[i].bits != dq[i].bits;
         const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
                                                 { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
         launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
@@ -289,6 +303,24 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             emu_launch(4, 1, 128, 0, { { "dkp", dkp.data(), npk, 4 }, { "dvp", dvp.data(), npk, 4 } },
                        [&] { pr_k_attention_chunk_sum(dkp.data(), dvp.data(), part.data(), C, (size_t)np * kvd); });
         std::vector<double> dkpd(dkp.begin(), dkp.end()), dvpd(dvp.begin(), dvp.end());
+        /* the wgmma dK/dV from the same start values, the same chunk sum after it: the same bits */
+        {
+            std::vector<bf16> dk_w = to_bf16(init[1]), dv_w = to_bf16(init[2]);
+            std::vector<float> dkp_w(npk), dvp_w(npk), part_w(part.size(), NAN);
+            for (size_t i = 0; i < npk; i++) dkp_w[i] = (float)init[3][i], dvp_w[i] = (float)init[4][i];
+            launch_counted(ks, K_DKV_WG, nkt, NKV, pr_mma_smem_bytes(HS, 2),
+                           { { "dk", dk_w.data(), nk, 2 }, { "dv", dv_w.data(), nk, 2 }, { "dkp", dkp_w.data(), npk, 4 },
+                             { "dvp", dvp_w.data(), npk, 4 }, { "partials", part_w.data(), part_w.size(), 4 } }, [&] {
+                pr_k_attention_bwd_dkv_wgmma<HS>(dk_w.data(), dv_w.data(), dkp_w.data(), dvp_w.data(), C > 1 ? part_w.data() : NULL, C, NULL,
+                                                 dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
+                                                 np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
+            });
+            if (C > 1)
+                emu_launch(4, 1, 128, 0, { { "dkp", dkp_w.data(), npk, 4 }, { "dvp", dvp_w.data(), npk, 4 } },
+                           [&] { pr_k_attention_chunk_sum(dkp_w.data(), dvp_w.data(), part_w.data(), C, (size_t)np * kvd); });
+            for (size_t i = 0; i < nk; i++) ks->wg_differs += (dk_w[i].bits != dk[i].bits) + (dv_w[i].bits != dv[i].bits);
+            for (size_t i = 0; np && i < npk; i++) ks->wg_differs += (memcmp(&dkp_w[i], &dkp[i], 4) != 0) + (memcmp(&dvp_w[i], &dvp[i], 4) != 0);
+        }
         /* the model's backward from the same start values */
         std::vector<float> mg[5];
         for (int t = 0; t < 5; t++) mg[t].assign(init[t].begin(), init[t].end());
@@ -420,7 +452,7 @@ int main(void) {
             for (int k = 0; k < NK; k++) printf(" %s %ld", kname[k], ks.races[k]);
             printf(", ldmatrix.x4 per mma");
             for (int k = 0; k < K_FWD_WG; k++) printf(" %s %.3f", kname[k], ks.mma[k] ? (double)ks.ldsm[k] / ks.mma[k] : 0.0);
-            printf(", wgmma %ld", ks.mma[K_FWD_WG]);
+            printf(", wgmma forward %ld dQ %ld dK/dV %ld", ks.mma[K_FWD_WG], ks.mma[K_DQ_WG], ks.mma[K_DKV_WG]);
         }
         printf("\n");
         for (int t = 0; t < NT; t++) CHECK(mr[t] <= 1, "%s: %s off the model by %.2f x its tolerance", what, tname[t], mr[t]);
@@ -429,8 +461,8 @@ int main(void) {
         CHECK(ks.fused_differs == 0, "%s: the fused backward's dk, dv, dkp, dvp differ from the dK/dV kernel's in %ld elements", what,
               ks.fused_differs);
         CHECK(emu_multi_writers == 0, "%s: %ld output elements written by two blocks of one launch", what, emu_multi_writers);
-        CHECK(!mma || (ks.wg_differs == 0 && ks.mma[K_FWD_WG] > 0), "%s: the wgmma forward's out and lse differ from the forward's in %ld elements", what,
-              ks.wg_differs);
+        CHECK(!mma || (ks.wg_differs == 0 && ks.mma[K_FWD_WG] > 0 && ks.mma[K_DQ_WG] > 0 && ks.mma[K_DKV_WG] > 0),
+              "%s: the wgmma kernels' outputs differ from the mma kernels' in %ld elements", what, ks.wg_differs);
         for (int t = 0; t < NT; t++) CHECK(r[t] <= 1, "%s: %s off the reference by %.2f x the tolerance", what, tname[t], r[t]);
         for (int t = 0; t < NT; t++) CHECK(fr[t] <= 1, "%s: the FFMA kernels' %s off the reference by %.2f x the tolerance", what, tname[t], fr[t]);
     }
