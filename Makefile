@@ -256,11 +256,13 @@ sass: build/prefixreuse_cuda.o
 clean:
 	rm -rf build train train_cuda
 
-# The tensor-core attention kernels' SASS: HMMA present, no local memory (needs cuobjdump and
-# nvdisasm; says so and passes without them).
+# The tensor-core attention kernels' SASS: HMMA (HGMMA) present, no local memory (needs cuobjdump
+# and nvdisasm; says so and passes without them); and the wgmma kernels as ptxas -v reports them:
+# no warpgroup instruction it had to inject or serialize (test/check_wgmma.sh).
 .PHONY: check-sass
 check-sass: build/prefixreuse_cuda.o
 	@sh test/check_sass.sh build/prefixreuse_cuda.o
+	@sh test/check_wgmma.sh "$(NVCC)" "-O3 -std=c++17 --threads $(NVTHREADS) $(NCCL_CFLAGS)"
 
 # The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
 .PHONY: test-gpu-attention

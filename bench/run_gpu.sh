@@ -30,6 +30,7 @@
 #   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
 #   MMA_RACE_SHAPES  test_gpu_attention shapes under racecheck, one process each (1 5 2: causal at
 #                 head dim 128, the two-region padded case, head dim 64)
+#   WGMMA_RACE_SHAPES  the same for the wgmma kernels (1)
 #   ATTENTION     train_cuda's attention kernels in train-bench, train-memory and train-tree: ffma,
 #                 mma, wgmma, or auto (the default): once the mma stage has passed on this machine
 #                 against the CUDA object now built (build/mma-passed holds its checksum and the
@@ -64,11 +65,12 @@ TORCH_SPLITS=${TORCH_SPLITS:-0.8333}
 REPS=${REPS:-3}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1 5 2}
+WGMMA_RACE_SHAPES=${WGMMA_RACE_SHAPES:-1}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
-export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
+export JOBS BENCH_LAYERS BENCH_GROUPS MEM_GROUPS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H200 on 2026-11-26 (bench/results/2026-11-26-h200; no H100
@@ -86,7 +88,7 @@ preflight|10|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), comp
 build|20|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
 smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way
 test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
-mma|110|300|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma kernels) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES
+mma|130|330|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma kernels) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES (mma.sync), $WGMMA_RACE_SHAPES (wgmma)
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
 initcheck|110|280|1|compute-sanitizer initcheck: test_gpu kernels (a GEMM into fresh memory); one train_cuda step on model/tiny with offload, padded and packed; test_gpu attention
@@ -235,10 +237,14 @@ body_mma() {
         sub memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/test_gpu_attention --quick || san=1
         key "memcheck: $(grep -E 'ERROR SUMMARY' "$stage_base.memcheck.log" | sed 's/^=* *//' | tr '\n' ' ')"
         # racecheck slows these kernels past what --quick fits in: a few shapes, one process each
-        for i in $MMA_RACE_SHAPES; do
-            sub "racecheck-$i" 45 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/test_gpu_attention --shape "$i" || san=1
-            s=$(grep -E 'RACECHECK SUMMARY' "$stage_base.racecheck-$i.log" | sed 's/^=* *//' | tr '\n' ' ')
-            key "racecheck shape $i: ${s:-no summary (see its log)}"
+        # (each family in its own processes: --kind)
+        for kind in mma wgmma; do
+            shapes=$MMA_RACE_SHAPES; [ $kind = wgmma ] && shapes=$WGMMA_RACE_SHAPES
+            for i in $shapes; do
+                sub "racecheck-$kind-$i" 45 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/test_gpu_attention --shape "$i" --kind $kind || san=1
+                s=$(grep -E 'RACECHECK SUMMARY' "$stage_base.racecheck-$kind-$i.log" | sed 's/^=* *//' | tr '\n' ' ')
+                key "racecheck $kind shape $i: ${s:-no summary (see its log)}"
+            done
         done
     fi
     # the train-* stages' ATTENTION=auto, while this object stands: wgmma where its kernels ran and

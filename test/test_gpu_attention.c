@@ -22,8 +22,9 @@
    rounding the kernels' other fp32 summation order flips) or 4 fp32 units; on the host emulator
    (test/test_mma_kernels.cc) the kernels stay within a quarter of u max|ref|. Outputs start as NaN where the kernel writes them (out, lse), so a
    row it forgets fails. Each line prints the worst error / tolerance per tensor.
-   Needs a GPU: build/test_gpu_attention [--quick | --shape I] (make test-gpu-attention; --quick:
-   the first six shapes, --shape I: shape I alone, both for compute-sanitizer). Last line: N passed, N failed. */
+   Needs a GPU: build/test_gpu_attention [--quick | --shape I] [--kind mma|wgmma] (make
+   test-gpu-attention; --quick: the first six shapes, --shape I: shape I alone, both for
+   compute-sanitizer; --kind: one tensor-core family, for the same). Last line: N passed, N failed. */
 #include <ctype.h>
 
 #define PREFIXREUSE_IMPLEMENTATION
@@ -42,7 +43,8 @@
 
 static const pr_backend *be;
 static int fused_here;        /* the atomic-dQ backward runs on this GPU (its shared memory: pr_backend_cuda_set_attention) */
-static int wgmma_here;        /* the wgmma forward runs here (compute capability 9.0, sm_90a code) */
+static int wgmma_here;        /* the wgmma kernels run here (compute capability 9.0, sm_90a code) */
+static int wgmma_only;        /* --kind wgmma: the MMA kernels once (the comparisons' base), no second run, no fused backward */
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 
 static double uniform(void) {                 /* (-1, 1) */
@@ -189,7 +191,9 @@ static void test_shape(const shape *s) {
                     gpu_upload(be, bo, nq, 1), gpu_upload(be, bl, nl, 0) };
 
     run_out m1 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
-    run_out m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
+    run_out m2;
+    if (!wgmma_only) m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
+    else memset(&m2, 0, sizeof m2);
     run_out f = run(PR_CUDA_ATTENTION_FFMA, s, seg_off, in, init, n);
     run_out a, w1, w2;
     double *adq = NULL;
@@ -281,8 +285,8 @@ static void test_shape(const shape *s) {
     CHECK(lse_ffma <= 1, "%s: FFMA lse off the reference by %.2f x the tolerance", what, lse_ffma);
 
     /* bits run to run: forward and backward */
-    int same = same_bits(m1.o, m2.o, 2 * nq) && same_bits(m1.l, m2.l, 4 * nl);
-    for (int t = 0; t < 5; t++) same &= same_bits(m1.g[t], m2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+    int same = wgmma_only || (same_bits(m1.o, m2.o, 2 * nq) && same_bits(m1.l, m2.l, 4 * nl));
+    for (int t = 0; t < 5 && !wgmma_only; t++) same &= same_bits(m1.g[t], m2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
     CHECK(same, "%s: MMA forward and backward bitwise reproducible", what);
 
     /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq within the same tolerances, the rest MMA's bits */
@@ -335,7 +339,7 @@ static void test_shape(const shape *s) {
     for (int t = 0; t < 5; t++) free(model_inc[t]);
 
     release_run(&m1);
-    release_run(&m2);
+    if (!wgmma_only) release_run(&m2);
     release_run(&f);
     for (int i = 0; i < 8; i++) release(in[i]);
     for (int t = 0; t < 5; t++) free(ref[t]), free(init[t]), free(mg[t]), free(fg[t]), free(fo_inc[t]);
@@ -371,16 +375,24 @@ static void test_fallback(void) {
 
 int main(int argc, char **argv) {
     /* --quick: the first six shapes; --shape I: shape I alone (each for compute-sanitizer, whose
-       racecheck runs these kernels some hundred times slower) */
-    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
-    int only = -1;
-    if (argc == 3 && !strcmp(argv[1], "--shape") && isdigit((unsigned char)argv[2][0])) {
-        char *end;
-        const long v = strtol(argv[2], &end, 10);
-        if (!*end && v < 1000) only = (int)v;
+       racecheck runs these kernels some hundred times slower); --kind mma: without the wgmma
+       kernels; --kind wgmma: the wgmma kernels beside one run of the others (MMA's second run and
+       the fused backward left out) */
+    int quick = 0, only = -1, bad = 0, kind_mma = 0;
+    for (int i = 1; i < argc && !bad; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc && isdigit((unsigned char)argv[i + 1][0])) {
+            char *end;
+            const long v = strtol(argv[++i], &end, 10);
+            if (*end || v >= 1000) bad = 1;
+            else only = (int)v;
+        } else if (!strcmp(argv[i], "--kind") && i + 1 < argc && (!strcmp(argv[i + 1], "mma") || !strcmp(argv[i + 1], "wgmma"))) {
+            kind_mma = !strcmp(argv[++i], "mma");
+            wgmma_only = !kind_mma;
+        } else bad = 1;
     }
-    if ((argc > 1 && !quick && only < 0) || (quick && argc > 2)) {
-        fprintf(stderr, "usage: test_gpu_attention [--quick | --shape I]\n");
+    if (bad || (quick && only >= 0)) {
+        fprintf(stderr, "usage: test_gpu_attention [--quick | --shape I] [--kind mma|wgmma]\n");
         return 2;
     }
     pr_error err;
@@ -390,10 +402,16 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("tensor-core attention (MMA) against the double CPU path and the FFMA kernels; backward twice\n");
-    fused_here = pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_MMA_ATOMIC, &err) == PR_OK;
-    if (!fused_here) printf("the atomic-dQ backward does not run on this GPU: %s\n", err.message);
-    wgmma_here = pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_WGMMA, &err) == PR_OK;
-    if (!wgmma_here) printf("the wgmma forward does not run here: %s\n", err.message);
+    fused_here = !wgmma_only && pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_MMA_ATOMIC, &err) == PR_OK;
+    if (!fused_here && !wgmma_only) printf("the atomic-dQ backward does not run on this GPU: %s\n", err.message);
+    wgmma_here = !kind_mma && pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_WGMMA, &err) == PR_OK;
+    if (!wgmma_here && !kind_mma) printf("the wgmma kernels do not run here: %s\n", err.message);
+    if (wgmma_only && !wgmma_here) {
+        printf("FAIL --kind wgmma: the wgmma kernels do not run here\n");
+        printf("0 passed, 1 failed\n");
+        pr_backend_cuda_destroy(be);
+        return 1;
+    }
     const shape shapes[] = {
         { 0, 1, { 1 }, 4, 4, 64 },                                   /* S = 1 */
         { 0, 1, { 200 }, 8, 2, 128 },                                /* one causal segment, GQA 4 */
