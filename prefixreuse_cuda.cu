@@ -270,6 +270,13 @@ template <int N> __device__ __forceinline__ void pr_wg_hold(float *d) {
 PR_UNROLL
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
+/* The same for A fragments, and both before a wgmma.fence: the writes of the registers a wgmma
+   reads (the accumulators rescaled, P or dS packed) stay ahead of the fence, where the compiler
+   could otherwise sink them past it (ptxas would then order them itself: test/check_wgmma.sh). */
+template <int N> __device__ __forceinline__ void pr_wg_hold(uint32_t *a) {
+PR_UNROLL
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
 /* d (64 x 64, fp32, 32 a thread) += A B^T: A 64 x 16 and B 64 x 16, K-major, both
    from shared memory through descriptors. */
 __device__ __forceinline__ void pr_wg_ss64(float d[32], uint64_t da, uint64_t db) {
@@ -316,6 +323,13 @@ __device__ __forceinline__ float pr_exp2(float x) {
     const float y = exp2f(x);
     return y < 0x1p-126f ? 0.0f : y;
 #endif
+}
+/* wgmma's swizzled layouts are anchored to 1,024-byte boundaries (the descriptors' base offset 0):
+   a kernel whose dynamic shared memory started elsewhere (a static __shared__ array added to it
+   would do that) would compute garbage silently, so it stops at once instead, a launch failure
+   the backend reports (pr_k_wgmma_probe checks the same before the kernels are selected). */
+__device__ __forceinline__ void pr_wg_check_base(const void *smem) {
+    if (pr_smem_u32(smem) % PR_WG_ATOM) __trap();
 }
 /* the quad reductions, through shfl.bfly (emulated on the host) */
 __device__ __forceinline__ float pr_quad_max(float v) {
@@ -954,6 +968,7 @@ pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, co
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
     constexpr int T = PR_MMA_ROWS * HS;
     extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    pr_wg_check_base(pr_dyn_smem);
     bf16 *qs = (bf16 *)pr_dyn_smem, *ks = qs + 2 * T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
     const int h = blockIdx.y, hk = h / (NH / NKV), wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -1004,6 +1019,8 @@ PR_UNROLL
             uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
 PR_UNROLL
             for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
+            pr_wg_hold<HS / 2>(&acc[0][0]);
+            pr_wg_hold<16>(&p[0][0]);
             pr_wg_fence();
 PR_UNROLL
             for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
@@ -1151,6 +1168,7 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
     constexpr int T = PR_MMA_ROWS * HS;
     extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    pr_wg_check_base(pr_dyn_smem);
     bf16 *qs = (bf16 *)pr_dyn_smem, *dos = qs + T, *ks = dos + T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
     const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1204,6 +1222,7 @@ PR_UNROLL
         uint32_t a[4][4];                           /* bf16(dS) as the A fragments of its 4 k16 blocks */
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_c_to_a(a[kc], s[2 * kc], s[2 * kc + 1]);
+        pr_wg_hold<16>(&a[0][0]);
         pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], a[kc], pr_wg_desc_mn(kb, kc));
@@ -1457,6 +1476,7 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
     constexpr int T = PR_MMA_ROWS * HS;
     extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
+    pr_wg_check_base(pr_dyn_smem);
     bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
     float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
     const pr_att_ktile kt = ktiles[blockIdx.x];
@@ -1514,6 +1534,8 @@ PR_UNROLL
             pr_c_to_a(pa[kc], p[2 * kc], p[2 * kc + 1]);
             pr_c_to_a(da[kc], dp[2 * kc], dp[2 * kc + 1]);
         }
+        pr_wg_hold<16>(&pa[0][0]);
+        pr_wg_hold<16>(&da[0][0]);
         pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gv[0][0], pa[kc], pr_wg_desc_mn(db, kc));
@@ -2170,7 +2192,9 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     const size_t smem = pr_mma_smem_bytes(HS, 0);      /* the wgmma forward's too: Q of 128 rows, K and V twice */
     const int wg = cx->attention_kind == PR_CUDA_ATTENTION_WGMMA;
     auto kernel = wg ? pr_k_attention_fwd_wgmma<HS> : pr_k_attention_fwd_mma<HS>;
-    if (!pr_cu_smem_attr(cx, kernel, wg ? PR_CU_ATT_FWD_WGMMA : PR_CU_ATT_FWD_MMA, HS, smem, "attention_fwd_mma shared memory")) return;
+    if (!pr_cu_smem_attr(cx, kernel, wg ? PR_CU_ATT_FWD_WGMMA : PR_CU_ATT_FWD_MMA, HS, smem,
+                         wg ? "attention_fwd_wgmma shared memory" : "attention_fwd_mma shared memory"))
+        return;
     PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), wg ? PR_WG_THREADS : PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
@@ -2227,7 +2251,9 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     } else {
         smem = pr_mma_smem_bytes(HS, 1);            /* the wgmma dQ's too: Q, dO, K and V twice */
         auto dqk = wg ? pr_k_attention_bwd_dq_wgmma<HS> : pr_k_attention_bwd_dq_mma<HS>;
-        if (!pr_cu_smem_attr(cx, dqk, wg ? PR_CU_ATT_DQ_WGMMA : PR_CU_ATT_DQ_MMA, HS, smem, "attention_bwd_dq_mma shared memory")) return;
+        if (!pr_cu_smem_attr(cx, dqk, wg ? PR_CU_ATT_DQ_WGMMA : PR_CU_ATT_DQ_MMA, HS, smem,
+                             wg ? "attention_bwd_dq_wgmma shared memory" : "attention_bwd_dq_mma shared memory"))
+            return;
         PR_LAUNCH(dqk, dim3((unsigned)nq, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
             (bf16 *)dq, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
             (const bf16 *)kp, (const bf16 *)vp, dqt, np, NH, NKV);
@@ -2236,7 +2262,7 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     auto dkv = wg ? pr_k_attention_bwd_dkv_wgmma<HS> : fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
     smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);      /* the wgmma dK/dV's too */
     if (!pr_cu_smem_attr(cx, dkv, wg ? PR_CU_ATT_DKV_WGMMA : fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem,
-                         "attention_bwd_dkv_mma shared memory"))
+                         wg ? "attention_bwd_dkv_wgmma shared memory" : "attention_bwd_dkv_mma shared memory"))
         return;
     PR_LAUNCH(dkv, dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,

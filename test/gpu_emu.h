@@ -109,6 +109,7 @@ struct emu_thread {
     std::vector<std::vector<emu_copy>> groups;
     bool waited;                                 /* a wait_group since the last barrier (planted faults) */
     bool stored;                                 /* a shared-memory store since the last barrier (planted faults) */
+    bool fence_due;                              /* a fence.proxy.async deferred past the next barrier (planted fault) */
     int wg_op;                                   /* a warpgroup instruction (WG_*) and its operands */
     uint64_t wg_da, wg_db;                       /* wgmma: descriptors (wg_a NULL: A from shared memory) */
     const uint32_t *wg_a;
@@ -133,8 +134,9 @@ static int emu_errors;                           /* divergence, deadlock, bad ad
    publish its copies; 3: those right after a shared-memory store, which publish the fused
    backward's dS tile) */
 static int fault_late_copies, fault_ignore_trans, fault_skip_barrier;
-/* ... and for wgmma: fence.proxy.async skipped; wait_group retiring nothing (results read before they land) */
-static int fault_skip_proxy_fence, fault_wgmma_unwaited;
+/* ... and for wgmma: fence.proxy.async skipped, or run after the barrier that follows it; wait_group
+   retiring nothing (results read before they land) */
+static int fault_skip_proxy_fence, fault_late_proxy_fence, fault_wgmma_unwaited;
 /* Where the kernels may read by cp.async (emu_inputs) and add by atomics (emu_accumulators): sets
    of buffers, kept sorted by address. */
 struct emu_buffer { const char *p; size_t bytes; };
@@ -186,7 +188,9 @@ static void emu_error(const char *what) {
    this epoch by another thread, another thread's store in this epoch, and another warp's read in
    this epoch; a read of it by another thread (or by ldmatrix) in the same epoch is flagged as for
    a copy. ldmatrix reads for its whole warp, pr_lds_f32 for its thread. */
-struct emu_word { int writer, landed, read_epoch; uint32_t readers; bool unfenced; };   /* writer -1: none; landed -1: in flight */
+/* unfenced: written (landed, or stored) and not yet fenced for wgmma by its writer; stale: a barrier
+   published it unfenced (a fence after the barrier comes too late for the other threads' wgmma) */
+struct emu_word { int writer, landed, read_epoch; uint32_t readers; bool unfenced, stale; };   /* writer -1: none; landed -1: in flight */
 static std::vector<emu_word> emu_shadow(EMU_SMEM_MAX / 4);
 static int emu_epoch;
 static long emu_races;
@@ -197,7 +201,7 @@ static void emu_race(const char *what, uint32_t word, int copier) {
               emu_cur ? emu_cur->idx.x : 0, 4 * word, what, by);
 }
 static void emu_shadow_reset(size_t bytes) {
-    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0, false };
+    for (size_t w = 0; w < bytes / 4; w++) emu_shadow[w] = emu_word{ -1, -1, -1, 0, false, false };
     emu_epoch = 0;
 }
 /* bytes at addr read by warp `warp`: by one thread of it (`thread`), or by all of it (-1) */
@@ -231,12 +235,12 @@ static void emu_shadow_write(uint32_t addr, int bytes, bool async) {
             emu_race(why, w, -1);
         }
         x.writer = me, x.landed = async ? -1 : emu_epoch;
-        if (!async) x.unfenced = true, emu_cur->unfenced.push_back(w);
+        if (!async) x.unfenced = true, x.stale = false, emu_cur->unfenced.push_back(w);
     }
 }
 static void emu_shadow_land(uint32_t addr, int bytes) {
     for (uint32_t w = addr / 4; w < (addr + bytes) / 4; w++) {
-        emu_shadow[w].landed = emu_epoch, emu_shadow[w].unfenced = true;
+        emu_shadow[w].landed = emu_epoch, emu_shadow[w].unfenced = true, emu_shadow[w].stale = false;
         emu_cur->unfenced.push_back(w);
     }
 }
@@ -260,12 +264,14 @@ static void emu_yield(int state) {
     emu_cur->state = state;
     emu_to_scheduler();
 }
+static void emu_proxy_fence(void);
 static void __syncthreads(void) {
     const bool after_wait = emu_cur->waited, after_store = emu_cur->stored;
     emu_cur->waited = emu_cur->stored = false;
     if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait) || (fault_skip_barrier == 3 && after_store))
         return;
     emu_yield(T_BAR);
+    if (emu_cur->fence_due) emu_cur->fence_due = false, emu_proxy_fence();
 }
 
 static uint32_t pr_smem_u32(const void *p) { return (uint32_t)((const unsigned char *)p - pr_dyn_smem); }
@@ -369,11 +375,15 @@ static inline void pr_red_add_f32(float *p, float v) {
    fenced (fence.proxy.async) by the thread whose copy or store wrote them, after it landed; a
    wgmma.fence came before the first mma_async after a wait_group. */
 #include "wgmma_emu.h"
-static void pr_fence_proxy_async(void) {
-    if (fault_skip_proxy_fence) return;
+static void emu_proxy_fence(void) {
     for (uint32_t w : emu_cur->unfenced)
         if (emu_shadow[w].writer == (int)emu_cur->idx.x && emu_shadow[w].landed >= 0) emu_shadow[w].unfenced = false;
     emu_cur->unfenced.clear();
+}
+static void pr_fence_proxy_async(void) {
+    if (fault_skip_proxy_fence) return;
+    if (fault_late_proxy_fence) { emu_cur->fence_due = true; return; }
+    emu_proxy_fence();
 }
 static void emu_wg_yield(int op) {
     emu_cur->wg_op = op;
@@ -385,7 +395,9 @@ template <int N> static inline void pr_wg_wait(void) {
     emu_cur->wg_wait = N;
     emu_wg_yield(WG_WAIT);
 }
+static inline void __trap(void) { emu_error("trap"); }
 template <int N> static inline void pr_wg_hold(float *) {}
+template <int N> static inline void pr_wg_hold(uint32_t *) {}
 static void emu_wg_mma(float *d, int n, const uint32_t *a, uint64_t da, uint64_t db) {
     emu_cur->wg_d = d, emu_cur->wg_n = n, emu_cur->wg_a = a, emu_cur->wg_da = da, emu_cur->wg_db = db;
     emu_wg_yield(WG_MMA);
@@ -411,7 +423,10 @@ static long emu_n_wgmma;                          /* mma_async executed, per war
 static bool emu_wg_read(emu_wg_mma_op &op, uint64_t desc, int mn, int k, int mn_major, double *v) {
     const uint32_t a = emu_wgmma_smem_addr(desc, mn, k, mn_major, 2);
     if (a == EMU_WGMMA_BAD || a % 2 || (size_t)a + 2 > emu_smem_bytes) { emu_error("wgmma operand outside shared memory"); return false; }
-    if (emu_shadow[a / 4].unfenced) { emu_error("wgmma reads shared memory written without fence.proxy.async after it landed"); return false; }
+    if (emu_shadow[a / 4].unfenced || emu_shadow[a / 4].stale) {
+        emu_error("wgmma reads shared memory its writer did not fence (fence.proxy.async) after it landed and before the barrier");
+        return false;
+    }
     uint16_t bits;
     memcpy(&bits, pr_dyn_smem + a, 2);
     op.addr.push_back(a), op.val.push_back(bits);
@@ -574,6 +589,7 @@ static void emu_run_block(unsigned threads) {
         e.groups.clear();
         e.waited = e.stored = false;
         e.unfenced.clear();
+        e.fence_due = false;
 #if EMU_FAST_SWITCH
         /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
            stack as a called function does (rsp = 8 mod 16) */
@@ -627,6 +643,11 @@ static void emu_run_block(unsigned threads) {
         for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
         if (done == threads) return;
         if (bar == threads) {
+            for (unsigned t = 0; t < threads; t++) {      /* what this barrier publishes unfenced stays so */
+                for (uint32_t w : emu_threads[t].unfenced)
+                    if (emu_shadow[w].unfenced) emu_shadow[w].stale = true;
+                emu_threads[t].unfenced.clear();
+            }
             emu_epoch++;
             for (unsigned t = 0; t < threads; t++) emu_threads[t].state = T_RUN;
             continue;

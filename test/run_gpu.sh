@@ -4,7 +4,8 @@
 #                       path, bitwise reproducibility of the backward and of whole steps, and
 #                       the bf16 weights the kernels read refreshed by an AdamW step;
 #   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too;
-#                       microbatches of 1, 2 and 3), and with offload on: reuse with and without
+#                       microbatches of 1, 2 and 3; the tensor-core attention, mma and wgmma, at
+#                       head dim 128 on model/tiny-hd128), and with offload on: reuse with and without
 #                       offload bitwise equal (copy stream); recomputation and the prefix-tree
 #                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
@@ -24,6 +25,13 @@ done
 for scope in microbatch group; do
     run "$TRAIN_CUDA" --config model/tiny-moe --check --microbatch 3 --aux-scope $scope
 done
+# the tensor-core attention kernels in whole steps, at Llama3-8B's head dim 128 (the tiny models'
+# 16 and 32 run the FFMA kernels): mma.sync, and wgmma where this GPU runs it
+run "$TRAIN_CUDA" --config model/tiny-hd128 --layers 1 --check --microbatch 3 --layout packed --attention mma
+case $("$TRAIN_CUDA" --config model/tiny-hd128 --layers 1 --steps 1 --attention wgmma 2>&1) in
+    *"wgmma attention needs"*) echo "== --attention wgmma: this GPU does not run it (compute capability 9.0 and sm_90a code): not checked" ;;
+    *) run "$TRAIN_CUDA" --config model/tiny-hd128 --layers 1 --check --microbatch 3 --layout packed --attention wgmma ;;
+esac
 # recomputation and the prefix-tree schedule, both with offload's copies
 run "$TRAIN_CUDA" --check --microbatch 2 --layout packed --recompute all --offload on
 run "$TRAIN_CUDA" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on

@@ -35,8 +35,8 @@
    exactly onto the accumulator), no race (a wgmma's shared-memory reads count for its whole
    warpgroup, from issue to wait), with the emulator's wgmma checks (test/gpu_emu.h: operands
    unchanged until the wait, accumulators unread before it, fence.proxy.async and wgmma.fence in
-   place); negative controls: fence.proxy.async skipped, and wait_group retiring nothing, each
-   seen by the machine. */
+   place); negative controls: fence.proxy.async skipped or run after the barrier that publishes
+   the copies, and wait_group retiring nothing, each seen by the machine. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -474,18 +474,19 @@ int main(void) {
     static const char *fault_name[] = { "copies land a wait_group late", "ldmatrix ignores .trans",
                                         "the barriers that end a stage's reads skipped", "the barriers after a wait_group skipped",
                                         "the dQ launch given one query tile twice", "the barrier after the dS tile's stores skipped",
-                                        "fence.proxy.async skipped", "wgmma.wait_group retiring nothing" };
-    for (int f = 0; f < 8; f++) {
+                                        "fence.proxy.async skipped", "wgmma.wait_group retiring nothing",
+                                        "fence.proxy.async after the barrier instead of before" };
+    for (int f = 0; f < 9; f++) {
         double r[NT], mr[NT], fr[NT];
         kernel_stats ks;
         emu_errors = 0;
         emu_races = emu_multi_writers = 0;
         fault_late_copies = f == 0, fault_ignore_trans = f == 1, fault_skip_barrier = f == 2 ? 1 : f == 3 ? 2 : f == 5 ? 3 : 0;
-        fault_duplicate_tile = f == 4, fault_skip_proxy_fence = f == 6, fault_wgmma_unwaited = f == 7;
+        fault_duplicate_tile = f == 4, fault_skip_proxy_fence = f == 6, fault_wgmma_unwaited = f == 7, fault_late_proxy_fence = f == 8;
         emu_quiet = true;
         run(ctl, r, mr, fr, f >= 2, &ks);
         emu_quiet = false;
-        fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = fault_skip_proxy_fence = fault_wgmma_unwaited = 0;
+        fault_late_copies = fault_ignore_trans = fault_skip_barrier = fault_duplicate_tile = fault_skip_proxy_fence = fault_wgmma_unwaited = fault_late_proxy_fence = 0;
         printf("planted fault '%s': out %.2f, lse %.2f x the tolerance, %d machine errors, races %ld %ld %ld %ld, %ld elements with two writers\n",
                fault_name[f], r[T_OUT], r[T_LSE], emu_errors, ks.races[K_FWD], ks.races[K_DQ], ks.races[K_DKV], ks.races[K_FUSED],
                emu_multi_writers);
