@@ -1277,7 +1277,15 @@ PR_UNROLL
     }
 }
 
-/* dK/dV's pieces shared by its two kernels. A step's loads (not yet committed): the query tile
+/* dK/dV's pieces shared by its two kernels. A block's step s: query head hk*group + s/nq, query
+   tile kt.qlo + s%nq, counted as (tile, head) pairs that advance a step at a time (no % or /). */
+struct pr_dkv_step {
+    int tile, head;
+    __device__ __forceinline__ void next(const pr_att_ktile &kt) {
+        if (++tile == kt.qhi) tile = kt.qlo, head++;
+    }
+};
+/* A step's loads (not yet committed): the query tile
    qt of head h, Q and dO into swizzled tiles (PANELS: wgmma's layout), lse and D of its rows a
    thread a row; rows past the tile read as zeros. Rolled copies: at HS 128 the mma kernel holds
    255 registers. */
@@ -1397,15 +1405,11 @@ pr_k_attention_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *pa
     pr_mma_copy<HS, true>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_mma_copy<HS, true>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_cp_async_commit();
-    /* step s: query head hk*group + s/nq, query tile kt.qlo + s%nq, counted as (tile, head) pairs
-       that advance a step at a time: the loads' pair runs one step ahead of the products' */
-    struct step_at { int tile, head; };
-    const auto next = [&](step_at &a) { if (++a.tile == kt.qhi) a.tile = kt.qlo, a.head++; };
-    step_at ld = { kt.qlo, hk * group }, at = ld;
+    pr_dkv_step ld = { kt.qlo, hk * group }, at = ld;  /* the loads' step runs one ahead of the products' */
     auto load_step = [&](int st) {
         pr_dkv_load<HS, false>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile], ld.head, q, dout,
                                lse, Dr, qd, NH);
-        next(ld);
+        ld.next(kt);
     };
     load_step(0);
     pr_cp_async_commit();
@@ -1453,7 +1457,7 @@ PR_UNROLL
             __syncthreads();                          /* the step's dS tile is whole */
             pr_mma_dq_atomic<HS>(dq_acc, pr_smem_u32(dss), pr_smem_u32(ks), qt, at.head, qd, warp, lane);
         }
-        next(at);
+        at.next(kt);
         __syncthreads();
     }
     pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);
@@ -1489,13 +1493,11 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
     pr_mma_copy<HS, true, PR_MMA_THREADS, true>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_mma_copy<HS, true, PR_MMA_THREADS, true>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
     pr_cp_async_commit();
-    struct step_at { int tile, head; };                /* as the kernel above: (query tile, head) pairs counted */
-    const auto next = [&](step_at &a) { if (++a.tile == kt.qhi) a.tile = kt.qlo, a.head++; };
-    step_at ld = { kt.qlo, hk * group }, at = ld;
+    pr_dkv_step ld = { kt.qlo, hk * group }, at = ld;  /* the loads' step runs one ahead of the products' */
     auto load_step = [&](int st) {
         pr_dkv_load<HS, true>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile], ld.head, q, dout,
                               lse, Dr, qd, NH);
-        next(ld);
+        ld.next(kt);
     };
     load_step(0);
     pr_cp_async_commit();
@@ -1545,7 +1547,7 @@ PR_UNROLL
         pr_wg_wait<0>();                            /* the stage is read before it is refilled */
         pr_wg_hold<HS / 2>(&gv[0][0]);
         pr_wg_hold<HS / 2>(&gk[0][0]);
-        next(at);
+        at.next(kt);
         __syncthreads();
     }
     pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);

@@ -4,7 +4,8 @@
 
 For each *_mma kernel of each architecture: its largest loop that holds HMMA (the key-tile walk,
 or the dK/dV's query sub-tile), as instructions, HMMA among them, instructions per HMMA, and the
-ten commonest opcodes. A loop is the span from a backward branch's target to the branch. Counts
+ten commonest opcodes; for each *_wgmma kernel the same with HGMMA (Hopper's warpgroup MMA, whose
+one instruction is a 64-row product: 8 to 16 times an HMMA's work). A loop is the span from a backward branch's target to the branch. Counts
 are static: a loop with two paths (a tile that needs the mask test and one that does not) counts
 both, so compare a kernel with itself across changes, not with a profiler's figures.
 """
@@ -16,7 +17,7 @@ FUNCTION = re.compile(r"Function : (\S+)")
 ARCH = re.compile(r"(?:arch = |code for )(sm_\w+)")
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 TARGET = re.compile(r"0x([0-9a-f]+)")
-KERNEL = re.compile(r"pr_k_attention_(\w+?_mma)ILi(\d+)E(?:Lb([01])E)?")     # name, head dim, fused
+KERNEL = re.compile(r"pr_k_attention_(\w+?_(?:wg)?mma)ILi(\d+)E(?:Lb([01])E)?")     # name, head dim, fused
 
 
 def kernels(lines):
@@ -45,8 +46,8 @@ def opcode(text):
     return op.split(".")[0]
 
 
-def hottest_loop(body):
-    """The largest backward-branch span holding HMMA: (instructions, Counter of opcodes), or None."""
+def hottest_loop(body, tensor="HMMA"):
+    """The largest backward-branch span holding `tensor` instructions: Counter of opcodes, or None."""
     best = None
     for address, text in body:
         if opcode(text) != "BRA":
@@ -56,7 +57,7 @@ def hottest_loop(body):
             continue
         start = int(m[1], 16)
         ops = collections.Counter(opcode(t) for a, t in body if start <= a <= address)
-        if ops["HMMA"] and (best is None or sum(ops.values()) > sum(best.values())):
+        if ops[tensor] and (best is None or sum(ops.values()) > sum(best.values())):
             best = ops
     return best
 
@@ -68,13 +69,14 @@ def main():
         if not m:
             continue
         short = f"{m[1]} hd {m[2]}" + (" fused" if m[3] == "1" else "")
-        ops = hottest_loop(body)
+        tensor = "HGMMA" if m[1].endswith("wgmma") else "HMMA"
+        ops = hottest_loop(body, tensor)
         if not ops:
-            print(f"{arch} {short}: no loop with HMMA")
+            print(f"{arch} {short}: no loop with {tensor}")
             continue
         n = sum(ops.values())
         mix = " ".join(f"{k} {v}" for k, v in ops.most_common(10))
-        print(f"{arch} {short}: loop {n} instructions, HMMA {ops['HMMA']}, {n / ops['HMMA']:.2f} a HMMA; {mix}")
+        print(f"{arch} {short}: loop {n} instructions, {tensor} {ops[tensor]}, {n / ops[tensor]:.2f} a {tensor}; {mix}")
         shown += 1
     if not shown:
         print("sass_loops: no tensor-core attention kernel in the input", file=sys.stderr)
