@@ -263,6 +263,47 @@ static int finite_bf16(const void *d, size_t n) {
     return ok;
 }
 
+/* One attention call each way with the kernels of `kind`: prefix 32, 2 segments of 16, 4 query /
+   2 KV heads, head dim 128 (where the tensor-core kernels run); 0, or 1 after saying what failed. */
+static int smoke_attention(int kind, const char *name) {
+    char what[160];
+    pr_error err;
+    if (pr_backend_cuda_set_attention(be, kind, &err)) {
+        printf("smoke: %s attention does not run here: %s\n", name, err.message);
+        return 0;
+    }
+    snprintf(what, sizeof what, "%s attention forward: prefix 32, 2 segments of 16, 4 query / 2 KV heads, head dim 128", name);
+    smoke_say(what);
+    att_args a;
+    memset(&a, 0, sizeof a);
+    const int NH = 4, NKV = 2, HS = 128, np = 32, seg[3] = { 0, 16, 32 }, N = 32;
+    a.lay.n_seg = 2; a.lay.seg_off = seg; a.lay.pos0 = np; a.lay.n_prefix = np;
+    a.NH = NH; a.NKV = NKV; a.HS = HS;
+    size_t nq = (size_t)N * NH * HS, nk = (size_t)N * NKV * HS, npk = (size_t)np * NKV * HS;
+    void **qb[] = { &a.q, &a.o, &a.dout, &a.dq }, **kb[] = { &a.k, &a.v, &a.dk, &a.dv };
+    for (int i = 0; i < 4; i++) { *qb[i] = dalloc(2 * nq); fill_random_bf16(*qb[i], nq, 40 + i); }
+    for (int i = 0; i < 4; i++) { *kb[i] = dalloc(2 * nk); fill_random_bf16(*kb[i], nk, 50 + i); }
+    a.kp = dalloc(2 * npk); fill_random_bf16(a.kp, npk, 60);
+    a.vp = dalloc(2 * npk); fill_random_bf16(a.vp, npk, 61);
+    a.dkp = dalloc(4 * npk); cudaMemset(a.dkp, 0, 4 * npk);
+    a.dvp = dalloc(4 * npk); cudaMemset(a.dvp, 0, 4 * npk);
+    a.lse = dalloc(sizeof(float) * (size_t)N * NH);
+    att_call(&a);
+    if (!smoke_backend_ok(what)) return 1;
+    if (!finite_bf16(a.o, nq)) return smoke_fail(what, "non-finite output");
+    snprintf(what, sizeof what, "%s attention backward (same shapes)", name);
+    smoke_say(what);
+    a.bwd = 1;
+    att_call(&a);
+    if (!smoke_backend_ok(what)) return 1;
+    if (!finite_bf16(a.dq, nq) || !finite_bf16(a.dk, nk) || !finite_bf16(a.dv, nk))
+        return smoke_fail(what, "non-finite gradient");
+    void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->release(be, all[i], PR_TIER_DEVICE);
+    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
+    return 0;
+}
+
 static int smoke(void) {
     pr_error err;
     int driver = 0, runtime = 0, ndev = 0;
@@ -315,34 +356,7 @@ static int smoke(void) {
         if (!(rel <= 1e-2)) return smoke_fail("GEMM", "relative error above 1e-2");
     }
 
-    smoke_say("attention forward: prefix 32, 2 segments of 16, 4 query / 2 KV heads, head dim 128");
-    {
-        att_args a;
-        memset(&a, 0, sizeof a);
-        const int NH = 4, NKV = 2, HS = 128, np = 32, seg[3] = { 0, 16, 32 }, N = 32;
-        a.lay.n_seg = 2; a.lay.seg_off = seg; a.lay.pos0 = np; a.lay.n_prefix = np;
-        a.NH = NH; a.NKV = NKV; a.HS = HS;
-        size_t nq = (size_t)N * NH * HS, nk = (size_t)N * NKV * HS, npk = (size_t)np * NKV * HS;
-        void **qb[] = { &a.q, &a.o, &a.dout, &a.dq }, **kb[] = { &a.k, &a.v, &a.dk, &a.dv };
-        for (int i = 0; i < 4; i++) { *qb[i] = dalloc(2 * nq); fill_random_bf16(*qb[i], nq, 40 + i); }
-        for (int i = 0; i < 4; i++) { *kb[i] = dalloc(2 * nk); fill_random_bf16(*kb[i], nk, 50 + i); }
-        a.kp = dalloc(2 * npk); fill_random_bf16(a.kp, npk, 60);
-        a.vp = dalloc(2 * npk); fill_random_bf16(a.vp, npk, 61);
-        a.dkp = dalloc(4 * npk); cudaMemset(a.dkp, 0, 4 * npk);
-        a.dvp = dalloc(4 * npk); cudaMemset(a.dvp, 0, 4 * npk);
-        a.lse = dalloc(sizeof(float) * (size_t)N * NH);
-        att_call(&a);
-        if (!smoke_backend_ok("attention forward")) return 1;
-        if (!finite_bf16(a.o, nq)) return smoke_fail("attention forward", "non-finite output");
-        smoke_say("attention backward (same shapes)");
-        a.bwd = 1;
-        att_call(&a);
-        if (!smoke_backend_ok("attention backward")) return 1;
-        if (!finite_bf16(a.dq, nq) || !finite_bf16(a.dk, nk) || !finite_bf16(a.dv, nk))
-            return smoke_fail("attention backward", "non-finite gradient");
-        void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
-        for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->release(be, all[i], PR_TIER_DEVICE);
-    }
+    if (smoke_attention(PR_CUDA_ATTENTION_FFMA, "FFMA")) return 1;
 
     const pr_schedule schedules[2] = { PR_SCHEDULE_REUSE, PR_SCHEDULE_BASELINE };
     for (int si = 0; si < 2; si++) {
@@ -374,6 +388,9 @@ static int smoke(void) {
                1e3 * (st.seconds[0] + st.seconds[1] + st.seconds[2]));
         if (!isfinite(st.loss) || !isfinite(norm)) return smoke_fail(what, "non-finite loss or gradient norm");
     }
+    /* the tensor-core kernels last: a fault there leaves the figures above standing */
+    if (smoke_attention(PR_CUDA_ATTENTION_MMA, "tensor-core (mma)") || smoke_attention(PR_CUDA_ATTENTION_WGMMA, "tensor-core (wgmma)"))
+        return 1;
     pr_backend_cuda_destroy(be);
     printf("smoke: ok\n");
     return 0;
