@@ -254,7 +254,7 @@ __device__ __forceinline__ float pr_lds_f32(const float *p) { return *p; }
 __device__ __forceinline__ void pr_sts_b32(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
 /* *p += v in global memory, atomically (red.global.add.f32): the fused backward's dQ only. */
 __device__ __forceinline__ void pr_red_add_f32(float *p, float v) { atomicAdd(p, v); }
-/* Hopper's warpgroup instructions (sm_90a; the kernel that uses them compiles only there). A
+/* Hopper's warpgroup instructions (sm_90a; the kernels that use them compile only there). A
    warpgroup is 4 consecutive warps; each wgmma is issued by all its 128 threads, runs
    asynchronously, and its registers (accumulators, A fragments) must be left alone until
    wgmma.wait_group has retired it. */
@@ -794,9 +794,9 @@ __device__ __forceinline__ float2 pr_bf16x2_unpack(uint32_t u) {
 }
 
 /* A 64-key tile's step of the forward's online softmax for a warp's 16 rows from row0, of the
-   64-row half from r0 (the forward kernels share it): s (8 n8 tiles, this warp's part of S = Q K^T) masked and turned into
-   P in place, m and l (rows g, g + 8) the running max and this lane's part of the sum, acc (HS/8
-   n8 tiles of O) rescaled. */
+   64-row half from r0 (the forward kernels share it): s (8 n8 tiles, this warp's part of
+   S = Q K^T) masked and turned into P in place, m and l (rows g, g + 8) the running max and this
+   lane's part of the sum, acc (HS/8 n8 tiles of O) rescaled. */
 template <int HS>
 __device__ __forceinline__ void pr_fwd_softmax(float (*s)[4], float *m, float *l, float (*acc)[4], const pr_mma_keys &x, int r0, int row0,
                                                int lane, float sl2) {
@@ -1285,8 +1285,8 @@ struct pr_dkv_step {
         if (++tile == kt.qhi) tile = kt.qlo, head++;
     }
 };
-/* A step's loads (not yet committed): the query tile
-   qt of head h, Q and dO into swizzled tiles (PANELS: wgmma's layout), lse and D of its rows a
+/* A step's loads (not yet committed): the query tile qt of head h (taken by value: read once from
+   global memory), Q and dO into swizzled tiles (PANELS: wgmma's layout), lse and D of its rows a
    thread a row; rows past the tile read as zeros. Rolled copies: at HS 128 the mma kernel holds
    255 registers. */
 template <int HS, bool PANELS>
