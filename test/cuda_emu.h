@@ -18,7 +18,12 @@
      - a copy from pageable host memory reads its source when called (the runtime stages it), one
        from pinned memory (cudaMallocHost) when it runs; a copy into pageable memory returns when
        done. Copies and memsets must stay inside the allocations their kind names;
-     - device and pinned memory start as NaN bytes (what initcheck would flag shows as NaN);
+     - device and pinned memory start as NaN bytes (what initcheck would flag shows as NaN), or,
+       with PR_EMU_UNDEFINED=1 in the environment, device memory is left as malloc gives it, so
+       that valgrind's memcheck does initcheck's work: a result that depends on a device byte no
+       copy, memset, kernel or GEMM wrote is reported where it is used, with its origin
+       (`valgrind --track-origins=yes`; build with -DEMU_UCONTEXT, whose stack switches valgrind
+       follows);
      - kernels run on test/gpu_emu.h's emulated block, one block after another (blocks, warps and
        lanes in reverse order with PR_EMU_ORDER=reverse: a result that depends on the order, such
        as two threads adding into one element, then changes), with its checks
@@ -183,7 +188,9 @@ static cudaError_t emu_allocate(void **p, size_t bytes, int kind) {
        past the end is caught, as compute-sanitizer's memcheck would */
     void *q = NULL;
     if (posix_memalign(&q, 256, bytes ? bytes : 1)) return cudaErrorMemoryAllocation;
-    memset(q, 0xFF, bytes);
+    static int undefined = -1;                  /* PR_EMU_UNDEFINED=1: device memory left undefined, for valgrind */
+    if (undefined < 0) undefined = getenv("PR_EMU_UNDEFINED") && !strcmp(getenv("PR_EMU_UNDEFINED"), "1");
+    if (!(undefined && kind == MEM_DEVICE)) memset(q, 0xFF, bytes);
     emu_allocs[(const char *)q] = emu_alloc{ bytes, kind };
     if (kind == MEM_DEVICE) {
         emu_device_bytes += bytes;

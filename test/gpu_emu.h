@@ -380,7 +380,7 @@ static void emu_proxy_fence(void) {
         if (emu_shadow[w].writer == (int)emu_cur->idx.x && emu_shadow[w].landed >= 0) emu_shadow[w].unfenced = false;
     emu_cur->unfenced.clear();
 }
-static void pr_fence_proxy_async(void) {
+static inline void pr_fence_proxy_async(void) {
     if (fault_skip_proxy_fence) return;
     if (fault_late_proxy_fence) { emu_cur->fence_due = true; return; }
     emu_proxy_fence();
