@@ -556,23 +556,26 @@ PRDEF const pr_backend *pr_backend_cuda_sizes(pr_backend *storage);
 pr_status pr_backend_cuda_create(const pr_backend **be, int device, pr_error *err);
 void pr_backend_cuda_destroy(const pr_backend *be);
 /* The CUDA backend's attention kernels for head dims 64 and 128 (16 and 32 always run the FFMA
-   kernels): PR_CUDA_ATTENTION_FFMA, the CUDA-core kernels, the default and the reference;
-   PR_CUDA_ATTENTION_MMA, the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later
-   and 99,328 bytes of shared memory a block: PR_ERR_UNSUPPORTED below); PR_CUDA_ATTENTION_MMA_ATOMIC,
-   the same forward and FlashAttention-2's fused backward (107,520 bytes: not on GPUs of 99 KiB a
-   block), which adds dQ with fp32 atomics instead of running a dQ
-   kernel: dq is not bitwise reproducible (dk, dv, dkp, dvp are MMA's, bit for bit); it exists to
-   measure what the deterministic backward costs (on an H200 it is the slower of the two). The
-   tensor-core kernels pass test/test_gpu_attention.c on an H200; the default stays FFMA until
-   racecheck has finished on them too. PR_CUDA_ATTENTION_WGMMA: MMA's kernels (forward, dQ, dK/dV)
-   on Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code, the
-   Makefile's default: PR_ERR_UNSUPPORTED elsewhere), the same algorithm and bitwise reproducible;
-   checked on the emulated device, where its bits are MMA's, not yet run on a GPU. */
+   kernels): PR_CUDA_ATTENTION_FFMA, the CUDA-core kernels, the reference; PR_CUDA_ATTENTION_MMA,
+   the tensor-core kernels (bf16 mma.sync, compute capability 8.0 or later and 99,328 bytes of
+   shared memory a block: PR_ERR_UNSUPPORTED below); PR_CUDA_ATTENTION_MMA_ATOMIC, the same forward
+   and FlashAttention-2's fused backward (107,520 bytes: not on GPUs of 99 KiB a block), which adds
+   dQ with fp32 atomics instead of running a dQ kernel: dq is not bitwise reproducible (dk, dv, dkp,
+   dvp are MMA's, bit for bit); it exists to measure what the deterministic backward costs (on an
+   H100 and an H200 it is the slower of the two); PR_CUDA_ATTENTION_WGMMA, MMA's kernels (forward,
+   dQ, dK/dV) on Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code,
+   the Makefile's default: PR_ERR_UNSUPPORTED elsewhere), the same algorithm, bitwise MMA's results.
+   PR_CUDA_ATTENTION_AUTO, the default of a new backend, picks the fastest deterministic kind this
+   GPU and build run: WGMMA, else MMA, else FFMA. All but FFMA pass test/test_gpu_attention.c and
+   compute-sanitizer's memcheck and racecheck on an H100 (bench/RESULTS.md).
+   pr_backend_cuda_attention tells the kind in use (never AUTO; -1 without a backend). */
 #define PR_CUDA_ATTENTION_FFMA 0
 #define PR_CUDA_ATTENTION_MMA 1
 #define PR_CUDA_ATTENTION_MMA_ATOMIC 2
 #define PR_CUDA_ATTENTION_WGMMA 3
+#define PR_CUDA_ATTENTION_AUTO 4
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err);
+int pr_backend_cuda_attention(const pr_backend *be);
 
 /* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */
 /* One parameter tensor: its Hugging Face name, shape and place in the parameter arena. */

@@ -601,9 +601,9 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
    16 and 32 keep the kernels above, where a 16-wide k step would leave most of an mma idle and the
    FFMA kernels are already memory-bound.
 
-   On an H200 (bench/RESULTS.md, 2026-11-26) test/test_gpu_attention.c passes and memcheck finds
-   nothing; racecheck has not yet finished on them, so the backend runs the FFMA kernels unless
-   pr_backend_cuda_set_attention selects these. They compile warning-free, ptxas reports no
+   On an H200 and an H100 (bench/RESULTS.md, 2026-11-26) test/test_gpu_attention.c passes and
+   compute-sanitizer's memcheck and racecheck find nothing, so a new backend runs these
+   (or the wgmma ones below) where the GPU has them (PR_CUDA_ATTENTION_AUTO). They compile warning-free, ptxas reports no
    spills, the SASS holds HMMA and no local memory (test/check_sass.sh); their warp-level rules
    pass an emulation of the instructions (test/test_mma_emul.cc), and the kernels themselves,
    compiled for the host, match the double CPU attention on an emulated block
@@ -641,8 +641,8 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      from shared memory through descriptors, and P, dS (and their transposes) from registers for
      the products that follow; no ldmatrix. Each row's algorithm and every sum's order are the same,
      so on the emulated block (test/test_mma_kernels.cc, the wgmma layouts read from the PTX ISA in
-     test/wgmma_emu.h) the two families give the same bits; on a GPU the tensor cores' own order
-     inside a k16 block may differ. Not yet run on a GPU. */
+     test/wgmma_emu.h) the two families give the same bits, and on an H100 too (bench/RESULTS.md:
+     every output of test/test_gpu_attention.c's shapes; racecheck clean), at 1.6-1.7x their speed. */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
 #define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
@@ -1654,7 +1654,7 @@ typedef struct {
     size_t row_host_cap;           /* rows it holds */
     pr_cu_algo algos[PR_CU_ALGO_CACHE];
     int n_algos;
-    int attention_kind;            /* PR_CUDA_ATTENTION_FFMA, _MMA or _MMA_ATOMIC (pr_backend_cuda_set_attention) */
+    int attention_kind;            /* PR_CUDA_ATTENTION_FFMA, _MMA, _MMA_ATOMIC or _WGMMA (pr_backend_cuda_set_attention) */
     uint64_t smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
     pr_status failed;              /* first failure since take_error */
     char message[512];
@@ -2851,6 +2851,11 @@ pr_status pr_backend_cuda_create(const pr_backend **out, int device, pr_error *e
     be->sum_squares = pr_cu_sum_squares;
     be->scale = pr_cu_scale;
     be->adamw = pr_cu_adamw;
+    const pr_status st = pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_AUTO, err);
+    if (st) {
+        pr_backend_cuda_destroy(be);
+        return st;
+    }
     *out = be;
     return PR_OK;
 }
@@ -2883,8 +2888,17 @@ static int pr_cu_wgmma_probe(pr_cu *cx) {
 /* The tensor-core kernels need compute capability 8.0 and, at head dim 128, the shared memory of
    their largest block: 99,328 bytes (dK/dV), 107,520 with the atomic-dQ backward's dS tile, which
    GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have. The wgmma forward needs sm_90a code
-   (pr_k_wgmma_probe). */
+   (pr_k_wgmma_probe). AUTO tries the kinds from the fastest down; only PR_ERR_UNSUPPORTED moves
+   it on, so a failing device is reported, not hidden behind slower kernels. */
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
+    if (be && kind == PR_CUDA_ATTENTION_AUTO) {
+        const int fastest_first[] = { PR_CUDA_ATTENTION_WGMMA, PR_CUDA_ATTENTION_MMA, PR_CUDA_ATTENTION_FFMA };
+        pr_status st = PR_ERR_UNSUPPORTED;
+        pr_error tried;
+        for (int i = 0; i < 3 && st == PR_ERR_UNSUPPORTED; i++) st = pr_backend_cuda_set_attention(be, fastest_first[i], &tried);
+        if (st && err) *err = tried;
+        return st;
+    }
     pr_status st = PR_OK;
     char why[sizeof pr_cu_of(be)->message] = "";
     int major = 0, optin = 0, probe = 1;
@@ -2912,6 +2926,8 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
     pr_cu_of(be)->attention_kind = kind;
     return PR_OK;
 }
+
+int pr_backend_cuda_attention(const pr_backend *be) { return be ? pr_cu_of(be)->attention_kind : -1; }
 
 /* ---------------------------------------------------------------- the NCCL communicator */
 #ifndef PR_NO_NCCL

@@ -46,8 +46,11 @@ typedef struct {
     int groups_per_step;             /* 0: the trace's steps (version 2), else dp groups; N: N consecutive groups a step */
     long loss_norm_len;              /* seq-mean-token-sum-norm's length (0: the step's longest suffix) */
     const char *nccl_id;
-    int attention;                   /* train_cuda: PR_CUDA_ATTENTION_FFMA, _MMA or _MMA_ATOMIC */
+    int attention;                   /* train_cuda: PR_CUDA_ATTENTION_AUTO (default), _FFMA, _MMA, _MMA_ATOMIC or _WGMMA */
 } options;
+
+/* --attention's words, indexed by the PR_CUDA_ATTENTION_ kinds. */
+static const char *const attention_names[] = { "ffma", "mma", "mma-atomic", "wgmma", "auto" };
 
 #define MAX_STEP_GROUPS 65536          /* --groups-per-step */
 
@@ -113,10 +116,11 @@ static void usage(FILE *f) {
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
-        "  --attention K          train_cuda: ffma (the CUDA-core kernels, default) | mma (tensor cores, sm_80+,\n"
-        "                         head dims 64 and 128, ~20x ffma) | mma-atomic (mma with a backward that adds dQ by\n"
-        "                         atomics: not bitwise reproducible; to measure what determinism costs) | wgmma\n"
-        "                         (mma's kernels on Hopper's warpgroup MMA: compute capability 9.0, sm_90a code)\n"
+        "  --attention K          train_cuda's kernels at head dims 64 and 128: auto (default: wgmma where it runs,\n"
+        "                         else mma, else ffma) | ffma (CUDA cores, the reference) | mma (tensor cores, sm_80+,\n"
+        "                         ~25x ffma on an H100) | wgmma (mma's kernels on Hopper's warpgroup MMA: compute\n"
+        "                         capability 9.0, sm_90a code; ~1.6x mma) | mma-atomic (mma with a backward that adds\n"
+        "                         dQ by atomics: not bitwise reproducible; to measure what determinism costs)\n"
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
@@ -226,6 +230,7 @@ static int parse_args(int argc, char **argv, options *o) {
     o->peak_tflops = PEAK_DEFAULT;
     o->bench_budget_mib = 64;
     o->dp = o->pp = o->cp = o->tp = o->ep = 1;
+    o->attention = PR_CUDA_ATTENTION_AUTO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int missing = i + 1 >= argc;      /* known only once the flag is: an unknown flag is named as such */
@@ -273,11 +278,10 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
         else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
         else if (!strcmp(a, "--attention")) {
-            if (!strcmp(v, "ffma")) o->attention = PR_CUDA_ATTENTION_FFMA;
-            else if (!strcmp(v, "mma")) o->attention = PR_CUDA_ATTENTION_MMA;
-            else if (!strcmp(v, "mma-atomic")) o->attention = PR_CUDA_ATTENTION_MMA_ATOMIC;
-            else if (!strcmp(v, "wgmma")) o->attention = PR_CUDA_ATTENTION_WGMMA;
-            else ok = 0;
+            o->attention = -1;
+            for (int k = 0; k <= PR_CUDA_ATTENTION_AUTO; k++)
+                if (!strcmp(v, attention_names[k])) o->attention = k;
+            ok = o->attention >= 0;
         }
         else if (!strcmp(a, "--zero")) ok = parse_int(v, &o->zero) && o->zero >= 0 && o->zero <= 2;
         else if (!strcmp(a, "--grad-reduce")) {
@@ -388,14 +392,14 @@ static int fail(const pr_error *err) {
 
 static const pr_backend *backend(pr_error *err);
 
-/* train_cuda: the attention kernels --attention chose; the CPU build has one kind (ffma refers to it). */
+/* train_cuda: the attention kernels --attention chose; the CPU build has one kind (ffma and auto refer to it). */
 static pr_status select_attention(const options *o, pr_error *err) {
 #ifdef PR_CUDA
     const pr_backend *be = backend(err);
     if (!be) return err->status;
     return pr_backend_cuda_set_attention(be, o->attention, err);
 #else
-    if (o->attention == PR_CUDA_ATTENTION_FFMA) return PR_OK;
+    if (o->attention == PR_CUDA_ATTENTION_FFMA || o->attention == PR_CUDA_ATTENTION_AUTO) return PR_OK;
     err->status = PR_ERR_UNSUPPORTED;
     snprintf(err->message, sizeof err->message, "--attention mma, mma-atomic, wgmma: the tensor-core kernels are train_cuda's (make cuda)");
     return err->status;
@@ -430,6 +434,28 @@ static int bf16_activations(void) {
     pr_error err;
     const pr_backend *be = backend(&err);
     return be && be->act_bytes == 2;
+}
+
+/* The run's arithmetic, for header lines. */
+static const char *precision_label(void) {
+    return bf16_activations() ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision";
+}
+
+/* The benchmarks' header: the precision, the backend and, on the GPU, the attention kernels at
+   head dims 64 and 128 (what --attention auto chose). */
+static const char *run_label(void) {
+    static char label[128];
+    pr_error err;
+    const pr_backend *be = backend(&err);
+    const char *precision = precision_label();
+#ifdef PR_CUDA
+    const int kind = be ? pr_backend_cuda_attention(be) : -1;
+    snprintf(label, sizeof label, "%s, cuda backend, %s attention", precision,
+             kind >= 0 && kind < PR_CUDA_ATTENTION_AUTO ? attention_names[kind] : "?");
+#else
+    snprintf(label, sizeof label, "%s, %s backend", precision, be ? be->name : "?");
+#endif
+    return label;
 }
 
 /* What pr_trainer_state_bytes counts: the master weights, gradients, AdamW m and v, and the weights
@@ -898,9 +924,9 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
     memset(&j, 0, sizeof j);
     j.o = o; j.cfg = cfg; j.trace = trace;
     print_mesh(o);
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s precision\n", o->trace, trace->n_groups,
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s\n", o->trace, trace->n_groups,
            o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
-           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", sizeof(pr_real) == 8 ? "double" : "float");
+           o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", precision_label());
     print_steps(o, trace);
     if (mesh_run(&j, &err)) return fail(&err);
     print_rank_reports(o, &j);
@@ -949,11 +975,10 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            cfg->head_dim, mlp, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, recompute %s, %s precision\n", o->trace,
+    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, recompute %s, %s\n", o->trace,
            trace->n_groups, o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
-           recompute_name[o->step.recompute],
-           sizeof(pr_real) == 8 ? "double" : "float");
+           recompute_name[o->step.recompute], precision_label());
     print_steps(o, trace);
     pr_train_state ts;
     FILE *log = NULL, *json = NULL;
@@ -1154,8 +1179,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     static const char *recompute_name[3] = { "none", "prefix", "all" };
     printf("check: baseline (microbatch %d, padded) vs %s (microbatch %d, %s), recompute %s, %s, atol %s rtol %.1e\n",
            o->step.microbatch, o->tree ? "tree" : "reuse", o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
-           recompute_name[o->step.recompute],
-           bf16 ? "bf16 activations, fp32 parameters" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
+           recompute_name[o->step.recompute], precision_label(),
            bf16 ? "2^-6 x max|gradient| of each tensor" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
     double worst_loss = 0, wire_l2_g = 0, wire_l2_p = 0;
@@ -1623,10 +1647,8 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     const int mfu = o->peak_tflops > 0;
-    printf("bench: %s, %d layers, hidden %d, total %d tokens per trajectory, best of %d, %s, microbatch %d, %s backend\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, o->bench_reps,
-           bf16_activations() ? "bf16 activations" : sizeof(pr_real) == 8 ? "double precision" : "float precision",
-           o->step.microbatch, backend(&err) ? backend(&err)->name : "?");
+    printf("bench: %s, %d layers, hidden %d, total %d tokens per trajectory, best of %d, microbatch %d, %s\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, o->bench_reps, o->step.microbatch, run_label());
     printf("%-11s %3s %12s %12s %9s %9s %9s %10s %10s%s\n", "split P/S", "G", "baseline s", "reuse s", "speedup", "bound",
            "ratio", "base GF/s", "reuse GF/s", mfu ? "  base MFU reuse MFU" : "");
     double sum_ratio = 0, heavy_ratio = 0;
@@ -1705,7 +1727,7 @@ static int run_bench_tree(const options *o, const pr_config *cfg) {
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     printf("bench tree: %s, %d layers, hidden %d; each group G %d of %d-token trajectories, prompt %d (a system prompt of %d shared "
            "by every group, then %d of its own), suffix %d; best of %d, %s\n", cfg->model_type, cfg->num_hidden_layers,
-           cfg->hidden_size, G, T, P, sys, P - sys, S, o->bench_reps, sizeof(pr_real) == 8 ? "double precision" : "float precision");
+           cfg->hidden_size, G, T, P, sys, P - sys, S, o->bench_reps, run_label());
     printf("%6s %11s %9s %9s %13s %8s %7s %14s %8s %7s %11s %10s\n", "groups", "baseline s", "reuse s", "tree s", "tree/reuse",
            "bound", "ratio", "tree/baseline", "bound", "ratio", "reuse A+C", "tree A+C");
     int rc = 0;
@@ -1789,10 +1811,10 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     pr_step_opts probe = variant_opts(o, &mem_variants[0]);
-    printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d; peak live device\n"
-           "memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state excluded);\n"
-           "each variant's second step (the first allocates what the next ones reuse)\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch);
+    printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d, %s; peak live\n"
+           "device memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state\n"
+           "excluded); each variant's second step (the first allocates what the next ones reuse)\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch, run_label());
     printf("%-11s %-23s %10s %10s %10s %9s %12s %14s %9s %7s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
            "dormant MiB", "B saved MiB", "copies ms", "GB/s");
     for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {

@@ -300,7 +300,7 @@ static int smoke_attention(int kind, const char *name) {
         return smoke_fail(what, "non-finite gradient");
     void *all[] = { a.q, a.o, a.dout, a.dq, a.k, a.v, a.dk, a.dv, a.kp, a.vp, a.dkp, a.dvp, a.lse };
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) be->release(be, all[i], PR_TIER_DEVICE);
-    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
+    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_AUTO, NULL);   /* the default again */
     return 0;
 }
 
@@ -415,13 +415,12 @@ static void usage(FILE *f) {
     fprintf(f, "\n");
 }
 
-/* One table of the selected attention cases with the kernels of `kind`: the default FFMA ones, the
-   tensor-core ones (PR_CUDA_ATTENTION_MMA, not yet validated on a GPU: test_gpu_attention first),
-   timed after them, so that a fault in the new kernels cannot cost the other figures, and last the
-   tensor-core backward that adds dQ with atomics (PR_CUDA_ATTENTION_MMA_ATOMIC; its forward is
-   MMA's, so only the backward is timed), each case beside the deterministic backward's time in
-   bwd_time (filled by the MMA table): the cost of determinism, measured; then the wgmma kernels
-   (PR_CUDA_ATTENTION_WGMMA, sm_90a: forward, dQ and dK/dV on Hopper's warpgroup MMA). */
+/* One table of the selected attention cases with the kernels of `kind`: the FFMA ones (the
+   reference), the tensor-core ones (PR_CUDA_ATTENTION_MMA), the tensor-core backward that adds dQ
+   with atomics (PR_CUDA_ATTENTION_MMA_ATOMIC; its forward is MMA's, so only the backward is timed),
+   each case beside the deterministic backward's time in bwd_time (filled by the MMA table): the
+   cost of determinism, measured; then the wgmma kernels (PR_CUDA_ATTENTION_WGMMA, sm_90a: forward,
+   dQ and dK/dV on Hopper's warpgroup MMA), the default where they run. */
 static void bench_attention_table(const int *sel, int kind, const char *title, double *bwd_time) {
     pr_error err;
     if (pr_backend_cuda_set_attention(be, kind, &err)) {
@@ -438,7 +437,7 @@ static void bench_attention_table(const int *sel, int kind, const char *title, d
                                               atomic ? bwd_time[c] : 0);
             if (kind == PR_CUDA_ATTENTION_MMA) bwd_time[c] = tb;
         }
-    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, NULL);
+    pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_AUTO, NULL);   /* the default again */
 }
 
 int main(int argc, char **argv) {

@@ -31,10 +31,8 @@
 #   MMA_RACE_SHAPES  test_gpu_attention shapes under racecheck, one process each (1 5 2: causal at
 #                 head dim 128, the two-region padded case, head dim 64)
 #   WGMMA_RACE_SHAPES  the same for the wgmma kernels (1)
-#   ATTENTION     train_cuda's attention kernels in train-bench, train-memory and train-tree: ffma,
-#                 mma, wgmma, or auto (the default): once the mma stage has passed on this machine
-#                 against the CUDA object now built (build/mma-passed holds its checksum and the
-#                 kind), wgmma where it ran, mma where only wgmma's checks failed; else ffma
+#   ATTENTION     train_cuda's --attention in train-bench, train-memory and train-tree: auto (the
+#                 default, train_cuda's: wgmma where it runs, else mma, else ffma), ffma, mma, wgmma
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
@@ -91,8 +89,8 @@ test-gpu|15|240|1|make test-gpu: kernels and attention against the CPU double pa
 mma|130|330|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma kernels) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES (mma.sync), $WGMMA_RACE_SHAPES (wgmma)
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES
-initcheck|110|280|1|compute-sanitizer initcheck: test_gpu kernels (a GEMM into fresh memory); one train_cuda step on model/tiny with offload, padded and packed; test_gpu attention
-synccheck|10|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention
+initcheck|110|280|1|compute-sanitizer initcheck: test_gpu kernels (a GEMM into fresh memory); one train_cuda step on model/tiny with offload, padded and packed; test_gpu attention; test_gpu_attention --shape 1
+synccheck|20|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention; test_gpu_attention --shape 1
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|65|180|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
@@ -198,7 +196,7 @@ body_build() {
         if have cuobjdump; then
             sub sass 60 make -s sass && key "make sass: $(grep -c . "$stage_base.sass.log") lines"
             sub check-sass 60 make -s check-sass
-            key "check-sass: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.check-sass.log" | tail -n 1)"
+            key "check-sass: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.check-sass.log" | tr '\n' ';' | sed 's/;$//; s/;/; then /g')"
         fi
         return 0
     fi
@@ -226,11 +224,10 @@ body_test_gpu() {
     return $rc
 }
 
-# The tensor-core attention (not the default until this passes): its tests, then memcheck and
-# racecheck on the first six shapes.
+# The tensor-core attention (the default at head dims 64 and 128): its tests, then memcheck on the
+# first six shapes and racecheck on a few, one process each.
 body_mma() {
     fail=0; san=0
-    rm -f build/mma-passed
     sub tests 80 ./build/test_gpu_attention || fail=1
     key "tests: $(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$stage_base.tests.log" | tail -n 1)"
     if have compute-sanitizer; then
@@ -247,49 +244,33 @@ body_mma() {
             done
         done
     fi
-    # the train-* stages' ATTENTION=auto, while this object stands: wgmma where its kernels ran and
-    # everything passed; mma where only wgmma's checks failed (the sanitizers clean); else ffma
-    log="$stage_base.tests.log"
-    if [ $fail -eq 0 ] && [ $san -eq 0 ]; then
-        if grep -q '^  wgmma:' "$log"; then kind=wgmma; else kind=mma; fi
-        echo "$(cksum < build/prefixreuse_cuda.o) $kind" > build/mma-passed
-    elif [ $san -eq 0 ] && grep -q '^FAIL' "$log" && ! grep '^FAIL' "$log" | grep -qv wgmma \
-         && grep -qE '^[0-9]+ passed, [0-9]+ failed$' "$log"; then
-        echo "$(cksum < build/prefixreuse_cuda.o) mma" > build/mma-passed
-        key "only the wgmma kernels failed: the train-* stages run mma"
-    fi
-    [ -f build/mma-passed ] && key "train-* attention: $(cut -d' ' -f3 build/mma-passed)"
     return $(( fail | san ))
 }
 
-# train_cuda's --attention for the train-* stages (ATTENTION above)
-attention() {
-    case $ATTENTION in
-        auto) if [ -f build/mma-passed ] && [ "$(cksum < build/prefixreuse_cuda.o)" = "$(cut -d' ' -f1,2 build/mma-passed)" ]; then
-                  cut -d' ' -f3 build/mma-passed
-              else echo ffma; fi ;;
-        *) echo "$ATTENTION" ;;
-    esac
-}
+# The attention kernels a train_cuda benchmark ran: its header line names them.
+ran_attention() { grep -m 1 -o 'cuda backend, [a-z-]* attention' "$stage_base.log" | cut -d' ' -f3; }
 
-# compute-sanitizer TOOL on a tiny training step and on the attention tests, an equal share of the
-# stage's time each. initcheck also runs test_gpu kernels, whose GEMM into fresh memory tells
-# whether the tool sees cuBLASLt's stores, and the step with the packed layout (no padding rows):
-# an eighth of the stage each for the kernels and the attention tests, the rest for the steps.
+# compute-sanitizer TOOL on a tiny training step and on the attention tests (the FFMA kernels'),
+# an equal share of the stage's time each. initcheck and synccheck also run the tensor-core
+# kernels on one shape (the mma stage runs memcheck and racecheck on them); initcheck also runs
+# test_gpu kernels, whose GEMM into fresh memory tells whether the tool sees cuBLASLt's stores, and
+# the step with the packed layout (no padding rows): an eighth of the stage each for the kernels
+# and the attention tests, the rest for the steps.
 sanitize() {
     tool=$1; step=$2; shift 2
     have compute-sanitizer || skip "compute-sanitizer not found"
     targets="train attention"
-    [ "$tool" = initcheck ] && targets="kernels train packed attention"
+    [ "$tool" = synccheck ] && targets="train attention tensor-core"
+    [ "$tool" = initcheck ] && targets="kernels train packed attention tensor-core"
     n=$(echo $targets | wc -w)
     share=$(( stage_limit / n - 5 ))
     [ $share -ge 10 ] || share=10
     short=$share                 # initcheck: kernels and attention take seconds, the steps 40-55 s
-    [ "$tool" = initcheck ] && short=$(( stage_limit / 8 )) && share=$(( (stage_limit - 2 * short) / 2 - 5 ))
+    [ "$tool" = initcheck ] && short=$(( stage_limit / 8 )) && share=$(( (stage_limit - 3 * short) / 2 - 5 ))
     fail=0
     for what in $targets; do
         lim=$share
-        [ $what = kernels ] || [ $what = attention ] && lim=$short
+        [ "$what" = kernels ] || [ "$what" = attention ] || [ "$what" = tensor-core ] && lim=$short
         if [ $what = train ] || [ $what = packed ]; then
             layout=padded
             [ $what = packed ] && layout=packed
@@ -297,6 +278,8 @@ sanitize() {
             set -- ./train_cuda --config model/tiny $step --microbatch 2 --layout $layout --offload on --offload-pool 0.5 --device-budget 4
         elif [ $what = kernels ]; then
             set -- build/test_gpu kernels
+        elif [ $what = tensor-core ]; then
+            set -- build/test_gpu_attention --shape 1
         elif [ "$tool" = racecheck ]; then
             set -- build/test_gpu attention --cases "$RACE_CASES"
         else
@@ -397,22 +380,20 @@ body_ncu() {
 }
 
 body_train_bench() {
-    att=$(attention)
     ./train_cuda --bench --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups "$BENCH_GROUPS" --microbatch 1 --bench-reps 1 --attention "$att"
+        --bench-groups "$BENCH_GROUPS" --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
     rc=$?
-    key "attention $att; $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
+    key "attention $(ran_attention); $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
     # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU]
     key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ && NF >= 9 { printf "%s%s G%s %s (bound %s, MFU %s/%s)", sep, $1, $2, $5, $6, $10, $11; sep = ", " }' "$stage_base.log" | cut -c1-300)"
     return $rc
 }
 
 body_train_memory() {
-    att=$(attention)
     ./train_cuda --bench memory --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups "$MEM_GROUPS" --attention "$att"
+        --bench-groups "$MEM_GROUPS" --attention "$ATTENTION"
     rc=$?
-    key "attention $att; $(awk '$2 == "reuse+offload" { l = $0 } END { if (l != "") print "last split, reuse+offload: " l }' "$stage_base.log" | tr -s ' ' | cut -c1-200)"
+    key "attention $(ran_attention); $(awk '$2 == "reuse+offload" { l = $0 } END { if (l != "") print "last split, reuse+offload: " l }' "$stage_base.log" | tr -s ' ' | cut -c1-200)"
     return $rc
 }
 
@@ -426,12 +407,11 @@ body_torch_ref() {
 }
 
 body_train_tree() {
-    att=$(attention)
     ./train_cuda --bench tree --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$TREE_TOTAL" \
-        --bench-system "$TREE_SYSTEM" --bench-groups "$TREE_GROUPS" --microbatch 1 --bench-reps 2 --attention "$att"
+        --bench-system "$TREE_SYSTEM" --bench-groups "$TREE_GROUPS" --microbatch 1 --bench-reps 2 --attention "$ATTENTION"
     rc=$?
     # rows: groups baseline-s reuse-s tree-s tree/reuse bound ratio tree/baseline bound ratio A+C A+C
-    key "attention $att; $(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
+    key "attention $(ran_attention); $(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
     return $rc
 }
 

@@ -500,11 +500,13 @@ int main(int argc, char **argv) {
     if (!kernels && !attention && !steps) { attention = 1; kernels = steps = !cases_given; }
     if (!cases_given) for (int c = 0; c < ATT_N_CASES; c++) sel[c] = 1;
     pr_error err;
-    if (pr_backend_cuda_create(&be, 0, &err)) {
+    if (pr_backend_cuda_create(&be, 0, &err) || pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, &err)) {
         printf("FAIL no CUDA backend: %s\n", err.message);
         printf("0 passed, 1 failed\n");
         return 1;
     }
+    /* Above: the FFMA attention, the reference, at every head dim (a new backend runs the fastest
+       kernels at 64 and 128; test_gpu_attention checks those against these). */
     if (kernels) {
         printf("kernels against the double CPU path\n");
         test_matmul(1, 64, 64);

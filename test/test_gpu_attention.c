@@ -151,6 +151,12 @@ static run_out run(int kind, const shape *s, const int *seg_off, void *const *in
               : kind == PR_CUDA_ATTENTION_WGMMA ? "tensor-core attention, wgmma" : "FFMA attention");
     return r;
 }
+/* Whether two runs left the same bits: out, lse (nl values) and the gradients from `first` on (dq: 0). */
+static int runs_same(const run_out *a, const run_out *b, int first, size_t nl, const size_t *n) {
+    int same = same_bits(a->o, b->o, 2 * n[T_OUT]) && same_bits(a->l, b->l, 4 * nl);
+    for (int t = first; t < 5 && same; t++) same = same_bits(a->g[t], b->g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+    return same;
+}
 static void release_run(run_out *r) {
     release(r->o);
     release(r->l);
@@ -285,15 +291,12 @@ static void test_shape(const shape *s) {
     CHECK(lse_ffma <= 1, "%s: FFMA lse off the reference by %.2f x the tolerance", what, lse_ffma);
 
     /* bits run to run: forward and backward */
-    int same = wgmma_only || (same_bits(m1.o, m2.o, 2 * nq) && same_bits(m1.l, m2.l, 4 * nl));
-    for (int t = 0; t < 5 && !wgmma_only; t++) same &= same_bits(m1.g[t], m2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
-    CHECK(same, "%s: MMA forward and backward bitwise reproducible", what);
+    CHECK(wgmma_only || runs_same(&m1, &m2, 0, nl, n), "%s: MMA forward and backward bitwise reproducible", what);
 
     /* the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq within the same tolerances, the rest MMA's bits */
     if (fused_here) {
         const double r_fused = worst_ratio(adq, init[0], ref[0], nq, 0);
-        int fused_same = same_bits(a.o, m1.o, 2 * nq) && same_bits(a.l, m1.l, 4 * nl);
-        for (int t = 1; t < 5; t++) fused_same &= same_bits(a.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
+        const int fused_same = runs_same(&a, &m1, 1, nl, n);
         printf("  fused backward: dq %.2f, vs model %.2f; dq's bits %s MMA's\n", r_fused, r_fused_model,
                same_bits(a.g[0], m1.g[0], 2 * nq) ? "equal to" : "differ from");
         CHECK(r_fused <= 1, "%s: fused backward's dq off the double reference by %.2f x the tolerance", what, r_fused);
@@ -309,13 +312,11 @@ static void test_shape(const shape *s) {
         double r_w[NT], r_wm[NT];
         const double lse_wg = worst_lse(wl, rl, nl);
         r_w[T_OUT] = worst_ratio(wo, NULL, ro, nq, 0), r_wm[T_OUT] = r_wg_model;
-        int wg_same = same_bits(w1.o, w2.o, 2 * nq) && same_bits(w1.l, w2.l, 4 * nl), mma_same = same_bits(w1.o, m1.o, 2 * nq);
+        const int wg_same = runs_same(&w1, &w2, 0, nl, n), mma_same = runs_same(&w1, &m1, 0, nl, n);
         for (int t = 0; t < 5; t++) {
             double *g = gpu_download(be, w1.g[t], n[T_DQ + t], t < 3);
             r_w[T_DQ + t] = worst_ratio(g, init[t], ref[t], n[T_DQ + t], t >= 3);
             r_wm[T_DQ + t] = model_ratio(g, init[t], model_inc[t], ref[t], n[T_DQ + t], t >= 3);
-            wg_same &= same_bits(w1.g[t], w2.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
-            mma_same &= same_bits(w1.g[t], m1.g[t], (t < 3 ? 2 : 4) * n[T_DQ + t]);
             free(g);
         }
         printf("  wgmma:     ");
@@ -402,10 +403,18 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("tensor-core attention (MMA) against the double CPU path and the FFMA kernels; backward twice\n");
+    const int default_kind = pr_backend_cuda_attention(be);
     fused_here = !wgmma_only && pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_MMA_ATOMIC, &err) == PR_OK;
     if (!fused_here && !wgmma_only) printf("the atomic-dQ backward does not run on this GPU: %s\n", err.message);
     wgmma_here = !kind_mma && pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_WGMMA, &err) == PR_OK;
     if (!wgmma_here && !kind_mma) printf("the wgmma kernels do not run here: %s\n", err.message);
+    if (!kind_mma) {      /* PR_CUDA_ATTENTION_AUTO, at creation and when asked for */
+        const int fastest = wgmma_here ? PR_CUDA_ATTENTION_WGMMA : PR_CUDA_ATTENTION_MMA;
+        CHECK(default_kind == fastest, "a new backend runs the fastest kernels here (kind %d), not kind %d", fastest, default_kind);
+        CHECK(pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, &err) == PR_OK &&
+              pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_AUTO, &err) == PR_OK && pr_backend_cuda_attention(be) == fastest,
+              "PR_CUDA_ATTENTION_AUTO selects kind %d again", fastest);
+    }
     if (wgmma_only && !wgmma_here) {
         printf("FAIL --kind wgmma: the wgmma kernels do not run here\n");
         printf("0 passed, 1 failed\n");

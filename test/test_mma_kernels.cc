@@ -143,6 +143,12 @@ enum { K_FWD, K_DQ, K_DKV, K_FUSED, K_FWD_WG, K_DQ_WG, K_DKV_WG, NK };
 static const char *kname[NK] = { "forward", "dQ", "dK/dV", "fused dK/dV", "wgmma forward", "wgmma dQ", "wgmma dK/dV" };
 /* ...and the elements of out, lse, dq, dk, dv, dkp, dvp in which the wgmma kernels' bits differ from the mma ones' */
 struct kernel_stats { long races[NK], ldsm[NK], mma[NK], fused_differs, wg_differs; };
+/* The elements of n whose bits differ between a and b (bf16 or float). */
+template <typename X> static long count_differing(const X *a, const X *b, size_t n) {
+    long d = 0;
+    for (size_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(X)) != 0;
+    return d;
+}
 template <typename F>
 static void launch_counted(kernel_stats *ks, int kernel, unsigned gx, unsigned gy, size_t smem, const std::vector<emu_out> &outs, F f,
                            unsigned threads = PR_MMA_THREADS) {
@@ -226,8 +232,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             pr_k_attention_fwd_wgmma<HS>(out_w.data(), lse_w.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                          np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
         }, PR_WG_THREADS);
-        for (size_t i = 0; i < nq; i++) ks->wg_differs += out_w[i].bits != out[i].bits;
-        for (size_t i = 0; i < nl; i++) ks->wg_differs += memcmp(&lse_w[i], &lse[i], 4) != 0;
+        ks->wg_differs += count_differing(out_w.data(), out.data(), nq) + count_differing(lse_w.data(), lse.data(), nl);
     }
 
     /* the FFMA kernels, the GPU tests' reference, on the same inputs: grid (64-row query tiles, NH) */
@@ -291,7 +296,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             pr_k_attention_bwd_dq_wgmma<HS>(dq_w.data(), dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(),
                                             np ? kpb.data() : NULL, np ? vpb.data() : NULL, qt_dq.data(), np, NH, NKV);
         });
-        for (size_t i = 0; i < nq; i++) ks->wg_differs += dq_w[i].bits != dq[i].bits;
+        ks->wg_differs += count_differing(dq_w.data(), dq.data(), nq);
         const std::vector<emu_out> dkv_outs = { { "dk", dk.data(), nk, 2 }, { "dv", dv.data(), nk, 2 }, { "dkp", dkp.data(), npk, 4 },
                                                 { "dvp", dvp.data(), npk, 4 }, { "partials", part.data(), part.size(), 4 } };
         launch_counted(ks, K_DKV, nkt, NKV, pr_mma_smem_bytes(HS, 2), dkv_outs, [&] {
@@ -318,8 +323,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             if (C > 1)
                 emu_launch(4, 1, 128, 0, { { "dkp", dkp_w.data(), npk, 4 }, { "dvp", dvp_w.data(), npk, 4 } },
                            [&] { pr_k_attention_chunk_sum(dkp_w.data(), dvp_w.data(), part_w.data(), C, (size_t)np * kvd); });
-            for (size_t i = 0; i < nk; i++) ks->wg_differs += (dk_w[i].bits != dk[i].bits) + (dv_w[i].bits != dv[i].bits);
-            for (size_t i = 0; np && i < npk; i++) ks->wg_differs += (memcmp(&dkp_w[i], &dkp[i], 4) != 0) + (memcmp(&dvp_w[i], &dvp[i], 4) != 0);
+            ks->wg_differs += count_differing(dk_w.data(), dk.data(), nk) + count_differing(dv_w.data(), dv.data(), nk);
+            if (np) ks->wg_differs += count_differing(dkp_w.data(), dkp.data(), npk) + count_differing(dvp_w.data(), dvp.data(), npk);
         }
         /* the model's backward from the same start values */
         std::vector<float> mg[5];
@@ -347,9 +352,8 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             emu_launch(4, 1, 128, 0, { { "dkp", dkp_x.data(), npk, 4 }, { "dvp", dvp_x.data(), npk, 4 } },
                        [&] { pr_k_attention_chunk_sum(dkp_x.data(), dvp_x.data(), part_x.data(), C, (size_t)np * kvd); });
         emu_launch(4, 1, 128, 0, { { "dq", dq_x.data(), nq, 2 } }, [&] { pr_k_attention_dq_add(dq_x.data(), dq_acc.data(), HS, nq); });
-        ks->fused_differs = 0;
-        for (size_t i = 0; i < nk; i++) ks->fused_differs += (dk_x[i].bits != dk[i].bits) + (dv_x[i].bits != dv[i].bits);
-        for (size_t i = 0; np && i < npk; i++) ks->fused_differs += memcmp(&dkp_x[i], &dkp[i], 4) != 0, ks->fused_differs += memcmp(&dvp_x[i], &dvp[i], 4) != 0;
+        ks->fused_differs = count_differing(dk_x.data(), dk.data(), nk) + count_differing(dv_x.data(), dv.data(), nk);
+        if (np) ks->fused_differs += count_differing(dkp_x.data(), dkp.data(), npk) + count_differing(dvp_x.data(), dvp.data(), npk);
 
         const std::vector<double> got[5] = { from_bf16(dq), from_bf16(dk), from_bf16(dv), dkpd, dvpd };
         for (int t = 0; t < 5; t++) {
@@ -406,6 +410,10 @@ static void run(const shape &s, double ratio[NT], double model_ratio[NT], double
 
 int main(void) {
     printf("tensor-core attention kernels on an emulated block, against the double CPU attention\n");
+    {   /* the bitwise comparisons below see one flipped bit, and a zero's sign */
+        const float a[3] = { 1.0f, 2.0f, 0.0f }, b[3] = { 1.0f, nextafterf(2.0f, 3.0f), -0.0f };
+        CHECK(count_differing(a, a, 3) == 0 && count_differing(a, b, 3) == 2, "count_differing counts the elements whose bits differ");
+    }
     const shape shapes[] = {
         { 0, 1, { 1 }, 2, 2, 64 },                        /* S = 1 */
         { 0, 3, { 130, 1, 64 }, 2, 1, 128 },              /* causal, packed ragged, GQA 2 */
