@@ -962,7 +962,7 @@ PR_UNROLL
    whole warpgroup, so the branch is uniform there. */
 #define PR_WG_THREADS 256
 template <int HS>
-__global__ void __launch_bounds__(PR_WG_THREADS)
+__global__ void __launch_bounds__(PR_WG_THREADS, 2)   /* 2 blocks an SM: at most 128 registers */
 pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                          const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
@@ -994,15 +994,15 @@ PR_UNROLL
     const uint32_t qb = pr_smem_u32(qs + wg * T);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
-        if (it + 1 < nkt) {                         /* the next tile loads while this one computes */
+        pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q) landed, */
+        pr_fence_proxy_async();                     /* visible to wgmma, */
+        __syncthreads();                            /* and every thread's; both warpgroups are done with the other stage */
+        if (it + 1 < nkt) {                         /* so the next tile loads into it while this one computes */
             const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
             pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_cp_async_commit();
         }
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();                      /* this thread's copies of this tile (and Q) landed, */
-        pr_fence_proxy_async();                     /* visible to wgmma, */
-        __syncthreads();                            /* and every thread's */
         if (live) {
             const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
             const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
@@ -1025,10 +1025,9 @@ PR_UNROLL
 PR_UNROLL
             for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
             pr_wg_commit();
-            pr_wg_wait<0>();                        /* V's stage is read before it is refilled */
+            pr_wg_wait<0>();                        /* V's stage is read before the next barrier lets it be refilled */
             pr_wg_hold<HS / 2>(&acc[0][0]);
         }
-        __syncthreads();                            /* this stage is refilled next iteration */
     }
     if (live) pr_fwd_store<HS>(out, lse, acc, m, l, row0, t.r1, qd, h, NH, lane, sl2);
 #else
@@ -1192,15 +1191,15 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
     const uint32_t qb = pr_smem_u32(qs), dob = pr_smem_u32(dos);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
-        if (it + 1 < nkt) {
+        pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q, dO) landed, */
+        pr_fence_proxy_async();                     /* visible to wgmma, */
+        __syncthreads();                            /* and every thread's; the other stage is read no more */
+        if (it + 1 < nkt) {                         /* so the next tile loads into it while this one computes */
             const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
             pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_cp_async_commit();
         }
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();                      /* this thread's copies of this tile (and Q, dO) landed, */
-        pr_fence_proxy_async();                     /* visible to wgmma, */
-        __syncthreads();                            /* and every thread's */
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
         const bool whole = x.j0 + PR_MMA_ROWS <= x.end && t.r1 - t.r0 == PR_MMA_ROWS && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
@@ -1227,9 +1226,8 @@ PR_UNROLL
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], a[kc], pr_wg_desc_mn(kb, kc));
         pr_wg_commit();
-        pr_wg_wait<0>();                            /* K's stage is read before it is refilled */
+        pr_wg_wait<0>();                            /* K's stage is read before the next barrier lets it be refilled */
         pr_wg_hold<HS / 2>(&acc[0][0]);
-        __syncthreads();
     }
     pr_dq_store<HS>(dq, acc, row0, t.r1, qd, h, lane, scale);
 #else
@@ -1507,11 +1505,13 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
     const uint32_t kb = pr_smem_u32(ks), vb = pr_smem_u32(vs);
     for (int s = 0; s < steps; s++) {
         const int st = s & 1;
-        if (s + 1 < steps) load_step(st ^ 1);
-        pr_cp_async_commit();
-        pr_cp_async_wait<1>();                      /* this thread's copies of this step (and K, V) landed, */
+        pr_cp_async_wait<0>();                      /* this thread's copies of this step (and K, V) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
-        __syncthreads();                            /* and every thread's */
+        __syncthreads();                            /* and every thread's; the other stage is read no more */
+        if (s + 1 < steps) {                        /* so the next step loads into it while this one computes */
+            load_step(st ^ 1);
+            pr_cp_async_commit();
+        }
         const pr_att_tile qt = qtiles[at.tile];
         const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
         const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
@@ -1544,11 +1544,10 @@ PR_UNROLL
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gk[0][0], da[kc], pr_wg_desc_mn(qb, kc));
         pr_wg_commit();
-        pr_wg_wait<0>();                            /* the stage is read before it is refilled */
+        pr_wg_wait<0>();                            /* the stage is read before the next barrier lets it be refilled */
         pr_wg_hold<HS / 2>(&gv[0][0]);
         pr_wg_hold<HS / 2>(&gk[0][0]);
         at.next(kt);
-        __syncthreads();
     }
     pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);
 #else
