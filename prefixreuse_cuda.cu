@@ -1046,13 +1046,13 @@ PR_UNROLL
         Drow[rr] = row < r1 ? Dr[(size_t)row * NH + h] : 0.0f;
     }
 }
-/* dS = P (dP - D) into s, for a warp's 16 rows from row0 and N8 n8 tiles of keys from key0: P =
-   exp2(S scale log2e - lse log2e) where visible, else 0 (S = -inf: a row past the tile (row >=
-   r1) or a row that saw no key has no visible key, so its lse2, 0 or +inf, gives -inf too). whole:
-   every row sees every key here, no mask. */
+/* P = exp2(S scale log2e - lse log2e) into s where visible, else 0, for a warp's 16 rows from row0
+   and N8 n8 tiles of keys from key0 (S = -inf: a row past the tile (row >= r1) or a row that saw
+   no key has no visible key, so its lse2, 0 or +inf, gives -inf too). whole: every row sees every
+   key here, no mask. Apart from dS below, so that the wgmma kernel runs it while dP is computed. */
 template <int N8>
-__device__ __forceinline__ void pr_dq_ds(float (*s)[4], const float (*dp)[4], const pr_mma_keys &x, bool whole, int key0, int row0, int r1,
-                                         int lane, float sl2, const float lse2[2], const float Drow[2]) {
+__device__ __forceinline__ void pr_dq_p(float (*s)[4], const pr_mma_keys &x, bool whole, int key0, int row0, int r1, int lane, float sl2,
+                                        const float lse2[2]) {
     if (!whole)
 PR_UNROLL
         for (int nt = 0; nt < N8; nt++)
@@ -1064,10 +1064,15 @@ PR_UNROLL
 PR_UNROLL
     for (int nt = 0; nt < N8; nt++)
 PR_UNROLL
-        for (int i = 0; i < 4; i++) {
-            const float p = pr_exp2(fmaf(s[nt][i], sl2, -lse2[i >> 1]));
-            s[nt][i] = p * (dp[nt][i] - Drow[i >> 1]);
-        }
+        for (int i = 0; i < 4; i++) s[nt][i] = pr_exp2(fmaf(s[nt][i], sl2, -lse2[i >> 1]));
+}
+/* dS = P (dP - D), into s (P's). */
+template <int N8>
+__device__ __forceinline__ void pr_dq_ds(float (*s)[4], const float (*dp)[4], const float Drow[2]) {
+PR_UNROLL
+    for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+        for (int i = 0; i < 4; i++) s[nt][i] *= dp[nt][i] - Drow[i >> 1];
 }
 /* dq = bf16(dq + scale dQ) for a warp's 16 rows from row0 (those at or past r1 skipped). */
 template <int HS>
@@ -1143,7 +1148,8 @@ PR_UNROLL_1
             pr_mma_zero<KN / 8>(dp);
             pr_mma_abt<HS, HS / 16, KN / 16>(s, qf, kb, sub * KN, lane);
             pr_mma_abt<HS, HS / 16, KN / 16>(dp, dof, vb, sub * KN, lane);
-            pr_dq_ds<KN / 8>(s, dp, x, whole, x.j0 + sub * KN, t.r0 + 16 * warp, t.r1, lane, sl2, lse2, Drow);
+            pr_dq_p<KN / 8>(s, x, whole, x.j0 + sub * KN, t.r0 + 16 * warp, t.r1, lane, sl2, lse2);
+            pr_dq_ds<KN / 8>(s, dp, Drow);
             /* dQ += bf16(dS) K: K as the [k][n] operand, .trans */
             pr_mma_pv<HS, KN / 16, 1>(&acc, &s, 1, kb, sub * KN, lane);
         }
@@ -1211,13 +1217,16 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
         pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
+        pr_wg_commit();
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(dob, kc, PR_MMA_ROWS), pr_wg_desc_k(vb, kc, PR_MMA_ROWS));
         pr_wg_commit();
-        pr_wg_wait<0>();
+        pr_wg_wait<1>();                            /* S is in: P while the tensor cores compute dP */
         pr_wg_hold<32>(&s[0][0]);
+        pr_dq_p<8>(s, x, whole, x.j0, row0, t.r1, lane, sl2, lse2);
+        pr_wg_wait<0>();
         pr_wg_hold<32>(&dp[0][0]);
-        pr_dq_ds<8>(s, dp, x, whole, x.j0, row0, t.r1, lane, sl2, lse2, Drow);
+        pr_dq_ds<8>(s, dp, Drow);
         uint32_t a[4][4];                           /* bf16(dS) as the A fragments of its 4 k16 blocks */
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_c_to_a(a[kc], s[2 * kc], s[2 * kc + 1]);
@@ -1301,14 +1310,14 @@ __device__ __forceinline__ void pr_dkv_load(bf16 *qs, bf16 *dos, float *ls, floa
         pr_cp_async4(pr_smem_u32(ds + e), Dr + o, e < n);
     }
 }
-/* A step's P^T and dS^T for a warp's 16 keys from key0 (rows) and N8 n8 tiles of queries from
-   column c0 of the query tile qt (columns): P^T = exp2(S^T scale log2e - lse log2e) where visible,
-   else 0 (S^T = -inf), into p; dS^T = P^T (dP^T - D), into dp. lst, dst: the tile's lse and D in
-   shared memory. A lane's elements lie in 2 query columns an n8 tile (its keys g and g + 8): lse
-   and D read once a column. whole: every query sees every key here, no mask. */
+/* A step's P^T for a warp's 16 keys from key0 (rows) and N8 n8 tiles of queries from column c0 of
+   the query tile qt (columns): exp2(S^T scale log2e - lse log2e) where visible, else 0 (S^T =
+   -inf), into p. lst: the tile's lse in shared memory. A lane's elements lie in 2 query columns an
+   n8 tile (its keys g and g + 8): lse read once a column. whole: every query sees every key here,
+   no mask. Apart from dS^T below, so that the wgmma kernel runs it while dP^T is computed. */
 template <int N8>
-__device__ __forceinline__ void pr_dkv_ds(float (*p)[4], float (*dp)[4], const pr_att_ktile &kt, bool own, bool whole, int key0,
-                                          const pr_att_tile &qt, int c0, const float *lst, const float *dst, int lane, float sl2) {
+__device__ __forceinline__ void pr_dkv_p(float (*p)[4], const pr_att_ktile &kt, bool own, bool whole, int key0, const pr_att_tile &qt,
+                                         int c0, const float *lst, int lane, float sl2) {
     if (!whole)
 PR_UNROLL
         for (int nt = 0; nt < N8; nt++)
@@ -1321,14 +1330,21 @@ PR_UNROLL
     for (int nt = 0; nt < N8; nt++)
 PR_UNROLL
         for (int j = 0; j < 2; j++) {
-            const int c = c0 + 8 * nt + pr_mma_c_col(lane, j);
-            const float lse2 = pr_lds_f32(lst + c) * PR_LOG2E, Dc = pr_lds_f32(dst + c);
+            const float lse2 = pr_lds_f32(lst + c0 + 8 * nt + pr_mma_c_col(lane, j)) * PR_LOG2E;
 PR_UNROLL
-            for (int i = j; i < 4; i += 2) {
-                const float pv = pr_exp2(fmaf(p[nt][i], sl2, -lse2));
-                p[nt][i] = pv;
-                dp[nt][i] = pv * (dp[nt][i] - Dc);
-            }
+            for (int i = j; i < 4; i += 2) p[nt][i] = pr_exp2(fmaf(p[nt][i], sl2, -lse2));
+        }
+}
+/* dS^T = P^T (dP^T - D), into dp; dst: the tile's D in shared memory, read once a column. */
+template <int N8>
+__device__ __forceinline__ void pr_dkv_ds(const float (*p)[4], float (*dp)[4], int c0, const float *dst, int lane) {
+PR_UNROLL
+    for (int nt = 0; nt < N8; nt++)
+PR_UNROLL
+        for (int j = 0; j < 2; j++) {
+            const float Dc = pr_lds_f32(dst + c0 + 8 * nt + pr_mma_c_col(lane, j));
+PR_UNROLL
+            for (int i = j; i < 4; i += 2) dp[nt][i] = p[nt][i] * (dp[nt][i] - Dc);
         }
 }
 /* The end of a block: own keys into the bf16 dk/dv once; prefix keys scale dK, dV into dkp/dvp
@@ -1438,7 +1454,8 @@ PR_UNROLL_1
             if constexpr (FUSED_DQ) pr_mma_abt_s<HS, HS / 16, QN / 16>(p, pr_smem_u32(ks), 16 * warp, qb, sub * QN, lane);
             else pr_mma_abt<HS, HS / 16, QN / 16>(p, kf, qb, sub * QN, lane);
             pr_mma_abt_s<HS, HS / 16, QN / 16>(dp, pr_smem_u32(vs), 16 * warp, db, sub * QN, lane);
-            pr_dkv_ds<QN / 8>(p, dp, kt, own, whole, key0, qt, sub * QN, lst, dst, lane, sl2);
+            pr_dkv_p<QN / 8>(p, kt, own, whole, key0, qt, sub * QN, lst, lane, sl2);
+            pr_dkv_ds<QN / 8>(p, dp, sub * QN, dst, lane);
             if constexpr (FUSED_DQ) {                 /* bf16(dS^T), as the dK product below rounds it */
 PR_UNROLL
                 for (int nt = 0; nt < QN / 8; nt++)
@@ -1523,13 +1540,16 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
         pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&p[0][0], pr_wg_desc_k(kb, kc, PR_MMA_ROWS), pr_wg_desc_k(qb, kc, PR_MMA_ROWS));
+        pr_wg_commit();
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(vb, kc, PR_MMA_ROWS), pr_wg_desc_k(db, kc, PR_MMA_ROWS));
         pr_wg_commit();
-        pr_wg_wait<0>();
+        pr_wg_wait<1>();                            /* S^T is in: P^T while the tensor cores compute dP^T */
         pr_wg_hold<32>(&p[0][0]);
+        pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
+        pr_wg_wait<0>();
         pr_wg_hold<32>(&dp[0][0]);
-        pr_dkv_ds<8>(p, dp, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, lane, sl2);
+        pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
         uint32_t pa[4][4], da[4][4];                /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) {
