@@ -9,7 +9,8 @@
 #                       offload bitwise equal (copy stream); recomputation and the prefix-tree
 #                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
-#   relative (four bf16 spacings: the activations are rounded at every layer).
+#   relative (four bf16 spacings: the activations are rounded at every layer), tiny-hd128's
+#   through the default (tensor-core) attention.
 # Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make
 # test-gpu-emu: those built on the emulated device, test/cuda_emu.cc).
 . "$(dirname "$0")/tally.sh"
@@ -36,7 +37,8 @@ esac
 run "$TRAIN_CUDA" --check --microbatch 2 --layout packed --recompute all --offload on
 run "$TRAIN_CUDA" --config model/tiny-moe --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on
 tmp=$(mktemp -d)
-for m in tiny tiny-qwen3; do
+# (tiny-hd128: through the attention kernels a new backend picks, the tensor-core ones where they run)
+for m in tiny tiny-qwen3 tiny-hd128; do
     run build/train-double --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-cpu.safetensors"
     run "$TRAIN_CUDA" --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
