@@ -1544,23 +1544,24 @@ PR_UNROLL
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(vb, kc, PR_MMA_ROWS), pr_wg_desc_k(db, kc, PR_MMA_ROWS));
         pr_wg_commit();
-        pr_wg_wait<1>();                            /* S^T is in: P^T while the tensor cores compute dP^T */
+        pr_wg_wait<1>();                            /* S^T is in: P^T, and dV += bf16(P^T) dO, while dP^T is computed */
         pr_wg_hold<32>(&p[0][0]);
         pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
-        pr_wg_wait<0>();
-        pr_wg_hold<32>(&dp[0][0]);
-        pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
         uint32_t pa[4][4], da[4][4];                /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
 PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) {
-            pr_c_to_a(pa[kc], p[2 * kc], p[2 * kc + 1]);
-            pr_c_to_a(da[kc], dp[2 * kc], dp[2 * kc + 1]);
-        }
+        for (int kc = 0; kc < 4; kc++) pr_c_to_a(pa[kc], p[2 * kc], p[2 * kc + 1]);
         pr_wg_hold<16>(&pa[0][0]);
-        pr_wg_hold<16>(&da[0][0]);
         pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gv[0][0], pa[kc], pr_wg_desc_mn(db, kc));
+        pr_wg_commit();
+        pr_wg_wait<1>();                            /* dP^T is in (dV may still run): dS^T */
+        pr_wg_hold<32>(&dp[0][0]);
+        pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
+PR_UNROLL
+        for (int kc = 0; kc < 4; kc++) pr_c_to_a(da[kc], dp[2 * kc], dp[2 * kc + 1]);
+        pr_wg_hold<16>(&da[0][0]);
+        pr_wg_fence();
 PR_UNROLL
         for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gk[0][0], da[kc], pr_wg_desc_mn(qb, kc));
         pr_wg_commit();
