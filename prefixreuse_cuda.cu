@@ -2915,7 +2915,8 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
         const int fastest_first[] = { PR_CUDA_ATTENTION_WGMMA, PR_CUDA_ATTENTION_MMA, PR_CUDA_ATTENTION_FFMA };
         pr_status st = PR_ERR_UNSUPPORTED;
         pr_error tried;
-        for (int i = 0; i < 3 && st == PR_ERR_UNSUPPORTED; i++) st = pr_backend_cuda_set_attention(be, fastest_first[i], &tried);
+        for (size_t i = 0; i < sizeof fastest_first / sizeof *fastest_first && st == PR_ERR_UNSUPPORTED; i++)
+            st = pr_backend_cuda_set_attention(be, fastest_first[i], &tried);
         if (st && err) *err = tried;
         return st;
     }
