@@ -39,6 +39,8 @@ typedef struct {
     int bench_total, bench_reps, layers;
     int bench_system;                /* --bench tree: the shared system prompt's tokens (0: half the prompt) */
     int bench_groups[8], n_bench_groups;
+    double bench_splits[8];          /* --bench speed and memory: the prefix's share of each trajectory */
+    int n_bench_splits;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
     int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
@@ -56,6 +58,8 @@ static const char *const attention_names[] = { "ffma", "mma", "mma-atomic", "wgm
 
 static int mesh_ranks(const options *o) { return o->dp * o->pp * o->cp * o->tp; }
 static int on_mesh(const options *o) { return mesh_ranks(o) > 1 || o->ep > 1; }
+/* The prefix tokens of --bench-splits' split i. */
+static long split_prefix(const options *o, int i) { return lround(o->bench_total * o->bench_splits[i]); }
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -173,6 +177,9 @@ static void usage(FILE *f) {
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8); --bench tree:\n"
         "                         the numbers of groups a step\n"
+        "  --bench-splits LIST    --bench speed and memory: the prefix's share of --bench-total at each split,\n"
+        "                         fractions in (0, 1), comma-separated (default the paper's 2k/10k ... 10k/2k\n"
+        "                         at 12k: 0.16667,0.5,0.66667,0.83333)\n"
         "  --peak-tflops X        peak rate for the MFU columns, 0 = no MFU (default " PEAK_DEFAULT_TEXT ")\n"
         "  -h, --help             this text\n");
 }
@@ -201,16 +208,22 @@ static int parse_int(const char *s, int *out) {
 }
 
 /* "4,8,16": at most cap positive integers */
-static int parse_int_list(const char *s, int *out, int cap, int *n) {
+/* A comma-separated list of at most cap items, each read by item(token, i, out); refused when empty. */
+static int parse_list(const char *s, int cap, int *n, int (*item)(const char *tok, int i, void *out), void *out) {
     char buf[256];
     if (strlen(s) >= sizeof buf) return 0;
     strcpy(buf, s);
     *n = 0;
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (*n == cap || !parse_int(tok, &out[*n]) || out[*n] < 1) return 0;
+        if (*n == cap || !item(tok, *n, out)) return 0;
         (*n)++;
     }
     return *n > 0;
+}
+static int positive_int_item(const char *tok, int i, void *out) { return parse_int(tok, (int *)out + i) && ((int *)out)[i] >= 1; }
+static int fraction_item(const char *tok, int i, void *out) {
+    double *f = (double *)out + i;
+    return parse_double(tok, f) && *f > 0 && *f < 1;
 }
 
 static int parse_args(int argc, char **argv, options *o) {
@@ -227,6 +240,9 @@ static int parse_args(int argc, char **argv, options *o) {
     o->bench_groups[0] = 4;
     o->bench_groups[1] = 8;
     o->n_bench_groups = 2;
+    const double paper_splits[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };   /* 2k/10k ... 10k/2k at 12k */
+    o->n_bench_splits = (int)(sizeof paper_splits / sizeof *paper_splits);
+    memcpy(o->bench_splits, paper_splits, sizeof paper_splits);
     o->peak_tflops = PEAK_DEFAULT;
     o->bench_budget_mib = 64;
     o->dp = o->pp = o->cp = o->tp = o->ep = 1;
@@ -314,7 +330,8 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "build")) o->bench_gpu_sizes = 0;
             else ok = 0;
         }
-        else if (!strcmp(a, "--bench-groups")) ok = parse_int_list(v, o->bench_groups, 8, &o->n_bench_groups);
+        else if (!strcmp(a, "--bench-groups")) ok = parse_list(v, 8, &o->n_bench_groups, positive_int_item, o->bench_groups);
+        else if (!strcmp(a, "--bench-splits")) ok = parse_list(v, 8, &o->n_bench_splits, fraction_item, o->bench_splits);
         else if (!strcmp(a, "--peak-tflops")) { ok = parse_double(v, &d) && d >= 0; o->peak_tflops = d; }
         else if (!strcmp(a, "--schedule")) {
             if (!strcmp(v, "baseline")) o->step.schedule = PR_SCHEDULE_BASELINE;
@@ -377,6 +394,14 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (o->bench_gpu_sizes && o->bench != 3) { fprintf(stderr, "train: --bench-sizes belongs to --bench capacity\n"); return 0; }
+    for (int i = 0; (o->bench == 1 || o->bench == 2) && i < o->n_bench_splits; i++) {
+        const long P = split_prefix(o, i);
+        if (P < 1 || P >= o->bench_total) {
+            fprintf(stderr, "train: --bench-splits %g of --bench-total %d is a prefix of %ld tokens: a split needs a token on each side\n",
+                    o->bench_splits[i], o->bench_total, P);
+            return 0;
+        }
+    }
     if (o->cp > 1 && o->step.microbatch != 1) {
         if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
         o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
@@ -1642,7 +1667,9 @@ static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, i
 
 static int run_bench_speed(const options *o, const pr_config *cfg) {
     const int T = o->bench_total;
-    const double fractions[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };    /* the paper's 2k/10k ... 10k/2k at 12k */
+    int heavy = 0;                   /* the most prefix-heavy split */
+    for (int fi = 1; fi < o->n_bench_splits; fi++)
+        if (o->bench_splits[fi] > o->bench_splits[heavy]) heavy = fi;
     pr_error err;
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
@@ -1653,9 +1680,9 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
            "ratio", "base GF/s", "reuse GF/s", mfu ? "  base MFU reuse MFU" : "");
     double sum_ratio = 0, heavy_ratio = 0;
     int cells = 0;
-    for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++)
+    for (int fi = 0; fi < o->n_bench_splits; fi++)
         for (int gi = 0; gi < o->n_bench_groups; gi++) {
-            int P = (int)lround(T * fractions[fi]), S = T - P, G = o->bench_groups[gi];
+            int P = (int)split_prefix(o, fi), S = T - P, G = o->bench_groups[gi];
             synth_group sg;
             if (!synth(&sg, P, S, G, cfg->vocab_size, 77 + fi * 10 + gi)) {
                 fprintf(stderr, "train: out of memory\n");
@@ -1682,7 +1709,7 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
             fflush(stdout);
             sum_ratio += ratio;
             cells++;
-            if (fi == sizeof fractions / sizeof *fractions - 1 && G == 8) heavy_ratio = ratio;
+            if (fi == heavy && G == 8) heavy_ratio = ratio;
             synth_free(&sg);
         }
     pr_trainer_destroy(tr);
@@ -1806,7 +1833,6 @@ static double mib(size_t b) { return b / 1048576.0; }
    allocator on one real step each, with the step's time (offload's end-to-end cost). */
 static int run_bench_memory(const options *o, const pr_config *cfg) {
     const int T = o->bench_total, G = o->bench_groups[o->n_bench_groups - 1];
-    const double fractions[] = { 1.0 / 6, 1.0 / 2, 2.0 / 3, 5.0 / 6 };
     pr_error err;
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
@@ -1817,8 +1843,8 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
            cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch, run_label());
     printf("%-11s %-23s %10s %10s %10s %9s %12s %14s %9s %7s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
            "dormant MiB", "B saved MiB", "copies ms", "GB/s");
-    for (size_t fi = 0; fi < sizeof fractions / sizeof *fractions; fi++) {
-        int P = (int)lround(T * fractions[fi]), S = T - P;
+    for (int fi = 0; fi < o->n_bench_splits; fi++) {
+        int P = (int)split_prefix(o, fi), S = T - P;
         synth_group sg;
         if (!synth(&sg, P, S, G, cfg->vocab_size, 91 + fi)) {
             fprintf(stderr, "train: out of memory\n");
@@ -1844,6 +1870,7 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
             if (mem_variants[v].offload && st.offload.copy_seconds > 0)     /* beside the compute: the step time says what they cost */
                 printf(" %9.2f %7.1f", 1e3 * st.offload.copy_seconds, copy_gbps(&st.offload));
             printf("\n");
+            fflush(stdout);          /* a run stopped by a time limit keeps the rows it has */
         }
         synth_free(&sg);
     }

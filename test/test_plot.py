@@ -72,6 +72,14 @@ def main():
         high = (r["baseline_s"] + 0.0005) / (r["reuse_s"] - 0.0005) if r["reuse_s"] > 0.0005 else float("inf")
         check(low - 0.005 <= r["speedup"] <= high + 0.005, f"speed row {r}: speedup is not baseline / reuse")
 
+    some = plot.parse_speed(run(train, "--bench", "--bench-total", "48", "--bench-reps", "1", "--bench-groups", "2,3",
+                                "--bench-splits", "0.75,0.25"))
+    check([(r["P"], r["S"], r["G"]) for r in some] == [(36, 12, 2), (36, 12, 3), (12, 36, 2), (12, 36, 3)],
+          f"--bench-splits 0.75,0.25: the splits in their order, each G, got {some}")
+    some = plot.parse_memory(run(train, "--bench", "memory", "--bench-total", "48", "--bench-groups", "2", "--bench-splits", "0.5"))
+    check({(r["P"], r["S"]) for r in some} == {(24, 24)} and len(some) == len(set(r["schedule"] for r in some)),
+          f"--bench memory --bench-splits 0.5: one split, each schedule once, got {some}")
+
     memory = run(train, "--bench", "memory", "--bench-total", "48", "--bench-groups", "2")
     rows = plot.parse_memory(memory)
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
