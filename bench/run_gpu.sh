@@ -45,7 +45,8 @@
 # Measured on an H100 with the wgmma attention (bench/RESULTS.md): a one-layer baseline step at
 # 10k/2k G 8 takes 0.42 s (~51% MFU), reuse 0.21 s; a step's time grows about linearly in G. One
 # sweep cell is a warm-up and a timed run of each schedule: four splits at G 8 ran in 78 s, ~20 s
-# of it the host drawing the 1.27B parameters (embeddings and head are 1.05B). With one layer the
+# of it the host drawing the 1.27B parameters (embeddings and head are 1.05B) on one core, which
+# train_cuda now does on every core (OpenMP; the same bits). With one layer the
 # LM head is most of a step, so the speed-up bound at 10k/2k is 2.1x at G 8 where the whole model's
 # is 3.3x (bench/README.md): the goals want layers. Every rank holds 18 bytes a parameter,
 # so on an 80 GB card 7 layers (2.6B parameters, 44 GB) leave room for a G 32 baseline step at 12k
