@@ -293,7 +293,7 @@ build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA
 build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<
 build/emu/train_cuda: build/train_cuda.o $(EMU_CUDA)
-	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
+	$(CXX) $(CFLAGS) $(OPENMP) $(LDFLAGS) -o $@ $^ -lm
 build/emu/test_gpu: build/emu/test_gpu.o build/emu/gpu_ref.o $(EMU_CUDA)
 	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
 build/emu/test_gpu_attention: build/emu/test_gpu_attention.o build/emu/gpu_ref.o build/emu/attn_model.o $(EMU_CUDA)

@@ -1653,6 +1653,29 @@ typedef struct {
     int valid;
 } pr_cu_algo;
 
+/* Timing pairs: two events around a piece of a stream's work, kept until the times are read; each
+   pair tagged with what it timed. */
+typedef struct {
+    cudaEvent_t *ev;               /* 2 a pair */
+    int *tag;                      /* one a pair */
+    int used, cap;                 /* pairs */
+    int untimed;                   /* some work went untimed: no more events could be had */
+} pr_cu_pairs;
+
+/* The operation profile (pr_backend_cuda_profile): per operation its calls and milliseconds, the
+   pairs not yet read, and the nesting depth (an operation that calls another is timed once, as the
+   outer one). */
+#define PR_CU_PROFILE_OPS 64
+#define PR_CU_PROFILE_FOLD 8192    /* pairs read (a stream wait) at the end of the operation that fills them */
+typedef struct {
+    int on, depth, lost;           /* lost: an operation went untimed or a time could not be read */
+    pr_cu_pairs pairs;
+    int n;
+    char name[PR_CU_PROFILE_OPS][48];
+    long calls[PR_CU_PROFILE_OPS];
+    double ms[PR_CU_PROFILE_OPS];
+} pr_cu_profile;
+
 typedef struct {
     pr_backend be;                 /* first member: the vtable handed out points here */
     int device;
@@ -1660,8 +1683,8 @@ typedef struct {
     cudaStream_t copy_stream;      /* offload's block copies, beside the compute */
     cudaEvent_t compute_mark;      /* where compute stood when a block copy was queued */
     cudaEvent_t copy_done[PR_COPY_TAGS];
-    cudaEvent_t *copy_ev;          /* a timing pair around each block copy since the last copy_seconds */
-    int copy_ev_used, copy_ev_cap, copy_untimed;
+    pr_cu_pairs copy_pairs;        /* a timing pair around each block copy since the last copy_seconds */
+    pr_cu_profile prof;            /* pr_backend_cuda_profile: each operation's time on the stream */
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
@@ -1762,6 +1785,99 @@ static const void *pr_cu_stage(pr_cu *cx, const void *host, size_t bytes) {
     return d;
 }
 
+/* ---------------------------------------------------------------- timing: block copies, the operation profile */
+/* A pair for the next timed work (its index), tagged, or -1 when no more events can be had: the
+   work goes untimed, and the next read says so. */
+static int pr_cu_pair_take(pr_cu_pairs *p, int tag) {
+    if (p->used == p->cap) {
+        const int cap = p->cap ? 2 * p->cap : 32;
+        cudaEvent_t *ev = (cudaEvent_t *)realloc(p->ev, sizeof(cudaEvent_t) * 2 * (size_t)cap);
+        if (ev) p->ev = ev;
+        int *tags = ev ? (int *)realloc(p->tag, sizeof(int) * (size_t)cap) : NULL;
+        if (tags) p->tag = tags;
+        while (tags && p->cap < cap && cudaEventCreate(&ev[2 * p->cap]) == cudaSuccess) {
+            if (cudaEventCreate(&ev[2 * p->cap + 1]) != cudaSuccess) {
+                cudaEventDestroy(ev[2 * p->cap]);
+                break;
+            }
+            p->cap++;
+        }
+        if (p->cap < cap) cudaGetLastError();     /* a failed creation fails no launch after it */
+        if (p->used == p->cap) {
+            p->untimed = 1;
+            return -1;
+        }
+    }
+    p->tag[p->used] = tag;
+    return p->used++;
+}
+/* Waits for stream s, adds each pair's milliseconds to ms[its tag], and frees the pairs. 0 when some
+   work went untimed or a time could not be read (the sums are then short); a timing that fails
+   fails no step. */
+static int pr_cu_pairs_read(pr_cu *cx, pr_cu_pairs *p, cudaStream_t s, double *ms) {
+    int ok = !p->untimed && pr_cu_ok(cx, cudaStreamSynchronize(s), "timing");
+    for (int i = 0; ok && i < p->used; i++) {
+        float one = 0;
+        ok = cudaEventElapsedTime(&one, p->ev[2 * i], p->ev[2 * i + 1]) == cudaSuccess;
+        ms[p->tag[i]] += one;
+    }
+    if (!ok) cudaGetLastError();
+    p->used = 0;
+    p->untimed = 0;
+    return ok;
+}
+static void pr_cu_pairs_free(pr_cu_pairs *p) {
+    for (int i = 0; i < 2 * p->cap; i++) cudaEventDestroy(p->ev[i]);
+    free(p->ev);
+    free(p->tag);
+    memset(p, 0, sizeof *p);
+}
+
+/* The profile's row for an operation (name, and for a GEMM its shape), or -1 when the table is full. */
+static int pr_cu_profile_row(pr_cu_profile *pf, const char *name, int in, int out) {
+    char key[sizeof pf->name[0]];
+    if (in) snprintf(key, sizeof key, "%s %dx%d", name, in, out);
+    else snprintf(key, sizeof key, "%s", name);
+    for (int i = 0; i < pf->n; i++)
+        if (!strcmp(pf->name[i], key)) return i;
+    if (pf->n == PR_CU_PROFILE_OPS) return -1;
+    snprintf(pf->name[pf->n], sizeof pf->name[0], "%s", key);
+    pf->calls[pf->n] = 0;
+    pf->ms[pf->n] = 0;
+    return pf->n++;
+}
+static void pr_cu_profile_read(pr_cu *cx) {
+    if (!pr_cu_pairs_read(cx, &cx->prof.pairs, cx->stream, cx->prof.ms)) cx->prof.lost = 1;
+}
+/* One backend operation on the stream, timed while the profile is on: the scope's first line, so
+   that the pair brackets everything the operation queues. An operation inside another (a wrapper
+   calling the general one) counts as the outer one. `in`, `out`: a GEMM's sizes (0 otherwise). */
+struct pr_cu_op_scope {
+    pr_cu *cx;
+    int pair;
+    bool counted;                  /* the depth was raised */
+    pr_cu_op_scope(const pr_backend *be, const char *name, int in = 0, int out = 0) : cx(pr_cu_of(be)), pair(-1), counted(false) {
+        pr_cu_profile *pf = &cx->prof;
+        if (!pf->on) return;
+        counted = true;
+        if (pf->depth++) return;
+        const int row = pr_cu_profile_row(pf, name, in, out);
+        if (row < 0) { pf->lost = 1; return; }
+        pf->calls[row]++;
+        pair = pr_cu_pair_take(&pf->pairs, row);
+        if (pair >= 0 && !pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair], cx->stream), "profile")) pair = -1;
+    }
+    ~pr_cu_op_scope() {
+        pr_cu_profile *pf = &cx->prof;
+        if (!counted || --pf->depth) return;
+        if (pair >= 0) pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair + 1], cx->stream), "profile");
+        if (pf->pairs.used >= PR_CU_PROFILE_FOLD) pr_cu_profile_read(cx);
+    }
+    pr_cu_op_scope(const pr_cu_op_scope &) = delete;
+    pr_cu_op_scope &operator=(const pr_cu_op_scope &) = delete;
+};
+#define PR_CU_OP(be, ...) pr_cu_op_scope pr_cu_op_(be, __VA_ARGS__)
+
 /* ---------------------------------------------------------------- memory */
 static void *pr_cu_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
     void *p = NULL;
@@ -1778,20 +1894,24 @@ static void pr_cu_release(const pr_backend *be, void *p, pr_tier tier) {
     pr_cu_ok(cx, tier == PR_TIER_HOST ? cudaFreeHost(p) : cudaFree(p), "free");
 }
 static void pr_cu_zero(const pr_backend *be, void *p, size_t bytes) {
+    PR_CU_OP(be, "zero");
     pr_cu *cx = pr_cu_of(be);
     pr_cu_ok(cx, cudaMemsetAsync(p, 0, bytes, cx->stream), "memset");
 }
 static void pr_cu_copy(const pr_backend *be, void *dst, const void *src, size_t bytes) {
+    PR_CU_OP(be, "copy");
     pr_cu *cx = pr_cu_of(be);
     pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->stream), "copy");
 }
 /* From pageable host memory the runtime stages the data before returning, so `host` may be reused
    as soon as this returns. */
 static void pr_cu_upload(const pr_backend *be, pr_real *dst, const pr_real *host, size_t n) {
+    PR_CU_OP(be, "upload");
     pr_cu *cx = pr_cu_of(be);
     pr_cu_ok(cx, cudaMemcpyAsync(dst, host, n * sizeof(float), cudaMemcpyHostToDevice, cx->stream), "upload");
 }
 static void pr_cu_download(const pr_backend *be, pr_real *host, const pr_real *src, size_t n) {
+    PR_CU_OP(be, "download");
     pr_cu *cx = pr_cu_of(be);
     if (pr_cu_ok(cx, cudaMemcpyAsync(host, src, n * sizeof(float), cudaMemcpyDeviceToHost, cx->stream), "download"))
         pr_cu_ok(cx, cudaStreamSynchronize(cx->stream), "download");
@@ -1802,47 +1922,23 @@ static void pr_cu_sync(const pr_backend *be) {
         pr_cu_ok(cx, cudaStreamSynchronize(cx->copy_stream), "synchronize copies");
 }
 /* The copy starts once the compute queued so far is done, and runs beside what is queued after. */
-/* A timing pair for the next block copy (index of its first event), or -1: the copy goes untimed,
-   and copy_seconds says so, when no more events can be had. */
-static int pr_cu_copy_timer(pr_cu *cx) {
-    if (cx->copy_ev_used + 2 > cx->copy_ev_cap) {
-        const int cap = cx->copy_ev_cap ? 2 * cx->copy_ev_cap : 64;
-        cudaEvent_t *ev = (cudaEvent_t *)realloc(cx->copy_ev, sizeof(cudaEvent_t) * (size_t)cap);
-        if (!ev) return -1;
-        cx->copy_ev = ev;
-        while (cx->copy_ev_cap < cap && cudaEventCreate(&ev[cx->copy_ev_cap]) == cudaSuccess) cx->copy_ev_cap++;
-        if (cx->copy_ev_cap < cap) cudaGetLastError();     /* a failed creation fails no launch after it */
-        if (cx->copy_ev_used + 2 > cx->copy_ev_cap) return -1;
-    }
-    cx->copy_ev_used += 2;
-    return cx->copy_ev_used - 2;
-}
 static void pr_cu_copy_async(const pr_backend *be, void *dst, const void *src, size_t bytes, int tag) {
     pr_cu *cx = pr_cu_of(be);
     if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_async: tag %d out of range", tag); return; }
-    const int t = pr_cu_copy_timer(cx);
-    if (t < 0) cx->copy_untimed = 1;
+    const int t = pr_cu_pair_take(&cx->copy_pairs, 0);
+    const cudaEvent_t *ev = t < 0 ? NULL : cx->copy_pairs.ev + 2 * t;
     pr_cu_ok(cx, cudaEventRecord(cx->compute_mark, cx->stream), "copy_async mark") &&
         pr_cu_ok(cx, cudaStreamWaitEvent(cx->copy_stream, cx->compute_mark, 0), "copy_async order") &&
-        (t < 0 || pr_cu_ok(cx, cudaEventRecord(cx->copy_ev[t], cx->copy_stream), "copy_async start")) &&
+        (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[0], cx->copy_stream), "copy_async start")) &&
         pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->copy_stream), "copy_async") &&
-        (t < 0 || pr_cu_ok(cx, cudaEventRecord(cx->copy_ev[t + 1], cx->copy_stream), "copy_async end")) &&
+        (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[1], cx->copy_stream), "copy_async end")) &&
         pr_cu_ok(cx, cudaEventRecord(cx->copy_done[tag], cx->copy_stream), "copy_async done");
 }
-/* The pairs' times, summed; the pairs are free again. */
+/* The block copies' times since the last call, summed; -1 when some went untimed. */
 static double pr_cu_copy_seconds(const pr_backend *be) {
     pr_cu *cx = pr_cu_of(be);
     double ms = 0;
-    int ok = !cx->copy_untimed && pr_cu_ok(cx, cudaStreamSynchronize(cx->copy_stream), "copy timing");
-    for (int i = 0; ok && i < cx->copy_ev_used; i += 2) {      /* a timing that fails fails no step */
-        float one = 0;
-        ok = cudaEventElapsedTime(&one, cx->copy_ev[i], cx->copy_ev[i + 1]) == cudaSuccess;
-        ms += one;
-    }
-    if (!ok) cudaGetLastError();
-    cx->copy_ev_used = 0;
-    cx->copy_untimed = 0;
-    return ok ? ms / 1e3 : -1;
+    return pr_cu_pairs_read(cx, &cx->copy_pairs, cx->copy_stream, &ms) ? ms / 1e3 : -1;
 }
 static void pr_cu_copy_wait(const pr_backend *be, int tag) {
     pr_cu *cx = pr_cu_of(be);
@@ -1935,12 +2031,14 @@ static void pr_cu_gemm(pr_cu *cx, int transa, int transb, int m, int n, int k, c
 /* Row-major out (N,OC) = inp (N,C) @ w^T is column-major out^T (OC,N) = w (OC,C) . inp^T (C,N):
    A = w stored (C x OC) transposed, B = inp stored (C x N). */
 static void pr_cu_matmul_fwd(const pr_backend *be, void *out, const void *inp, const void *w, int N, int C, int OC) {
+    PR_CU_OP(be, "matmul_fwd", C, OC);
     pr_cu *cx = pr_cu_of(be);
     pr_cu_gemm(cx, 1, 0, OC, N, C, (const bf16 *)w, C, (const bf16 *)inp, C, out, OC, 0, 0);
 }
 /* dinp^T (C,N) += w^T (C,OC) . dout^T (OC,N);   dw^T (C,OC) += inp^T (C,N) . dout (N,OC) */
 static void pr_cu_matmul_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
                              const void *w, int N, int C, int OC) {
+    PR_CU_OP(be, "matmul_bwd", C, OC);
     pr_cu *cx = pr_cu_of(be);
     pr_cu_gemm(cx, 0, 0, C, N, OC, (const bf16 *)w, C, (const bf16 *)dout, OC, dinp, C, 0, 1);
     pr_cu_gemm(cx, 0, 1, C, OC, N, (const bf16 *)inp, C, (const bf16 *)dout, OC, dw, C, 1, 1);
@@ -2027,6 +2125,7 @@ __global__ void pr_k_sum_parts(float *dw, const float *part, int chunks, int C) 
 
 static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const void *inp, const void *w,
                               int N, int C, double eps) {
+    PR_CU_OP(be, "rmsnorm_fwd");
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     PR_LAUNCH(pr_k_rmsnorm_fwd, pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream, (bf16 *)out, (float *)rstd, (const bf16 *)inp,
@@ -2035,6 +2134,7 @@ static void pr_cu_rmsnorm_fwd(const pr_backend *be, void *out, void *rstd, const
 }
 static void pr_cu_rmsnorm_bwd(const pr_backend *be, void *dinp, pr_real *dw, const void *dout, const void *inp,
                               const void *w, const void *rstd, int N, int C) {
+    PR_CU_OP(be, "rmsnorm_bwd");
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     PR_LAUNCH(pr_k_rmsnorm_bwd_dx, pr_cu_blocks((size_t)N, 8), 256, 0, cx->stream, (bf16 *)dinp, (const bf16 *)dout,
@@ -2095,9 +2195,11 @@ static void pr_cu_rope(const pr_backend *be, void *x, const pr_seq_layout *lay, 
     pr_cu_launched(cx, "rope");
 }
 static void pr_cu_rope_fwd(const pr_backend *be, void *x, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    PR_CU_OP(be, "rope_fwd");
     pr_cu_rope(be, x, lay, heads, HS, inv_freq, 1.0f);
 }
 static void pr_cu_rope_bwd(const pr_backend *be, void *dx, const pr_seq_layout *lay, int heads, int HS, const pr_real *inv_freq) {
+    PR_CU_OP(be, "rope_bwd");
     pr_cu_rope(be, dx, lay, heads, HS, inv_freq, -1.0f);
 }
 
@@ -2315,6 +2417,7 @@ static int pr_cu_use_mma(const pr_cu *cx, int HS, const void *const *p, int n, c
 
 static void pr_cu_attention_fwd(const pr_backend *be, void *out, void *lse, const void *q, const void *k, const void *v,
                                 const void *kp, const void *vp, const pr_seq_layout *lay, int NH, int NKV, int HS) {
+    PR_CU_OP(be, "attention_fwd");
     pr_cu *cx = pr_cu_of(be);
     if (lay->seg_off[lay->n_seg] <= 0) return;
     const void *ptrs[] = { out, q, k, v, kp, vp };
@@ -2334,6 +2437,7 @@ static void pr_cu_attention_bwd(const pr_backend *be, void *dq, void *dk, void *
                                 const void *dout, const void *out, const void *lse, const void *q, const void *k,
                                 const void *v, const void *kp, const void *vp, const pr_seq_layout *lay,
                                 int NH, int NKV, int HS) {
+    PR_CU_OP(be, "attention_bwd");
     pr_cu *cx = pr_cu_of(be);
     if (lay->seg_off[lay->n_seg] <= 0) return;
     const void *ptrs[] = { dq, dk, dv, dout, out, q, k, v, kp, vp };
@@ -2426,6 +2530,7 @@ __global__ void pr_k_row_dots(float *out, const bf16 *a, const bf16 *b, int M, i
 }
 
 static void pr_cu_swiglu_fwd(const pr_backend *be, void *h, const void *gate, const void *up, size_t n) {
+    PR_CU_OP(be, "swiglu_fwd");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_swiglu_fwd, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)h, (const bf16 *)gate, (const bf16 *)up, n);
@@ -2433,6 +2538,7 @@ static void pr_cu_swiglu_fwd(const pr_backend *be, void *h, const void *gate, co
 }
 static void pr_cu_swiglu_bwd(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate,
                              const void *up, size_t n) {
+    PR_CU_OP(be, "swiglu_bwd");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_swiglu_bwd, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)dgate, (bf16 *)dup, (const bf16 *)dh,
@@ -2440,24 +2546,28 @@ static void pr_cu_swiglu_bwd(const pr_backend *be, void *dgate, void *dup, const
     pr_cu_launched(cx, "swiglu_bwd");
 }
 static void pr_cu_add(const pr_backend *be, void *y, const void *x, size_t n) {
+    PR_CU_OP(be, "add");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_add, pr_cu_blocks(n, 256), 256, 0, cx->stream, (bf16 *)y, (const bf16 *)x, n);
     pr_cu_launched(cx, "add");
 }
 static void pr_cu_add_reals(const pr_backend *be, float *y, const float *x, size_t n) {
+    PR_CU_OP(be, "add_reals");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_add_f32, pr_cu_blocks(n, 256), 256, 0, cx->stream, y, x, n);
     pr_cu_launched(cx, "add_reals");
 }
 static void pr_cu_acts_to_reals(const pr_backend *be, float *dst, const void *src, size_t n) {
+    PR_CU_OP(be, "acts_to_reals");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_bf16_to_f32, pr_cu_blocks(n, 256), 256, 0, cx->stream, dst, (const bf16 *)src, n);
     pr_cu_launched(cx, "acts_to_reals");
 }
 static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *src, size_t n) {
+    PR_CU_OP(be, "reals_to_acts");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     unsigned blocks = pr_cu_blocks(n, 256);
@@ -2465,9 +2575,16 @@ static void pr_cu_reals_to_acts(const pr_backend *be, void *dst, const float *sr
     pr_cu_launched(cx, "reals_to_acts");
 }
 /* The gradient sum over dp in bf16: the same conversions, on the wire buffer. */
-static void pr_cu_reals_to_bf16(const pr_backend *be, uint16_t *dst, const float *src, size_t n) { pr_cu_reals_to_acts(be, dst, src, n); }
-static void pr_cu_bf16_to_reals(const pr_backend *be, float *dst, const uint16_t *src, size_t n) { pr_cu_acts_to_reals(be, dst, src, n); }
+static void pr_cu_reals_to_bf16(const pr_backend *be, uint16_t *dst, const float *src, size_t n) {
+    PR_CU_OP(be, "reals_to_bf16");
+    pr_cu_reals_to_acts(be, dst, src, n);
+}
+static void pr_cu_bf16_to_reals(const pr_backend *be, float *dst, const uint16_t *src, size_t n) {
+    PR_CU_OP(be, "bf16_to_reals");
+    pr_cu_acts_to_reals(be, dst, src, n);
+}
 static void pr_cu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C) {
+    PR_CU_OP(be, "embed_fwd");
     pr_cu *cx = pr_cu_of(be);
     if (N <= 0) return;
     const int32_t *dt = (const int32_t *)pr_cu_stage(cx, tokens, sizeof(int32_t) * (size_t)N);
@@ -2521,6 +2638,7 @@ static int pr_cu_group_by_key(pr_cu *cx, pr_cu_groups *g, const int *key, int N_
 /* Each embedding row has one writer that sums its rows in row order. Tokens < 0 (another TP
    rank's rows) are left out. */
 static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dout, const int32_t *tokens, int N_rows, int C) {
+    PR_CU_OP(be, "embed_bwd");
     pr_cu *cx = pr_cu_of(be);
     if (N_rows <= 0) return;
     pr_cu_groups g;
@@ -2530,6 +2648,7 @@ static void pr_cu_embed_bwd(const pr_backend *be, pr_real *demb, const void *dou
     pr_cu_launched(cx, "embed_bwd");
 }
 static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    PR_CU_OP(be, "gather_rows");
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
     /* the row list and the weights are staged together: both must survive until the kernel runs */
@@ -2543,6 +2662,7 @@ static void pr_cu_gather_rows(const pr_backend *be, void *dst, const void *src, 
 /* Rows repeat (the loss head's last prefix row predicts every suffix's first token; MoE combines
    each token's experts): grouped by destination, each destination row has one writer. */
 static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *src, const int *rows, const pr_real *w, int M, int C) {
+    PR_CU_OP(be, "scatter_add_rows");
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
     pr_cu_groups g;
@@ -2554,6 +2674,7 @@ static void pr_cu_scatter_add_rows(const pr_backend *be, void *dst, const void *
     pr_cu_launched(cx, "scatter_add_rows");
 }
 static void pr_cu_row_dots(const pr_backend *be, pr_real *out, const void *a, const void *b, int M, int C) {
+    PR_CU_OP(be, "row_dots");
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
     float *dev = (float *)pr_cu_scratch(cx, sizeof(float) * (size_t)M);
@@ -2565,6 +2686,7 @@ static void pr_cu_row_dots(const pr_backend *be, pr_real *out, const void *a, co
 }
 /* Host reals to and from bf16 activations, converted on the host. */
 static void pr_cu_upload_acts(const pr_backend *be, void *dst, const pr_real *host, size_t n) {
+    PR_CU_OP(be, "upload_acts");
     pr_cu *cx = pr_cu_of(be);
     uint16_t *h = (uint16_t *)malloc(2 * (n ? n : 1));
     if (!h) { pr_cu_fail(cx, PR_ERR_NOMEM, "upload_acts: out of host memory"); return; }
@@ -2576,6 +2698,7 @@ static void pr_cu_upload_acts(const pr_backend *be, void *dst, const pr_real *ho
     free(h);
 }
 static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void *src, size_t n) {
+    PR_CU_OP(be, "download_acts");
     pr_cu *cx = pr_cu_of(be);
     uint16_t *h = (uint16_t *)malloc(2 * (n ? n : 1));
     if (!h) { pr_cu_fail(cx, PR_ERR_NOMEM, "download_acts: out of host memory"); return; }
@@ -2628,6 +2751,7 @@ static float *pr_cu_row_host(pr_cu *cx, int M) {
 /* The statistics come to the host, where the trainer combines the vocabulary slices' and applies
    the GRPO formula; the log-sum-exps and slopes come back for the gradient pass. */
 static void pr_cu_logit_stats(const pr_backend *be, double *stats, const void *logits, const int32_t *target, int M, int V) {
+    PR_CU_OP(be, "logit_stats");
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
     float *host = pr_cu_row_host(cx, M);
@@ -2643,6 +2767,7 @@ static void pr_cu_logit_stats(const pr_backend *be, double *stats, const void *l
 }
 static void pr_cu_logit_grad(const pr_backend *be, void *logits, const double *lse, const double *coef, const int32_t *target,
                              int M, int V) {
+    PR_CU_OP(be, "logit_grad");
     pr_cu *cx = pr_cu_of(be);
     if (M <= 0) return;
     float *host = pr_cu_row_host(cx, M);
@@ -2707,6 +2832,7 @@ __global__ void pr_k_adamw(float *p, const float *g, float *m, float *v, size_t 
 }
 
 static double pr_cu_sum_squares(const pr_backend *be, const pr_real *x, size_t n) {
+    PR_CU_OP(be, "sum_squares");
     pr_cu *cx = pr_cu_of(be);
     const unsigned blocks = pr_cu_reduce_blocks(n);
     double *part = (double *)pr_cu_scratch(cx, sizeof(double) * (PR_CU_REDUCE_BLOCKS + 1));
@@ -2722,6 +2848,7 @@ static double pr_cu_sum_squares(const pr_backend *be, const pr_real *x, size_t n
     return *cx->reduce_host;
 }
 static void pr_cu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
+    PR_CU_OP(be, "scale");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     PR_LAUNCH(pr_k_scale, pr_cu_blocks(n, 256), 256, 0, cx->stream, x, n, (float)s);
@@ -2729,6 +2856,7 @@ static void pr_cu_scale(const pr_backend *be, pr_real *x, size_t n, double s) {
 }
 static void pr_cu_adamw(const pr_backend *be, pr_real *p, const pr_real *g, pr_real *m, pr_real *v, size_t n,
                         double lr, double b1, double b2, double eps, double wd, long step) {
+    PR_CU_OP(be, "adamw");
     pr_cu *cx = pr_cu_of(be);
     if (!n) return;
     double c1 = 1 - pow(b1, (double)step), c2 = 1 - pow(b2, (double)step);
@@ -2777,8 +2905,8 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     if (cx->stream) cudaStreamSynchronize(cx->stream);
     if (cx->copy_stream) cudaStreamSynchronize(cx->copy_stream);
     for (int t = 0; t < PR_COPY_TAGS; t++) if (cx->copy_done[t]) cudaEventDestroy(cx->copy_done[t]);
-    for (int i = 0; i < cx->copy_ev_cap; i++) cudaEventDestroy(cx->copy_ev[i]);
-    free(cx->copy_ev);
+    pr_cu_pairs_free(&cx->copy_pairs);
+    pr_cu_pairs_free(&cx->prof.pairs);
     if (cx->compute_mark) cudaEventDestroy(cx->compute_mark);
     if (cx->copy_stream) cudaStreamDestroy(cx->copy_stream);
     cudaFree(cx->workspace);
@@ -2949,6 +3077,44 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
 }
 
 int pr_backend_cuda_attention(const pr_backend *be) { return be ? pr_cu_of(be)->attention_kind : -1; }
+
+/* ---------------------------------------------------------------- the operation profile */
+pr_status pr_backend_cuda_profile(const pr_backend *be, int on, pr_error *err) {
+    if (!be) {
+        if (err) { err->status = PR_ERR_ARG; snprintf(err->message, sizeof err->message, "pr_backend_cuda_profile: no backend"); }
+        return PR_ERR_ARG;
+    }
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_profile *pf = &cx->prof;
+    if (on) {                      /* fresh sums: the pairs still pending belong to the old ones */
+        pr_cu_profile_read(cx);
+        pf->n = 0;
+        pf->lost = 0;
+    }
+    pf->on = on != 0;
+    return PR_OK;
+}
+
+int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, int cap, int *complete) {
+    if (complete) *complete = 0;
+    if (!be) return 0;
+    pr_cu *cx = pr_cu_of(be);
+    pr_cu_profile *pf = &cx->prof;
+    pr_cu_profile_read(cx);
+    int order[PR_CU_PROFILE_OPS];
+    for (int i = 0; i < pf->n; i++) {          /* the longest first; ties in the order first seen */
+        int j = i;
+        for (; j > 0 && pf->ms[order[j - 1]] < pf->ms[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+    for (int i = 0; rows && i < pf->n && i < cap; i++) {
+        snprintf(rows[i].name, sizeof rows[i].name, "%s", pf->name[order[i]]);
+        rows[i].calls = pf->calls[order[i]];
+        rows[i].seconds = pf->ms[order[i]] / 1e3;
+    }
+    if (complete) *complete = !pf->lost;
+    return pf->n;
+}
 
 /* ---------------------------------------------------------------- the NCCL communicator */
 #ifndef PR_NO_NCCL

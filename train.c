@@ -49,6 +49,7 @@ typedef struct {
     long loss_norm_len;              /* seq-mean-token-sum-norm's length (0: the step's longest suffix) */
     const char *nccl_id;
     int attention;                   /* train_cuda: PR_CUDA_ATTENTION_AUTO (default), _FFMA, _MMA, _MMA_ATOMIC or _WGMMA */
+    int profile;                     /* train_cuda --bench: each timed run's time per backend operation */
 } options;
 
 /* --attention's words, indexed by the PR_CUDA_ATTENTION_ kinds. */
@@ -177,6 +178,9 @@ static void usage(FILE *f) {
         "  --bench-reps N         timed repetitions per cell, best kept (default 2)\n"
         "  --bench-groups LIST    group sizes of the speed sweep, comma-separated (default 4,8); --bench tree:\n"
         "                         the numbers of groups a step\n"
+        "  --profile              train_cuda --bench (speed): after each cell, where its timed steps' GPU time\n"
+        "                         went, per backend operation (GEMMs by shape), and how long the GPU waited\n"
+        "                         for the host between them\n"
         "  --bench-splits LIST    --bench speed and memory: the prefix's share of --bench-total at each split,\n"
         "                         fractions in (0, 1), comma-separated (default the paper's 2k/10k ... 10k/2k\n"
         "                         at 12k: 0.16667,0.5,0.66667,0.83333)\n"
@@ -256,6 +260,7 @@ static int parse_args(int argc, char **argv, options *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--check")) { o->check = 1; takes = 0; }
         else if (!strcmp(a, "--save-bf16")) { o->save_bf16 = 1; takes = 0; }
+        else if (!strcmp(a, "--profile")) { o->profile = 1; takes = 0; }
         else if (!strcmp(a, "--bench")) {
             o->bench = 1;
             takes = 0;
@@ -394,6 +399,10 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (o->bench_gpu_sizes && o->bench != 3) { fprintf(stderr, "train: --bench-sizes belongs to --bench capacity\n"); return 0; }
+    if (o->profile && o->bench != 1) { fprintf(stderr, "train: --profile belongs to --bench (speed)\n"); return 0; }
+#ifndef PR_CUDA
+    if (o->profile) { fprintf(stderr, "train: --profile times the CUDA backend's operations: it is train_cuda's (make cuda)\n"); return 0; }
+#endif
     for (int i = 0; (o->bench == 1 || o->bench == 2) && i < o->n_bench_splits; i++) {
         const long P = split_prefix(o, i);
         if (P < 1 || P >= o->bench_total) {
@@ -1653,15 +1662,51 @@ static void synth_free(synth_group *sg) {
     free(sg->prefix); free(sg->tokens); free(sg->len); free(sg->off); free(sg->adv); free(sg->old); free(sg->mask);
 }
 
-/* Best wall time of reps runs of one schedule on the group. */
-static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, pr_error *err) {
+/* Best wall time of reps runs of one schedule on the group; *sum: all of them. */
+static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, double *sum, pr_error *err) {
     *best = INFINITY;
+    *sum = 0;
     for (int r = 0; r < reps; r++) {
         pr_step_stats st;
         if (pr_trainer_compute_grads(tr, g, o, &st, NULL, err)) return 0;
         double t = st.seconds[0] + st.seconds[1] + st.seconds[2];
+        *sum += t;
         if (t < *best) *best = t;
     }
+    return 1;
+}
+
+/* --profile: time_step with the backend's operation profile on, then where a step's time went: each
+   operation, the longest first, and the time between operations. */
+static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *g, const pr_step_opts *so, const char *what,
+                              double *best, pr_error *err) {
+    double sum;
+#ifdef PR_CUDA
+    const pr_backend *be = o->profile ? backend(err) : NULL;
+    if (be && pr_backend_cuda_profile(be, 1, err)) return 0;
+#endif
+    if (!time_step(tr, g, so, o->bench_reps, best, &sum, err)) return 0;
+#ifdef PR_CUDA
+    if (!be) return 1;
+    pr_backend_cuda_profile(be, 0, err);
+    pr_cuda_op_time rows[64];      /* the profile's most */
+    int complete;
+    int n = pr_backend_cuda_profile_read(be, rows, 64, &complete);
+    if (n > 64) n = 64;
+    const double step = sum / o->bench_reps;
+    double in_ops = 0;
+    for (int i = 0; i < n; i++) in_ops += rows[i].seconds / o->bench_reps;
+    printf("  profile %s %d/%d G%d: %.4f s a step (the mean of %d), %d operations%s\n", what, g->P, g->suffix_len[0], g->G,
+           step, o->bench_reps, n, complete ? "" : " (some untimed: the sums are short)");
+    for (int i = 0; i < n; i++)
+        printf("    %5.1f%% %9.2f ms %7.1f calls  %s\n", 100 * rows[i].seconds / o->bench_reps / step, 1e3 * rows[i].seconds / o->bench_reps,
+               (double)rows[i].calls / o->bench_reps, rows[i].name);
+    printf("    %5.1f%% %9.2f ms %13s  between operations (the GPU waiting for the host)\n", 100 * (step - in_ops) / step,
+           1e3 * (step - in_ops), "");
+    fflush(stdout);
+#else
+    (void)what;
+#endif
     return 1;
 }
 
@@ -1692,10 +1737,11 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
             pr_step_opts ob = o->step, orr = o->step;
             ob.schedule = PR_SCHEDULE_BASELINE;
             orr.schedule = PR_SCHEDULE_REUSE;
-            double tb, trr;
+            double tb, trr, sum;
             /* one untimed run of each warms the arenas, then the two alternate */
-            if (!time_step(tr, &sg.g, &ob, 1, &tb, &err) || !time_step(tr, &sg.g, &orr, 1, &trr, &err) ||
-                !time_step(tr, &sg.g, &ob, o->bench_reps, &tb, &err) || !time_step(tr, &sg.g, &orr, o->bench_reps, &trr, &err)) {
+            if (!time_step(tr, &sg.g, &ob, 1, &tb, &sum, &err) || !time_step(tr, &sg.g, &orr, 1, &trr, &sum, &err) ||
+                !time_step_profiled(o, tr, &sg.g, &ob, "baseline", &tb, &err) ||
+                !time_step_profiled(o, tr, &sg.g, &orr, "reuse", &trr, &err)) {
                 synth_free(&sg);
                 pr_trainer_destroy(tr);
                 return fail(&err);

@@ -10,7 +10,9 @@
 #                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer), tiny-hd128's
-#   through the default (tensor-core) attention.
+#   through the default (tensor-core) attention;
+#   train_cuda --bench --profile (test/check_profile.sh): the operations' time within the step's,
+#   and the schedule's attention calls.
 # Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make
 # test-gpu-emu: those built on the emulated device, test/cuda_emu.cc).
 . "$(dirname "$0")/tally.sh"
@@ -44,4 +46,5 @@ for m in tiny tiny-qwen3 tiny-hd128; do
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
 done
 rm -rf "$tmp"
+run sh "$(dirname "$0")/check_profile.sh" "$TRAIN_CUDA"
 report

@@ -46,6 +46,8 @@ check "--schedule tree trains or checks on one rank or a mesh" --schedule tree -
 check "bad value '0' for --bench-system"   --bench tree --bench-system 0
 check "bad value 'tpu' for --bench-sizes"   --bench capacity --bench-sizes tpu
 check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes gpu
+check "--profile belongs to --bench (speed)" --bench memory --profile
+check "--profile times the CUDA backend's operations: it is train_cuda's" --bench --profile
 check "bad value '0.5,1' for --bench-splits"  --bench --bench-splits 0.5,1
 check "bad value '0.5,,x' for --bench-splits" --bench --bench-splits 0.5,,x
 check "a prefix of 0 tokens: a split needs a token on each side" --bench memory --bench-total 12 --bench-splits 0.5,0.01

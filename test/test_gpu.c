@@ -314,6 +314,49 @@ static void test_optimizer(size_t n) {
     free(p); free(g); free(m); free(v); free(rp); free(rm); free(rv); free(gp); free(gm); free(gv); free(gg); free(rg);
 }
 
+/* The operation profile: each operation timed once (a wrapper that calls another counts as the
+   outer one), GEMMs by shape, nothing counted while it is off, and a restart clears the sums. */
+static const pr_cuda_op_time *profile_row(const pr_cuda_op_time *rows, int n, const char *name) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(rows[i].name, name)) return &rows[i];
+    return NULL;
+}
+static void test_profile(void) {
+    const int N = 96, C = 64, OC = 176;
+    pr_error err;
+    double *x = random_bf16((size_t)N * C, 1), *w = random_bf16((size_t)OC * C, 1);
+    void *x_ = dev_bf16(x, (size_t)N * C), *w_ = dev_bf16(w, (size_t)OC * C), *y_ = dev_poison((size_t)N * OC, 2);
+    float *r_ = (float *)dev_poison((size_t)N * OC, 4);
+    be->matmul_fwd(be, y_, x_, w_, N, C, OC);                     /* before the profile: not counted */
+    CHECK(pr_backend_cuda_profile(be, 1, &err) == PR_OK, "profile on: %s", err.message);
+    for (int i = 0; i < 3; i++) be->matmul_fwd(be, y_, x_, w_, N, C, OC);
+    be->matmul_fwd(be, y_, w_, x_, OC, C, N);
+    be->bf16_to_reals(be, r_, (const uint16_t *)y_, (size_t)N * OC);   /* acts_to_reals inside */
+    CHECK(pr_backend_cuda_profile(be, 0, &err) == PR_OK, "profile off: %s", err.message);
+    be->matmul_fwd(be, y_, x_, w_, N, C, OC);                     /* after it: not counted */
+    expect_backend_ok("profile");
+    pr_cuda_op_time rows[8];
+    int complete = 0;
+    const int n = pr_backend_cuda_profile_read(be, rows, 8, &complete);
+    char name[48];
+    snprintf(name, sizeof name, "matmul_fwd %dx%d", C, OC);
+    const pr_cuda_op_time *a = profile_row(rows, n, name), *b, *conv = profile_row(rows, n, "bf16_to_reals");
+    snprintf(name, sizeof name, "matmul_fwd %dx%d", C, N);
+    b = profile_row(rows, n, name);
+    CHECK(n == 3 && complete, "profile: %d operations (want 3: two GEMM shapes and a conversion), complete %d", n, complete);
+    CHECK(a && a->calls == 3 && a->seconds > 0 && b && b->calls == 1 && b->seconds > 0,
+          "profile: the GEMMs by shape, 3 and 1 calls with their time: %s %ld, %s %ld", a ? a->name : "none", a ? a->calls : 0,
+          b ? b->name : "none", b ? b->calls : 0);
+    CHECK(conv && conv->calls == 1 && !profile_row(rows, n, "acts_to_reals"), "profile: the conversion once, as the outer operation");
+    for (int i = 1; i < n && i < 8; i++)
+        CHECK(rows[i - 1].seconds >= rows[i].seconds, "profile: rows %d and %d not the longest first", i - 1, i);
+    CHECK(pr_backend_cuda_profile(be, 1, &err) == PR_OK && pr_backend_cuda_profile_read(be, rows, 8, &complete) == 0 && complete,
+          "profile: a restart clears the sums");
+    pr_backend_cuda_profile(be, 0, &err);
+    release(x_); release(w_); release(y_); release(r_);
+    free(x); free(w);
+}
+
 /* ---------------------------------------------------------------- attention */
 static void test_attention(int index) {
     const att_case *c = &att_cases[index];
@@ -525,6 +568,7 @@ int main(int argc, char **argv) {
         test_logit_head(7, 257);
         test_logit_head(33, 5000);
         test_optimizer(1000003);
+        test_profile();
     }
     if (attention) {
         printf("attention against the double CPU path, and its backward run twice\n");

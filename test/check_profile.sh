@@ -1,0 +1,33 @@
+#!/bin/sh
+# train_cuda --bench --profile on model/tiny (2 layers), G 2, microbatch 1: the GPU's time in
+# operations fits inside the step's wall time (what is left is the time between them), and the
+# attention calls a step are the schedule's: the baseline runs each layer's forward once a
+# trajectory (2 x 2), reuse once for the prefix and once a suffix (2 x 3). Usage:
+# sh test/check_profile.sh TRAIN_CUDA. Last line: "N passed, N failed".
+train=${1:-./train_cuda}
+out=$("$train" --bench --profile --bench-total 48 --bench-groups 2 --bench-splits 0.75 --bench-reps 2 --microbatch 1 2>&1)
+rc=$?
+printf '%s\n' "$out"
+printf '%s\n' "$out" | awk -v rc="$rc" '
+    function fail(msg) { failed++; print "FAIL: " msg }
+    function close_block() {
+        if (what == "") return
+        if (between_ms < -0.001 * step_ms) fail(what ": " between_ms " ms between operations: the operations outlast the step"); else passed++
+        want = what == "baseline" ? 4 : 6
+        if (att != want) fail(what ": " att " attention_fwd calls a step, want " want); else passed++
+        blocks++
+        what = ""
+    }
+    $1 == "profile" { close_block(); what = $2; step_ms = 1000 * $5; att = -1; next }
+    what != "" && $1 ~ /%$/ {
+        if ($0 ~ /between operations/) between_ms = $2
+        if ($6 == "attention_fwd") att = $4
+        next
+    }
+    { close_block() }
+    END {
+        close_block()
+        if (rc != 0) fail("train_cuda exited " rc); else passed++
+        if (blocks != 2) fail(blocks + 0 " profiles, want 2 (baseline and reuse)"); else passed++
+        printf "%d passed, %d failed\n", passed, failed
+    }'
