@@ -101,6 +101,7 @@ bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best;
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS: baseline vs reuse, MFU
+profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers, 10k/2k, G 8: each timed step's GPU time per backend operation (GEMMs by shape), and the time the GPU waited for the host
 train-memory|40|240|1|train_cuda --bench memory, Llama3-8B x $BENCH_LAYERS layers, splits $MEM_SPLITS, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $BENCH_GROUPS
 train-tree|65|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
@@ -113,7 +114,7 @@ group() {
     case $1 in
     all) echo "$all_stages" ;;
     sanitize) echo "memcheck racecheck initcheck synccheck" ;;
-    bench) echo "bench-cuda sdpa ncu train-bench train-memory torch-ref train-tree" ;;
+    bench) echo "bench-cuda sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
     *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
     esac
 }
@@ -393,6 +394,17 @@ body_train_bench() {
     return $rc
 }
 
+body_profile() {
+    ./train_cuda --bench --profile --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
+        --bench-groups 8 --bench-splits 0.83333 --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
+    rc=$?
+    # per schedule: the step, its three longest operations, and the time between operations
+    key "attention $(ran_attention); $(awk '$1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
+                     $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
+                     $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$stage_base.log")"
+    return $rc
+}
+
 body_train_memory() {
     ./train_cuda --bench memory --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
         --bench-groups "$MEM_GROUPS" --bench-splits "$MEM_SPLITS" --attention "$ATTENTION"
@@ -438,7 +450,7 @@ fi
 usage() {
     echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
-    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench train-memory torch-ref train-tree)"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench profile train-memory torch-ref train-tree)"
 }
 list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
