@@ -35,6 +35,10 @@
 #   WGMMA_RACE_SHAPES  the same for the wgmma kernels (1 5 2)
 #   ATTENTION     train_cuda's --attention in train-bench, train-memory and train-tree: auto (the
 #                 default, train_cuda's: wgmma where it runs, else mma, else ffma), ffma, mma, wgmma
+#   AB_DIRS       bench-ab: source trees of other revisions inside the repository, space-separated,
+#                 each made before the call with `mkdir -p ab/REV && git archive REV | tar -x -C ab/REV`
+#                 (untracked files travel with the working tree); none: the stage is skipped
+#   AB_CASES      bench-ab: the attention cases (causal8k,p10k-8x2k)
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
@@ -72,11 +76,13 @@ REPS=${REPS:-3}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
 WGMMA_RACE_SHAPES=${WGMMA_RACE_SHAPES:-1 5 2}
+AB_DIRS=${AB_DIRS:-}
+AB_CASES=${AB_CASES:-causal8k,p10k-8x2k}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
-export JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
+export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
@@ -98,6 +104,7 @@ synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
+bench-ab|90|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built here), in turn, twice: a kernel change against the revision before it, on one machine in one run
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS: baseline vs reuse, MFU
@@ -114,7 +121,7 @@ group() {
     case $1 in
     all) echo "$all_stages" ;;
     sanitize) echo "memcheck racecheck initcheck synccheck" ;;
-    bench) echo "bench-cuda sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
+    bench) echo "bench-cuda bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
     *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
     esac
 }
@@ -394,6 +401,36 @@ body_train_bench() {
     return $rc
 }
 
+body_bench_ab() {
+    [ -n "$AB_DIRS" ] || skip "no AB_DIRS (source trees of other revisions to compare with)"
+    rc=0
+    bins=./build/bench_cuda
+    for d in $AB_DIRS; do
+        if [ -f "$d/Makefile" ] && sub "build-$(basename "$d")" 240 make -C "$d" -j"$JOBS" build/bench_cuda; then
+            bins="$bins $d/build/bench_cuda"
+        else
+            key "$d: not built"
+            rc=1
+        fi
+    done
+    for round in 1 2; do         # in turn, so that a drift of the clocks falls on every tree alike
+        for b in $bins; do
+            echo "== $b, round $round"
+            limited 120 "$b" --only attention --att "$AB_CASES" --reps "$REPS" || rc=1
+        done
+    done
+    # each tree's wgmma rows, the better of its two rounds: "<tree> <case> fwd/bwd"
+    key "$(awk '/^== .*round/ { b = $2; sub(/,$/, "", b); sub(/\/build\/bench_cuda$/, "", b); sub(/^\.$/, "this", b); t = 0; next }
+                /^wgmma/ { t = 1; next }
+                /^$/ { t = 0 }
+                t && /\[/ { n = $0; sub(/.*\[/, "", n); sub(/\].*/, "", n); k = b " " n
+                             if (!(k in f) || $(NF-5) + 0 > f[k]) f[k] = $(NF-5) + 0
+                             if (!(k in w) || $(NF-4) + 0 > w[k]) w[k] = $(NF-4) + 0
+                             if (!(k in seen)) { seen[k] = 1; order[++m] = k } }
+                END { for (i = 1; i <= m; i++) printf "%s%s %.1f/%.1f", (i > 1 ? ", " : ""), order[i], f[order[i]], w[order[i]] }' "$stage_base.log") TF/s wgmma fwd/bwd"
+    return $rc
+}
+
 body_profile() {
     ./train_cuda --bench --profile --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
         --bench-groups 8 --bench-splits 0.83333 --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
@@ -450,7 +487,7 @@ fi
 usage() {
     echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
-    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda sdpa ncu train-bench profile train-memory torch-ref train-tree)"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree)"
 }
 list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
@@ -529,7 +566,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
+    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"
