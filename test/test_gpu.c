@@ -97,9 +97,11 @@ static void test_matmul(int N, int C, int OC) {
 }
 
 /* The forward GEMM into memory nothing has written (a fresh allocation, not poisoned), then read
-   back. Alone it checks the product again; under compute-sanitizer's initcheck (bench/run_gpu.sh)
-   it tells whether the tool sees cuBLASLt's stores: if it reports the copy back as reading
-   uninitialised memory, reports in kernels that read a GEMM's output are the tool's, not ours.
+   back twice: by a copy, and by one of our kernels (the conversion to fp32, as pr_k_rope reads the
+   q and k projections). Alone it checks the product again; under compute-sanitizer's initcheck
+   (bench/run_gpu.sh) it tells whether the tool sees cuBLASLt's stores: if it reports the copy or
+   the conversion as reading uninitialised memory, reports in kernels that read a GEMM's output
+   are the tool's, not ours.
    Shapes: model/tiny's q projection over a padded baseline microbatch, and its MLP's up projection
    over a ragged one. */
 static void test_matmul_fresh_output(int N, int C, int OC) {
@@ -116,8 +118,14 @@ static void test_matmul_fresh_output(int N, int C, int OC) {
         char what[96];
         snprintf(what, sizeof what, "matmul_fwd %dx%dx%d into fresh memory", N, C, OC);
         EXPECT_CLOSE(y, ref_y, (size_t)N * OC, TOL_BF16, what);
-        free(y);
-        release(y_);
+        float *r_ = (float *)dev_poison((size_t)N * OC, 4);
+        be->acts_to_reals(be, r_, y_, (size_t)N * OC);
+        expect_backend_ok("a kernel reading a GEMM's fresh output");
+        double *r = host_f32(r_, (size_t)N * OC);
+        snprintf(what, sizeof what, "matmul_fwd %dx%dx%d into fresh memory, read by a kernel", N, C, OC);
+        EXPECT_CLOSE(r, y, (size_t)N * OC, 0, what);
+        free(y); free(r);
+        release(y_); release(r_);
     }
     release(w_); release(x_);
     free(x); free(wb); free(ref_y);
