@@ -579,11 +579,12 @@ int pr_backend_cuda_attention(const pr_backend *be);
 /* The CUDA backend's operation profile, to see where a step's time goes. While it is on, every
    operation the trainer asks of the backend (a GEMM, attention, a norm, a conversion, a copy) is
    bracketed by two events on the stream, and its calls and GPU time are summed by name; a GEMM's
-   name carries its sizes, in x out ("matmul_fwd 4096x14336"). Time between operations is the GPU
-   waiting for the host (or for a collective, which the profile does not bracket); offload's block
-   copies run beside them and have their own timer (pr_offload_stats.copy_seconds). The events cost
-   about a microsecond an operation, and every 8,192 operations the host waits for the stream to
-   read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
+   name carries its sizes, in x out ("matmul_fwd 4096x14336"). An operation that returns a result
+   to the host (a download, the loss head's statistics) counts until the host has it. Time between
+   operations is the GPU waiting for the host (or for a collective, which the profile does not
+   bracket); offload's block copies run beside them and have their own timer
+   (pr_offload_stats.copy_seconds). The events cost about a microsecond an operation, and every
+   8,192 operations the host waits for the stream to read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
    pr_backend_cuda_profile_read waits for the stream and fills up to cap rows, the longest first;
    it returns the number of operations profiled, *complete 0 when some went untimed (no events
    could be had, or the table of 64 names was full). */
