@@ -28,6 +28,7 @@
 #   MEM_SPLITS    prefix fractions of train-memory (0.83333, i.e. 10k/2k)
 #   BENCH_TOTAL   tokens per trajectory (12288)
 #   TORCH_SPLITS  prefix fractions of torch-ref (0.83333)
+#   TORCH_GROUPS  group sizes of torch-ref (BENCH_GROUPS)
 #   REPS          timed runs per bench_cuda cell (3)
 #   RACE_CASES    test_gpu attention cases under racecheck (0,3,8,9,4: the smallest of each head dim)
 #   MMA_RACE_SHAPES  test_gpu_attention shapes under racecheck, one process each, mma.sync kernels
@@ -72,6 +73,7 @@ MEM_GROUPS=${MEM_GROUPS:-4}
 MEM_SPLITS=${MEM_SPLITS:-0.83333}
 BENCH_TOTAL=${BENCH_TOTAL:-12288}
 TORCH_SPLITS=${TORCH_SPLITS:-0.83333}
+TORCH_GROUPS=${TORCH_GROUPS:-$BENCH_GROUPS}
 REPS=${REPS:-3}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
@@ -82,7 +84,7 @@ TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
-export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
+export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
@@ -110,7 +112,7 @@ ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA,
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS: baseline vs reuse, MFU
 profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers, 10k/2k, G 8: each timed step's GPU time per backend operation (GEMMs by shape), and the time the GPU waited for the host
 train-memory|40|240|1|train_cuda --bench memory, Llama3-8B x $BENCH_LAYERS layers, splits $MEM_SPLITS, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
-torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $BENCH_GROUPS
+torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $TORCH_GROUPS
 train-tree|65|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF
@@ -453,7 +455,7 @@ body_train_memory() {
 body_torch_ref() {
     have python3 && python3 -c 'import torch' 2>/dev/null || skip "no python3 with torch"
     PYTHONUNBUFFERED=1 python3 bench/torch_ref.py --config model/llama3-8b --layers "$BENCH_LAYERS" --total "$BENCH_TOTAL" \
-        --groups "$BENCH_GROUPS" --splits "$TORCH_SPLITS" --reps 1
+        --groups "$TORCH_GROUPS" --splits "$TORCH_SPLITS" --reps 1
     rc=$?
     key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ { printf "%s%s G%s eager %s s compile %s s (MFU %s/%s)", sep, $1, $2, $3, $4, $5, $6; sep = ", " }' "$stage_base.log")"
     return $rc
@@ -566,7 +568,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
+    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"
