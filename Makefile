@@ -224,11 +224,14 @@ build/cuda-flags: FORCE | build
 build/prefixreuse_cuda.o: prefixreuse_cuda.cu $(HEADER) build/cuda-flags | build
 	$(NVCC) $(NVFLAGS) -c -o $@ prefixreuse_cuda.cu
 # OpenMP for the host's own loops: drawing a Llama3-8B layer's 1.27B initial weights takes ~20 s on
-# one core (pr_trainer_init_params gives the same bits on any number of threads).
+# one core (pr_trainer_init_params gives the same bits on any number of threads). nvcc links with
+# g++, whose -fopenmp is libgomp: a C compiler with another runtime (clang's libomp) builds
+# train_cuda's host loops single-threaded.
+CUDA_HOST_OPENMP := $(if $(OPENMP),$(shell $(CC) $(OPENMP) -### -x c /dev/null -o /dev/null 2>&1 | grep -q -e '-lgomp' && echo $(OPENMP)))
 build/train_cuda.o: train.c $(HEADER) | build
-	$(CC) $(WARN) $(CFLAGS) $(OPENMP) -DPR_CUDA -c -o $@ train.c
+	$(CC) $(WARN) $(CFLAGS) $(CUDA_HOST_OPENMP) -DPR_CUDA -c -o $@ train.c
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
-	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) $(if $(OPENMP),-Xcompiler $(OPENMP)) -o $@ $^ $(CUDA_LIBS)
+	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) $(if $(CUDA_HOST_OPENMP),-Xcompiler $(CUDA_HOST_OPENMP)) -o $@ $^ $(CUDA_LIBS)
 
 build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
@@ -293,7 +296,7 @@ build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA
 build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<
 build/emu/train_cuda: build/train_cuda.o $(EMU_CUDA)
-	$(CXX) $(CFLAGS) $(OPENMP) $(LDFLAGS) -o $@ $^ -lm
+	$(CXX) $(CFLAGS) $(CUDA_HOST_OPENMP) $(LDFLAGS) -o $@ $^ -lm
 build/emu/test_gpu: build/emu/test_gpu.o build/emu/gpu_ref.o $(EMU_CUDA)
 	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
 build/emu/test_gpu_attention: build/emu/test_gpu_attention.o build/emu/gpu_ref.o build/emu/attn_model.o $(EMU_CUDA)
