@@ -583,7 +583,7 @@ int pr_backend_cuda_attention(const pr_backend *be);
    to the host (a download, the loss head's statistics) counts until the host has it. Time between
    operations is the GPU waiting for the host (or for a collective, which the profile does not
    bracket); offload's block copies run beside them and have their own timer
-   (pr_offload_stats.copy_seconds). The events cost about a microsecond an operation, and every
+   (pr_offload_stats.copy_seconds), and "copy_wait" is the stream waiting for one to land. The events cost about a microsecond an operation, and every
    8,192 operations the host waits for the stream to read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
    pr_backend_cuda_profile_read waits for the stream and fills up to cap rows, the longest first;
    it returns the number of operations profiled, *complete 0 when some went untimed (no events

@@ -1941,6 +1941,7 @@ static double pr_cu_copy_seconds(const pr_backend *be) {
     return pr_cu_pairs_read(cx, &cx->copy_pairs, cx->copy_stream, &ms) ? ms / 1e3 : -1;
 }
 static void pr_cu_copy_wait(const pr_backend *be, int tag) {
+    PR_CU_OP(be, "copy_wait");       /* the compute stream idle until the block copy lands */
     pr_cu *cx = pr_cu_of(be);
     if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_wait: tag %d out of range", tag); return; }
     pr_cu_ok(cx, cudaStreamWaitEvent(cx->stream, cx->copy_done[tag], 0), "copy_wait");

@@ -211,7 +211,6 @@ static int parse_int(const char *s, int *out) {
     return 1;
 }
 
-/* "4,8,16": at most cap positive integers */
 /* A comma-separated list of at most cap items, each read by item(token, i, out); refused when empty. */
 static int parse_list(const char *s, int cap, int *n, int (*item)(const char *tok, int i, void *out), void *out) {
     char buf[256];
