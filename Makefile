@@ -228,7 +228,7 @@ build/prefixreuse_cuda.o: prefixreuse_cuda.cu $(HEADER) build/cuda-flags | build
 # g++, whose -fopenmp is libgomp: a C compiler with another runtime (clang's libomp) builds
 # train_cuda's host loops single-threaded.
 CUDA_HOST_OPENMP := $(if $(OPENMP),$(shell $(CC) $(OPENMP) -### -x c /dev/null -o /dev/null 2>&1 | grep -q -e '-lgomp' && echo $(OPENMP)))
-build/train_cuda.o: train.c $(HEADER) | build
+build/train_cuda.o: train.c $(HEADER) build/flags | build
 	$(CC) $(WARN) $(CFLAGS) $(CUDA_HOST_OPENMP) -DPR_CUDA -c -o $@ train.c
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) $(if $(CUDA_HOST_OPENMP),-Xcompiler $(CUDA_HOST_OPENMP)) -o $@ $^ $(CUDA_LIBS)

@@ -578,16 +578,20 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
 int pr_backend_cuda_attention(const pr_backend *be);
 /* The CUDA backend's operation profile, to see where a step's time goes. While it is on, every
    operation the trainer asks of the backend (a GEMM, attention, a norm, a conversion, a copy) is
-   bracketed by two events on the stream, and its calls and GPU time are summed by name; a GEMM's
-   name carries its sizes, in x out ("matmul_fwd 4096x14336"). An operation that returns a result
+   bracketed by two events on the stream, and its calls and time are summed by name; a GEMM's name
+   carries its sizes, in x out ("matmul_fwd 4096x14336"). An operation's time runs from its start
+   to its end on the stream, so it includes the operation's own host work (staging its arguments,
+   converting on the host) where the stream waits for it, and an operation that returns a result
    to the host (a download, the loss head's statistics) counts until the host has it. Time between
-   operations is the GPU waiting for the host (or for a collective, which the profile does not
-   bracket); offload's block copies run beside them and have their own timer
-   (pr_offload_stats.copy_seconds), and "copy_wait" is the stream waiting for one to land. The events cost about a microsecond an operation, and every
-   8,192 operations the host waits for the stream to read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
-   pr_backend_cuda_profile_read waits for the stream and fills up to cap rows, the longest first;
-   it returns the number of operations profiled, *complete 0 when some went untimed (no events
-   could be had, or the table of 64 names was full). */
+   operations is the GPU waiting for the host between them (or for a collective, which the profile
+   does not bracket); offload's block copies run beside the operations and have their own timer
+   (pr_offload_stats.copy_seconds), and "copy_wait" is the stream waiting for one to land. The
+   events cost about a microsecond an operation, and every 8,192 operations the host waits for the
+   stream to read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
+   pr_backend_cuda_profile_read waits for the stream, fills up to cap rows, the longest first, and
+   returns the number of rows it has (distinct operations, at most 64), which may exceed cap;
+   *complete is 0 when some operation went untimed (no events could be had, a record failed, the
+   table of 64 names was full) or a time could not be read. */
 typedef struct {
     char name[48];
     long calls;

@@ -1865,12 +1865,15 @@ struct pr_cu_op_scope {
         if (row < 0) { pf->lost = 1; return; }
         pf->calls[row]++;
         pair = pr_cu_pair_take(&pf->pairs, row);
-        if (pair >= 0 && !pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair], cx->stream), "profile")) pair = -1;
+        if (pair >= 0 && !pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair], cx->stream), "profile")) {
+            pf->pairs.untimed = 1;     /* the pair may hold an old recording: its time is not this one's */
+            pair = -1;
+        }
     }
     ~pr_cu_op_scope() {
         pr_cu_profile *pf = &cx->prof;
         if (!counted || --pf->depth) return;
-        if (pair >= 0) pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair + 1], cx->stream), "profile");
+        if (pair >= 0 && !pr_cu_ok(cx, cudaEventRecord(pf->pairs.ev[2 * pair + 1], cx->stream), "profile")) pf->pairs.untimed = 1;
         if (pf->pairs.used >= PR_CU_PROFILE_FOLD) pr_cu_profile_read(cx);
     }
     pr_cu_op_scope(const pr_cu_op_scope &) = delete;
@@ -1927,12 +1930,13 @@ static void pr_cu_copy_async(const pr_backend *be, void *dst, const void *src, s
     if (tag < 0 || tag >= PR_COPY_TAGS) { pr_cu_fail(cx, PR_ERR_ARG, "copy_async: tag %d out of range", tag); return; }
     const int t = pr_cu_pair_take(&cx->copy_pairs, 0);
     const cudaEvent_t *ev = t < 0 ? NULL : cx->copy_pairs.ev + 2 * t;
-    pr_cu_ok(cx, cudaEventRecord(cx->compute_mark, cx->stream), "copy_async mark") &&
-        pr_cu_ok(cx, cudaStreamWaitEvent(cx->copy_stream, cx->compute_mark, 0), "copy_async order") &&
-        (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[0], cx->copy_stream), "copy_async start")) &&
-        pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->copy_stream), "copy_async") &&
-        (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[1], cx->copy_stream), "copy_async end")) &&
-        pr_cu_ok(cx, cudaEventRecord(cx->copy_done[tag], cx->copy_stream), "copy_async done");
+    const int ok = pr_cu_ok(cx, cudaEventRecord(cx->compute_mark, cx->stream), "copy_async mark") &&
+                   pr_cu_ok(cx, cudaStreamWaitEvent(cx->copy_stream, cx->compute_mark, 0), "copy_async order") &&
+                   (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[0], cx->copy_stream), "copy_async start")) &&
+                   pr_cu_ok(cx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cx->copy_stream), "copy_async") &&
+                   (t < 0 || pr_cu_ok(cx, cudaEventRecord(ev[1], cx->copy_stream), "copy_async end")) &&
+                   pr_cu_ok(cx, cudaEventRecord(cx->copy_done[tag], cx->copy_stream), "copy_async done");
+    if (!ok && t >= 0) cx->copy_pairs.untimed = 1;    /* its pair may hold an old recording */
 }
 /* The block copies' times since the last call, summed; -1 when some went untimed. */
 static double pr_cu_copy_seconds(const pr_backend *be) {

@@ -40,7 +40,7 @@ typedef struct {
     int bench_system;                /* --bench tree: the shared system prompt's tokens (0: half the prompt) */
     int bench_groups[8], n_bench_groups;
     double bench_splits[8];          /* --bench speed and memory: the prefix's share of each trajectory */
-    int n_bench_splits;
+    int n_bench_splits, bench_splits_given;
     double peak_tflops;
     int dp, pp, cp, tp, ep;          /* the device mesh; all 1: one rank */
     int zero;                        /* sharded AdamW state over dp: 0, 1 or 2 (pr_mesh.zero) */
@@ -180,7 +180,8 @@ static void usage(FILE *f) {
         "                         the numbers of groups a step\n"
         "  --profile              train_cuda --bench (speed): after each cell, where its timed steps' GPU time\n"
         "                         went, per backend operation (GEMMs by shape), and how long the GPU waited\n"
-        "                         for the host between them\n"
+        "                         for the host between them; the timed steps are the profiled ones (about a\n"
+        "                         microsecond an operation slower)\n"
         "  --bench-splits LIST    --bench speed and memory: the prefix's share of --bench-total at each split,\n"
         "                         fractions in (0, 1), comma-separated (default the paper's 2k/10k ... 10k/2k\n"
         "                         at 12k: 0.16667,0.5,0.66667,0.83333)\n"
@@ -211,17 +212,20 @@ static int parse_int(const char *s, int *out) {
     return 1;
 }
 
-/* A comma-separated list of at most cap items, each read by item(token, i, out); refused when empty. */
+/* A comma-separated list of at most cap items, each read by item(token, i, out); refused when empty
+   or when an item is. */
 static int parse_list(const char *s, int cap, int *n, int (*item)(const char *tok, int i, void *out), void *out) {
     char buf[256];
     if (strlen(s) >= sizeof buf) return 0;
     strcpy(buf, s);
     *n = 0;
-    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-        if (*n == cap || !item(tok, *n, out)) return 0;
+    for (char *tok = buf, *comma;; tok = comma + 1) {
+        comma = strchr(tok, ',');
+        if (comma) *comma = 0;
+        if (*n == cap || !*tok || !item(tok, *n, out)) return 0;
         (*n)++;
+        if (!comma) return 1;
     }
-    return *n > 0;
 }
 static int positive_int_item(const char *tok, int i, void *out) { return parse_int(tok, (int *)out + i) && ((int *)out)[i] >= 1; }
 static int fraction_item(const char *tok, int i, void *out) {
@@ -335,7 +339,10 @@ static int parse_args(int argc, char **argv, options *o) {
             else ok = 0;
         }
         else if (!strcmp(a, "--bench-groups")) ok = parse_list(v, 8, &o->n_bench_groups, positive_int_item, o->bench_groups);
-        else if (!strcmp(a, "--bench-splits")) ok = parse_list(v, 8, &o->n_bench_splits, fraction_item, o->bench_splits);
+        else if (!strcmp(a, "--bench-splits")) {
+            ok = parse_list(v, 8, &o->n_bench_splits, fraction_item, o->bench_splits);
+            o->bench_splits_given = 1;
+        }
         else if (!strcmp(a, "--peak-tflops")) { ok = parse_double(v, &d) && d >= 0; o->peak_tflops = d; }
         else if (!strcmp(a, "--schedule")) {
             if (!strcmp(v, "baseline")) o->step.schedule = PR_SCHEDULE_BASELINE;
@@ -399,6 +406,10 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->bench_gpu_sizes && o->bench != 3) { fprintf(stderr, "train: --bench-sizes belongs to --bench capacity\n"); return 0; }
     if (o->profile && o->bench != 1) { fprintf(stderr, "train: --profile belongs to --bench (speed)\n"); return 0; }
+    if (o->bench_splits_given && o->bench != 1 && o->bench != 2) {
+        fprintf(stderr, "train: --bench-splits belongs to --bench (speed) and --bench memory\n");
+        return 0;
+    }
 #ifndef PR_CUDA
     if (o->profile) { fprintf(stderr, "train: --profile times the CUDA backend's operations: it is train_cuda's (make cuda)\n"); return 0; }
 #endif

@@ -37,7 +37,8 @@
 #   ATTENTION     train_cuda's --attention in train-bench, train-memory and train-tree: auto (the
 #                 default, train_cuda's: wgmma where it runs, else mma, else ffma), ffma, mma, wgmma
 #   AB_DIRS       bench-ab: source trees of other revisions inside the repository, space-separated,
-#                 each made before the call with `mkdir -p ab/REV && git archive REV | tar -x -C ab/REV`
+#                 each made before the call with `mkdir -p ab/REV && git archive REV Makefile prefixreuse.h
+#                 prefixreuse_cuda.cu bench/bench_cuda.c | tar -x -C ab/REV`
 #                 (untracked files travel with the working tree); none: the stage is skipped
 #   AB_CASES      bench-ab: the attention cases (causal8k,p10k-8x2k)
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)

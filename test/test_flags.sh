@@ -49,7 +49,10 @@ check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes g
 check "--profile belongs to --bench (speed)" --bench memory --profile
 check "--profile times the CUDA backend's operations: it is train_cuda's" --bench --profile
 check "bad value '0.5,1' for --bench-splits"  --bench --bench-splits 0.5,1
-check "bad value '0.5,,x' for --bench-splits" --bench --bench-splits 0.5,,x
+check "bad value '0.5,,0.25' for --bench-splits" --bench --bench-splits 0.5,,0.25
+check "bad value '0.5,' for --bench-splits"   --bench --bench-splits 0.5,
+check "bad value '4,,8' for --bench-groups"   --bench --bench-groups 4,,8
+check "--bench-splits belongs to --bench (speed) and --bench memory" --bench tree --bench-splits 0.5
 check "a prefix of 0 tokens: a split needs a token on each side" --bench memory --bench-total 12 --bench-splits 0.5,0.01
 check "--bench speed and memory run on one rank" --bench memory --dp 2
 check "--replay runs its own three trainers" --replay 2 --check
