@@ -45,8 +45,11 @@ if [ -x "$dir/emu/train_cuda" ]; then
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
 fi
 # the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
-# emulated kernels under the sanitizers take minutes a run)
-if [ -x "$dir/train_cuda-emu" ]; then run "$dir/train_cuda-emu" --check --offload on; fi
+# emulated kernels under the sanitizers take minutes a run), and the operation profile's events
+if [ -x "$dir/train_cuda-emu" ]; then
+    run "$dir/train_cuda-emu" --check --offload on
+    run sh "$(dirname "$0")/check_profile.sh" "$dir/train_cuda-emu"
+fi
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
 for p in float double; do
