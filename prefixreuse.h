@@ -589,11 +589,13 @@ int pr_backend_cuda_attention(const pr_backend *be);
    events cost about a microsecond an operation, and every 8,192 operations the host waits for the
    stream to read them. pr_backend_cuda_profile(be, 1) clears the sums and starts, (be, 0) stops.
    pr_backend_cuda_profile_read waits for the stream, fills up to cap rows, the longest first, and
-   returns the number of rows it has (distinct operations, at most 64), which may exceed cap;
-   *complete is 0 when some operation went untimed (no events could be had, a record failed, the
-   table of 64 names was full) or a time could not be read. */
+   returns the number of rows it has (distinct operations, at most PR_CUDA_PROFILE_OPS), which may
+   exceed cap; *complete is 0 when some operation went untimed (no events could be had, a record
+   failed, the table of names was full) or a time could not be read. */
+#define PR_CUDA_PROFILE_OPS 64     /* distinct operations the profile keeps */
+#define PR_CUDA_OP_NAME 48         /* an operation's name with its shape, the terminating zero included */
 typedef struct {
-    char name[48];
+    char name[PR_CUDA_OP_NAME];
     long calls;
     double seconds;
 } pr_cuda_op_time;

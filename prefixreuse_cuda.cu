@@ -1665,15 +1665,14 @@ typedef struct {
 /* The operation profile (pr_backend_cuda_profile): per operation its calls and milliseconds, the
    pairs not yet read, and the nesting depth (an operation that calls another is timed once, as the
    outer one). */
-#define PR_CU_PROFILE_OPS 64
 #define PR_CU_PROFILE_FOLD 8192    /* pairs read (a stream wait) at the end of the operation that fills them */
 typedef struct {
     int on, depth, lost;           /* lost: an operation went untimed or a time could not be read */
     pr_cu_pairs pairs;
     int n;
-    char name[PR_CU_PROFILE_OPS][48];
-    long calls[PR_CU_PROFILE_OPS];
-    double ms[PR_CU_PROFILE_OPS];
+    char name[PR_CUDA_PROFILE_OPS][PR_CUDA_OP_NAME];
+    long calls[PR_CUDA_PROFILE_OPS];
+    double ms[PR_CUDA_PROFILE_OPS];
 } pr_cu_profile;
 
 typedef struct {
@@ -1840,7 +1839,7 @@ static int pr_cu_profile_row(pr_cu_profile *pf, const char *name, int in, int ou
     else snprintf(key, sizeof key, "%s", name);
     for (int i = 0; i < pf->n; i++)
         if (!strcmp(pf->name[i], key)) return i;
-    if (pf->n == PR_CU_PROFILE_OPS) return -1;
+    if (pf->n == PR_CUDA_PROFILE_OPS) return -1;
     snprintf(pf->name[pf->n], sizeof pf->name[0], "%s", key);
     pf->calls[pf->n] = 0;
     pf->ms[pf->n] = 0;
@@ -3106,7 +3105,7 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
     pr_cu *cx = pr_cu_of(be);
     pr_cu_profile *pf = &cx->prof;
     pr_cu_profile_read(cx);
-    int order[PR_CU_PROFILE_OPS];
+    int order[PR_CUDA_PROFILE_OPS];
     for (int i = 0; i < pf->n; i++) {          /* the longest first; ties in the order first seen */
         int j = i;
         for (; j > 0 && pf->ms[order[j - 1]] < pf->ms[i]; j--) order[j] = order[j - 1];

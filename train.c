@@ -1699,10 +1699,10 @@ static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *
 #ifdef PR_CUDA
     if (!be) return 1;
     pr_backend_cuda_profile(be, 0, err);
-    pr_cuda_op_time rows[64];      /* the profile's most */
+    pr_cuda_op_time rows[PR_CUDA_PROFILE_OPS];
     int complete;
-    int n = pr_backend_cuda_profile_read(be, rows, 64, &complete);
-    if (n > 64) n = 64;
+    int n = pr_backend_cuda_profile_read(be, rows, PR_CUDA_PROFILE_OPS, &complete);
+    if (n > PR_CUDA_PROFILE_OPS) n = PR_CUDA_PROFILE_OPS;
     const double step = sum / o->bench_reps;
     double in_ops = 0;
     for (int i = 0; i < n; i++) in_ops += rows[i].seconds / o->bench_reps;

@@ -346,7 +346,7 @@ static void test_profile(void) {
     pr_cuda_op_time rows[8];
     int complete = 0;
     const int n = pr_backend_cuda_profile_read(be, rows, 8, &complete);
-    char name[48];
+    char name[PR_CUDA_OP_NAME];
     snprintf(name, sizeof name, "matmul_fwd %dx%d", C, OC);
     const pr_cuda_op_time *a = profile_row(rows, n, name), *b, *conv = profile_row(rows, n, "bf16_to_reals");
     snprintf(name, sizeof name, "matmul_fwd %dx%d", C, N);
