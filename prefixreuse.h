@@ -875,8 +875,9 @@ PRDEF double pr_tree_flops(const pr_config *cfg, const pr_group *groups, int n, 
 
 /* ---------------------------------------------------------------- 7. The parallel layer: communicator, DP, device mesh */
 /* The collectives the parallel layouts need, over a group of ranks. Every rank of a communicator
-   calls each collective in the same order with the same n and type (as with MPI or NCCL); a rank
-   that does not, blocks the others. Sums run in rank order, so every rank gets the same bits.
+   calls each collective in the same order with the same n and type (as with MPI or NCCL). Over
+   NCCL a rank that does not blocks the others; the in-process ranks (pr_comm_local_run) find it
+   and fail the calls instead (see there). Sums run in rank order, so every rank gets the same bits.
    Buffers are backend memory of the implementation (host memory in-process, device memory for
    NCCL). n counts elements of `type`. */
 typedef enum { PR_COMM_F32 = 0, PR_COMM_F64 = 1, PR_COMM_BF16 = 2 } pr_comm_type;
@@ -919,8 +920,10 @@ PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err);
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
    schedule charges each prefix once): every rank computes the same placement. owner NULL:
-   nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. */
-PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner);
+   nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. PR_ERR_NOMEM when its
+   scratch memory could not be had: owner then holds every group on rank 0, a placement the other
+   ranks do not share, which a caller over dp must take as this rank's failure. */
+PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner);
 /* Every rank of dp calls it with the same groups: the rank's trainer accumulates the gradients of
    the groups placed on it, then the gradient arenas are summed over dp, so every rank ends with
    the sum over all groups (what one rank would accumulate alone), ready for the same AdamW step.
@@ -941,8 +944,9 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    pr_trainer_compute_grads_tree_dp is pr_trainer_compute_grads_dp for a step of n >= dp->size
    groups whose prefix tree is `tree`: each rank runs the tree of the groups placed on it (the
    tree cut down to their nodes), then the gradients are summed over dp. A node whose groups sit
-   on two ranks runs on both: the result is exact whatever the placement. */
-PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner);
+   on two ranks runs on both: the result is exact whatever the placement. pr_tree_place returns
+   PR_ERR_NOMEM as pr_dp_place does. */
+PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner);
 PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                                  const pr_prefix_tree *tree, const pr_step_opts *opt, pr_step_stats *stats,
                                                  pr_error *err);
@@ -1018,8 +1022,13 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err);
 
 /* In-process ranks: runs fn on n threads, each with its rank of one communicator over shared
-   memory, and waits for all. Returns the first failing rank's status, its message prefixed with
-   the rank. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
+   memory, and waits for all. A call that could never return fails instead of waiting (PR_ERR_ARG,
+   naming the ranks by their thread's rank here): a collective whose ranks made different calls
+   (before any buffer is read), a wait for a rank that has returned or destroyed that
+   communicator, and a wait while every rank of the run waits with none able to go on, as when a
+   rank that failed skips a collective its peers are in. Returns the first failing rank's status,
+   its message prefixed with the rank; a failure of its own before those the communicator raised
+   because of it. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
    (and is what a C99 build needs). */
 #ifndef PR_NO_THREADS
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
@@ -4538,10 +4547,10 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     o->st.block_bytes = o->block;
     o->st.dormant_bytes = o->block * (size_t)L;
     if (!opt->enabled) return PR_OK;
-    o->on = 1;
     o->host = (void **)PR_MALLOC(sizeof(void *) * (size_t)L);
     o->own = (unsigned char *)PR_MALLOC((size_t)L);
     if (!o->host || !o->own) return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    o->on = 1;                                /* pr__offload_end walks host and own from here on */
     memset(o->host, 0, sizeof(void *) * (size_t)L);
     memset(o->own, 0, (size_t)L);
     if (!stack) stack = o->st.dormant_bytes;
@@ -5658,15 +5667,15 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
 }
 
 /* ---------------------------------------------------------------- 7.7 Data parallelism */
-PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
-    if (!owner) return;
+PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
+    if (!owner) return PR_OK;
     double *load = (double *)PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
     char *done = (char *)PR_MALLOC((size_t)(n > 0 ? n : 1));
-    if (!load || !done || ranks < 1 || !cfg || !groups) {   /* everything on rank 0, still a valid placement */
+    if (!load || !done || ranks < 1 || !cfg || !groups) {   /* everything on rank 0 */
         for (int i = 0; i < n; i++) owner[i] = 0;
         PR_FREE(load);
         PR_FREE(done);
-        return;
+        return ranks < 1 || !cfg || !groups ? PR_OK : PR_ERR_NOMEM;
     }
     for (int r = 0; r < ranks; r++) load[r] = 0;
     memset(done, 0, (size_t)n);
@@ -5685,6 +5694,7 @@ PRDEF void pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int 
     }
     PR_FREE(load);
     PR_FREE(done);
+    return PR_OK;
 }
 
 /* The step's gradient sum over dp: the whole sum on every rank (all-reduce), or under ZeRO-2 the
@@ -5751,7 +5761,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     const int R = dp->size;
     int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    if (place) pr_dp_place(&tr->model, groups, n, R, opt->schedule, place);
+    if (place && pr_dp_place(&tr->model, groups, n, R, opt->schedule, place))
+        st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
     pr__dp_step_begin(tr);
     pr_step_opts o = *opt;
     pr_step_stats s, sum;
@@ -5777,10 +5788,10 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     return pr__dp_step_end(tr, dp, st, &sum, stats, err);
 }
 
-PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner) {
-    if (!owner) return;
+PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner) {
+    if (!owner) return PR_OK;
     for (int k = 0; k < n; k++) owner[k] = 0;
-    if (!cfg || !groups || !tree || tree->n_groups != n || ranks < 2) return;
+    if (!cfg || !groups || !tree || tree->n_groups != n || ranks < 2) return PR_OK;
     const int N = tree->n_nodes;
     int *depth = (int *)PR_MALLOC(sizeof(int) * ((size_t)N + 2 * (size_t)n));
     int *order = depth ? depth + N : NULL, *chain = NULL, D = 0;
@@ -5789,9 +5800,9 @@ PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, co
         if (depth[i] > D) D = depth[i];
     }
     if (depth) chain = (int *)PR_MALLOC(sizeof(int) * (size_t)n * (size_t)(D + 1));
-    if (!chain) {                              /* everything on rank 0: still a valid placement */
+    if (!chain) {                              /* everything on rank 0 */
         PR_FREE(depth);
-        return;
+        return PR_ERR_NOMEM;
     }
     for (int k = 0; k < n; k++) {              /* each group's nodes from its root, -1 after its own */
         int *ck = chain + (size_t)k * (D + 1), node = tree->group_node[k];
@@ -5826,6 +5837,7 @@ PRDEF void pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, co
     }
     PR_FREE(chain);
     PR_FREE(depth);
+    return PR_OK;
 }
 
 /* The tree cut down to the groups `owner` places on `rank`: their nodes in the same order,
@@ -5891,8 +5903,9 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
     memset(&sub, 0, sizeof sub);
     int m = 0;
     pr_status st = owner && mine ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    if (!st && pr_tree_place(&tr->model, groups, n, tree, R, owner))
+        st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
     if (!st) {
-        pr_tree_place(&tr->model, groups, n, tree, R, owner);
         st = pr__tree_restrict(tree, groups, owner, dp->rank, &sub, owner + n, &m, err);
     }
     for (int j = 0; j < m && !st; j++) mine[j] = groups[owner[n + j]];
@@ -6035,78 +6048,231 @@ static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
     else ((uint16_t *)p)[i] = pr_f32_to_bf16((float)v);
 }
 
-/* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer in,
-   and a mailbox per ordered pair of ranks for send/recv. */
-typedef struct pr__world {
-    int size, refs;
+/* One pr_comm_local_run: the lock and condition that all its communicators share (the ranks'
+   first one and every split of it), and what each of its threads waits for. With them a wait
+   that cannot end fails instead of hanging: one for a rank that has left (its function returned,
+   or it destroyed the communicator), and one in a run whose every thread waits with none able to
+   wake another, as when a rank that failed skips a collective its peers are in. A collective
+   also checks that every rank made the same call (operation, count, type) before it reads
+   another rank's buffer. */
+enum { PR__RUNNING = 0, PR__DONE, PR__AT_BARRIER, PR__BOX_EMPTY, PR__BOX_FULL };
+struct pr__world;
+typedef struct {
+    int kind;                      /* running, done (its function returned), or what it waits for */
+    struct pr__world *w;
+    unsigned gen;                  /* PR__AT_BARRIER: the generation of the barrier it arrived at */
+    size_t box;                    /* PR__BOX_*: the mailbox */
+    int peer;                      /* PR__BOX_*: the rank of w that would end the wait */
+    const char *what;              /* the call, for messages */
+} pr__wait;
+
+typedef struct {
     pr__mtx mu;
     pr__cnd cv;
+    int gate;                      /* 0 wait, 1 go, -1 give up (a thread failed to start) */
+    int threads;
+    pr__wait *wait;                /* (threads) */
+    pr_error *said;                /* (threads) the first failure the communicator raised on each */
+} pr__run;
+
+/* A collective's call, compared across the ranks before any buffer is read. */
+typedef struct {
+    const char *op;
+    size_t n;
+    pr_comm_type type;
+} pr__call;
+
+/* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer and
+   its call in, and a mailbox per ordered pair of ranks for send/recv. */
+typedef struct pr__world {
+    int size, refs;
+    pr__run *run;
     int arrived;
     unsigned gen;
-    int gate;                      /* pr_comm_local_run: 0 wait, 1 go, -1 give up (a thread failed to start) */
     const void **slot;             /* (size) */
+    pr__call *call;                /* (size) */
     int *color, *key;              /* (size) split's exchange */
     struct pr__world **made;       /* (size) split: the sub-world a group leader made */
+    int *thread;                   /* (size) each rank's thread of the run */
+    int *left;                     /* (size) the rank has destroyed its communicator */
     const void **mail;             /* (size*size) [from*size + to] */
     size_t *mail_bytes;
     int *mail_full;
 } pr__world;
 
-typedef struct { pr_comm c; pr__world *w; } pr__local;
+typedef struct {
+    pr_comm c;
+    pr__world *w;
+    int thread;                    /* the rank's thread of the run */
+} pr__local;
 
-static pr__world *pr__world_new(int size) {
+static void pr__world_free(pr__world *w) {
+    PR_FREE(w->slot); PR_FREE(w->call); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
+    PR_FREE(w->thread); PR_FREE(w->left); PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
+    PR_FREE(w);
+}
+static pr__world *pr__world_new(int size, pr__run *run) {
     pr__world *w = (pr__world *)PR_MALLOC(sizeof *w);
     if (!w) return NULL;
     memset(w, 0, sizeof *w);
     size_t n = (size_t)size, nn = n * n;
     w->size = size;
     w->refs = size;
+    w->run = run;
     w->slot = (const void **)PR_MALLOC(sizeof(void *) * n);
+    w->call = (pr__call *)PR_MALLOC(sizeof(pr__call) * n);
     w->color = (int *)PR_MALLOC(sizeof(int) * n);
     w->key = (int *)PR_MALLOC(sizeof(int) * n);
     w->made = (pr__world **)PR_MALLOC(sizeof(pr__world *) * n);
+    w->thread = (int *)PR_MALLOC(sizeof(int) * n);
+    w->left = (int *)PR_MALLOC(sizeof(int) * n);
     w->mail = (const void **)PR_MALLOC(sizeof(void *) * nn);
     w->mail_bytes = (size_t *)PR_MALLOC(sizeof(size_t) * nn);
     w->mail_full = (int *)PR_MALLOC(sizeof(int) * nn);
-    int ok = w->slot && w->color && w->key && w->made && w->mail && w->mail_bytes && w->mail_full;
-    int mu = ok && pr__mtx_init(&w->mu);
-    int cv = mu && pr__cnd_init(&w->cv);
-    if (!cv) {
-        if (mu) pr__mtx_destroy(&w->mu);
-        PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
-        PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
-        PR_FREE(w);
+    if (!w->slot || !w->call || !w->color || !w->key || !w->made || !w->thread || !w->left || !w->mail || !w->mail_bytes ||
+        !w->mail_full) {
+        pr__world_free(w);
         return NULL;
     }
     memset(w->made, 0, sizeof(pr__world *) * n);
+    memset(w->left, 0, sizeof(int) * n);
     memset(w->mail_full, 0, sizeof(int) * nn);
+    for (int r = 0; r < size; r++) w->thread[r] = r;     /* a run's first world; a split's members write theirs */
     return w;
 }
-static void pr__world_release(pr__world *w) {
-    pr__mtx_lock(&w->mu);
+/* A rank is done with its communicator: waits on it end (pr__wait_lost), the last frees it. */
+static void pr__world_leave(pr__world *w, int rank) {
+    pr__run *run = w->run;
+    pr__mtx_lock(&run->mu);
+    w->left[rank] = 1;
     int last = --w->refs == 0;
-    pr__mtx_unlock(&w->mu);
-    if (!last) return;
-    pr__cnd_destroy(&w->cv);
-    pr__mtx_destroy(&w->mu);
-    PR_FREE(w->slot); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
-    PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
-    PR_FREE(w);
-}
-static void pr__world_barrier(pr__world *w) {
-    pr__mtx_lock(&w->mu);
-    unsigned gen = w->gen;
-    if (++w->arrived == w->size) {
-        w->arrived = 0;
-        w->gen++;
-        pr__cnd_broadcast(&w->cv);
-    } else {
-        while (gen == w->gen) pr__cnd_wait(&w->cv, &w->mu);
-    }
-    pr__mtx_unlock(&w->mu);
+    pr__cnd_broadcast(&run->cv);
+    pr__mtx_unlock(&run->mu);
+    if (last) pr__world_free(w);
 }
 
 static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
+
+static int pr__rank_gone(const pr__world *w, int r) { return w->left[r] || w->run->wait[w->thread[r]].kind == PR__DONE; }
+/* Whether the condition a wait is for holds (a thread not waiting has nothing to wait for). */
+static int pr__wait_over(const pr__wait *x) {
+    if (x->kind == PR__AT_BARRIER) return x->w->gen != x->gen;
+    if (x->kind == PR__BOX_EMPTY) return !x->w->mail_full[x->box];
+    if (x->kind == PR__BOX_FULL) return x->w->mail_full[x->box];
+    return 1;
+}
+/* The rank of x->w whose leaving means the wait can never end, or -1. A rank that has left is
+   at no barrier of its world, so one that is gone keeps every barrier there from opening. */
+static int pr__wait_lost(const pr__wait *x) {
+    if (x->kind != PR__AT_BARRIER) return pr__rank_gone(x->w, x->peer) ? x->peer : -1;
+    for (int r = 0; r < x->w->size; r++)
+        if (pr__rank_gone(x->w, r)) return r;
+    return -1;
+}
+/* Every thread of the run that has not returned waits, and none of the waits can end or fail:
+   nothing that any thread could do would wake one. */
+static int pr__run_stuck(const pr__run *run) {
+    for (int t = 0; t < run->threads; t++) {
+        const pr__wait *x = &run->wait[t];
+        if (x->kind == PR__DONE) continue;
+        if (x->kind == PR__RUNNING || pr__wait_over(x) || pr__wait_lost(x) >= 0) return 0;
+    }
+    return 1;
+}
+
+/* A failure the communicator raises (a rank gone, every thread waiting, calls that differ). The
+   thread's first is kept, so that pr_comm_local_run can tell it from the failure that caused it. */
+static pr_status pr__comm_fail(const pr__local *l, pr_error *err, const pr_error *e) {
+    pr_error *said = &l->w->run->said[l->thread];      /* its own thread's: no lock */
+    if (!said->status) *said = *e;
+    if (err) *err = *e;
+    return e->status;
+}
+
+/* Waits, with the run's lock held, until x's condition holds; fails instead when it cannot. */
+static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
+    pr__run *run = l->w->run;
+    pr__wait *me = &run->wait[l->thread];
+    *me = x;
+    pr_error e;
+    e.status = PR_OK;
+    while (!pr__wait_over(me)) {
+        int lost = pr__wait_lost(me);
+        if (lost >= 0) {
+            pr__fail(&e, PR_ERR_ARG, "%s: rank %d has left the communicator", x.what, x.w->thread[lost]);
+            break;
+        }
+        if (pr__run_stuck(run)) {
+            int at = snprintf(e.message, sizeof e.message, "%s: every rank waits for another, so none can go on (a rank skipped, "
+                              "added or reordered a call):", x.what);
+            for (int t = 0; t < run->threads && at > 0 && (size_t)at < sizeof e.message; t++) {
+                const pr__wait *y = &run->wait[t];
+                if (y->kind == PR__DONE) continue;
+                if (y->kind == PR__AT_BARRIER)
+                    at += snprintf(e.message + at, sizeof e.message - (size_t)at, " rank %d in %s;", t, y->what);
+                else
+                    at += snprintf(e.message + at, sizeof e.message - (size_t)at, " rank %d in %s %s rank %d;", t, y->what,
+                                   y->kind == PR__BOX_FULL ? "from" : "to", y->w->thread[y->peer]);
+            }
+            e.status = PR_ERR_ARG;
+            break;
+        }
+        pr__cnd_wait(&run->cv, &run->mu);
+    }
+    me->kind = PR__RUNNING;
+    return e.status ? pr__comm_fail(l, err, &e) : PR_OK;
+}
+
+static void pr__barrier_open(pr__world *w) {
+    w->arrived = 0;
+    w->gen++;
+    pr__cnd_broadcast(&w->run->cv);
+}
+/* A collective's second half, after its meeting: every rank is inside the same call and comes
+   here without waiting on anything else, so this barrier cannot fail. */
+static void pr__world_sync(pr__world *w) {
+    pr__mtx_lock(&w->run->mu);
+    const unsigned gen = w->gen;
+    if (++w->arrived == w->size)
+        pr__barrier_open(w);
+    else
+        while (gen == w->gen) pr__cnd_wait(&w->run->cv, &w->run->mu);
+    pr__mtx_unlock(&w->run->mu);
+}
+/* A collective's meeting: the rank publishes its buffer and its call, waits for every rank and
+   checks that all made the same call. After it, each rank reads the others' slots and then
+   calls pr__world_sync; on calls that differ the ranks sync here and fail alike. */
+static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n, pr_comm_type t, pr_error *err) {
+    const pr__local *l = (const pr__local *)c;
+    pr__world *w = l->w;
+    pr__mtx_lock(&w->run->mu);
+    w->slot[c->rank] = slot;
+    w->call[c->rank].op = op;
+    w->call[c->rank].n = n;
+    w->call[c->rank].type = t;
+    pr_status st = PR_OK;
+    if (++w->arrived == w->size) {
+        pr__barrier_open(w);
+    } else {
+        pr__wait x = { PR__AT_BARRIER, w, w->gen, 0, -1, op };
+        if ((st = pr__wait_for(l, x, err))) w->arrived--;      /* it leaves the barrier it could not pass */
+    }
+    pr__mtx_unlock(&w->run->mu);
+    if (st) return st;
+    static const char *type_name[] = { "f32", "f64", "bf16" };
+    const pr__call *a = &w->call[0];
+    for (int r = 1; r < w->size && !st; r++) {
+        const pr__call *b = &w->call[r];
+        if (strcmp(a->op, b->op) || a->n != b->n || a->type != b->type) {
+            pr_error e;
+            pr__fail(&e, PR_ERR_ARG, "%s: the ranks' calls differ: rank %d %s of %zu %s, rank %d %s of %zu %s", op,
+                     w->thread[0], a->op, a->n, type_name[a->type], w->thread[r], b->op, b->n, type_name[b->type]);
+            st = pr__comm_fail(l, err, &e);
+        }
+    }
+    if (st) pr__world_sync(w);
+    return st;
+}
 
 static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blocks, pr_error *err) {
     size_t bytes;
@@ -6140,10 +6306,12 @@ static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_t
     pr__world *w = pr__lw(c);
     size_t bytes = n * pr__comm_elem(t);
     void *tmp = PR_MALLOC(bytes ? bytes : 1);
-    w->slot[c->rank] = buf;
-    pr__world_barrier(w);
+    if ((st = pr__meet(c, "all_reduce", buf, n, t, err))) {
+        PR_FREE(tmp);
+        return st;
+    }
     st = tmp ? pr__comm_sum(w, tmp, n, t, 0, err) : pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory");
-    pr__world_barrier(w);                     /* every rank has read every buffer */
+    pr__world_sync(w);                        /* every rank has read every buffer */
     if (!st) memcpy(buf, tmp, bytes);
     PR_FREE(tmp);
     if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
@@ -6151,37 +6319,31 @@ static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_t
 }
 static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
+    if (st || (st = pr__meet(c, "all_gather", in, n, t, err))) return st;
     pr__world *w = pr__lw(c);
     size_t bytes = n * pr__comm_elem(t);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
     for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
-    pr__world_barrier(w);
+    pr__world_sync(w);
     if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
     return PR_OK;
 }
 static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
+    if (st || (st = pr__meet(c, "reduce_scatter", in, n, t, err))) return st;
     pr__world *w = pr__lw(c);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
     st = pr__comm_sum(w, out, n, t, (size_t)c->rank, err);
-    pr__world_barrier(w);
+    pr__world_sync(w);
     c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
     return st;
 }
 static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st) return st;
+    if (st || (st = pr__meet(c, "all_to_all", in, n, t, err))) return st;
     pr__world *w = pr__lw(c);
     size_t bytes = n * pr__comm_elem(t);
-    w->slot[c->rank] = in;
-    pr__world_barrier(w);
     for (int r = 0; r < w->size; r++)
         memcpy((char *)out + (size_t)r * bytes, (const char *)w->slot[r] + (size_t)c->rank * bytes, bytes);
-    pr__world_barrier(w);
+    pr__world_sync(w);
     c->bytes_sent += bytes * (size_t)(c->size - 1);
     return PR_OK;
 }
@@ -6192,72 +6354,91 @@ static pr_status pr__local_peer(pr_comm *c, size_t n, pr_comm_type t, int peer, 
         st = pr__fail(err, PR_ERR_ARG, "%s: peer %d is not another rank of %d", what, peer, c->size);
     return st;
 }
-static void pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    pr__mtx_lock(&w->mu);
-    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
-    w->mail[box] = buf;
-    w->mail_bytes[box] = n * pr__comm_elem(t);
-    w->mail_full[box] = 1;
-    pr__cnd_broadcast(&w->cv);
-    pr__mtx_unlock(&w->mu);
-    c->bytes_sent += n * pr__comm_elem(t);
+static size_t pr__box(const pr_comm *c, int from, int to) { return (size_t)from * (size_t)c->size + (size_t)to; }
+/* Takes the run's lock and waits until a mailbox is empty or full (kind); the lock stays held. */
+static pr_status pr__box_wait(const pr__local *l, int kind, size_t box, int peer, const char *what, pr_error *err) {
+    pr__mtx_lock(&l->w->run->mu);
+    pr__wait x = { kind, l->w, 0, box, peer, what };
+    return pr__wait_for(l, x, err);
 }
-static void pr__local_wait_taken(pr_comm *c, int peer) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)c->rank * (size_t)w->size + (size_t)peer;
-    pr__mtx_lock(&w->mu);
-    while (w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
-    pr__mtx_unlock(&w->mu);
+static pr_status pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, const char *what, pr_error *err) {
+    const pr__local *l = (const pr__local *)c;
+    pr__world *w = l->w;
+    const size_t box = pr__box(c, c->rank, peer);
+    pr_status st = pr__box_wait(l, PR__BOX_EMPTY, box, peer, what, err);
+    if (!st) {
+        w->mail[box] = buf;
+        w->mail_bytes[box] = n * pr__comm_elem(t);
+        w->mail_full[box] = 1;
+        pr__cnd_broadcast(&w->run->cv);
+    }
+    pr__mtx_unlock(&w->run->mu);
+    if (!st) c->bytes_sent += n * pr__comm_elem(t);
+    return st;
 }
-static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
-    pr__world *w = pr__lw(c);
-    size_t box = (size_t)peer * (size_t)w->size + (size_t)c->rank, bytes = n * pr__comm_elem(t);
-    pr__mtx_lock(&w->mu);
-    while (!w->mail_full[box]) pr__cnd_wait(&w->cv, &w->mu);
-    size_t got = w->mail_bytes[box];
-    if (got == bytes) memcpy(buf, w->mail[box], bytes);
-    w->mail_full[box] = 0;                    /* the sender goes on either way: no rank is left waiting */
-    pr__cnd_broadcast(&w->cv);
-    pr__mtx_unlock(&w->mu);
-    if (got != bytes) return pr__fail(err, PR_ERR_ARG, "recv: rank %d sent %zu bytes, %zu expected", peer, got, bytes);
-    return PR_OK;
+static pr_status pr__local_wait_taken(pr_comm *c, int peer, const char *what, pr_error *err) {
+    const pr__local *l = (const pr__local *)c;
+    pr__world *w = l->w;
+    const size_t box = pr__box(c, c->rank, peer);
+    pr_status st = pr__box_wait(l, PR__BOX_EMPTY, box, peer, what, err);
+    if (st) w->mail_full[box] = 0;            /* withdrawn: the caller's buffer is its own again */
+    pr__mtx_unlock(&w->run->mu);
+    return st;
+}
+static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, const char *what, pr_error *err) {
+    const pr__local *l = (const pr__local *)c;
+    pr__world *w = l->w;
+    const size_t box = pr__box(c, peer, c->rank), bytes = n * pr__comm_elem(t);
+    pr_status st = pr__box_wait(l, PR__BOX_FULL, box, peer, what, err);
+    size_t got = bytes;
+    if (!st) {
+        got = w->mail_bytes[box];
+        if (got == bytes) memcpy(buf, w->mail[box], bytes);
+        w->mail_full[box] = 0;                /* the sender goes on either way: no rank is left waiting */
+        pr__cnd_broadcast(&w->run->cv);
+    }
+    pr__mtx_unlock(&w->run->mu);
+    if (!st && got != bytes) {
+        pr_error e;
+        pr__fail(&e, PR_ERR_ARG, "%s: rank %d sent %zu bytes, %zu expected", what, w->thread[peer], got, bytes);
+        st = pr__comm_fail(l, err, &e);
+    }
+    return st;
 }
 static pr_status pr__local_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_status st = pr__local_peer(c, n, t, peer, "send", err);
-    if (st) return st;
-    pr__local_post(c, buf, n, t, peer);
-    pr__local_wait_taken(c, peer);
-    return PR_OK;
+    if (!st) st = pr__local_post(c, buf, n, t, peer, "send", err);
+    return st ? st : pr__local_wait_taken(c, peer, "send", err);
 }
 static pr_status pr__local_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_status st = pr__local_peer(c, n, t, peer, "recv", err);
-    return st ? st : pr__local_take(c, buf, n, t, peer, err);
+    return st ? st : pr__local_take(c, buf, n, t, peer, "recv", err);
 }
 static pr_status pr__local_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
                                      pr_comm_type t, pr_error *err) {
     pr_status st = pr__local_peer(c, n_send, t, to, "send_recv", err);
     if (!st) st = pr__local_peer(c, n_recv, t, from, "send_recv", err);
+    if (!st) st = pr__local_post(c, send, n_send, t, to, "send_recv", err);
     if (st) return st;
-    pr__local_post(c, send, n_send, t, to);
-    st = pr__local_take(c, recv, n_recv, t, from, err);
-    pr__local_wait_taken(c, to);
-    return st;
+    st = pr__local_take(c, recv, n_recv, t, from, "send_recv", err);
+    pr_status sent = pr__local_wait_taken(c, to, "send_recv", st ? NULL : err);
+    return st ? st : sent;
 }
 static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
-    (void)err;
-    pr__world_barrier(pr__lw(c));
-    return PR_OK;
+    pr_status st = pr__meet(c, "barrier", NULL, 0, PR_COMM_F64, err);
+    if (!st) pr__world_sync(pr__lw(c));
+    return st;
 }
 
-static pr_comm *pr__local_comm_new(pr__world *w, int rank);
+static pr_comm *pr__local_comm_new(pr__world *w, int rank, int thread);
 
 static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
-    pr__world *w = pr__lw(c);
+    const pr__local *l = (const pr__local *)c;
+    pr__world *w = l->w;
     w->color[c->rank] = color;
     w->key[c->rank] = key;
-    pr__world_barrier(w);
+    pr_status st = pr__meet(c, "split", NULL, 0, PR_COMM_F64, err);
+    if (st) return st;
     /* my group, in (key, rank) order: my rank in it, its size, its leader */
     int size = 0, me = 0, leader = -1;
     for (int r = 0; r < w->size; r++) {
@@ -6267,14 +6448,14 @@ static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, 
         if (w->key[r] < key || (w->key[r] == key && r < c->rank)) me++;
     }
     w->made[c->rank] = NULL;
-    if (c->rank == leader) w->made[c->rank] = pr__world_new(size);
-    pr__world_barrier(w);
+    if (c->rank == leader) w->made[c->rank] = pr__world_new(size, w->run);
+    pr__world_sync(w);
     pr__world *nw = w->made[leader];
-    pr_comm *nc = nw ? pr__local_comm_new(nw, me) : NULL;
-    int ok = nc != NULL;
-    pr__world_barrier(w);                     /* every member has taken the leader's world */
-    if (!ok) {
-        if (nw) pr__world_release(nw);
+    pr_comm *nc = nw ? pr__local_comm_new(nw, me, l->thread) : NULL;
+    if (nc) nw->thread[me] = l->thread;
+    pr__world_sync(w);                        /* every member has taken the leader's world */
+    if (!nc) {
+        if (nw) pr__world_leave(nw, me);
         return pr__fail(err, PR_ERR_NOMEM, "split: out of memory");
     }
     *sub = nc;
@@ -6282,15 +6463,16 @@ static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, 
 }
 static void pr__local_destroy(pr_comm *c) {
     if (!c) return;
-    pr__world_release(pr__lw(c));
+    pr__world_leave(pr__lw(c), c->rank);
     PR_FREE(c);
 }
 
-static pr_comm *pr__local_comm_new(pr__world *w, int rank) {
+static pr_comm *pr__local_comm_new(pr__world *w, int rank, int thread) {
     pr__local *l = (pr__local *)PR_MALLOC(sizeof *l);
     if (!l) return NULL;
     memset(l, 0, sizeof *l);
     l->w = w;
+    l->thread = thread;
     pr_comm *c = &l->c;
     c->rank = rank;
     c->size = w->size;
@@ -6318,35 +6500,70 @@ typedef struct {
 } pr__rank_run;
 
 /* A rank starts only once every rank's thread exists: otherwise its first collective could wait
-   for a rank that never comes. */
+   for a rank that never comes. When it returns, waits for it end. */
 static pr__thrd_result pr__rank_main(void *arg) {
     pr__rank_run *r = (pr__rank_run *)arg;
-    pr__world *w = pr__lw(r->comm);
-    pr__mtx_lock(&w->mu);
-    while (w->gate == 0) pr__cnd_wait(&w->cv, &w->mu);
-    int go = w->gate > 0;
-    pr__mtx_unlock(&w->mu);
+    const pr__local *l = (const pr__local *)r->comm;
+    pr__run *run = l->w->run;
+    pr__mtx_lock(&run->mu);
+    while (run->gate == 0) pr__cnd_wait(&run->cv, &run->mu);
+    int go = run->gate > 0;
+    pr__mtx_unlock(&run->mu);
     r->err.status = PR_OK;
     r->err.message[0] = 0;
     r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
+    pr__mtx_lock(&run->mu);
+    run->wait[l->thread].kind = PR__DONE;
+    pr__cnd_broadcast(&run->cv);
+    pr__mtx_unlock(&run->mu);
     return 0;
+}
+
+static void pr__run_free(pr__run *run) {
+    if (!run) return;
+    pr__cnd_destroy(&run->cv);
+    pr__mtx_destroy(&run->mu);
+    PR_FREE(run->wait);
+    PR_FREE(run->said);
+    PR_FREE(run);
+}
+static pr__run *pr__run_new(int threads) {
+    pr__run *run = (pr__run *)PR_MALLOC(sizeof *run);
+    if (!run) return NULL;
+    memset(run, 0, sizeof *run);
+    run->threads = threads;
+    run->wait = (pr__wait *)PR_MALLOC(sizeof(pr__wait) * (size_t)threads);
+    run->said = (pr_error *)PR_MALLOC(sizeof(pr_error) * (size_t)threads);
+    int mu = run->wait && run->said && pr__mtx_init(&run->mu);
+    if (!mu || !pr__cnd_init(&run->cv)) {
+        if (mu) pr__mtx_destroy(&run->mu);
+        PR_FREE(run->wait);
+        PR_FREE(run->said);
+        PR_FREE(run);
+        return NULL;
+    }
+    memset(run->wait, 0, sizeof(pr__wait) * (size_t)threads);       /* PR__RUNNING */
+    memset(run->said, 0, sizeof(pr_error) * (size_t)threads);       /* PR_OK */
+    return run;
 }
 
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
                                   pr_error *err) {
     if (n < 1 || n > 4096 || !fn) return pr__fail(err, PR_ERR_ARG, "pr_comm_local_run: %d ranks (1..4096), fn %s", n, fn ? "set" : "NULL");
-    pr__world *w = pr__world_new(n);
+    pr__run *run = pr__run_new(n);
+    pr__world *w = run ? pr__world_new(n, run) : NULL;
     pr__rank_run *runs = (pr__rank_run *)PR_MALLOC(sizeof(pr__rank_run) * (size_t)n);
     pr__thrd *th = (pr__thrd *)PR_MALLOC(sizeof(pr__thrd) * (size_t)n);
     int made = 0;
     if (w && runs && th) {
         memset(runs, 0, sizeof(pr__rank_run) * (size_t)n);
         for (; made < n; made++)
-            if (!(runs[made].comm = pr__local_comm_new(w, made))) break;
+            if (!(runs[made].comm = pr__local_comm_new(w, made, made))) break;
     }
     if (!w || !runs || !th || made < n) {
         for (int r = 0; r < made; r++) PR_FREE(runs[r].comm);
-        if (w) { w->refs = 1; pr__world_release(w); }
+        if (w) pr__world_free(w);
+        pr__run_free(run);
         PR_FREE(runs);
         PR_FREE(th);
         return pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: out of memory for %d ranks", n);
@@ -6357,15 +6574,26 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
         runs[started].user = user;
         if (!pr__thrd_create(&th[started], pr__rank_main, &runs[started])) break;
     }
-    pr__mtx_lock(&w->mu);
-    w->gate = started == n ? 1 : -1;
-    pr__cnd_broadcast(&w->cv);
-    pr__mtx_unlock(&w->mu);
+    pr__mtx_lock(&run->mu);
+    run->gate = started == n ? 1 : -1;
+    pr__cnd_broadcast(&run->cv);
+    pr__mtx_unlock(&run->mu);
     for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
-    for (int r = 0; r < n && !st; r++)
-        if (runs[r].st) st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
+    /* The failing rank to report: the first whose failure is its own, not one the communicator
+       raised on it because a peer had failed and left the collective it waited in. */
+    int first = -1, cause = -1;
+    for (int r = 0; r < n && !st; r++) {
+        if (!runs[r].st) continue;
+        if (first < 0) first = r;
+        if (cause < 0 && (!run->said[r].status || strcmp(runs[r].err.message, run->said[r].message))) cause = r;
+    }
+    if (first >= 0) {
+        const int r = cause >= 0 ? cause : first;
+        st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
+    }
     for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);
+    pr__run_free(run);
     PR_FREE(runs);
     PR_FREE(th);
     return st;

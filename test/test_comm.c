@@ -1,7 +1,9 @@
 /* The in-process communicator: every collective against the same computation done serially, on
    1 to 4 ranks and every element type; send/recv around a ring, and send_recv both ways round it
    at once (every rank sending first, which plain sends could not do); split into the rows and columns of
-   a 2 x 2 mesh with collectives inside each; every rank ending with the same bits; bad arguments. */
+   a 2 x 2 mesh with collectives inside each; every rank ending with the same bits; bad arguments;
+   calls that could never return (ranks whose calls differ, a peer that has returned, every rank
+   waiting on another across two communicators) failing on every rank instead of hanging. */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "harness.h"
@@ -155,12 +157,93 @@ static pr_status failing(pr_comm *c, void *user, pr_error *err) {
     return PR_OK;
 }
 
+/* Each rank's outcome in a run whose calls cannot all return. */
+typedef struct {
+    pr_status st[MAXR];
+    char msg[MAXR][512];
+} outcome;
+
+static pr_status record(outcome *o, pr_comm *c, pr_status st, const pr_error *err) {
+    o->st[c->rank] = st;
+    snprintf(o->msg[c->rank], sizeof o->msg[0], "%s", st ? err->message : "");
+    return st;
+}
+/* An all_reduce of N on rank 0 and of N + 5 on the others: no rank may read past a buffer. */
+static pr_status sizes_differ(pr_comm *c, void *user, pr_error *err) {
+    double buf[N + 5] = { 0 };
+    return record(user, c, c->all_reduce(c, buf, c->rank ? N + 5 : N, PR_COMM_F64, err), err);
+}
+static pr_status ops_differ(pr_comm *c, void *user, pr_error *err) {
+    double in[N] = { 0 }, out[MAXR * N];
+    return record(user, c, c->rank ? c->all_reduce(c, in, N, PR_COMM_F64, err) : c->all_gather(c, out, in, N, PR_COMM_F64, err), err);
+}
+/* Rank 1 fails on its own and returns; the others meet at a barrier it never comes to. */
+static pr_status one_leaves(pr_comm *c, void *user, pr_error *err) {
+    if (c->rank == 1) {
+        err->status = PR_ERR_IO;
+        snprintf(err->message, sizeof err->message, "disk on fire");
+        return record(user, c, PR_ERR_IO, err);
+    }
+    return record(user, c, c->barrier(c, err), err);
+}
+static pr_status send_to_leaver(pr_comm *c, void *user, pr_error *err) {
+    double x[N] = { 0 };
+    return record(user, c, c->rank ? PR_OK : c->send(c, x, N, PR_COMM_F64, 1, err), err);
+}
+/* Rank 0 waits to receive from rank 1 on the run's communicator while rank 1 waits for rank 0 in
+   an all_reduce of another: each waits for the other, so one of them must fail. */
+static pr_status crossed(pr_comm *c, void *user, pr_error *err) {
+    pr_comm *sub;
+    pr_status st = c->split(c, 0, c->rank, &sub, err);
+    if (st) return record(user, c, st, err);
+    double x[N] = { 0 };
+    st = c->rank ? sub->all_reduce(sub, x, N, PR_COMM_F64, err) : c->recv(c, x, N, PR_COMM_F64, 1, err);
+    sub->destroy(sub);
+    return record(user, c, st, err);
+}
+
+static void check_faults(void) {
+    static const struct {
+        const char *name;
+        pr_status (*fn)(pr_comm *, void *, pr_error *);
+        int ranks;
+        pr_status want;
+        const char *says;          /* in the run's message */
+        const char *peers_say;     /* in every failing rank's message but the cause's (NULL: the run's) */
+    } cases[] = {
+        { "sizes differ", sizes_differ, 3, PR_ERR_ARG, "all_reduce of 37 f64, rank 1 all_reduce of 42 f64", NULL },
+        { "operations differ", ops_differ, 2, PR_ERR_ARG, "rank 0 all_gather of 37 f64, rank 1 all_reduce", NULL },
+        { "a rank leaves", one_leaves, 3, PR_ERR_IO, "rank 1: disk on fire", "has left the communicator" },
+        { "send to a rank that left", send_to_leaver, 2, PR_ERR_ARG, "send: rank 1 has left the communicator", NULL },
+        { "each waits for the other", crossed, 2, PR_ERR_ARG, "rank 0: recv: ", NULL },   /* and one says all wait */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (int rep = 0; rep < 20; rep++) {    /* the threads' order differs run to run */
+            outcome o;
+            memset(&o, 0, sizeof o);
+            pr_error err;
+            pr_status st = pr_comm_local_run(cases[k].ranks, cases[k].fn, &o, &err);
+            int fine = st == cases[k].want && strstr(err.message, cases[k].says);
+            for (int r = 0; r < cases[k].ranks && fine; r++) {
+                if (cases[k].fn == send_to_leaver && r == 1) continue;     /* the one that leaves succeeds */
+                if (cases[k].peers_say && r == 1) continue;                /* the cause */
+                fine = o.st[r] != PR_OK && (cases[k].fn == crossed || strstr(o.msg[r], cases[k].peers_say ? cases[k].peers_say : cases[k].says));
+            }
+            if (cases[k].fn == crossed) fine = fine && (strstr(o.msg[0], "every rank waits") || strstr(o.msg[1], "every rank waits"));
+            CHECK(fine, "%s (run %d): the run says %d '%s'; rank 0 '%s', rank 1 '%s', rank 2 '%s'", cases[k].name, rep, (int)st, err.message,
+                  o.msg[0], o.msg[1], o.msg[2]);
+            if (!fine) break;
+        }
+}
+
 int main(void) {
     printf("test_comm (%s build)\n", sizeof(pr_real) == 8 ? "double" : "float");
-    for (int R = 1; R <= MAXR; R++) check_size(R);
+    for (int R = 1; R <= MAXR; R++)
+        for (int rep = 0; rep < 10; rep++) check_size(R);      /* ten times: no run may find a wait where there is none */
     pr_error err;
     CHECK(pr_comm_local_run(3, failing, NULL, &err) == PR_ERR_IO && strstr(err.message, "rank 1") && strstr(err.message, "fire"),
           "a failing rank is reported: '%s'", err.message);
+    check_faults();
     CHECK(pr_comm_local_run(0, failing, NULL, &err) == PR_ERR_ARG, "zero ranks refused");
     return test_report();
 }

@@ -5,6 +5,16 @@
 #define PREFIXREUSE_IMPLEMENTATION
 #define PR__GRAD_WIRE_MAX ((size_t)1 << 10)   /* a gradient sum in bf16 crosses several chunk boundaries */
 #define PR__STAGE_REALS ((size_t)40)         /* host sums, pipeline doubles and padded KV gradients in several chunks */
+#include <stdlib.h>
+/* The library's allocations, with one that fails on demand (test_mesh_faults): on the thread that
+   arms it, the allocation numbered alloc_fails_at from the arming (-1: none fails). */
+static _Thread_local long alloc_made, alloc_fails_at = -1;
+static int alloc_fails(void) { return alloc_fails_at >= 0 && alloc_made++ == alloc_fails_at; }
+static void *test_malloc(size_t n) { return alloc_fails() ? NULL : malloc(n); }
+static void *test_realloc(void *p, size_t n) { return alloc_fails() ? NULL : realloc(p, n); }
+#define PR_MALLOC(sz) test_malloc(sz)
+#define PR_REALLOC(p, sz) test_realloc(p, sz)
+#define PR_FREE(p) free(p)
 #include "../prefixreuse.h"
 #include "harness.h"
 
@@ -1226,6 +1236,8 @@ typedef struct {
     int tree;                     /* the groups as their prefix tree (nodes from 1 token) */
     double loss[32];
     pr_real *grads, *params;      /* gathered by world rank 0 */
+    int victim;                   /* > 0: this world rank's step fails its allocation number fail_at */
+    long fail_at, allocs;         /* (LONG_MAX: none fails); allocs: how many the step made */
 } mesh_run;
 
 static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
@@ -1250,12 +1262,21 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     memset(&tree, 0, sizeof tree);
     if (!s && m->tree) s = pr_prefix_tree_build(&tree, m->groups, m->n, 1, err);
     for (int k = 0; k < (m->steps ? m->steps : 1) && !s; k++) {
+        const int victim = m->victim > 0 && world->rank == m->victim;
+        if (victim) {
+            alloc_made = 0;
+            alloc_fails_at = m->fail_at;
+        }
         if (m->tree)
             s = sh.dp > 1 ? pr_trainer_compute_grads_tree_dp(tr, mesh.dp_comm, m->groups, m->n, &tree, &m->opt, &st, err)
                           : pr_trainer_compute_grads_tree(tr, m->groups, m->n, &tree, &m->opt, &st, err);
         else
             s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
                           : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
+        if (victim) {
+            m->allocs = alloc_made;
+            alloc_fails_at = -1;
+        }
         if (!s) {
             m->loss[world->rank] = st.loss;
             s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
@@ -1717,6 +1738,92 @@ static void test_mesh(void) {
     CHECK(st.prefix_kv_bytes == kv && st.prefix_stack_bytes > 2 * kv, "prefix K/V %zu bytes (expected %zu), activation stack %zu",
           st.prefix_kv_bytes, kv, st.prefix_stack_bytes);
     pr_trainer_destroy(tr);
+}
+
+/* A rank whose allocation fails in the middle of a step on a mesh: its peers, waiting in
+   collectives it skips, fail too instead of hanging, nothing leaks (the sanitizer build), and
+   the run reports the failing rank's own error. Each layout's step is first counted, then made to
+   fail at allocations spread over it. Some allocations may fail without failing the step (the
+   CPU GEMM then multiplies unpacked). */
+static void test_mesh_faults(void) {
+    const int S[4] = { 5, 1, 8, 3 };
+    static test_group tg[2];
+    pr_group groups[2];
+    for (int i = 0; i < 2; i++) {
+        make_group(&tg[i], 7 + 2 * i, 3, S + i, 61, 900 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_config llama = small_config(0, 0, 4), moe = moe_config(1);
+    moe.num_key_value_heads = 4;
+    moe.num_experts = 8;
+    moe.moe_intermediate_size = 8;
+    const struct { const pr_config *c; mesh_shape s; int groups, tree, victim; const char *name; } cases[] = {
+        { &llama, { 1, 1, 1, 2, 1, 1, 0 }, 1, 0, 1, "tp 2" },
+        { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, 0, 1, "cp 2" },
+        { &llama, { 1, 2, 1, 1, 1, 1, 0 }, 1, 0, 1, "pp 2, the last stage fails" },
+        { &llama, { 1, 2, 1, 1, 1, 2, 1 }, 1, 0, 1, "pp 2, microbatches of 2, offload on" },
+        { &llama, { 2, 1, 1, 1, 1, 1, 0 }, 1, 0, 1, "dp 2, one group split" },
+        { &llama, { 2, 1, 1, 2, 1, 1, 0 }, 2, 0, 3, "dp 2 tp 2, whole groups" },
+        { &llama, { 2, 1, 1, 2, 1, 1, 0 }, 2, 1, 2, "dp 2 tp 2, a prefix tree" },
+        { &moe, { 1, 2, 1, 2, 2, 1, 0 }, 1, 0, 2, "MoE pp 2 tp 2 ep 2" },
+        { &llama, { 1, 2, 2, 2, 1, 1, 0 }, 1, 0, 5, "pp 2 tp 2 cp 2" },
+    };
+    const pr_config *models[2] = { &llama, &moe };
+    pr_trainer *ref[2];                           /* the tensors' table, for comparing arenas */
+    pr_real *init[2], *grads[2], *want, *params[2];      /* rank 0 gathers grads and params */
+    for (int c = 0; c < 2; c++) {
+        ref[c] = make_model(models[c], 5);
+        init[c] = params_of(ref[c]);
+        grads[c] = malloc(sizeof(pr_real) * pr_trainer_param_count(ref[c]));
+        params[c] = malloc(sizeof(pr_real) * pr_trainer_param_count(ref[c]));
+    }
+    const size_t most = pr_trainer_param_count(ref[0]) > pr_trainer_param_count(ref[1]) ? pr_trainer_param_count(ref[0])
+                                                                                         : pr_trainer_param_count(ref[1]);
+    want = malloc(sizeof(pr_real) * most);
+    int runs = 0, failed = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const int moe_case = cases[i].c == &moe;
+        mesh_run m;
+        memset(&m, 0, sizeof m);
+        m.c = cases[i].c; m.shape = cases[i].s; m.groups = groups; m.n = cases[i].groups; m.init = init[moe_case];
+        m.tree = cases[i].tree;
+        m.grads = grads[moe_case];
+        m.params = params[moe_case];
+        m.opt = pr_step_opts_default();
+        m.opt.microbatch = cases[i].s.mb;
+        m.opt.offload.enabled = cases[i].s.offload;
+        m.victim = cases[i].victim;
+        m.fail_at = LONG_MAX;
+        pr_error err;
+        pr_status st = pr_comm_local_run(mesh_size(m.shape), mesh_rank, &m, &err);
+        const long total = m.allocs;
+        CHECK(st == PR_OK && total > 0, "%s: the counting run: %s (%ld allocations)", cases[i].name, st ? err.message : "", total);
+        if (st || total <= 0) continue;
+        memcpy(want, m.grads, sizeof(pr_real) * pr_trainer_param_count(ref[moe_case]));
+        char cause[32];
+        snprintf(cause, sizeof cause, "rank %d: ", m.victim);
+        for (long k = 0, step = total / 24 + 1; k < total; k += k < 4 ? 1 : step) {
+            m.fail_at = k;
+            st = pr_comm_local_run(mesh_size(m.shape), mesh_rank, &m, &err);
+            runs++;
+            failed += st != PR_OK;
+            CHECK(st == PR_OK || (st == PR_ERR_NOMEM && !strncmp(err.message, cause, strlen(cause))),
+                  "%s, allocation %ld of %ld fails: the run says %d '%s' (want rank %d's own failure)", cases[i].name, k, total, (int)st,
+                  err.message, m.victim);
+            if (!st) CHECK(close_arenas(ref[moe_case], m.grads, want, "gradient", cases[i].name),
+                           "%s, allocation %ld of %ld fails: the step went on, with other gradients", cases[i].name, k, total);
+        }
+    }
+    CHECK(failed > runs / 4, "mesh faults: only %d of %d runs failed", failed, runs);
+    printf("mesh faults: %d runs with an allocation failing mid-step on one rank (%d failed, the rest went on without it: a GEMM's "
+           "packing buffer), %zu layouts\n", runs, failed, sizeof cases / sizeof cases[0]);
+    for (int c = 0; c < 2; c++) {
+        free(init[c]);
+        free(grads[c]);
+        free(params[c]);
+        pr_trainer_destroy(ref[c]);
+    }
+    free(want);
 }
 
 /* ---- TP above the KV heads: each KV head replicated on tp / KV heads ranks */
@@ -3137,6 +3244,7 @@ int main(void) {
     test_trees();
     test_prefix_loss();
     test_mesh();
+    test_mesh_faults();
     test_kv_replication();
     test_head_chunks_uneven_vocab();
     test_zero();
