@@ -5745,7 +5745,7 @@ static pr_status pr__dp_step_end(pr_trainer *tr, pr_comm *dp, pr_status st, cons
                                  pr_error *err) {
     pr__load_end(tr);
     pr__mesh_sync_grads(tr);
-    pr_status cs = pr__dp_sum_grads(tr, dp, err);
+    pr_status cs = pr__dp_sum_grads(tr, dp, st ? NULL : err);
     if (st) return st;
     if (cs) return cs;
     if (tr->comm_st) return pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
@@ -6069,17 +6069,21 @@ typedef struct {
 typedef struct {
     pr__mtx mu;
     pr__cnd cv;
+    int refs;                      /* its worlds, and pr_comm_local_run until it returns */
     int gate;                      /* 0 wait, 1 go, -1 give up (a thread failed to start) */
-    int threads;
+    int threads, waiting, done;    /* threads; of them, those in a recorded wait and those returned */
     pr__wait *wait;                /* (threads) */
     pr_error *said;                /* (threads) the first failure the communicator raised on each */
 } pr__run;
 
-/* A collective's call, compared across the ranks before any buffer is read. */
+/* A collective's call, compared across the ranks before any buffer is read. `seq` numbers the
+   rank's meetings on the communicator, so that a rank that gave up a meeting and comes with its
+   next call, of the same shape, is not taken for the call its peers wait in. */
 typedef struct {
     const char *op;
     size_t n;
     pr_comm_type type;
+    unsigned long seq;
 } pr__call;
 
 /* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer and
@@ -6104,8 +6108,22 @@ typedef struct {
     pr_comm c;
     pr__world *w;
     int thread;                    /* the rank's thread of the run */
+    unsigned long meetings;        /* pr__call.seq */
 } pr__local;
 
+static void pr__run_free(pr__run *run) {
+    pr__cnd_destroy(&run->cv);
+    pr__mtx_destroy(&run->mu);
+    PR_FREE(run->wait);
+    PR_FREE(run->said);
+    PR_FREE(run);
+}
+/* Drops a reference to the run, with its lock held; frees it (after the unlock) when the last goes. */
+static void pr__run_unlock_release(pr__run *run) {
+    const int last = --run->refs == 0;
+    pr__mtx_unlock(&run->mu);
+    if (last) pr__run_free(run);
+}
 static void pr__world_free(pr__world *w) {
     PR_FREE(w->slot); PR_FREE(w->call); PR_FREE(w->color); PR_FREE(w->key); PR_FREE(w->made);
     PR_FREE(w->thread); PR_FREE(w->left); PR_FREE(w->mail); PR_FREE(w->mail_bytes); PR_FREE(w->mail_full);
@@ -6138,6 +6156,9 @@ static pr__world *pr__world_new(int size, pr__run *run) {
     memset(w->left, 0, sizeof(int) * n);
     memset(w->mail_full, 0, sizeof(int) * nn);
     for (int r = 0; r < size; r++) w->thread[r] = r;     /* a run's first world; a split's members write theirs */
+    pr__mtx_lock(&run->mu);                   /* a world outlives pr_comm_local_run if fn keeps it */
+    run->refs++;
+    pr__mtx_unlock(&run->mu);
     return w;
 }
 /* A rank is done with its communicator: waits on it end (pr__wait_lost), the last frees it. */
@@ -6145,10 +6166,13 @@ static void pr__world_leave(pr__world *w, int rank) {
     pr__run *run = w->run;
     pr__mtx_lock(&run->mu);
     w->left[rank] = 1;
-    int last = --w->refs == 0;
     pr__cnd_broadcast(&run->cv);
-    pr__mtx_unlock(&run->mu);
-    if (last) pr__world_free(w);
+    if (--w->refs) {
+        pr__mtx_unlock(&run->mu);
+        return;
+    }
+    pr__world_free(w);
+    pr__run_unlock_release(run);
 }
 
 static pr__world *pr__lw(pr_comm *c) { return ((pr__local *)c)->w; }
@@ -6172,6 +6196,7 @@ static int pr__wait_lost(const pr__wait *x) {
 /* Every thread of the run that has not returned waits, and none of the waits can end or fail:
    nothing that any thread could do would wake one. */
 static int pr__run_stuck(const pr__run *run) {
+    if (run->waiting + run->done < run->threads) return 0;
     for (int t = 0; t < run->threads; t++) {
         const pr__wait *x = &run->wait[t];
         if (x->kind == PR__DONE) continue;
@@ -6194,6 +6219,7 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
     pr__run *run = l->w->run;
     pr__wait *me = &run->wait[l->thread];
     *me = x;
+    run->waiting++;
     pr_error e;
     e.status = PR_OK;
     while (!pr__wait_over(me)) {
@@ -6220,6 +6246,7 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
         pr__cnd_wait(&run->cv, &run->mu);
     }
     me->kind = PR__RUNNING;
+    run->waiting--;
     return e.status ? pr__comm_fail(l, err, &e) : PR_OK;
 }
 
@@ -6243,13 +6270,14 @@ static void pr__world_sync(pr__world *w) {
    checks that all made the same call. After it, each rank reads the others' slots and then
    calls pr__world_sync; on calls that differ the ranks sync here and fail alike. */
 static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n, pr_comm_type t, pr_error *err) {
-    const pr__local *l = (const pr__local *)c;
+    pr__local *l = (pr__local *)c;
     pr__world *w = l->w;
     pr__mtx_lock(&w->run->mu);
     w->slot[c->rank] = slot;
     w->call[c->rank].op = op;
     w->call[c->rank].n = n;
     w->call[c->rank].type = t;
+    w->call[c->rank].seq = l->meetings++;
     pr_status st = PR_OK;
     if (++w->arrived == w->size) {
         pr__barrier_open(w);
@@ -6263,10 +6291,11 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
     const pr__call *a = &w->call[0];
     for (int r = 1; r < w->size && !st; r++) {
         const pr__call *b = &w->call[r];
-        if (strcmp(a->op, b->op) || a->n != b->n || a->type != b->type) {
+        if (strcmp(a->op, b->op) || a->n != b->n || a->type != b->type || a->seq != b->seq) {
             pr_error e;
-            pr__fail(&e, PR_ERR_ARG, "%s: the ranks' calls differ: rank %d %s of %zu %s, rank %d %s of %zu %s", op,
-                     w->thread[0], a->op, a->n, type_name[a->type], w->thread[r], b->op, b->n, type_name[b->type]);
+            pr__fail(&e, PR_ERR_ARG, "%s: the ranks' calls differ: rank %d %s of %zu %s (its call %lu on this communicator), rank %d %s of %zu %s (its call %lu)",
+                     op, w->thread[0], a->op, a->n, type_name[a->type], a->seq + 1, w->thread[r], b->op, b->n, type_name[b->type],
+                     b->seq + 1);
             st = pr__comm_fail(l, err, &e);
         }
     }
@@ -6452,7 +6481,7 @@ static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, 
     pr__world_sync(w);
     pr__world *nw = w->made[leader];
     pr_comm *nc = nw ? pr__local_comm_new(nw, me, l->thread) : NULL;
-    if (nc) nw->thread[me] = l->thread;
+    if (nw) nw->thread[me] = l->thread;
     pr__world_sync(w);                        /* every member has taken the leader's world */
     if (!nc) {
         if (nw) pr__world_leave(nw, me);
@@ -6514,24 +6543,18 @@ static pr__thrd_result pr__rank_main(void *arg) {
     r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
     pr__mtx_lock(&run->mu);
     run->wait[l->thread].kind = PR__DONE;
+    run->done++;
     pr__cnd_broadcast(&run->cv);
     pr__mtx_unlock(&run->mu);
     return 0;
 }
 
-static void pr__run_free(pr__run *run) {
-    if (!run) return;
-    pr__cnd_destroy(&run->cv);
-    pr__mtx_destroy(&run->mu);
-    PR_FREE(run->wait);
-    PR_FREE(run->said);
-    PR_FREE(run);
-}
 static pr__run *pr__run_new(int threads) {
     pr__run *run = (pr__run *)PR_MALLOC(sizeof *run);
     if (!run) return NULL;
     memset(run, 0, sizeof *run);
     run->threads = threads;
+    run->refs = 1;
     run->wait = (pr__wait *)PR_MALLOC(sizeof(pr__wait) * (size_t)threads);
     run->said = (pr_error *)PR_MALLOC(sizeof(pr_error) * (size_t)threads);
     int mu = run->wait && run->said && pr__mtx_init(&run->mu);
@@ -6562,8 +6585,8 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     }
     if (!w || !runs || !th || made < n) {
         for (int r = 0; r < made; r++) PR_FREE(runs[r].comm);
-        if (w) pr__world_free(w);
-        pr__run_free(run);
+        if (w) pr__world_free(w);             /* no thread ever ran: nothing else holds either */
+        if (run) pr__run_free(run);
         PR_FREE(runs);
         PR_FREE(th);
         return pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: out of memory for %d ranks", n);
@@ -6586,14 +6609,15 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     for (int r = 0; r < n && !st; r++) {
         if (!runs[r].st) continue;
         if (first < 0) first = r;
-        if (cause < 0 && (!run->said[r].status || strcmp(runs[r].err.message, run->said[r].message))) cause = r;
+        if (cause < 0 && (runs[r].st != run->said[r].status || strcmp(runs[r].err.message, run->said[r].message))) cause = r;
     }
     if (first >= 0) {
         const int r = cause >= 0 ? cause : first;
         st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
     }
     for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);
-    pr__run_free(run);
+    pr__mtx_lock(&run->mu);
+    pr__run_unlock_release(run);              /* freed here unless fn kept a split communicator */
     PR_FREE(runs);
     PR_FREE(th);
     return st;

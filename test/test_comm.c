@@ -9,8 +9,11 @@
 #include "harness.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <threads.h>
+#include <time.h>
 
 #define N 37                      /* elements per rank: not a multiple of anything */
 #define MAXR 4
@@ -202,6 +205,43 @@ static pr_status crossed(pr_comm *c, void *user, pr_error *err) {
     return record(user, c, st, err);
 }
 
+/* Rank 1 gives up an all_reduce (every rank waits: rank 0 in a recv from it), then sends rank 0
+   what it waits for and calls an all_reduce of the same shape again, while rank 0, its recv done,
+   makes its first: the two calls must not be taken for one. */
+typedef struct {
+    atomic_int in_recv;
+    pr_status first[2], second[2];
+    char msg[2][512];
+} gave_up;
+static pr_status give_up_and_retry(pr_comm *c, void *user, pr_error *err) {
+    gave_up *g = user;
+    pr_comm *sub;
+    pr_status st = c->split(c, 0, c->rank, &sub, err);
+    if (st) return st;
+    double x[N] = { 0 };
+    pr_error e;
+    e.message[0] = 0;
+    if (c->rank == 0) {
+        atomic_store(&g->in_recv, 1);
+        g->first[0] = c->recv(c, x, N, PR_COMM_F64, 1, &e);
+        g->second[0] = sub->all_reduce(sub, x, N, PR_COMM_F64, &e);
+    } else {
+        while (!atomic_load(&g->in_recv)) thrd_yield();
+        thrd_sleep(&(struct timespec){ .tv_nsec = 50000000 }, NULL);   /* rank 0 is waiting in its recv by now */
+        g->first[1] = sub->all_reduce(sub, x, N, PR_COMM_F64, &e);
+        pr_status sent = c->send(c, x, N, PR_COMM_F64, 0, &e);
+        g->second[1] = sent ? sent : sub->all_reduce(sub, x, N, PR_COMM_F64, &e);
+    }
+    snprintf(g->msg[c->rank], sizeof g->msg[0], "%s", e.message);
+    sub->destroy(sub);
+    return PR_OK;
+}
+/* A split communicator kept past the run's end and destroyed after it. */
+static pr_status keep_split(pr_comm *c, void *user, pr_error *err) {
+    pr_comm **kept = user;
+    return c->split(c, c->rank % 2, c->rank, &kept[c->rank], err);
+}
+
 static void check_faults(void) {
     static const struct {
         const char *name;
@@ -211,8 +251,8 @@ static void check_faults(void) {
         const char *says;          /* in the run's message */
         const char *peers_say;     /* in every failing rank's message but the cause's (NULL: the run's) */
     } cases[] = {
-        { "sizes differ", sizes_differ, 3, PR_ERR_ARG, "all_reduce of 37 f64, rank 1 all_reduce of 42 f64", NULL },
-        { "operations differ", ops_differ, 2, PR_ERR_ARG, "rank 0 all_gather of 37 f64, rank 1 all_reduce", NULL },
+        { "sizes differ", sizes_differ, 3, PR_ERR_ARG, "all_reduce of 37 f64 (its call 1 on this communicator), rank 1 all_reduce of 42 f64", NULL },
+        { "operations differ", ops_differ, 2, PR_ERR_ARG, "rank 0 all_gather of 37 f64 (its call 1 on this communicator), rank 1 all_reduce", NULL },
         { "a rank leaves", one_leaves, 3, PR_ERR_IO, "rank 1: disk on fire", "has left the communicator" },
         { "send to a rank that left", send_to_leaver, 2, PR_ERR_ARG, "send: rank 1 has left the communicator", NULL },
         { "each waits for the other", crossed, 2, PR_ERR_ARG, "rank 0: recv: ", NULL },   /* and one says all wait */
@@ -234,6 +274,24 @@ static void check_faults(void) {
                   o.msg[0], o.msg[1], o.msg[2]);
             if (!fine) break;
         }
+    int ordered = 0;
+    for (int tries = 0; tries < 10 && !ordered; tries++) {
+        gave_up g;
+        memset(&g, 0, sizeof g);
+        pr_error err;
+        CHECK(pr_comm_local_run(2, give_up_and_retry, &g, &err) == PR_OK, "give up and retry: %s", err.message);
+        ordered = g.first[0] == PR_OK && g.first[1] != PR_OK;      /* else rank 0's recv was the one given up: again */
+        if (ordered)
+            CHECK(g.second[0] != PR_OK && g.second[1] != PR_OK && strstr(g.msg[0], "(its call 1 on this communicator)") && strstr(g.msg[0], "(its call 2)"),
+                  "a call given up and one of the same shape after it were taken for one: %d %d '%s'", (int)g.second[0], (int)g.second[1],
+                  g.msg[0]);
+    }
+    CHECK(ordered, "give up and retry: rank 1 never was the one to give up");
+    pr_comm *kept[4] = { NULL, NULL, NULL, NULL };
+    pr_error err;
+    CHECK(pr_comm_local_run(4, keep_split, kept, &err) == PR_OK, "kept split: %s", err.message);
+    for (int r = 0; r < 4; r++)
+        if (kept[r]) kept[r]->destroy(kept[r]);       /* after the run (the sanitizer build sees any use after free) */
 }
 
 int main(void) {
