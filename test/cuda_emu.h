@@ -32,6 +32,9 @@
      - cuBLASLt: D = alpha op(A) op(B) + beta C, column-major, bf16 A and B, products summed in
        double and rounded once to D's type; layouts, operands and workspace checked against the
        allocations, pointers against the alignment the algorithm was chosen for.
+   With PR_EMU_FAIL_ALLOC=k in the environment, allocation number k (device or pinned, from 0)
+   fails as out of memory, once, and says so on stderr: test/check_oom.sh sweeps k over training
+   steps to see what each failure leaves behind.
    A fault inside a kernel is sticky, as on a GPU: every later call returns it. Not emulated:
    timing, overlap of two streams' operations (each runs whole, in one of the two orders the
    schedules force; compute-sanitizer's part on a GPU). NCCL: test/nccl_emu.h, ranks as processes.
@@ -180,10 +183,20 @@ static inline cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
     return emu_result(cudaSuccess);
 }
 
+/* Whether this allocation is the one PR_EMU_FAIL_ALLOC names. */
+static bool emu_allocation_fails() {
+    static long fail_at = -2, made = 0;
+    if (fail_at == -2) fail_at = getenv("PR_EMU_FAIL_ALLOC") ? atol(getenv("PR_EMU_FAIL_ALLOC")) : -1;
+    if (fail_at < 0 || made++ != fail_at) return false;
+    fprintf(stderr, "emulated device: allocation %ld fails, as PR_EMU_FAIL_ALLOC asks\n", fail_at);
+    return true;
+}
+
 static cudaError_t emu_allocate(void **p, size_t bytes, int kind) {
     if (!p) return cudaErrorInvalidValue;
     *p = NULL;
     if (kind == MEM_DEVICE && emu_device_bytes + bytes > EMU_DEVICE_TOTAL) return cudaErrorMemoryAllocation;
+    if (emu_allocation_fails()) return cudaErrorMemoryAllocation;
     /* cudaMalloc's alignment, and not a byte more than asked: under AddressSanitizer an access
        past the end is caught, as compute-sanitizer's memcheck would */
     void *q = NULL;

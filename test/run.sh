@@ -43,12 +43,16 @@ if [ -x "$dir/emu/train_cuda" ]; then
     rm -rf "$tmp"
     # the replay's bf16 rule: reuse and the full-sequence schedule against the CPU's trajectory
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
+    # each device and pinned allocation failing in turn: an out-of-memory error, never a crash
+    run sh "$(dirname "$0")/check_oom.sh" "$dir/emu/train_cuda"
 fi
 # the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
-# emulated kernels under the sanitizers take minutes a run), and the operation profile's events
+# emulated kernels under the sanitizers take minutes a run), the operation profile's events, and
+# one in six allocations failing
 if [ -x "$dir/train_cuda-emu" ]; then
     run "$dir/train_cuda-emu" --check --offload on
     run sh "$(dirname "$0")/check_profile.sh" "$dir/train_cuda-emu"
+    run sh "$(dirname "$0")/check_oom.sh" "$dir/train_cuda-emu" 6
 fi
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done
