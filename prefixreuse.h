@@ -6053,8 +6053,8 @@ static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
    that cannot end fails instead of hanging: one for a rank that has left (its function returned,
    or it destroyed the communicator), and one in a run whose every thread waits with none able to
    wake another, as when a rank that failed skips a collective its peers are in. A collective
-   also checks that every rank made the same call (operation, count, type) before it reads
-   another rank's buffer. */
+   also checks that every rank made the same call (operation, count, type, and its number on the
+   communicator) before it reads another rank's buffer. */
 enum { PR__RUNNING = 0, PR__DONE, PR__AT_BARRIER, PR__BOX_EMPTY, PR__BOX_FULL };
 struct pr__world;
 typedef struct {
