@@ -5760,8 +5760,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
     int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
-    pr_status st = n < R || place ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
-    if (place && pr_dp_place(&tr->model, groups, n, R, opt->schedule, place))
+    pr_status st = PR_OK;
+    if (n >= R && (!place || pr_dp_place(&tr->model, groups, n, R, opt->schedule, place)))
         st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
     pr__dp_step_begin(tr);
     pr_step_opts o = *opt;
@@ -6293,7 +6293,8 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
         const pr__call *b = &w->call[r];
         if (strcmp(a->op, b->op) || a->n != b->n || a->type != b->type || a->seq != b->seq) {
             pr_error e;
-            pr__fail(&e, PR_ERR_ARG, "%s: the ranks' calls differ: rank %d %s of %zu %s (its call %lu on this communicator), rank %d %s of %zu %s (its call %lu)",
+            pr__fail(&e, PR_ERR_ARG,
+                     "%s: the ranks' calls differ: rank %d %s of %zu %s (its call %lu on this communicator), rank %d %s of %zu %s (its call %lu)",
                      op, w->thread[0], a->op, a->n, type_name[a->type], a->seq + 1, w->thread[r], b->op, b->n, type_name[b->type],
                      b->seq + 1);
             st = pr__comm_fail(l, err, &e);
