@@ -1043,7 +1043,14 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    wait up to timeout_s seconds for a file no older than a minute before their call (a shared
    filesystem for several nodes). Buffers are device memory. NCCL's sums are deterministic for a
    fixed topology but not in rank order. A build without NCCL (PR_NO_NCCL) returns
-   PR_ERR_UNSUPPORTED. */
+   PR_ERR_UNSUPPORTED.
+   A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs,
+   or ranks whose calls differ), or that NCCL reports an asynchronous error for, aborts its NCCL
+   communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
+   world (the one created here and all split from it) fails at once with that reason, and their
+   destroy aborts rather than waits. NCCL's own init and split still wait on the host for every rank; and NCCL
+   documents that within a node an abort may need the peers' processes to end or abort too, so
+   a launcher should still end the job when one rank exits with an error. */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 

@@ -43,6 +43,7 @@
 #if !defined(PR_NO_NCCL) && !defined(PR_CUDA_DEVICE_EMULATION)
 #include <nccl.h>
 #endif
+#include <sched.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -3126,12 +3127,24 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
    behind the kernels that write their buffers and ahead of those that read them, and each call
    waits for that stream, so host-side callers find the result in place when it returns (the
    schedule's exchanges are layer-sized; overlap comes later). Sub-communicators from split keep
-   the backend. */
+   the backend.
+   NCCL waits forever for a peer that has stopped, so the wait is watched (pr_nccl_wait): an
+   operation not complete after timeout_s, or one NCCL reports an error for (a peer's process or
+   the network failed), aborts its communicator, which ends the operation on the device, and
+   fails. A communicator and those split from it are one family: after such a failure every
+   call of each fails at once with its reason, and each is aborted rather than destroyed, as
+   NCCL's destroy would first complete the operations its peers no longer come to. */
+typedef struct {
+    int refs;                      /* the family's live communicators */
+    int timeout_s;
+    char failed[256];              /* empty, or why the family's communicators are unusable */
+} pr_nccl_family;
 typedef struct {
     pr_comm c;
-    ncclComm_t nc;
+    ncclComm_t nc;                 /* NULL once aborted */
     pr_cu *cx;                     /* the backend: its device and stream */
     float *one;                    /* device scratch for the barrier (zeroed once) */
+    pr_nccl_family *family;
 } pr_nccl;
 
 static pr_nccl *pr_nccl_of(pr_comm *c) { return (pr_nccl *)c->ctx; }
@@ -3156,44 +3169,96 @@ static pr_status pr_nccl_error(pr_error *err, pr_status st, const char *fmt, ...
     return st;
 }
 
-static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
-    cudaError_t e = r == ncclSuccess ? cudaStreamSynchronize(x->cx->stream) : cudaSuccess;
-    if (r == ncclSuccess && e == cudaSuccess) return PR_OK;
-    return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, r != ncclSuccess ? ncclGetErrorString(r) : cudaGetErrorString(e));
+static double pr_nccl_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
-static pr_status pr_nccl_bad_type(pr_comm_type t, pr_error *err) {
-    return pr_nccl_error(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
+
+/* x's operation `what` failed on the device side: abort x (ending the operation), and the family
+   is unusable from here on. */
+static pr_status pr_nccl_abort(pr_nccl *x, pr_error *err, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(x->family->failed, sizeof x->family->failed, fmt, ap);
+    va_end(ap);
+    ncclCommAbort(x->nc);
+    x->nc = NULL;
+    return pr_nccl_error(err, PR_ERR_DEVICE, "%s: the communicator is aborted", x->family->failed);
+}
+
+/* Waits for the backend's stream (the operation just queued, after the work before it), watching
+   it: NCCL's asynchronous errors, and timeout_s without completion (pr_nccl). Yields between looks
+   for the first 100 ms, as cudaStreamSynchronize's spin would, so that an exchange ends as soon
+   as the device does; then naps of 20 us. */
+static pr_status pr_nccl_wait(pr_nccl *x, const char *what, pr_error *err) {
+    const double t0 = pr_nccl_now();
+    for (;;) {
+        const cudaError_t e = cudaStreamQuery(x->cx->stream);
+        if (e == cudaSuccess) return PR_OK;
+        if (e != cudaErrorNotReady) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, cudaGetErrorString(e));
+        const double waited = pr_nccl_now() - t0;
+        ncclResult_t async = ncclSuccess;
+        if (waited > 1e-3 && ncclCommGetAsyncError(x->nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+            return pr_nccl_abort(x, err, "NCCL %s: %s", what, ncclGetErrorString(async));
+        if (waited > x->family->timeout_s)
+            return pr_nccl_abort(x, err,
+                                 "NCCL %s on rank %d of %d: not complete after %d s (a peer rank has stopped or hangs, or the ranks' "
+                                 "calls differ)", what, x->c.rank, x->c.size, x->family->timeout_s);
+        if (waited < 0.1) sched_yield();
+        else usleep(20);
+    }
+}
+static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
+    if (r != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, ncclGetErrorString(r));
+    return pr_nccl_wait(x, what, err);
+}
+
+/* Whether c can run `what`: not once its family has failed (err says why). */
+static pr_status pr_nccl_usable(pr_comm *c, const char *what, pr_error *err) {
+    const pr_nccl_family *f = pr_nccl_of(c)->family;
+    if (!f->failed[0]) return PR_OK;
+    return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: the communicator was aborted after an earlier failure (%s)", what, f->failed);
+}
+/* The same, and t's NCCL type and element size. */
+static pr_status pr_nccl_begin(pr_comm *c, pr_comm_type t, ncclDataType_t *dt, size_t *elem, const char *what, pr_error *err) {
+    if (!pr_nccl_type(t, dt, elem)) return pr_nccl_error(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
+    return pr_nccl_usable(c, what, err);
 }
 
 static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "all_reduce", err);
+    if (st) return st;
     if (c->size > 1) c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclAllReduce(buf, buf, n, dt, ncclSum, x->nc, x->cx->stream), "all_reduce", err);
 }
 static pr_status pr_nccl_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "all_gather", err);
+    if (st) return st;
     if (c->size > 1) c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclAllGather(in, out, n, dt, x->nc, x->cx->stream), "all_gather", err);
 }
 static pr_status pr_nccl_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "reduce_scatter", err);
+    if (st) return st;
     c->bytes_sent += n * e * (size_t)(c->size - 1);
     return pr_nccl_status(x, ncclReduceScatter(in, out, n, dt, ncclSum, x->nc, x->cx->stream), "reduce_scatter", err);
 }
 static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "all_to_all", err);
+    if (st) return st;
     ncclResult_t r = ncclGroupStart();
     for (int p = 0; p < c->size && r == ncclSuccess; p++) {
         r = ncclSend((const char *)in + (size_t)p * n * e, n, dt, p, x->nc, x->cx->stream);
@@ -3209,30 +3274,33 @@ static pr_status pr_nccl_peer(pr_comm *c, int peer, pr_error *err) {
 }
 static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
-    pr_status st = pr_nccl_peer(c, peer, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "send", err);
+    if (st) return st;
+    st = pr_nccl_peer(c, peer, err);
     if (st) return st;
     c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclSend(buf, n, dt, peer, x->nc, x->cx->stream), "send", err);
 }
 static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
-    pr_status st = pr_nccl_peer(c, peer, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "recv", err);
+    if (st) return st;
+    st = pr_nccl_peer(c, peer, err);
     if (st) return st;
     return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->cx->stream), "recv", err);
 }
 static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
                                    pr_comm_type t, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
-    ncclDataType_t dt;
-    size_t e;
-    if (!pr_nccl_type(t, &dt, &e)) return pr_nccl_bad_type(t, err);
-    pr_status st = pr_nccl_peer(c, to, err);
+    ncclDataType_t dt = ncclFloat32;
+    size_t e = 0;
+    pr_status st = pr_nccl_begin(c, t, &dt, &e, "send_recv", err);
+    if (st) return st;
+    st = pr_nccl_peer(c, to, err);
     if (!st) st = pr_nccl_peer(c, from, err);
     if (st) return st;
     c->bytes_sent += n_send * e;
@@ -3244,27 +3312,33 @@ static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, 
 }
 static pr_status pr_nccl_barrier(pr_comm *c, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
+    pr_status st = pr_nccl_usable(c, "barrier", err);
+    if (st) return st;
     return pr_nccl_status(x, ncclAllReduce(x->one, x->one, 1, ncclFloat32, ncclSum, x->nc, x->cx->stream), "barrier", err);
 }
 static void pr_nccl_destroy(pr_comm *c) {
     if (!c) return;
     pr_nccl *x = pr_nccl_of(c);
-    if (x->nc) ncclCommDestroy(x->nc);
+    if (x->nc) (x->family->failed[0] ? ncclCommAbort : ncclCommDestroy)(x->nc);
     if (x->one) cudaFree(x->one);
+    if (--x->family->refs == 0) free(x->family);
     free(x);
 }
 
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_error *err);
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, pr_error *err);
 
 static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
+    pr_status st = pr_nccl_usable(c, "split", err);
+    if (st) return st;
     ncclComm_t nc = NULL;
     ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
     if (r != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL split: %s", ncclGetErrorString(r));
-    return pr_nccl_wrap(sub, nc, x->cx, err);
+    return pr_nccl_wrap(sub, nc, x->cx, x->family, err);
 }
 
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_error *err) {
+/* nc as a pr_comm of the family (which it joins); on failure nc is destroyed. */
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, pr_error *err) {
     pr_nccl *x = (pr_nccl *)calloc(1, sizeof *x);
     int rank = 0, size = 0;
     if (!x || ncclCommUserRank(nc, &rank) != ncclSuccess || ncclCommCount(nc, &size) != ncclSuccess ||
@@ -3277,6 +3351,8 @@ static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_error 
     }
     x->nc = nc;
     x->cx = cx;
+    x->family = family;
+    family->refs++;
     pr_comm *c = &x->c;
     c->rank = rank;
     c->size = size;
@@ -3340,18 +3416,26 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
                              be ? be->name : "NULL", id_path ? id_path : "NULL");
     if (be->alloc != pr_cu_alloc)
         return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: backend '%s' is not a CUDA backend", be->name);
+    if (timeout_s < 1) return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: timeout %d s, at least 1 expected", timeout_s);
     pr_cu *cx = pr_cu_of(be);
     ncclUniqueId id;
     pr_status st = pr_nccl_share_id(&id, rank, id_path, timeout_s, err);
     if (st) return st;
+    pr_nccl_family *family = (pr_nccl_family *)calloc(1, sizeof *family);
+    if (!family) return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
+    family->timeout_s = timeout_s;
     ncclComm_t nc;
+    ncclResult_t r = ncclSuccess;
     if (cudaSetDevice(cx->device) != cudaSuccess)          /* NCCL binds the communicator to the current device */
-        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
-    ncclResult_t r = ncclCommInitRank(&nc, size, id, rank);
-    if (r != ncclSuccess)
-        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
-    if (rank == 0) remove(id_path);
-    return pr_nccl_wrap(out, nc, cx, err);
+        st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
+    else if ((r = ncclCommInitRank(&nc, size, id, rank)) != ncclSuccess)
+        st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
+    else {
+        if (rank == 0) remove(id_path);
+        st = pr_nccl_wrap(out, nc, cx, family, err);
+    }
+    if (st) free(family);
+    return st;
 }
 #else
 pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,

@@ -48,6 +48,7 @@ typedef struct {
     int groups_per_step;             /* 0: the trace's steps (version 2), else dp groups; N: N consecutive groups a step */
     long loss_norm_len;              /* seq-mean-token-sum-norm's length (0: the step's longest suffix) */
     const char *nccl_id;
+    int nccl_timeout;                /* seconds a rank waits for its peers (pr_comm_nccl_create) */
     int attention;                   /* train_cuda: PR_CUDA_ATTENTION_AUTO (default), _FFMA, _MMA, _MMA_ATOMIC or _WGMMA */
     int profile;                     /* train_cuda --bench: each timed run's time per backend operation */
 } options;
@@ -121,6 +122,8 @@ static void usage(FILE *f) {
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
         "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
+        "  --nccl-timeout S       train_cuda: how long a rank waits for its peers, for the id file and for each\n"
+        "                         exchange, before it gives up with an error (default 600)\n"
         "  --attention K          train_cuda's kernels at head dims 64 and 128: auto (default: wgmma where it runs,\n"
         "                         else mma, else ffma) | ffma (CUDA cores, the reference) | mma (tensor cores, sm_80+,\n"
         "                         ~25x ffma on an H100) | wgmma (mma's kernels on Hopper's warpgroup MMA: compute\n"
@@ -242,6 +245,7 @@ static int parse_args(int argc, char **argv, options *o) {
     o->steps = 8;
     o->tree_min = 16;
     o->seed = 1234;
+    o->nccl_timeout = 600;
     o->bench_total = 1024;
     o->bench_reps = 2;
     o->bench_groups[0] = 4;
@@ -301,6 +305,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
         else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
+        else if (!strcmp(a, "--nccl-timeout")) ok = parse_int(v, &o->nccl_timeout) && o->nccl_timeout >= 1;
         else if (!strcmp(a, "--attention")) {
             o->attention = -1;
             for (int k = 0; k <= PR_CUDA_ATTENTION_AUTO; k++)
@@ -617,6 +622,7 @@ static void print_progress(int done, int all, time_t start) {
     printf("  [%d/%d", done, all);
     if (elapsed >= 1 && done < all) printf(", %.0f s left", elapsed / done * (all - done));
     printf("]\n");
+    fflush(stdout);                  /* a log file shows each step as it ends */
 }
 
 /* --loss-log: exact values, so that two runs can be compared byte for byte. */
@@ -895,7 +901,7 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
     const pr_backend *be = backend(err);           /* first: it selects this rank's GPU (LOCAL_RANK) */
     if (!be) return err->status;
     pr_comm *world;
-    pr_status st = pr_comm_nccl_create(&world, be, atoi(rank), atoi(size), j->o->nccl_id, 300, err);
+    pr_status st = pr_comm_nccl_create(&world, be, atoi(rank), atoi(size), j->o->nccl_id, j->o->nccl_timeout, err);
     if (st) return st;
     st = mesh_rank(world, j, err);
     world->destroy(world);

@@ -107,22 +107,29 @@ static bool emu_is_device(const void *p, size_t bytes) { return emu_find(p, byte
 static bool emu_is_pinned(const void *p, size_t bytes) { return emu_find(p, bytes, MEM_PINNED) != NULL; }
 
 /* ================================================================ streams and events */
-/* Queued work: stream s's operations in order; `done` of them have run. An event is the point a
-   stream had reached when it was recorded. */
-struct emu_stream { std::vector<std::function<void()>> ops; size_t done; };
+/* Queued work: stream s's operations in order; `done` of them have run. An operation is called
+   with `block`: true, it runs to its end; false (cudaStreamQuery), it may instead return false
+   when it cannot finish now (NCCL's waiting for its peers), to be called again. An event is the
+   point a stream had reached when it was recorded. */
+struct emu_stream { std::vector<std::function<bool(bool)>> ops; size_t done; };
 struct emu_event { emu_stream *stream; size_t at; bool timing; std::shared_ptr<double> when; };
 typedef emu_stream *cudaStream_t;
 typedef emu_event *cudaEvent_t;
 static std::vector<emu_stream *> emu_streams;
 
 /* runs s's queued operations up to position `until` (each may first run other streams' work it
-   waits for) */
-static void emu_run_until(emu_stream *s, size_t until) {
+   waits for); without `block`, stops at an operation that cannot finish now and returns false.
+   `done` moves before the call, so that the operation's own waits never run it again. */
+static bool emu_run_until(emu_stream *s, size_t until, bool block = true) {
     while (s->done < until && s->done < s->ops.size()) {
-        std::function<void()> op = s->ops[s->done];
+        std::function<bool(bool)> op = s->ops[s->done];
         s->done++;
-        op();
+        if (!op(block)) {
+            s->done--;
+            return false;
+        }
     }
+    return true;
 }
 static void emu_run_all(void) {
     for (emu_stream *s : emu_streams) emu_run_until(s, s->ops.size());
@@ -130,7 +137,7 @@ static void emu_run_all(void) {
 /* Whether streams after the first run each operation when queued: PR_EMU_SCHEDULE (see the top),
    read at the first operation queued; -1 until then. */
 static int emu_eager_side = -1;
-static void emu_enqueue(cudaStream_t s, std::function<void()> op) {
+static void emu_enqueue_resumable(cudaStream_t s, std::function<bool(bool)> op) {
     if (emu_eager_side < 0) {
         const char *v = getenv("PR_EMU_SCHEDULE");
         emu_eager_side = v && !strcmp(v, "eager-side");
@@ -139,6 +146,12 @@ static void emu_enqueue(cudaStream_t s, std::function<void()> op) {
     }
     s->ops.push_back(op);
     if (emu_eager_side && s != emu_streams.front()) emu_run_until(s, s->ops.size());
+}
+static void emu_enqueue(cudaStream_t s, std::function<void()> op) {
+    emu_enqueue_resumable(s, [op](bool) {
+        op();
+        return true;
+    });
 }
 static bool emu_known_stream(cudaStream_t s) {
     for (emu_stream *x : emu_streams) if (x == s) return true;
@@ -252,6 +265,12 @@ static cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     emu_run_until(s, s->ops.size());
     return emu_result(cudaSuccess);
 }
+/* runs what can run now: cudaSuccess when all of s's work is done, cudaErrorNotReady while an
+   operation waits (an NCCL peer that has not come) */
+static cudaError_t cudaStreamQuery(cudaStream_t s) {
+    if (!emu_known_stream(s)) return cudaErrorInvalidResourceHandle;
+    return emu_result(emu_run_until(s, s->ops.size(), false) ? cudaSuccess : cudaErrorNotReady);
+}
 static cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     *e = new emu_event();
     (*e)->stream = NULL, (*e)->at = 0, (*e)->timing = !(flags & cudaEventDisableTiming);
@@ -290,7 +309,7 @@ static cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned f
     if (!emu_known_stream(s) || flags) return cudaErrorInvalidValue;
     emu_stream *other = e->stream;
     const size_t at = e->at;
-    if (other) emu_enqueue(s, [other, at] { emu_run_until(other, at); });
+    if (other) emu_enqueue_resumable(s, [other, at](bool block) { return emu_run_until(other, at, block); });
     return emu_result(cudaSuccess);
 }
 

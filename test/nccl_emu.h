@@ -22,9 +22,12 @@
        unharmed); counts that do not match between a send and its receive, and a rank that never
        comes (EMU_NCCL_WAIT_S without progress), are device faults;
      - ncclCommDestroy and ncclCommSplit first run the work queued on every stream, as NCCL
-       finishes a communicator's operations before either.
-   Not emulated: the ring and tree algorithms' own summation orders, ncclCommAbort, non-blocking
-   communicators, reductions other than the sum. test/test_cuda_emu.cc checks these rules on a
+       finishes a communicator's operations before either;
+     - an operation whose peers have not come leaves cudaStreamQuery not ready (each query moves
+       what it can); ncclCommAbort ends the communicator's queued operations where they stand,
+       their buffers as far as they got, and frees it; ncclCommGetAsyncError has nothing to report.
+   Not emulated: the ring and tree algorithms' own summation orders, non-blocking communicators,
+   the errors a peer's failure raises asynchronously, reductions other than the sum. test/test_cuda_emu.cc checks these rules on a
    world of three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
@@ -46,6 +49,8 @@ typedef enum {
     ncclInternalError = 3,
     ncclInvalidArgument = 4,
     ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+    ncclInProgress = 7,
 } ncclResult_t;
 typedef enum { ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9 } ncclDataType_t;
 typedef enum { ncclSum = 0 } ncclRedOp_t;
@@ -64,6 +69,7 @@ struct ncclComm {
     emu_nccl_shm *shm;
     size_t map_bytes;
     int rank, size, splits;
+    bool aborted;                               /* ncclCommAbort: its queued operations end at once */
     std::string name;
 };
 typedef struct ncclComm *ncclComm_t;
@@ -76,6 +82,8 @@ static inline const char *ncclGetErrorString(ncclResult_t r) {
     case ncclInternalError: return "internal error";
     case ncclInvalidArgument: return "invalid argument";
     case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
     }
     return "unknown result";
 }
@@ -150,6 +158,7 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
     c->rank = rank;
     c->size = size;
     c->splits = 0;
+    c->aborted = false;
     c->name = name;
     *out = c;
     return ncclSuccess;
@@ -170,16 +179,30 @@ static ncclResult_t ncclCommDestroy(ncclComm_t c) {
     }
     return ncclSuccess;
 }
+/* Its queued operations end where they stand (the streams go on past them), then it is freed. */
+static ncclResult_t ncclCommAbort(ncclComm_t c) {
+    if (!c) return ncclSuccess;
+    c->aborted = true;
+    return ncclCommDestroy(c);
+}
+static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
+    if (!c || !r) return ncclInvalidArgument;
+    *r = ncclSuccess;
+    return ncclSuccess;
+}
 
 /* ================================================================ point to point */
 /* One side of a message: `bytes` from or into buf, moved chunk by chunk. */
 struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved; };
 
-/* Moves what it can of ops, all of them at once, until every one is done: a send or receive
-   starts only after the earlier ones in ops to or from the same peer. */
-static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, const char *what) {
+/* Moves what it can of ops, all of them at once: a send or receive starts only after the earlier
+   ones in ops to or from the same peer. `block`: until every one is done (or the communicator
+   is aborted, or the wait gives up with a device fault); else in one pass. */
+enum emu_nccl_state { EMU_NCCL_PENDING, EMU_NCCL_DONE, EMU_NCCL_FAILED };
+static emu_nccl_state emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, const char *what, bool block) {
     emu_nccl_wait w;
     for (;;) {
+        if (c->aborted) return EMU_NCCL_FAILED;
         bool pending = false;
         for (size_t k = 0; k < ops.size(); k++) {
             emu_nccl_p2p &o = ops[k];
@@ -202,7 +225,7 @@ static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, cons
                     if (b->message != o.bytes) {
                         emu_device_fault("%s: rank %d receives %llu bytes from rank %d, a message of %llu", what, c->rank,
                                          (unsigned long long)o.bytes, o.peer, (unsigned long long)b->message);
-                        return false;
+                        return EMU_NCCL_FAILED;
                     }
                     memcpy(o.buf + o.moved, b->data, b->bytes);
                     o.moved += b->bytes;
@@ -212,11 +235,12 @@ static bool emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> &ops, cons
             }
             pending |= o.moved < o.bytes;
         }
-        if (!pending) return true;
+        if (!pending) return EMU_NCCL_DONE;
+        if (!block) return EMU_NCCL_PENDING;
         if (w.expired()) {
             emu_device_fault("%s: rank %d of %d waited %d s for its peers (a rank that never came, or sends and receives that "
                              "do not match)", what, c->rank, c->size, (int)EMU_NCCL_WAIT_S);
-            return false;
+            return EMU_NCCL_FAILED;
         }
     }
 }
@@ -265,9 +289,9 @@ static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vect
         return ncclSuccess;
     }
     std::string w = what;
-    emu_enqueue(s, [c, ops, w] {
-        std::vector<emu_nccl_p2p> todo = ops;
-        if (!emu_sticky) emu_nccl_progress(c, todo, w.c_str());
+    std::shared_ptr<std::vector<emu_nccl_p2p>> todo = std::make_shared<std::vector<emu_nccl_p2p>>(ops);
+    emu_enqueue_resumable(s, [c, todo, w](bool block) {
+        return emu_sticky || emu_nccl_progress(c, *todo, w.c_str(), block) != EMU_NCCL_PENDING;
     });
     return ncclSuccess;
 }
@@ -301,13 +325,13 @@ static ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t t, int peer
 
 /* What collectives and the split are made of: block q of send (block bytes each, or the whole of
    send to every rank when `same` is set) goes to rank q, and rank q's block lands at recv + q * block. */
-static bool emu_nccl_exchange(ncclComm_t c, const void *send, size_t block, bool same, unsigned char *recv, const char *what) {
+static std::vector<emu_nccl_p2p> emu_nccl_exchange(ncclComm_t c, const void *send, size_t block, bool same, unsigned char *recv) {
     std::vector<emu_nccl_p2p> ops;
     for (int q = 0; q < c->size; q++) {
         ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block), block, 0 });
         ops.push_back({ false, q, recv + (size_t)q * block, block, 0 });
     }
-    return emu_nccl_progress(c, ops, what);
+    return ops;
 }
 
 /* A collective: the exchange into parts (the ranks' blocks, rank after rank), then finish(parts)
@@ -315,11 +339,18 @@ static bool emu_nccl_exchange(ncclComm_t c, const void *send, size_t block, bool
 static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStream_t s, const void *send, size_t block_bytes,
                                         bool same, std::function<void(const unsigned char *)> finish) {
     if (emu_nccl_group.depth > 0) return ncclInvalidUsage;   /* not used by the backend inside a group */
+    struct state { std::vector<unsigned char> parts; std::vector<emu_nccl_p2p> ops; };
+    std::shared_ptr<state> st = std::make_shared<state>();
     std::string w = what;
-    emu_enqueue(s, [c, send, block_bytes, same, finish, w] {
-        if (emu_sticky) return;
-        std::vector<unsigned char> parts((size_t)c->size * block_bytes);
-        if (emu_nccl_exchange(c, send, block_bytes, same, parts.data(), w.c_str())) finish(parts.data());
+    emu_enqueue_resumable(s, [c, send, block_bytes, same, finish, w, st](bool block) {
+        if (emu_sticky) return true;
+        if (st->ops.empty()) {                  /* send is read when the operation runs, not when it is queued */
+            st->parts.resize((size_t)c->size * block_bytes);
+            st->ops = emu_nccl_exchange(c, send, block_bytes, same, st->parts.data());
+        }
+        const emu_nccl_state r = emu_nccl_progress(c, st->ops, w.c_str(), block);
+        if (r == EMU_NCCL_DONE) finish(st->parts.data());
+        return r != EMU_NCCL_PENDING;
     });
     return ncclSuccess;
 }
@@ -365,7 +396,8 @@ static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *
     const int mine[2] = { color, key };
     std::vector<int> all(2 * (size_t)c->size);
     const int split = c->splits++;
-    if (!emu_nccl_exchange(c, mine, sizeof mine, true, (unsigned char *)all.data(), "ncclCommSplit")) return ncclSystemError;
+    std::vector<emu_nccl_p2p> ops = emu_nccl_exchange(c, mine, sizeof mine, true, (unsigned char *)all.data());
+    if (emu_nccl_progress(c, ops, "ncclCommSplit", true) != EMU_NCCL_DONE) return ncclSystemError;
     *out = NULL;
     if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
     int rank = 0, size = 0;

@@ -8,8 +8,9 @@
 #   ZeRO stage 2 against stage 0 after three steps; an exact resume (ZeRO-2, dp x tp) and offload
 #   on a dp x pp mesh, each bit for bit against the run without; one step's gradients on a tp x pp mesh
 #   against the CPU double build's, per tensor, within 2^-5 relative; a stale --nccl-id file
-#   from an earlier launch replaced, not joined; with FLIP_SEED, a check that fails on a routing
-#   flip and says so.
+#   from an earlier launch replaced, not joined; a rank that hangs mid-run ending its peer's run
+#   with an error after --nccl-timeout; with FLIP_SEED, a check that fails on a routing flip and
+#   says so.
 # A bf16 mesh rounds its sums differently from one rank, so a token whose PPO ratio lies within
 # rounding of 1 - eps-low or 1 + eps-high may clip in one run only, and its gradient terms differ
 # whole (the check prints the clipped-token counts when they differ): the runs past dp use a clip
@@ -75,6 +76,30 @@ run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors
 run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
 for off in off on; do run ranks 4 --dp 2 --pp 2 --steps 2 --microbatch 2 --offload $off --save "$tmp/offload-$off.safetensors"; done
 run build/compare_st "$tmp/offload-on.safetensors" "$tmp/offload-off.safetensors" 0
+# A rank that stops mid-run (SIGSTOP: a hung process, which NCCL alone would wait for forever): its
+# peer gives up after --nccl-timeout with an error naming the exchange, and exits 1.
+stalled_peer() {
+    r=0
+    while [ "$r" -lt 2 ]; do
+        RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r "$TRAIN_CUDA" --tp 2 --steps 100000 --nccl-timeout 2 --nccl-id "$tmp/nccl-id" \
+            > "$tmp/stall$r.log" 2>&1 &
+        eval "pid$r=\$!"
+        r=$((r + 1))
+    done
+    waited=0                                    # rank 0 has printed a step: both ranks are past the NCCL init
+    while ! grep -q '^step' "$tmp/stall0.log" && [ "$waited" -lt 600 ]; do sleep 0.2; waited=$((waited + 1)); done
+    kill -STOP "$pid1"
+    (sleep 60; kill -KILL "$pid0") > /dev/null 2>&1 &
+    guard=$!
+    wait "$pid0"
+    rc=$?
+    kill "$guard" 2> /dev/null
+    kill -KILL "$pid1"
+    wait "$pid1" 2> /dev/null
+    tail -n 1 "$tmp/stall0.log"
+    [ "$rc" -eq 1 ] && grep -q 'on rank 0 of 2: not complete after 2 s (a peer rank has stopped' "$tmp/stall0.log"
+}
+run stalled_peer
 run build/train-double --steps 1 --clip 0 $wide --save-grads "$tmp/cpu.safetensors"
 run ranks 4 --tp 2 --pp 2 --steps 1 --clip 0 $wide --save-grads "$tmp/mesh.safetensors"
 run build/compare_st "$tmp/mesh.safetensors" "$tmp/cpu.safetensors" 0.03125

@@ -348,6 +348,25 @@ static int nccl_rank(ncclUniqueId id, int rank) {
           sub_rank, sub_size, want_rank, want_size);
     ncclCommDestroy(sub);
 
+    CHECK(ncclCommSplit(c, 0, rank, &sub, NULL) == ncclSuccess, "rank %d splits again", rank);
+    if (rank == 0) {                                /* a receive whose sender never sends: not ready, until aborted */
+        for (size_t i = 0; i < 4; i++) host[i] = 7.0f;
+        cudaMemcpyAsync(y, host.data(), sizeof(float) * 4, cudaMemcpyHostToDevice, s);
+        ncclRecv(y, 4, ncclFloat32, 1, sub, s);
+        const cudaError_t first = cudaStreamQuery(s);
+        usleep(20000);
+        const cudaError_t again = cudaStreamQuery(s);
+        ncclResult_t async = ncclInternalError;
+        CHECK(first == cudaErrorNotReady && again == cudaErrorNotReady && ncclCommGetAsyncError(sub, &async) == ncclSuccess &&
+                  async == ncclSuccess,
+              "a receive from a rank that never sends leaves its stream not ready, nothing reported");
+        CHECK(ncclCommAbort(sub) == ncclSuccess && cudaStreamQuery(s) == cudaSuccess && !fault_seen(),
+              "aborting its communicator ends the receive: the stream is done, no fault");
+        cudaMemcpyAsync(host.data(), y, sizeof(float) * 4, cudaMemcpyDeviceToHost, s);
+        CHECK(host[0] == 7.0f && host[3] == 7.0f, "the aborted receive left its buffer as it was");
+    } else
+        ncclCommDestroy(sub);
+
     CHECK(ncclAllReduce(host.data(), host.data(), 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument && !fault_seen(),
           "a buffer outside the device's allocations is refused, the context unharmed, on rank %d", rank);
     if (rank < 2) {                                 /* last: the mailbox from 0 to 1 stays full */

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define TOL_BF16 1e-2
 #define TOL_FP32 1e-5
@@ -489,6 +490,43 @@ static void test_offload_copy_time(const char *model) {
     pr_trace_free(&trace);
 }
 
+/* The NCCL communicator on a world of one rank (one GPU cannot hold more): its set-up through the
+   id file, an all-reduce, an all-gather and a barrier, each waited for by the watched wait, a
+   split, and a timeout below one second refused. A build without NCCL says so instead. */
+static void test_nccl_one_rank(void) {
+    pr_error err;
+    char id_path[64];
+    snprintf(id_path, sizeof id_path, "/tmp/pr-test-gpu-nccl-id.%ld", (long)getpid());
+    pr_comm *world = NULL, *sub = NULL;
+    pr_status st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 0, &err);
+    CHECK(st == PR_ERR_ARG || st == PR_ERR_UNSUPPORTED, "NCCL: a timeout of 0 s accepted (%d: %s)", (int)st, err.message);
+    st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
+    if (st == PR_ERR_UNSUPPORTED) {
+        printf("NCCL: %s\n", err.message);
+        return;
+    }
+    CHECK(st == PR_OK, "NCCL: one rank: %s", err.message);
+    if (st) return;
+    CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 left its id file %s behind", id_path);
+    const size_t n = 1000;
+    double *x = random_f32(n, 1.0);
+    float *d = dev_f32(x, n), *all = dev_poison(n, sizeof(float));
+    int ok = !world->all_reduce(world, d, n, PR_COMM_F32, &err) && !world->all_gather(world, all, d, n, PR_COMM_F32, &err) &&
+             !world->barrier(world, &err) && !world->split(world, 0, 0, &sub, &err) && !sub->all_reduce(sub, d, n, PR_COMM_F32, &err);
+    CHECK(ok, "NCCL: one rank's operations: %s", err.message);
+    double *got = host_f32(d, n), *gathered = host_f32(all, n);
+    CHECK(ok && !memcmp(got, x, sizeof(double) * n) && !memcmp(gathered, x, sizeof(double) * n),
+          "NCCL: one rank's sum and gather change its values");
+    free(got);
+    free(gathered);
+    free(x);
+    release(d);
+    release(all);
+    if (sub) sub->destroy(sub);
+    world->destroy(world);
+    expect_backend_ok("NCCL: one rank");
+}
+
 /* After an AdamW step the bf16 weights the kernels read are the updated fp32 masters rounded to
    nearest even, element for element (a stale copy would train on the old weights unnoticed). */
 static void test_weights_refresh(const char *model) {
@@ -577,6 +615,7 @@ int main(int argc, char **argv) {
         test_logit_head(33, 5000);
         test_optimizer(1000003);
         test_profile();
+        test_nccl_one_rank();
     }
     if (attention) {
         printf("attention against the double CPU path, and its backward run twice\n");
