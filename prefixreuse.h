@@ -1045,12 +1045,16 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    fixed topology but not in rank order. A build without NCCL (PR_NO_NCCL) returns
    PR_ERR_UNSUPPORTED.
    A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs,
-   or ranks whose calls differ), or that NCCL reports an asynchronous error for, aborts its NCCL
+   or ranks whose calls differ; the clock counts the work queued before it on the stream too),
+   or that fails past its own arguments (NCCL's asynchronous errors included), aborts its NCCL
    communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
    world (the one created here and all split from it) fails at once with that reason, and their
-   destroy aborts rather than waits. NCCL's own init and split still wait on the host for every rank; and NCCL
-   documents that within a node an abort may need the peers' processes to end or abort too, so
-   a launcher should still end the job when one rank exits with an error. */
+   destroy aborts rather than waits. The reason is also printed on stderr just before the abort
+   (the one thing this library prints), since the abort itself may wait: within a node, until
+   the peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other
+   waits on the host have no limit: NCCL's init and split, and the connections a communicator
+   sets up at its first operation with a peer. A launcher should still end the job when one
+   rank exits with an error. */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 

@@ -3133,11 +3133,13 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
    the network failed), aborts its communicator, which ends the operation on the device, and
    fails. A communicator and those split from it are one family: after such a failure every
    call of each fails at once with its reason, and each is aborted rather than destroyed, as
-   NCCL's destroy would first complete the operations its peers no longer come to. */
+   NCCL's destroy would first complete the operations its peers no longer come to. A family is
+   used from one thread, as NCCL's blocking communicators are. */
 typedef struct {
     int refs;                      /* the family's live communicators */
     int timeout_s;
-    char failed[256];              /* empty, or why the family's communicators are unusable */
+    int world_rank;                /* this process's rank in the world communicator, for messages */
+    char failed[320];              /* empty, or why the family's communicators are unusable */
 } pr_nccl_family;
 typedef struct {
     pr_comm c;
@@ -3175,42 +3177,56 @@ static double pr_nccl_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* x's operation `what` failed on the device side: abort x (ending the operation), and the family
-   is unusable from here on. */
-static pr_status pr_nccl_abort(pr_nccl *x, pr_error *err, const char *fmt, ...) {
+/* x's operation `what` failed past the call's own arguments: the family is unusable from here on,
+   and x is aborted, which ends the operation on the device. Said on stderr first, as the one
+   thing this library prints: within a node the abort may itself wait until the peers' processes
+   end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863), and the reason must show even
+   then. Only the failed operation is in flight (each call waits for its own), so the family's
+   other communicators are idle when they are aborted in turn by their destroy. */
+static pr_status pr_nccl_abort(pr_nccl *x, const char *what, pr_error *err, const char *fmt, ...) {
+    pr_nccl_family *f = x->family;
+    int n = snprintf(f->failed, sizeof f->failed, "NCCL %s (rank %d of %d, world rank %d): ", what, x->c.rank, x->c.size, f->world_rank);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(x->family->failed, sizeof x->family->failed, fmt, ap);
+    if (n > 0 && (size_t)n < sizeof f->failed) vsnprintf(f->failed + n, sizeof f->failed - (size_t)n, fmt, ap);
     va_end(ap);
+    fprintf(stderr, "prefixreuse: %s: aborting the communicator\n", f->failed);
     ncclCommAbort(x->nc);
     x->nc = NULL;
-    return pr_nccl_error(err, PR_ERR_DEVICE, "%s: the communicator is aborted", x->family->failed);
+    return pr_nccl_error(err, PR_ERR_DEVICE, "%s: the communicator is aborted", f->failed);
 }
 
-/* Waits for the backend's stream (the operation just queued, after the work before it), watching
-   it: NCCL's asynchronous errors, and timeout_s without completion (pr_nccl). Yields between looks
-   for the first 100 ms, as cudaStreamSynchronize's spin would, so that an exchange ends as soon
-   as the device does; then naps of 20 us. */
+/* Waits for the backend's stream (the operation just queued, after the work queued before it,
+   which the clock counts too), watching it: NCCL's asynchronous errors, and timeout_s without
+   completion (pr_nccl). Yields between looks for the first 100 ms, as cudaStreamSynchronize's
+   spin would, so that an exchange ends as soon as the device does; then naps of 20 us. */
 static pr_status pr_nccl_wait(pr_nccl *x, const char *what, pr_error *err) {
     const double t0 = pr_nccl_now();
     for (;;) {
-        const cudaError_t e = cudaStreamQuery(x->cx->stream);
+        cudaError_t e = cudaStreamQuery(x->cx->stream);
         if (e == cudaSuccess) return PR_OK;
-        if (e != cudaErrorNotReady) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, cudaGetErrorString(e));
+        if (e == cudaErrorNotReady) {          /* the runtime keeps it as the last error: cleared, or the next launch check reports it */
+            const cudaError_t last = cudaGetLastError();
+            if (last != cudaSuccess && last != cudaErrorNotReady) e = last;
+        }
+        if (e != cudaErrorNotReady) return pr_nccl_abort(x, what, err, "%s", cudaGetErrorString(e));
         const double waited = pr_nccl_now() - t0;
         ncclResult_t async = ncclSuccess;
         if (waited > 1e-3 && ncclCommGetAsyncError(x->nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
-            return pr_nccl_abort(x, err, "NCCL %s: %s", what, ncclGetErrorString(async));
+            return pr_nccl_abort(x, what, err, "%s", ncclGetErrorString(async));
         if (waited > x->family->timeout_s)
-            return pr_nccl_abort(x, err,
-                                 "NCCL %s on rank %d of %d: not complete after %d s (a peer rank has stopped or hangs, or the ranks' "
-                                 "calls differ)", what, x->c.rank, x->c.size, x->family->timeout_s);
+            return pr_nccl_abort(x, what, err, "not complete after %d s (a peer rank has stopped or hangs, or the ranks' calls differ)",
+                                 x->family->timeout_s);
         if (waited < 0.1) sched_yield();
         else usleep(20);
     }
 }
+/* r: what queueing the operation returned. A refused call (its arguments) leaves the communicator
+   as it was; any other failure may have queued part of a group, so it aborts. */
 static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
-    if (r != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, ncclGetErrorString(r));
+    if (r == ncclInvalidArgument || r == ncclInvalidUsage)
+        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, ncclGetErrorString(r));
+    if (r != ncclSuccess) return pr_nccl_abort(x, what, err, "%s", ncclGetErrorString(r));
     return pr_nccl_wait(x, what, err);
 }
 
@@ -3394,7 +3410,7 @@ static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, const char *id_pat
     }
     const time_t since = time(NULL) - PR_NCCL_ID_SKEW_S;
     int stale = 0;
-    for (int waited = 0; waited <= timeout_s * 10; waited++) {
+    for (long long waited = 0; waited <= (long long)timeout_s * 10; waited++) {
         struct stat sb;
         FILE *f = stat(id_path, &sb) == 0 ? fopen(id_path, "rb") : NULL;
         if (f) {
@@ -3424,11 +3440,14 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     pr_nccl_family *family = (pr_nccl_family *)calloc(1, sizeof *family);
     if (!family) return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
     family->timeout_s = timeout_s;
+    family->world_rank = rank;
     ncclComm_t nc;
     ncclResult_t r = ncclSuccess;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;                                   /* whatever NCCL_COMM_BLOCKING says: each call returns queued */
     if (cudaSetDevice(cx->device) != cudaSuccess)          /* NCCL binds the communicator to the current device */
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
-    else if ((r = ncclCommInitRank(&nc, size, id, rank)) != ncclSuccess)
+    else if ((r = ncclCommInitRankConfig(&nc, size, id, rank, &config)) != ncclSuccess)
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
     else {
         if (rank == 0) remove(id_path);

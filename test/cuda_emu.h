@@ -266,10 +266,14 @@ static cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     return emu_result(cudaSuccess);
 }
 /* runs what can run now: cudaSuccess when all of s's work is done, cudaErrorNotReady while an
-   operation waits (an NCCL peer that has not come) */
+   operation waits (an NCCL peer that has not come). Not ready is also kept as the last error, as
+   the runtime does (its callers clear it with cudaGetLastError, or their next launch check sees
+   it). */
 static cudaError_t cudaStreamQuery(cudaStream_t s) {
     if (!emu_known_stream(s)) return cudaErrorInvalidResourceHandle;
-    return emu_result(emu_run_until(s, s->ops.size(), false) ? cudaSuccess : cudaErrorNotReady);
+    if (emu_run_until(s, s->ops.size(), false)) return emu_result(cudaSuccess);
+    emu_last = cudaErrorNotReady;
+    return emu_result(cudaErrorNotReady);
 }
 static cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     *e = new emu_event();

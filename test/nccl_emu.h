@@ -32,6 +32,7 @@
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
 #include <fcntl.h>
+#include <limits.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -57,7 +58,10 @@ typedef enum { ncclSum = 0 } ncclRedOp_t;
 #define NCCL_UNIQUE_ID_BYTES 128
 #define NCCL_SPLIT_NOCOLOR -1
 typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
-typedef struct emu_nccl_config ncclConfig_t;
+/* A configuration: the blocking attribute alone (a blocking communicator is what is emulated). */
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+typedef struct { int blocking; } ncclConfig_t;
+#define NCCL_CONFIG_INITIALIZER { NCCL_CONFIG_UNDEF_INT }
 
 enum { EMU_NCCL_CHUNK = 64 << 10, EMU_NCCL_MAX_RANKS = 64, EMU_NCCL_WAIT_S = 300 };
 
@@ -168,6 +172,11 @@ static ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId 
     id.internal[NCCL_UNIQUE_ID_BYTES - 1] = 0;
     if (id.internal[0] != '/') return ncclInvalidArgument;
     return emu_nccl_attach(comm, id.internal, nranks, rank);
+}
+/* Non-blocking communicators are not emulated: a configuration must ask for a blocking one. */
+static ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
+    if (!config || config->blocking != 1) return ncclInvalidArgument;
+    return ncclCommInitRank(comm, nranks, id, rank);
 }
 static ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { *rank = c->rank; return ncclSuccess; }
 static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->size; return ncclSuccess; }
@@ -291,7 +300,11 @@ static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vect
     std::string w = what;
     std::shared_ptr<std::vector<emu_nccl_p2p>> todo = std::make_shared<std::vector<emu_nccl_p2p>>(ops);
     emu_enqueue_resumable(s, [c, todo, w](bool block) {
-        return emu_sticky || emu_nccl_progress(c, *todo, w.c_str(), block) != EMU_NCCL_PENDING;
+        if (emu_sticky || emu_nccl_progress(c, *todo, w.c_str(), block) != EMU_NCCL_PENDING) {
+            std::vector<emu_nccl_p2p>().swap(*todo);    /* the stream keeps its finished operations: not their state */
+            return true;
+        }
+        return false;
     });
     return ncclSuccess;
 }
@@ -349,8 +362,11 @@ static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStre
             st->ops = emu_nccl_exchange(c, send, block_bytes, same, st->parts.data());
         }
         const emu_nccl_state r = emu_nccl_progress(c, st->ops, w.c_str(), block);
+        if (r == EMU_NCCL_PENDING) return false;
         if (r == EMU_NCCL_DONE) finish(st->parts.data());
-        return r != EMU_NCCL_PENDING;
+        std::vector<unsigned char>().swap(st->parts);   /* the stream keeps its finished operations: not their state */
+        std::vector<emu_nccl_p2p>().swap(st->ops);
+        return true;
     });
     return ncclSuccess;
 }

@@ -77,27 +77,36 @@ run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
 for off in off on; do run ranks 4 --dp 2 --pp 2 --steps 2 --microbatch 2 --offload $off --save "$tmp/offload-$off.safetensors"; done
 run build/compare_st "$tmp/offload-on.safetensors" "$tmp/offload-off.safetensors" 0
 # A rank that stops mid-run (SIGSTOP: a hung process, which NCCL alone would wait for forever): its
-# peer gives up after --nccl-timeout with an error naming the exchange, and exits 1.
+# peer gives up after --nccl-timeout with an error naming the exchange, and exits 1. Rank 1 starts
+# once rank 0 has written the id (its wait for the file is --nccl-timeout too); rank 0's first
+# step line says both are past NCCL's init, whose wait is not watched.
 stalled_peer() {
-    r=0
-    while [ "$r" -lt 2 ]; do
-        RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r "$TRAIN_CUDA" --tp 2 --steps 100000 --nccl-timeout 2 --nccl-id "$tmp/nccl-id" \
-            > "$tmp/stall$r.log" 2>&1 &
-        eval "pid$r=\$!"
-        r=$((r + 1))
+    stall="--tp 2 --steps 100000 --nccl-timeout 2 --nccl-id $tmp/stall-id"
+    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 "$TRAIN_CUDA" $stall > "$tmp/stall0.log" 2>&1 &
+    pid0=$!
+    n=0
+    while [ ! -e "$tmp/stall-id" ] && [ "$n" -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
+    RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 "$TRAIN_CUDA" $stall > "$tmp/stall1.log" 2>&1 &
+    pid1=$!
+    n=0
+    while ! grep -q '^step  *[0-9]' "$tmp/stall0.log" && kill -0 "$pid0" 2> /dev/null && [ "$n" -lt 600 ]; do
+        sleep 0.2; n=$((n + 1))
     done
-    waited=0                                    # rank 0 has printed a step: both ranks are past the NCCL init
-    while ! grep -q '^step' "$tmp/stall0.log" && [ "$waited" -lt 600 ]; do sleep 0.2; waited=$((waited + 1)); done
-    kill -STOP "$pid1"
-    (sleep 60; kill -KILL "$pid0") > /dev/null 2>&1 &
-    guard=$!
+    stopped=0
+    kill -STOP "$pid1" 2> /dev/null && stopped=1
+    n=0                                         # rank 0's end, a minute at most
+    while kill -0 "$pid0" 2> /dev/null && [ "$n" -lt 300 ]; do sleep 0.2; n=$((n + 1)); done
+    kill -KILL "$pid0" 2> /dev/null
     wait "$pid0"
     rc=$?
-    kill "$guard" 2> /dev/null
-    kill -KILL "$pid1"
+    alive=0
+    kill -0 "$pid1" 2> /dev/null && alive=1    # still there, stopped: the timeout was rank 0's own
+    kill -KILL "$pid1" 2> /dev/null
     wait "$pid1" 2> /dev/null
-    tail -n 1 "$tmp/stall0.log"
-    [ "$rc" -eq 1 ] && grep -q 'on rank 0 of 2: not complete after 2 s (a peer rank has stopped' "$tmp/stall0.log"
+    grep -v '^step' "$tmp/stall0.log"
+    echo "rank 1 stopped $stopped, alive until rank 0 ended $alive; rank 0 exit status $rc"
+    [ "$stopped" -eq 1 ] && [ "$alive" -eq 1 ] && [ "$rc" -eq 1 ] &&
+        grep -q '^train: NCCL [a-z_]* (rank 0 of 2, world rank 0): not complete after 2 s (a peer rank has stopped' "$tmp/stall0.log"
 }
 run stalled_peer
 run build/train-double --steps 1 --clip 0 $wide --save-grads "$tmp/cpu.safetensors"

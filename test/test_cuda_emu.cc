@@ -292,7 +292,12 @@ static int nccl_rank(ncclUniqueId id, int rank) {
     cudaStream_t s;
     ncclComm_t c, sub;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    CHECK(ncclCommInitRank(&c, RANKS, id, rank) == ncclSuccess, "rank %d joins", rank);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    CHECK(ncclCommInitRankConfig(&c, RANKS, id, rank, &config) == ncclInvalidArgument,
+          "a non-blocking communicator (not emulated) is refused, before joining, on rank %d", rank);
+    config.blocking = 1;
+    CHECK(ncclCommInitRankConfig(&c, RANKS, id, rank, &config) == ncclSuccess, "rank %d joins", rank);
     std::vector<float> host((size_t)RANKS * BIG);
     float *x, *y;
     cudaMalloc((void **)&x, sizeof(float) * RANKS * BIG);
