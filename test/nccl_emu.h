@@ -27,8 +27,8 @@
        what it can); ncclCommAbort ends the communicator's queued operations where they stand,
        their buffers as far as they got, and frees it; ncclCommGetAsyncError has nothing to report.
    Not emulated: the ring and tree algorithms' own summation orders, non-blocking communicators,
-   the errors a peer's failure raises asynchronously, reductions other than the sum. test/test_cuda_emu.cc checks these rules on a
-   world of three processes. */
+   the errors a peer's failure raises asynchronously, reductions other than the sum.
+   test/test_cuda_emu.cc checks these rules on a world of three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
 #include <fcntl.h>
