@@ -998,14 +998,15 @@ PR_UNROLL
         pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
         __syncthreads();                            /* and every thread's; both warpgroups are done with the other stage */
-        if (it + 1 < nkt) {                         /* so the next tile loads into it while this one computes */
+        auto load_next = [&] {                      /* the next tile into the other stage */
+            if (it + 1 == nkt) return;
             const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
             pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_cp_async_commit();
-        }
-        if (live) {
-            const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+        };
+        if (!live) load_next();
+        else {                                      /* (one branch for the products: ptxas serializes wgmma split across two) */
             const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
             float s[8][4];
             pr_mma_zero<8>(s);
@@ -1014,6 +1015,8 @@ PR_UNROLL
 PR_UNROLL
             for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
             pr_wg_commit();
+            load_next();                            /* while S is computed */
+            const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
             pr_wg_wait<0>();
             pr_wg_hold<32>(&s[0][0]);
             pr_fwd_softmax<HS>(s, m, l, acc, x, row0 - 16 * warp, row0, lane, sl2);
@@ -1201,15 +1204,7 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
         pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q, dO) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
         __syncthreads();                            /* and every thread's; the other stage is read no more */
-        if (it + 1 < nkt) {                         /* so the next tile loads into it while this one computes */
-            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_cp_async_commit();
-        }
-        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
-        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && t.r1 - t.r0 == PR_MMA_ROWS && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
         float s[8][4], dp[8][4];
         pr_mma_zero<8>(s);
         pr_mma_zero<8>(dp);
@@ -1222,6 +1217,14 @@ PR_UNROLL
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(dob, kc, PR_MMA_ROWS), pr_wg_desc_k(vb, kc, PR_MMA_ROWS));
         pr_wg_commit();
+        if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
+            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_cp_async_commit();
+        }
+        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+        const bool whole = x.j0 + PR_MMA_ROWS <= x.end && t.r1 - t.r0 == PR_MMA_ROWS && (!x.own || x.j0 + PR_MMA_ROWS - 1 <= t.r0);
         pr_wg_wait<1>();                            /* S is in: P while the tensor cores compute dP */
         pr_wg_hold<32>(&s[0][0]);
         pr_dq_p<8>(s, x, whole, x.j0, row0, t.r1, lane, sl2, lse2);
@@ -1526,13 +1529,7 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
         pr_cp_async_wait<0>();                      /* this thread's copies of this step (and K, V) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
         __syncthreads();                            /* and every thread's; the other stage is read no more */
-        if (s + 1 < steps) {                        /* so the next step loads into it while this one computes */
-            load_step(st ^ 1);
-            pr_cp_async_commit();
-        }
-        const pr_att_tile qt = qtiles[at.tile];
         const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
-        const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
         float p[8][4], dp[8][4];
         pr_mma_zero<8>(p);
         pr_mma_zero<8>(dp);
@@ -1545,6 +1542,12 @@ PR_UNROLL
 PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(vb, kc, PR_MMA_ROWS), pr_wg_desc_k(db, kc, PR_MMA_ROWS));
         pr_wg_commit();
+        if (s + 1 < steps) {                        /* the next step loads into the other stage while they run */
+            load_step(st ^ 1);
+            pr_cp_async_commit();
+        }
+        const pr_att_tile qt = qtiles[at.tile];
+        const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
         pr_wg_wait<1>();                            /* S^T is in: P^T, and dV += bf16(P^T) dO, while dP^T is computed */
         pr_wg_hold<32>(&p[0][0]);
         pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
