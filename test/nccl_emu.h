@@ -25,12 +25,17 @@
        finishes a communicator's operations before either;
      - an operation whose peers have not come leaves cudaStreamQuery not ready (each query moves
        what it can); ncclCommAbort ends the communicator's queued operations where they stand,
-       their buffers as far as they got, and frees it; ncclCommGetAsyncError has nothing to report.
+       their buffers as far as they got, and frees it;
+     - a member whose process has ended without destroying the communicator (killed, or exited
+       on an error) makes ncclCommGetAsyncError report ncclRemoteError to the others, as NCCL's
+       network transports report a peer's closed connection; a stopped process is no error (only
+       a timeout finds it), nor one that destroyed the communicator before it ended.
    Not emulated: the ring and tree algorithms' own summation orders, non-blocking communicators,
-   the errors a peer's failure raises asynchronously, reductions other than the sum.
+   reductions other than the sum.
    test/test_cuda_emu.cc checks these rules on a world of three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
+#include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <sched.h>
@@ -68,12 +73,18 @@ enum { EMU_NCCL_CHUNK = 64 << 10, EMU_NCCL_MAX_RANKS = 64, EMU_NCCL_WAIT_S = 300
 /* The shared segment: a header, then size x size mailboxes, mailbox (from, to) at from * size + to.
    Its fields are accessed with atomics only where another process writes them. */
 struct emu_nccl_box { uint32_t full; uint32_t pad; uint64_t bytes, message; unsigned char data[EMU_NCCL_CHUNK]; };
-struct emu_nccl_shm { uint32_t size, attached, joined[EMU_NCCL_MAX_RANKS]; emu_nccl_box box[1]; };
+struct emu_nccl_shm {
+    uint32_t size, attached, joined[EMU_NCCL_MAX_RANKS];
+    int32_t pid[EMU_NCCL_MAX_RANKS];            /* each member's process; 0 once it destroyed the communicator */
+    emu_nccl_box box[1];
+};
 struct ncclComm {
     emu_nccl_shm *shm;
     size_t map_bytes;
     int rank, size, splits;
     bool aborted;                               /* ncclCommAbort: its queued operations end at once */
+    ncclResult_t async;                         /* what ncclCommGetAsyncError reports, once a member's process ended */
+    double looked;                              /* when the members' processes were last looked at */
     std::string name;
 };
 typedef struct ncclComm *ncclComm_t;
@@ -147,7 +158,10 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
     if (__atomic_load_n(&shm->size, __ATOMIC_ACQUIRE) != (uint32_t)size) r = ncclInvalidUsage;   /* members disagree on the size */
     else if (!__atomic_compare_exchange_n(&shm->joined[rank], &free_slot, 1u, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         r = ncclInvalidUsage;                   /* two members with one rank */
-    else if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
+    else {
+        __atomic_store_n(&shm->pid[rank], (int32_t)getpid(), __ATOMIC_RELEASE);
+        if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
+    }
     emu_nccl_wait w;
     while (r == ncclSuccess && __atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
         if (w.expired()) r = ncclSystemError;
@@ -163,6 +177,8 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
     c->size = size;
     c->splits = 0;
     c->aborted = false;
+    c->async = ncclSuccess;
+    c->looked = 0.0;
     c->name = name;
     *out = c;
     return ncclSuccess;
@@ -183,6 +199,7 @@ static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->
 static ncclResult_t ncclCommDestroy(ncclComm_t c) {
     emu_run_all();
     if (c) {
+        if (!c->aborted) __atomic_store_n(&c->shm->pid[c->rank], 0, __ATOMIC_RELEASE);   /* it left in order */
         munmap(c->shm, c->map_bytes);
         delete c;
     }
@@ -194,9 +211,31 @@ static ncclResult_t ncclCommAbort(ncclComm_t c) {
     c->aborted = true;
     return ncclCommDestroy(c);
 }
+/* Whether process pid has ended: gone, or a zombie its parent has not reaped yet (Linux's /proc;
+   the state follows the command's name, which may hold spaces and parentheses). */
+static bool emu_nccl_process_ended(int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return errno == ENOENT;
+    const size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *end = strrchr(buf, ')');
+    return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+/* The members' processes are looked at every 10 ms at most: pr_nccl_wait asks between naps of 20 us. */
 static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
     if (!c || !r) return ncclInvalidArgument;
-    *r = ncclSuccess;
+    const double now = emu_nccl_now();
+    if (c->async == ncclSuccess && now - c->looked >= 0.01) {
+        c->looked = now;
+        for (int q = 0; q < c->size; q++) {
+            const int pid = __atomic_load_n(&c->shm->pid[q], __ATOMIC_ACQUIRE);
+            if (q != c->rank && pid > 0 && emu_nccl_process_ended(pid)) c->async = ncclRemoteError;
+        }
+    }
+    *r = c->async;
     return ncclSuccess;
 }
 

@@ -387,6 +387,51 @@ static int nccl_rank(ncclUniqueId id, int rank) {
     return test_failed;
 }
 
+/* A world of two whose rank 1 ends without destroying its communicator (as a killed rank does),
+   left a zombie until the parent reaps it: rank 0's receive from it stays not ready, and
+   ncclCommGetAsyncError reports ncclRemoteError within a few looks. */
+static void test_nccl_ended_peer(void) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two");
+    fflush(stdout);
+    fflush(stderr);
+    int go[2];
+    CHECK(pipe(go) == 0, "a pipe");
+    const pid_t peer = fork();
+    if (peer == 0) {                                /* joins, waits for rank 0's first look, ends */
+        ncclComm_t c;
+        char byte;
+        const bool joined = ncclCommInitRank(&c, 2, id, 1) == ncclSuccess;
+        _exit(joined && read(go[0], &byte, 1) == 1 ? 0 : 1);
+    }
+    cudaStream_t s;
+    ncclComm_t c;
+    float *y;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    cudaMalloc((void **)&y, sizeof(float) * 4);
+    CHECK(ncclCommInitRank(&c, 2, id, 0) == ncclSuccess, "rank 0 of two joins");
+    ncclResult_t async = ncclInternalError;
+    CHECK(ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclSuccess, "nothing reported while both are there");
+    CHECK(write(go[1], "x", 1) == 1, "rank 1 told to end");
+    close(go[0]);
+    close(go[1]);
+    ncclRecv(y, 4, ncclFloat32, 1, c, s);
+    bool not_ready = true, asked = true;
+    for (int look = 0; look < 1000 && async == ncclSuccess; look++) {   /* 10 s at most */
+        not_ready &= cudaStreamQuery(s) == cudaErrorNotReady;
+        usleep(10000);
+        asked &= ncclCommGetAsyncError(c, &async) == ncclSuccess;
+    }
+    cudaGetLastError();
+    CHECK(asked && not_ready && async == ncclRemoteError, "a peer whose process ended is reported (%s), its message never comes",
+          ncclGetErrorString(async));
+    CHECK(ncclCommAbort(c) == ncclSuccess && cudaStreamQuery(s) == cudaSuccess && !fault_seen(), "aborting ends the receive");
+    int status = 0;
+    CHECK(waitpid(peer, &status, 0) == peer && WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank 1 joined, then ended");
+    cudaFree(y);
+    cudaStreamDestroy(s);
+}
+
 static void test_nccl(void) {
     ncclUniqueId id;
     CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id");
@@ -428,6 +473,7 @@ int main(void) {
     test_order(a);
     test_matmul();
     test_nccl();
+    test_nccl_ended_peer();
     cudaFree(a);
     cudaFree(b);
     cudaFreeHost(pinned);
