@@ -107,7 +107,7 @@ synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
-bench-ab|90|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built here), in turn, twice: a kernel change against the revision before it, on one machine in one run
+bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS: baseline vs reuse, MFU
@@ -204,8 +204,21 @@ body_preflight() {
 body_build() {
     make info
     t0=$(date +%s)
+    # bench-ab's trees, built beside this one: nvcc compiles the CUDA file one process a target,
+    # which leaves most cores idle (bench-ab's own make then finds them built)
+    ab_jobs=
+    for d in $AB_EARLY; do
+        [ -f "$d/Makefile" ] || continue
+        make -C "$d" -j"$JOBS" build/bench_cuda > "$stage_base.ab-$(basename "$d").log" 2>&1 < /dev/null &
+        ab_jobs="$ab_jobs $!"
+    done
     make -j"$JOBS" train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double
     rc=$?
+    ab_rc=0
+    for p in $ab_jobs; do wait "$p" || ab_rc=1; done
+    if [ -n "$ab_jobs" ]; then
+        if [ $ab_rc -eq 0 ]; then key "AB_DIRS trees built"; else key "AB_DIRS: a tree failed to build (bench-ab tries again; its ab-*.log here)"; fi
+    fi
     if [ $rc -eq 0 ]; then
         key "built in $(( $(date +%s) - t0 )) s with -j$JOBS"
         if have cuobjdump; then
@@ -537,6 +550,11 @@ for s in $all_stages; do
     *) { [ "$s" = preflight ] || [ "$s" = after ] || { [ "$s" = build ] && [ $needbuild = 1 ] && [ $nobuild = 0 ]; }; } && run="$run $s" ;;
     esac
 done
+
+# bench-ab's trees are built in the build stage, where the cores are idle
+AB_EARLY=
+case " $run " in *" bench-ab "*) AB_EARLY=$AB_DIRS ;; esac
+export AB_EARLY
 
 stamp=$(date -u +%Y%m%d-%H%M%S)
 name="gpu-$label-$stamp"
