@@ -637,13 +637,14 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      backward), and a last kernel forms dq = bf16(dq + scale dQ): 5 products of a (query, key) tile
      instead of 7, at the price of dq's bits varying run to run.
    PR_CUDA_ATTENTION_WGMMA runs the same three kernels written for Hopper's warpgroup MMA (wgmma,
-     sm_90a): a warpgroup of 4 warps takes 64 rows (queries, or keys in dK/dV) where the mma.sync
-     kernels' 4 warps do, reads both operands of S = Q K^T, dP = dO V^T (and their transposes)
-     from shared memory through descriptors, and P, dS (and their transposes) from registers for
-     the products that follow; no ldmatrix. Each row's algorithm and every sum's order are the same,
-     so on the emulated block (test/test_mma_kernels.cc, the wgmma layouts read from the PTX ISA in
-     test/wgmma_emu.h) the two families give the same bits, and on an H100 too (bench/RESULTS.md:
-     every output of test/test_gpu_attention.c's shapes; racecheck clean), at 1.6-1.7x their speed. */
+     sm_90a): a warpgroup of 4 warps takes the rows the mma.sync kernels' 4 warps take (the
+     forward's 128 queries as two 64-row halves; 64 queries in dQ, 64 keys in dK/dV), reads both
+     operands of S = Q K^T, dP = dO V^T (and their transposes) from shared memory through
+     descriptors, and P, dS (and their transposes) from registers for the products that follow; no
+     ldmatrix. Each row's algorithm and every sum's order are the same, so on the emulated block
+     (test/test_mma_kernels.cc, the wgmma layouts read from the PTX ISA in test/wgmma_emu.h) the two
+     families give the same bits, and on an H100 too (bench/RESULTS.md: every output of
+     test/test_gpu_attention.c's shapes; racecheck clean), at 1.6-1.7x their speed. */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
 #define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
@@ -951,19 +952,21 @@ PR_UNROLL
 /* The forward on Hopper's warpgroup MMA (wgmma, sm_90a; an empty kernel elsewhere, which
    pr_backend_cuda_set_attention never selects: pr_k_wgmma_probe). The forward above, each row's
    algorithm the same (the tiles, walk, masks, online softmax, bf16 P): only the tensor-core
-   instructions differ, so on the emulated block the two give the same bits. A block is two
-   warpgroups (256 threads); warpgroup g holds the 64-row half g of the 128-row tile, its warp w
-   rows 16w .. 16w + 15 of the half, in wgmma's accumulator layout, which is mma.sync's C fragment
-   n8 tile by n8 tile. A key tile: S = Q K^T as HS/16 wgmma m64n64k16, Q and K both read from
-   shared memory through descriptors (no ldmatrix, no registers for Q); O += bf16(P) V as 4 wgmma
-   m64nHSk16, P from registers (mma.sync's A fragment), V MN-major. Shared memory in wgmma's panel
-   layout (pr_wg_swz, 1,024-aligned): Q's two halves, then K and V two stages each, filled by
-   cp.async as above and fenced into the async proxy before the barrier that publishes them. A
-   half without rows (a tile of up to 64) skips its products and softmax: wgmma is issued by a
-   whole warpgroup, so the branch is uniform there. */
-#define PR_WG_THREADS 256
+   instructions differ, so on the emulated block the two give the same bits. A block is one
+   warpgroup (128 threads) holding both 64-row halves mi = 0, 1 of the 128-row tile, its warp w
+   rows 16w .. 16w + 15 of each, in wgmma's accumulator layout, which is mma.sync's C fragment n8
+   tile by n8 tile. A key tile: S_0 = Q_0 K^T and S_1 = Q_1 K^T as HS/16 wgmma m64n64k16 each,
+   committed as two groups, Q and K both read from shared memory through descriptors (no ldmatrix,
+   no registers for Q); then half 0's softmax while the tensor cores compute S_1, O_0 += bf16(P_0) V
+   as 4 wgmma m64nHSk16 (P from registers, mma.sync's A fragment; V MN-major), half 1's softmax
+   while they compute it, O_1 += bf16(P_1) V. Two blocks an SM, each on its own: no barrier holds
+   one warpgroup for another. Shared memory in wgmma's panel layout (pr_wg_swz, 1,024-aligned): Q's
+   two halves, then K and V two stages each, filled by cp.async as above and fenced into the async
+   proxy before the barrier that publishes them. A tile of up to 64 rows computes its empty half
+   too (zero rows of Q, finite scores, never stored): wgmma under a branch would be serialized by
+   ptxas. */
 template <int HS>
-__global__ void __launch_bounds__(PR_WG_THREADS, 2)   /* 2 blocks an SM: at most 128 registers */
+__global__ void __launch_bounds__(PR_MMA_THREADS, 2)   /* 2 blocks an SM */
 pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                          const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
@@ -972,68 +975,77 @@ pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, co
     pr_wg_check_base(pr_dyn_smem);
     bf16 *qs = (bf16 *)pr_dyn_smem, *ks = qs + 2 * T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
     const float sl2 = rsqrtf((float)HS) * PR_LOG2E;
     const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
-    const bool live = t.r0 + wg * PR_MMA_ROWS < t.r1;     /* this warpgroup's half holds rows */
-    const int row0 = t.r0 + wg * PR_MMA_ROWS + 16 * warp;
+    const int row0 = t.r0 + 16 * warp;              /* this warp's first row of half 0; of half 1, 64 on */
 
 PR_UNROLL
     for (int mi = 0; mi < 2; mi++)                  /* an empty half: zeros, from a row that exists */
-        pr_mma_copy<HS, false, PR_WG_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
-                                                    t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
+        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
+                                                     t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
     pr_cp_async_commit();
     {
         const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
-        pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
         pr_cp_async_commit();
     }
-    float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
-    pr_mma_zero<HS / 8>(acc);
-    const uint32_t qb = pr_smem_u32(qs + wg * T);
+    float acc[2][HS / 8][4], m[2][2], l[2][2];
+PR_UNROLL
+    for (int mi = 0; mi < 2; mi++) {
+        pr_mma_zero<HS / 8>(acc[mi]);
+        m[mi][0] = m[mi][1] = -INFINITY;
+        l[mi][0] = l[mi][1] = 0.0f;
+    }
+    const uint32_t qb0 = pr_smem_u32(qs), qb1 = pr_smem_u32(qs + T);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
         pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
-        __syncthreads();                            /* and every thread's; both warpgroups are done with the other stage */
-        auto load_next = [&] {                      /* the next tile into the other stage */
-            if (it + 1 == nkt) return;
+        __syncthreads();                            /* and every thread's; the other stage is read no more */
+        const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+        float s[2][8][4];
+        pr_mma_zero<8>(s[0]);
+        pr_mma_zero<8>(s[1]);
+        pr_wg_hold<64>(&s[0][0][0]);                /* zeroed before the fence, not moved past it */
+        pr_wg_fence();
+PR_UNROLL
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0][0], pr_wg_desc_k(qb0, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
+        pr_wg_commit();
+PR_UNROLL
+        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[1][0][0], pr_wg_desc_k(qb1, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
+        pr_wg_commit();
+        if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
             const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS, false, PR_WG_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS, false, PR_WG_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
             pr_cp_async_commit();
-        };
-        if (!live) load_next();
-        else {                                      /* (one branch for the products: ptxas serializes wgmma split across two) */
-            const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
-            float s[8][4];
-            pr_mma_zero<8>(s);
-            pr_wg_hold<32>(&s[0][0]);               /* zeroed before the fence, not moved past it */
-            pr_wg_fence();
-PR_UNROLL
-            for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
-            pr_wg_commit();
-            load_next();                            /* while S is computed */
-            const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
-            pr_wg_wait<0>();
-            pr_wg_hold<32>(&s[0][0]);
-            pr_fwd_softmax<HS>(s, m, l, acc, x, row0 - 16 * warp, row0, lane, sl2);
-            uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
-PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
-            pr_wg_hold<HS / 2>(&acc[0][0]);
-            pr_wg_hold<16>(&p[0][0]);
-            pr_wg_fence();
-PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
-            pr_wg_commit();
-            pr_wg_wait<0>();                        /* V's stage is read before the next barrier lets it be refilled */
-            pr_wg_hold<HS / 2>(&acc[0][0]);
         }
+        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+        uint32_t p[2][4][4];                        /* bf16(P) of each half as the A fragments of its 4 k16 blocks */
+PR_UNROLL
+        for (int mi = 0; mi < 2; mi++) {            /* half 0 while S_1 is computed, half 1 while O_0 is */
+            pr_wg_wait<1>();
+            pr_wg_hold<32>(&s[mi][0][0]);
+            pr_fwd_softmax<HS>(s[mi], m[mi], l[mi], acc[mi], x, t.r0 + mi * PR_MMA_ROWS, row0 + mi * PR_MMA_ROWS, lane, sl2);
+PR_UNROLL
+            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[mi][kc], s[mi][2 * kc], s[mi][2 * kc + 1]);
+            pr_wg_hold<HS / 2>(&acc[mi][0][0]);
+            pr_wg_hold<16>(&p[mi][0][0]);
+            pr_wg_fence();
+PR_UNROLL
+            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[mi][0][0], p[mi][kc], pr_wg_desc_mn(vb, kc));
+            pr_wg_commit();
+        }
+        pr_wg_wait<0>();                            /* V's stage is read before the next barrier lets it be refilled */
+        pr_wg_hold<HS>(&acc[0][0][0]);
+        pr_wg_hold<32>(&p[0][0][0]);
     }
-    if (live) pr_fwd_store<HS>(out, lse, acc, m, l, row0, t.r1, qd, h, NH, lane, sl2);
+PR_UNROLL
+    for (int mi = 0; mi < 2; mi++)
+        pr_fwd_store<HS>(out, lse, acc[mi], m[mi], l[mi], row0 + mi * PR_MMA_ROWS, t.r1, qd, h, NH, lane, sl2);
 #else
     (void)out, (void)lse, (void)q, (void)k, (void)v, (void)kp, (void)vp, (void)tiles, (void)n_prefix, (void)NH, (void)NKV;
 #endif
@@ -2327,7 +2339,7 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     if (!pr_cu_smem_attr(cx, kernel, wg ? PR_CU_ATT_FWD_WGMMA : PR_CU_ATT_FWD_MMA, HS, smem,
                          wg ? "attention_fwd_wgmma shared memory" : "attention_fwd_mma shared memory"))
         return;
-    PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), wg ? PR_WG_THREADS : PR_MMA_THREADS, smem, cx->stream,
+    PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
     pr_cu_launched(cx, wg ? "attention_fwd_wgmma" : "attention_fwd_mma");
