@@ -710,6 +710,15 @@ __device__ __forceinline__ pr_mma_keys pr_mma_key_tile(int it, int npt, const pr
 __device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
     return (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS + (t.r1 - 1 - t.seg0) / PR_MMA_ROWS + 1;
 }
+/* Key tile `it` of the walk into ks and vs (PANELS: wgmma's layout), by a block of PR_MMA_THREADS;
+   not committed. */
+template <int HS, bool PANELS>
+__device__ __forceinline__ void pr_mma_load_keys(bf16 *ks, bf16 *vs, int it, int npt, const pr_att_tile &t, int n_prefix,
+                                                 const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp, size_t kvd, int hk) {
+    const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+    pr_mma_copy<HS, false, PR_MMA_THREADS, PANELS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+    pr_mma_copy<HS, false, PR_MMA_THREADS, PANELS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+}
 
 /* The A fragment of 16 rows (from a_row0) and k columns [16 kc, 16 kc + 16) of a swizzled [row][k]
    tile of rows of W. */
@@ -893,12 +902,8 @@ PR_UNROLL
     for (int mi = 0; mi < M; mi++)                  /* an empty half: zeros, from a row that exists */
         pr_mma_copy<HS>(qs + mi * T, q, mi < m_live ? t.r0 + mi * PR_MMA_ROWS : t.r0, t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
     pr_cp_async_commit();
-    {
-        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
-        pr_mma_copy<HS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_cp_async_commit();
-    }
+    pr_mma_load_keys<HS, false>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+    pr_cp_async_commit();
 
     float acc[M][HS / 8][4], m[M][2], l[M][2];
 PR_UNROLL
@@ -908,11 +913,8 @@ PR_UNROLL
     }
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
-        if (it + 1 < nkt) {                         /* the next tile loads while this one computes */
-            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        }
+        if (it + 1 < nkt)                           /* the next tile loads while this one computes */
+            pr_mma_load_keys<HS, false>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
         pr_cp_async_turn();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
 
@@ -986,12 +988,8 @@ PR_UNROLL
         pr_mma_copy<HS, false, PR_MMA_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
                                                      t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
     pr_cp_async_commit();
-    {
-        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
-        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_cp_async_commit();
-    }
+    pr_mma_load_keys<HS, true>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+    pr_cp_async_commit();
     float acc[2][HS / 8][4], m[2][2], l[2][2];
 PR_UNROLL
     for (int mi = 0; mi < 2; mi++) {
@@ -1018,9 +1016,7 @@ PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[1][0][0], pr_wg_desc_k(qb1, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
         pr_wg_commit();
         if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
-            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_load_keys<HS, true>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
             pr_cp_async_commit();
         }
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
@@ -1129,12 +1125,8 @@ pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const fl
     pr_mma_copy<HS>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
     pr_mma_copy<HS>(dos, dout, t.r0, t.r1 - t.r0, qd, h * HS);
     pr_cp_async_commit();
-    {
-        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
-        pr_mma_copy<HS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_mma_copy<HS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_cp_async_commit();
-    }
+    pr_mma_load_keys<HS, false>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+    pr_cp_async_commit();
     pr_cp_async_wait<1>();                            /* Q and dO landed (the first K, V may not have) */
     __syncthreads();
     uint32_t qf[HS / 16][4], dof[HS / 16][4];         /* this warp's 16 rows of Q and dO, as A fragments */
@@ -1146,11 +1138,7 @@ pr_k_attention_bwd_dq_mma(bf16 *dq, const bf16 *dout, const float *lse, const fl
     pr_mma_zero<HS / 8>(acc);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
-        if (it + 1 < nkt) {
-            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        }
+        if (it + 1 < nkt) pr_mma_load_keys<HS, false>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
         pr_cp_async_turn();
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
         const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
@@ -1200,12 +1188,8 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
     pr_mma_copy<HS, false, PR_MMA_THREADS, true>(qs, q, t.r0, t.r1 - t.r0, qd, h * HS);
     pr_mma_copy<HS, false, PR_MMA_THREADS, true>(dos, dout, t.r0, t.r1 - t.r0, qd, h * HS);
     pr_cp_async_commit();
-    {
-        const pr_mma_keys x = pr_mma_key_tile(0, npt, t, n_prefix, k, v, kp, vp);
-        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-        pr_cp_async_commit();
-    }
+    pr_mma_load_keys<HS, true>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+    pr_cp_async_commit();
     float lse2[2], Drow[2];
     pr_dq_rows(lse2, Drow, lse, Dr, row0, t.r1, NH, h, lane);
     float acc[HS / 8][4];
@@ -1230,9 +1214,7 @@ PR_UNROLL
         for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(dob, kc, PR_MMA_ROWS), pr_wg_desc_k(vb, kc, PR_MMA_ROWS));
         pr_wg_commit();
         if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
-            const pr_mma_keys x = pr_mma_key_tile(it + 1, npt, t, n_prefix, k, v, kp, vp);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(ks + (st ^ 1) * T, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-            pr_mma_copy<HS, false, PR_MMA_THREADS, true>(vs + (st ^ 1) * T, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+            pr_mma_load_keys<HS, true>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
             pr_cp_async_commit();
         }
         const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
