@@ -2226,6 +2226,96 @@ static void test_offload(void) {
     pr_trainer_destroy(tr);
 }
 
+/* ---- activation memory: which chunk a request takes */
+/* The CPU backend with its device tier capped, each device allocation recorded (address and size),
+   so a test sees what the arenas hold and what they gave back. */
+typedef struct { pr_backend be; size_t held, cap; void *ptr[64]; size_t size[64]; int n; } capped_backend;
+
+static void *capped_alloc(const pr_backend *be, size_t bytes, pr_tier tier) {
+    capped_backend *cb = (capped_backend *)be->ctx;
+    if (tier == PR_TIER_DEVICE && (cb->held + bytes > cb->cap || cb->n == 64)) return NULL;
+    void *p = pr_backend_cpu()->alloc(pr_backend_cpu(), bytes, tier);
+    if (p && tier == PR_TIER_DEVICE) {
+        cb->ptr[cb->n] = p;
+        cb->size[cb->n++] = bytes;
+        cb->held += bytes;
+    }
+    return p;
+}
+static void capped_release(const pr_backend *be, void *p, pr_tier tier) {
+    capped_backend *cb = (capped_backend *)be->ctx;
+    for (int i = 0; tier == PR_TIER_DEVICE && i < cb->n; i++)
+        if (cb->ptr[i] == p) {
+            cb->held -= cb->size[i];
+            cb->ptr[i] = cb->ptr[--cb->n];
+            cb->size[i] = cb->size[cb->n];
+            break;
+        }
+    pr_backend_cpu()->release(pr_backend_cpu(), p, tier);
+}
+static int capped_holds(const capped_backend *cb, const void *p) {
+    for (int i = 0; i < cb->n; i++) if ((const char *)cb->ptr[i] <= (const char *)p && (const char *)p < (const char *)cb->ptr[i] + cb->size[i]) return 1;
+    return 0;
+}
+
+static void test_arena_spares(void) {
+    capped_backend cb;
+    memset(&cb, 0, sizeof cb);
+    cb.be = *pr_backend_cpu();
+    cb.be.name = "cpu, capped device memory";
+    cb.be.ctx = &cb;
+    cb.be.alloc = capped_alloc;
+    cb.be.release = capped_release;
+    cb.cap = SIZE_MAX;
+    pr_config c = small_config(0, 0, 2);
+    pr_trainer *tr = make_model_on(&c, 3, &cb.be);
+    if (!tr) { CHECK(0, "arena spares: no trainer"); return; }
+    const size_t MiB = (size_t)1 << 20, block = 3 * PR__CHUNK_BYTES;    /* a layer's block: more than a chunk */
+    const size_t state = cb.held;                                            /* the trainer's own device memory */
+    pr__arena pass = { 0 }, next = { 0 }, live = { 0 };
+    /* one pass: a block, then a small tensor in a chunk of its own */
+    pr__elems(tr, &pass, block, 1);
+    pr__elems(tr, &pass, MiB, 1);
+    const size_t held = cb.held;
+    pr__arena_reset(tr, &pass);
+    /* the next asks in the other order: the small tensor takes the small spare, the block the big one */
+    pr__elems(tr, &next, MiB, 1);
+    void *b = pr__elems(tr, &next, block, 1);
+    CHECK(b && !tr->alloc_failed && cb.held == held, "arena spares: the next pass took %.0f MiB more than the %.0f MiB held before",
+          (double)(cb.held - held) / MiB, (double)held / MiB);
+    /* a tensor that lives on, then a request no spare fits and the device has no room for: the
+       spares go back, the request is served, the live tensor stays where it was */
+    unsigned char *kept = pr__elems(tr, &live, MiB, 1);
+    if (kept) memset(kept, 0x5a, MiB);
+    pr__arena_reset(tr, &next);
+    size_t spare = 0;
+    for (const pr__chunk *k = tr->spare; k; k = k->next) spare += k->cap;
+    const size_t want_bytes = block + 2 * PR__CHUNK_BYTES, room = want_bytes - spare / 2;   /* room alone is short of it */
+    cb.cap = cb.held + room;
+    void *wide = pr__elems(tr, &live, want_bytes, 1);
+    int kept_intact = kept && capped_holds(&cb, kept);
+    for (size_t i = 0; kept_intact && i < MiB; i++) kept_intact = kept[i] == 0x5a;
+    CHECK(wide && !tr->alloc_failed && cb.held <= cb.cap && !tr->spare && kept_intact,
+          "arena spares: a request past the device's room with %.0f MiB of spares: %s, %.0f of %.0f MiB held, spares %s, "
+          "the live tensor %s", (double)spare / MiB, wide ? "served" : "refused", (double)cb.held / MiB,
+          (double)cb.cap / MiB, tr->spare ? "kept" : "given back", kept_intact ? "intact" : "lost");
+    /* with nothing spare to give back, it still fails as it did, and the error says what was live
+       and what the chunks held */
+    tr->alloc_failed = 0;
+    CHECK(!pr__elems(tr, &live, 4 * block, 1) && tr->alloc_failed, "arena spares: a request past the cap with no spares was served");
+    CHECK(tr->chunk_bytes == cb.held - state, "arena spares: the trainer counts %zu bytes of chunks, the device holds %zu", tr->chunk_bytes,
+          cb.held - state);
+    pr_error err;
+    char want[96];
+    snprintf(want, sizeof want, "(%.0f MiB live, %.0f MiB in chunks)", (double)(MiB + want_bytes) / MiB, (double)(cb.held - state) / MiB);
+    CHECK(pr__act_nomem(tr, &err, "for a pass of", 7) == PR_ERR_NOMEM && strstr(err.message, "for a pass of 7 rows") &&
+          strstr(err.message, want), "arena spares: the error reads '%s', not with '%s'", err.message, want);
+    pr__arena_reset(tr, &live);
+    tr->alloc_failed = 0;
+    pr_trainer_destroy(tr);
+    CHECK(cb.n == 0 && cb.held == 0, "arena spares: %d device allocations (%zu bytes) outlived the trainer", cb.n, cb.held);
+}
+
 static void test_checkpoints(void) {
     pr_config c = small_config(1, 1, 2);
     pr_trainer *a = make_model(&c, 21), *b;
@@ -3238,6 +3328,7 @@ int main(void) {
     test_bad_input();
     test_determinism();
     test_offload();
+    test_arena_spares();
     test_moe();
     test_dp();
     test_steps();
