@@ -710,14 +710,14 @@ __device__ __forceinline__ pr_mma_keys pr_mma_key_tile(int it, int npt, const pr
 __device__ __forceinline__ int pr_mma_walk(const pr_att_tile &t, int n_prefix) {
     return (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS + (t.r1 - 1 - t.seg0) / PR_MMA_ROWS + 1;
 }
-/* Key tile `it` of the walk into ks and vs (PANELS: wgmma's layout), by a block of PR_MMA_THREADS;
-   not committed. */
-template <int HS, bool PANELS>
+/* Key tile `it` of the walk into ks and vs (PANELS: wgmma's layout), by a block of THREADS; not
+   committed. */
+template <int HS, bool PANELS, int THREADS = PR_MMA_THREADS>
 __device__ __forceinline__ void pr_mma_load_keys(bf16 *ks, bf16 *vs, int it, int npt, const pr_att_tile &t, int n_prefix,
                                                  const bf16 *k, const bf16 *v, const bf16 *kp, const bf16 *vp, size_t kvd, int hk) {
     const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
-    pr_mma_copy<HS, false, PR_MMA_THREADS, PANELS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
-    pr_mma_copy<HS, false, PR_MMA_THREADS, PANELS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+    pr_mma_copy<HS, false, THREADS, PANELS>(ks, x.k, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+    pr_mma_copy<HS, false, THREADS, PANELS>(vs, x.v, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
 }
 
 /* The A fragment of 16 rows (from a_row0) and k columns [16 kc, 16 kc + 16) of a swizzled [row][k]
@@ -954,21 +954,22 @@ PR_UNROLL
 /* The forward on Hopper's warpgroup MMA (wgmma, sm_90a; an empty kernel elsewhere, which
    pr_backend_cuda_set_attention never selects: pr_k_wgmma_probe). The forward above, each row's
    algorithm the same (the tiles, walk, masks, online softmax, bf16 P): only the tensor-core
-   instructions differ, so on the emulated block the two give the same bits. A block is one
-   warpgroup (128 threads) holding both 64-row halves mi = 0, 1 of the 128-row tile, its warp w
-   rows 16w .. 16w + 15 of each, in wgmma's accumulator layout, which is mma.sync's C fragment n8
-   tile by n8 tile. A key tile: S_0 = Q_0 K^T and S_1 = Q_1 K^T as HS/16 wgmma m64n64k16 each,
-   committed as two groups, Q and K both read from shared memory through descriptors (no ldmatrix,
-   no registers for Q); then half 0's softmax while the tensor cores compute S_1, O_0 += bf16(P_0) V
-   as 4 wgmma m64nHSk16 (P from registers, mma.sync's A fragment; V MN-major), half 1's softmax
-   while they compute it, O_1 += bf16(P_1) V. Two blocks an SM, each on its own: no barrier holds
-   one warpgroup for another. Shared memory in wgmma's panel layout (pr_wg_swz, 1,024-aligned): Q's
-   two halves, then K and V two stages each, filled by cp.async as above and fenced into the async
-   proxy before the barrier that publishes them. A tile of up to 64 rows computes its empty half
-   too (zero rows of Q, finite scores, never stored): wgmma under a branch would be serialized by
-   ptxas. */
+   instructions differ, so on the emulated block the two give the same bits. A block is two
+   warpgroups (256 threads); warpgroup g holds the 64-row half g of the 128-row tile, its warp w
+   rows 16w .. 16w + 15 of the half, in wgmma's accumulator layout, which is mma.sync's C fragment
+   n8 tile by n8 tile. A key tile: S = Q K^T as HS/16 wgmma m64n64k16, Q and K both read from
+   shared memory through descriptors (no ldmatrix, no registers for Q); O += bf16(P) V as 4 wgmma
+   m64nHSk16, P from registers (mma.sync's A fragment), V MN-major. Shared memory in wgmma's panel
+   layout (pr_wg_swz, 1,024-aligned): Q's two halves, then K and V two stages each, filled by
+   cp.async as above and fenced into the async proxy before the barrier that publishes them. A
+   half without rows (a tile of up to 64) skips its products and softmax: wgmma is issued by a
+   whole warpgroup, so the branch is uniform there. On an H100 this form ran 4.6-6.1% faster than
+   two others that keep the tensor cores busier on paper (bench/RESULTS.md, 2026-11-27): one
+   barrier a tile with two blocks an SM, and one warpgroup holding both halves, one half's softmax
+   while the other's products run. */
+#define PR_WG_THREADS 256
 template <int HS>
-__global__ void __launch_bounds__(PR_MMA_THREADS, 2)   /* 2 blocks an SM */
+__global__ void __launch_bounds__(PR_WG_THREADS)
 pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
                          const bf16 *vp, const pr_att_tile *tiles, int n_prefix, int NH, int NKV) {
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
@@ -977,71 +978,59 @@ pr_k_attention_fwd_wgmma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, co
     pr_wg_check_base(pr_dyn_smem);
     bf16 *qs = (bf16 *)pr_dyn_smem, *ks = qs + 2 * T, *vs = ks + 2 * T;
     const pr_att_tile t = tiles[gridDim.x - 1 - blockIdx.x];
-    const int h = blockIdx.y, hk = h / (NH / NKV), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, hk = h / (NH / NKV), wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
     const float sl2 = rsqrtf((float)HS) * PR_LOG2E;
     const int npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS, nkt = pr_mma_walk(t, n_prefix);
-    const int row0 = t.r0 + 16 * warp;              /* this warp's first row of half 0; of half 1, 64 on */
+    const bool live = t.r0 + wg * PR_MMA_ROWS < t.r1;     /* this warpgroup's half holds rows */
+    const int row0 = t.r0 + wg * PR_MMA_ROWS + 16 * warp;
 
 PR_UNROLL
     for (int mi = 0; mi < 2; mi++)                  /* an empty half: zeros, from a row that exists */
-        pr_mma_copy<HS, false, PR_MMA_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
-                                                     t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
+        pr_mma_copy<HS, false, PR_WG_THREADS, true>(qs + mi * T, q, t.r0 + mi * PR_MMA_ROWS < t.r1 ? t.r0 + mi * PR_MMA_ROWS : t.r0,
+                                                    t.r1 - t.r0 - mi * PR_MMA_ROWS, qd, h * HS);
     pr_cp_async_commit();
-    pr_mma_load_keys<HS, true>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+    pr_mma_load_keys<HS, true, PR_WG_THREADS>(ks, vs, 0, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
     pr_cp_async_commit();
-    float acc[2][HS / 8][4], m[2][2], l[2][2];
-PR_UNROLL
-    for (int mi = 0; mi < 2; mi++) {
-        pr_mma_zero<HS / 8>(acc[mi]);
-        m[mi][0] = m[mi][1] = -INFINITY;
-        l[mi][0] = l[mi][1] = 0.0f;
-    }
-    const uint32_t qb0 = pr_smem_u32(qs), qb1 = pr_smem_u32(qs + T);
+    float acc[HS / 8][4], m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+    pr_mma_zero<HS / 8>(acc);
+    const uint32_t qb = pr_smem_u32(qs + wg * T);
     for (int it = 0; it < nkt; it++) {
         const int st = it & 1;
-        pr_cp_async_wait<0>();                      /* this thread's copies of this tile (and Q) landed, */
+        if (it + 1 < nkt)                           /* the next tile loads while this one computes */
+            pr_mma_load_keys<HS, true, PR_WG_THREADS>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
+        pr_cp_async_commit();
+        pr_cp_async_wait<1>();                      /* this thread's copies of this tile (and Q) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
-        __syncthreads();                            /* and every thread's; the other stage is read no more */
-        const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
-        float s[2][8][4];
-        pr_mma_zero<8>(s[0]);
-        pr_mma_zero<8>(s[1]);
-        pr_wg_hold<64>(&s[0][0][0]);                /* zeroed before the fence, not moved past it */
-        pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0][0], pr_wg_desc_k(qb0, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
-        pr_wg_commit();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[1][0][0], pr_wg_desc_k(qb1, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
-        pr_wg_commit();
-        if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
-            pr_mma_load_keys<HS, true>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
-            pr_cp_async_commit();
-        }
-        const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
-        uint32_t p[2][4][4];                        /* bf16(P) of each half as the A fragments of its 4 k16 blocks */
-PR_UNROLL
-        for (int mi = 0; mi < 2; mi++) {            /* half 0 while S_1 is computed, half 1 while O_0 is */
-            pr_wg_wait<1>();
-            pr_wg_hold<32>(&s[mi][0][0]);
-            pr_fwd_softmax<HS>(s[mi], m[mi], l[mi], acc[mi], x, t.r0 + mi * PR_MMA_ROWS, row0 + mi * PR_MMA_ROWS, lane, sl2);
-PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[mi][kc], s[mi][2 * kc], s[mi][2 * kc + 1]);
-            pr_wg_hold<HS / 2>(&acc[mi][0][0]);
-            pr_wg_hold<16>(&p[mi][0][0]);
+        __syncthreads();                            /* and every thread's */
+        if (live) {
+            const pr_mma_keys x = pr_mma_key_tile(it, npt, t, n_prefix, k, v, kp, vp);
+            const uint32_t kb = pr_smem_u32(ks + st * T), vb = pr_smem_u32(vs + st * T);
+            float s[8][4];
+            pr_mma_zero<8>(s);
+            pr_wg_hold<32>(&s[0][0]);               /* zeroed before the fence, not moved past it */
             pr_wg_fence();
 PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[mi][0][0], p[mi][kc], pr_wg_desc_mn(vb, kc));
+            for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
             pr_wg_commit();
-        }
-        pr_wg_wait<0>();                            /* V's stage is read before the next barrier lets it be refilled */
-        pr_wg_hold<HS>(&acc[0][0][0]);
-        pr_wg_hold<32>(&p[0][0][0]);
-    }
+            pr_wg_wait<0>();
+            pr_wg_hold<32>(&s[0][0]);
+            pr_fwd_softmax<HS>(s, m, l, acc, x, row0 - 16 * warp, row0, lane, sl2);
+            uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
 PR_UNROLL
-    for (int mi = 0; mi < 2; mi++)
-        pr_fwd_store<HS>(out, lse, acc[mi], m[mi], l[mi], row0 + mi * PR_MMA_ROWS, t.r1, qd, h, NH, lane, sl2);
+            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
+            pr_wg_hold<HS / 2>(&acc[0][0]);
+            pr_wg_hold<16>(&p[0][0]);
+            pr_wg_fence();
+PR_UNROLL
+            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
+            pr_wg_commit();
+            pr_wg_wait<0>();                        /* V's stage is read before it is refilled */
+            pr_wg_hold<HS / 2>(&acc[0][0]);
+        }
+        __syncthreads();                            /* this stage is refilled next iteration */
+    }
+    if (live) pr_fwd_store<HS>(out, lse, acc, m, l, row0, t.r1, qd, h, NH, lane, sl2);
 #else
     (void)out, (void)lse, (void)q, (void)k, (void)v, (void)kp, (void)vp, (void)tiles, (void)n_prefix, (void)NH, (void)NKV;
 #endif
@@ -2321,7 +2310,7 @@ static void pr_cu_attention_fwd_mma(pr_cu *cx, void *out, void *lse, const void 
     if (!pr_cu_smem_attr(cx, kernel, wg ? PR_CU_ATT_FWD_WGMMA : PR_CU_ATT_FWD_MMA, HS, smem,
                          wg ? "attention_fwd_wgmma shared memory" : "attention_fwd_mma shared memory"))
         return;
-    PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), PR_MMA_THREADS, smem, cx->stream,
+    PR_LAUNCH(kernel, dim3((unsigned)nt, (unsigned)NH), wg ? PR_WG_THREADS : PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)out, (float *)lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp,
         (const bf16 *)vp, dt, lay->n_prefix, NH, NKV);
     pr_cu_launched(cx, wg ? "attention_fwd_wgmma" : "attention_fwd_mma");

@@ -232,7 +232,7 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
         launch_counted(ks, K_FWD_WG, nft, NH, pr_mma_smem_bytes(HS, 0), { { "out", out_w.data(), nq, 2 }, { "lse", lse_w.data(), nl, 4 } }, [&] {
             pr_k_attention_fwd_wgmma<HS>(out_w.data(), lse_w.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
                                          np ? vpb.data() : NULL, ft.data(), np, NH, NKV);
-        });
+        }, PR_WG_THREADS);
         ks->wg_differs += count_differing(out_w.data(), out.data(), nq) + count_differing(lse_w.data(), lse.data(), nl);
     }
 
