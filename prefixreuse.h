@@ -1936,8 +1936,9 @@ typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd
 typedef struct { const void *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
 
 /* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
-   phase that runs many microbatches allocates once. Every byte handed out is counted in the
-   trainer's live total, from which each phase's peak is read. */
+   phase that runs many microbatches allocates once (unless the device runs short: then the chunks
+   no arena holds go back). Every byte handed out is counted in the trainer's live total, from
+   which each phase's peak is read. */
 typedef struct pr__chunk { struct pr__chunk *next; char *mem; size_t cap, used; } pr__chunk;
 
 /* Offload's device slots: a layer computing (or being backpropagated), the next one receiving its
@@ -2572,6 +2573,20 @@ static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
     }
 }
 
+/* bytes of device memory, else NULL. Where the device has no room, the spare chunks (each too small
+   for the caller, or it would have taken one) go back to the backend first; after the device's
+   queued work, so that no kernel or copy still reads one. */
+static void *pr__device_alloc(pr_trainer *tr, size_t bytes) {
+    void *p = tr->be->alloc(tr->be, bytes, PR_TIER_DEVICE);
+    if (!p && tr->spare) {
+        tr->be->sync(tr->be);
+        pr__chunks_free(tr, tr->spare);
+        tr->spare = NULL;
+        p = tr->be->alloc(tr->be, bytes, PR_TIER_DEVICE);
+    }
+    return p;
+}
+
 PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (!tr) return;
     pr__chunks_free(tr, tr->prefix_arena.head);
@@ -2714,8 +2729,7 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
    A new chunk comes from the smallest spare that fits. The first that fits let a small tensor take
    a layer's block, whose next request then took new memory: `train_cuda --bench` with seven
    Llama3-8B layers held 36,709 MiB of chunks for 26,171 MiB of live tensors that way and ran out
-   of an H100's memory (26,523 MiB with the smallest fit). Where the device has no room for a new
-   chunk, the spares (all too small for it) go back to the backend first. */
+   of an H100's memory (26,523 MiB with the smallest fit). */
 static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes) {
     size_t bytes;
     if (!pr__mul_size(n ? n : 1, elem_bytes, &bytes) || bytes > SIZE_MAX - PR__ALIGN) {
@@ -2734,12 +2748,7 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
         } else {
             c = (pr__chunk *)PR_MALLOC(sizeof *c);
             size_t cap = bytes > PR__CHUNK_BYTES ? bytes : PR__CHUNK_BYTES;
-            char *mem = c ? (char *)tr->be->alloc(tr->be, cap, PR_TIER_DEVICE) : NULL;
-            if (!mem && c && tr->spare) {
-                pr__chunks_free(tr, tr->spare);
-                tr->spare = NULL;
-                mem = (char *)tr->be->alloc(tr->be, cap, PR_TIER_DEVICE);
-            }
+            char *mem = c ? (char *)pr__device_alloc(tr, cap) : NULL;
             if (!mem) {
                 PR_FREE(c);
                 tr->alloc_failed = 1;
@@ -2780,11 +2789,13 @@ static void pr__arena_reset(pr_trainer *tr, pr__arena *a) {
     a->used = 0;
 }
 
-/* Activation memory ran out: what was live beside what the chunks held tells a full device from
-   a fragmented one. */
+/* Activation memory ran out: what was live (offload's slots included) beside what the chunks and
+   the slots held tells a full device from a fragmented one. */
 static pr_status pr__act_nomem(const pr_trainer *tr, pr_error *err, const char *what, int rows) {
-    return pr__fail(err, PR_ERR_NOMEM, "out of activation memory %s %d rows (%.0f MiB live, %.0f MiB in chunks)", what, rows,
-                    (double)tr->live_bytes / 1048576.0, (double)tr->chunk_bytes / 1048576.0);
+    size_t slots = 0;
+    for (int s = 0; s < PR__SLOTS; s++) slots += tr->slot_cap[s];
+    return pr__fail(err, PR_ERR_NOMEM, "out of activation memory %s %d rows (%.0f MiB live; %.0f MiB in chunks, %.0f MiB in offload slots)",
+                    what, rows, (double)tr->live_bytes / 1048576.0, (double)tr->chunk_bytes / 1048576.0, (double)slots / 1048576.0);
 }
 
 static void pr__enter_phase(pr_trainer *tr, int phase) {
@@ -4490,7 +4501,7 @@ static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int
     pr__slot_wait(tr, s);                           /* the block that left it is out before it is overwritten */
     if (tr->slot_cap[s] < o->block) {
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
-        tr->slot[s] = (char *)tr->be->alloc(tr->be, o->block, PR_TIER_DEVICE);
+        tr->slot[s] = (char *)pr__device_alloc(tr, o->block);
         tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
         if (!tr->slot[s]) return pr__fail(err, PR_ERR_NOMEM, "out of device memory for an offload slot of %zu bytes", o->block);
     }

@@ -89,9 +89,9 @@ export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS M
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
-# on a fresh machine, the wgmma attention in the train-* stages); initcheck and the sanitizers'
-# tensor-core targets from the H200's run or not yet measured. Racecheck is the slow part of the
-# mma stage (10-45 s a shape).
+# on a fresh machine, the wgmma attention in the train-* stages); initcheck from the H100 run of
+# 2026-11-27, the other sanitizers' tensor-core targets from the H200's run or not yet measured.
+# Racecheck is the slow part of the mma stage (10-45 s a shape).
 # `--list` prints the sum: above the budget, so the last stages wait for a follow-up call.
 stages() {
     cat <<'EOF'
@@ -314,7 +314,7 @@ sanitize() {
         rc=$?
         [ $rc -eq 0 ] || fail=1
         s=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$stage_base.$what.log" | sed 's/^=* *//' | tr '\n' ' ')
-        case $rc in 124|137) s="${s}timed out at $lim s" ;; esac
+        case $rc in 124|137) s="${s}timed out at $share s" ;; esac
         key "$what: ${s:-exit $rc, no summary}"
     done
     return $fail

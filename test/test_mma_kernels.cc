@@ -26,11 +26,12 @@
    writer; at head dims 16 and 32 (model/tiny's and tiny-qwen3's, which the GPU tests and the smoke
    run train) they run alone. Negative controls, each of which must be caught: copies that
    land one wait_group late, ldmatrix ignoring .trans (by the values); the barriers that end a
-   stage's reads skipped (as races in each of the four mma.sync kernels: their values stay within
-   tolerance on this machine), and those after a wait_group skipped (as races in all seven: in
-   the wgmma kernels that one barrier a stage also ends the other stage's reads); the dQ launch given one query
-   tile twice (as elements with two writers); the fused kernel's barrier between its dS tile's
-   stores and their reads skipped (as races in that kernel alone).
+   stage's reads skipped (as races in each of the four mma.sync kernels, whose values stay within
+   tolerance on this machine, and in the wgmma forward), and those after a wait_group skipped (as
+   races in all seven: in wgmma dQ and dK/dV that one barrier a stage also ends the other stage's
+   reads); the dQ launch given one query tile twice (as elements with two writers); the fused
+   kernel's barrier between its dS tile's stores and their reads skipped (as races in that kernel
+   alone).
    The wgmma kernels (PR_CUDA_ATTENTION_WGMMA: forward, dQ, dK/dV on Hopper's warpgroup MMA) on the
    same inputs: every output bitwise the mma.sync kernels' (here both sum a k16 block's products
    exactly onto the accumulator), no race (a wgmma's shared-memory reads count for its whole
@@ -502,8 +503,8 @@ int main(void) {
         if (f < 2)
             CHECK(r[T_OUT] > 1 || r[T_LSE] > 1 || emu_errors, "planted fault '%s' not detected (out %.2f, lse %.2f)", fault_name[f],
                   r[T_OUT], r[T_LSE]);
-        else if (f < 4)     /* the wgmma kernels have one barrier a stage, after the wait: fault 3's alone */
-            for (int k = 0; k < (f == 2 ? K_FWD_WG : NK); k++)
+        else if (f < 4)     /* wgmma dQ and dK/dV have one barrier a stage, after the wait: fault 3's alone */
+            for (int k = 0; k < (f == 2 ? K_FWD_WG + 1 : NK); k++)
                 CHECK(ks.races[k] > 0, "planted fault '%s': no race seen in the %s kernel", fault_name[f], kname[k]);
         else if (f == 4)
             CHECK(emu_multi_writers > 0, "planted fault '%s': no element seen written twice", fault_name[f]);
