@@ -709,6 +709,8 @@ typedef struct {
     double loss;
     double seconds[3];       /* wall time of Phase A, B, C (the baseline reports all of it as B) */
     size_t peak_bytes[3];    /* peak activation bytes live (device tier) during each phase */
+    size_t chunk_bytes;      /* device memory the activation arenas' chunks hold at the step's end, spare
+                                chunks included: the peaks above plus what reuse of chunks wastes */
     pr_offload_stats offload;
     double aux_loss;         /* MoE: the load-balancing term included in loss (coefficient applied) */
     int routing_prepass;     /* MoE: 1 when a forward-only routing pass ran first (group scope) */
@@ -3998,6 +4000,7 @@ static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s
     s->loss = cx->loss + s->aux_loss;
     s->rows = cx->rows;
     memcpy(s->peak_bytes, tr->phase_peak, sizeof s->peak_bytes);
+    s->chunk_bytes = tr->chunk_bytes;
     s->flops = cx->owner ? pr_step_flops(&tr->model, cx->g, cx->opt->schedule) : 0;
     if (stats) *stats = *s;
     return PR_OK;
@@ -4051,6 +4054,7 @@ PRDEF void pr_step_stats_add(pr_step_stats *step, const pr_step_stats *group) {
         s.seconds[p] += step->seconds[p];
         if (step->peak_bytes[p] > s.peak_bytes[p]) s.peak_bytes[p] = step->peak_bytes[p];
     }
+    if (step->chunk_bytes > s.chunk_bytes) s.chunk_bytes = step->chunk_bytes;
     *step = s;
 }
 

@@ -1913,7 +1913,7 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
             pr_trainer_destroy(tr);
             return 1;
         }
-        size_t reuse_b = 0;
+        size_t reuse_b = 0, largest = 0, chunks = 0;
         for (int v = 0; v < N_MEM_VARIANTS; v++) {
             pr_step_opts so = variant_opts(o, &mem_variants[v]);
             pr_step_stats st;
@@ -1926,6 +1926,8 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
                 return fail(&err);
             }
             if (v == MEM_REUSE) reuse_b = st.peak_bytes[PR_PHASE_B];
+            for (int p = 0; p < 3; p++) if (st.peak_bytes[p] > largest) largest = st.peak_bytes[p];
+            chunks = st.chunk_bytes;
             printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
                    mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
             if (v > MEM_REUSE) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
@@ -1934,6 +1936,9 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
             printf("\n");
             fflush(stdout);          /* a run stopped by a time limit keeps the rows it has */
         }
+        /* what reusing chunks across the variants costs: the device memory behind the peaks */
+        printf("%5d/%-5d the arenas' chunks after these rows: %.2f MiB; the largest peak above: %.2f MiB\n", P, S, mib(chunks),
+               mib(largest));
         synth_free(&sg);
     }
     pr_trainer_destroy(tr);

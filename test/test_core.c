@@ -2315,6 +2315,19 @@ static void test_arena_spares(void) {
           strstr(err.message, want), "arena spares: the error reads '%s', not with '%s'", err.message, want);
     pr__arena_reset(tr, &live);
     tr->alloc_failed = 0;
+    /* a step's stats: the chunks held at its end, which hold every peak's tensors */
+    cb.cap = SIZE_MAX;
+    static test_group t;
+    const int S[3] = { 5, 9, 2 };
+    make_group(&t, 12, 3, S, c.vocab_size, 4);
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats st;
+    const pr_status ss = pr_trainer_compute_grads(tr, &t.g, &o, &st, NULL, &err);
+    size_t peak = 0;
+    for (int p = 0; p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
+    CHECK(ss == PR_OK && st.chunk_bytes == cb.held - state && st.chunk_bytes >= peak && peak > 0,
+          "arena spares: a step's stats say %zu bytes of chunks (the device holds %zu for them), peak %zu: %s", st.chunk_bytes,
+          cb.held - state, peak, ss ? err.message : "");
     pr_trainer_destroy(tr);
     CHECK(cb.n == 0 && cb.held == 0, "arena spares: %d device allocations (%zu bytes) outlived the trainer", cb.n, cb.held);
 }
