@@ -2575,9 +2575,9 @@ static void pr__chunks_free(pr_trainer *tr, pr__chunk *c) {
     }
 }
 
-/* bytes of device memory, else NULL. Where the device has no room, the spare chunks (each too small
-   for the caller, or it would have taken one) go back to the backend first; after the device's
-   queued work, so that no kernel or copy still reads one. */
+/* A device allocation of `bytes`, else NULL. Where the device has no room, the spare chunks (each
+   too small for the caller, or it would have taken one) go back to the backend first, after the
+   device's queued work, so that no kernel or copy still reads one. */
 static void *pr__device_alloc(pr_trainer *tr, size_t bytes) {
     void *p = tr->be->alloc(tr->be, bytes, PR_TIER_DEVICE);
     if (!p && tr->spare) {
