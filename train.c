@@ -1889,6 +1889,12 @@ static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
 }
 
 static double mib(size_t b) { return b / 1048576.0; }
+/* A step's highest per-phase peak of live device memory. */
+static size_t step_peak(const pr_step_stats *st) {
+    size_t peak = 0;
+    for (int p = 0; p < 3; p++) if (st->peak_bytes[p] > peak) peak = st->peak_bytes[p];
+    return peak;
+}
 
 
 /* Per-phase peak device memory of each variant at the speed sweep's splits, measured by the
@@ -1926,7 +1932,7 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
                 return fail(&err);
             }
             if (v == MEM_REUSE) reuse_b = st.peak_bytes[PR_PHASE_B];
-            for (int p = 0; p < 3; p++) if (st.peak_bytes[p] > largest) largest = st.peak_bytes[p];
+            if (step_peak(&st) > largest) largest = step_peak(&st);
             chunks = st.chunk_bytes;
             printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
                    mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
@@ -1988,9 +1994,7 @@ static pr_status step_need(pr_trainer *tr, pr_comm *world, const pr_mesh *m, con
     pr_status s = dp > 1 ? pr_trainer_compute_grads_dp(tr, m->dp_comm, batch, dp, &so, &st, err)
                          : pr_trainer_compute_grads(tr, &sg.g, &so, &st, NULL, err);
     synth_free(&sg);
-    size_t peak = 0;
-    for (int p = 0; !s && p < 3; p++) if (st.peak_bytes[p] > peak) peak = st.peak_bytes[p];
-    *need = s ? -1 : (double)pr_trainer_state_bytes(tr) + (double)peak;
+    *need = s ? -1 : (double)pr_trainer_state_bytes(tr) + (double)step_peak(&st);
     pr_error other;
     pr_status ms = most_over(world, need, s ? &other : err);
     return s ? s : ms;
