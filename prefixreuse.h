@@ -858,6 +858,12 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
    and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
+/* The same FLOPs by the phase that performs them (flops[PR_PHASE_A/B/C], pr_step_stats.seconds'
+   phases): with reuse, A is the prefix forward; B the suffixes forward and backward with the loss
+   rows they hold (each suffix's rows but the last); C the prefix backward with the loss rows of
+   the prefix (the last prefix row, which predicts every suffix's first token, and trained prefix
+   tokens). The baseline's all fall in B. Zeros for a NULL config or group. */
+PRDEF void pr_step_phase_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule, double flops[3]);
 
 /* A step of n groups whose prefixes share tokens, run as their prefix tree (pr_prefix_tree_build
    over the same groups): every node forward once, top-down, attending to the nodes above it; the
@@ -4078,20 +4084,35 @@ static void pr__flop_rates(const pr_config *c, double *per_token, double *per_pa
     *per_pair = 12 * qd * c->num_hidden_layers;          /* QK^T and PV: fwd 4*HS*NH, bwd 8*HS*NH */
 }
 
-PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
-    if (!c || !g) return 0;
+PRDEF void pr_step_phase_flops(const pr_config *c, const pr_group *g, pr_schedule schedule, double flops[3]) {
+    flops[PR_PHASE_A] = flops[PR_PHASE_B] = flops[PR_PHASE_C] = 0;
+    if (!c || !g) return;
     double C = c->hidden_size, V = c->vocab_size, per_token, per_pair;
     pr__flop_rates(c, &per_token, &per_pair);
-    double P = g->P, tokens = 0, pairs = 0, head_rows = 0;
+    const double head_row = 6 * C * V, P = g->P;
     const double trained = pr__prefix_trained(g, 0, g->P);     /* every trajectory's loss row in either schedule */
+    double tokens = 0, pairs = 0, suffix_rows = 0;
     for (int i = 0; i < g->G; i++) {
         double S = g->suffix_len[i], T = P + S;
-        head_rows += S + trained;
+        suffix_rows += S - 1;
         if (schedule == PR_SCHEDULE_BASELINE) { tokens += T; pairs += T * (T + 1) / 2; }
         else { tokens += S; pairs += S * P + S * (S + 1) / 2; }
     }
-    if (schedule == PR_SCHEDULE_REUSE) { tokens += P; pairs += P * (P + 1) / 2; }
-    return tokens * per_token + pairs * per_pair + head_rows * 6 * C * V;
+    const double prefix_rows = g->G * (1 + trained);             /* the loss rows the prefix holds */
+    flops[PR_PHASE_B] = tokens * per_token + pairs * per_pair + suffix_rows * head_row;
+    if (schedule == PR_SCHEDULE_BASELINE) {
+        flops[PR_PHASE_B] += prefix_rows * head_row;
+        return;
+    }
+    const double prefix = P * per_token + P * (P + 1) / 2 * per_pair;   /* forward 1/3 of it, backward 2/3 */
+    flops[PR_PHASE_A] = prefix / 3;
+    flops[PR_PHASE_C] = prefix - prefix / 3 + prefix_rows * head_row;
+}
+
+PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
+    double f[3];
+    pr_step_phase_flops(c, g, schedule, f);
+    return f[PR_PHASE_A] + f[PR_PHASE_B] + f[PR_PHASE_C];
 }
 
 /* ---------------------------------------------------------------- 4.5 Prefix trees */

@@ -1678,8 +1678,10 @@ static void synth_free(synth_group *sg) {
     free(sg->prefix); free(sg->tokens); free(sg->len); free(sg->off); free(sg->adv); free(sg->old); free(sg->mask);
 }
 
-/* Best wall time of reps runs of one schedule on the group; *sum: all of them. */
-static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, double *sum, pr_error *err) {
+/* Best wall time of reps runs of one schedule on the group; *sum: all of them; phase (or NULL):
+   the best run's time in each phase. */
+static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, double *sum, double *phase,
+                     pr_error *err) {
     *best = INFINITY;
     *sum = 0;
     for (int r = 0; r < reps; r++) {
@@ -1687,7 +1689,10 @@ static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, i
         if (pr_trainer_compute_grads(tr, g, o, &st, NULL, err)) return 0;
         double t = st.seconds[0] + st.seconds[1] + st.seconds[2];
         *sum += t;
-        if (t < *best) *best = t;
+        if (t < *best) {
+            *best = t;
+            if (phase) memcpy(phase, st.seconds, sizeof st.seconds);
+        }
     }
     return 1;
 }
@@ -1695,13 +1700,13 @@ static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, i
 /* --profile: time_step with the backend's operation profile on, then where a step's time went: each
    operation, the longest first, and the time between operations. */
 static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *g, const pr_step_opts *so, const char *what,
-                              double *best, pr_error *err) {
+                              double *best, double *phase, pr_error *err) {
     double sum;
 #ifdef PR_CUDA
     const pr_backend *be = o->profile ? backend(err) : NULL;
     if (be && pr_backend_cuda_profile(be, 1, err)) return 0;
 #endif
-    if (!time_step(tr, g, so, o->bench_reps, best, &sum, err)) return 0;
+    if (!time_step(tr, g, so, o->bench_reps, best, &sum, phase, err)) return 0;
 #ifdef PR_CUDA
     if (!be) return 1;
     pr_backend_cuda_profile(be, 0, err);
@@ -1724,6 +1729,25 @@ static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *
     (void)what;
 #endif
     return 1;
+}
+
+/* Under a --bench row: the reuse step's phases, each one's time and FLOP rate, and the time it
+   takes beyond its FLOPs at the baseline's rate, as a share of the step. Those shares add up to
+   1 - ratio: where the step falls short of the speed-up bound. */
+static void print_phases(const options *o, const pr_config *cfg, const pr_group *g, const double *phase, double step,
+                         double base_rate) {
+    double f[3];
+    pr_step_phase_flops(cfg, g, PR_SCHEDULE_REUSE, f);
+    printf("%17s", "reuse A/B/C:");
+    for (int p = 0; p < 3; p++) printf("%s %.4f s", p ? "," : "", phase[p]);
+    printf(";");
+    for (int p = 0; p < 3; p++) {
+        printf("%s %.2f", p ? " /" : "", phase[p] > 0 ? f[p] / phase[p] / 1e9 : 0);
+        if (o->peak_tflops > 0 && phase[p] > 0) printf(" (%.1f%%)", 100 * f[p] / phase[p] / (o->peak_tflops * 1e12));
+    }
+    printf(" GF/s; beyond the baseline's rate:");
+    for (int p = 0; p < 3; p++) printf("%s %+.1f%%", p ? " /" : "", 100 * (phase[p] - f[p] / base_rate) / step);
+    printf(" of the step\n");
 }
 
 static int run_bench_speed(const options *o, const pr_config *cfg) {
@@ -1753,11 +1777,11 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
             pr_step_opts ob = o->step, orr = o->step;
             ob.schedule = PR_SCHEDULE_BASELINE;
             orr.schedule = PR_SCHEDULE_REUSE;
-            double tb, trr, sum;
+            double tb, trr, sum, phase[3];
             /* one untimed run of each warms the arenas, then the two alternate */
-            if (!time_step(tr, &sg.g, &ob, 1, &tb, &sum, &err) || !time_step(tr, &sg.g, &orr, 1, &trr, &sum, &err) ||
-                !time_step_profiled(o, tr, &sg.g, &ob, "baseline", &tb, &err) ||
-                !time_step_profiled(o, tr, &sg.g, &orr, "reuse", &trr, &err)) {
+            if (!time_step(tr, &sg.g, &ob, 1, &tb, &sum, NULL, &err) || !time_step(tr, &sg.g, &orr, 1, &trr, &sum, NULL, &err) ||
+                !time_step_profiled(o, tr, &sg.g, &ob, "baseline", &tb, NULL, &err) ||
+                !time_step_profiled(o, tr, &sg.g, &orr, "reuse", &trr, phase, &err)) {
                 synth_free(&sg);
                 pr_trainer_destroy(tr);
                 return fail(&err);
@@ -1768,6 +1792,7 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
                    fb / tb / 1e9, fr / trr / 1e9);
             if (mfu) printf(" %9.1f%% %8.1f%%", 100 * fb / tb / (o->peak_tflops * 1e12), 100 * fr / trr / (o->peak_tflops * 1e12));
             printf("\n");
+            print_phases(o, cfg, &sg.g, phase, trr, fb / tb);
             fflush(stdout);
             sum_ratio += ratio;
             cells++;

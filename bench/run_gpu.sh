@@ -405,8 +405,11 @@ body_train_bench() {
         --bench-groups "$BENCH_GROUPS" --bench-splits "$BENCH_SPLITS" --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
     rc=$?
     key "attention $(ran_attention); $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
-    # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU]
-    key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ && NF >= 9 { printf "%s%s G%s %s (bound %s, MFU %s/%s)", sep, $1, $2, $5, $6, $10, $11; sep = ", " }' "$stage_base.log" | cut -c1-300)"
+    # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU], each followed
+    # by reuse's phases: "reuse A/B/C: ...; beyond the baseline's rate: +a% / +b% / +c% of the step"
+    key "$(awk '$1 ~ /^[0-9]+\/[0-9]+$/ && NF >= 9 { printf "%s%s G%s %s (bound %s, MFU %s/%s", sep, $1, $2, $5, $6, $10, $11; sep = "), " }
+                $1 == "reuse" && $2 == "A/B/C:" { r = $0; sub(/.*rate: /, "", r); sub(/ of the step/, "", r); gsub(/ /, "", r); printf ", A/B/C beyond %s", r }
+                END { if (sep != "") printf ")" }' "$stage_base.log" | cut -c1-400)"
     return $rc
 }
 

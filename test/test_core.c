@@ -3080,6 +3080,53 @@ static void unroll_prefix(const test_group *t, test_group *u, int j0) {
     w->advantage = u->adv; w->old_logp = u->old; w->ref_logp = g->ref_logp ? u->ref : NULL; w->loss_mask = u->mask;
 }
 
+/* pr_step_phase_flops against a count made row by row: every row's matmuls (2 FLOPs a weight
+   forward, 4 backward), every (query, key) pair it attends (4 x head dim x heads forward, 8
+   backward), every loss row's head (2CV forward, 4CV backward), each in the phase that runs it. */
+static void test_phase_flops(void) {
+    pr_config c = small_config(0, 0, 2);
+    const double C = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
+    const double qd = (double)c.num_attention_heads * c.head_dim, kvd = (double)c.num_key_value_heads * c.head_dim;
+    const double row_fwd = 2 * L * (C * qd + 2 * C * kvd + qd * C + 3 * C * c.intermediate_size);
+    const double pair_fwd = 4 * L * qd, head_fwd = 2 * C * V;
+    const int S[4] = { 3, 1, 6, 2 }, P = 7, G = 4;
+    static test_group t;
+    for (int trained = 0; trained < 2; trained++) {
+        make_group(&t, P, G, S, c.vocab_size, 77);
+        int n_trained = 0;                   /* prefix tokens j >= 1 with a loss (row j - 1 predicts them) */
+        if (trained) {
+            train_prefix(&t, 2, 4, 5, 9);
+            for (int j = 1; j < P; j++) n_trained += t.pmask[j];
+        }
+        double want[2][3] = { { 0 } };       /* [baseline, reuse][phase] */
+        for (int i = 0; i < G; i++) {
+            for (int r = 0; r < P + S[i]; r++) want[0][PR_PHASE_B] += 3 * (row_fwd + (r + 1) * pair_fwd);
+            for (int r = P; r < P + S[i]; r++) want[1][PR_PHASE_B] += 3 * (row_fwd + (r + 1) * pair_fwd);
+            /* loss rows: the last prefix row and the trained prefix tokens' (the prefix's), then the suffix's but its last */
+            want[0][PR_PHASE_B] += 3 * head_fwd * (1 + n_trained + S[i] - 1);
+            want[1][PR_PHASE_C] += 3 * head_fwd * (1 + n_trained);
+            want[1][PR_PHASE_B] += 3 * head_fwd * (S[i] - 1);
+        }
+        for (int r = 0; r < P; r++) {
+            want[1][PR_PHASE_A] += row_fwd + (r + 1) * pair_fwd;
+            want[1][PR_PHASE_C] += 2 * (row_fwd + (r + 1) * pair_fwd);
+        }
+        for (int sched = 0; sched < 2; sched++) {
+            const pr_schedule sc = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+            double f[3];
+            pr_step_phase_flops(&c, &t.g, sc, f);
+            for (int ph = 0; ph < 3; ph++)
+                CHECK(fabs(f[ph] - want[sched][ph]) <= 1e-12 * want[sched][PR_PHASE_B], "phase flops %s, trained %d, phase %c: %.17g, counted %.17g",
+                      sched ? "reuse" : "baseline", trained, 'A' + ph, f[ph], want[sched][ph]);
+            CHECK(fabs(pr_step_flops(&c, &t.g, sc) - (f[0] + f[1] + f[2])) <= 1e-12 * pr_step_flops(&c, &t.g, sc),
+                  "pr_step_flops is the phases' sum (%s)", sched ? "reuse" : "baseline");
+        }
+    }
+    double f[3] = { 1, 1, 1 };
+    pr_step_phase_flops(NULL, &t.g, PR_SCHEDULE_REUSE, f);
+    CHECK(f[0] == 0 && f[1] == 0 && f[2] == 0, "phase flops of a NULL config are 0");
+}
+
 /* Trained prefix tokens (multi-turn): a group whose prefix trains a turn, through both schedules,
    the tree and meshes, against the same trajectories with that turn unrolled into every suffix. */
 static void test_prefix_loss(void) {
@@ -3357,6 +3404,7 @@ int main(void) {
     test_zero();
     test_grad_reduce_bf16();
     test_step_metrics();
+    test_phase_flops();
     test_measure_mesh();
     test_state_bytes();
     test_checkpoints();
