@@ -695,6 +695,11 @@ typedef enum { PR_RECOMPUTE_NONE = 0, PR_RECOMPUTE_PREFIX = 1, PR_RECOMPUTE_ALL 
 typedef struct {
     pr_schedule schedule;
     int microbatch;          /* trajectories per microbatch; 0 = all G in one */
+    /* > 0: no more trajectories a microbatch than keep its rows within this many tokens (at least
+       one): count x the rows a pass of the schedule runs for the longest trajectory, P + S_max for
+       the baseline, S_max for Phase B (the paper's suffix wave: the same memory holds several
+       suffixes where it holds one whole sequence). With microbatch > 0 both limits hold. */
+    int microbatch_tokens;
     pr_layout layout;        /* Phase B layout (the baseline always pads) */
     pr_loss_opts loss;
     pr_hooks hooks;
@@ -854,6 +859,11 @@ PRDEF pr_status pr_trainer_expert_load(const pr_trainer *tr, int layer, double *
    the weights the kernels read are all-gathered over dp (in their own type: bf16 on the GPU),
    bitwise as without; collective over the mesh. */
 PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, double *grad_norm, pr_error *err);
+
+/* The trajectories per microbatch a step with these options runs on the group (the last
+   microbatch may hold fewer): opt->microbatch (0: all G), and under opt->microbatch_tokens no more
+   than fit. 0 for a NULL group or options. */
+PRDEF int pr_step_microbatch(const pr_group *g, const pr_step_opts *opt);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
    and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
@@ -3740,6 +3750,18 @@ PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_erro
                     "or seq-mean-token-sum-norm)", name ? name : "(null)");
 }
 
+PRDEF int pr_step_microbatch(const pr_group *g, const pr_step_opts *o) {
+    if (!g || !o || g->G < 1) return 0;
+    int mb = o->microbatch <= 0 || o->microbatch > g->G ? g->G : o->microbatch;
+    if (o->microbatch_tokens > 0) {
+        int smax = 1;
+        for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+        const long rows = (long)smax + (o->schedule == PR_SCHEDULE_BASELINE ? g->P : 0), fit = o->microbatch_tokens / rows;
+        if (fit < mb) mb = fit < 1 ? 1 : (int)fit;
+    }
+    return mb;
+}
+
 static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, const pr_step_opts *o, pr_error *err) {
     if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
     pr_status st = pr_group_validate(g, tr->model.vocab_size, err);
@@ -3754,6 +3776,8 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (o->layout != PR_LAYOUT_PADDED && o->layout != PR_LAYOUT_PACKED)
         return pr__fail(err, PR_ERR_ARG, "unknown layout %d", (int)o->layout);
     if (o->microbatch < 0) return pr__fail(err, PR_ERR_ARG, "microbatch must be >= 1 (or 0 for the whole group), got %d", o->microbatch);
+    if (o->microbatch_tokens < 0)
+        return pr__fail(err, PR_ERR_ARG, "microbatch_tokens must be >= 1 (or 0 for no token limit), got %d", o->microbatch_tokens);
     if ((o->moe.scope != PR_AUX_SCOPE_MICROBATCH && o->moe.scope != PR_AUX_SCOPE_GROUP) || o->moe.prefix_multiplicity < 0)
         return pr__fail(err, PR_ERR_ARG, "MoE options: unknown aux-loss scope %d or negative prefix multiplicity %d",
                         (int)o->moe.scope, o->moe.prefix_multiplicity);
@@ -3762,9 +3786,10 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
                         PR_RECOMPUTE_NONE, PR_RECOMPUTE_PREFIX, PR_RECOMPUTE_ALL);
     if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
-    int mb = o->microbatch == 0 || o->microbatch > g->G ? g->G : o->microbatch;
+    int mb = pr_step_microbatch(g, o);
     if (pr__cp(tr) > 1 && mb != 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d%s)", mb,
+                        o->microbatch_tokens ? ", from microbatch_tokens" : "");
     if (pr__cp(tr) > 1 && o->offload.enabled)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
     const double rows = (double)mb * ((double)g->P + smax);   /* a pass's rows, times any per-row count must fit an int */
@@ -3830,7 +3855,7 @@ static void pr__step_free(pr__step_ctx *cx) {
 static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group *g, const pr_step_opts *opt, pr_real *logp,
                                 pr_comm *team, pr_error *err) {
     const pr_backend *be = tr->be;
-    const int G = g->G, mb = opt->microbatch == 0 || opt->microbatch > G ? G : opt->microbatch;
+    const int G = g->G, mb = pr_step_microbatch(g, opt);
     const int t = team ? team->size : 1, k = team ? team->rank : 0;
     int B = 0;                   /* the group's microbatches, over the team */
     for (int j = 0; j < t; j++) B += ((j + 1) * G / t - j * G / t + mb - 1) / mb;

@@ -83,6 +83,9 @@ static void usage(FILE *f) {
         "  --tree-min N           --schedule tree: a run shared by two or more groups becomes a node from\n"
         "                         N tokens (default 16)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"
+        "  --microbatch-tokens N  and no more than keep a microbatch's rows within N tokens (at least one\n"
+        "                         trajectory): whole sequences full-sequence, suffixes alone in Phase B, so\n"
+        "                         reuse runs several suffixes where the baseline runs one sequence (default 0: no limit)\n"
         "  --layout L             padded | packed: the reuse schedule's Phase-B layout (default padded)\n"
         "  --aux-scope S          MoE load-balancing loss scope: microbatch | group (default microbatch)\n"
         "  --prefix-multiplicity N  MoE: count each prefix token N times in the aux loss instead of the\n"
@@ -292,6 +295,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
+        else if (!strcmp(a, "--microbatch-tokens")) ok = parse_int(v, &o->step.microbatch_tokens) && o->step.microbatch_tokens >= 0;
         else if (!strcmp(a, "--bench-total")) ok = parse_int(v, &o->bench_total) && o->bench_total >= 12;
         else if (!strcmp(a, "--bench-reps")) ok = parse_int(v, &o->bench_reps) && o->bench_reps >= 1;
         else if (!strcmp(a, "--bench-system")) ok = parse_int(v, &o->bench_system) && o->bench_system >= 1;
@@ -483,6 +487,35 @@ static int bf16_activations(void) {
     pr_error err;
     const pr_backend *be = backend(&err);
     return be && be->act_bytes == 2;
+}
+
+/* The microbatch options, for header lines: "4", "all G", "4, at most 12288 tokens". */
+static const char *microbatch_label(const pr_step_opts *s) {
+    static char label[64];
+    if (!s->microbatch_tokens) snprintf(label, sizeof label, s->microbatch ? "%d" : "all G", s->microbatch);
+    else if (!s->microbatch) snprintf(label, sizeof label, "of at most %d tokens", s->microbatch_tokens);
+    else snprintf(label, sizeof label, "%d, at most %d tokens", s->microbatch, s->microbatch_tokens);
+    return label;
+}
+
+/* A token budget may cut a group into microbatches of different counts in the two schedules (the
+   baseline's hold whole sequences); a MoE aux loss of the microbatch scope then differs between
+   them, so the comparisons (--check, --replay) refuse that. */
+static int same_microbatches(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    if (!cfg->num_experts || o->step.moe.scope != PR_AUX_SCOPE_MICROBATCH || !o->step.microbatch_tokens) return 1;
+    pr_step_opts b = o->step, r = o->step;
+    b.schedule = PR_SCHEDULE_BASELINE;
+    r.schedule = PR_SCHEDULE_REUSE;
+    for (int i = 0; i < trace->n_groups; i++) {
+        const int nb = pr_step_microbatch(&trace->groups[i], &b), nr = pr_step_microbatch(&trace->groups[i], &r);
+        if (nb != nr) {
+            fprintf(stderr, "train: --microbatch-tokens %d cuts group %d into microbatches of %d trajectories full-sequence and %d "
+                    "with reuse, and the MoE aux loss of --aux-scope microbatch depends on them: compare with --aux-scope group, "
+                    "or with --microbatch alone\n", o->step.microbatch_tokens, i, nb, nr);
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* The run's arithmetic, for header lines. */
@@ -974,8 +1007,8 @@ static int run_training_mesh(const options *o, const pr_config *cfg, const pr_tr
     memset(&j, 0, sizeof j);
     j.o = o; j.cfg = cfg; j.trace = trace;
     print_mesh(o);
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, %s\n", o->trace, trace->n_groups,
-           o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+    printf("trace %s: %d groups; schedule %s, microbatch %s, layout %s, %s\n", o->trace, trace->n_groups,
+           o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", microbatch_label(&o->step),
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", precision_label());
     print_steps(o, trace);
     if (mesh_run(&j, &err)) return fail(&err);
@@ -1025,8 +1058,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
            cfg->head_dim, mlp, cfg->vocab_size, pr_trainer_param_count(tr) / 1e6,
            4.0 * sizeof(pr_real) * pr_trainer_param_count(tr) / 1048576.0);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
-    printf("trace %s: %d groups; schedule %s, microbatch %d, layout %s, offload %s, recompute %s, %s\n", o->trace,
-           trace->n_groups, o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", o->step.microbatch,
+    printf("trace %s: %d groups; schedule %s, microbatch %s, layout %s, offload %s, recompute %s, %s\n", o->trace,
+           trace->n_groups, o->tree ? "tree" : o->step.schedule == PR_SCHEDULE_REUSE ? "reuse" : "baseline", microbatch_label(&o->step),
            o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", o->step.offload.enabled ? "on" : "off",
            recompute_name[o->step.recompute], precision_label());
     print_steps(o, trace);
@@ -1227,8 +1260,9 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     long plain_diffs = 0;           /* bits that differ from a reuse step without offload and recompute */
     const int vs_plain = !on_mesh(o) && (orr.offload.enabled || orr.recompute != PR_RECOMPUTE_NONE);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
-    printf("check: baseline (microbatch %d, padded) vs %s (microbatch %d, %s), recompute %s, %s, atol %s rtol %.1e\n",
-           o->step.microbatch, o->tree ? "tree" : "reuse", o->step.microbatch, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+    if (!same_microbatches(o, cfg, trace)) return 1;
+    printf("check: baseline (microbatch %s, padded) vs %s (the same, %s), recompute %s, %s, atol %s rtol %.1e\n",
+           microbatch_label(&o->step), o->tree ? "tree" : "reuse", o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            recompute_name[o->step.recompute], precision_label(),
            bf16 ? "2^-6 x max|gradient| of each tensor" : sizeof(pr_real) == 8 ? "1e-13" : "1e-06", rtol);
     diff worst_g = { 0, 0, 0 }, worst_p = { 0, 0, 0 }, wire_g = { 0, 0, 0 }, wire_p = { 0, 0, 0 };
@@ -1523,6 +1557,7 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
     replay_run run[3];
     pr_error err;
     const int narrow = bf16_activations();
+    if (!same_microbatches(o, cfg, trace)) return 1;
     memset(run, 0, sizeof run);      /* 0 full-sequence, 1 reuse, 2 the floor's: reordered, or on the CPU when narrow */
     run[0].schedule = run[2].schedule = PR_SCHEDULE_BASELINE;
     run[1].schedule = PR_SCHEDULE_REUSE;
@@ -1531,8 +1566,10 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
     int rc = 0;
     reordered_group *floor_groups = narrow ? NULL : calloc((size_t)trace->n_groups, sizeof *floor_groups);
     if (!narrow && !floor_groups) rc = 1;
+    pr_step_opts full = o->step;
+    full.schedule = PR_SCHEDULE_BASELINE;
     for (int i = 0; !narrow && i < trace->n_groups && !rc; i++)
-        if (!reorder_group(&floor_groups[i], &trace->groups[i], o->step.microbatch)) rc = 1;
+        if (!reorder_group(&floor_groups[i], &trace->groups[i], pr_step_microbatch(&trace->groups[i], &full))) rc = 1;
     if (rc) fprintf(stderr, "train: out of memory\n");
     for (int r = 0; r < 3 && !rc; r++) {
         if (!make_trainer_on(o, cfg, narrow && r == 2 ? pr_backend_cpu() : NULL, &run[r].tr, &err)) rc = fail(&err);
@@ -1545,12 +1582,10 @@ static int run_replay(const options *o, const pr_config *cfg, const pr_trace *tr
         fprintf(stderr, "train: cannot open --log %s\n", o->log);
         rc = 1;
     }
-    char mb[16];
-    snprintf(mb, sizeof mb, o->step.microbatch ? "%d" : "all G", o->step.microbatch);
     if (!rc)
-        printf("replay: %d steps over %s (%d groups); full-sequence (microbatch %s) vs reuse (microbatch %s, %s); %s; "
+        printf("replay: %d steps over %s (%d groups); full-sequence vs reuse (%s), microbatch %s; %s; "
                "%s parameters\n",
-               o->replay, o->trace, trace->n_groups, mb, mb, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
+               o->replay, o->trace, trace->n_groups, o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded", microbatch_label(&o->step),
                narrow ? "bf16 activations: drift = reuse's and floor = full-sequence's from the reference, the full-sequence "
                         "schedule on the CPU in the parameters' precision"
                       : "drift = reuse's from full-sequence; floor = full-sequence with each microbatch's trajectories reversed",
@@ -1759,8 +1794,8 @@ static int run_bench_speed(const options *o, const pr_config *cfg) {
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     const int mfu = o->peak_tflops > 0;
-    printf("bench: %s, %d layers, hidden %d, total %d tokens per trajectory, best of %d, microbatch %d, %s\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, o->bench_reps, o->step.microbatch, run_label());
+    printf("bench: %s, %d layers, hidden %d, total %d tokens per trajectory, best of %d, microbatch %s, %s\n",
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, o->bench_reps, microbatch_label(&o->step), run_label());
     printf("%-11s %3s %12s %12s %9s %9s %9s %10s %10s%s\n", "split P/S", "G", "baseline s", "reuse s", "speedup", "bound",
            "ratio", "base GF/s", "reuse GF/s", mfu ? "  base MFU reuse MFU" : "");
     double sum_ratio = 0, heavy_ratio = 0;
@@ -1909,7 +1944,7 @@ static pr_step_opts variant_opts(const options *o, const mem_variant *v) {
     s.schedule = v->schedule;
     s.offload.enabled = v->offload;
     s.recompute = v->recompute;
-    if (s.microbatch == 0) s.microbatch = 1;   /* the paper's Phase B: one trajectory at a time */
+    if (s.microbatch == 0 && !s.microbatch_tokens) s.microbatch = 1;   /* the paper's Phase B: one trajectory at a time */
     return s;
 }
 
@@ -1930,10 +1965,10 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     pr_trainer *tr;
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     pr_step_opts probe = variant_opts(o, &mem_variants[0]);
-    printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %d, %s; peak live\n"
+    printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %s, %s; peak live\n"
            "device memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state\n"
            "excluded); each variant's second step (the first allocates what the next ones reuse)\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, probe.microbatch, run_label());
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, microbatch_label(&probe), run_label());
     printf("%-11s %-23s %10s %10s %10s %9s %12s %14s %9s %7s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
            "dormant MiB", "B saved MiB", "copies ms", "GB/s");
     for (int fi = 0; fi < o->n_bench_splits; fi++) {

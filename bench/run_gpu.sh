@@ -24,6 +24,9 @@
 #   BENCH_LAYERS  Llama3-8B layers in train-bench, train-memory, torch-ref (1)
 #   BENCH_GROUPS  group sizes of train-bench and torch-ref (8)
 #   BENCH_SPLITS  prefix fractions of train-bench (0.16667,0.5,0.66667,0.83333: 2k/10k ... 10k/2k)
+#   BENCH_MICROBATCH  train-bench's and profile's microbatch flags (--microbatch 1: the paper's Phase B, one
+#                 suffix at a time; "--microbatch-tokens 6144": the baseline one 12k sequence, Phase B
+#                 three 2k suffixes)
 #   MEM_GROUPS    group size of train-memory (4)
 #   MEM_SPLITS    prefix fractions of train-memory (0.83333, i.e. 10k/2k)
 #   BENCH_TOTAL   tokens per trajectory (12288)
@@ -76,6 +79,7 @@ BENCH_TOTAL=${BENCH_TOTAL:-12288}
 TORCH_SPLITS=${TORCH_SPLITS:-0.83333}
 TORCH_GROUPS=${TORCH_GROUPS:-$BENCH_GROUPS}
 REPS=${REPS:-3}
+BENCH_MICROBATCH=${BENCH_MICROBATCH:---microbatch 1}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
 WGMMA_RACE_SHAPES=${WGMMA_RACE_SHAPES:-1 5 2}
@@ -110,8 +114,8 @@ bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best;
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
-train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS: baseline vs reuse, MFU
-profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers, 10k/2k, G 8: each timed step's GPU time per backend operation (GEMMs by shape), and the time the GPU waited for the host
+train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS, $BENCH_MICROBATCH: baseline vs reuse, MFU, reuse by phase
+profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers, 10k/2k, G 8, $BENCH_MICROBATCH: each timed step's GPU time per backend operation (GEMMs by shape), and the time the GPU waited for the host
 train-memory|40|240|1|train_cuda --bench memory, Llama3-8B x $BENCH_LAYERS layers, splits $MEM_SPLITS, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $TORCH_GROUPS
 train-tree|65|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
@@ -402,7 +406,7 @@ body_ncu() {
 
 body_train_bench() {
     ./train_cuda --bench --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups "$BENCH_GROUPS" --bench-splits "$BENCH_SPLITS" --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
+        --bench-groups "$BENCH_GROUPS" --bench-splits "$BENCH_SPLITS" $BENCH_MICROBATCH --bench-reps 1 --attention "$ATTENTION"
     rc=$?
     key "attention $(ran_attention); $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
     # rows: P/S G baseline-s reuse-s speedup bound ratio base-GF/s reuse-GF/s [base-MFU reuse-MFU], each followed
@@ -445,7 +449,7 @@ body_bench_ab() {
 
 body_profile() {
     ./train_cuda --bench --profile --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
-        --bench-groups 8 --bench-splits 0.83333 --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
+        --bench-groups 8 --bench-splits 0.83333 $BENCH_MICROBATCH --bench-reps 1 --attention "$ATTENTION"
     rc=$?
     # per schedule: the step, its three longest operations, and the time between operations
     key "attention $(ran_attention); $(awk '$1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
@@ -583,7 +587,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
+    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS BENCH_MICROBATCH=\"$BENCH_MICROBATCH\" MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"

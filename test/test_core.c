@@ -242,6 +242,57 @@ static void test_equivalence(void) {
     printf("equivalence: %d shapes x layouts compared on loss, log-probs, gradients, parameters\n", cases + 3);
 }
 
+/* microbatch_tokens: the microbatches each schedule runs (pr_step_stats.microbatches) for budgets
+   around one pass's rows (P + S_max whole, S_max in Phase B), under the trajectory limit too; a
+   step under a budget is bit for bit the step with the count the budget gives (the count alone
+   changes; test_equivalence compares the schedules at every count). */
+static void test_microbatch_tokens(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[6] = { 4, 7, 2, 5, 3, 6 }, P = 9, G = 6, smax = 7;
+    const struct { int tokens, microbatch; } cases[] = { { 16, 0 }, { 15, 0 }, { 1, 0 }, { 48, 0 }, { 48, 4 }, { 1000, 0 }, { 0, 2 } };
+    test_group t;
+    make_group(&t, P, G, S, c.vocab_size, 404);
+    pr_error err;
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
+        for (int sched = 0; sched < 2; sched++) {
+            const int rows = smax + (sched ? 0 : P), lim = cases[k].microbatch ? cases[k].microbatch : G;
+            int mb = cases[k].tokens ? cases[k].tokens / rows : G;        /* the count, worked out here */
+            if (mb < 1) mb = 1;
+            if (mb > lim) mb = lim;
+            pr_step_opts o = pr_step_opts_default(), e;
+            o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+            o.microbatch = cases[k].microbatch;
+            o.microbatch_tokens = cases[k].tokens;
+            e = o;
+            e.microbatch_tokens = 0;
+            e.microbatch = mb;
+            CHECK(pr_step_microbatch(&t.g, &o) == mb, "pr_step_microbatch: %d, want %d", pr_step_microbatch(&t.g, &o), mb);
+            pr_trainer *a = make_model(&c, 5), *b = make_model(&c, 5);
+            pr_step_stats sa, sb;
+            pr_real la[4096], lb[4096];
+            int ok = !pr_trainer_compute_grads(a, &t.g, &o, &sa, la, &err) && !pr_trainer_compute_grads(b, &t.g, &e, &sb, lb, &err);
+            CHECK(ok, "microbatch_tokens %d: %s", cases[k].tokens, err.message);
+            if (ok) {
+                CHECK(sa.microbatches == (G + mb - 1) / mb, "microbatch_tokens %d, microbatch %d, %s: %d microbatches, want %d",
+                      cases[k].tokens, cases[k].microbatch, sched ? "reuse" : "baseline", sa.microbatches, (G + mb - 1) / mb);
+                pr_real *ga = grads_of(a), *gb = grads_of(b);
+                const size_t n = pr_trainer_param_count(a);
+                CHECK(sa.loss == sb.loss && !memcmp(la, lb, sizeof(pr_real) * (size_t)t.off[G]) && !memcmp(ga, gb, sizeof(pr_real) * n),
+                      "microbatch_tokens %d, %s: not the step of microbatch %d", cases[k].tokens, sched ? "reuse" : "baseline", mb);
+                free(ga); free(gb);
+            }
+            pr_trainer_destroy(a);
+            pr_trainer_destroy(b);
+        }
+    pr_trainer *a = make_model(&c, 5);
+    pr_step_opts o = pr_step_opts_default();
+    CHECK(pr_step_microbatch(NULL, &o) == 0 && pr_step_microbatch(&t.g, NULL) == 0, "pr_step_microbatch of NULL is 0");
+    o.microbatch_tokens = -1;
+    CHECK(pr_trainer_compute_grads(a, &t.g, &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "microbatch_tokens"),
+          "a negative token budget is refused: %s", err.message);
+    pr_trainer_destroy(a);
+}
+
 /* ------------------------------------------------------------------ hooks */
 typedef struct {
     int captures, dkvs, injects, bad_shape, L, P, kvd;
@@ -3387,6 +3438,7 @@ static void test_trees(void) {
 int main(void) {
     printf("test_core (%s build)\n", IS_DOUBLE ? "double" : "float");
     test_equivalence();
+    test_microbatch_tokens();
     test_hooks();
     test_bad_input();
     test_determinism();

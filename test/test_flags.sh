@@ -24,6 +24,7 @@ check "bad value '1e300' for --offload-pool" --offload-pool 1e300
 check "bad value '0' for --device-budget"   --device-budget 0
 check "bad value '-1' for --seed"           --seed -1
 check "bad value '12x' for --steps"         --steps 12x
+check "bad value '-5' for --microbatch-tokens" --microbatch-tokens -5
 check "bad value '0' for --layers"          --layers 0
 check "the model model/tiny has 2 layers"   --layers 5
 check "unknown flag --bogus"                --steps 1 --bogus
