@@ -2700,32 +2700,80 @@ static void pr_cu_download_acts(const pr_backend *be, pr_real *host, const void 
 }
 
 /* ---------------------------------------------------------------- loss head */
-/* One block per row, over its V columns: max z, sum exp(z - max), and z[target] (0 for a target < 0,
-   on another TP rank's slice of the vocabulary). */
+/* A row of logits is read and written in 16-byte pieces of eight bf16 when it can be: V a multiple
+   of 8 and the row 16-byte aligned (the whole vocabulary, or a TP slice of a multiple of 8);
+   otherwise one element at a time. The loss head is memory-bound: its two passes over the logits
+   (these kernels) cost what they read and write. */
+struct __align__(16) pr_bf16x8 { uint32_t w[4]; };
+__device__ __forceinline__ bool pr_row_in_pieces(const bf16 *row, int V) { return V % 8 == 0 && ((uintptr_t)row & 15) == 0; }
+
+/* The online softmax's step over n values: the running max mx rises to theirs (the sum s rescaled
+   once), then their exp(z - mx) join s. */
+__device__ __forceinline__ void pr_online_sum(float &mx, float &s, const float *z, int n) {
+    float m = z[0];
+    for (int k = 1; k < n; k++) m = fmaxf(m, z[k]);
+    if (m > mx) {
+        s *= __expf(mx - m);
+        mx = m;
+    }
+    for (int k = 0; k < n; k++) s += __expf(z[k] - mx);
+}
+
+/* One block per row, reading its V columns once: max z and sum exp(z - max) by the online softmax
+   (each thread's pair, then the block's in a fixed tree), and z[target] (0 for a target < 0, on
+   another TP rank's slice of the vocabulary). */
 __global__ void pr_k_logit_stats(float *stats, const bf16 *logits, const int32_t *target, int V) {
     static __shared__ float buf[32];
     const bf16 *z = logits + (size_t)blockIdx.x * V;
-    float mx = -INFINITY;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, __bfloat162float(z[i]));
-    mx = pr_block_max(mx, buf);
-    float s = 0;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) s += __expf(__bfloat162float(z[i]) - mx);
-    s = pr_block_sum(s, buf);
+    float mx = -INFINITY, s = 0;
+    if (pr_row_in_pieces(z, V)) {
+        const pr_bf16x8 *zv = (const pr_bf16x8 *)z;
+        for (int j = threadIdx.x; j < V / 8; j += blockDim.x) {
+            const pr_bf16x8 x = zv[j];
+            float f[8];
+            for (int w = 0; w < 4; w++) {
+                const float2 p = pr_bf16x2_unpack(x.w[w]);
+                f[2 * w] = p.x;
+                f[2 * w + 1] = p.y;
+            }
+            pr_online_sum(mx, s, f, 8);
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            const float f = __bfloat162float(z[i]);
+            pr_online_sum(mx, s, &f, 1);
+        }
+    }
+    const float row_max = pr_block_max(mx, buf);
+    s = pr_block_sum(mx == -INFINITY ? 0.0f : s * __expf(mx - row_max), buf);   /* a thread with no columns adds 0 */
     if (threadIdx.x == 0) {
         const int tg = target[blockIdx.x];
-        stats[3 * blockIdx.x] = mx;
+        stats[3 * blockIdx.x] = row_max;
         stats[3 * blockIdx.x + 1] = s;
         stats[3 * blockIdx.x + 2] = tg >= 0 ? __bfloat162float(z[tg]) : 0.0f;
     }
 }
-/* dlogits = c (onehot(target) - exp(z - lse)); lse_coef: M log-sum-exps, then M slopes */
+/* dlogits = c (onehot(target) - exp(z - lse)), in place; lse_coef: M log-sum-exps, then M slopes */
+__device__ __forceinline__ float pr_logit_grad_of(float z, float L, float c, bool is_target) {
+    return -c * __expf(z - L) + (is_target ? c : 0.0f);
+}
 __global__ void pr_k_logit_grad(bf16 *logits, const float *lse_coef, const int32_t *target, int M, int V) {
     bf16 *z = logits + (size_t)blockIdx.x * V;
     const float L = lse_coef[blockIdx.x], c = lse_coef[M + blockIdx.x];
     const int tg = target[blockIdx.x];
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        float g = -c * __expf(__bfloat162float(z[i]) - L) + (i == tg ? c : 0.0f);
-        z[i] = __float2bfloat16(g);
+    if (pr_row_in_pieces(z, V)) {
+        pr_bf16x8 *zv = (pr_bf16x8 *)z;
+        for (int j = threadIdx.x; j < V / 8; j += blockDim.x) {
+            pr_bf16x8 x = zv[j];
+            for (int w = 0; w < 4; w++) {
+                const float2 p = pr_bf16x2_unpack(x.w[w]);
+                const int i = 8 * j + 2 * w;
+                x.w[w] = pr_pack_bf16x2(pr_logit_grad_of(p.x, L, c, i == tg), pr_logit_grad_of(p.y, L, c, i + 1 == tg));
+            }
+            zv[j] = x;
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += blockDim.x) z[i] = __float2bfloat16(pr_logit_grad_of(__bfloat162float(z[i]), L, c, i == tg));
     }
 }
 

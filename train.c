@@ -34,7 +34,7 @@ typedef struct {
     pr_adamw_opts adam;
     int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
     double bench_budget_mib;
-    int bench_gpu_sizes;             /* --bench capacity with the CUDA backend's sizes (pr_backend_cuda_sizes) */
+    int bench_gpu_sizes;             /* --bench memory, capacity: the CUDA backend's sizes (pr_backend_cuda_sizes) */
     uint64_t seed;
     int bench_total, bench_reps, layers;
     int bench_system;                /* --bench tree: the shared system prompt's tokens (0: half the prompt) */
@@ -176,8 +176,9 @@ static void usage(FILE *f) {
         "                         with one system prompt, one by one and as their prefix tree, against the bound\n"
         "  --bench-budget MIB     device memory a rank for --bench capacity, training state included (default 64);\n"
         "                         capacity takes the mesh flags (--dp --tp --pp --cp --ep --zero): every rank sized\n"
-        "  --bench-sizes K        --bench capacity: build (this build's element sizes, default) | gpu (the CUDA\n"
-        "                         backend's: bf16 activations and weights), from any build\n"
+        "  --bench-sizes K        --bench memory, capacity: build (this build's element sizes, default) | gpu (the\n"
+        "                         CUDA backend's: bf16 activations and weights), from any build; memory then\n"
+        "                         runs on the measuring backend (no kernel: the peaks and chunks, no times)\n"
         "  --bench-total N        total tokens per trajectory in the speed sweep (default 1024)\n"
         "  --bench-system N       --bench tree: tokens of the system prompt every group's prompt opens with, at\n"
         "                         most the prompt (5/6 of --bench-total; default half of it)\n"
@@ -413,7 +414,10 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --bench speed and memory run on one rank (drop the mesh flags; --bench capacity takes them)\n");
         return 0;
     }
-    if (o->bench_gpu_sizes && o->bench != 3) { fprintf(stderr, "train: --bench-sizes belongs to --bench capacity\n"); return 0; }
+    if (o->bench_gpu_sizes && o->bench != 2 && o->bench != 3) {
+        fprintf(stderr, "train: --bench-sizes belongs to --bench memory and --bench capacity\n");
+        return 0;
+    }
     if (o->profile && o->bench != 1) { fprintf(stderr, "train: --profile belongs to --bench (speed)\n"); return 0; }
     if (o->bench_splits_given && o->bench != 1 && o->bench != 2) {
         fprintf(stderr, "train: --bench-splits belongs to --bench (speed) and --bench memory\n");
@@ -1963,12 +1967,15 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
     const int T = o->bench_total, G = o->bench_groups[o->n_bench_groups - 1];
     pr_error err;
     pr_trainer *tr;
-    if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
+    pr_backend sizes, storage;        /* --bench-sizes gpu: the CUDA backend's sizes, counted, nothing run */
+    const pr_backend *be = o->bench_gpu_sizes ? pr_backend_measure(pr_backend_cuda_sizes(&sizes), &storage) : NULL;
+    if (!make_trainer_on(o, cfg, be, &tr, &err)) return fail(&err);
     pr_step_opts probe = variant_opts(o, &mem_variants[0]);
     printf("bench memory: %s, %d layers, hidden %d, %d tokens per trajectory, G %d, microbatch %s, %s; peak live\n"
            "device memory per phase (activations, K/V cache, gK/gV, offload slots; parameters and optimizer state\n"
            "excluded); each variant's second step (the first allocates what the next ones reuse)\n",
-           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, microbatch_label(&probe), run_label());
+           cfg->model_type, cfg->num_hidden_layers, cfg->hidden_size, T, G, microbatch_label(&probe),
+           be ? "the CUDA backend's sizes, counted by the measuring backend (no kernel runs: no times)" : run_label());
     printf("%-11s %-23s %10s %10s %10s %9s %12s %14s %9s %7s\n", "split P/S", "schedule", "A MiB", "B MiB", "C MiB", "step s",
            "dormant MiB", "B saved MiB", "copies ms", "GB/s");
     for (int fi = 0; fi < o->n_bench_splits; fi++) {
