@@ -46,7 +46,7 @@ check "bad value '0' for --tree-min"       --tree-min 0
 check "--schedule tree trains or checks on one rank or a mesh" --schedule tree --prefix-tree 8
 check "bad value '0' for --bench-system"   --bench tree --bench-system 0
 check "bad value 'tpu' for --bench-sizes"   --bench capacity --bench-sizes tpu
-check "--bench-sizes belongs to --bench capacity" --bench memory --bench-sizes gpu
+check "--bench-sizes belongs to --bench memory and --bench capacity" --bench --bench-sizes gpu
 check "--profile belongs to --bench (speed)" --bench memory --profile
 check "--profile times the CUDA backend's operations: it is train_cuda's" --bench --profile
 check "bad value '0.5,1' for --bench-splits"  --bench --bench-splits 0.5,1
