@@ -81,6 +81,12 @@ for p in float double; do
     run "$dir/train-$p" --config model/tiny-moe --check --tp 2 --groups-per-step 2
 done
 run "$dir/train-float" --bench capacity --bench-sizes gpu --bench-budget 6 --config model/tiny-moe --dp 2 --tp 2 --ep 2 --zero 2
+run "$dir/train-float" --bench memory --bench-sizes gpu --bench-total 96 --bench-groups 4 --bench-splits 0.5 --microbatch-tokens 100
+for p in float double; do      # a token budget: microbatches of one trajectory full-sequence, of two or three in Phase B
+    run "$dir/train-$p" --check --microbatch-tokens 150 --layout packed --kl-coef 0.04
+    run "$dir/train-$p" --check --pp 2 --tp 2 --microbatch-tokens 150
+    run "$dir/train-$p" --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch-tokens 100
+done
 run "$dir/train-float" --prefix-tree 4 --groups-per-step 4
 for p in float double; do
     run "$dir/train-$p" --check --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 3 --recompute prefix
