@@ -2081,7 +2081,8 @@ typedef struct {
     void **k, **v;            /* (L) the K/V cache, NKV*HS acts a row */
     pr_real **gk, **gv;       /* (L) their accumulated dK/dV, in reals: the G suffixes' sums are never
                                  rounded to the activations' precision */
-    pr_real *dk_mb, *dv_mb;   /* one pass's dK/dV of the rows above it, for one layer */
+    pr_real *dk_mb, *dv_mb;   /* scratch over the path's rows, one layer: a pass's own dK/dV for the
+                                 on_dkv hook; a peer's gK/gV in a split group's reduction */
 } pr__kv_path;
 
 /* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
@@ -3476,12 +3477,17 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
 
 /* ---------------------------------------------------------------- 4.2 Phase B: the suffix microbatches (and the baseline) */
 /* A backward's view of the `own` rows of path above it at layer l: their K/V read, their dK/dV
-   written into the path's dk_mb/dv_mb, which start at zero. */
-static void pr__kv_above(pr_trainer *tr, pr__kv_grads *kv, const pr__kv_path *path, int l, int own) {
+   added (attention_bwd adds into dkp/dvp) straight into gK/gV, or with `apart` into the path's
+   dk_mb/dv_mb, zeroed here, for a hook to see them alone before they join gK/gV. On the GPU the
+   two give the same bits (the kernels add each element's sum once); straight in spares a zeroing
+   and an addition over the prefix's rows a layer and a microbatch. */
+static void pr__kv_above(pr_trainer *tr, pr__kv_grads *kv, const pr__kv_path *path, int l, int own, int apart) {
     const size_t n = (size_t)own * tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    kv->kp = path->k[l]; kv->vp = path->v[l];
+    kv->dkp = path->gk[l]; kv->dvp = path->gv[l];
+    if (!apart) return;
     tr->be->zero(tr->be, path->dk_mb, n * sizeof(pr_real));
     tr->be->zero(tr->be, path->dv_mb, n * sizeof(pr_real));
-    kv->kp = path->k[l]; kv->vp = path->v[l];
     kv->dkp = path->dk_mb; kv->dvp = path->dv_mb;
 }
 
@@ -3559,10 +3565,10 @@ static pr_status pr__mb_backward(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
         pr__zero_acts(tr, s->dk, kvn_own);
         pr__zero_acts(tr, s->dv, kvn_own);
         pr__kv_grads kv = pr__kv_own(s->dk, s->dv);
-        if (path) pr__kv_above(tr, &kv, path, l, Pl);   /* the cached prefix: its K/V read, its dK/dV into dk_mb/dv_mb */
+        if (path) pr__kv_above(tr, &kv, path, l, Pl, h->on_dkv != NULL);   /* the cached prefix: its K/V read, its dK/dV to gK/gV */
         pr__layer_backward(tr, p, l, s, &kv);
-        if (path) {
-            if (h->on_dkv) h->on_dkv(h->user, tr->layer0 + l, m->index, path->dk_mb, path->dv_mb, Pl, kvd);
+        if (path && h->on_dkv) {              /* the hook sees this microbatch's dK/dV, then they join gK/gV */
+            h->on_dkv(h->user, tr->layer0 + l, m->index, path->dk_mb, path->dv_mb, Pl, kvd);
             be->add_reals(be, path->gk[l], path->dk_mb, kv_n);
             be->add_reals(be, path->gv[l], path->dv_mb, kv_n);
         }
@@ -3678,12 +3684,8 @@ static pr_status pr__phase_c_prefix_backward(pr_trainer *tr, pr__step_ctx *cx, p
         be->zero(be, gk, own * sizeof(pr_real));
         be->zero(be, gv, own * sizeof(pr_real));
         pr__kv_grads kv = pr__kv_own(s.dk, s.dv);
-        if (ps->start) pr__kv_above(tr, &kv, path, l, ps->own_above);
+        if (ps->start) pr__kv_above(tr, &kv, path, l, ps->own_above, 0);   /* the rows above: their dK/dV into their gK/gV */
         pr__layer_backward(tr, &ps->pass, l, &s, &kv);
-        if (ps->start) {
-            be->add_reals(be, path->gk[l], path->dk_mb, above);
-            be->add_reals(be, path->gv[l], path->dv_mb, above);
-        }
         if (o->on) pr__block_done(tr, o, l);
     }
     if (tr->alloc_failed) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for the MoE backward of %d prefix rows", P);
@@ -5546,12 +5548,12 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     const size_t before = N ? np - pre : 0;
     be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
     be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
-    size_t row = 0, own = 0;    /* the cached path: each segment's gradient to its shards' owners */
+    size_t row = 0, own = 0;    /* the cached path: each segment's gradient added into its shards' owners' */
     for (int i = 0; i < ps->pre_seg; i++) {
         const pr__kv_seg *sg = &ps->pre->seg[i];
-        const size_t n = N ? (size_t)sg->rows : 0, bytes = (size_t)sg->own * kvd * sizeof(pr_real);
-        be->copy(be, dkp + own * kvd, pr__cp_return(tr, ps, ps->dkreg, row, n, NULL, 0, (size_t)sg->chunk), bytes);
-        be->copy(be, dvp + own * kvd, pr__cp_return(tr, ps, ps->dvreg, row, n, NULL, 0, (size_t)sg->chunk), bytes);
+        const size_t n = N ? (size_t)sg->rows : 0, elems = (size_t)sg->own * kvd;
+        be->add_reals(be, dkp + own * kvd, pr__cp_return(tr, ps, ps->dkreg, row, n, NULL, 0, (size_t)sg->chunk), elems);
+        be->add_reals(be, dvp + own * kvd, pr__cp_return(tr, ps, ps->dvreg, row, n, NULL, 0, (size_t)sg->chunk), elems);
         row += (size_t)sg->rows;
         own += (size_t)sg->own;
     }
