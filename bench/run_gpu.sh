@@ -27,6 +27,7 @@
 #   BENCH_MICROBATCH  train-bench's and profile's microbatch flags (--microbatch 1: the paper's Phase B, one
 #                 suffix at a time; "--microbatch-tokens 6144": the baseline one 12k sequence, Phase B
 #                 three 2k suffixes)
+#   GEMM_ROWS     gemm-rows: the row counts (2048 6144)
 #   MEM_GROUPS    group size of train-memory (4)
 #   MEM_SPLITS    prefix fractions of train-memory (0.83333, i.e. 10k/2k)
 #   BENCH_TOTAL   tokens per trajectory (12288)
@@ -80,6 +81,7 @@ TORCH_SPLITS=${TORCH_SPLITS:-0.83333}
 TORCH_GROUPS=${TORCH_GROUPS:-$BENCH_GROUPS}
 REPS=${REPS:-3}
 BENCH_MICROBATCH=${BENCH_MICROBATCH:---microbatch 1}
+GEMM_ROWS=${GEMM_ROWS:-2048 6144}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
 WGMMA_RACE_SHAPES=${WGMMA_RACE_SHAPES:-1 5 2}
@@ -111,6 +113,7 @@ synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
+gemm-rows|20|120|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
@@ -365,6 +368,20 @@ body_bench_cuda() {
                 if ($0 ~ /deterministic \/ this:/) { r = $NF; sub(/\)/, "", r); printf "%s%s atomic-dQ bwd %s (det/atomic time %s)", sep, n, $(NF-6), r }
                 else printf "%s%s %s/%s", sep, n, $(NF-5), $(NF-4)
                 sep = ", " }' "$stage_base.log") TF/s fwd/bwd"
+    return $rc
+}
+
+body_gemm_rows() {
+    rc=0
+    for r in $GEMM_ROWS; do
+        echo "== $r rows"
+        limited 60 ./build/bench_cuda --only gemm --rows "$r" --reps "$REPS" || rc=1
+    done
+    # per row count: the forward and backward TF/s of q_proj and down_proj, and the mean ours/best
+    key "$(awk '/^== [0-9]+ rows$/ { r = $2 }
+                ($1 == "q_proj" || $1 == "down_proj") && NF >= 8 { t[$1] = t[$1] (t[$1] == "" ? "" : "/") $6 }
+                /^GEMM: mean/ { printf "%s%s rows: q_proj %s, down_proj %s TF/s fwd/bwd, mean ours/best %s", sep, r, t["q_proj"], t["down_proj"], $4
+                                sep = "; "; split("", t) }' "$stage_base.log")"
     return $rc
 }
 
