@@ -10,6 +10,7 @@ named, and, where matplotlib is installed, each kind is drawn to a PNG. The last
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,17 @@ def main():
         low = (r["baseline_s"] - 0.0005) / (r["reuse_s"] + 0.0005)
         high = (r["baseline_s"] + 0.0005) / (r["reuse_s"] - 0.0005) if r["reuse_s"] > 0.0005 else float("inf")
         check(low - 0.005 <= r["speedup"] <= high + 0.005, f"speed row {r}: speedup is not baseline / reuse")
+    # under each row, reuse's phases: their times add up to the step's, their shares beyond the
+    # baseline's rate to 1 - ratio (each to its printed rounding)
+    lines = speed.splitlines()
+    phases = [(lines[i - 1].split(), l) for i, l in enumerate(lines) if l.strip().startswith("reuse A/B/C:")]
+    check(len(phases) == 4, f"speed: a phase line under each of the 4 rows, got {len(phases)}")
+    for row, l in phases:
+        secs = [float(x) for x in re.findall(r"([-\d.]+) s\b", l.split(";")[0])]
+        shares = [float(x) for x in re.findall(r"([-+\d.]+)%", l.split("rate:")[1])]
+        check(len(secs) == 3 and abs(sum(secs) - float(row[3])) <= 0.0005 + 0.00015, f"phase times {secs} against reuse {row[3]} s: {l}")
+        check(len(shares) == 3 and abs(sum(shares) / 100 - (1 - float(row[6]))) <= 0.0005 + 0.0015,
+              f"phase shares {shares} against 1 - ratio {row[6]}: {l}")
 
     some = plot.parse_speed(run(train, "--bench", "--bench-total", "48", "--bench-reps", "1", "--bench-groups", "2,3",
                                 "--bench-splits", "0.75,0.25"))
