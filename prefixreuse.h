@@ -2475,7 +2475,7 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
     pr_config local;
-    int layer0, expert0, n_experts;
+    int layer0 = 0, expert0 = 0, n_experts = 0;     /* set by pr__shard_config when it succeeds */
     pr_status st = pr_config_validate(cfg, err);
     if (!st) st = pr__shard_config(cfg, mesh, &local, &layer0, &expert0, &n_experts, err);
     if (!st && be->check_config) st = be->check_config(be, &local, err);
