@@ -3790,16 +3790,18 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = pr_step_microbatch(g, o);
     if (pr__cp(tr) > 1 && mb != 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d%s)", mb,
-                        o->microbatch_tokens ? ", from microbatch_tokens" : "");
+        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
     if (pr__cp(tr) > 1 && o->offload.enabled)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
-    const double rows = (double)mb * ((double)g->P + smax);   /* a pass's rows, times any per-row count must fit an int */
+    /* a pass's rows, times any per-row count, must fit an int: the baseline's microbatch of whole
+       sequences; with reuse the prefix's pass or a microbatch of suffixes, whichever is longer */
+    const double whole = (double)mb * ((double)g->P + smax), waves = (double)mb * smax;
+    const double rows = o->schedule == PR_SCHEDULE_BASELINE ? whole : waves > g->P ? waves : g->P;
     const int per_row = tr->cfg.num_attention_heads > tr->cfg.num_experts_per_tok ? tr->cfg.num_attention_heads
                                                                                     : tr->cfg.num_experts_per_tok;
     if (rows * tr->cfg.intermediate_size > 4e18 || rows > 2e9 || rows * per_row > INT_MAX)
-        return pr__fail(err, PR_ERR_ARG, "a microbatch of %d x %d rows is too large (rows times %d heads or experts must be at most %d)",
-                        mb, g->P + smax, per_row, INT_MAX);
+        return pr__fail(err, PR_ERR_ARG, "a pass of %.0f rows (microbatch %d, prefix %d, longest suffix %d) is too large: rows "
+                        "times %d heads or experts must be at most %d", rows, mb, g->P, smax, per_row, INT_MAX);
     const pr_loss_opts *lo = &o->loss;
     if (!(lo->eps_low >= 0 && lo->eps_low < 1) || !(lo->eps_high >= 0 && lo->eps_high < 1e6))
         return pr__fail(err, PR_ERR_ARG, "clip range eps_low %g / eps_high %g out of range (eps_low in [0,1), eps_high >= 0)",

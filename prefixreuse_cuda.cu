@@ -1347,7 +1347,9 @@ PR_UNROLL
         const size_t o = (size_t)key * kvd + (size_t)hk * HS + pr_mma_c_col(lane, 2 * rr);
 PR_UNROLL
         for (int dt = 0; dt < HS / 8; dt++) {
-            const float k0 = scale * gk[dt][2 * rr], k1 = scale * gk[dt][2 * rr + 1];
+            /* the product rounded on its own (never fused into the addition below), so that adding
+               into dkp gives the bits a zeroed buffer added later would (the schedule's two ways) */
+            const float k0 = __fmul_rn(scale, gk[dt][2 * rr]), k1 = __fmul_rn(scale, gk[dt][2 * rr + 1]);
             const float v0 = gv[dt][2 * rr], v1 = gv[dt][2 * rr + 1];
             if (kt.chunk < 0) {
                 uint32_t *a = (uint32_t *)(dk + o + 8 * dt), *b = (uint32_t *)(dv + o + 8 * dt);
@@ -2712,6 +2714,7 @@ __device__ __forceinline__ bool pr_row_in_pieces(const bf16 *row, int V) { retur
 __device__ __forceinline__ void pr_online_sum(float &mx, float &s, const float *z, int n) {
     float m = z[0];
     for (int k = 1; k < n; k++) m = fmaxf(m, z[k]);
+    if (m == -INFINITY) return;       /* adds 0; exp(-inf - -inf) would be NaN */
     if (m > mx) {
         s *= __expf(mx - m);
         mx = m;

@@ -2001,8 +2001,10 @@ static int run_bench_memory(const options *o, const pr_config *cfg) {
             if (v == MEM_REUSE) reuse_b = st.peak_bytes[PR_PHASE_B];
             if (step_peak(&st) > largest) largest = step_peak(&st);
             chunks = st.chunk_bytes;
-            printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f %9.3f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]),
-                   mib(st.peak_bytes[1]), mib(st.peak_bytes[2]), st.seconds[0] + st.seconds[1] + st.seconds[2]);
+            printf("%5d/%-5d %-23s %10.2f %10.2f %10.2f", P, S, mem_variants[v].name, mib(st.peak_bytes[0]), mib(st.peak_bytes[1]),
+                   mib(st.peak_bytes[2]));
+            if (be) printf(" %9s", "-");             /* the measuring backend runs no kernel: no time to show */
+            else printf(" %9.3f", st.seconds[0] + st.seconds[1] + st.seconds[2]);
             if (v > MEM_REUSE) printf(" %12.2f %14.2f", mib(st.offload.dormant_bytes), mib(reuse_b) - mib(st.peak_bytes[PR_PHASE_B]));
             if (mem_variants[v].offload && st.offload.copy_seconds > 0)     /* beside the compute: the step time says what they cost */
                 printf(" %9.2f %7.1f", 1e3 * st.offload.copy_seconds, copy_gbps(&st.offload));

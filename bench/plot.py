@@ -15,7 +15,7 @@ import re
 import sys
 
 SPEED_ROW = re.compile(r"^\s*(\d+)/(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)x\s")
-MEMORY_ROW = re.compile(r"^\s*(\d+)/(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
+MEMORY_ROW = re.compile(r"^\s*(\d+)/(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+|-)")
 
 
 class InputError(Exception):

@@ -80,7 +80,7 @@ BENCH_TOTAL=${BENCH_TOTAL:-12288}
 TORCH_SPLITS=${TORCH_SPLITS:-0.83333}
 TORCH_GROUPS=${TORCH_GROUPS:-$BENCH_GROUPS}
 REPS=${REPS:-3}
-BENCH_MICROBATCH=${BENCH_MICROBATCH:---microbatch 1}
+BENCH_MICROBATCH=${BENCH_MICROBATCH---microbatch 1}     # set and empty: the whole group in one microbatch
 GEMM_ROWS=${GEMM_ROWS:-2048 6144}
 RACE_CASES=${RACE_CASES:-0,3,8,9,4}
 MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
@@ -113,7 +113,7 @@ synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
-gemm-rows|20|120|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
+gemm-rows|20|180|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
 sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
@@ -131,7 +131,7 @@ group() {
     case $1 in
     all) echo "$all_stages" ;;
     sanitize) echo "memcheck racecheck initcheck synccheck" ;;
-    bench) echo "bench-cuda bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
+    bench) echo "bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
     *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
     esac
 }
@@ -520,7 +520,7 @@ fi
 usage() {
     echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
-    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree)"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree)"
 }
 list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what

@@ -284,6 +284,28 @@ static void test_microbatch_tokens(void) {
             pr_trainer_destroy(a);
             pr_trainer_destroy(b);
         }
+    /* a pass whose rows times heads would overflow an int is refused before anything runs: 33
+       whole sequences of a 2^24-token prefix (the baseline); reuse's passes hold 2^24 rows or 33 */
+    pr_config big = c;
+    big.max_position_embeddings = (1 << 24) + 1;
+    pr_trainer *bt = make_model(&big, 5);
+    int32_t *huge = calloc((size_t)1 << 24, sizeof(int32_t));
+    int ones[33];
+    for (int i = 0; i < 33; i++) ones[i] = 1;
+    test_group h;
+    make_group(&h, 1, 33, ones, c.vocab_size, 9);
+    h.g.P = 1 << 24;
+    h.g.prefix = huge;
+    if (huge) {
+        pr_step_opts o = pr_step_opts_default();
+        o.schedule = PR_SCHEDULE_BASELINE;
+        CHECK(pr_trainer_compute_grads(bt, &h.g, &o, NULL, NULL, &err) == PR_ERR_ARG && strstr(err.message, "is too large"),
+              "33 sequences of 2^24 + 1 tokens in one microbatch: %s", err.message);
+        o.microbatch_tokens = 1 << 25;        /* one sequence a microbatch, 2^24 + 1 rows: fits */
+        CHECK(pr_step_microbatch(&h.g, &o) == 1, "a budget of 2^25 tokens takes one 2^24 + 1-token sequence");
+    }
+    free(huge);
+    pr_trainer_destroy(bt);
     pr_trainer *a = make_model(&c, 5);
     pr_step_opts o = pr_step_opts_default();
     CHECK(pr_step_microbatch(NULL, &o) == 0 && pr_step_microbatch(&t.g, NULL) == 0, "pr_step_microbatch of NULL is 0");
