@@ -3482,10 +3482,10 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
    two give the same bits (the kernels add each element's sum once); straight in spares a zeroing
    and an addition over the prefix's rows a layer and a microbatch. */
 static void pr__kv_above(pr_trainer *tr, pr__kv_grads *kv, const pr__kv_path *path, int l, int own, int apart) {
-    const size_t n = (size_t)own * tr->cfg.num_key_value_heads * tr->cfg.head_dim;
     kv->kp = path->k[l]; kv->vp = path->v[l];
     kv->dkp = path->gk[l]; kv->dvp = path->gv[l];
     if (!apart) return;
+    const size_t n = (size_t)own * tr->cfg.num_key_value_heads * tr->cfg.head_dim;
     tr->be->zero(tr->be, path->dk_mb, n * sizeof(pr_real));
     tr->be->zero(tr->be, path->dv_mb, n * sizeof(pr_real));
     kv->dkp = path->dk_mb; kv->dvp = path->dv_mb;
@@ -3752,13 +3752,19 @@ PRDEF pr_status pr_loss_norm_parse(const char *name, pr_loss_norm *norm, pr_erro
                     "or seq-mean-token-sum-norm)", name ? name : "(null)");
 }
 
+static int pr__longest_suffix(const pr_group *g) {
+    int smax = 0;
+    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+    return smax;
+}
+
 PRDEF int pr_step_microbatch(const pr_group *g, const pr_step_opts *o) {
     if (!g || !o || g->G < 1) return 0;
     int mb = o->microbatch <= 0 || o->microbatch > g->G ? g->G : o->microbatch;
     if (o->microbatch_tokens > 0) {
-        int smax = 1;
-        for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
-        const long rows = (long)smax + (o->schedule == PR_SCHEDULE_BASELINE ? g->P : 0), fit = o->microbatch_tokens / rows;
+        const int smax = pr__longest_suffix(g);
+        const long rows = (long)smax + (o->schedule == PR_SCHEDULE_BASELINE ? g->P : 0);
+        const long fit = rows > 0 ? o->microbatch_tokens / rows : mb;
         if (fit < mb) mb = fit < 1 ? 1 : (int)fit;
     }
     return mb;
@@ -3768,8 +3774,7 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (!g || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads: NULL group or options");
     pr_status st = pr_group_validate(g, tr->model.vocab_size, err);
     if (st) return st;
-    int smax = 0;
-    for (int i = 0; i < g->G; i++) if (g->suffix_len[i] > smax) smax = g->suffix_len[i];
+    const int smax = pr__longest_suffix(g);
     if ((long)g->P + smax > tr->cfg.max_position_embeddings)
         return pr__fail(err, PR_ERR_ARG, "prefix %d + longest suffix %d tokens exceed max_position_embeddings %d",
                         g->P, smax, tr->cfg.max_position_embeddings);
