@@ -620,7 +620,8 @@ typedef struct {
     /* Phase A: layer `layer` published its prefix K/V. The hook may rewrite them in place (a
        distributed exchange does): Phase B reads whatever the cache holds when it starts. */
     void (*on_kv_capture)(void *user, int layer, void *k, void *v, int P, int kv_dim);
-    /* Phase B: microbatch `mb` produced these prefix dK/dV for `layer` (about to be added to gK/gV) */
+    /* Phase B: microbatch `mb` produced these prefix dK/dV for `layer` (about to be added to gK/gV);
+       set, the step holds them apart in two more buffers of P x kv_dim reals */
     void (*on_dkv)(void *user, int layer, int mb, const void *dk, const void *dv, int P, int kv_dim);
     /* Phase C: the accumulated gK/gV are injected into `layer`'s prefix backward */
     void (*on_kv_inject)(void *user, int layer, const void *gk, const void *gv, int P, int kv_dim);
@@ -2082,7 +2083,8 @@ typedef struct {
     pr_real **gk, **gv;       /* (L) their accumulated dK/dV, in reals: the G suffixes' sums are never
                                  rounded to the activations' precision */
     pr_real *dk_mb, *dv_mb;   /* scratch over the path's rows, one layer: a pass's own dK/dV for the
-                                 on_dkv hook; a peer's gK/gV in a split group's reduction */
+                                 on_dkv hook; a peer's gK/gV in a split group's reduction (NULL
+                                 in a step with neither) */
 } pr__kv_path;
 
 /* A batch of rows: the layout, the tokens (host), each layer's saved tensors, and the residual
@@ -3357,7 +3359,8 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
    in the K/V buffers: the K/V cache, gK/gV (zeroed: a prefix pass's backward zeroes its rows
    again once it has read them, for the next node on those rows) and one pass's dK/dV, from the
    prefix arena. No segment yet. */
-static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int own, int kv_rows, int max_seg, pr_error *err) {
+/* scratch: dk_mb/dv_mb too, for an on_dkv hook or a split group's reduction (no other step reads them). */
+static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int own, int kv_rows, int max_seg, int scratch, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers;
     const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
@@ -3382,8 +3385,10 @@ static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int own, int 
             tr->be->zero(tr->be, path->gv[l], (size_t)own * kvd * sizeof(pr_real));
         }
     }
-    path->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
-    path->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+    if (scratch) {
+        path->dk_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+        path->dv_mb = pr__reals(tr, &tr->prefix_arena, (size_t)own * kvd);
+    }
     if (tr->alloc_failed) return pr__act_nomem(tr, err, "for the K/V cache and gK/gV of", own);
     return PR_OK;
 }
@@ -3940,7 +3945,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     ps.aux_c = cx->moe.on ? cx->moe.c : NULL;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
-    pr_status st = pr__path_alloc(tr, &path, own, chunk, 1, err);
+    pr_status st = pr__path_alloc(tr, &path, own, chunk, 1, cx->opt->hooks.on_dkv || cx->team, err);
     if (!st) pr__path_push(tr, &path, P);
     if (!st && cx->owner) st = pr__phase_a_prefix_forward(tr, cx, &ps, &path, 0, P, err);
     if (!st && cx->team) pr__split_share_kv(tr, cx, &path);
@@ -4365,7 +4370,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         st = pr__step_begin(tr, &t.cx[k], &groups[k], &o[k], NULL, NULL, err);
         begun += !st;              /* a failed begin gave its memory back itself */
     }
-    if (!st) st = pr__path_alloc(tr, &t.path, (int)own_cap, (int)kv_cap, (int)depth_cap, err);
+    if (!st) st = pr__path_alloc(tr, &t.path, (int)own_cap, (int)kv_cap, (int)depth_cap, opt->hooks.on_dkv != NULL, err);
     for (int i = 0; i < N && !st; i++)
         if (tree->nodes[i].parent < 0) st = pr__tree_node_run(tr, &t, i, NULL, err);
     s.prefix_kv_bytes = (size_t)tr->cfg.num_hidden_layers * 2 * kv_cap * tr->cfg.num_key_value_heads *

@@ -392,6 +392,22 @@ static void test_hooks(void) {
     double mx = 0;
     for (size_t i = 0; i < (size_t)h.L * h.P * h.kvd; i++) mx = fmax(mx, fabs((double)h.gk_seen[i]));
     CHECK(mx > 0, "the injected gK is all zeros: the suffixes sent nothing to the prefix");
+    /* only on_dkv needs a microbatch's dK/dV apart from gK/gV: without it the step holds no scratch
+       for them, two buffers of P x kv_dim reals less in every phase's peak, and the same gradients
+       (to rounding: with it, each microbatch's sum joins gK/gV once) */
+    pr_step_stats with, without;
+    pr_real *g_with = NULL;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, &with, NULL, &err), "hooked step: %s", err.message);
+    g_with = grads_of(tr);
+    o.hooks.on_dkv = NULL;
+    CHECK(!pr_trainer_compute_grads(tr, &t.g, &o, &without, NULL, &err), "step without on_dkv: %s", err.message);
+    pr_real *g_without = grads_of(tr);
+    const size_t scratch = 2 * (((size_t)h.P * h.kvd * sizeof(pr_real) + 255) / 256 * 256);
+    for (int p = 0; p < 3; p++)
+        CHECK(with.peak_bytes[p] - without.peak_bytes[p] == scratch, "phase %c's peak with on_dkv %zu, without %zu: "
+              "want %zu less without", 'A' + p, with.peak_bytes[p], without.peak_bytes[p], scratch);
+    CHECK(close_arenas(tr, g_without, g_with, "gradient", "without on_dkv"), "the gradients differ with and without on_dkv");
+    free(g_with); free(g_without);
     /* the baseline has no prefix cache: no hook fires */
     hook_log_free(&h);
     hook_log_init(&h, &c, 9);
