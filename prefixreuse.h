@@ -8696,7 +8696,8 @@ static int pr__trace_take(unsigned char *block, size_t *used, size_t n, size_t e
    with block == NULL it checks the structure (counts, limits, sizes against the bytes left) and
    adds the block size to *used; with the block it carves the arrays from it and fills them. */
 static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char *name, const pr_trace *t,
-                                int prefix_loss, unsigned char *block, size_t *used, int **step_off, pr_error *err) {
+                                int prefix_loss, unsigned char *block, size_t *used, int **step_off, int *any_trained,
+                                pr_error *err) {
     const size_t per_tok = 4 + 4 + (t->has_ref ? 4 : 0) + 1;   /* token, old_logp, [ref_logp], mask */
     const size_t per_prefix_tok = prefix_loss ? 1 + 4 + (t->has_ref ? 4 : 0) : 0;   /* flag bit 1: mask, old, [ref] */
     size_t pos = t->n_steps ? 28 + 4 * (size_t)t->n_steps : 24;   /* after the header and the step table */
@@ -8804,6 +8805,7 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             }
             int trained = 0;
             for (i = 0; prefix_loss && i < P; i++) trained |= p[i];
+            *any_trained |= trained;
             if (trained) {                /* a mask of zeros is no mask: the prefix is context only */
                 g->prefix_mask = (uint8_t *)at[8];
                 g->prefix_old_logp = (pr_real *)at[9];
@@ -8813,6 +8815,12 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
                 for (i = 0; t->has_ref && i < P; i++) g->prefix_ref_logp[i] = (pr_real)pr__get_f32(p + 5 * (size_t)P + 4 * (size_t)i);
             }
             if ((st = pr__group_check(g, t->vocab_size, PR_ERR_FORMAT, where, err))) return st;
+            /* and its prefix log-probs are a writer's zeros, since reading drops them */
+            for (i = 0; prefix_loss && !trained && i < P * (t->has_ref ? 2u : 1u); i++)
+                if (pr__get_u32(p + P + 4 * (size_t)i))
+                    return pr__fail(err, PR_ERR_FORMAT, "%s: %s[%u] = %g, but the group trains no prefix token (a writer "
+                                    "puts 0 there)", where, i < P ? "prefix_old_logp" : "prefix_ref_logp", i % P,
+                                    (double)pr__get_f32(p + P + 4 * (size_t)i));
         }
         pos += (size_t)need + (size_t)(N * per_tok) + (size_t)tail;
     }
@@ -8886,14 +8894,20 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.step_off = NULL;
     if (version == 2 && (st = pr__trace_steps_check(buf, len, name, n_groups, &t.n_steps, err))) return st;
     const int prefix_loss = (int)((flags >> 1) & 1u);
-    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, err))) return st;   /* check, size */
+    int any_trained = 0;
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, &any_trained, err))) return st;   /* check, size */
     block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
-    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, block, &used, &t.step_off, err))) {   /* fill, check values */
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, block, &used, &t.step_off, &any_trained, err))) {   /* fill, check values */
         PR_FREE(block);
         return st;
+    }
+    if (prefix_loss && !any_trained) {
+        PR_FREE(block);
+        return pr__fail(err, PR_ERR_FORMAT, "%s: flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token "
+                        "(a writer sets it only when one does)", name);
     }
     t.groups = (pr_group *)(void *)block;
     *trace = t;

@@ -299,6 +299,17 @@ def read_trace(path, steps=False):
             if has_ref:
                 g["prefix_ref_logp"] = r.take(P, "<f4", f"{where} prefix_ref_logp")
         groups.append(_check_group(where, g, vocab_size, has_ref))
+        if prefix_loss and "prefix_mask" not in groups[-1]:
+            # a context-only group: the writer's zeros, since reading drops them (-0.0 is not zero here)
+            for name in ("prefix_old_logp", "prefix_ref_logp") if has_ref else ("prefix_old_logp",):
+                bad = np.flatnonzero(g[name].view("<u4"))
+                if bad.size:
+                    j = int(bad[0])
+                    raise TraceError(f"{where}: {name}[{j}] = {float(g[name][j]):g}, but the group trains no prefix token "
+                                     "(a writer puts 0 there)")
+    if prefix_loss and not any("prefix_mask" in g for g in groups):
+        raise TraceError(f"{path}: flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token "
+                         "(a writer sets it only when one does)")
     if r.pos != len(data):
         raise TraceError(f"{path}: {len(data) - r.pos} trailing bytes after the last group (offset {r.pos})")
     return (groups, vocab_size, table) if steps else (groups, vocab_size)

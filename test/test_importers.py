@@ -553,6 +553,42 @@ def command_line():
     assert "cli.jsonl: line 1: response_ids[0] = 4 is outside the vocabulary [0, 4)" in p.stderr, p.stderr
 
 
+@test
+def trace_readers_refuse_what_no_writer_writes():
+    """A context-only group's prefix log-probs other than the writer's zeros, and flags bit 1 with no
+    trained prefix token: both would be lost on reading, so prtrace.py and the C reader refuse them alike."""
+    import prtrace
+    rng = np.random.default_rng(5)
+
+    def group(P, S, trained):
+        g = {"prefix": ints(rng, 0, VOCAB, P), "suffixes": [ints(rng, 0, VOCAB, S)], "advantages": np.ones(1, "<f4"),
+             "old_logp": [logps(rng, S)], "ref_logp": [logps(rng, S)], "loss_mask": [np.ones(S, np.uint8)]}
+        if trained:
+            g["prefix_mask"] = np.array([0] + [1] * (P - 1), np.uint8)
+            g["prefix_old_logp"], g["prefix_ref_logp"] = logps(rng, P), logps(rng, P)
+        return g
+
+    good = tmp("prefix-loss.trace")
+    prtrace.write_trace(good, [group(3, 2, True), group(2, 2, False)], VOCAB)
+    data = open(good, "rb").read()
+    tail0 = len(data) - 18 - (8 + 8 + 8 + 9 * 2 + 4 * 2) - 27   # group 0's prefix arrays: 3 + 12 + 12 bytes
+    cases = [("old", len(data) - 12, b"\x00\x00\x80\xbf", "group 1: prefix_old_logp[1] = -1, but the group trains no"),
+             ("ref", len(data) - 8, b"\x00\x00\x00\x80", "group 1: prefix_ref_logp[0] = -0, but the group trains no"),
+             ("none", tail0, bytes(27), "flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token")]
+    for name, at, patch, needle in cases:
+        bad = tmp(f"prefix-loss-{name}.trace")
+        open(bad, "wb").write(data[:at] + patch + data[at + len(patch):])
+        try:
+            prtrace.read_trace(bad)
+            raise AssertionError(f"{name}: prtrace.py read it")
+        except prtrace.TraceError as e:
+            assert needle in str(e), f"{name}: {e}"
+        if TRAIN is not None:
+            p = subprocess.run([TRAIN, "--trace", bad, "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert p.returncode != 0 and needle in p.stdout + p.stderr, f"{name}: the C reader: {p.stdout}{p.stderr}"
+    assert len(prtrace.read_trace(good)) == 2
+
+
 def main():
     global TRAIN
     cands = sys.argv[1:] or [os.path.join(ROOT, "build", "train-float"), os.path.join(ROOT, "train")]

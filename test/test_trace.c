@@ -457,6 +457,19 @@ static void test_prefix_loss_trace(void) {
     patch_f32(c, tail0 + 3 + 4, 0.5f);
     expect_fail("positive prefix_old_logp", c, n, PR_ERR_FORMAT, "group 0: prefix_old_logp[1] = 0.5");
     expect_fail("prefix arrays cut short", bytes, n - 1, PR_ERR_FORMAT, "group 1: truncated: prefix_mask");
+    /* what no writer puts there, since reading would lose it: a context-only group's prefix log-probs
+       other than 0 (group 1's are the file's last 16 bytes, old then ref), and flags bit 1 with
+       no trained prefix token at all (group 0's arrays zeroed) */
+    memcpy(c, bytes, n);
+    patch_f32(c, n - 12, -1.0f);
+    expect_fail("context-only prefix_old_logp", c, n, PR_ERR_FORMAT, "group 1: prefix_old_logp[1] = -1, but the group trains no");
+    memcpy(c, bytes, n);
+    patch_f32(c, n - 8, -0.0f);
+    expect_fail("context-only prefix_ref_logp -0", c, n, PR_ERR_FORMAT, "group 1: prefix_ref_logp[0] = -0, but the group trains no");
+    memcpy(c, bytes, n);
+    memset(c + tail0, 0, 3 + 12 + 12);
+    expect_fail("flags bit 1 with no trained prefix token", c, n, PR_ERR_FORMAT,
+                "flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token");
     free(c);
     PR_FREE(bytes);
 }
