@@ -5,7 +5,8 @@
 #   make NATIVE=0            without -march=native
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
-#   make fuzz                the trace and safetensors/config parsers and the config size checks under libFuzzer (clang)
+#   make fuzz                the trace and safetensors/config parsers, the config size checks and the training-state
+#                            loader under libFuzzer (clang)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make test-gpu-mesh       train_cuda on dp, tp, pp, cp and ep meshes, one process a GPU (needs 4 GPUs)
@@ -155,16 +156,21 @@ bench-gemm: | build
 	./build/bench_gemm
 
 FUZZ_SECONDS ?= 60
-fuzz: | build
+fuzz: train | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_trace test/fuzz_trace.c -lm
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
-	mkdir -p build/corpus_trace build/corpus_st
+	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_state test/fuzz_state.c -lm
+	rm -rf build/fuzz_state.d && ./train --dp 2 --tp 2 --zero 2 --steps 1 --save-state build/fuzz_state.d > /dev/null
+	mkdir -p build/corpus_trace build/corpus_st build/corpus_state
+	{ printf '\000'; cat build/fuzz_state.d/step-*/state_index.json; } > build/corpus_state/index
+	{ printf '\001'; cat build/fuzz_state.d/step-*/trainer_state.json; } > build/corpus_state/trainer
 	cp data/sample.trace build/corpus_trace/
 	$(PYTHON) -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/sample.trace'); p.write_trace('build/corpus_trace/sample-v2.trace', g, v, steps=[3, 1])"
 	for f in model/*/config.json; do { printf '\002'; cat $$f; } > build/corpus_st/config-$$(basename $$(dirname $$f)); done
 	printf '\006\000\000\001\000\000\100\000\000\000\260\000\000\000\002\000\000\000\004\000\000\000\002\000\000\000\020\000\000\000\000\002\000\000\000\000\000\000\000\000\000\000\000\000\000\000' > build/corpus_st/sizes-tiny
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
+	FUZZ_STATE=build/fuzz_state.d ./build/fuzz_state -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_state
 
 # CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
 # GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.
