@@ -3359,7 +3359,8 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
    in the K/V buffers: the K/V cache, gK/gV (zeroed: a prefix pass's backward zeroes its rows
    again once it has read them, for the next node on those rows) and one pass's dK/dV, from the
    prefix arena. No segment yet. */
-/* scratch: dk_mb/dv_mb too, for an on_dkv hook or a split group's reduction (no other step reads them). */
+/* scratch: dk_mb/dv_mb too, for an on_dkv hook or a split group's owner, who receives its peers' gK/gV
+   there (no other step reads them). */
 static pr_status pr__path_alloc(pr_trainer *tr, pr__kv_path *path, int own, int kv_rows, int max_seg, int scratch, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const int L = c->num_hidden_layers;
@@ -3945,7 +3946,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     ps.aux_c = cx->moe.on ? cx->moe.c : NULL;
     double t0 = pr__now();
     pr__enter_phase(tr, PR_PHASE_A);
-    pr_status st = pr__path_alloc(tr, &path, own, chunk, 1, cx->opt->hooks.on_dkv || cx->team, err);
+    pr_status st = pr__path_alloc(tr, &path, own, chunk, 1, cx->opt->hooks.on_dkv || (cx->team && cx->owner), err);
     if (!st) pr__path_push(tr, &path, P);
     if (!st && cx->owner) st = pr__phase_a_prefix_forward(tr, cx, &ps, &path, 0, P, err);
     if (!st && cx->team) pr__split_share_kv(tr, cx, &path);
@@ -8952,8 +8953,8 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len,
             (k == t->n_steps - 1 && t->step_off[k + 1] != t->n_groups))
             return pr__fail(err, PR_ERR_ARG, "pr_trace_serialize: step %d spans groups %d..%d: the steps must run from group 0 to "
                             "%d, each holding at least one group", k, t->step_off[k], t->step_off[k + 1] - 1, t->n_groups - 1);
-    int prefix_loss = 0;
-    for (int k = 0; k < t->n_groups; k++) prefix_loss |= t->groups[k].prefix_mask != NULL;
+    int prefix_loss = 0;          /* as a reader takes it: a mask of zeros is none, its log-probs written as 0 */
+    for (int k = 0; k < t->n_groups; k++) prefix_loss |= pr__prefix_trained(&t->groups[k], 0, t->groups[k].P) > 0;
     pr__buf b = {NULL, 0, 0, 0};
     pr__buf_add(&b, "PRTRACE\0", 8);
     pr__buf_le32(&b, t->n_steps ? 2 : 1);
@@ -8978,9 +8979,10 @@ PRDEF pr_status pr_trace_serialize(const pr_trace *t, void **bytes, size_t *len,
             pr__buf_add(&b, g->loss_mask + o, (size_t)S);
         }
         static const uint8_t context_only = 0;
-        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_add(&b, g->prefix_mask ? &g->prefix_mask[i] : &context_only, 1);
-        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_f32(&b, g->prefix_mask ? g->prefix_old_logp[i] : 0);
-        for (int i = 0; prefix_loss && t->has_ref && i < g->P; i++) pr__buf_f32(&b, g->prefix_mask ? g->prefix_ref_logp[i] : 0);
+        const int trained = pr__prefix_trained(g, 0, g->P) > 0;
+        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_add(&b, trained ? &g->prefix_mask[i] : &context_only, 1);
+        for (int i = 0; prefix_loss && i < g->P; i++) pr__buf_f32(&b, trained ? g->prefix_old_logp[i] : 0);
+        for (int i = 0; prefix_loss && t->has_ref && i < g->P; i++) pr__buf_f32(&b, trained ? g->prefix_ref_logp[i] : 0);
     }
     if (b.failed) {
         PR_FREE(b.p);

@@ -307,11 +307,11 @@ def read_trace(path, steps=False):
                     j = int(bad[0])
                     raise TraceError(f"{where}: {name}[{j}] = {float(g[name][j]):g}, but the group trains no prefix token "
                                      "(a writer puts 0 there)")
+    if r.pos != len(data):
+        raise TraceError(f"{path}: {len(data) - r.pos} trailing bytes after the last group (offset {r.pos})")
     if prefix_loss and not any("prefix_mask" in g for g in groups):
         raise TraceError(f"{path}: flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token "
                          "(a writer sets it only when one does)")
-    if r.pos != len(data):
-        raise TraceError(f"{path}: {len(data) - r.pos} trailing bytes after the last group (offset {r.pos})")
     return (groups, vocab_size, table) if steps else (groups, vocab_size)
 
 

@@ -4,11 +4,12 @@
      1  trainer_state.json (format, version, step, next_group, seed, precision, AdamW settings)
    and the other files (config.json, the ranks' safetensors) stay as saved. `make fuzz` saves the
    state first (./train --dp 2 --tp 2 --zero 2 --steps 1 --save-state build/fuzz_state.d) and seeds
-   the corpus with its two files; FUZZ_STATE names another state's folder.
+   the corpus with its two files; FUZZ_STATE names another folder given to --save-state (the one
+   holding `latest`). The copy it loads from is made under TMPDIR (default /tmp) and removed at the end.
    Properties, beyond "no crash, no leak, no over-read":
-     - a refused load returns a status with a message and leaves the trainer's parameters as they
-       were (the loader promises to check everything before it touches the trainer);
-     - after an accepted one, the saved state loads again and gives back the same parameters.
+     - a refused load returns a status with a message and leaves the trainer's parameters, AdamW m
+       and v and step count as they were (the loader checks everything before it touches the trainer);
+     - after an accepted one, the saved state loads again and gives back the same.
    Any crash, sanitizer report or abort() is a finding.
 
    fuzz:   make fuzz
@@ -20,13 +21,27 @@
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FUZZ_SANITIZED 1
+#endif
+#elif defined(__SANITIZE_ADDRESS__)
+#define FUZZ_SANITIZED 1
+#endif
+#ifndef FUZZ_SANITIZED
+#define FUZZ_SANITIZED 0
+#else
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+static void fuzz_cleanup(void);
 #define FUZZ_ASSERT(c)                                                          \
     do {                                                                        \
         if (!(c)) {                                                             \
             fprintf(stderr, "%s:%d: property failed: %s\n", __FILE__, __LINE__, #c); \
+            fuzz_cleanup();                                                     \
             abort();                                                            \
         }                                                                       \
     } while (0)
@@ -35,26 +50,39 @@ static const char *const fuzzed_file[2] = { "state_index.json", "trainer_state.j
 
 static struct {
     pr_trainer *tr;
-    char work[64];            /* a copy of the state: `latest`, and s/ with links to the saved files */
+    char work[4200];          /* a copy of the state: `latest`, and s/ with links to the saved files */
     char saved[4200];         /* the saved state's folder */
-    pr_real *params;          /* (n) the saved state's parameters */
-    pr_real *now;             /* (n) scratch */
-    size_t n;
+    pr_real *held;            /* (n + 2 slice_n) the saved state: parameters, m, v */
+    pr_real *now;             /* (n + 2 slice_n) scratch */
+    size_t n, count;
+    long step;                /* the saved state's AdamW step count */
 } fz;
 
 static void fuzz_die(const char *what, const char *detail) {
     fprintf(stderr, "fuzz_state: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
+    fuzz_cleanup();
     abort();
 }
 
-static void params_of(pr_real *dst) {
+/* What a load replaces: the parameters (public), AdamW's m and v and its step count (the trainer's
+   own fields: the CPU backend's arenas are host memory). */
+static void state_of(pr_real *dst) {
     pr_error err;
     if (pr_trainer_get_params(fz.tr, dst, fz.n, &err)) fuzz_die("get_params", err.message);
+    memcpy(dst + fz.n, fz.tr->adam_m, sizeof(pr_real) * fz.tr->slice_n);
+    memcpy(dst + fz.n + fz.tr->slice_n, fz.tr->adam_v, sizeof(pr_real) * fz.tr->slice_n);
 }
 
-/* The work folder goes at exit: its links, the fuzzed files, `latest`. */
+static int same_state(void) {
+    state_of(fz.now);
+    return !memcmp(fz.now, fz.held, sizeof(pr_real) * fz.count) && fz.tr->adam_step == fz.step;
+}
+
+/* The work folder goes at exit, and before an abort or a sanitizer's report: its links, the
+   fuzzed files, `latest`. */
 static void fuzz_cleanup(void) {
     char path[4600];
+    if (!fz.work[0]) return;
     snprintf(path, sizeof path, "%s/s", fz.work);
     DIR *d = opendir(path);
     for (struct dirent *e; d && (e = readdir(d));) {
@@ -68,6 +96,7 @@ static void fuzz_cleanup(void) {
     snprintf(path, sizeof path, "%s/latest", fz.work);
     unlink(path);
     rmdir(fz.work);
+    fz.work[0] = 0;
 }
 
 /* The saved state (FUZZ_STATE, default build/fuzz_state.d: its `latest` followed), a trainer of its
@@ -89,9 +118,13 @@ static void fuzz_setup(void) {
     pr_config cfg;
     snprintf(path, sizeof path, "%s/config.json", fz.saved);
     if (pr_config_load(&cfg, path, &err) || pr_trainer_create(&fz.tr, &cfg, pr_backend_cpu(), &err)) fuzz_die("the model", err.message);
-    snprintf(fz.work, sizeof fz.work, "/tmp/fuzz_state.XXXXXX");
-    if (!mkdtemp(fz.work)) fuzz_die("mkdtemp", NULL);
+    const char *tmp = getenv("TMPDIR") && strlen(getenv("TMPDIR")) < 4000 ? getenv("TMPDIR") : "/tmp";
+    snprintf(fz.work, sizeof fz.work, "%s/fuzz_state.XXXXXX", tmp);
+    if (!mkdtemp(fz.work)) fuzz_die("mkdtemp in", tmp);
     atexit(fuzz_cleanup);
+#if FUZZ_SANITIZED
+    __sanitizer_set_death_callback(fuzz_cleanup);
+#endif
     snprintf(path, sizeof path, "%s/latest", fz.work);
     if (!(f = fopen(path, "w")) || fputs("s\n", f) < 0 || fclose(f)) fuzz_die("writing", path);
     snprintf(path, sizeof path, "%s/s", fz.work);
@@ -107,11 +140,13 @@ static void fuzz_setup(void) {
     }
     closedir(d);
     fz.n = pr_trainer_param_count(fz.tr);
-    fz.params = (pr_real *)malloc(sizeof(pr_real) * fz.n);
-    fz.now = (pr_real *)malloc(sizeof(pr_real) * fz.n);
-    if (!fz.params || !fz.now) fuzz_die("out of memory", NULL);
+    fz.count = fz.n + 2 * fz.tr->slice_n;
+    fz.held = (pr_real *)malloc(sizeof(pr_real) * fz.count);
+    fz.now = (pr_real *)malloc(sizeof(pr_real) * fz.count);
+    if (!fz.held || !fz.now) fuzz_die("out of memory", NULL);
     if (pr_trainer_load_state(fz.tr, fz.saved, NULL, &err)) fuzz_die("the saved state does not load", err.message);
-    params_of(fz.params);
+    state_of(fz.held);
+    fz.step = fz.tr->adam_step;
 }
 
 /* The work folder's `which` file: the saved one (a link), or these bytes. */
@@ -140,13 +175,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_put(which, NULL, 0);
     if (st != PR_OK) {
         FUZZ_ASSERT(err.status == st && err.message[0]);
-        params_of(fz.now);
-        FUZZ_ASSERT(!memcmp(fz.now, fz.params, sizeof(pr_real) * fz.n));    /* the trainer as it was */
+        FUZZ_ASSERT(same_state());        /* the trainer as it was */
         return 0;
     }
     FUZZ_ASSERT(pr_trainer_load_state(fz.tr, fz.work, NULL, &err) == PR_OK);  /* the saved files again */
-    params_of(fz.now);
-    FUZZ_ASSERT(!memcmp(fz.now, fz.params, sizeof(pr_real) * fz.n));
+    FUZZ_ASSERT(same_state());
     return 0;
 }
 

@@ -586,7 +586,7 @@ def trace_readers_refuse_what_no_writer_writes():
         if TRAIN is not None:
             p = subprocess.run([TRAIN, "--trace", bad, "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert p.returncode != 0 and needle in p.stdout + p.stderr, f"{name}: the C reader: {p.stdout}{p.stderr}"
-    assert len(prtrace.read_trace(good)) == 2
+    assert len(prtrace.read_trace(good)[0]) == 2
 
 
 def main():

@@ -449,6 +449,25 @@ static void test_prefix_loss_trace(void) {
         PR_FREE(again);
         pr_trace_free(&r);
     }
+    {   /* a mask of zeros is none to the writer too: its log-probs written as 0, flags bit 1 only
+           where another group trains, and the file reads back */
+        uint8_t zmask[2] = {0, 0};
+        pr_real zold[2] = {-0.5, -0.25}, zref[2] = {-1, -1};
+        pr_group gz[2] = { g[0], g[1] };
+        gz[1].prefix_mask = zmask; gz[1].prefix_old_logp = zold; gz[1].prefix_ref_logp = zref;
+        pr_trace tz = {2, 10, 1, gz, 0, NULL}, rz;
+        void *bz = NULL;
+        size_t nz = 0;
+        CHECK(!pr_trace_serialize(&tz, &bz, &nz, &err) && nz == n && !memcmp(bz, bytes, n),
+              "a group's mask of zeros is written as no mask");
+        PR_FREE(bz);
+        tz.n_groups = 1; tz.groups = gz + 1;
+        CHECK(!pr_trace_serialize(&tz, &bz, &nz, &err) && ((unsigned char *)bz)[12] == 1, "no group trains: flags bit 1 unset");
+        st = bz ? pr_trace_parse(&rz, bz, nz, &err) : PR_ERR_ARG;
+        CHECK(st == PR_OK && !rz.groups[0].prefix_mask, "a mask of zeros reads back as none: %s", st ? err.message : "");
+        if (st == PR_OK) pr_trace_free(&rz);
+        PR_FREE(bz);
+    }
     unsigned char *c = malloc(n);
     memcpy(c, bytes, n);
     c[tail0] = 1;
