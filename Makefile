@@ -166,6 +166,7 @@ fuzz: train | build
 	{ printf '\001'; cat build/fuzz_state.d/step-*/trainer_state.json; } > build/corpus_state/trainer
 	cp data/sample.trace build/corpus_trace/
 	$(PYTHON) -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/sample.trace'); p.write_trace('build/corpus_trace/sample-v2.trace', g, v, steps=[3, 1])"
+	$(PYTHON) -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/multiturn.trace'); p.write_trace('build/corpus_trace/multiturn-2.trace', [g[0], g[3]], v)"
 	for f in model/*/config.json; do { printf '\002'; cat $$f; } > build/corpus_st/config-$$(basename $$(dirname $$f)); done
 	printf '\006\000\000\001\000\000\100\000\000\000\260\000\000\000\002\000\000\000\004\000\000\000\002\000\000\000\020\000\000\000\000\002\000\000\000\000\000\000\000\000\000\000\000\000\000\000' > build/corpus_st/sizes-tiny
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
