@@ -8697,8 +8697,7 @@ static int pr__trace_take(unsigned char *block, size_t *used, size_t n, size_t e
    with block == NULL it checks the structure (counts, limits, sizes against the bytes left) and
    adds the block size to *used; with the block it carves the arrays from it and fills them. */
 static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char *name, const pr_trace *t,
-                                int prefix_loss, unsigned char *block, size_t *used, int **step_off, int *any_trained,
-                                pr_error *err) {
+                                int prefix_loss, unsigned char *block, size_t *used, int **step_off, pr_error *err) {
     const size_t per_tok = 4 + 4 + (t->has_ref ? 4 : 0) + 1;   /* token, old_logp, [ref_logp], mask */
     const size_t per_prefix_tok = prefix_loss ? 1 + 4 + (t->has_ref ? 4 : 0) : 0;   /* flag bit 1: mask, old, [ref] */
     size_t pos = t->n_steps ? 28 + 4 * (size_t)t->n_steps : 24;   /* after the header and the step table */
@@ -8806,7 +8805,6 @@ static pr_status pr__trace_walk(const unsigned char *buf, size_t len, const char
             }
             int trained = 0;
             for (i = 0; prefix_loss && i < P; i++) trained |= p[i];
-            *any_trained |= trained;
             if (trained) {                /* a mask of zeros is no mask: the prefix is context only */
                 g->prefix_mask = (uint8_t *)at[8];
                 g->prefix_old_logp = (pr_real *)at[9];
@@ -8895,16 +8893,17 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.step_off = NULL;
     if (version == 2 && (st = pr__trace_steps_check(buf, len, name, n_groups, &t.n_steps, err))) return st;
     const int prefix_loss = (int)((flags >> 1) & 1u);
-    int any_trained = 0;
-    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, &any_trained, err))) return st;   /* check, size */
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, err))) return st;   /* check, size */
     block = (unsigned char *)PR_MALLOC(used);
     if (!block)
         return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory allocating %zu bytes for the trace", name, used);
     used = 0;
-    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, block, &used, &t.step_off, &any_trained, err))) {   /* fill, check values */
+    if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, block, &used, &t.step_off, err))) {   /* fill, check values */
         PR_FREE(block);
         return st;
     }
+    int any_trained = 0;          /* a group read with a prefix mask trains a prefix token */
+    for (int k = 0; k < t.n_groups; k++) any_trained |= ((const pr_group *)(void *)block)[k].prefix_mask != NULL;
     if (prefix_loss && !any_trained) {
         PR_FREE(block);
         return pr__fail(err, PR_ERR_FORMAT, "%s: flags bit 1 (trained prefix tokens) is set, but no group trains a prefix token "
