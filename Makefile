@@ -114,41 +114,53 @@ build/attn_model_host.o: test/attn_model.c test/attn_model.h | build
 build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o test/gpu_ref.h test/attn_model.h $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o -lm
 
-test: $(TEST_BINS)
+# The test programs are built one a core (a clean build is minutes of C++ for the emulated device),
+# and test/run.sh runs them one a core too (TEST_JOBS=1: one after another).
+NPROC := $(shell getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+test: | build
+	@$(MAKE) --no-print-directory -j$(NPROC) $(TEST_BINS)
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-asan: | build
-	$(MAKE) --no-print-directory BUILD_SAN=1 build/asan build/asan/test_mma_emul build/asan/test_mma_kernels build/asan/test_cuda_emu \
-	    build/asan/train_cuda-emu
+SAN_C = $(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS)
+ASAN_BINS = $(foreach p,float double,$(foreach t,test_core test_gemm test_io test_trace test_comm train,build/asan/$(t)-$(p))) \
+            build/asan/test_attn_model-double build/asan/test_attn_check build/asan/test_cxx build/asan/test_mma_emul \
+            build/asan/test_mma_kernels build/asan/test_cuda_emu build/asan/train_cuda-emu
+asan: | build/asan
+	@$(MAKE) --no-print-directory -j$(NPROC) $(ASAN_BINS)
 	@sh test/run.sh build/asan
 
-build/asan: $(HEADER) test/*.c test/test_cxx.cc train.c
+build/asan:
 	mkdir -p build/asan
-	for p in float double; do d=; [ $$p = double ] && d=-DPR_DOUBLE; \
-	  for t in test_core test_gemm test_io test_trace test_comm; do \
-	    $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/$$t-$$p test/$$t.c -lm || exit 1; done; \
-	  $(CC) $(WARN) -O1 -g $(SAN) $$d $(LDFLAGS) -o build/asan/train-$$p train.c -lm || exit 1; done
-	$(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS) -o build/asan/test_attn_check test/test_attn_check.c test/gpu_ref.c -lm
-	$(CXX) $(CXXWARN) -O1 -g $(SAN) -pthread $(LDFLAGS) -o build/asan/test_cxx test/test_cxx.cc -lm
-	touch build/asan
-# (after the rest of the sanitizer build, which build/asan's time stamp stands for)
-build/asan/test_attn_model-double: $(ATTN_MODEL) build/asan
-	$(CC) $(WARN) -O1 -g $(SAN) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
-asan: build/asan/test_attn_model-double
+build/asan/%-float: test/%.c $(HEADER) test/harness.h | build/asan
+	$(SAN_C) -o $@ $< -lm
+build/asan/%-double: test/%.c $(HEADER) test/harness.h | build/asan
+	$(SAN_C) -DPR_DOUBLE -o $@ $< -lm
+build/asan/train-float: train.c $(HEADER) | build/asan
+	$(SAN_C) -o $@ train.c -lm
+build/asan/train-double: train.c $(HEADER) | build/asan
+	$(SAN_C) -DPR_DOUBLE -o $@ train.c -lm
+build/asan/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build/asan
+	$(SAN_C) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
+build/asan/test_cxx: test/test_cxx.cc $(HEADER) test/harness.h | build/asan
+	$(CXX) $(CXXWARN) -O1 -g $(SAN) -pthread $(LDFLAGS) -o $@ test/test_cxx.cc -lm
+build/asan/test_attn_model-double: $(ATTN_MODEL) | build/asan
+	$(SAN_C) -DPR_DOUBLE -o $@ test/test_attn_model.c test/attn_model.c -lm
 
-build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) build/asan
+build/asan/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_mma_emul.cc
-build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) build/asan
+build/asan/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) | build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -o $@ test/test_cuda_emu.cc
 # train_cuda on the emulated device: the CUDA backend's host code and kernels under the sanitizers
-build/asan/train_cuda-emu: train.c test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) build/asan
-	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -c -o build/asan/cuda_emu.o test/cuda_emu.cc
-	$(CC) $(WARN) -O1 -g $(SAN) -DPR_CUDA -c -o build/asan/train_cuda.o train.c
-	$(CXX) -O1 -g $(SAN) $(LDFLAGS) -o $@ build/asan/train_cuda.o build/asan/cuda_emu.o -lm
-build/asan/test_mma_kernels: test/test_mma_kernels.cc test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h $(MMA_EMU_DEPS) build/asan
-	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/gpu_ref_host.o test/gpu_ref.c
-	$(CC) $(WARN) -O1 -g $(SAN) -c -o build/asan/attn_model_host.o test/attn_model.c
+build/asan/cuda_emu.o: test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(HEADER) | build/asan
+	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) -c -o $@ test/cuda_emu.cc
+build/asan/train_cuda.o: train.c $(HEADER) | build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -DPR_CUDA -c -o $@ train.c
+build/asan/train_cuda-emu: build/asan/train_cuda.o build/asan/cuda_emu.o
+	$(CXX) -O1 -g $(SAN) $(LDFLAGS) -o $@ $^ -lm
+build/asan/%_host.o: test/%.c test/gpu_ref.h test/attn_model.h $(HEADER) | build/asan
+	$(CC) $(WARN) -O1 -g $(SAN) -c -o $@ $<
+build/asan/test_mma_kernels: test/test_mma_kernels.cc build/asan/gpu_ref_host.o build/asan/attn_model_host.o $(MMA_EMU_DEPS) | build/asan
 	$(CXX) -std=c++17 -Wall -Wextra -O1 -g $(SAN) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/asan/gpu_ref_host.o build/asan/attn_model_host.o -lm
 
 bench-gemm: | build

@@ -2,8 +2,10 @@
 # Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
 # and on, recompute, steps of several groups, the MoE preset in both aux-loss scopes, and meshes of in-process
 # ranks); prints each program's output, then the total as the last line: "N passed, N failed".
+# TEST_JOBS programs run at once (default: one a core; 1: one after another, each one's output as it ends).
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
+run_at_once "${TEST_JOBS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"
 for p in float double; do
     for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
@@ -31,16 +33,21 @@ if [ -x "$dir/emu/train_cuda" ]; then
     # every kernel's result independent of the order its blocks, warps and lanes run in
     # (PR_EMU_ORDER, test/gpu_emu.h): two threads adding into one element, updates a GPU loses,
     # give other bits in reverse. Reuse (its loss head's repeated rows), MoE (its combine), packed.
-    tmp=$(mktemp -d)
-    for args in "--config model/tiny" "--config model/tiny-moe" "--config model/tiny-qwen3 --layout packed --microbatch 2"; do
-        rm -f "$tmp/forward.safetensors" "$tmp/reverse.safetensors"
+    # One program to the totals: both orders' steps and their comparison.
+    same_bits_both_orders() {
+        d=$(mktemp -d) || return 1
         for order in forward reverse; do
-            # shellcheck disable=SC2086   # $args is several words on purpose
-            run env PR_EMU_ORDER=$order "$dir/emu/train_cuda" $args --steps 1 --save-grads "$tmp/$order.safetensors"
+            PR_EMU_ORDER=$order "$dir/emu/train_cuda" "$@" --steps 1 --save-grads "$d/$order.safetensors" || { rm -rf "$d"; return 1; }
         done
-        run cmp "$tmp/forward.safetensors" "$tmp/reverse.safetensors"
+        cmp "$d/forward.safetensors" "$d/reverse.safetensors" && echo "the same bits in both orders"
+        rc=$?
+        rm -rf "$d"
+        return $rc
+    }
+    for args in "--config model/tiny" "--config model/tiny-moe" "--config model/tiny-qwen3 --layout packed --microbatch 2"; do
+        # shellcheck disable=SC2086   # $args is several words on purpose
+        run same_bits_both_orders $args
     done
-    rm -rf "$tmp"
     # the replay's bf16 rule: reuse and the full-sequence schedule against the CPU's trajectory
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
     # each device and pinned allocation failing in turn: an out-of-memory error, never a crash

@@ -1,19 +1,67 @@
-# Sourced by run.sh and run_gpu.sh: `run CMD...` prints a program's output and adds its
-# "N passed, N failed" line (or, without one, its exit status as one check) to the totals;
+# Sourced by run.sh, run_gpu.sh and run_mesh_gpu.sh: `run CMD...` prints a program's output and adds
+# its "N passed, N failed" line (or, without one, its exit status as one check) to the totals;
 # `report` prints the totals as the last line and sets the exit status.
+# `run_at_once N`, before the first `run`, lets N programs run at once (test/run.sh: one a core;
+# the emulated device and most tests are single-threaded). Each program's output is still printed
+# whole, in the order the programs were given, and the totals are the same; an interrupt stops them all.
 passed=0; failed=0
-run() {
-    echo "== $*"
-    out=$("$@" 2>&1); rc=$?
-    printf '%s\n' "$out"
-    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed$' | tail -n 1)
-    if [ -n "$line" ]; then
-        np=${line%% passed*}; nf=${line#*passed, }; nf=${nf%% failed*}
-        passed=$((passed + np)); failed=$((failed + nf))
-        [ "$rc" -ne 0 ] && [ "$nf" -eq 0 ] && failed=$((failed + 1))
-    elif [ "$rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+tally_pool=1; tally_started=0; tally_shown=0
+tally_spool=$(mktemp -d) || exit 1
+
+run_at_once() {
+    tally_pool=$1
+    # Programs started in the background ignore SIGINT (a shell without job control), so an
+    # interrupt ends them here: every process of this one's group, make's included.
+    [ "$tally_pool" -gt 1 ] && trap 'trap "" TERM; kill -TERM 0; rm -rf "$tally_spool"; exit 130' INT TERM HUP
 }
+
+# prints program $1's output and adds it to the totals
+tally_show() {
+    tally_shown_f=$tally_spool/$1
+    [ "$tally_pool" -gt 1 ] && echo "== $(cat "$tally_shown_f.cmd")"
+    cat "$tally_shown_f.out"
+    tally_rc=$(cat "$tally_shown_f.rc")
+    tally_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$tally_shown_f.out" | tail -n 1)
+    if [ -n "$tally_line" ]; then
+        tally_np=${tally_line%% passed*}; tally_nf=${tally_line#*passed, }; tally_nf=${tally_nf%% failed*}
+        passed=$((passed + tally_np)); failed=$((failed + tally_nf))
+        [ "$tally_rc" -ne 0 ] && [ "$tally_nf" -eq 0 ] && failed=$((failed + 1))
+    elif [ "$tally_rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+    rm -f "$tally_shown_f".*
+}
+
+# shows, in order, every program that has ended and has none before it still running
+tally_show_ended() {
+    while [ "$tally_shown" -lt "$tally_started" ] && [ -f "$tally_spool/$((tally_shown + 1)).rc" ]; do
+        tally_shown=$((tally_shown + 1))
+        tally_show "$tally_shown"
+    done
+}
+
+# the programs started and not yet ended
+tally_running() {
+    echo $((tally_started - tally_shown - $(find "$tally_spool" -name '*.rc' | wc -l)))
+}
+
+run() {
+    tally_started=$((tally_started + 1))
+    tally_f=$tally_spool/$tally_started
+    if [ "$tally_pool" -le 1 ]; then
+        echo "== $*"
+        "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"
+        tally_show_ended
+        return
+    fi
+    printf '%s\n' "$*" > "$tally_f.cmd"
+    while [ "$(tally_running)" -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
+    # the exit status appears whole (a rename), so a file that exists is one that is complete
+    ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
+    tally_show_ended
+}
+
 report() {
+    until tally_show_ended; [ "$tally_shown" -eq "$tally_started" ]; do sleep 0.2; done
+    rm -rf "$tally_spool"
     echo "$passed passed, $failed failed"
     [ "$failed" -eq 0 ]
 }

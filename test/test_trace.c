@@ -53,6 +53,14 @@ static void patch_f32(unsigned char *b, size_t off, float f) {
     patch_u32(b, off, u);
 }
 
+/* a scratch file of this process (two programs of the suite may run at once): $TMPDIR or /tmp */
+static const char *scratch_path(const char *name) {
+    static char path[600];
+    const char *dir = getenv("TMPDIR");
+    snprintf(path, sizeof path, "%s/pr_trace_test.%ld.%s", dir && dir[0] ? dir : "/tmp", pr__io_pid(), name);
+    return path;
+}
+
 static unsigned char *read_file(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     unsigned char *b;
@@ -154,7 +162,7 @@ static void test_sample(const char *path) {
             CHECK(bad == 0, "sample: %zu of %zu truncations did not fail with PR_ERR_FORMAT", bad, len);
         }
         /* pr_trace_write: the file holds exactly the serialised bytes; invalid traces are refused */
-        const char *tmp = "build/test_trace_write.trace";
+        const char *tmp = scratch_path("write.trace");
         st = pr_trace_write(&t, tmp, &err);
         size_t wlen = 0;
         unsigned char *written = st ? NULL : read_file(tmp, &wlen);
@@ -354,14 +362,15 @@ static void test_small(void) {
 
     /* a file whose name appears in read errors */
     {
-        const char *tmp = "trace_test.tmp.trace";
+        const char *tmp = scratch_path("named.trace");
         FILE *fp = fopen(tmp, "wb");
+        CHECK(fp != NULL, "cannot create %s", tmp);
         if (fp) {
             RESET(); b[f.mask[0][0]] = 3;
             fwrite(b, 1, n, fp);
             fclose(fp);
             st = pr_trace_read(&t, tmp, &err);
-            CHECK(st == PR_ERR_FORMAT && strstr(err.message, "trace_test.tmp.trace: group 0: suffix 0: loss_mask[0] = 3"),
+            CHECK(st == PR_ERR_FORMAT && strstr(err.message, "named.trace: group 0: suffix 0: loss_mask[0] = 3"),
                   "file errors name the file: %s", err.message);
             remove(tmp);
         }
@@ -369,8 +378,9 @@ static void test_small(void) {
 
     /* failed allocations: each one in turn, until the read succeeds */
     {
-        const char *tmp = "trace_test.tmp.trace";
+        const char *tmp = scratch_path("nomem.trace");
         FILE *fp = fopen(tmp, "wb");
+        CHECK(fp != NULL, "cannot create %s", tmp);
         if (fp) {
             fwrite(f.s.b, 1, n, fp);
             fclose(fp);
