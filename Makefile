@@ -104,7 +104,7 @@ TEST_BINS += build/test_cuda_emu build/emu/train_cuda build/emu/test_gpu build/e
 # CPU attention, the FFMA kernels' too (test_mma_kernels; prefixreuse_cuda.cu compiled with
 # PR_CUDA_HOST_EMULATION and PR_CUDA_KERNEL_EMULATION).
 CXX ?= c++
-MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h test/gpu_emu.h test/wgmma_emu.h
+MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h test/gpu_emu.h test/wgmma_emu.h $(HEADER)
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
 build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
@@ -114,11 +114,12 @@ build/attn_model_host.o: test/attn_model.c test/attn_model.h | build
 build/test_mma_kernels: test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o test/gpu_ref.h test/attn_model.h $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_kernels.cc build/gpu_ref_host.o build/attn_model_host.o -lm
 
-# The test programs are built one a core (a clean build is minutes of C++ for the emulated device),
-# and test/run.sh runs them one a core too (TEST_JOBS=1: one after another).
+# The test programs are built one a core unless make was given -j (a clean build is minutes of C++
+# for the emulated device), and test/run.sh runs them one a core too (TEST_JOBS=1: one after another).
 NPROC := $(shell getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+JOBS_FLAG = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(NPROC))
 test: | build
-	@$(MAKE) --no-print-directory -j$(NPROC) $(TEST_BINS)
+	@$(MAKE) --no-print-directory $(JOBS_FLAG) $(TEST_BINS)
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -127,7 +128,7 @@ ASAN_BINS = $(foreach p,float double,$(foreach t,test_core test_gemm test_io tes
             build/asan/test_attn_model-double build/asan/test_attn_check build/asan/test_cxx build/asan/test_mma_emul \
             build/asan/test_mma_kernels build/asan/test_cuda_emu build/asan/train_cuda-emu
 asan: | build/asan
-	@$(MAKE) --no-print-directory -j$(NPROC) $(ASAN_BINS)
+	@$(MAKE) --no-print-directory $(JOBS_FLAG) $(ASAN_BINS)
 	@sh test/run.sh build/asan
 
 build/asan:

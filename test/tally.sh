@@ -2,17 +2,39 @@
 # its "N passed, N failed" line (or, without one, its exit status as one check) to the totals;
 # `report` prints the totals as the last line and sets the exit status.
 # `run_at_once N`, before the first `run`, lets N programs run at once (test/run.sh: one a core;
-# the emulated device and most tests are single-threaded). Each program's output is still printed
-# whole, in the order the programs were given, and the totals are the same; an interrupt stops them all.
+# the emulated device and most tests are single-threaded; each program gets one OpenMP thread unless
+# OMP_NUM_THREADS says otherwise). Each program's output is still printed whole, in the order the
+# programs were given, and the totals are the same; an interrupt ends every program started.
 passed=0; failed=0
-tally_pool=1; tally_started=0; tally_shown=0
+tally_pool=1; tally_started=0; tally_shown=0; tally_pids=
 tally_spool=$(mktemp -d) || exit 1
 
 run_at_once() {
+    case $1 in
+        '' | *[!0-9]* | 0) echo "run_at_once: '$1' is not a number of programs"; exit 2 ;;
+    esac
     tally_pool=$1
-    # Programs started in the background ignore SIGINT (a shell without job control), so an
-    # interrupt ends them here: every process of this one's group, make's included.
-    [ "$tally_pool" -gt 1 ] && trap 'trap "" TERM; kill -TERM 0; rm -rf "$tally_spool"; exit 130' INT TERM HUP
+    [ "$tally_pool" -gt 1 ] || return 0
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    # Programs started in the background ignore SIGINT (a shell without job control) and live on
+    # after this shell, so an interrupt ends them here, with whatever they started.
+    trap 'tally_interrupted 130' INT
+    trap 'tally_interrupted 143' TERM
+    trap 'tally_interrupted 129' HUP
+}
+
+# ends process $1 and its descendants, each before the processes it started (a script cannot start
+# another once ended; procps's pgrep finds the children, and without it only $1 ends)
+tally_end_tree() {
+    tally_children=$(pgrep -P "$1" 2>/dev/null)
+    kill -TERM "$1" 2>/dev/null
+    for tally_child in $tally_children; do tally_end_tree "$tally_child"; done
+}
+
+tally_interrupted() {
+    for tally_pid in $tally_pids; do tally_end_tree "$tally_pid"; done
+    rm -rf "$tally_spool"
+    exit "$1"
 }
 
 # prints program $1's output and adds it to the totals
@@ -44,18 +66,21 @@ tally_running() {
 }
 
 run() {
-    tally_started=$((tally_started + 1))
-    tally_f=$tally_spool/$tally_started
     if [ "$tally_pool" -le 1 ]; then
+        tally_started=$((tally_started + 1))
+        tally_f=$tally_spool/$tally_started
         echo "== $*"
         "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"
         tally_show_ended
         return
     fi
-    printf '%s\n' "$*" > "$tally_f.cmd"
     while [ "$(tally_running)" -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
+    tally_started=$((tally_started + 1))
+    tally_f=$tally_spool/$tally_started
+    printf '%s\n' "$*" > "$tally_f.cmd"
     # the exit status appears whole (a rename), so a file that exists is one that is complete
     ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
+    tally_pids="$tally_pids $!"
     tally_show_ended
 }
 

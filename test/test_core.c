@@ -953,12 +953,15 @@ static void test_moe(void) {
     /* the preset round-trips through config.json (refused MoE configurations: test_io's table) */
     pr_config q, back;
     pr_error err;
-    char dir[] = "build/test_moe_cfg.json";
+    char dir[] = "/tmp/prtest_moecfgXXXXXX", path[600];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(path, sizeof path, "%s/config.json", dir);
     CHECK(!pr_config_load(&q, "model/qwen3-30b-a3b", &err) && q.num_experts == 128 && q.num_experts_per_tok == 8 &&
           q.moe_intermediate_size == 768 && q.norm_topk_prob == 1, "qwen3-30b-a3b preset: %s", err.message);
-    CHECK(!pr_config_save(&q, dir, &err) && !pr_config_load(&back, dir, &err) && !memcmp(&q, &back, sizeof q),
+    CHECK(!pr_config_save(&q, path, &err) && !pr_config_load(&back, path, &err) && !memcmp(&q, &back, sizeof q),
           "MoE config round trip: %s", err.message);
-    remove(dir);
+    remove(path);
+    rmdir(dir);
 }
 
 /* ------------------------------------------------------------------ data parallelism */
