@@ -2,10 +2,19 @@
 # Runs every test program of a build folder (the C++ one too) and ./train --check in both precisions (offload off
 # and on, recompute, steps of several groups, the MoE preset in both aux-loss scopes, and meshes of in-process
 # ranks); prints each program's output, then the total as the last line: "N passed, N failed".
-# TEST_JOBS programs run at once (default: one a core; 1: one after another, each one's output as it ends).
+# TEST_JOBS programs run at once (default: one a core; 1: one after another), each one's output printed as it ends.
 dir=${1:-build}
 . "$(dirname "$0")/tally.sh"
 run_at_once "${TEST_JOBS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"
+# the sanitizer build's train_cuda on the emulated device: one in six allocations failing, one
+# --check with offload's copies (the emulated kernels under the sanitizers take minutes a run), and
+# the operation profile's events. First, as the longest programs of that suite: the others then
+# share the cores with them.
+if [ -x "$dir/train_cuda-emu" ]; then
+    run sh "$(dirname "$0")/check_oom.sh" "$dir/train_cuda-emu" 6
+    run "$dir/train_cuda-emu" --check --offload on
+    run sh "$(dirname "$0")/check_profile.sh" "$dir/train_cuda-emu"
+fi
 for p in float double; do
     for t in test_core test_gemm test_io test_trace test_comm; do run "$dir/$t-$p"; done
 done
@@ -52,14 +61,6 @@ if [ -x "$dir/emu/train_cuda" ]; then
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
     # each device and pinned allocation failing in turn: an out-of-memory error, never a crash
     run sh "$(dirname "$0")/check_oom.sh" "$dir/emu/train_cuda"
-fi
-# the sanitizer build's train_cuda on the emulated device: one --check with offload's copies (the
-# emulated kernels under the sanitizers take minutes a run), the operation profile's events, and
-# one in six allocations failing
-if [ -x "$dir/train_cuda-emu" ]; then
-    run "$dir/train_cuda-emu" --check --offload on
-    run sh "$(dirname "$0")/check_profile.sh" "$dir/train_cuda-emu"
-    run sh "$(dirname "$0")/check_oom.sh" "$dir/train_cuda-emu" 6
 fi
 for p in float double; do run sh "$(dirname "$0")/test_resume.sh" "$dir/train-$p"; done
 for p in float double; do run sh "$(dirname "$0")/test_replay.sh" "$dir/train-$p"; done

@@ -3,8 +3,8 @@
 # `report` prints the totals as the last line and sets the exit status.
 # `run_at_once N`, before the first `run`, lets N programs run at once (test/run.sh: one a core;
 # the emulated device and most tests are single-threaded; each program gets one OpenMP thread unless
-# OMP_NUM_THREADS says otherwise). Each program's output is still printed whole, in the order the
-# programs were given, and the totals are the same; an interrupt ends every program started.
+# OMP_NUM_THREADS says otherwise). Each program's output is still printed whole, under its command
+# line, as the program ends; the totals are the same; an interrupt ends every program started.
 passed=0; failed=0
 tally_pool=1; tally_started=0; tally_shown=0; tally_pids=
 tally_spool=$(mktemp -d) || exit 1
@@ -39,30 +39,25 @@ tally_interrupted() {
 
 # prints program $1's output and adds it to the totals
 tally_show() {
-    tally_shown_f=$tally_spool/$1
-    [ "$tally_pool" -gt 1 ] && echo "== $(cat "$tally_shown_f.cmd")"
-    cat "$tally_shown_f.out"
-    tally_rc=$(cat "$tally_shown_f.rc")
-    tally_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$tally_shown_f.out" | tail -n 1)
+    [ "$tally_pool" -gt 1 ] && echo "== $(cat "$1.cmd")"
+    cat "$1.out"
+    tally_rc=$(cat "$1.rc")
+    tally_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$1.out" | tail -n 1)
     if [ -n "$tally_line" ]; then
         tally_np=${tally_line%% passed*}; tally_nf=${tally_line#*passed, }; tally_nf=${tally_nf%% failed*}
         passed=$((passed + tally_np)); failed=$((failed + tally_nf))
         [ "$tally_rc" -ne 0 ] && [ "$tally_nf" -eq 0 ] && failed=$((failed + 1))
     elif [ "$tally_rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
-    rm -f "$tally_shown_f".*
+    rm -f "$1".*
 }
 
-# shows, in order, every program that has ended and has none before it still running
+# shows every program that has ended (its exit status appears whole, by a rename)
 tally_show_ended() {
-    while [ "$tally_shown" -lt "$tally_started" ] && [ -f "$tally_spool/$((tally_shown + 1)).rc" ]; do
+    for tally_rcf in "$tally_spool"/*.rc; do
+        [ -f "$tally_rcf" ] || continue
+        tally_show "${tally_rcf%.rc}"
         tally_shown=$((tally_shown + 1))
-        tally_show "$tally_shown"
     done
-}
-
-# the programs started and not yet ended
-tally_running() {
-    echo $((tally_started - tally_shown - $(find "$tally_spool" -name '*.rc' | wc -l)))
 }
 
 run() {
@@ -74,11 +69,10 @@ run() {
         tally_show_ended
         return
     fi
-    while [ "$(tally_running)" -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
+    while [ $((tally_started - tally_shown)) -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
     tally_started=$((tally_started + 1))
     tally_f=$tally_spool/$tally_started
     printf '%s\n' "$*" > "$tally_f.cmd"
-    # the exit status appears whole (a rename), so a file that exists is one that is complete
     ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
     tally_pids="$tally_pids $!"
     tally_show_ended
