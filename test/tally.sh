@@ -60,21 +60,20 @@ tally_show_ended() {
     done
 }
 
+# Pool 1 runs the program in the foreground, its command line printed before it starts; a pool
+# waits for a free place, then starts it in the background.
 run() {
-    if [ "$tally_pool" -le 1 ]; then
-        tally_started=$((tally_started + 1))
-        tally_f=$tally_spool/$tally_started
-        echo "== $*"
-        "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"
-        tally_show_ended
-        return
-    fi
     while [ $((tally_started - tally_shown)) -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
     tally_started=$((tally_started + 1))
     tally_f=$tally_spool/$tally_started
-    printf '%s\n' "$*" > "$tally_f.cmd"
-    ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
-    tally_pids="$tally_pids $!"
+    if [ "$tally_pool" -le 1 ]; then
+        echo "== $*"
+        "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"
+    else
+        printf '%s\n' "$*" > "$tally_f.cmd"
+        ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
+        tally_pids="$tally_pids $!"
+    fi
     tally_show_ended
 }
 

@@ -40,6 +40,12 @@ static void remove_tree(const char *dir, int depth) {
     remove(dir);
 }
 
+/* A scratch folder of the test's own (dir: at least 256 chars), named prtest_<name>... */
+static int make_scratch_dir(char *dir, const char *name) {
+    snprintf(dir, 256, "%s/prtest_%sXXXXXX", test_tmpdir(), name);
+    return mkdtemp(dir) != NULL;
+}
+
 #define IS_DOUBLE (sizeof(pr_real) == 8)
 
 /* ------------------------------------------------------------------ fixtures */
@@ -802,8 +808,8 @@ static void test_bad_input(void) {
                    (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6, err.message);
     }
     /* a checkpoint of another shape: refused, parameters untouched */
-    char dir[] = "/tmp/prtest_shapeXXXXXX";
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256];
+    CHECK(make_scratch_dir(dir, "shape"), "a scratch folder under %s", test_tmpdir());
     pr_config other = c;
     other.intermediate_size = 44;
     pr_trainer *o2 = make_model(&other, 1);
@@ -953,8 +959,8 @@ static void test_moe(void) {
     /* the preset round-trips through config.json (refused MoE configurations: test_io's table) */
     pr_config q, back;
     pr_error err;
-    char dir[] = "/tmp/prtest_moecfgXXXXXX", path[600];
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], path[600];
+    CHECK(make_scratch_dir(dir, "moecfg"), "a scratch folder under %s", test_tmpdir());
     snprintf(path, sizeof path, "%s/config.json", dir);
     CHECK(!pr_config_load(&q, "model/qwen3-30b-a3b", &err) && q.num_experts == 128 && q.num_experts_per_tok == 8 &&
           q.moe_intermediate_size == 768 && q.norm_topk_prob == 1, "qwen3-30b-a3b preset: %s", err.message);
@@ -1985,8 +1991,8 @@ static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
 static void kvrep_replicas_case(const pr_config *c, mesh_shape shape, const pr_group *g, const char *label) {
     pr_trainer *one = make_model(c, 5);
     pr_real *init = params_of(one);
-    char dir[] = "/tmp/prtest_kvrepXXXXXX";
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256];
+    CHECK(make_scratch_dir(dir, "kvrep"), "a scratch folder under %s", test_tmpdir());
     kvrep_run m;
     memset(&m, 0, sizeof m);
     m.c = c; m.shape = shape; m.g = g; m.init = init; m.dir = dir;
@@ -2429,8 +2435,8 @@ static void test_checkpoints(void) {
     pr_trainer *a = make_model(&c, 21), *b;
     pr_error err;
     size_t n = pr_trainer_param_count(a);
-    char dir[] = "/tmp/prtest_ckptXXXXXX", path[700];
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], path[700];
+    CHECK(make_scratch_dir(dir, "ckpt"), "a scratch folder under %s", test_tmpdir());
     CHECK(pr_trainer_create(&b, &c, pr_backend_cpu(), &err) == PR_OK, "%s", err.message);
     pr_real *pa = params_of(a), *pb;
 
@@ -2511,8 +2517,8 @@ static void test_other_shape(void) {
     pr_trainer *b = make_model(&base, 5);
     size_t n = pr_trainer_param_count(b);
     pr_real *before = params_of(b);
-    char dir[] = "/tmp/prtest_shapeXXXXXX";
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256];
+    CHECK(make_scratch_dir(dir, "shape"), "a scratch folder under %s", test_tmpdir());
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
         pr_config c = base;
         int *f[] = { &c.hidden_size, &c.intermediate_size, &c.vocab_size, &c.num_key_value_heads, &c.num_hidden_layers,
@@ -2571,8 +2577,8 @@ static void test_train_state(void) {
     make_group(&t, 5, 3, S, c.vocab_size, 11);
     pr_trainer *a = make_model(&c, 31), *b = make_model(&c, 77);
     pr_error err;
-    char dir[] = "/tmp/prtest_stateXXXXXX", sd[600], path[700], path2[700];
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], sd[600], path[700], path2[700];
+    CHECK(make_scratch_dir(dir, "state"), "a scratch folder under %s", test_tmpdir());
     snprintf(sd, sizeof sd, "%s/run", dir);
     train_step(a, &t.g);
     train_step(a, &t.g);
@@ -2948,8 +2954,8 @@ static int rstate_same(pr_real *const *a, pr_real *const *b, size_t n) {
 typedef struct { mesh_shape shape; int zero; } rstate_mesh;
 static void rstate_case(const pr_config *c, rstate_mesh from, const rstate_mesh *to, int n_to, const pr_group *groups, int n,
                         const char *name) {
-    char dir[] = "/tmp/prtest_rstateXXXXXX", path[700], label[160];
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], path[700], label[160];
+    CHECK(make_scratch_dir(dir, "rstate"), "a scratch folder under %s", test_tmpdir());
     pr_trainer *one = make_model(c, 41);
     pr_real *init = params_of(one);
     rstate_run src = { c, from.shape, from.zero, groups, n, init, NULL, NULL, dir, 2, 1, { 0 }, { 0 }, 0 };

@@ -495,8 +495,8 @@ static void test_offload_copy_time(const char *model) {
    split, and a timeout below one second refused. A build without NCCL says so instead. */
 static void test_nccl_one_rank(void) {
     pr_error err;
-    char id_path[64];
-    snprintf(id_path, sizeof id_path, "/tmp/pr-test-gpu-nccl-id.%ld", (long)getpid());
+    char id_path[600];
+    snprintf(id_path, sizeof id_path, "%s/pr-test-gpu-nccl-id.%ld", test_tmpdir(), (long)getpid());
     pr_comm *world = NULL, *sub = NULL;
     pr_status st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 0, &err);
     CHECK(st == PR_ERR_ARG || st == PR_ERR_UNSUPPORTED, "NCCL: a timeout of 0 s accepted (%d: %s)", (int)st, err.message);

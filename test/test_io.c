@@ -870,8 +870,7 @@ static void test_out_of_memory(void) {
 }
 
 int main(int argc, char **argv) {
-    const char *tmpdir = getenv("TMPDIR");
-    snprintf(g_tmp, sizeof g_tmp, "%s/pr_io_test.%ld", tmpdir && tmpdir[0] ? tmpdir : "/tmp", pr__io_pid());
+    snprintf(g_tmp, sizeof g_tmp, "%s/pr_io_test.%ld", test_tmpdir(), pr__io_pid());
     if (pr__mkdir_one(g_tmp, NULL) != PR_OK) { printf("cannot create %s\n0 passed, 1 failed\n", g_tmp); return 1; }
     const char *cands[] = {argc > 1 ? argv[1] : "model", "model", "../model", "../../model"};
     for (int k = 0; k < 4; k++) {

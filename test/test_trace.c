@@ -53,11 +53,10 @@ static void patch_f32(unsigned char *b, size_t off, float f) {
     patch_u32(b, off, u);
 }
 
-/* a scratch file of this process (two programs of the suite may run at once): $TMPDIR or /tmp */
+/* a scratch file of this process */
 static const char *scratch_path(const char *name) {
     static char path[600];
-    const char *dir = getenv("TMPDIR");
-    snprintf(path, sizeof path, "%s/pr_trace_test.%ld.%s", dir && dir[0] ? dir : "/tmp", pr__io_pid(), name);
+    snprintf(path, sizeof path, "%s/pr_trace_test.%ld.%s", test_tmpdir(), pr__io_pid(), name);
     return path;
 }
 
