@@ -951,6 +951,29 @@ PR_UNROLL
     for (int mi = 0; mi < M; mi++) pr_fwd_store<HS>(out, lse, acc[mi], m[mi], l[mi], t.r0 + mi * PR_MMA_ROWS + 16 * warp, t.r1, qd, h, NH, lane, sl2);
 }
 
+/* The wgmma kernels' two kinds of product, each issued as one wgmma group (the caller waits for it
+   and holds what it reads after the wait). Scores: d (64 x 64) += A B^T over the head dim, A and B
+   64 x HS K-major in shared memory at a and b, after the caller's wgmma.fence. A tile's values
+   times B: acc (64 x HS) += bf16(x) B, x 64 x 64 in accumulator fragments (P, dS), repacked into
+   the A fragments a (the caller's: wgmma reads them until its wait), written ahead of this
+   product's own fence, B 64 x HS MN-major at b. */
+template <int HS>
+__device__ __forceinline__ void pr_wg_scores(float (&d)[8][4], uint32_t a, uint32_t b) {
+PR_UNROLL
+    for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&d[0][0], pr_wg_desc_k(a, kc, PR_MMA_ROWS), pr_wg_desc_k(b, kc, PR_MMA_ROWS));
+    pr_wg_commit();
+}
+template <int HS>
+__device__ __forceinline__ void pr_wg_times(float (&acc)[HS / 8][4], const float (&x)[8][4], uint32_t (&a)[4][4], uint32_t b) {
+PR_UNROLL
+    for (int kc = 0; kc < 4; kc++) pr_c_to_a(a[kc], x[2 * kc], x[2 * kc + 1]);
+    pr_wg_hold<16>(&a[0][0]);
+    pr_wg_fence();
+PR_UNROLL
+    for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], a[kc], pr_wg_desc_mn(b, kc));
+    pr_wg_commit();
+}
+
 /* The forward on Hopper's warpgroup MMA (wgmma, sm_90a; an empty kernel elsewhere, which
    pr_backend_cuda_set_attention never selects: pr_k_wgmma_probe). The forward above, each row's
    algorithm the same (the tiles, walk, masks, online softmax, bf16 P): only the tensor-core
@@ -1010,21 +1033,13 @@ PR_UNROLL
             pr_mma_zero<8>(s);
             pr_wg_hold<32>(&s[0][0]);               /* zeroed before the fence, not moved past it */
             pr_wg_fence();
-PR_UNROLL
-            for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
-            pr_wg_commit();
+            pr_wg_scores<HS>(s, qb, kb);
             pr_wg_wait<0>();
             pr_wg_hold<32>(&s[0][0]);
             pr_fwd_softmax<HS>(s, m, l, acc, x, row0 - 16 * warp, row0, lane, sl2);
             uint32_t p[4][4];                       /* bf16(P) as the A fragments of its 4 k16 blocks */
-PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_c_to_a(p[kc], s[2 * kc], s[2 * kc + 1]);
-            pr_wg_hold<HS / 2>(&acc[0][0]);
-            pr_wg_hold<16>(&p[0][0]);
-            pr_wg_fence();
-PR_UNROLL
-            for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], p[kc], pr_wg_desc_mn(vb, kc));
-            pr_wg_commit();
+            pr_wg_hold<HS / 2>(&acc[0][0]);         /* rescaled ahead of the fence */
+            pr_wg_times<HS>(acc, s, p, vb);         /* O += bf16(P) V */
             pr_wg_wait<0>();                        /* V's stage is read before it is refilled */
             pr_wg_hold<HS / 2>(&acc[0][0]);
         }
@@ -1196,12 +1211,8 @@ pr_k_attention_bwd_dq_wgmma(bf16 *dq, const bf16 *dout, const float *lse, const 
         pr_wg_hold<32>(&s[0][0]);                   /* zeroed before the fence, not moved past it */
         pr_wg_hold<32>(&dp[0][0]);
         pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&s[0][0], pr_wg_desc_k(qb, kc, PR_MMA_ROWS), pr_wg_desc_k(kb, kc, PR_MMA_ROWS));
-        pr_wg_commit();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(dob, kc, PR_MMA_ROWS), pr_wg_desc_k(vb, kc, PR_MMA_ROWS));
-        pr_wg_commit();
+        pr_wg_scores<HS>(s, qb, kb);
+        pr_wg_scores<HS>(dp, dob, vb);
         if (it + 1 < nkt) {                         /* the next tile loads into the other stage while they run */
             pr_mma_load_keys<HS, true>(ks + (st ^ 1) * T, vs + (st ^ 1) * T, it + 1, npt, t, n_prefix, k, v, kp, vp, kvd, hk);
             pr_cp_async_commit();
@@ -1215,13 +1226,7 @@ PR_UNROLL
         pr_wg_hold<32>(&dp[0][0]);
         pr_dq_ds<8>(s, dp, Drow);
         uint32_t a[4][4];                           /* bf16(dS) as the A fragments of its 4 k16 blocks */
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_c_to_a(a[kc], s[2 * kc], s[2 * kc + 1]);
-        pr_wg_hold<16>(&a[0][0]);
-        pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&acc[0][0], a[kc], pr_wg_desc_mn(kb, kc));
-        pr_wg_commit();
+        pr_wg_times<HS>(acc, s, a, kb);             /* dQ += bf16(dS) K */
         pr_wg_wait<0>();                            /* K's stage is read before the next barrier lets it be refilled */
         pr_wg_hold<HS / 2>(&acc[0][0]);
     }
@@ -1521,12 +1526,8 @@ pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *
         pr_wg_hold<32>(&p[0][0]);                   /* zeroed before the fence, not moved past it */
         pr_wg_hold<32>(&dp[0][0]);
         pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&p[0][0], pr_wg_desc_k(kb, kc, PR_MMA_ROWS), pr_wg_desc_k(qb, kc, PR_MMA_ROWS));
-        pr_wg_commit();
-PR_UNROLL
-        for (int kc = 0; kc < HS / 16; kc++) pr_wg_ss64(&dp[0][0], pr_wg_desc_k(vb, kc, PR_MMA_ROWS), pr_wg_desc_k(db, kc, PR_MMA_ROWS));
-        pr_wg_commit();
+        pr_wg_scores<HS>(p, kb, qb);
+        pr_wg_scores<HS>(dp, vb, db);
         if (s + 1 < steps) {                        /* the next step loads into the other stage while they run */
             load_step(st ^ 1);
             pr_cp_async_commit();
@@ -1537,23 +1538,11 @@ PR_UNROLL
         pr_wg_hold<32>(&p[0][0]);
         pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
         uint32_t pa[4][4], da[4][4];                /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_c_to_a(pa[kc], p[2 * kc], p[2 * kc + 1]);
-        pr_wg_hold<16>(&pa[0][0]);
-        pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gv[0][0], pa[kc], pr_wg_desc_mn(db, kc));
-        pr_wg_commit();
+        pr_wg_times<HS>(gv, p, pa, db);             /* dV += bf16(P^T) dO */
         pr_wg_wait<1>();                            /* dP^T is in (dV may still run): dS^T */
         pr_wg_hold<32>(&dp[0][0]);
         pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_c_to_a(da[kc], dp[2 * kc], dp[2 * kc + 1]);
-        pr_wg_hold<16>(&da[0][0]);
-        pr_wg_fence();
-PR_UNROLL
-        for (int kc = 0; kc < 4; kc++) pr_wg_rs<HS>(&gk[0][0], da[kc], pr_wg_desc_mn(qb, kc));
-        pr_wg_commit();
+        pr_wg_times<HS>(gk, dp, da, qb);            /* dK += bf16(dS^T) Q */
         pr_wg_wait<0>();                            /* the stage is read before the next barrier lets it be refilled */
         pr_wg_hold<HS / 2>(&gv[0][0]);
         pr_wg_hold<HS / 2>(&gk[0][0]);

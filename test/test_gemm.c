@@ -11,18 +11,18 @@ static int fail_alloc;
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 
-/* The obvious triple loop, the yardstick. */
+/* The yardstick: the triple loop, summed in long double (wider than the header's sums, so it is
+   not the header's own fallback loop over again), rounded once. */
 static void reference_gemm(int ta, int tb, int M, int N, int K,
-                               const pr_real *A, int lda, const pr_real *B, int ldb,
-                               pr_real beta, pr_real *C, int ldc) {
-    int i, j, k;
-    for (i = 0; i < M; i++)
-        for (j = 0; j < N; j++) {
-            pr_real s = 0;
-            for (k = 0; k < K; k++)
-                s += (ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
+                           const pr_real *A, int lda, const pr_real *B, int ldb,
+                           pr_real beta, pr_real *C, int ldc) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            long double s = beta == 0 ? 0 : (long double)beta * C[(size_t)i * ldc + j];
+            for (int k = 0; k < K; k++)
+                s += (long double)(ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
                      (tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j]);
-            C[(size_t)i * ldc + j] = beta == 0 ? s : beta * C[(size_t)i * ldc + j] + s;
+            C[(size_t)i * ldc + j] = (pr_real)s;
         }
 }
 
