@@ -2000,6 +2000,9 @@ struct pr_trainer {
     int zero;                              /* the stage in effect: 0 unless sharded */
     size_t unit, n_pad, slice_cap, slice_lo, slice_n;
     int grads_scattered;                   /* stage 2: only this rank's slice of grads holds the sum */
+    pr_comm *dp_team;                      /* a group split over dp ranks: this rank's team, kept for the next
+                                              step of dp_team_groups groups (pr__dp_team) */
+    int dp_team_groups;
     /* (n_pad) The weights the kernels read, the whole model's, in the backend's activation type:
        the master weights themselves where they are that type and whole (the CPU without ZeRO),
        else a copy of its own (own_weights) that the trainer refreshes from them whenever they
@@ -2627,6 +2630,7 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     PR_FREE(tr->layer_off);
     PR_FREE(tr->expert_load);
     PR_FREE(tr->shard);
+    if (tr->dp_team) tr->dp_team->destroy(tr->dp_team);
     PR_FREE(tr);
 }
 
@@ -5861,6 +5865,29 @@ static pr_status pr__dp_step_end(pr_trainer *tr, pr_comm *dp, pr_status st, cons
     return PR_OK;
 }
 
+/* The team of dp ranks that group gi of a step of n groups (fewer than the ranks) is split over.
+   Over the mesh's dp communicator the team is kept for the next step of as many groups: an NCCL
+   split sets up a whole communicator, too slow to repeat every step. Over another communicator,
+   which the trainer cannot tell alive from one step to the next, it is this step's alone. Every
+   rank steps over the same n, so all keep, or all replace, their teams together. */
+static pr_status pr__dp_team(pr_trainer *tr, pr_comm *dp, int n, int gi, pr_comm **team, pr_error *err) {
+    const int keep = tr->mesh && dp == tr->mesh->dp_comm;
+    if (keep && tr->dp_team && tr->dp_team_groups == n) {
+        *team = tr->dp_team;
+        return PR_OK;
+    }
+    if (keep && tr->dp_team) {
+        tr->dp_team->destroy(tr->dp_team);
+        tr->dp_team = NULL;
+    }
+    pr_status st = dp->split(dp, gi, dp->rank, team, err);
+    if (!st && keep) {
+        tr->dp_team = *team;
+        tr->dp_team_groups = n;
+    }
+    return st;
+}
+
 PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                             const pr_step_opts *opt, pr_step_stats *stats, pr_error *err) {
     if (!tr || !dp || !groups || !opt || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: NULL argument or no groups");
@@ -5880,11 +5907,12 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
         int gi = 0;
         while (gi + 1 < n && (long)(gi + 1) * R / n <= dp->rank) gi++;
         pr_comm *team = NULL;
-        st = dp->split(dp, gi, dp->rank, &team, err);
-        if (!st) st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
-        if (team) {
-            dp->bytes_sent += team->bytes_sent;     /* the team's traffic is the dp dimension's */
-            team->destroy(team);
+        st = pr__dp_team(tr, dp, n, gi, &team, err);
+        if (!st) {
+            const size_t sent = team->bytes_sent;
+            st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
+            dp->bytes_sent += team->bytes_sent - sent;     /* the team's traffic is the dp dimension's */
+            if (team != tr->dp_team) team->destroy(team);
         }
     }
     for (int i = 0; place && i < n && !st; i++) {

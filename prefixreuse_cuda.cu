@@ -3247,11 +3247,10 @@ static pr_status pr_nccl_wait(pr_nccl *x, const char *what, pr_error *err) {
         else usleep(20);
     }
 }
-/* r: what queueing the operation returned. A refused call (its arguments) leaves the communicator
-   as it was; any other failure may have queued part of a group, so it aborts. */
+/* r: what queueing the operation returned. Any failure aborts, a call refused for its arguments
+   too: the peers have queued their part of it, and NCCL pairs the ranks' calls by their order
+   alone, so this rank's next call would meet the peers' pending one (other data, or a hang). */
 static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
-    if (r == ncclInvalidArgument || r == ncclInvalidUsage)
-        return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: %s", what, ncclGetErrorString(r));
     if (r != ncclSuccess) return pr_nccl_abort(x, what, err, "%s", ncclGetErrorString(r));
     return pr_nccl_wait(x, what, err);
 }
@@ -3375,7 +3374,7 @@ static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr
     if (st) return st;
     ncclComm_t nc = NULL;
     ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
-    if (r != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL split: %s", ncclGetErrorString(r));
+    if (r != ncclSuccess) return pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* the peers may be in it */
     return pr_nccl_wrap(sub, nc, x->cx, x->family, err);
 }
 
@@ -3459,6 +3458,12 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     if (be->alloc != pr_cu_alloc)
         return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: backend '%s' is not a CUDA backend", be->name);
     if (timeout_s < 1) return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: timeout %d s, at least 1 expected", timeout_s);
+    /* The variable overrides the blocking = 1 below (NCCL's init.cc): each call could then return
+       before its operation is queued (ncclInProgress), which the watched wait does not handle. */
+    const char *blocking = getenv("NCCL_COMM_BLOCKING");
+    if (blocking && !strcmp(blocking, "0"))
+        return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=0 makes NCCL's communicators non-blocking, which this "
+                                                      "communicator does not handle: unset it");
     pr_cu *cx = pr_cu_of(be);
     ncclUniqueId id;
     pr_status st = pr_nccl_share_id(&id, rank, id_path, timeout_s, err);
@@ -3470,15 +3475,14 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     ncclComm_t nc;
     ncclResult_t r = ncclSuccess;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 1;                                   /* whatever NCCL_COMM_BLOCKING says: each call returns queued */
+    config.blocking = 1;                                   /* each call returns queued (NCCL_COMM_BLOCKING=0 refused above) */
     if (cudaSetDevice(cx->device) != cudaSuccess)          /* NCCL binds the communicator to the current device */
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
     else if ((r = ncclCommInitRankConfig(&nc, size, id, rank, &config)) != ncclSuccess)
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
-    else {
-        if (rank == 0) remove(id_path);
+    else
         st = pr_nccl_wrap(out, nc, cx, family, err);
-    }
+    if (rank == 0) remove(id_path);                        /* joined, or failed: no later launch may take this id */
     if (st) free(family);
     return st;
 }

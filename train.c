@@ -463,15 +463,21 @@ static pr_status select_attention(const options *o, pr_error *err) {
 #endif
 }
 
-/* The backend of this build: the CPU's, or one CUDA backend on device LOCAL_RANK (else 0) for the
-   whole run, created on first use and destroyed as main returns (backend_release). */
+/* The backend of this build: the CPU's, or one CUDA backend for the whole run, created on first use
+   and destroyed as main returns (backend_release). Its device: LOCAL_RANK (one process per GPU,
+   each seeing them all), else 0; and 0 where CUDA_VISIBLE_DEVICES names one device, the launcher
+   having given this process its GPU alone (Slurm's --gpus-per-task=1, say). */
 #ifdef PR_CUDA
 static const pr_backend *cuda_backend;
+static int own_device(void) {
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES"), *local = getenv("LOCAL_RANK");
+    if (visible && visible[0] && !strchr(visible, ',')) return 0;
+    return local ? atoi(local) : 0;
+}
 #endif
 static const pr_backend *backend(pr_error *err) {
 #ifdef PR_CUDA
-    const char *local = getenv("LOCAL_RANK");     /* one process per GPU: its device */
-    if (!cuda_backend && pr_backend_cuda_create(&cuda_backend, local ? atoi(local) : 0, err)) return NULL;
+    if (!cuda_backend && pr_backend_cuda_create(&cuda_backend, own_device(), err)) return NULL;
     return cuda_backend;
 #else
     (void)err;

@@ -39,6 +39,9 @@ if [ -x "$dir/emu/train_cuda" ]; then
                 "--config model/tiny-moe --schedule tree --tree-min 1 --groups-per-step 4 --microbatch 2 --aux-scope group --offload on"; do
         run env PR_EMU_SCHEDULE=eager-side "$dir/emu/train_cuda" --check $args
     done
+    # a process given one GPU alone (CUDA_VISIBLE_DEVICES naming one) runs on it, device 0,
+    # whatever its LOCAL_RANK (the emulated machine has 8 devices)
+    run env LOCAL_RANK=11 CUDA_VISIBLE_DEVICES=3 "$dir/emu/train_cuda" --steps 1
     # every kernel's result independent of the order its blocks, warps and lanes run in
     # (PR_EMU_ORDER, test/gpu_emu.h): two threads adding into one element, updates a GPU loses,
     # give other bits in reverse. Reuse (its loss head's repeated rows), MoE (its combine), packed.

@@ -993,6 +993,92 @@ static pr_status dp_rank(pr_comm *c, void *user, pr_error *err) {
     return pr_trainer_adamw_step(d->tr[c->rank], &adam, NULL, err);
 }
 
+/* A group split over dp ranks keeps its team from step to step over the mesh's dp communicator
+   (an NCCL split sets up a whole communicator), and gets a new one when the step's group count
+   changes. Each step's gradients and updated parameters equal, bit for bit, those of a trainer
+   without a mesh stepping over the world, whose team is split anew every step. */
+enum { TEAM_RANKS = 4, TEAM_STEPS = 4 };
+static const int team_groups[TEAM_STEPS] = { 2, 2, 3, 1 };   /* groups a step: split in two, again, 1 1 2, all four */
+typedef struct {
+    const pr_config *c;
+    const pr_group *groups;
+    const pr_real *init;
+    int kept[TEAM_RANKS], replaced[TEAM_RANKS], whole[TEAM_RANKS], unmeshed_kept[TEAM_RANKS];
+    size_t differ[TEAM_RANKS];
+} team_run;
+
+static pr_status team_rank(pr_comm *world, void *user, pr_error *err) {
+    team_run *t = user;
+    const int r = world->rank;
+    pr_mesh mesh;
+    pr_status s = pr_mesh_init(&mesh, world, TEAM_RANKS, 1, 1, 1, 1, err);
+    if (s) return s;
+    pr_trainer *a = NULL, *b = NULL;
+    size_t n = 0;
+    if (!(s = pr_trainer_create_mesh(&a, t->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_create(&b, t->c, pr_backend_cpu(), err))) {
+        n = pr_trainer_param_count(b);
+        s = pr_trainer_set_full_params(a, t->init, n, err);
+        if (!s) s = pr_trainer_set_params(b, t->init, n, err);
+    }
+    pr_real *va = malloc(sizeof(pr_real) * 2 * (n ? n : 1)), *vb = va ? va + n : NULL;
+    if (!s && !va) s = pr__fail(err, PR_ERR_NOMEM, "team test: out of memory");
+    pr_step_opts o = pr_step_opts_default();
+    o.microbatch = 2;
+    const pr_adamw_opts adam = pr_adamw_opts_default();
+    size_t sent = 0;
+    for (int k = 0; k < TEAM_STEPS && !s; k++) {
+        s = pr_trainer_compute_grads_dp(a, mesh.dp_comm, t->groups, team_groups[k], &o, NULL, err);
+        if (!s) s = pr_trainer_compute_grads_dp(b, world, t->groups, team_groups[k], &o, NULL, err);
+        for (int what = 0; what < 2 && !s; what++) {     /* the gradients, then the parameters after AdamW */
+            if (what && !(s = pr_trainer_adamw_step(a, &adam, NULL, err))) s = pr_trainer_adamw_step(b, &adam, NULL, err);
+            if (!s) s = what ? pr_trainer_get_params(a, va, n, err) : pr_trainer_get_grads(a, va, n, err);
+            if (!s) s = what ? pr_trainer_get_params(b, vb, n, err) : pr_trainer_get_grads(b, vb, n, err);
+            if (!s) t->differ[r] += memcmp(va, vb, sizeof(pr_real) * n) != 0;
+        }
+        if (s || !a->dp_team) break;
+        /* kept: the same team, its traffic counted on from the step before */
+        if (k == 1) t->kept[r] = a->dp_team->size == 2 && a->dp_team->bytes_sent > sent;
+        if (k == 2) t->replaced[r] = a->dp_team_groups == 3 && a->dp_team->size == (r < 2 ? 1 : 2);
+        if (k == 3) t->whole[r] = a->dp_team_groups == 1 && a->dp_team->size == TEAM_RANKS;
+        sent = a->dp_team->bytes_sent;
+        t->unmeshed_kept[r] += b->dp_team != NULL;
+    }
+    free(va);
+    pr_trainer_destroy(a);
+    pr_trainer_destroy(b);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static void test_dp_team_kept(void) {
+    pr_config c = small_config(0, 0, 2);
+    const int S[6] = { 4, 7, 2, 5, 3, 6 };
+    static test_group tg[3];
+    pr_group groups[3];
+    for (int i = 0; i < 3; i++) {
+        make_group(&tg[i], 5 + 3 * i, 3 + i % 2, S, c.vocab_size, 700 + i);
+        groups[i] = tg[i].g;
+    }
+    pr_trainer *one = make_model(&c, 17);
+    team_run t;
+    memset(&t, 0, sizeof t);
+    t.c = &c;
+    t.groups = groups;
+    t.init = params_of(one);
+    pr_error err;
+    CHECK(!pr_comm_local_run(TEAM_RANKS, team_rank, &t, &err), "dp teams kept: %s", err.message);
+    for (int r = 0; r < TEAM_RANKS; r++) {
+        CHECK(t.differ[r] == 0, "dp teams kept, rank %d: %zu of %d gradients or parameters differ from fresh teams'", r, t.differ[r],
+              2 * TEAM_STEPS);
+        CHECK(t.kept[r], "dp teams kept, rank %d: the second step of 2 groups did not keep the first one's team", r);
+        CHECK(t.replaced[r], "dp teams kept, rank %d: a step of 3 groups did not get its own team", r);
+        CHECK(t.whole[r], "dp teams kept, rank %d: a step of 1 group did not get a team of all ranks", r);
+        CHECK(!t.unmeshed_kept[r], "dp teams kept, rank %d: a trainer without a mesh kept a team", r);
+    }
+    free((void *)t.init);
+    pr_trainer_destroy(one);
+}
+
 static void test_dp(void) {
     pr_config c = small_config(0, 0, 2);
     const int S[6] = { 4, 7, 2, 5, 3, 6 };
@@ -3493,6 +3579,7 @@ int main(void) {
     test_arena_spares();
     test_moe();
     test_dp();
+    test_dp_team_kept();
     test_steps();
     test_trees();
     test_prefix_loss();

@@ -10,6 +10,7 @@
      build/test_gpu [kernels] [attention] [steps] [--cases LIST] [--list]
    runs the named parts only (all by default); --cases (e.g. 0,3,8-10) runs only those attention
    shapes (the attention part alone, unless parts are named); --list prints the shapes. */
+#define _POSIX_C_SOURCE 200809L   /* setenv, strdup */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "gpu_copy.h"
@@ -500,6 +501,18 @@ static void test_nccl_one_rank(void) {
     pr_comm *world = NULL, *sub = NULL;
     pr_status st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 0, &err);
     CHECK(st == PR_ERR_ARG || st == PR_ERR_UNSUPPORTED, "NCCL: a timeout of 0 s accepted (%d: %s)", (int)st, err.message);
+    /* NCCL_COMM_BLOCKING=0 would make the communicator non-blocking behind the library's back:
+       refused before rank 0 writes its id (the caller's own setting restored after) */
+    const char *had = getenv("NCCL_COMM_BLOCKING");
+    char *saved = had ? strdup(had) : NULL;
+    setenv("NCCL_COMM_BLOCKING", "0", 1);
+    st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
+    if (saved) setenv("NCCL_COMM_BLOCKING", saved, 1);
+    else unsetenv("NCCL_COMM_BLOCKING");
+    free(saved);
+    CHECK(st == PR_ERR_UNSUPPORTED && (strstr(err.message, "NCCL_COMM_BLOCKING") || strstr(err.message, "no NCCL")),
+          "NCCL: NCCL_COMM_BLOCKING=0 not refused (%d: %s)", (int)st, err.message);
+    CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 wrote its id file %s for a refused communicator", id_path);
     st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
     if (st == PR_ERR_UNSUPPORTED) {
         printf("NCCL: %s\n", err.message);
