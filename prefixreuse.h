@@ -750,7 +750,9 @@ PRDEF pr_adamw_opts pr_adamw_opts_default(void);
 /* The config is validated (pr_config_validate: every size it implies within the limits above)
    before anything is allocated. */
 PRDEF pr_status pr_trainer_create(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, pr_error *err);
-PRDEF void pr_trainer_destroy(pr_trainer *tr);       /* NULL: nothing */
+/* Destroy also releases the team a group split over dp ranks kept (pr_trainer_compute_grads_dp):
+   on a mesh, every rank destroys its trainer. NULL: nothing. */
+PRDEF void pr_trainer_destroy(pr_trainer *tr);
 /* The accessors take NULL and answer neutrally: pr_trainer_config NULL, the counts 0,
    pr_trainer_tensor NULL (also for i out of range). */
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
@@ -949,7 +951,9 @@ PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n,
    With fewer groups than ranks, each group is split over a team of consecutive ranks, each
    running an equal share of its trajectories: under reuse the team's first rank runs Phase A and
    C and sends each peer the prefix K/V (pr_step_stats.prefix_kv_bytes; the activation stack,
-   prefix_stack_bytes, stays), and the peers' gK/gV come back to it after Phase B.
+   prefix_stack_bytes, stays), and the peers' gK/gV come back to it after Phase B. Over the
+   trainer's mesh's dp communicator the teams are kept for the next step of as many groups
+   (pr_trainer_destroy releases them); over another, they are split anew every step.
    The groups are one optimizer step: give opt->loss.step the step's denominators
    (pr_step_loss_totals over all n groups) so that the summed loss is the step's aggregate; left
    zero, each group is normalised alone, as if it were a step of its own.
@@ -1058,22 +1062,26 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    is bound to `be`, a CUDA backend: it runs on the backend's device and queues every collective on
    the backend's stream, so collectives are ordered after the kernels that write their buffers;
    each call waits for its own completion. Rank 0 removes a file left at id_path, writes a fresh
-   unique id there (atomically) and removes it again once every rank has joined; the other ranks
+   unique id there (atomically) and removes it again once every rank has joined, or once its own
+   set-up has failed; the other ranks
    wait up to timeout_s seconds for a file no older than a minute before their call (a shared
    filesystem for several nodes). Buffers are device memory. NCCL's sums are deterministic for a
    fixed topology but not in rank order. A build without NCCL (PR_NO_NCCL) returns
    PR_ERR_UNSUPPORTED.
    A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs,
    or ranks whose calls differ; the clock counts the work queued before it on the stream too),
-   or that fails past its own arguments (NCCL's asynchronous errors included), aborts its NCCL
-   communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
+   or that fails (NCCL's asynchronous errors included, and a call or split NCCL refuses: the
+   peers have queued theirs, and NCCL pairs the ranks' calls by their order alone), aborts its
+   NCCL communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
    world (the one created here and all split from it) fails at once with that reason, and their
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
    (the one thing this library prints), since the abort itself may wait: within a node, until
    the peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other
    waits on the host have no limit: NCCL's init and split, and the connections a communicator
    sets up at its first operation with a peer. A launcher should still end the job when one
-   rank exits with an error. */
+   rank exits with an error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to 0 in
+   the environment, which would make them non-blocking, is refused (PR_ERR_UNSUPPORTED; an
+   nccl.conf setting is not seen). */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 
@@ -5867,17 +5875,21 @@ static pr_status pr__dp_step_end(pr_trainer *tr, pr_comm *dp, pr_status st, cons
 
 /* The team of dp ranks that group gi of a step of n groups (fewer than the ranks) is split over.
    Over the mesh's dp communicator the team is kept for the next step of as many groups: an NCCL
-   split sets up a whole communicator, too slow to repeat every step. Over another communicator,
-   which the trainer cannot tell alive from one step to the next, it is this step's alone. Every
-   rank steps over the same n, so all keep, or all replace, their teams together. */
+   split sets up a whole communicator, too slow to repeat every step. It is kept only where every
+   rank still holds its own (a rank drops its team after a failed step, whose meetings it may have
+   left half done), which one sum over dp tells them all alike: else all split again together,
+   as a lone split would meet nobody. Over another communicator, which the trainer cannot tell
+   alive from one step to the next, the team is this step's alone. */
 static pr_status pr__dp_team(pr_trainer *tr, pr_comm *dp, int n, int gi, pr_comm **team, pr_error *err) {
     const int keep = tr->mesh && dp == tr->mesh->dp_comm;
-    if (keep && tr->dp_team && tr->dp_team_groups == n) {
-        *team = tr->dp_team;
-        return PR_OK;
-    }
-    if (keep && tr->dp_team) {
-        tr->dp_team->destroy(tr->dp_team);
+    if (keep) {
+        pr_real holding = tr->dp_team && tr->dp_team_groups == n;
+        pr__sum_host(tr, dp, &holding, 1);
+        if (holding == dp->size) {
+            *team = tr->dp_team;
+            return PR_OK;
+        }
+        if (tr->dp_team) tr->dp_team->destroy(tr->dp_team);
         tr->dp_team = NULL;
     }
     pr_status st = dp->split(dp, gi, dp->rank, team, err);
@@ -5912,6 +5924,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
             const size_t sent = team->bytes_sent;
             st = pr__compute_grads(tr, &groups[gi], &o, &sum, NULL, team->size > 1 ? team : NULL, err);
             dp->bytes_sent += team->bytes_sent - sent;     /* the team's traffic is the dp dimension's */
+            if (team == tr->dp_team && (st || tr->comm_st)) tr->dp_team = NULL;   /* failed: not kept (pr__dp_team) */
             if (team != tr->dp_team) team->destroy(team);
         }
     }

@@ -3203,7 +3203,7 @@ static double pr_nccl_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* x's operation `what` failed past the call's own arguments: the family is unusable from here on,
+/* x's operation `what` failed, or NCCL refused it: the family is unusable from here on,
    and x is aborted, which ends the operation on the device. Said on stderr first, as the one
    thing this library prints: within a node the abort may itself wait until the peers' processes
    end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863), and the reason must show even
@@ -3375,7 +3375,8 @@ static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr
     ncclComm_t nc = NULL;
     ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
     if (r != ncclSuccess) return pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* the peers may be in it */
-    return pr_nccl_wrap(sub, nc, x->cx, x->family, err);
+    st = pr_nccl_wrap(sub, nc, x->cx, x->family, err);                /* the peers hold theirs: this rank cannot go on */
+    return st ? pr_nccl_abort(x, "split", err, "%s", err ? err->message : "out of memory") : PR_OK;
 }
 
 /* nc as a pr_comm of the family (which it joins); on failure nc is destroyed. */
@@ -3461,7 +3462,8 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     /* The variable overrides the blocking = 1 below (NCCL's init.cc): each call could then return
        before its operation is queued (ncclInProgress), which the watched wait does not handle. */
     const char *blocking = getenv("NCCL_COMM_BLOCKING");
-    if (blocking && !strcmp(blocking, "0"))
+    char *blocking_end = NULL;
+    if (blocking && strtol(blocking, &blocking_end, 0) == 0 && blocking_end != blocking)   /* as NCCL reads it */
         return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=0 makes NCCL's communicators non-blocking, which this "
                                                       "communicator does not handle: unset it");
     pr_cu *cx = pr_cu_of(be);

@@ -40,9 +40,9 @@ static void remove_tree(const char *dir, int depth) {
     remove(dir);
 }
 
-/* A scratch folder of the test's own (dir: at least 256 chars), named prtest_<name>... */
-static int make_scratch_dir(char *dir, const char *name) {
-    snprintf(dir, 256, "%s/prtest_%sXXXXXX", test_tmpdir(), name);
+/* A scratch folder of the test's own, named prtest_<name>..., its path in dir (size bytes). */
+static int make_scratch_dir(char *dir, size_t size, const char *name) {
+    snprintf(dir, size, "%s/prtest_%sXXXXXX", test_tmpdir(), name);
     return mkdtemp(dir) != NULL;
 }
 
@@ -809,7 +809,7 @@ static void test_bad_input(void) {
     }
     /* a checkpoint of another shape: refused, parameters untouched */
     char dir[256];
-    CHECK(make_scratch_dir(dir, "shape"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "shape"), "a scratch folder under %s", test_tmpdir());
     pr_config other = c;
     other.intermediate_size = 44;
     pr_trainer *o2 = make_model(&other, 1);
@@ -960,7 +960,7 @@ static void test_moe(void) {
     pr_config q, back;
     pr_error err;
     char dir[256], path[600];
-    CHECK(make_scratch_dir(dir, "moecfg"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "moecfg"), "a scratch folder under %s", test_tmpdir());
     snprintf(path, sizeof path, "%s/config.json", dir);
     CHECK(!pr_config_load(&q, "model/qwen3-30b-a3b", &err) && q.num_experts == 128 && q.num_experts_per_tok == 8 &&
           q.moe_intermediate_size == 768 && q.norm_topk_prob == 1, "qwen3-30b-a3b preset: %s", err.message);
@@ -994,16 +994,19 @@ static pr_status dp_rank(pr_comm *c, void *user, pr_error *err) {
 }
 
 /* A group split over dp ranks keeps its team from step to step over the mesh's dp communicator
-   (an NCCL split sets up a whole communicator), and gets a new one when the step's group count
-   changes. Each step's gradients and updated parameters equal, bit for bit, those of a trainer
-   without a mesh stepping over the world, whose team is split anew every step. */
-enum { TEAM_RANKS = 4, TEAM_STEPS = 4 };
-static const int team_groups[TEAM_STEPS] = { 2, 2, 3, 1 };   /* groups a step: split in two, again, 1 1 2, all four */
+   (an NCCL split sets up a whole communicator): through a step over another communicator, not
+   where one rank has dropped its team (as after a failed step: every rank then splits again), and
+   not when the step's group count changes. Each step's gradients and updated parameters equal,
+   bit for bit, those of a trainer without a mesh stepping over the world, whose team is split
+   anew every step. */
+enum { TEAM_RANKS = 4, TEAM_STEPS = 6 };
+static const int team_groups[TEAM_STEPS] = { 2, 2, 2, 2, 3, 1 };   /* groups a step: split in two (4 times), 1 1 2, all four */
 typedef struct {
     const pr_config *c;
     const pr_group *groups;
     const pr_real *init;
-    int kept[TEAM_RANKS], replaced[TEAM_RANKS], whole[TEAM_RANKS], unmeshed_kept[TEAM_RANKS];
+    int through[TEAM_RANKS], kept[TEAM_RANKS], resplit[TEAM_RANKS], replaced[TEAM_RANKS], whole[TEAM_RANKS];
+    int unmeshed_kept[TEAM_RANKS];
     size_t differ[TEAM_RANKS];
 } team_run;
 
@@ -1025,9 +1028,13 @@ static pr_status team_rank(pr_comm *world, void *user, pr_error *err) {
     pr_step_opts o = pr_step_opts_default();
     o.microbatch = 2;
     const pr_adamw_opts adam = pr_adamw_opts_default();
-    size_t sent = 0;
+    size_t one_step = 0;                         /* a team's traffic after one step */
     for (int k = 0; k < TEAM_STEPS && !s; k++) {
-        s = pr_trainer_compute_grads_dp(a, mesh.dp_comm, t->groups, team_groups[k], &o, NULL, err);
+        if (k == 3 && r == 1 && a->dp_team) {    /* rank 1 drops its team, as after a failed step */
+            a->dp_team->destroy(a->dp_team);
+            a->dp_team = NULL;
+        }
+        s = pr_trainer_compute_grads_dp(a, k == 1 ? world : mesh.dp_comm, t->groups, team_groups[k], &o, NULL, err);
         if (!s) s = pr_trainer_compute_grads_dp(b, world, t->groups, team_groups[k], &o, NULL, err);
         for (int what = 0; what < 2 && !s; what++) {     /* the gradients, then the parameters after AdamW */
             if (what && !(s = pr_trainer_adamw_step(a, &adam, NULL, err))) s = pr_trainer_adamw_step(b, &adam, NULL, err);
@@ -1036,11 +1043,14 @@ static pr_status team_rank(pr_comm *world, void *user, pr_error *err) {
             if (!s) t->differ[r] += memcmp(va, vb, sizeof(pr_real) * n) != 0;
         }
         if (s || !a->dp_team) break;
-        /* kept: the same team, its traffic counted on from the step before */
-        if (k == 1) t->kept[r] = a->dp_team->size == 2 && a->dp_team->bytes_sent > sent;
-        if (k == 2) t->replaced[r] = a->dp_team_groups == 3 && a->dp_team->size == (r < 2 ? 1 : 2);
-        if (k == 3) t->whole[r] = a->dp_team_groups == 1 && a->dp_team->size == TEAM_RANKS;
-        sent = a->dp_team->bytes_sent;
+        /* kept: the same team, its traffic counted on from the step before; split again: one step's */
+        const size_t now = a->dp_team->bytes_sent;
+        if (k == 0) one_step = now;
+        if (k == 1) t->through[r] = now == one_step;
+        if (k == 2) t->kept[r] = a->dp_team->size == 2 && now == 2 * one_step && one_step > 0;
+        if (k == 3) t->resplit[r] = a->dp_team->size == 2 && now == one_step;
+        if (k == 4) t->replaced[r] = a->dp_team_groups == 3 && a->dp_team->size == (r < 2 ? 1 : 2);
+        if (k == 5) t->whole[r] = a->dp_team_groups == 1 && a->dp_team->size == TEAM_RANKS;
         t->unmeshed_kept[r] += b->dp_team != NULL;
     }
     free(va);
@@ -1070,7 +1080,9 @@ static void test_dp_team_kept(void) {
     for (int r = 0; r < TEAM_RANKS; r++) {
         CHECK(t.differ[r] == 0, "dp teams kept, rank %d: %zu of %d gradients or parameters differ from fresh teams'", r, t.differ[r],
               2 * TEAM_STEPS);
-        CHECK(t.kept[r], "dp teams kept, rank %d: the second step of 2 groups did not keep the first one's team", r);
+        CHECK(t.through[r], "dp teams kept, rank %d: a step over another communicator touched the kept team", r);
+        CHECK(t.kept[r], "dp teams kept, rank %d: the third step of 2 groups did not keep the first one's team", r);
+        CHECK(t.resplit[r], "dp teams kept, rank %d: with rank 1's team dropped, the step did not split a new one", r);
         CHECK(t.replaced[r], "dp teams kept, rank %d: a step of 3 groups did not get its own team", r);
         CHECK(t.whole[r], "dp teams kept, rank %d: a step of 1 group did not get a team of all ranks", r);
         CHECK(!t.unmeshed_kept[r], "dp teams kept, rank %d: a trainer without a mesh kept a team", r);
@@ -2078,7 +2090,7 @@ static void kvrep_replicas_case(const pr_config *c, mesh_shape shape, const pr_g
     pr_trainer *one = make_model(c, 5);
     pr_real *init = params_of(one);
     char dir[256];
-    CHECK(make_scratch_dir(dir, "kvrep"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "kvrep"), "a scratch folder under %s", test_tmpdir());
     kvrep_run m;
     memset(&m, 0, sizeof m);
     m.c = c; m.shape = shape; m.g = g; m.init = init; m.dir = dir;
@@ -2522,7 +2534,7 @@ static void test_checkpoints(void) {
     pr_error err;
     size_t n = pr_trainer_param_count(a);
     char dir[256], path[700];
-    CHECK(make_scratch_dir(dir, "ckpt"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "ckpt"), "a scratch folder under %s", test_tmpdir());
     CHECK(pr_trainer_create(&b, &c, pr_backend_cpu(), &err) == PR_OK, "%s", err.message);
     pr_real *pa = params_of(a), *pb;
 
@@ -2604,7 +2616,7 @@ static void test_other_shape(void) {
     size_t n = pr_trainer_param_count(b);
     pr_real *before = params_of(b);
     char dir[256];
-    CHECK(make_scratch_dir(dir, "shape"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "shape"), "a scratch folder under %s", test_tmpdir());
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
         pr_config c = base;
         int *f[] = { &c.hidden_size, &c.intermediate_size, &c.vocab_size, &c.num_key_value_heads, &c.num_hidden_layers,
@@ -2664,7 +2676,7 @@ static void test_train_state(void) {
     pr_trainer *a = make_model(&c, 31), *b = make_model(&c, 77);
     pr_error err;
     char dir[256], sd[600], path[700], path2[700];
-    CHECK(make_scratch_dir(dir, "state"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "state"), "a scratch folder under %s", test_tmpdir());
     snprintf(sd, sizeof sd, "%s/run", dir);
     train_step(a, &t.g);
     train_step(a, &t.g);
@@ -3041,7 +3053,7 @@ typedef struct { mesh_shape shape; int zero; } rstate_mesh;
 static void rstate_case(const pr_config *c, rstate_mesh from, const rstate_mesh *to, int n_to, const pr_group *groups, int n,
                         const char *name) {
     char dir[256], path[700], label[160];
-    CHECK(make_scratch_dir(dir, "rstate"), "a scratch folder under %s", test_tmpdir());
+    CHECK(make_scratch_dir(dir, sizeof dir, "rstate"), "a scratch folder under %s", test_tmpdir());
     pr_trainer *one = make_model(c, 41);
     pr_real *init = params_of(one);
     rstate_run src = { c, from.shape, from.zero, groups, n, init, NULL, NULL, dir, 2, 1, { 0 }, { 0 }, 0 };

@@ -11,8 +11,8 @@ static int fail_alloc;
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 
-/* The yardstick: the triple loop, summed in long double (wider than the header's sums, so it is
-   not the header's own fallback loop over again), rounded once. */
+/* The yardstick: the triple loop, summed in long double (on x86, wider than the header's sums;
+   at least not the header's own fallback loop over again), rounded once. */
 static void reference_gemm(int ta, int tb, int M, int N, int K,
                            const pr_real *A, int lda, const pr_real *B, int ldb,
                            pr_real beta, pr_real *C, int ldc) {
