@@ -1063,25 +1063,24 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    the backend's stream, so collectives are ordered after the kernels that write their buffers;
    each call waits for its own completion. Rank 0 removes a file left at id_path, writes a fresh
    unique id there (atomically) and removes it again once every rank has joined, or once its own
-   set-up has failed; the other ranks
-   wait up to timeout_s seconds for a file no older than a minute before their call (a shared
-   filesystem for several nodes). Buffers are device memory. NCCL's sums are deterministic for a
-   fixed topology but not in rank order. A build without NCCL (PR_NO_NCCL) returns
-   PR_ERR_UNSUPPORTED.
-   A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs,
-   or ranks whose calls differ; the clock counts the work queued before it on the stream too),
-   or that fails (NCCL's asynchronous errors included, and a call or split NCCL refuses: the
-   peers have queued theirs, and NCCL pairs the ranks' calls by their order alone), aborts its
-   NCCL communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
+   set-up has failed; the other ranks wait up to timeout_s seconds for a file no older than a
+   minute before their call (a shared filesystem for several nodes). Buffers are device memory.
+   NCCL's sums are deterministic for a fixed topology but not in rank order. A build without NCCL
+   (PR_NO_NCCL) returns PR_ERR_UNSUPPORTED.
+   A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs, or
+   ranks whose calls differ; the clock counts the work queued before it on the stream too), or that
+   fails (NCCL's asynchronous errors included, and a call or split NCCL refuses: the peers have
+   queued theirs, and NCCL pairs the ranks' calls by their order alone), aborts its NCCL
+   communicator and returns PR_ERR_DEVICE; from then on every call of the communicators of that
    world (the one created here and all split from it) fails at once with that reason, and their
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
-   (the one thing this library prints), since the abort itself may wait: within a node, until
-   the peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other
-   waits on the host have no limit: NCCL's init and split, and the connections a communicator
-   sets up at its first operation with a peer. A launcher should still end the job when one
-   rank exits with an error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to 0 in
-   the environment, which would make them non-blocking, is refused (PR_ERR_UNSUPPORTED; an
-   nccl.conf setting is not seen). */
+   (the one thing this library prints), since the abort itself may wait: within a node, until the
+   peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other waits on
+   the host have no limit: NCCL's init and split, and the connections a communicator sets up at its
+   first operation with a peer. A launcher should still end the job when one rank exits with an
+   error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to 0 in the environment,
+   which would make them non-blocking, is refused (PR_ERR_UNSUPPORTED; an nccl.conf setting is not
+   seen). */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 
