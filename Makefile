@@ -323,7 +323,7 @@ build/emu/test_gpu_attention: build/emu/test_gpu_attention.o build/emu/gpu_ref.o
 	$(CXX) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lm
 test-gpu-emu: build/emu/test_gpu build/emu/train_cuda build/train-double build/compare_st
 	@TRAIN_CUDA=build/emu/train_cuda TEST_GPU=build/emu/test_gpu sh test/run_gpu.sh
-	@TRAIN_CUDA=build/emu/train_cuda sh test/run_mesh_gpu.sh
+	@EMULATED_NCCL=1 TRAIN_CUDA=build/emu/train_cuda sh test/run_mesh_gpu.sh
 # train_cuda on meshes of up to 4 processes, one a GPU (needs 4 GPUs and NCCL)
 .PHONY: test-gpu-mesh
 test-gpu-mesh: train_cuda build/train-double build/compare_st

@@ -1061,10 +1061,18 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
 /* NCCL, defined in prefixreuse_cuda.cu (link it, and NCCL): one process per GPU. The communicator
    is bound to `be`, a CUDA backend: it runs on the backend's device and queues every collective on
    the backend's stream, so collectives are ordered after the kernels that write their buffers;
-   each call waits for its own completion. Rank 0 removes a file left at id_path, writes a fresh
-   unique id there (atomically) and removes it again once every rank has joined, or once its own
-   set-up has failed; the other ranks wait up to timeout_s seconds for a file no older than a
-   minute before their call (a shared filesystem for several nodes). Buffers are device memory.
+   each call waits for its own completion. The ranks get rank 0's unique id in one of two ways:
+   - id_path a file: rank 0 removes a file left there, writes a fresh id (atomically) and removes
+     it again once every rank has joined, or once its own set-up has failed; the other ranks wait
+     up to timeout_s seconds for a file no older than a minute before their call (a shared
+     filesystem for several nodes);
+   - id_path "tcp://HOST:PORT" (HOST a name or address, "[...]" for IPv6): rank 0 listens on PORT
+     on every interface and hands the id to each rank that asks with the same world size, once a
+     rank; the others connect to HOST:PORT, again until rank 0 listens, for up to timeout_s. Rank 0
+     closes the port once every rank has the id (a relaunch may take it at once) and fails after
+     timeout_s naming the ranks that did not come; a rank of another world size, or one whose
+     rank was served already, fails with a message (PR_ERR_ARG). No shared filesystem needed.
+   Buffers are device memory.
    NCCL's sums are deterministic for a fixed topology but not in rank order. A build without NCCL
    (PR_NO_NCCL) returns PR_ERR_UNSUPPORTED.
    A call whose operation is not complete after timeout_s seconds (a peer that stopped or hangs, or
@@ -1076,11 +1084,11 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
    (the one thing this library prints), since the abort itself may wait: within a node, until the
    peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other waits on
-   the host have no limit: NCCL's init and split, and the connections a communicator sets up at its
-   first operation with a peer. A launcher should still end the job when one rank exits with an
-   error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to 0 in the environment,
-   which would make them non-blocking, is refused (PR_ERR_UNSUPPORTED; an nccl.conf setting is not
-   seen). */
+   the host have no limit: NCCL's init (over TCP only once every rank has come) and split, and the
+   connections a communicator sets up at its first operation with a peer. A launcher should still
+   end the job when one rank exits with an error. The communicators are blocking ones:
+   NCCL_COMM_BLOCKING set to 0 in the environment, which would make them non-blocking, is refused
+   (PR_ERR_UNSUPPORTED; an nccl.conf setting is not seen). */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 

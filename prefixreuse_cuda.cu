@@ -43,7 +43,14 @@
 #if !defined(PR_NO_NCCL) && !defined(PR_CUDA_DEVICE_EMULATION)
 #include <nccl.h>
 #endif
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
+#include <stdint.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -3422,7 +3429,7 @@ static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_f
    it into place; the other ranks take the first file no older than PR_NCCL_ID_SKEW_S before their
    own call (an older one is a crashed launch's, which would hang the init). Once the world is up
    every rank has read the file, and rank 0 removes it, so a finished launch leaves nothing behind. */
-static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, const char *id_path, int timeout_s, pr_error *err) {
+static pr_status pr_nccl_file_id(ncclUniqueId *id, int rank, const char *id_path, int timeout_s, pr_error *err) {
     if (rank == 0) {
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp.%ld", id_path, (long)getpid());
@@ -3451,6 +3458,208 @@ static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, const char *id_pat
                          stale ? " (the file there is older than this launch: rank 0 has not replaced it)" : "");
 }
 
+/* ---- the id over TCP (id_path "tcp://HOST:PORT"), for nodes without a shared filesystem.
+   Rank 0 listens on PORT (every interface; HOST is the others' way to it) and hands the id to each
+   rank that says who it is: a hello of the magic, its world size and its rank. A rank whose world
+   size differs, or whose rank was already served (two processes with one RANK), is told so and
+   refused, and rank 0 waits on for the rest. Once every rank has the id rank 0 closes the port (a
+   relaunch can take it at once) and only then goes into NCCL's init, whose wait has no limit: a
+   rank that never comes is named here, after timeout_s. The others connect, again while rank 0
+   is not yet listening, until timeout_s. Integers go in network byte order. */
+#define PR_NCCL_TCP_MAGIC "prnccl01"
+enum { PR_NCCL_TCP_HELLO = 16, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId) };
+enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN };
+
+/* spec "tcp://HOST:PORT" (HOST may be "[v6 address]"): host and port, or 0 */
+static int pr_tcp_parse(const char *spec, char *host, size_t host_cap, char *port, size_t port_cap) {
+    const char *h = spec + 6, *colon = strrchr(h, ':');
+    if (!colon || colon == h || !colon[1] || strlen(colon + 1) >= port_cap) return 0;
+    for (const char *d = colon + 1; *d; d++) if (*d < '0' || *d > '9') return 0;
+    const long p = strtol(colon + 1, NULL, 10);
+    if (p < 1 || p > 65535) return 0;
+    size_t n = (size_t)(colon - h);
+    if (h[0] == '[' && h[n - 1] == ']') h++, n -= 2;   /* an IPv6 literal */
+    if (n == 0 || n >= host_cap) return 0;
+    memcpy(host, h, n);
+    host[n] = 0;
+    snprintf(port, port_cap, "%ld", p);
+    return 1;
+}
+
+static int pr_tcp_ms_left(double deadline) {
+    const double left = deadline - pr_nccl_now();
+    return left <= 0 ? 0 : left > 1e6 ? 1000000000 : (int)(left * 1000) + 1;
+}
+
+/* n bytes into (out = 0) or from (out = 1) fd, a non-blocking socket, by the deadline: 0 when done */
+static int pr_tcp_io(int fd, void *buf, size_t n, int out, double deadline) {
+    unsigned char *b = (unsigned char *)buf;
+    while (n) {
+        struct pollfd pf = { fd, (short)(out ? POLLOUT : POLLIN), 0 };
+        const int ms = pr_tcp_ms_left(deadline);
+        if (ms == 0 || (poll(&pf, 1, ms) < 0 && errno != EINTR)) return -1;
+        const ssize_t got = out ? send(fd, b, n, MSG_NOSIGNAL) : recv(fd, b, n, 0);
+        if (got == 0 && !out) return -1;                  /* the peer closed */
+        if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return -1;
+        if (got > 0) b += got, n -= (size_t)got;
+    }
+    return 0;
+}
+static void pr_tcp_put32(unsigned char *p, uint32_t v) { v = htonl(v); memcpy(p, &v, 4); }
+static uint32_t pr_tcp_get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
+
+/* Rank 0: a listening socket on port, IPv6 taking IPv4 too where the host has IPv6, else IPv4. */
+static int pr_tcp_listen(const char *port) {
+    const uint16_t p = htons((uint16_t)atoi(port));
+    for (int v6 = 1; v6 >= 0; v6--) {
+        int fd = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        const int yes = 1, no = 0;
+        struct sockaddr_in6 a6;
+        struct sockaddr_in a4;
+        memset(&a6, 0, sizeof a6);
+        memset(&a4, 0, sizeof a4);
+        a6.sin6_family = AF_INET6, a6.sin6_port = p, a6.sin6_addr = in6addr_any;
+        a4.sin_family = AF_INET, a4.sin_port = p, a4.sin_addr.s_addr = htonl(INADDR_ANY);
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);   /* a relaunch within TIME_WAIT */
+        if (v6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof no);
+        const int bound = v6 ? bind(fd, (const struct sockaddr *)&a6, sizeof a6) : bind(fd, (const struct sockaddr *)&a4, sizeof a4);
+        if (bound == 0 && listen(fd, 256) == 0) return fd;
+        const int e = errno;
+        close(fd);
+        if (e == EADDRINUSE) break;                       /* IPv4 would find it taken too */
+        errno = e;
+    }
+    return -1;
+}
+
+static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char *spec, const char *port, int timeout_s,
+                                   pr_error *err) {
+    const int fd = pr_tcp_listen(port);
+    if (fd < 0) return pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 cannot listen on port %s (%s) for %s", port, strerror(errno), spec);
+    unsigned char *served = (unsigned char *)calloc((size_t)size, 1);
+    if (!served) {
+        close(fd);
+        return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
+    }
+    const double deadline = pr_nccl_now() + timeout_s;
+    int waiting = size - 1;
+    while (waiting > 0 && pr_tcp_ms_left(deadline) > 0) {
+        struct pollfd pf = { fd, POLLIN, 0 };
+        if (poll(&pf, 1, pr_tcp_ms_left(deadline)) <= 0) continue;
+        const int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0) continue;
+        unsigned char hello[PR_NCCL_TCP_HELLO], reply[PR_NCCL_TCP_REPLY];
+        const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
+        if (pr_tcp_io(c, hello, sizeof hello, 0, by) == 0 && !memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
+            const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
+            const uint32_t verdict = their_size != (uint32_t)size ? PR_NCCL_TCP_OTHER_SIZE
+                                     : their_rank == 0 || their_rank >= (uint32_t)size || served[their_rank] ? PR_NCCL_TCP_TAKEN
+                                                                                                           : PR_NCCL_TCP_JOINED;
+            memcpy(reply, PR_NCCL_TCP_MAGIC, 8);
+            pr_tcp_put32(reply + 8, verdict);
+            pr_tcp_put32(reply + 12, (uint32_t)size);
+            if (verdict == PR_NCCL_TCP_JOINED) memcpy(reply + 16, id, sizeof *id);   /* the id to the world's ranks alone */
+            else memset(reply + 16, 0, sizeof *id);
+            if (pr_tcp_io(c, reply, sizeof reply, 1, by) == 0 && verdict == PR_NCCL_TCP_JOINED) served[their_rank] = 1, waiting--;
+        }
+        close(c);
+    }
+    close(fd);
+    pr_status st = PR_OK;
+    if (waiting > 0) {
+        char missing[160] = "";
+        size_t at = 0;
+        for (int r = 1, listed = 0; r < size && at < sizeof missing; r++) {
+            if (served[r]) continue;
+            const int n = listed == 8 ? snprintf(missing + at, sizeof missing - at, ", ...")
+                                      : snprintf(missing + at, sizeof missing - at, "%s%d", listed ? ", " : "", r);
+            if (n < 0 || listed++ == 8) break;
+            at += (size_t)n;
+        }
+        st = pr_nccl_error(err, PR_ERR_IO, "NCCL: after %d s at %s, %d of the %d other ranks had not come (missing: rank %s)",
+                           timeout_s, spec, waiting, size - 1, missing);
+    }
+    free(served);
+    return st;
+}
+
+/* A connected non-blocking socket to host:port by the deadline, or -1 (why: the last failure). */
+static int pr_tcp_connect(const char *host, const char *port, double deadline, char *why, size_t why_cap) {
+    struct addrinfo hints, *list = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    const int g = getaddrinfo(host, port, &hints, &list);
+    if (g) {
+        snprintf(why, why_cap, "%s", gai_strerror(g));
+        return -1;
+    }
+    int fd = -1;
+    for (struct addrinfo *a = list; a && fd < 0; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        int e = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+        if (e == EINPROGRESS) {                           /* connected once writable; SO_ERROR says how */
+            struct pollfd pf = { fd, POLLOUT, 0 };
+            socklen_t len = sizeof e;
+            if (poll(&pf, 1, pr_tcp_ms_left(deadline)) <= 0) e = ETIMEDOUT;
+            else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len)) e = errno;
+        }
+        if (e) {
+            snprintf(why, why_cap, "%s", strerror(e));
+            close(fd);
+            fd = -1;
+        }
+    }
+    freeaddrinfo(list);
+    return fd;
+}
+
+static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const char *spec, const char *host, const char *port,
+                                  int timeout_s, pr_error *err) {
+    const double deadline = pr_nccl_now() + timeout_s;
+    char why[160] = "no answer";
+    unsigned char hello[PR_NCCL_TCP_HELLO], reply[PR_NCCL_TCP_REPLY];
+    memcpy(hello, PR_NCCL_TCP_MAGIC, 8);
+    pr_tcp_put32(hello + 8, (uint32_t)size);
+    pr_tcp_put32(hello + 12, (uint32_t)rank);
+    for (;;) {
+        const int fd = pr_tcp_connect(host, port, deadline, why, sizeof why);
+        if (fd >= 0) {
+            const int ok = pr_tcp_io(fd, hello, sizeof hello, 1, deadline) == 0 && pr_tcp_io(fd, reply, sizeof reply, 0, deadline) == 0;
+            close(fd);
+            if (!ok) snprintf(why, sizeof why, "connected, but no id came back");
+            else if (memcmp(reply, PR_NCCL_TCP_MAGIC, 8))
+                return pr_nccl_error(err, PR_ERR_IO, "NCCL: what answers at %s is not a rank 0 of train_cuda's", spec);
+            else if (pr_tcp_get32(reply + 8) == PR_NCCL_TCP_OTHER_SIZE)
+                return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has a world of %u ranks, this rank (%d) one of %d", spec,
+                                     pr_tcp_get32(reply + 12), rank, size);
+            else if (pr_tcp_get32(reply + 8) != PR_NCCL_TCP_JOINED)
+                return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has already given rank %d the id (two processes with "
+                                                      "one RANK?)", spec, rank);
+            else {
+                memcpy(id, reply + 16, sizeof *id);
+                return PR_OK;
+            }
+        }
+        if (pr_tcp_ms_left(deadline) == 0) break;
+        usleep(100000);                                  /* rank 0 not listening yet */
+    }
+    return pr_nccl_error(err, PR_ERR_IO, "NCCL: no id from rank 0 at %s within %d s (%s)", spec, timeout_s, why);
+}
+
+/* The unique id from rank 0 to every rank, through a file or over TCP. */
+static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, int size, const char *id_path, int timeout_s, pr_error *err) {
+    if (strncmp(id_path, "tcp://", 6)) return pr_nccl_file_id(id, rank, id_path, timeout_s, err);
+    char host[256], port[8];
+    if (!pr_tcp_parse(id_path, host, sizeof host, port, sizeof port))
+        return pr_nccl_error(err, PR_ERR_ARG, "NCCL: %s is not tcp://HOST:PORT (a port from 1 to 65535)", id_path);
+    if (rank) return pr_nccl_tcp_join(id, rank, size, id_path, host, port, timeout_s, err);
+    if (ncclGetUniqueId(id) != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL: no unique id");
+    return pr_nccl_tcp_serve(id, size, id_path, port, timeout_s, err);
+}
+
 pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err) {
     if (!out || !be || !id_path || size < 1 || rank < 0 || rank >= size)
@@ -3468,7 +3677,7 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
                                                       "communicator does not handle: unset it");
     pr_cu *cx = pr_cu_of(be);
     ncclUniqueId id;
-    pr_status st = pr_nccl_share_id(&id, rank, id_path, timeout_s, err);
+    pr_status st = pr_nccl_share_id(&id, rank, size, id_path, timeout_s, err);
     if (st) return st;
     pr_nccl_family *family = (pr_nccl_family *)calloc(1, sizeof *family);
     if (!family) return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
@@ -3484,7 +3693,7 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
     else
         st = pr_nccl_wrap(out, nc, cx, family, err);
-    if (rank == 0) remove(id_path);                        /* joined, or failed: no later launch may take this id */
+    if (rank == 0 && strncmp(id_path, "tcp://", 6)) remove(id_path);   /* joined, or failed: no later launch may take this id */
     if (st) free(family);
     return st;
 }

@@ -124,8 +124,10 @@ static void usage(FILE *f) {
         "                         half the bytes (README \"Training state\"); --check reports its difference to fp32\n"
         "                         the CPU build runs the ranks as threads of this process; train_cuda runs one\n"
         "                         process per GPU (RANK, WORLD_SIZE, LOCAL_RANK from the environment)\n"
-        "  --nccl-id PATH         train_cuda: the file rank 0 writes the NCCL id to (replaced each launch)\n"
-        "  --nccl-timeout S       train_cuda: how long a rank waits for its peers, for the id file and for each\n"
+        "  --nccl-id PATH|tcp://HOST:PORT  train_cuda: how the ranks get rank 0's NCCL id: a file rank 0 writes\n"
+        "                         (replaced each launch; on a filesystem every node sees), or over TCP: rank 0\n"
+        "                         listens on PORT and the others connect to HOST:PORT, no shared filesystem needed\n"
+        "  --nccl-timeout S       train_cuda: how long a rank waits for its peers, for the id and for each\n"
         "                         exchange, before it gives up with an error (default 600)\n"
         "  --attention K          train_cuda's kernels at head dims 64 and 128: auto (default: wgmma where it runs,\n"
         "                         else mma, else ffma) | ffma (CUDA cores, the reference) | mma (tensor cores, sm_80+,\n"
@@ -940,7 +942,7 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
 #ifdef PR_CUDA
     const char *rank = getenv("RANK"), *size = getenv("WORLD_SIZE");
     if (!rank || !size || !j->o->nccl_id)
-        return set_error(err, PR_ERR_ARG, "train_cuda on a mesh: one process per GPU with RANK, WORLD_SIZE (and LOCAL_RANK) set, and --nccl-id PATH");
+        return set_error(err, PR_ERR_ARG, "train_cuda on a mesh: one process per GPU with RANK, WORLD_SIZE (and LOCAL_RANK) set, and --nccl-id PATH or tcp://HOST:PORT");
     const pr_backend *be = backend(err);           /* first: it selects this rank's GPU (LOCAL_RANK) */
     if (!be) return err->status;
     pr_comm *world;

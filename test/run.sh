@@ -32,7 +32,7 @@ run "$dir/test_cuda_emu"
 if [ -x "$dir/emu/train_cuda" ]; then
     run env TRAIN_CUDA="$dir/emu/train_cuda" TEST_GPU="$dir/emu/test_gpu" sh "$(dirname "$0")/run_gpu.sh"
     run "$dir/emu/test_gpu_attention"
-    run env TRAIN_CUDA="$dir/emu/train_cuda" FLIP_SEED=1 sh "$(dirname "$0")/run_mesh_gpu.sh"
+    run env EMULATED_NCCL=1 TRAIN_CUDA="$dir/emu/train_cuda" FLIP_SEED=1 sh "$(dirname "$0")/run_mesh_gpu.sh"
     # offload's copy stream run as early as allowed (test/cuda_emu.h): a copy that overwrites what
     # compute still reads, or one not ordered behind the compute it copies, then shows
     for args in "--microbatch 2 --offload on --offload-pool 0.5 --device-budget 4" "--microbatch 2 --layout packed --recompute all --offload on" \

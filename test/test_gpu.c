@@ -18,8 +18,11 @@
 #include "attn_check.h"
 #include "harness.h"
 
+#include <arpa/inet.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -491,6 +494,51 @@ static void test_offload_copy_time(const char *model) {
     pr_trace_free(&trace);
 }
 
+/* A TCP port free at the moment (the kernel's pick for port 0), or 0. */
+static int free_tcp_port(void) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int port = 0;
+    if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a) && !getsockname(fd, (struct sockaddr *)&a, &len)) port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+/* The id over TCP on a world of one rank: a spec that is not tcp://HOST:PORT refused before
+   anything is set up, and a well-formed one taking rank 0 through the port to a working
+   communicator. (Ranks that meet over it, and those refused: test/run_mesh_gpu.sh.) */
+static void test_nccl_tcp_one_rank(void) {
+    pr_error err;
+    pr_comm *world = NULL;
+    const char *bad[] = { "tcp://host", "tcp://:29500", "tcp://host:0", "tcp://host:65536", "tcp://host:12x", "tcp://[]:29500" };
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        pr_status st = pr_comm_nccl_create(&world, be, 0, 1, bad[k], 5, &err);
+        CHECK((st == PR_ERR_ARG && strstr(err.message, "tcp://HOST:PORT")) || st == PR_ERR_UNSUPPORTED,
+              "NCCL: the id spec %s accepted (%d: %s)", bad[k], (int)st, err.message);
+    }
+    char spec[64];
+    const int port = free_tcp_port();
+    CHECK(port > 0, "no free TCP port on the loopback");
+    if (port <= 0) return;
+    snprintf(spec, sizeof spec, "tcp://127.0.0.1:%d", port);
+    pr_status st = pr_comm_nccl_create(&world, be, 0, 1, spec, 5, &err);
+    if (st == PR_ERR_UNSUPPORTED) return;
+    CHECK(st == PR_OK, "NCCL: one rank over %s: %s", spec, err.message);
+    if (st) return;
+    const int ok = !world->barrier(world, &err);
+    CHECK(ok, "NCCL: a barrier over the communicator from %s: %s", spec, err.message);
+    world->destroy(world);
+    /* rank 0 closed the port once every rank had the id: the next launch may take it */
+    st = pr_comm_nccl_create(&world, be, 0, 1, spec, 5, &err);
+    CHECK(st == PR_OK, "NCCL: a second launch over %s: %s", spec, err.message);
+    if (!st) world->destroy(world);
+    expect_backend_ok("NCCL over TCP: one rank");
+}
+
 /* The NCCL communicator on a world of one rank (one GPU cannot hold more): its set-up through the
    id file, an all-reduce, an all-gather and a barrier, each waited for by the watched wait, a
    split, and a timeout below one second refused. A build without NCCL says so instead. */
@@ -629,6 +677,7 @@ int main(int argc, char **argv) {
         test_optimizer(1000003);
         test_profile();
         test_nccl_one_rank();
+        test_nccl_tcp_one_rank();
     }
     if (attention) {
         printf("attention against the double CPU path, and its backward run twice\n");
