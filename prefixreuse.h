@@ -1066,12 +1066,15 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
      it again once every rank has joined, or once its own set-up has failed; the other ranks wait
      up to timeout_s seconds for a file no older than a minute before their call (a shared
      filesystem for several nodes);
-   - id_path "tcp://HOST:PORT" (HOST a name or address, "[...]" for IPv6): rank 0 listens on PORT
-     on every interface and hands the id to each rank that asks with the same world size, once a
-     rank; the others connect to HOST:PORT, again until rank 0 listens, for up to timeout_s. Rank 0
-     closes the port once every rank has the id (a relaunch may take it at once) and fails after
-     timeout_s naming the ranks that did not come; a rank of another world size, or one whose
-     rank was served already, fails with a message (PR_ERR_ARG). No shared filesystem needed.
+   - id_path "tcp://HOST:PORT" (HOST a name or address, "[...]" for IPv6), no shared filesystem
+     needed: rank 0 listens on PORT on every interface; the others connect to HOST:PORT, again
+     until rank 0 listens, for up to timeout_s, and say their world size and rank. Rank 0 holds
+     one connection a rank (raising its soft limit on open files where that is too low; a rank
+     that hangs up frees its place) and hands out the id only once every rank has come, so no rank
+     enters NCCL's init without the whole world. After timeout_s it fails naming the ranks that did
+     not come, and the ranks it held fail too (PR_ERR_IO). A rank of another world size, or a
+     second one with a rank already held, fails at once (PR_ERR_ARG). Rank 0 closes the port before
+     its init (a relaunch may take it at once). HOST a name that does not resolve: PR_ERR_ARG.
    Buffers are device memory.
    NCCL's sums are deterministic for a fixed topology but not in rank order. A build without NCCL
    (PR_NO_NCCL) returns PR_ERR_UNSUPPORTED.
@@ -1084,7 +1087,7 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
    (the one thing this library prints), since the abort itself may wait: within a node, until the
    peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other waits on
-   the host have no limit: NCCL's init (over TCP only once every rank has come) and split, and the
+   the host have no limit: NCCL's init (over TCP, entered only once every rank has come) and split, and the
    connections a communicator sets up at its first operation with a peer. A launcher should still
    end the job when one rank exits with an error. The communicators are blocking ones:
    NCCL_COMM_BLOCKING set to 0 in the environment, which would make them non-blocking, is refused

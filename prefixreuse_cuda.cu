@@ -50,6 +50,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -3459,18 +3460,21 @@ static pr_status pr_nccl_file_id(ncclUniqueId *id, int rank, const char *id_path
 }
 
 /* ---- the id over TCP (id_path "tcp://HOST:PORT"), for nodes without a shared filesystem.
-   Rank 0 listens on PORT (every interface; HOST is the others' way to it) and hands the id to each
-   rank that says who it is: a hello of the magic, its world size and its rank. A rank whose world
-   size differs, or whose rank was already served (two processes with one RANK), is told so and
-   refused, and rank 0 waits on for the rest. Once every rank has the id rank 0 closes the port (a
-   relaunch can take it at once) and only then goes into NCCL's init, whose wait has no limit: a
-   rank that never comes is named here, after timeout_s. The others connect, again while rank 0
-   is not yet listening, until timeout_s. Integers go in network byte order. */
+   Rank 0 listens on PORT (every interface; HOST is the others' way to it). Each other rank
+   connects and says who it is: a hello of the magic, its world size and its rank. A rank of
+   another world size, or one whose rank is already held (two processes with one RANK), is told so
+   at once. Rank 0 holds the others' connections (a rank that hangs up frees its place) until every
+   rank has come, and only then hands each the id; after timeout_s it tells those it holds that it
+   has given up, naming the ranks that did not come. So no rank enters NCCL's init, whose wait has
+   no limit, unless the whole world has come. Rank 0 closes the port before its own init (a
+   relaunch can take it at once). The others connect until timeout_s, again while rank 0 is not
+   yet listening, and wait for the handout until rank 0's limit. Integers in network byte order. */
 #define PR_NCCL_TCP_MAGIC "prnccl01"
 enum { PR_NCCL_TCP_HELLO = 16, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId) };
-enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN };
+/* a reply's verdict, and the number after it: rank 0's world size, or how many ranks did not come */
+enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN, PR_NCCL_TCP_GAVE_UP };
 
-/* spec "tcp://HOST:PORT" (HOST may be "[v6 address]"): host and port, or 0 */
+/* spec "tcp://HOST:PORT" (an IPv6 address as "[...]"): host and port, or 0 */
 static int pr_tcp_parse(const char *spec, char *host, size_t host_cap, char *port, size_t port_cap) {
     const char *h = spec + 6, *colon = strrchr(h, ':');
     if (!colon || colon == h || !colon[1] || strlen(colon + 1) >= port_cap) return 0;
@@ -3478,10 +3482,12 @@ static int pr_tcp_parse(const char *spec, char *host, size_t host_cap, char *por
     const long p = strtol(colon + 1, NULL, 10);
     if (p < 1 || p > 65535) return 0;
     size_t n = (size_t)(colon - h);
-    if (h[0] == '[' && h[n - 1] == ']') h++, n -= 2;   /* an IPv6 literal */
+    const int bracketed = h[0] == '[' && h[n - 1] == ']';
+    if (bracketed) h++, n -= 2;
     if (n == 0 || n >= host_cap) return 0;
     memcpy(host, h, n);
     host[n] = 0;
+    if (strpbrk(host, "[]") || (!bracketed && strchr(host, ':'))) return 0;   /* "tcp://::1" is not host :: port 1 */
     snprintf(port, port_cap, "%ld", p);
     return 1;
 }
@@ -3533,59 +3539,122 @@ static int pr_tcp_listen(const char *port) {
     return -1;
 }
 
+/* Sends a reply (the id only with JOINED) and closes c. 0 when sent. */
+static int pr_tcp_reply(int c, uint32_t verdict, uint32_t number, const ncclUniqueId *id, double deadline) {
+    unsigned char reply[PR_NCCL_TCP_REPLY];
+    memcpy(reply, PR_NCCL_TCP_MAGIC, 8);
+    pr_tcp_put32(reply + 8, verdict);
+    pr_tcp_put32(reply + 12, number);
+    if (verdict == PR_NCCL_TCP_JOINED) memcpy(reply + 16, id, sizeof *id);
+    else memset(reply + 16, 0, sizeof *id);
+    const int sent = pr_tcp_io(c, reply, sizeof reply, 1, deadline);
+    close(c);
+    return sent;
+}
+
+/* Rank 0 holds one connection a rank: where the soft limit on open files is lower than that, it is
+   raised as far as the hard one allows. */
+static void pr_tcp_fd_room(int size) {
+    struct rlimit r;
+    const rlim_t want = (rlim_t)size + 256;
+    if (getrlimit(RLIMIT_NOFILE, &r) || r.rlim_cur == RLIM_INFINITY || r.rlim_cur >= want) return;
+    r.rlim_cur = r.rlim_max == RLIM_INFINITY || r.rlim_max > want ? want : r.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &r);
+}
+
+/* The ranks rank 0 does not hold (1 to size-1), as "1, 5, 9" with at most 8 listed. */
+static void pr_tcp_missing(const int *held, int size, char *out, size_t cap) {
+    size_t at = 0;
+    out[0] = 0;
+    for (int r = 1, listed = 0; r < size && at < cap; r++) {
+        if (held[r] >= 0) continue;
+        const int n = listed == 8 ? snprintf(out + at, cap - at, ", ...") : snprintf(out + at, cap - at, "%s%d", listed ? ", " : "", r);
+        if (n < 0 || listed++ == 8) break;
+        at += (size_t)n;
+    }
+}
+
 static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char *spec, const char *port, int timeout_s,
                                    pr_error *err) {
-    const int fd = pr_tcp_listen(port);
-    if (fd < 0) return pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 cannot listen on port %s (%s) for %s", port, strerror(errno), spec);
-    unsigned char *served = (unsigned char *)calloc((size_t)size, 1);
-    if (!served) {
-        close(fd);
+    int *held = (int *)malloc(sizeof(int) * 2 * (size_t)size);           /* held[r]: rank r's connection, or -1 */
+    struct pollfd *pf = (struct pollfd *)malloc(sizeof(struct pollfd) * (size_t)size);
+    if (!held || !pf) {
+        free(held);
+        free(pf);
         return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
     }
+    int *who = held + size;                                                /* who[k]: the rank of pf[k], k >= 1 */
+    for (int r = 0; r < size; r++) held[r] = -1;
+    pr_tcp_fd_room(size);
+    const int fd = pr_tcp_listen(port);
+    if (fd < 0) {
+        const int e = errno;
+        free(held);
+        free(pf);
+        return pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 cannot listen on port %s (%s) for %s", port, strerror(e), spec);
+    }
     const double deadline = pr_nccl_now() + timeout_s;
+    pr_status st = PR_OK;
     int waiting = size - 1;
-    while (waiting > 0 && pr_tcp_ms_left(deadline) > 0) {
-        struct pollfd pf = { fd, POLLIN, 0 };
-        if (poll(&pf, 1, pr_tcp_ms_left(deadline)) <= 0) continue;
+    while (waiting > 0 && pr_tcp_ms_left(deadline) > 0 && !st) {
+        int n = 0;
+        pf[n].fd = fd, pf[n].events = POLLIN, pf[n++].revents = 0;
+        for (int r = 1; r < size; r++)
+            if (held[r] >= 0) pf[n].fd = held[r], pf[n].events = POLLIN, pf[n].revents = 0, who[n++] = r;
+        if (poll(pf, (nfds_t)n, pr_tcp_ms_left(deadline)) <= 0) continue;
+        for (int k = 1; k < n; k++)
+            if (pf[k].revents) {                          /* a held rank hung up (or spoke out of turn): its place is free again */
+                close(held[who[k]]);
+                held[who[k]] = -1;
+                waiting++;
+            }
+        if (!(pf[0].revents & POLLIN)) continue;
         const int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (c < 0) continue;
-        unsigned char hello[PR_NCCL_TCP_HELLO], reply[PR_NCCL_TCP_REPLY];
-        const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
-        if (pr_tcp_io(c, hello, sizeof hello, 0, by) == 0 && !memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
-            const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
-            const uint32_t verdict = their_size != (uint32_t)size ? PR_NCCL_TCP_OTHER_SIZE
-                                     : their_rank == 0 || their_rank >= (uint32_t)size || served[their_rank] ? PR_NCCL_TCP_TAKEN
-                                                                                                           : PR_NCCL_TCP_JOINED;
-            memcpy(reply, PR_NCCL_TCP_MAGIC, 8);
-            pr_tcp_put32(reply + 8, verdict);
-            pr_tcp_put32(reply + 12, (uint32_t)size);
-            if (verdict == PR_NCCL_TCP_JOINED) memcpy(reply + 16, id, sizeof *id);   /* the id to the world's ranks alone */
-            else memset(reply + 16, 0, sizeof *id);
-            if (pr_tcp_io(c, reply, sizeof reply, 1, by) == 0 && verdict == PR_NCCL_TCP_JOINED) served[their_rank] = 1, waiting--;
+        if (c < 0) {
+            if (errno == EMFILE || errno == ENFILE)
+                st = pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 ran out of open files holding the connections of %d ranks at %s "
+                                                   "(raise `ulimit -n`)", size - 1 - waiting, spec);
+            continue;
         }
-        close(c);
+        unsigned char hello[PR_NCCL_TCP_HELLO];
+        const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
+        if (pr_tcp_io(c, hello, sizeof hello, 0, by) || memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
+            close(c);
+            continue;
+        }
+        const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
+        if (their_size != (uint32_t)size) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_SIZE, (uint32_t)size, id, by);
+        else if (their_rank == 0 || their_rank >= (uint32_t)size || held[their_rank] >= 0) pr_tcp_reply(c, PR_NCCL_TCP_TAKEN, 0, id, by);
+        else held[their_rank] = c, waiting--;
     }
     close(fd);
-    pr_status st = PR_OK;
-    if (waiting > 0) {
-        char missing[160] = "";
-        size_t at = 0;
-        for (int r = 1, listed = 0; r < size && at < sizeof missing; r++) {
-            if (served[r]) continue;
-            const int n = listed == 8 ? snprintf(missing + at, sizeof missing - at, ", ...")
-                                      : snprintf(missing + at, sizeof missing - at, "%s%d", listed ? ", " : "", r);
-            if (n < 0 || listed++ == 8) break;
-            at += (size_t)n;
-        }
+    char missing[160];
+    pr_tcp_missing(held, size, missing, sizeof missing);
+    const int all = waiting == 0 && !st;
+    const double by = pr_nccl_now() + 5;
+    for (int r = 1; r < size; r++)                       /* every rank the id, or every one held the news */
+        if (held[r] >= 0) pr_tcp_reply(held[r], all ? PR_NCCL_TCP_JOINED : PR_NCCL_TCP_GAVE_UP, (uint32_t)waiting, id, by);
+    if (!all && !st)
         st = pr_nccl_error(err, PR_ERR_IO, "NCCL: after %d s at %s, %d of the %d other ranks had not come (missing: rank %s)",
                            timeout_s, spec, waiting, size - 1, missing);
-    }
-    free(served);
+    free(held);
+    free(pf);
     return st;
 }
 
-/* A connected non-blocking socket to host:port by the deadline, or -1 (why: the last failure). */
-static int pr_tcp_connect(const char *host, const char *port, double deadline, char *why, size_t why_cap) {
+/* Whether fd is connected to itself: a retried connect to a port no one listens on yet can take
+   that very port as its own (within the local port range), and would hold it from rank 0. */
+static int pr_tcp_self(int fd) {
+    struct sockaddr_storage a, b;
+    socklen_t la = sizeof a, lb = sizeof b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    return !getsockname(fd, (struct sockaddr *)&a, &la) && !getpeername(fd, (struct sockaddr *)&b, &lb) && la == lb && !memcmp(&a, &b, la);
+}
+
+/* A connected non-blocking socket to host:port by the deadline (each address tried for 5 s at
+   most), or -1 with why (*fatal when HOST names nothing, which waiting does not mend). */
+static int pr_tcp_connect(const char *host, const char *port, double deadline, char *why, size_t why_cap, int *fatal) {
     struct addrinfo hints, *list = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_UNSPEC;
@@ -3593,19 +3662,24 @@ static int pr_tcp_connect(const char *host, const char *port, double deadline, c
     const int g = getaddrinfo(host, port, &hints, &list);
     if (g) {
         snprintf(why, why_cap, "%s", gai_strerror(g));
+        *fatal = g == EAI_NONAME;
         return -1;
     }
     int fd = -1;
     for (struct addrinfo *a = list; a && fd < 0; a = a->ai_next) {
         fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
+        const int yes = 1;                                /* what it leaves on the port (TIME_WAIT) does not keep rank 0 off it */
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
         int e = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
         if (e == EINPROGRESS) {                           /* connected once writable; SO_ERROR says how */
             struct pollfd pf = { fd, POLLOUT, 0 };
             socklen_t len = sizeof e;
-            if (poll(&pf, 1, pr_tcp_ms_left(deadline)) <= 0) e = ETIMEDOUT;
+            const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;
+            if (poll(&pf, 1, pr_tcp_ms_left(by)) <= 0) e = ETIMEDOUT;
             else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len)) e = errno;
         }
+        if (!e && pr_tcp_self(fd)) e = ECONNREFUSED;     /* no one listens there yet */
         if (e) {
             snprintf(why, why_cap, "%s", strerror(e));
             close(fd);
@@ -3620,33 +3694,35 @@ static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const ch
                                   int timeout_s, pr_error *err) {
     const double deadline = pr_nccl_now() + timeout_s;
     char why[160] = "no answer";
+    int fd = -1, fatal = 0;
+    for (double nap = 0.05; fd < 0; nap = nap < 0.8 ? 2 * nap : 1) {   /* rank 0 not listening yet: tries, then one a second */
+        fd = pr_tcp_connect(host, port, deadline, why, sizeof why, &fatal);
+        if (fd >= 0) break;
+        if (fatal) return pr_nccl_error(err, PR_ERR_ARG, "NCCL: %s: %s", spec, why);
+        if (pr_tcp_ms_left(deadline) == 0)
+            return pr_nccl_error(err, PR_ERR_IO, "NCCL: no id from rank 0 at %s within %d s (%s)", spec, timeout_s, why);
+        usleep((useconds_t)(nap * 1e6));
+    }
     unsigned char hello[PR_NCCL_TCP_HELLO], reply[PR_NCCL_TCP_REPLY];
     memcpy(hello, PR_NCCL_TCP_MAGIC, 8);
     pr_tcp_put32(hello + 8, (uint32_t)size);
     pr_tcp_put32(hello + 12, (uint32_t)rank);
-    for (;;) {
-        const int fd = pr_tcp_connect(host, port, deadline, why, sizeof why);
-        if (fd >= 0) {
-            const int ok = pr_tcp_io(fd, hello, sizeof hello, 1, deadline) == 0 && pr_tcp_io(fd, reply, sizeof reply, 0, deadline) == 0;
-            close(fd);
-            if (!ok) snprintf(why, sizeof why, "connected, but no id came back");
-            else if (memcmp(reply, PR_NCCL_TCP_MAGIC, 8))
-                return pr_nccl_error(err, PR_ERR_IO, "NCCL: what answers at %s is not a rank 0 of train_cuda's", spec);
-            else if (pr_tcp_get32(reply + 8) == PR_NCCL_TCP_OTHER_SIZE)
-                return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has a world of %u ranks, this rank (%d) one of %d", spec,
-                                     pr_tcp_get32(reply + 12), rank, size);
-            else if (pr_tcp_get32(reply + 8) != PR_NCCL_TCP_JOINED)
-                return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has already given rank %d the id (two processes with "
-                                                      "one RANK?)", spec, rank);
-            else {
-                memcpy(id, reply + 16, sizeof *id);
-                return PR_OK;
-            }
-        }
-        if (pr_tcp_ms_left(deadline) == 0) break;
-        usleep(100000);                                  /* rank 0 not listening yet */
-    }
-    return pr_nccl_error(err, PR_ERR_IO, "NCCL: no id from rank 0 at %s within %d s (%s)", spec, timeout_s, why);
+    /* rank 0 started its clock before it took this connection: its handout comes within timeout_s */
+    const int ok = !pr_tcp_io(fd, hello, sizeof hello, 1, pr_nccl_now() + 5) && !pr_tcp_io(fd, reply, sizeof reply, 0, pr_nccl_now() + timeout_s + 5);
+    close(fd);
+    if (!ok) return pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 at %s took this rank's call but handed out no id (has it failed?)", spec);
+    const uint32_t verdict = pr_tcp_get32(reply + 8), number = pr_tcp_get32(reply + 12);
+    if (memcmp(reply, PR_NCCL_TCP_MAGIC, 8))
+        return pr_nccl_error(err, PR_ERR_IO, "NCCL: what answers at %s is not a rank 0 of this library's", spec);
+    if (verdict == PR_NCCL_TCP_OTHER_SIZE)
+        return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has a world of %u ranks, this rank (%d) one of %d", spec, number, rank, size);
+    if (verdict == PR_NCCL_TCP_TAKEN)
+        return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s already holds a rank %d (two processes with one RANK?)", spec, rank);
+    if (verdict == PR_NCCL_TCP_GAVE_UP)
+        return pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 at %s gave up: %u of the %d other ranks had not come (its message names them)",
+                             spec, number, size - 1);
+    memcpy(id, reply + 16, sizeof *id);
+    return PR_OK;
 }
 
 /* The unique id from rank 0 to every rank, through a file or over TCP. */

@@ -9,12 +9,13 @@
 #   dp x tp) and offload on a dp x pp mesh, each bit for bit against the run without; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
 #   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
-#   (--nccl-id tcp://HOST:PORT), rank 0 coming last, and the ranks it refuses (another world size,
-#   a RANK taken twice) or waits for in vain, each named; a rank that hangs mid-run ending its
-#   peer's run with an error after --nccl-timeout, and one that is killed ending it at once (on a
-#   real node, where NCCL may not see a killed peer, at once or after the timeout); with FLIP_SEED,
-#   a check that fails on a routing flip and says so. EMULATED_NCCL=1: the run is on the emulated
-#   device (make test-gpu-emu, test/run.sh).
+#   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another world size,
+#   a RANK taken twice) or waits for in vain, each named, and (with unshare -rn) a rank meeting
+#   itself on rank 0's port; a rank that hangs mid-run ending its peer's run with an error after
+#   --nccl-timeout, and one that is killed ending it at once (on a real node, where NCCL may not
+#   see a killed peer, at once or after the timeout); with FLIP_SEED, a check that fails on a
+#   routing flip and says so. EMULATED_NCCL=1: the run is on the emulated device (make
+#   test-gpu-emu, test/run.sh).
 # A bf16 mesh rounds its sums differently from one rank, so a token whose PPO ratio lies within
 # rounding of 1 - eps-low or 1 + eps-high may clip in one run only, and its gradient terms differ
 # whole (the check prints the clipped-token counts when they differ): the runs past dp use a clip
@@ -82,25 +83,27 @@ tcp="tcp://127.0.0.1:$(free_port)"
 over_tcp() { id=$tcp first=1 ranks "$@"; st=$?; id="$tmp/nccl-id"; first=0; return $st; }
 run over_tcp 4 --dp 2 --tp 2 --check $wide
 # Refusals, each named, with --nccl-timeout 3: a rank of another world size (rank 0 then waits for
-# its rank 1 in vain), and a RANK taken twice (the second told so; rank 0 waits for rank 2).
+# its rank 1 in vain), and a RANK taken twice (the second told so at once; rank 0 waits for rank 2
+# and then tells the rank 1 it holds that it gave up, so no rank waits in NCCL's init).
 # tcp_refused RANK0_WORLD "RANK:WORLD ..." PATTERN...: rank 0 of RANK0_WORLD ranks, then the
-# listed processes; each PATTERN must be in some process's error line, and every process fails.
-# A rank that got the id waits in NCCL's init for a rank 0 that never comes: it is ended once
-# rank 0 has.
+# listed processes; each PATTERN must be in some process's error line, and every process must
+# end by itself with exit status 1.
 tcp_refused() {
     world=$1; others=$2; shift 2
     args="--steps 1 --nccl-timeout 3 --nccl-id $tcp"
     RANK=0 WORLD_SIZE=$world LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" --dp "$world" $args > "$tmp/tcp0.log" 2>&1 &
-    pid0=$!; pids=; k=0
+    pids=$!; k=0
     for o in $others; do
         k=$((k + 1))
         RANK=${o%:*} WORLD_SIZE=${o#*:} LOCAL_RANK=$k timeout 60 "$TRAIN_CUDA" --dp "${o#*:}" $args > "$tmp/tcp$k.log" 2>&1 &
         pids="$pids $!"
     done
     ok=1
-    wait "$pid0" && ok=0
-    sleep 1
-    for pid in $pids; do kill "$pid" 2> /dev/null; wait "$pid" 2> /dev/null && ok=0; done
+    for pid in $pids; do
+        wait "$pid"
+        rc=$?
+        [ "$rc" -eq 1 ] || { echo "a process ended with exit status $rc"; ok=0; }
+    done
     grep -h '^train: NCCL' "$tmp"/tcp*.log
     for want in "$@"; do grep -q "^train: NCCL: .*$want" "$tmp"/tcp*.log || { echo "no error says: $want"; ok=0; }; done
     rm -f "$tmp"/tcp*.log
@@ -108,7 +111,27 @@ tcp_refused() {
 }
 run tcp_refused 2 1:3 "rank 0 at $tcp has a world of 2 ranks, this rank (1) one of 3" \
     "after 3 s at $tcp, 1 of the 1 other ranks had not come (missing: rank 1)"
-run tcp_refused 3 "1:3 1:3" "rank 0 at $tcp has already given rank 1 the id" "1 of the 2 other ranks had not come (missing: rank 2)"
+run tcp_refused 3 "1:3 1:3" "rank 0 at $tcp already holds a rank 1" "1 of the 2 other ranks had not come (missing: rank 2)" \
+    "rank 0 at $tcp gave up: 1 of the 2 other ranks had not come"
+# A rank that retries its connect can be given rank 0's port as its own source port (where the
+# port lies in the local port range) and meet itself there, which would hold the port from rank 0.
+# In a network namespace of its own (unshare -rn) whose local range is that port and one other,
+# rank 1 retries for 4 s before rank 0 starts; the two must still meet.
+self_connect() {
+    unshare -rn sh -c 'ip link set lo up && echo "40000 40001" > /proc/sys/net/ipv4/ip_local_port_range || exit 1
+        a="--dp 2 --steps 1 --nccl-timeout 20 --nccl-id tcp://127.0.0.1:40000"
+        RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 "$1" $a > "$2/self1.log" 2>&1 &
+        sleep 4
+        RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 "$1" $a > "$2/self0.log" 2>&1 && wait $!' sh "$TRAIN_CUDA" "$tmp"
+    rc=$?
+    grep -h "^train: NCCL" "$tmp"/self*.log
+    echo "both ranks' exit status: $rc"
+    return $rc
+}
+if [ "${EMULATED_NCCL:-0}" = 1 ] &&
+    unshare -rn sh -c 'ip link set lo up && echo "40000 40001" > /proc/sys/net/ipv4/ip_local_port_range' 2> /dev/null
+then run self_connect
+else echo "(the self-connect case needs the emulated NCCL, unshare -rn and ip: not run)"; fi
 for z in 0 2; do run ranks 2 --dp 2 --zero $z --steps 3 --save "$tmp/zero$z.safetensors"; done
 run build/compare_st "$tmp/zero2.safetensors" "$tmp/zero0.safetensors" 1e-5
 zt="--dp 2 --tp 2 --zero 2"
