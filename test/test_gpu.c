@@ -514,7 +514,8 @@ static int free_tcp_port(void) {
 static void test_nccl_tcp_one_rank(void) {
     pr_error err;
     pr_comm *world = NULL;
-    const char *bad[] = { "tcp://host", "tcp://:29500", "tcp://host:0", "tcp://host:65536", "tcp://host:12x", "tcp://[]:29500" };
+    const char *bad[] = { "tcp://host", "tcp://:29500", "tcp://host:0", "tcp://host:65536", "tcp://host:12x", "tcp://[]:29500",
+                          "tcp://::1", "tcp://[::1]]:29500", "tcp://[::1:29500" };
     for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
         pr_status st = pr_comm_nccl_create(&world, be, 0, 1, bad[k], 5, &err);
         CHECK((st == PR_ERR_ARG && strstr(err.message, "tcp://HOST:PORT")) || st == PR_ERR_UNSUPPORTED,
