@@ -3533,8 +3533,8 @@ static int pr_tcp_listen(const char *port) {
         if (bound == 0 && listen(fd, 256) == 0) return fd;
         const int e = errno;
         close(fd);
-        if (e == EADDRINUSE) break;                       /* IPv4 would find it taken too */
         errno = e;
+        if (e == EADDRINUSE) break;                       /* IPv4 would find it taken too */
     }
     return -1;
 }
@@ -3596,45 +3596,58 @@ static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char 
     const double deadline = pr_nccl_now() + timeout_s;
     pr_status st = PR_OK;
     int waiting = size - 1;
-    while (waiting > 0 && pr_tcp_ms_left(deadline) > 0 && !st) {
+    while (!st) {
         int n = 0;
         pf[n].fd = fd, pf[n].events = POLLIN, pf[n++].revents = 0;
         for (int r = 1; r < size; r++)
             if (held[r] >= 0) pf[n].fd = held[r], pf[n].events = POLLIN, pf[n].revents = 0, who[n++] = r;
-        if (poll(pf, (nfds_t)n, pr_tcp_ms_left(deadline)) <= 0) continue;
-        for (int k = 1; k < n; k++)
+        const int last_look = waiting == 0;              /* everyone held: a look, without waiting, for a rank that left */
+        const int ms = last_look ? 0 : pr_tcp_ms_left(deadline);
+        if (!last_look && !ms) break;
+        const int ready = poll(pf, (nfds_t)n, ms);
+        if (ready < 0 && errno != EINTR) st = pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 at %s: poll: %s", spec, strerror(errno));
+        for (int k = 1; ready > 0 && k < n; k++)
             if (pf[k].revents) {                          /* a held rank hung up (or spoke out of turn): its place is free again */
                 close(held[who[k]]);
                 held[who[k]] = -1;
                 waiting++;
             }
-        if (!(pf[0].revents & POLLIN)) continue;
-        const int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (c < 0) {
-            if (errno == EMFILE || errno == ENFILE)
-                st = pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 ran out of open files holding the connections of %d ranks at %s "
-                                                   "(raise `ulimit -n`)", size - 1 - waiting, spec);
-            continue;
+        if (last_look && !waiting) break;                 /* no one left: the world is whole */
+        if (ready <= 0 || last_look || !(pf[0].revents & POLLIN)) continue;
+        for (;;) {                                        /* every connection waiting to be taken */
+            const int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (c < 0) {
+                if (errno == EMFILE || errno == ENFILE)
+                    st = pr_nccl_error(err, PR_ERR_IO, "NCCL: rank 0 ran out of open files holding the connections of %d ranks at %s "
+                                                       "(raise `ulimit -n`)", size - 1 - waiting, spec);
+                break;
+            }
+            unsigned char hello[PR_NCCL_TCP_HELLO];
+            const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
+            if (pr_tcp_io(c, hello, sizeof hello, 0, by) || memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
+                close(c);
+                continue;
+            }
+            const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
+            if (their_size != (uint32_t)size) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_SIZE, (uint32_t)size, id, by);
+            else if (their_rank == 0 || their_rank >= (uint32_t)size || held[their_rank] >= 0) pr_tcp_reply(c, PR_NCCL_TCP_TAKEN, 0, id, by);
+            else held[their_rank] = c, waiting--;
         }
-        unsigned char hello[PR_NCCL_TCP_HELLO];
-        const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
-        if (pr_tcp_io(c, hello, sizeof hello, 0, by) || memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
-            close(c);
-            continue;
-        }
-        const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
-        if (their_size != (uint32_t)size) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_SIZE, (uint32_t)size, id, by);
-        else if (their_rank == 0 || their_rank >= (uint32_t)size || held[their_rank] >= 0) pr_tcp_reply(c, PR_NCCL_TCP_TAKEN, 0, id, by);
-        else held[their_rank] = c, waiting--;
     }
     close(fd);
     char missing[160];
     pr_tcp_missing(held, size, missing, sizeof missing);
     const int all = waiting == 0 && !st;
     const double by = pr_nccl_now() + 5;
+    int lost = -1;                                       /* a rank the id did not reach */
     for (int r = 1; r < size; r++)                       /* every rank the id, or every one held the news */
-        if (held[r] >= 0) pr_tcp_reply(held[r], all ? PR_NCCL_TCP_JOINED : PR_NCCL_TCP_GAVE_UP, (uint32_t)waiting, id, by);
-    if (!all && !st)
+        if (held[r] >= 0 && pr_tcp_reply(held[r], all ? PR_NCCL_TCP_JOINED : PR_NCCL_TCP_GAVE_UP, (uint32_t)waiting, id, by) && all)
+            lost = r;
+    /* Those that have the id wait in NCCL's init for rank 0's bootstrap, which ends with this
+       process: they fail then, rather than wait for a rank that will not come. */
+    if (lost >= 0)
+        st = pr_nccl_error(err, PR_ERR_IO, "NCCL: rank %d left %s before the id reached it", lost, spec);
+    else if (!all && !st)
         st = pr_nccl_error(err, PR_ERR_IO, "NCCL: after %d s at %s, %d of the %d other ranks had not come (missing: rank %s)",
                            timeout_s, spec, waiting, size - 1, missing);
     free(held);
@@ -3653,8 +3666,9 @@ static int pr_tcp_self(int fd) {
 }
 
 /* A connected non-blocking socket to host:port by the deadline (each address tried for 5 s at
-   most), or -1 with why (*fatal when HOST names nothing, which waiting does not mend). */
-static int pr_tcp_connect(const char *host, const char *port, double deadline, char *why, size_t why_cap, int *fatal) {
+   most), or -1 with why. A name that does not resolve is no answer yet either: under Kubernetes
+   rank 0's name exists only once its pod does. */
+static int pr_tcp_connect(const char *host, const char *port, double deadline, char *why, size_t why_cap) {
     struct addrinfo hints, *list = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_UNSPEC;
@@ -3662,7 +3676,6 @@ static int pr_tcp_connect(const char *host, const char *port, double deadline, c
     const int g = getaddrinfo(host, port, &hints, &list);
     if (g) {
         snprintf(why, why_cap, "%s", gai_strerror(g));
-        *fatal = g == EAI_NONAME;
         return -1;
     }
     int fd = -1;
@@ -3694,11 +3707,10 @@ static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const ch
                                   int timeout_s, pr_error *err) {
     const double deadline = pr_nccl_now() + timeout_s;
     char why[160] = "no answer";
-    int fd = -1, fatal = 0;
+    int fd = -1;
     for (double nap = 0.05; fd < 0; nap = nap < 0.8 ? 2 * nap : 1) {   /* rank 0 not listening yet: tries, then one a second */
-        fd = pr_tcp_connect(host, port, deadline, why, sizeof why, &fatal);
+        fd = pr_tcp_connect(host, port, deadline, why, sizeof why);
         if (fd >= 0) break;
-        if (fatal) return pr_nccl_error(err, PR_ERR_ARG, "NCCL: %s: %s", spec, why);
         if (pr_tcp_ms_left(deadline) == 0)
             return pr_nccl_error(err, PR_ERR_IO, "NCCL: no id from rank 0 at %s within %d s (%s)", spec, timeout_s, why);
         usleep((useconds_t)(nap * 1e6));

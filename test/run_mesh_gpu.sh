@@ -77,7 +77,15 @@ routing_flip() {
 if [ -n "${FLIP_SEED:-}" ]; then run routing_flip "$FLIP_SEED"; fi
 run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --check $wide
 # The id over TCP: rank 0 listens, the others connect to it, retrying while it is not there yet.
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# a port free now below the local port range (32768 on), where no outgoing connection takes it
+free_port() {
+    python3 -c 'import random, socket
+while True:
+    p = random.randrange(20000, 32000)
+    try: socket.socket().bind(("127.0.0.1", p)); break
+    except OSError: pass
+print(p)'
+}
 tcp="tcp://127.0.0.1:$(free_port)"
 # over_tcp N ARGS...: ranks N ARGS... with the id over TCP, rank 1 started first and rank 0 last
 over_tcp() { id=$tcp first=1 ranks "$@"; st=$?; id="$tmp/nccl-id"; first=0; return $st; }
@@ -120,9 +128,11 @@ run tcp_refused 3 "1:3 1:3" "rank 0 at $tcp already holds a rank 1" "1 of the 2 
 self_connect() {
     unshare -rn sh -c 'ip link set lo up && echo "40000 40001" > /proc/sys/net/ipv4/ip_local_port_range || exit 1
         a="--dp 2 --steps 1 --nccl-timeout 20 --nccl-id tcp://127.0.0.1:40000"
-        RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 "$1" $a > "$2/self1.log" 2>&1 &
+        RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 timeout 60 "$1" $a > "$2/self1.log" 2>&1 &
         sleep 4
-        RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 "$1" $a > "$2/self0.log" 2>&1 && wait $!' sh "$TRAIN_CUDA" "$tmp"
+        RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 timeout 60 "$1" $a > "$2/self0.log" 2>&1
+        rc=$?
+        wait $! && exit $rc' sh "$TRAIN_CUDA" "$tmp"
     rc=$?
     grep -h "^train: NCCL" "$tmp"/self*.log
     echo "both ranks' exit status: $rc"

@@ -494,18 +494,22 @@ static void test_offload_copy_time(const char *model) {
     pr_trace_free(&trace);
 }
 
-/* A TCP port free at the moment (the kernel's pick for port 0), or 0. */
+/* A TCP port free at the moment below the local port range (32768 on, where an outgoing
+   connection could take it), or 0. */
 static int free_tcp_port(void) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    int port = 0;
-    if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a) && !getsockname(fd, (struct sockaddr *)&a, &len)) port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
+    for (int tries = 0; tries < 1000; tries++) {
+        const int port = 20000 + (int)((getpid() + 7919 * tries) % 12000);
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        const int fd = socket(AF_INET, SOCK_STREAM, 0);
+        const int bound = fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a);
+        if (fd >= 0) close(fd);
+        if (bound) return port;
+    }
+    return 0;
 }
 
 /* The id over TCP on a world of one rank: a spec that is not tcp://HOST:PORT refused before
