@@ -3474,6 +3474,9 @@ enum { PR_NCCL_TCP_HELLO = 16, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId
 /* a reply's verdict, and the number after it: rank 0's world size, or how many ranks did not come */
 enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN, PR_NCCL_TCP_GAVE_UP };
 
+/* Whether id_path names the TCP form rather than a file. */
+static int pr_nccl_id_over_tcp(const char *id_path) { return !strncmp(id_path, "tcp://", 6); }
+
 /* spec "tcp://HOST:PORT" (an IPv6 address as "[...]"): host and port, or 0 */
 static int pr_tcp_parse(const char *spec, char *host, size_t host_cap, char *port, size_t port_cap) {
     const char *h = spec + 6, *colon = strrchr(h, ':');
@@ -3490,6 +3493,12 @@ static int pr_tcp_parse(const char *spec, char *host, size_t host_cap, char *por
     if (strpbrk(host, "[]") || (!bracketed && strchr(host, ':'))) return 0;   /* "tcp://::1" is not host :: port 1 */
     snprintf(port, port_cap, "%ld", p);
     return 1;
+}
+
+/* One step's deadline: `seconds` from now, but no later than the whole wait's. */
+static double pr_tcp_within(double deadline, double seconds) {
+    const double soon = pr_nccl_now() + seconds;
+    return soon < deadline ? soon : deadline;
 }
 
 static int pr_tcp_ms_left(double deadline) {
@@ -3623,7 +3632,7 @@ static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char 
                 break;
             }
             unsigned char hello[PR_NCCL_TCP_HELLO];
-            const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;   /* one silent peer holds up no one long */
+            const double by = pr_tcp_within(deadline, 5);   /* one silent peer holds up no one long */
             if (pr_tcp_io(c, hello, sizeof hello, 0, by) || memcmp(hello, PR_NCCL_TCP_MAGIC, 8)) {
                 close(c);
                 continue;
@@ -3688,8 +3697,7 @@ static int pr_tcp_connect(const char *host, const char *port, double deadline, c
         if (e == EINPROGRESS) {                           /* connected once writable; SO_ERROR says how */
             struct pollfd pf = { fd, POLLOUT, 0 };
             socklen_t len = sizeof e;
-            const double by = pr_nccl_now() + 5 < deadline ? pr_nccl_now() + 5 : deadline;
-            if (poll(&pf, 1, pr_tcp_ms_left(by)) <= 0) e = ETIMEDOUT;
+            if (poll(&pf, 1, pr_tcp_ms_left(pr_tcp_within(deadline, 5))) <= 0) e = ETIMEDOUT;
             else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len)) e = errno;
         }
         if (!e && pr_tcp_self(fd)) e = ECONNREFUSED;     /* no one listens there yet */
@@ -3739,7 +3747,7 @@ static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const ch
 
 /* The unique id from rank 0 to every rank, through a file or over TCP. */
 static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, int size, const char *id_path, int timeout_s, pr_error *err) {
-    if (strncmp(id_path, "tcp://", 6)) return pr_nccl_file_id(id, rank, id_path, timeout_s, err);
+    if (!pr_nccl_id_over_tcp(id_path)) return pr_nccl_file_id(id, rank, id_path, timeout_s, err);
     char host[256], port[8];
     if (!pr_tcp_parse(id_path, host, sizeof host, port, sizeof port))
         return pr_nccl_error(err, PR_ERR_ARG, "NCCL: %s is not tcp://HOST:PORT (a port from 1 to 65535)", id_path);
@@ -3781,7 +3789,7 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
     else
         st = pr_nccl_wrap(out, nc, cx, family, err);
-    if (rank == 0 && strncmp(id_path, "tcp://", 6)) remove(id_path);   /* joined, or failed: no later launch may take this id */
+    if (rank == 0 && !pr_nccl_id_over_tcp(id_path)) remove(id_path);   /* joined, or failed: no later launch may take this id */
     if (st) free(family);
     return st;
 }
