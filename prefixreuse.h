@@ -1068,12 +1068,14 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
      filesystem for several nodes);
    - id_path "tcp://HOST:PORT" (HOST a name or address, "[...]" for IPv6), no shared filesystem
      needed: rank 0 listens on PORT on every interface; the others connect to HOST:PORT, again
-     until rank 0 listens, for up to timeout_s, and say their world size and rank. Rank 0 holds
+     until rank 0 listens, for up to timeout_s, and say their world size, rank and launch (the
+     first set of PR_NCCL_LAUNCH, SLURM_JOB_ID and TORCHELASTIC_RUN_ID, or none). Rank 0 holds
      one connection a rank (raising its soft limit on open files where that is too low; a rank
      that hangs up frees its place) and hands out the id only once every rank has come, so no rank
      enters NCCL's init without the whole world. After timeout_s it fails naming the ranks that did
-     not come, and the ranks it held fail too (PR_ERR_IO). A rank of another world size, or a
-     second one with a rank already held, fails at once (PR_ERR_ARG). Rank 0 closes the port before
+     not come, and the ranks it held fail too (PR_ERR_IO). A rank of another launch (an earlier
+     launch's process still calling) or world size, or a second one with a rank already held,
+     fails at once and takes no place (PR_ERR_ARG). Rank 0 closes the port before
      its init (a relaunch may take it at once); if the id does not reach a held rank, rank 0 fails
      (PR_ERR_IO) rather than enter an init that rank will not join.
    Buffers are device memory.

@@ -3461,18 +3461,41 @@ static pr_status pr_nccl_file_id(ncclUniqueId *id, int rank, const char *id_path
 
 /* ---- the id over TCP (id_path "tcp://HOST:PORT"), for nodes without a shared filesystem.
    Rank 0 listens on PORT (every interface; HOST is the others' way to it). Each other rank
-   connects and says who it is: a hello of the magic, its world size and its rank. A rank of
-   another world size, or one whose rank is already held (two processes with one RANK), is told so
-   at once. Rank 0 holds the others' connections (a rank that hangs up frees its place) until every
+   connects and says who it is: a hello of the magic, its world size, its rank and its launch (a
+   hash of pr_nccl_launch's value). A rank of another launch (a process of an earlier one still
+   calling), of another world size, or one whose rank is already held (two processes with one
+   RANK), is told so at once and takes no place. Rank 0 holds the others' connections (a rank that hangs up frees its place) until every
    rank has come, and only then hands each the id; after timeout_s it tells those it holds that it
    has given up, naming the ranks that did not come. So no rank enters NCCL's init, whose wait has
    no limit, unless the whole world has come. Rank 0 closes the port before its own init (a
    relaunch can take it at once). The others connect until timeout_s, again while rank 0 is not
    yet listening, and wait for the handout until rank 0's limit. Integers in network byte order. */
-#define PR_NCCL_TCP_MAGIC "prnccl01"
-enum { PR_NCCL_TCP_HELLO = 16, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId) };
+#define PR_NCCL_TCP_MAGIC "prnccl02"
+enum { PR_NCCL_TCP_HELLO = 24, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId) };
 /* a reply's verdict, and the number after it: rank 0's world size, or how many ranks did not come */
-enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN, PR_NCCL_TCP_GAVE_UP };
+enum { PR_NCCL_TCP_JOINED, PR_NCCL_TCP_OTHER_SIZE, PR_NCCL_TCP_TAKEN, PR_NCCL_TCP_GAVE_UP, PR_NCCL_TCP_OTHER_LAUNCH };
+
+/* The launch this process belongs to, the same in every rank of one: the first set of
+   PR_NCCL_LAUNCH (the user's own), SLURM_JOB_ID (Slurm's job) and TORCHELASTIC_RUN_ID (torchrun's
+   --rdzv-id), as a 64-bit FNV-1a hash of its value (of "" where none is set), and, in said, which
+   one it was for messages. A process of an earlier launch that still retries its call would
+   otherwise take a rank's place in the next launch on that port. */
+static uint64_t pr_nccl_launch(char *said, size_t cap) {
+    static const char *const from[] = { "PR_NCCL_LAUNCH", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID" };
+    const char *value = "";
+    snprintf(said, cap, "no launch id: PR_NCCL_LAUNCH, SLURM_JOB_ID and TORCHELASTIC_RUN_ID unset");
+    for (size_t k = 0; k < sizeof from / sizeof *from; k++) {
+        const char *v = getenv(from[k]);
+        if (v && *v) {
+            snprintf(said, cap, "%s=%s", from[k], v);
+            value = v;
+            break;
+        }
+    }
+    uint64_t h = 14695981039346656037ull;
+    for (const unsigned char *c = (const unsigned char *)value; *c; c++) h = (h ^ *c) * 1099511628211ull;
+    return h;
+}
 
 /* Whether id_path names the TCP form rather than a file. */
 static int pr_nccl_id_over_tcp(const char *id_path) { return !strncmp(id_path, "tcp://", 6); }
@@ -3522,6 +3545,8 @@ static int pr_tcp_io(int fd, void *buf, size_t n, int out, double deadline) {
 }
 static void pr_tcp_put32(unsigned char *p, uint32_t v) { v = htonl(v); memcpy(p, &v, 4); }
 static uint32_t pr_tcp_get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
+static void pr_tcp_put64(unsigned char *p, uint64_t v) { pr_tcp_put32(p, (uint32_t)(v >> 32)); pr_tcp_put32(p + 4, (uint32_t)v); }
+static uint64_t pr_tcp_get64(const unsigned char *p) { return (uint64_t)pr_tcp_get32(p) << 32 | pr_tcp_get32(p + 4); }
 
 /* Rank 0: a listening socket on port, IPv6 taking IPv4 too where the host has IPv6, else IPv4. */
 static int pr_tcp_listen(const char *port) {
@@ -3583,8 +3608,8 @@ static void pr_tcp_missing(const int *held, int size, char *out, size_t cap) {
     }
 }
 
-static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char *spec, const char *port, int timeout_s,
-                                   pr_error *err) {
+static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, uint64_t launch, const char *spec, const char *port,
+                                   int timeout_s, pr_error *err) {
     int *held = (int *)malloc(sizeof(int) * 2 * (size_t)size);           /* held[r]: rank r's connection, or -1 */
     struct pollfd *pf = (struct pollfd *)malloc(sizeof(struct pollfd) * (size_t)size);
     if (!held || !pf) {
@@ -3638,7 +3663,8 @@ static pr_status pr_nccl_tcp_serve(const ncclUniqueId *id, int size, const char 
                 continue;
             }
             const uint32_t their_size = pr_tcp_get32(hello + 8), their_rank = pr_tcp_get32(hello + 12);
-            if (their_size != (uint32_t)size) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_SIZE, (uint32_t)size, id, by);
+            if (pr_tcp_get64(hello + 16) != launch) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_LAUNCH, 0, id, by);
+            else if (their_size != (uint32_t)size) pr_tcp_reply(c, PR_NCCL_TCP_OTHER_SIZE, (uint32_t)size, id, by);
             else if (their_rank == 0 || their_rank >= (uint32_t)size || held[their_rank] >= 0) pr_tcp_reply(c, PR_NCCL_TCP_TAKEN, 0, id, by);
             else held[their_rank] = c, waiting--;
         }
@@ -3711,8 +3737,8 @@ static int pr_tcp_connect(const char *host, const char *port, double deadline, c
     return fd;
 }
 
-static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const char *spec, const char *host, const char *port,
-                                  int timeout_s, pr_error *err) {
+static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, uint64_t launch, const char *launch_said, const char *spec,
+                                  const char *host, const char *port, int timeout_s, pr_error *err) {
     const double deadline = pr_nccl_now() + timeout_s;
     char why[160] = "no answer";
     int fd = -1;
@@ -3727,6 +3753,7 @@ static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const ch
     memcpy(hello, PR_NCCL_TCP_MAGIC, 8);
     pr_tcp_put32(hello + 8, (uint32_t)size);
     pr_tcp_put32(hello + 12, (uint32_t)rank);
+    pr_tcp_put64(hello + 16, launch);
     /* rank 0 started its clock before it took this connection: its handout comes within timeout_s */
     const int ok = !pr_tcp_io(fd, hello, sizeof hello, 1, pr_nccl_now() + 5) && !pr_tcp_io(fd, reply, sizeof reply, 0, pr_nccl_now() + timeout_s + 5);
     close(fd);
@@ -3734,6 +3761,8 @@ static pr_status pr_nccl_tcp_join(ncclUniqueId *id, int rank, int size, const ch
     const uint32_t verdict = pr_tcp_get32(reply + 8), number = pr_tcp_get32(reply + 12);
     if (memcmp(reply, PR_NCCL_TCP_MAGIC, 8))
         return pr_nccl_error(err, PR_ERR_IO, "NCCL: what answers at %s is not a rank 0 of this library's", spec);
+    if (verdict == PR_NCCL_TCP_OTHER_LAUNCH)
+        return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s belongs to another launch (this rank's: %s)", spec, launch_said);
     if (verdict == PR_NCCL_TCP_OTHER_SIZE)
         return pr_nccl_error(err, PR_ERR_ARG, "NCCL: rank 0 at %s has a world of %u ranks, this rank (%d) one of %d", spec, number, rank, size);
     if (verdict == PR_NCCL_TCP_TAKEN)
@@ -3751,9 +3780,11 @@ static pr_status pr_nccl_share_id(ncclUniqueId *id, int rank, int size, const ch
     char host[256], port[8];
     if (!pr_tcp_parse(id_path, host, sizeof host, port, sizeof port))
         return pr_nccl_error(err, PR_ERR_ARG, "NCCL: %s is not tcp://HOST:PORT (a port from 1 to 65535)", id_path);
-    if (rank) return pr_nccl_tcp_join(id, rank, size, id_path, host, port, timeout_s, err);
+    char launch_said[160];
+    const uint64_t launch = pr_nccl_launch(launch_said, sizeof launch_said);
+    if (rank) return pr_nccl_tcp_join(id, rank, size, launch, launch_said, id_path, host, port, timeout_s, err);
     if (ncclGetUniqueId(id) != ncclSuccess) return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL: no unique id");
-    return pr_nccl_tcp_serve(id, size, id_path, port, timeout_s, err);
+    return pr_nccl_tcp_serve(id, size, launch, id_path, port, timeout_s, err);
 }
 
 pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
