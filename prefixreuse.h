@@ -3827,8 +3827,6 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     int mb = pr_step_microbatch(g, o);
     if (pr__cp(tr) > 1 && mb != 1)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
-    if (pr__cp(tr) > 1 && o->offload.enabled)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "offload with context parallelism is not implemented");
     /* a pass's rows, times any per-row count, must fit an int: the baseline's microbatch of whole
        sequences; with reuse the prefix's pass or a microbatch of suffixes, whichever is longer */
     const double whole = (double)mb * ((double)g->P + smax), waves = (double)mb * smax;

@@ -1283,10 +1283,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     int rc = 0;
     /* every step of the trace, once: the baseline on one rank accumulating the step's groups,
        against the reuse schedule doing the same on one rank or on the mesh */
-    if (on_mesh(o)) {
-        print_mesh(o);
-        if (o->step.offload.enabled) { fprintf(stderr, "train: --check on a mesh runs without offload\n"); return 1; }
-    }
+    if (on_mesh(o)) print_mesh(o);
     print_steps(o, trace);
     static mesh_job j;
     pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));

@@ -78,6 +78,7 @@ for p in float double; do
         run "$dir/train-$p" --config model/tiny-moe --check --microbatch 3 --layout packed --aux-scope $scope --kl-coef 0.04
     done
     run "$dir/train-$p" --check --tp 2 --cp 2
+    run "$dir/train-$p" --check --tp 2 --cp 2 --offload on --offload-pool 0.5 --device-budget 4 --recompute prefix
     run "$dir/train-$p" --check --tp 4 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-qwen3 --check --tp 4 --cp 2
     run "$dir/train-$p" --check --dp 2 --cp 2 --kl-coef 0.04

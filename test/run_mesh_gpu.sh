@@ -6,7 +6,7 @@
 #   --check on dp, tp, pp, cp and ep meshes (MoE's all-to-all), split groups, the prefix-tree
 #   schedule and the bf16 sum over dp: bf16 reuse on the mesh vs the bf16 baseline on one rank
 #   (rank 0 compares); ZeRO stage 2 against stage 0 after three steps; an exact resume (ZeRO-2,
-#   dp x tp) and offload on a dp x pp mesh, each bit for bit against the run without; one step's
+#   dp x tp) and offload on a dp x pp and a cp x tp mesh, each bit for bit against the run without; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
 #   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
 #   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another launch or world size,
@@ -158,6 +158,12 @@ run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors
 run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
 for off in off on; do run ranks 4 --dp 2 --pp 2 --steps 2 --microbatch 2 --offload $off --save "$tmp/offload-$off.safetensors"; done
 run build/compare_st "$tmp/offload-on.safetensors" "$tmp/offload-off.safetensors" 0
+# and on cp 2 x tp 2, each rank parking its chunk of the prefix, the copy stream's work run as early
+# as CUDA allows (PR_EMU_SCHEDULE, test/cuda_emu.h)
+cto="--cp 2 --tp 2 --steps 2"
+run ranks 4 $cto --offload off --save "$tmp/cp-offload-off.safetensors"
+PR_EMU_SCHEDULE=eager-side run ranks 4 $cto --offload on --save "$tmp/cp-offload-on.safetensors"
+run build/compare_st "$tmp/cp-offload-on.safetensors" "$tmp/cp-offload-off.safetensors" 0
 # A rank that fails mid-run ends its peer's run with an error naming the exchange, exit status 1:
 #  - stopped (SIGSTOP: a hung process, which NCCL alone would wait for forever): its peer gives up
 #    after --nccl-timeout (2 s here), while the stopped rank is still there;

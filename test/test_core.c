@@ -1540,6 +1540,17 @@ static void mesh_compare(const pr_config *c, mesh_shape shape, const pr_group *g
         CHECK(close_arenas(ref, m.grads, gref, "gradient", label), "%s: gathered gradients vs one rank's baseline", label);
         CHECK(close_arenas(ref, m.params, pref, "parameter", label), "%s: parameters after AdamW vs one rank's baseline", label);
     }
+    if (st == PR_OK && shape.offload) {     /* offload moves bytes, nothing else: the same mesh without it, bit for bit */
+        mesh_run off = m;
+        off.opt.offload.enabled = 0;
+        off.grads = malloc(sizeof(pr_real) * np);
+        off.params = malloc(sizeof(pr_real) * np);
+        st = pr_comm_local_run(mesh_size(shape), mesh_rank, &off, &err);
+        CHECK(st == PR_OK, "%s, offload off: %s", label, err.message);
+        CHECK(st != PR_OK || (!memcmp(off.grads, m.grads, sizeof(pr_real) * np) && !memcmp(off.params, m.params, sizeof(pr_real) * np)),
+              "%s: gradients or parameters after AdamW differ from offload off in some bit", label);
+        free(off.grads); free(off.params);
+    }
     free(m.grads); free(m.params); free(init); free(gref); free(pref);
     pr_trainer_destroy(ref);
 }
@@ -1886,6 +1897,8 @@ static void test_mesh(void) {
         { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
         { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
         { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones)" },
+        { &llama, { 1, 1, 2, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2, offload on" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones), offload on" },
         { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2 cp 2" },
         { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline schedule" },
         { &llama, { 1, 1, 2, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 1 tp 4 cp 2 (Table 3)" },
@@ -1893,6 +1906,7 @@ static void test_mesh(void) {
         { &moe, { 1, 1, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 ep 2, group scope" },
         { &moe, { 1, 1, 2, 4, 4, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), microbatch scope" },
         { &moe, { 1, 1, 2, 4, 4, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE pp 1 tp 4 cp 2 ep 4 (Table 3), group scope" },
+        { &moe, { 1, 1, 2, 2, 2, 1, 1 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE tp 2 cp 2 ep 2, group scope, offload on" },
         { &llama, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2" },
         { &llama, { 1, 2, 1, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, microbatches of 2 (rows differ between them)" },
         { &llama4, { 1, 2, 1, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, offload on" },
@@ -1901,6 +1915,7 @@ static void test_mesh(void) {
         { &llama4, { 1, 3, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 3 (a middle stage)" },
         { &llama4, { 1, 4, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 4 (more stages than microbatches)" },
         { &qwen, { 1, 2, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 pp 2 tp 2 cp 2 (tied)" },
+        { &qwen, { 1, 2, 2, 2, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 pp 2 tp 2 cp 2 (tied), offload on" },
         { &llama, { 1, 2, 2, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2 tp 4 cp 2 (Table 3)" },
         { &moe, { 1, 2, 1, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "MoE pp 2, microbatch scope" },
         { &moe, { 1, 2, 1, 2, 2, 1, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, "MoE pp 2 tp 2 ep 2, group scope (routing pre-pass)" },
@@ -1956,6 +1971,7 @@ static void test_mesh_faults(void) {
     const struct { const pr_config *c; mesh_shape s; int groups, tree, victim; const char *name; } cases[] = {
         { &llama, { 1, 1, 1, 2, 1, 1, 0 }, 1, 0, 1, "tp 2" },
         { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, 0, 1, "cp 2" },
+        { &llama, { 1, 1, 2, 1, 1, 1, 1 }, 1, 0, 1, "cp 2, offload on" },
         { &llama, { 1, 2, 1, 1, 1, 1, 0 }, 1, 0, 1, "pp 2, the last stage fails" },
         { &llama, { 1, 2, 1, 1, 1, 2, 1 }, 1, 0, 1, "pp 2, microbatches of 2, offload on" },
         { &llama, { 2, 1, 1, 1, 1, 1, 0 }, 1, 0, 1, "dp 2, one group split" },
@@ -2894,6 +2910,7 @@ static void test_recompute(void) {
     struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; const char *name; } mc[] = {
         { &llama, { 1, 1, 1, 2, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
         { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3, offload on" },
         { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline" },
         { &llama, { 1, 2, 1, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, microbatches of 2" },
         { &llama, { 1, 2, 1, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 2, offload on" },
@@ -3382,6 +3399,7 @@ static void test_prefix_loss(void) {
     /* one group on meshes: CP chunks holding trained rows, a group split over dp, stages */
     const pr_moe_opts moe = { PR_AUX_SCOPE_MICROBATCH, 0 };
     mesh_compare(&c, (mesh_shape){ 1, 1, 2, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, "trained prefix tokens on cp 2");
+    mesh_compare(&c, (mesh_shape){ 1, 1, 3, 1, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, "trained prefix tokens on cp 3, offload");
     mesh_compare(&c, (mesh_shape){ 2, 1, 1, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
                  "trained prefix tokens, the group split over dp 2");
     mesh_compare(&c, (mesh_shape){ 1, 2, 1, 2, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
@@ -3519,7 +3537,8 @@ static void test_trees(void) {
               { &c, { 2, 1, 1, 2, 1, 0, 0 }, group_scope, "dp 2 x tp 2" },
               { &c, { 2, 2, 1, 2, 1, 1, 1 }, group_scope, "dp 2 x pp 2 x tp 2, offload" },
               { &m8, { 1, 2, 1, 2, 2, 2, 0 }, micro_scope, "MoE pp 2 x tp 2 x ep 2, microbatch scope" },
-              { &c, { 1, 1, 3, 1, 1, 1, 0 }, group_scope, "cp 3" }, { &c, { 1, 2, 2, 1, 1, 1, 0 }, group_scope, "pp 2 x cp 2" },
+              { &c, { 1, 1, 3, 1, 1, 1, 1 }, group_scope, "cp 3, offload" },
+              { &c, { 1, 2, 2, 1, 1, 1, 1 }, group_scope, "pp 2 x cp 2, offload" },
               { &m8, { 1, 1, 2, 2, 2, 1, 0 }, micro_scope, "MoE cp 2 x tp 2 x ep 2, microbatch scope" } } };
         for (int ranks = 1; ranks <= n; ranks++) {    /* the placement: every rank gets a group */
             pr_prefix_tree t;
