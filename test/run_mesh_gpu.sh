@@ -9,8 +9,9 @@
 #   dp x tp) and offload on a dp x pp and a cp x tp mesh, each bit for bit against the run without; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
 #   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
-#   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another launch or world size,
-#   a RANK taken twice) or waits for in vain, each named, and (with unshare -rn) a rank meeting
+#   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another world size, a
+#   RANK taken twice, an earlier launch's rank still calling, which then takes no rank's place) or
+#   waits for in vain, each named, and (with unshare -rn) a rank meeting
 #   itself on rank 0's port; a rank that hangs mid-run ending its peer's run with an error after
 #   --nccl-timeout, and one that is killed ending it at once (on a real node, where NCCL may not
 #   see a killed peer, at once or after the timeout); with FLIP_SEED, a check that fails on a
@@ -91,24 +92,19 @@ tcp="tcp://127.0.0.1:$(free_port)"
 over_tcp() { id=$tcp first=1 ranks "$@"; st=$?; id="$tmp/nccl-id"; first=0; return $st; }
 run over_tcp 4 --dp 2 --tp 2 --check $wide
 # Refusals, each named, with --nccl-timeout 3: a rank of another world size (rank 0 then waits for
-# its rank 1 in vain), a RANK taken twice (the second told so at once; rank 0 waits for rank 2
-# and then tells the rank 1 it holds that it gave up, so no rank waits in NCCL's init), and a rank
-# of another launch (a process of an earlier one still calling), which takes no place.
-# tcp_refused RANK0_WORLD "RANK:WORLD[:LAUNCH] ..." PATTERN...: rank 0 of RANK0_WORLD ranks (in
-# launch $launch0, if set), then the listed processes (PR_NCCL_LAUNCH=LAUNCH where given); each
-# PATTERN must be in some process's error line, and every process must end by itself with exit
-# status 1.
+# its rank 1 in vain), and a RANK taken twice (the second told so at once; rank 0 waits for rank 2
+# and then tells the rank 1 it holds that it gave up, so no rank waits in NCCL's init).
+# tcp_refused RANK0_WORLD "RANK:WORLD ..." PATTERN...: rank 0 of RANK0_WORLD ranks, then the
+# listed processes; each PATTERN must be in some process's error line, and every process must
+# end by itself with exit status 1.
 tcp_refused() {
     world=$1; others=$2; shift 2
     args="--steps 1 --nccl-timeout 3 --nccl-id $tcp"
-    PR_NCCL_LAUNCH=${launch0:-} RANK=0 WORLD_SIZE=$world LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" --dp "$world" $args \
-        > "$tmp/tcp0.log" 2>&1 &
+    RANK=0 WORLD_SIZE=$world LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" --dp "$world" $args > "$tmp/tcp0.log" 2>&1 &
     pids=$!; k=0
     for o in $others; do
         k=$((k + 1))
-        r=${o%%:*}; w=${o#*:}; l=
-        case $w in *:*) l=${w#*:}; w=${w%%:*} ;; esac
-        PR_NCCL_LAUNCH=$l RANK=$r WORLD_SIZE=$w LOCAL_RANK=$k timeout 60 "$TRAIN_CUDA" --dp "$w" $args > "$tmp/tcp$k.log" 2>&1 &
+        RANK=${o%:*} WORLD_SIZE=${o#*:} LOCAL_RANK=$k timeout 60 "$TRAIN_CUDA" --dp "${o#*:}" $args > "$tmp/tcp$k.log" 2>&1 &
         pids="$pids $!"
     done
     ok=1
@@ -126,8 +122,27 @@ run tcp_refused 2 1:3 "rank 0 at $tcp has a world of 2 ranks, this rank (1) one 
     "after 3 s at $tcp, 1 of the 1 other ranks had not come (missing: rank 1)"
 run tcp_refused 3 "1:3 1:3" "rank 0 at $tcp already holds a rank 1" "1 of the 2 other ranks had not come (missing: rank 2)" \
     "rank 0 at $tcp gave up: 1 of the 2 other ranks had not come"
-launch0=7 run tcp_refused 2 1:2:6 "rank 0 at $tcp belongs to another launch (this rank's: PR_NCCL_LAUNCH=6)" \
-    "after 3 s at $tcp, 1 of the 1 other ranks had not come (missing: rank 1)"
+# A rank 1 of an earlier launch, still calling when the next launch's rank 0 listens, is refused
+# at once and takes no place: the new launch's rank 1 then joins, and the step runs.
+stale_launch() {
+    args="--dp 2 --steps 1 --nccl-timeout 20 --nccl-id $tcp"
+    PR_NCCL_LAUNCH=6 RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 timeout 60 "$TRAIN_CUDA" $args > "$tmp/stale.log" 2>&1 &
+    stale=$!
+    PR_NCCL_LAUNCH=7 RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" $args > "$tmp/new0.log" 2>&1 &
+    new0=$!
+    wait $stale
+    rc=$?
+    grep -h '^train: NCCL' "$tmp/stale.log"
+    ok=1
+    [ "$rc" -eq 1 ] && grep -q "^train: NCCL: rank 0 at $tcp belongs to another launch (this rank's: PR_NCCL_LAUNCH=6)" \
+        "$tmp/stale.log" || { echo "the earlier launch's rank 1 ended with exit status $rc, not refused"; ok=0; }
+    PR_NCCL_LAUNCH=7 RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 timeout 60 "$TRAIN_CUDA" $args > "$tmp/new1.log" 2>&1 ||
+        { echo "the new launch's rank 1: $(tail -n 1 "$tmp/new1.log")"; ok=0; }
+    wait $new0 || { echo "the new launch's rank 0: $(tail -n 1 "$tmp/new0.log")"; ok=0; }
+    rm -f "$tmp/stale.log" "$tmp/new0.log" "$tmp/new1.log"
+    [ "$ok" -eq 1 ] && echo "refused the earlier launch's rank 1; the new launch ran its step"
+}
+run stale_launch
 # A rank that retries its connect can be given rank 0's port as its own source port (where the
 # port lies in the local port range) and meet itself there, which would hold the port from rank 0.
 # In a network namespace of its own (unshare -rn) whose local range is that port and one other,
