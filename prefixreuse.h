@@ -1075,9 +1075,9 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
      enters NCCL's init without the whole world. After timeout_s it fails naming the ranks that did
      not come, and the ranks it held fail too (PR_ERR_IO). A rank of another launch (an earlier
      launch's process still calling) or world size, or a second one with a rank already held,
-     fails at once and takes no place (PR_ERR_ARG). Rank 0 closes the port before
-     its init (a relaunch may take it at once); if the id does not reach a held rank, rank 0 fails
-     (PR_ERR_IO) rather than enter an init that rank will not join.
+     fails at once and takes no place (PR_ERR_ARG). Rank 0 closes the port before its init (a
+     relaunch may take it at once); if the id does not reach a held rank, rank 0 fails (PR_ERR_IO)
+     rather than enter an init that rank will not join.
    Buffers are device memory.
    NCCL's sums are deterministic for a fixed topology but not in rank order. A build without NCCL
    (PR_NO_NCCL) returns PR_ERR_UNSUPPORTED.

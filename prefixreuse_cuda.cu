@@ -3464,12 +3464,13 @@ static pr_status pr_nccl_file_id(ncclUniqueId *id, int rank, const char *id_path
    connects and says who it is: a hello of the magic, its world size, its rank and its launch (a
    hash of pr_nccl_launch's value). A rank of another launch (a process of an earlier one still
    calling), of another world size, or one whose rank is already held (two processes with one
-   RANK), is told so at once and takes no place. Rank 0 holds the others' connections (a rank that hangs up frees its place) until every
-   rank has come, and only then hands each the id; after timeout_s it tells those it holds that it
-   has given up, naming the ranks that did not come. So no rank enters NCCL's init, whose wait has
-   no limit, unless the whole world has come. Rank 0 closes the port before its own init (a
-   relaunch can take it at once). The others connect until timeout_s, again while rank 0 is not
-   yet listening, and wait for the handout until rank 0's limit. Integers in network byte order. */
+   RANK), is told so at once and takes no place. Rank 0 holds the others' connections (a rank that
+   hangs up frees its place) until every rank has come, and only then hands each the id; after
+   timeout_s it tells those it holds that it has given up, naming the ranks that did not come. So
+   no rank enters NCCL's init, whose wait has no limit, unless the whole world has come. Rank 0
+   closes the port before its own init (a relaunch can take it at once). The others connect until
+   timeout_s, again while rank 0 is not yet listening, and wait for the handout until rank 0's
+   limit. Integers in network byte order. */
 #define PR_NCCL_TCP_MAGIC "prnccl02"
 enum { PR_NCCL_TCP_HELLO = 24, PR_NCCL_TCP_REPLY = 16 + (int)sizeof(ncclUniqueId) };
 /* a reply's verdict, and the number after it: rank 0's world size, or how many ranks did not come */
