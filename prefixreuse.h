@@ -926,8 +926,8 @@ struct pr_comm {
     pr_status (*send_recv)(pr_comm *c, const void *send, size_t n_send, int to, void *recv, size_t n_recv, int from,
                            pr_comm_type type, pr_error *err);
     pr_status (*barrier)(pr_comm *c, pr_error *err);
-    /* The ranks that pass the same color form a new communicator, ordered by (key, rank): the
-       sub-groups of one mesh dimension. Collective over c. */
+    /* The ranks that pass the same color (>= 0) form a new communicator, ordered by (key, rank):
+       the sub-groups of one mesh dimension. Collective over c. */
     pr_status (*split)(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err);
     void (*destroy)(pr_comm *c);
 };
@@ -1090,11 +1090,15 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
    (the one thing this library prints), since the abort itself may wait: within a node, until the
    peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other waits on
-   the host have no limit: NCCL's init (over TCP, entered only once every rank has come) and split, and the
-   connections a communicator sets up at its first operation with a peer. A launcher should still
-   end the job when one rank exits with an error. The communicators are blocking ones:
-   NCCL_COMM_BLOCKING set to 0 in the environment, which would make them non-blocking, is refused
-   (PR_ERR_UNSUPPORTED; an nccl.conf setting is not seen). */
+   the host have no limit: NCCL's init (over TCP, entered only once every rank has come) and split,
+   and the connections NCCL makes inside a call: at the first operation with a peer and, by
+   default (NCCL_RUNTIME_CONNECT=1), at an algorithm's first use, which can come mid-run when a
+   message size first picks it (NCCL_RUNTIME_CONNECT=0 connects every algorithm at init, at the
+   memory of all their buffers). A launcher should still end the job when one rank exits with an
+   error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to what NCCL reads as 0 ("0",
+   or any value with no number), which would make them non-blocking, is refused
+   (PR_ERR_UNSUPPORTED; an nccl.conf setting is not seen). An argument a call refuses (a type, a
+   peer, a split color below 0) aborts the communicator like a failure. */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 

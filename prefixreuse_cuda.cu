@@ -3269,10 +3269,12 @@ static pr_status pr_nccl_usable(pr_comm *c, const char *what, pr_error *err) {
     if (!f->failed[0]) return PR_OK;
     return pr_nccl_error(err, PR_ERR_DEVICE, "NCCL %s: the communicator was aborted after an earlier failure (%s)", what, f->failed);
 }
-/* The same, and t's NCCL type and element size. */
+/* The same, and t's NCCL type and element size. A call refused for its arguments aborts like a
+   failed one: the peers go on into theirs (pr_nccl_status). */
 static pr_status pr_nccl_begin(pr_comm *c, pr_comm_type t, ncclDataType_t *dt, size_t *elem, const char *what, pr_error *err) {
-    if (!pr_nccl_type(t, dt, elem)) return pr_nccl_error(err, PR_ERR_ARG, "communicator: unknown type %d", (int)t);
-    return pr_nccl_usable(c, what, err);
+    const pr_status st = pr_nccl_usable(c, what, err);
+    if (st || pr_nccl_type(t, dt, elem)) return st;
+    return pr_nccl_abort(pr_nccl_of(c), what, err, "unknown type %d", (int)t);
 }
 
 static pr_status pr_nccl_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
@@ -3317,9 +3319,9 @@ static pr_status pr_nccl_all_to_all(pr_comm *c, void *out, const void *in, size_
     c->bytes_sent += n * e * (size_t)(c->size - 1);
     return pr_nccl_status(x, r != ncclSuccess ? r : r2, "all_to_all", err);
 }
-static pr_status pr_nccl_peer(pr_comm *c, int peer, pr_error *err) {
+static pr_status pr_nccl_peer(pr_comm *c, int peer, const char *what, pr_error *err) {
     if (peer >= 0 && peer < c->size && peer != c->rank) return PR_OK;
-    return pr_nccl_error(err, PR_ERR_ARG, "send/recv: peer %d is not another rank of %d", peer, c->size);
+    return pr_nccl_abort(pr_nccl_of(c), what, err, "peer %d is not another rank of %d", peer, c->size);
 }
 static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_type t, int peer, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
@@ -3327,7 +3329,7 @@ static pr_status pr_nccl_send(pr_comm *c, const void *buf, size_t n, pr_comm_typ
     size_t e = 0;
     pr_status st = pr_nccl_begin(c, t, &dt, &e, "send", err);
     if (st) return st;
-    st = pr_nccl_peer(c, peer, err);
+    st = pr_nccl_peer(c, peer, "send", err);
     if (st) return st;
     c->bytes_sent += n * e;
     return pr_nccl_status(x, ncclSend(buf, n, dt, peer, x->nc, x->cx->stream), "send", err);
@@ -3338,7 +3340,7 @@ static pr_status pr_nccl_recv(pr_comm *c, void *buf, size_t n, pr_comm_type t, i
     size_t e = 0;
     pr_status st = pr_nccl_begin(c, t, &dt, &e, "recv", err);
     if (st) return st;
-    st = pr_nccl_peer(c, peer, err);
+    st = pr_nccl_peer(c, peer, "recv", err);
     if (st) return st;
     return pr_nccl_status(x, ncclRecv(buf, n, dt, peer, x->nc, x->cx->stream), "recv", err);
 }
@@ -3349,8 +3351,8 @@ static pr_status pr_nccl_send_recv(pr_comm *c, const void *send, size_t n_send, 
     size_t e = 0;
     pr_status st = pr_nccl_begin(c, t, &dt, &e, "send_recv", err);
     if (st) return st;
-    st = pr_nccl_peer(c, to, err);
-    if (!st) st = pr_nccl_peer(c, from, err);
+    st = pr_nccl_peer(c, to, "send_recv", err);
+    if (!st) st = pr_nccl_peer(c, from, "send_recv", err);
     if (st) return st;
     c->bytes_sent += n_send * e;
     ncclResult_t r = ncclGroupStart();      /* one group: neither side waits for the other's half */
@@ -3380,6 +3382,8 @@ static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr
     pr_nccl *x = pr_nccl_of(c);
     pr_status st = pr_nccl_usable(c, "split", err);
     if (st) return st;
+    if (color < 0)    /* NCCL's NCCL_SPLIT_NOCOLOR (-1) would give this rank no communicator */
+        return pr_nccl_abort(x, "split", err, "color %d: every rank needs one >= 0", color);
     ncclComm_t nc = NULL;
     ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
     if (r != ncclSuccess) return pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* the peers may be in it */
@@ -3799,8 +3803,7 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     /* The variable overrides the blocking = 1 below (NCCL's init.cc): each call could then return
        before its operation is queued (ncclInProgress), which the watched wait does not handle. */
     const char *blocking = getenv("NCCL_COMM_BLOCKING");
-    char *blocking_end = NULL;
-    if (blocking && strtol(blocking, &blocking_end, 0) == 0 && blocking_end != blocking)   /* as NCCL reads it */
+    if (blocking && *blocking && strtoll(blocking, NULL, 0) == 0)   /* as NCCL reads it: "0", "false", "no" are all 0 */
         return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=0 makes NCCL's communicators non-blocking, which this "
                                                       "communicator does not handle: unset it");
     pr_cu *cx = pr_cu_of(be);

@@ -19,8 +19,11 @@
        ranks' contributions in rank order on every rank, in the type's own arithmetic (bf16 rounded
        after each addition, as a ring's steps round), so every rank holds the same bits;
      - buffers outside the device's allocations are refused (ncclInvalidArgument, the CUDA context
-       unharmed); counts that do not match between a send and its receive, and a rank that never
-       comes (EMU_NCCL_WAIT_S without progress), are device faults;
+       unharmed), and so are a collective's send and receive buffers that overlap other than in
+       place as NCCL defines it (all-reduce: the same buffer; all-gather: send at recv + rank x
+       count; reduce-scatter: recv at send + rank x count), which NCCL does not check and works
+       through as they lie; counts that do not match between a send and its receive, and a rank
+       that never comes (EMU_NCCL_WAIT_S without progress), are device faults;
      - ncclCommDestroy and ncclCommSplit first run the work queued on every stream, as NCCL
        finishes a communicator's operations before either;
      - an operation whose peers have not come leaves cudaStreamQuery not ready (each query moves
@@ -328,6 +331,16 @@ static ncclResult_t emu_nccl_check(const char *what, ncclComm_t c, const void *b
     return ncclSuccess;
 }
 
+/* A collective's send bytes at send and recv bytes at recv: apart, or in place exactly as NCCL
+   defines it: the smaller buffer, inner, at `at` inside the other. */
+static ncclResult_t emu_nccl_alias(const char *what, const void *send, size_t send_bytes, const void *recv, size_t recv_bytes,
+                                   const void *inner, const void *at) {
+    const uintptr_t s0 = (uintptr_t)send, r0 = (uintptr_t)recv;
+    if (s0 + send_bytes <= r0 || r0 + recv_bytes <= s0 || inner == at) return ncclSuccess;
+    fprintf(stderr, "emulated NCCL: %s: the send buffer %p and the receive buffer %p overlap, not in place\n", what, send, recv);
+    return ncclInvalidArgument;
+}
+
 /* Sends and receives in ops, queued on s as one operation (or added to the open group). */
 static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vector<emu_nccl_p2p> &ops, const char *what) {
     if (emu_nccl_group.depth > 0) {
@@ -416,6 +429,7 @@ static ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, nc
     const size_t bytes = count * emu_nccl_type_bytes(t);
     ncclResult_t r = emu_nccl_check("ncclAllReduce", c, send, bytes, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclAllReduce", c, recv, bytes, s);
+    if (r == ncclSuccess) r = emu_nccl_alias("ncclAllReduce", send, bytes, recv, bytes, send, recv);
     if (r != ncclSuccess) return r;
     const int ranks = c->size;
     return emu_nccl_collective("ncclAllReduce", c, s, send, bytes, true,
@@ -426,6 +440,9 @@ static ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, nc
     const size_t bytes = count * emu_nccl_type_bytes(t);
     ncclResult_t r = emu_nccl_check("ncclAllGather", c, send, bytes, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclAllGather", c, recv, bytes * (size_t)c->size, s);
+    if (r == ncclSuccess)
+        r = emu_nccl_alias("ncclAllGather", send, bytes, recv, bytes * (size_t)c->size, send,
+                           (const unsigned char *)recv + (size_t)c->rank * bytes);
     if (r != ncclSuccess) return r;
     const size_t all = bytes * (size_t)c->size;
     return emu_nccl_collective("ncclAllGather", c, s, send, bytes, true, [recv, all](const unsigned char *parts) { memcpy(recv, parts, all); });
@@ -436,6 +453,9 @@ static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count
     const size_t bytes = count * emu_nccl_type_bytes(t);
     ncclResult_t r = emu_nccl_check("ncclReduceScatter", c, send, bytes * (size_t)c->size, s);
     if (r == ncclSuccess) r = emu_nccl_check("ncclReduceScatter", c, recv, bytes, s);
+    if (r == ncclSuccess)
+        r = emu_nccl_alias("ncclReduceScatter", send, bytes * (size_t)c->size, recv, bytes, recv,
+                           (const unsigned char *)send + (size_t)c->rank * bytes);
     if (r != ncclSuccess) return r;
     const int ranks = c->size;
     return emu_nccl_collective("ncclReduceScatter", c, s, send, bytes, false,

@@ -374,6 +374,12 @@ static int nccl_rank(ncclUniqueId id, int rank) {
 
     CHECK(ncclAllReduce(host.data(), host.data(), 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument && !fault_seen(),
           "a buffer outside the device's allocations is refused, the context unharmed, on rank %d", rank);
+    /* overlapping buffers other than in place (NCCL does not check, and works through them as they lie) */
+    CHECK(ncclAllReduce(x, x + 1, 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument &&
+              ncclAllGather(x, x + 1, 4, ncclFloat32, c, s) == ncclInvalidArgument &&
+              ncclReduceScatter(x + 1, x, 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument &&
+              !fault_seen(),
+          "a collective's send and receive buffers overlapping other than in place are refused, on rank %d", rank);
     if (rank < 2) {                                 /* last: the mailbox from 0 to 1 stays full */
         if (rank == 0) ncclSend(x, 4, ncclFloat32, 1, c, s);   /* a message of 4 floats, a receive of 8 */
         else ncclRecv(y, 8, ncclFloat32, 0, c, s);

@@ -554,18 +554,22 @@ static void test_nccl_one_rank(void) {
     pr_comm *world = NULL, *sub = NULL;
     pr_status st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 0, &err);
     CHECK(st == PR_ERR_ARG || st == PR_ERR_UNSUPPORTED, "NCCL: a timeout of 0 s accepted (%d: %s)", (int)st, err.message);
-    /* NCCL_COMM_BLOCKING=0 would make the communicator non-blocking behind the library's back:
-       refused before rank 0 writes its id (the caller's own setting restored after) */
+    /* NCCL_COMM_BLOCKING=0 would make the communicator non-blocking behind the library's back, and
+       so would any value NCCL's strtoll reads as 0: refused before rank 0 writes its id (the
+       caller's own setting restored after) */
     const char *had = getenv("NCCL_COMM_BLOCKING");
     char *saved = had ? strdup(had) : NULL;
-    setenv("NCCL_COMM_BLOCKING", "0", 1);
-    st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
+    static const char *const nonblocking[] = { "0", "false", "0x0" };
+    for (int k = 0; k < 3; k++) {
+        setenv("NCCL_COMM_BLOCKING", nonblocking[k], 1);
+        st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
+        CHECK(st == PR_ERR_UNSUPPORTED && (strstr(err.message, "NCCL_COMM_BLOCKING") || strstr(err.message, "no NCCL")),
+              "NCCL: NCCL_COMM_BLOCKING=%s not refused (%d: %s)", nonblocking[k], (int)st, err.message);
+        CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 wrote its id file %s for a refused communicator", id_path);
+    }
     if (saved) setenv("NCCL_COMM_BLOCKING", saved, 1);
     else unsetenv("NCCL_COMM_BLOCKING");
     free(saved);
-    CHECK(st == PR_ERR_UNSUPPORTED && (strstr(err.message, "NCCL_COMM_BLOCKING") || strstr(err.message, "no NCCL")),
-          "NCCL: NCCL_COMM_BLOCKING=0 not refused (%d: %s)", (int)st, err.message);
-    CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 wrote its id file %s for a refused communicator", id_path);
     st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
     if (st == PR_ERR_UNSUPPORTED) {
         printf("NCCL: %s\n", err.message);
@@ -590,6 +594,24 @@ static void test_nccl_one_rank(void) {
     release(all);
     if (sub) sub->destroy(sub);
     world->destroy(world);
+    /* an argument a call refuses aborts the communicator like a failure (the peers would be in
+       their part of it): a send to itself, and a split color below 0 (NCCL's "no color") */
+    for (int k = 0; k < 2; k++) {
+        if (pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err)) {
+            CHECK(0, "NCCL: one rank again: %s", err.message);
+            break;
+        }
+        float *buf = dev_poison(4, sizeof(float));
+        sub = NULL;
+        st = k ? world->split(world, -1, 0, &sub, &err) : world->send(world, buf, 4, PR_COMM_F32, 0, &err);
+        CHECK(st == PR_ERR_DEVICE && strstr(err.message, k ? "color -1" : "peer 0") && strstr(err.message, "aborted") && !sub,
+              "NCCL: %s not refused with an abort (%d: %s)", k ? "a split color of -1" : "a send to itself", (int)st, err.message);
+        st = world->barrier(world, &err);
+        CHECK(st == PR_ERR_DEVICE && strstr(err.message, "aborted after an earlier failure"),
+              "NCCL: a barrier after the refused call ran (%d: %s)", (int)st, err.message);
+        release(buf);
+        world->destroy(world);
+    }
     expect_backend_ok("NCCL: one rank");
 }
 
