@@ -12,6 +12,10 @@
        a send waits for it to be empty and fills it, a receive waits for it to be full and drains
        it, chunk by chunk, so messages of any size pass in order; each chunk carries its message's
        size, and a receive of another size faults (NCCL matches a send with one receive);
+     - a send ends only once its receive has drained the last chunk, whatever its size ("blocking
+       for the GPU": a program that needs a send to end before its peer receives deadlocks here,
+       as it may on NCCL), and a message of 0 bytes is one empty chunk, paired with its receive as
+       NCCL pairs it; an empty collective is discarded, as NCCL discards it;
      - collectives and the sends and receives between ncclGroupStart and ncclGroupEnd are queued
        on the stream like kernels and run when the stream does; a group's operations progress
        together (an all-to-all does not wait for one peer before serving the next);
@@ -243,8 +247,11 @@ static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
 }
 
 /* ================================================================ point to point */
-/* One side of a message: `bytes` from or into buf, moved chunk by chunk. */
-struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved; };
+/* One side of a message: `bytes` from or into buf, moved chunk by chunk (`chunks` of them so far). */
+struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved, chunks; bool done; };
+
+/* A message's chunks: at least one, so that a message of 0 bytes still meets its receive. */
+static size_t emu_nccl_chunks(size_t bytes) { return bytes ? (bytes + EMU_NCCL_CHUNK - 1) / EMU_NCCL_CHUNK : 1; }
 
 /* Moves what it can of ops, all of them at once: a send or receive starts only after the earlier
    ones in ops to or from the same peer. `block`: until every one is done (or the communicator
@@ -258,17 +265,19 @@ static emu_nccl_state emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> 
         for (size_t k = 0; k < ops.size(); k++) {
             emu_nccl_p2p &o = ops[k];
             bool earlier = false;
-            for (size_t i = 0; i < k && !earlier; i++)
-                earlier = ops[i].send == o.send && ops[i].peer == o.peer && ops[i].moved < ops[i].bytes;
-            if (o.moved == o.bytes || earlier) {
-                pending |= o.moved < o.bytes;
+            for (size_t i = 0; i < k && !earlier; i++) earlier = ops[i].send == o.send && ops[i].peer == o.peer && !ops[i].done;
+            if (o.done || earlier) {
+                pending |= !o.done;
                 continue;
             }
             emu_nccl_box *b = &c->shm->box[o.send ? c->rank * c->size + o.peer : o.peer * c->size + c->rank];
-            if (__atomic_load_n(&b->full, __ATOMIC_ACQUIRE) == (o.send ? 0u : 1u)) {
+            const bool all_sent = o.send && o.chunks == emu_nccl_chunks(o.bytes);
+            if (all_sent) {                     /* only this rank fills the box: empty again, its last chunk was taken */
+                if (__atomic_load_n(&b->full, __ATOMIC_ACQUIRE) == 0u) o.done = true, w.progressed();
+            } else if (__atomic_load_n(&b->full, __ATOMIC_ACQUIRE) == (o.send ? 0u : 1u)) {
                 if (o.send) {
                     const size_t n = o.bytes - o.moved < (size_t)EMU_NCCL_CHUNK ? o.bytes - o.moved : (size_t)EMU_NCCL_CHUNK;
-                    memcpy(b->data, o.buf + o.moved, n);
+                    if (n) memcpy(b->data, o.buf + o.moved, n);   /* an empty message's buffer may be NULL */
                     b->bytes = n;
                     b->message = o.bytes;
                     o.moved += n;
@@ -278,13 +287,15 @@ static emu_nccl_state emu_nccl_progress(ncclComm_t c, std::vector<emu_nccl_p2p> 
                                          (unsigned long long)o.bytes, o.peer, (unsigned long long)b->message);
                         return EMU_NCCL_FAILED;
                     }
-                    memcpy(o.buf + o.moved, b->data, b->bytes);
+                    if (b->bytes) memcpy(o.buf + o.moved, b->data, b->bytes);
                     o.moved += b->bytes;
                 }
+                o.chunks++;
+                o.done = !o.send && o.chunks == emu_nccl_chunks(o.bytes);
                 __atomic_store_n(&b->full, o.send ? 1u : 0u, __ATOMIC_RELEASE);
                 w.progressed();
             }
-            pending |= o.moved < o.bytes;
+            pending |= !o.done;
         }
         if (!pending) return EMU_NCCL_DONE;
         if (!block) return EMU_NCCL_PENDING;
@@ -378,14 +389,14 @@ static ncclResult_t ncclSend(const void *buf, size_t count, ncclDataType_t t, in
     const size_t bytes = count * emu_nccl_type_bytes(t);
     ncclResult_t r = emu_nccl_check("ncclSend", c, buf, bytes, s);
     if (r != ncclSuccess) return r;
-    return emu_nccl_queue(c, s, { { true, peer, (unsigned char *)buf, bytes, 0 } }, "ncclSend");
+    return emu_nccl_queue(c, s, { { true, peer, (unsigned char *)buf, bytes, 0, 0, false } }, "ncclSend");
 }
 static ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t t, int peer, ncclComm_t c, cudaStream_t s) {
     if (!emu_nccl_type_ok(t) || !c || peer < 0 || peer >= c->size) return ncclInvalidArgument;
     const size_t bytes = count * emu_nccl_type_bytes(t);
     ncclResult_t r = emu_nccl_check("ncclRecv", c, buf, bytes, s);
     if (r != ncclSuccess) return r;
-    return emu_nccl_queue(c, s, { { false, peer, (unsigned char *)buf, bytes, 0 } }, "ncclRecv");
+    return emu_nccl_queue(c, s, { { false, peer, (unsigned char *)buf, bytes, 0, 0, false } }, "ncclRecv");
 }
 
 /* What collectives and the split are made of: block q of send (block bytes each, or the whole of
@@ -393,8 +404,8 @@ static ncclResult_t ncclRecv(void *buf, size_t count, ncclDataType_t t, int peer
 static std::vector<emu_nccl_p2p> emu_nccl_exchange(ncclComm_t c, const void *send, size_t block, bool same, unsigned char *recv) {
     std::vector<emu_nccl_p2p> ops;
     for (int q = 0; q < c->size; q++) {
-        ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block), block, 0 });
-        ops.push_back({ false, q, recv + (size_t)q * block, block, 0 });
+        ops.push_back({ true, q, (unsigned char *)send + (same ? 0 : (size_t)q * block), block, 0, 0, false });
+        ops.push_back({ false, q, recv + (size_t)q * block, block, 0, 0, false });
     }
     return ops;
 }
@@ -404,6 +415,7 @@ static std::vector<emu_nccl_p2p> emu_nccl_exchange(ncclComm_t c, const void *sen
 static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStream_t s, const void *send, size_t block_bytes,
                                         bool same, std::function<void(const unsigned char *)> finish) {
     if (emu_nccl_group.depth > 0) return ncclInvalidUsage;   /* not used by the backend inside a group */
+    if (block_bytes == 0) return ncclSuccess;   /* empty: discarded, its peers' calls or none */
     struct state { std::vector<unsigned char> parts; std::vector<emu_nccl_p2p> ops; };
     std::shared_ptr<state> st = std::make_shared<state>();
     std::string w = what;

@@ -286,9 +286,15 @@ static float sum_in_rank_order(size_t i) {
     return s;
 }
 
-/* One rank of the world `id`, in a child process: each collective the backend uses, a split, and
-   a receive shorter than its send, which must fault. Returns this rank's failed checks. */
+/* Rank 0 tells rank 1 through it when to receive (made before the ranks' processes). */
+static int told[2];
+
+/* One rank of the world `id`, in a child process: each collective the backend uses, sends that
+   wait for their receives, a split, and a receive longer than its send, which must fault.
+   Returns this rank's failed checks. */
 static int nccl_rank(ncclUniqueId id, int rank) {
+    if (rank != 0) close(told[1]);              /* so that rank 1's read ends if rank 0 does */
+    if (rank != 1) close(told[0]);
     cudaStream_t s;
     ncclComm_t c, sub;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -344,6 +350,34 @@ static int nccl_rank(ncclUniqueId id, int rank) {
         for (size_t i = 0; i < BIG; i++) same &= host[(size_t)q * BIG + i] == (float)(q * RANKS + rank) + (float)i;
     CHECK(same, "all-to-all of messages past the mailbox's size, sends and receives in one group, on rank %d", rank);
 
+    if (rank == 0) {                                /* sends end with their receives, an empty one too */
+        CHECK(ncclAllReduce(x, x, 0, ncclFloat32, ncclSum, c, s) == ncclSuccess && cudaStreamSynchronize(s) == cudaSuccess &&
+                  !fault_seen(),
+              "an empty all-reduce that only rank 0 calls is discarded: it ends at once");
+        for (size_t i = 0; i < 4; i++) host[i] = (float)(i + 1);
+        cudaMemcpyAsync(x, host.data(), sizeof(float) * 4, cudaMemcpyHostToDevice, s);
+        ncclSend(x, 0, ncclFloat32, 1, c, s);
+        const cudaError_t first = cudaStreamQuery(s);
+        usleep(20000);
+        const cudaError_t again = cudaStreamQuery(s);
+        CHECK(first == cudaErrorNotReady && again == cudaErrorNotReady, "a send of 0 floats is not done before rank 1 receives it");
+        ncclSend(x, 4, ncclFloat32, 1, c, s);
+        CHECK(write(told[1], "x", 1) == 1, "rank 1 told to receive");
+        CHECK(cudaStreamSynchronize(s) == cudaSuccess && !fault_seen(), "both sends end once rank 1 has received them");
+        close(told[1]);
+    } else if (rank == 1) {
+        char byte = 0;
+        const bool go = read(told[0], &byte, 1) == 1;
+        close(told[0]);
+        cudaMemsetAsync(y, 0, sizeof(float) * 4, s);
+        ncclRecv(y, 0, ncclFloat32, 0, c, s);
+        ncclRecv(y, 4, ncclFloat32, 0, c, s);
+        cudaMemcpyAsync(host.data(), y, sizeof(float) * 4, cudaMemcpyDeviceToHost, s);
+        cudaStreamSynchronize(s);
+        CHECK(go && !fault_seen() && host[0] == 1.0f && host[3] == 4.0f,
+              "rank 1 receives the empty message, then the 4 floats, in order");
+    }
+
     int sub_rank = -1, sub_size = 0;                /* colour: rank parity; key: reversed */
     CHECK(ncclCommSplit(c, rank % 2, -rank, &sub, NULL) == ncclSuccess && ncclCommUserRank(sub, &sub_rank) == ncclSuccess &&
               ncclCommCount(sub, &sub_size) == ncclSuccess,
@@ -380,13 +414,17 @@ static int nccl_rank(ncclUniqueId id, int rank) {
               ncclReduceScatter(x + 1, x, 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument &&
               !fault_seen(),
           "a collective's send and receive buffers overlapping other than in place are refused, on rank %d", rank);
-    if (rank < 2) {                                 /* last: the mailbox from 0 to 1 stays full */
-        if (rank == 0) ncclSend(x, 4, ncclFloat32, 1, c, s);   /* a message of 4 floats, a receive of 8 */
-        else ncclRecv(y, 8, ncclFloat32, 0, c, s);
+    if (rank == 0) {                                /* last: a message of 4 floats, a receive of 8; the box stays full */
+        ncclSend(x, 4, ncclFloat32, 1, c, s);
+        CHECK(cudaStreamQuery(s) == cudaErrorNotReady, "a send its receive never takes is not done");
+        CHECK(ncclCommAbort(c) == ncclSuccess && cudaStreamQuery(s) == cudaSuccess && !fault_seen(),
+              "aborting ends the send, no fault on the sending rank");
+    } else if (rank == 1) {
+        ncclRecv(y, 8, ncclFloat32, 0, c, s);
         cudaStreamSynchronize(s);
-        CHECK(fault_seen() == (rank == 1), "4 floats sent into a receive of 8 fault on the receiving rank %d only", rank);
+        CHECK(fault_seen(), "4 floats sent into a receive of 8 fault on the receiving rank");
     }
-    ncclCommDestroy(c);
+    if (rank != 0) ncclCommDestroy(c);
     cudaFree(x);
     cudaFree(y);
     cudaStreamDestroy(s);
@@ -445,12 +483,15 @@ static void test_nccl(void) {
     fflush(stdout);
     fflush(stderr);
     pid_t child[RANKS];
+    CHECK(pipe(told) == 0, "a pipe from rank 0 to rank 1");
     for (int r = 0; r < RANKS; r++)
         if ((child[r] = fork()) == 0) {
             const int failures = nccl_rank(id, r);
             fflush(stdout);
             _exit(failures ? 1 : 0);
         }
+    close(told[0]);
+    close(told[1]);
     for (int r = 0; r < RANKS; r++) {
         int status = 0;
         CHECK(child[r] > 0 && waitpid(child[r], &status, 0) == child[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0,
