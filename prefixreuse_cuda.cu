@@ -3804,8 +3804,8 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
        before its operation is queued (ncclInProgress), which the watched wait does not handle. */
     const char *blocking = getenv("NCCL_COMM_BLOCKING");
     if (blocking && *blocking && strtoll(blocking, NULL, 0) == 0)   /* as NCCL reads it: "0", "false", "no" are all 0 */
-        return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=0 makes NCCL's communicators non-blocking, which this "
-                                                      "communicator does not handle: unset it");
+        return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=%s, which NCCL reads as 0, makes its communicators "
+                                                      "non-blocking, which this communicator does not handle: unset it", blocking);
     pr_cu *cx = pr_cu_of(be);
     ncclUniqueId id;
     pr_status st = pr_nccl_share_id(&id, rank, size, id_path, timeout_s, err);

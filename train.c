@@ -1083,13 +1083,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     if (!batch || (nl && !load)) set_error(&err, PR_ERR_NOMEM, "out of host memory");
     if (!batch || (nl && !load) || start_state(o, tr, &ts, 1, &err) ||
         (o->loss_log && !(log = fopen(o->loss_log, "a")) && set_error(&err, PR_ERR_IO, "cannot open the --loss-log file")) ||
-        (o->log && !(json = fopen(o->log, "w")) && set_error(&err, PR_ERR_IO, "cannot open the --log file"))) {
-        if (log) fclose(log);
-        free(batch);
-        free(load);
-        pr_trainer_destroy(tr);
-        return fail(&err);
-    }
+        (o->log && !(json = fopen(o->log, "w")) && set_error(&err, PR_ERR_IO, "cannot open the --log file")))
+        goto stop;
     const time_t start = time(NULL);
     for (int k = 0; k < o->steps; k++) {
         const long step = ts.step, pos = ts.next_group;
@@ -1103,14 +1098,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         int failed = !nb || step_groups(o, tr, batch, nb, so, &sum, load, &err) != PR_OK;
         for (int b = 0; b < nb; b++) tokens += group_tokens(&batch[b], PR_SCHEDULE_BASELINE);
         if (failed || (k == o->steps - 1 && o->save_grads && pr_trainer_save_grads(tr, o->save_grads, &err)) ||
-            pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err)) {
-            if (log) fclose(log);
-            if (json) fclose(json);
-            free(batch);
-            free(load);
-            pr_trainer_destroy(tr);
-            return fail(&err);
-        }
+            pr_trainer_adamw_step(tr, &o->adam, &gnorm, &err))
+            goto stop;
         ts.step++;
         ts.next_group += nb;
         const long gi = pos % trace->n_groups;
@@ -1127,14 +1116,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
         log_json_step(json, &rec);
         if (o->step.offload.enabled) print_offload("          ", &sum.offload);
         if (load) print_routing(cfg, load, &sum);
-        if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) {
-            if (log) fclose(log);
-            if (json) fclose(json);
-            free(batch);
-            free(load);
-            pr_trainer_destroy(tr);
-            return fail(&err);
-        }
+        if (save_due(o, k) && save_state(o, tr, &ts, 1, &err)) goto stop;
     }
     if (log) fclose(log);
     int rc = 0;
@@ -1148,6 +1130,13 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     }
     pr_trainer_destroy(tr);
     return rc;
+stop:                       /* a failure before or during the steps: what is open closed, the error told */
+    if (log) fclose(log);
+    if (json) fclose(json);
+    free(batch);
+    free(load);
+    pr_trainer_destroy(tr);
+    return fail(&err);
 }
 
 /* ------------------------------------------------------------------ --check */

@@ -171,14 +171,16 @@ run ranks 4 $zt --steps 4 --save "$tmp/whole.safetensors"
 run ranks 4 $zt --steps 2 --save-state "$tmp/state"
 run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors"
 run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
-for off in off on; do run ranks 4 --dp 2 --pp 2 --steps 2 --microbatch 2 --offload $off --save "$tmp/offload-$off.safetensors"; done
-run build/compare_st "$tmp/offload-on.safetensors" "$tmp/offload-off.safetensors" 0
-# and on cp 2 x tp 2, each rank parking its chunk of the prefix, the copy stream's work run as early
-# as CUDA allows (PR_EMU_SCHEDULE, test/cuda_emu.h)
-cto="--cp 2 --tp 2 --steps 2"
-run ranks 4 $cto --offload off --save "$tmp/cp-offload-off.safetensors"
-PR_EMU_SCHEDULE=eager-side run ranks 4 $cto --offload on --save "$tmp/cp-offload-on.safetensors"
-run build/compare_st "$tmp/cp-offload-on.safetensors" "$tmp/cp-offload-off.safetensors" 0
+# offload_same NAME ARGS...: 4 ranks of ARGS with offload on, the copy stream's work run as early as
+# CUDA allows (PR_EMU_SCHEDULE, test/cuda_emu.h), save what they save with it off, bit for bit
+offload_same() {
+    name=$1; shift
+    run ranks 4 "$@" --offload off --save "$tmp/$name-offload-off.safetensors"
+    PR_EMU_SCHEDULE=eager-side run ranks 4 "$@" --offload on --save "$tmp/$name-offload-on.safetensors"
+    run build/compare_st "$tmp/$name-offload-on.safetensors" "$tmp/$name-offload-off.safetensors" 0
+}
+offload_same dp-pp --dp 2 --pp 2 --steps 2 --microbatch 2
+offload_same cp-tp --cp 2 --tp 2 --steps 2      # each rank parks its chunk of the prefix
 # A rank that fails mid-run ends its peer's run with an error naming the exchange, exit status 1:
 #  - stopped (SIGSTOP: a hung process, which NCCL alone would wait for forever): its peer gives up
 #    after --nccl-timeout (2 s here), while the stopped rank is still there;
