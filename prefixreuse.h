@@ -110,7 +110,7 @@
                    routing sums in Phase A and pr__mb_forward, its gradient in pr__mb_backward and
                    Phase C, and in the group scope pr__routing_prepass at Phase B's start
      parallel (7)  inside the layer pr__tp_sum and the CP attention (pr__attention_fwd/_bwd);
-                   pr__batch_make cuts a batch to its CP chunk; pipeline stages hand rows on with
+                   pr__batch_make cuts a batch to its CP block; pipeline stages hand rows on with
                    pr__pp_send/pr__pp_recv (Phase A, C) and pr__pp_prev/pr__pp_next (Phase B); a group split
                    across DP ranks shares the cache and gathers gK/gV (pr__split_share_kv,
                    pr__split_reduce_gkv); pr__mesh_sync_grads ends the step;
@@ -989,8 +989,10 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
      logits stay in slices, the log-sum-exp combines the slices' maxima and sums, and the head's
      d(input) is summed over tp.
    - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
-     split into cp contiguous row chunks; attention all-gathers the K/V of earlier chunks (and in
-     Phase B the prefix K/V shards) and reduce-scatters their gradients back to the owners.
+     cut into 2 cp row pieces, rank r holding pieces r and 2cp-1-r, so that the causal
+     attention's work is even over the ranks (Llama 3's split); attention all-gathers the K/V of
+     the pass (and in Phase B the prefix K/V blocks) into row order and reduce-scatters their
+     gradients back to the owners.
    - PP: the layers split into pp stages (the first embeds, the last runs the loss head). Phase A
      and Phase C run stage by stage (the prefix's rows handed on, its gradient handed back); a
      stage starts Phase B as soon as its own Phase A is done, its K/V cache never leaving it, and
@@ -2091,9 +2093,17 @@ typedef struct {
    layer's forward fills again before its backward (pr__layer_rebuild). */
 typedef enum { PR__KEEP_ALL = 0, PR__KEEP_INPUT_KV, PR__KEEP_INPUT } pr__keep;
 
-/* One prefix pass's rows in a path: all of them (every CP rank's), the rows of one CP chunk (all
+/* One prefix pass's rows in a path: all of them (every CP rank's), the rows of one CP block (all
    of them without CP), and this rank's. */
 typedef struct { int rows, chunk, own; } pr__kv_seg;
+
+/* CP: how a segment of n rows is cut over the cp ranks. It is split into 2 cp pieces of `piece`
+   rows (the last ones short or empty); rank r holds piece r (rows_a rows, from row a0) and piece
+   2cp-1-r (rows_b, from b0). Under the causal mask every rank's queries then see about as many
+   keys as another's; contiguous chunks would give the last rank (2cp-1)/cp of the mean. A rank's
+   rows are its two pieces one after the other, in a block of `chunk` = 2 piece rows (piece B
+   from row `piece`: rows_b > 0 only when piece A is whole). Without CP: all n rows, one piece. */
+typedef struct { int piece, chunk, a0, rows_a, b0, rows_b; } pr__cp_cut;
 
 /* The K/V a pass attends to ahead of its own rows, and where their gradients gather: the group's
    prefix in Phase B, or in a prefix tree every node from the root down to the pass. The path is a
@@ -2101,7 +2111,7 @@ typedef struct { int rows, chunk, own; } pr__kv_seg;
    pushed before its Phase A and popped after its Phase C. Each layer's rows are one buffer into
    which each prefix pass writes its own K/V in place, after the segments above it, so a pass
    reads all the rows above it as one region and sends their dK/dV back as one. Under CP a rank
-   holds its chunk of each segment, a whole chunk's room in the K/V buffers so that it can be
+   holds its block of each segment, a whole block's room in the K/V buffers so that it can be
    gathered, and its own rows of gK/gV. */
 typedef struct {
     int own, kv;              /* the segments' rows: this rank's, and in the K/V buffers */
@@ -2127,10 +2137,12 @@ typedef struct {
     void **res;               /* (L+1) */
     pr__route *route;         /* (L) MoE only */
     const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
-    /* CP: the pass is this rank's chunk of a segment split into chunks of cp_chunk rows; its own
-       K/V hold cp_chunk rows so that they can be gathered. pre: the path whose first pre_seg
-       segments (cp_pre_rows rows) the pass reads ahead of its own rows (NULL: none). */
-    int cp_chunk, cp_pre_rows, pre_seg;
+    /* CP: the pass is this rank's block of a segment of cp_seg_rows rows (pr__cp_cut): cp_rows_a
+       rows of piece A, laid out by lay, then piece B, whose positions and visible region lie
+       cp_shift rows further on; its own K/V hold cp_chunk rows so that they can be gathered.
+       pre: the path whose first pre_seg segments (cp_pre_rows rows) the pass reads ahead of its
+       own rows (NULL: none). */
+    int cp_chunk, cp_seg_rows, cp_rows_a, cp_shift, cp_pre_rows, pre_seg;
     const pr__kv_path *pre;
     void *kreg, *vreg;                   /* CP: gathered attention region */
     pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
@@ -2180,7 +2192,9 @@ typedef struct {
     int32_t *tokens;
     uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
     int N, n_traj;            /* rows; trajectories whose rows these are */
-    int cp_chunk;             /* CP: the rows of one chunk (0 without CP) */
+    int cp_chunk;             /* CP: the rows of a rank's block (0 without CP) */
+    int cp_seg_rows;          /* CP: the segment's rows, all ranks' */
+    int cp_rows_a, cp_shift;  /* CP: the rows of piece A (lay's), and how much further on piece B lies */
     pr__head_plan head;
 } pr__batch;
 
@@ -2318,7 +2332,8 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err);
 static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
-static int pr__cp_share(const pr_trainer *tr, int n, int *r0, int *chunk);
+static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n);
+static pr_seq_layout pr__cp_lay_b(const pr__pass *ps, int seg_off[2]);
 static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd);
 static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd);
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
@@ -2824,6 +2839,7 @@ static void *pr__elems(pr_trainer *tr, pr__arena *a, size_t n, size_t elem_bytes
 
 static void *pr__act(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->act_bytes); }
 static void *pr__stat(pr_trainer *tr, pr__arena *a, size_t n) { return pr__elems(tr, a, n, tr->be->stat_bytes); }
+static void *pr__stat_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->stat_bytes; }
 static pr_real *pr__reals(pr_trainer *tr, pr__arena *a, size_t n) { return (pr_real *)pr__elems(tr, a, n, sizeof(pr_real)); }
 /* An activation pointer `elems` elements on. */
 static void *pr__act_at(const pr_trainer *tr, void *base, size_t elems) { return (char *)base + elems * tr->be->act_bytes; }
@@ -3029,6 +3045,19 @@ static void pr__zero_acts(pr_trainer *tr, void *p, size_t n) { tr->be->zero(tr->
 
 
 /* ---------------------------------------------------------------- 3.6 One layer, forward and backward */
+/* RoPE over the pass's rows, forward or (bwd) backward: under CP each piece at its own positions. */
+static void pr__rope(pr_trainer *tr, const pr__pass *ps, void *x, int heads, int bwd) {
+    const pr_backend *be = tr->be;
+    const int HS = tr->cfg.head_dim;
+    void (*rope)(const pr_backend *, void *, const pr_seq_layout *, int, int, const pr_real *) = bwd ? be->rope_bwd : be->rope_fwd;
+    rope(be, x, &ps->lay, heads, HS, tr->inv_freq);
+    if (ps->cp_chunk && ps->N > ps->cp_rows_a) {
+        int off_b[2];
+        const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
+        rope(be, pr__act_at(tr, x, (size_t)ps->cp_rows_a * heads * HS), &lay_b, heads, HS, tr->inv_freq);
+    }
+}
+
 /* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
 static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *kp, const void *vp) {
     const pr_backend *be = tr->be;
@@ -3051,8 +3080,8 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
         be->matmul_fwd(be, a->k, a->ln1, w.wk, N, C, kvd);
     }
     be->matmul_fwd(be, a->v, a->ln1, w.wv, N, C, kvd);
-    be->rope_fwd(be, a->q, &ps->lay, NH, HS, tr->inv_freq);
-    be->rope_fwd(be, a->k, &ps->lay, NKV, HS, tr->inv_freq);
+    pr__rope(tr, ps, a->q, NH, 0);
+    pr__rope(tr, ps, a->k, NKV, 0);
     pr__attention_fwd(tr, ps, a, kp, vp);
     be->matmul_fwd(be, a->x_mid, a->att, w.wo, N, qd, C);      /* x_mid = x + att @ wo^T */
     pr__tp_sum(tr, a->x_mid, (size_t)N * C);                    /* row-parallel: the heads' shares */
@@ -3129,8 +3158,8 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
     pr__attention_bwd(tr, ps, s, a, kv);
     /* q, k = rope(...) */
     void *dk = kv->dk, *dv = kv->dv;
-    be->rope_bwd(be, s->dq, &ps->lay, NH, HS, tr->inv_freq);
-    be->rope_bwd(be, dk, &ps->lay, NKV, HS, tr->inv_freq);
+    pr__rope(tr, ps, s->dq, NH, 1);
+    pr__rope(tr, ps, dk, NKV, 1);
     void *dq = s->dq, *dkk = dk;
     if (c->qk_norm) {            /* q = q_norm(q_pre), k = k_norm(k_pre) */
         pr__zero_acts(tr, s->dq_pre, (size_t)N * qd);
@@ -3286,6 +3315,9 @@ static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const
     p->tokens = b->tokens;
     p->real = b->real;
     p->cp_chunk = b->cp_chunk;
+    p->cp_seg_rows = b->cp_seg_rows;
+    p->cp_rows_a = b->cp_rows_a;
+    p->cp_shift = b->cp_shift;
     if (path && n_seg && pr__cp(tr) > 1) {
         p->pre = path;
         p->pre_seg = n_seg;
@@ -3433,9 +3465,10 @@ static void pr__path_free(pr__kv_path *path) {
    Phase C). Its chunk and this rank's rows of it as pr__batch_make cuts it. */
 static void pr__path_push(pr_trainer *tr, pr__kv_path *path, int rows) {
     pr__kv_seg *sg = &path->seg[path->n_seg++];
-    int r0;
+    const pr__cp_cut k = pr__cp_cut_of(tr, rows);
     sg->rows = rows;
-    sg->own = pr__cp_share(tr, rows, &r0, &sg->chunk);
+    sg->own = k.rows_a + k.rows_b;
+    sg->chunk = k.chunk;
     path->own += sg->own;
     path->kv += sg->chunk;
 }
@@ -3912,7 +3945,7 @@ static pr_status pr__step_begin(pr_trainer *tr, pr__step_ctx *cx, const pr_group
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %ld loss tokens", cx->n_tok);
     }
     pr__token_weights(g, &opt->loss, cx->mem_tok_weight);
-    if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each chunk fills its tokens, the last stage all, a team member its share */
+    if (pr__cp(tr) > 1 || pr__pp(tr) > 1 || team)   /* each CP block fills its tokens, the last stage all, a team member its share */
         memset(lp, 0, sizeof(pr_real) * (size_t)cx->n_tok);
     tr->comm_st = PR_OK;
     cx->g = g; cx->opt = opt; cx->tok_weight = cx->mem_tok_weight; cx->logp = lp;
@@ -3963,8 +3996,8 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
     const int P = cx->g->P;
-    int r0, chunk;
-    const int own = pr__cp_share(tr, P, &r0, &chunk);
+    const pr__cp_cut cut = pr__cp_cut_of(tr, P);
+    const int own = cut.rows_a + cut.rows_b, chunk = cut.chunk;
     pr__kv_path path;       /* one segment: the group's prefix */
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
@@ -4005,7 +4038,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
 }
 
 /* Step 4, the sums over the mesh: a split group's routing totals over its team and the group's
-   aux term; the CP chunks' shares of the loss, log-probs and rows (the expert load's once a call,
+   aux term; the CP blocks' shares of the loss, log-probs and rows (the expert load's once a call,
    pr__load_end); the last stage's loss, aux term and log-probs for every stage; the gradients
    over the mesh. */
 static void pr__step_reduce(pr_trainer *tr, pr__step_ctx *cx) {
@@ -4080,7 +4113,7 @@ static pr_status pr__step_end(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats *s
 }
 
 /* MoE: the expert load covers the groups of one pr_trainer_compute_grads* call, added up as
-   they route: cleared at the call's start, and summed over cp (each cp rank routed its chunk's
+   they route: cleared at the call's start, and summed over cp (each cp rank routed its block's
    rows) once at its end, after the last group. */
 static void pr__load_begin(pr_trainer *tr) {
     if (tr && tr->expert_load) memset(tr->expert_load, 0, sizeof(double) * (size_t)tr->cfg.num_hidden_layers * (size_t)tr->cfg.num_experts);
@@ -4352,13 +4385,13 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
     size_t *own = stack + N, *kv = stack + 2 * (size_t)N, *depth = stack + 3 * (size_t)N, own_cap = 0, kv_cap = 0, depth_cap = 0;
     for (int i = 0; i < N; i++) {
         const int up = tree->nodes[i].parent;
-        int r0, chunk;
+        const pr__cp_cut cut = pr__cp_cut_of(tr, tree->nodes[i].len);
         t.copies[i] = 0;
         for (int k = 0; k < n; k++) t.copies[i] += pr__tree_below(tree, i, k) ? groups[k].G : 0;
         stack[i] = (size_t)tr->cfg.num_hidden_layers *
                    pr__layer_block(tr, NULL, (size_t)tree->nodes[i].len, opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL);
-        own[i] = (size_t)pr__cp_share(tr, tree->nodes[i].len, &r0, &chunk);
-        kv[i] = (size_t)chunk;
+        own[i] = (size_t)cut.rows_a + (size_t)cut.rows_b;
+        kv[i] = (size_t)cut.chunk;
         depth[i] = 1;
         if (up >= 0) stack[i] += stack[up], own[i] += own[up], kv[i] += kv[up], depth[i] += depth[up];
         if (stack[i] > t.pool_stack) t.pool_stack = stack[i];
@@ -5061,7 +5094,7 @@ static void pr__route_sums(pr_trainer *tr, const pr__pass *ps, double *sums, dou
     }
 }
 
-/* This stage's routing sums of a pass, made whole over the CP chunks, added to sums (which hold
+/* This stage's routing sums of a pass, made whole over the CP blocks, added to sums (which hold
    the earlier stages'). */
 static void pr__moe_stage_sums(pr_trainer *tr, pr__moe_acc *m, const pr__pass *ps, double *sums, double load_mult) {
     const size_t n = 2 * (size_t)m->E + 1;
@@ -5487,7 +5520,7 @@ static void pr__sum_partial_grad(pr_trainer *tr, int t) {
 
 /* A mesh step's gradients made whole on every rank: the partial sums over tp of the weights that
    serve heads on several TP ranks (the q/k norms, a replicated KV head's projections), every
-   gradient over cp (each chunk's rows gave a share), and a tied embedding's over the pipeline's
+   gradient over cp (each block's rows gave a share), and a tied embedding's over the pipeline's
    ends (the first stage's embedding and the last stage's LM head are one tensor). Collective; a
    failure is kept in comm_st. */
 static void pr__mesh_sync_grads(pr_trainer *tr) {
@@ -5508,57 +5541,107 @@ static void pr__mesh_sync_grads(pr_trainer *tr) {
 }
 
 /* ---------------------------------------------------------------- 7.4 Context parallelism */
-/* CP attention. The chunks before this rank's (and the cached path above the pass: a group's
-   prefix in Phase B, a tree's nodes, whose shards the ranks hold alike) are gathered into one
-   region the pass's queries see whole, in front of their own causal rows: the two-region
-   attention runs unchanged on it. Its backward returns the region's dK/dV to the chunks' owners
-   by reduce-scatter. */
-static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
-    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+/* CP attention. The segments a pass reads (the cached path above it: a group's prefix in Phase B,
+   a tree's nodes, whose blocks the ranks hold alike) and its own segment are gathered into one
+   region, each segment's rows in their order. Each of the pass's two pieces then runs the
+   two-region attention unchanged: its queries see the region up to their own piece whole, in
+   front of their own causal rows. The backward returns the region's dK/dV to the rows' owners by
+   reduce-scatter. */
+
+/* The region row where piece k of a segment of `chunk`-row blocks lands: q's block holds pieces q
+   and 2cp-1-q. */
+static size_t pr__cp_piece_row(int k, size_t chunk) { return (size_t)k * (chunk / 2); }
+
+/* The ranks' blocks of a segment of `rows` rows (own: this rank's, `chunk` rows), gathered into
+   dst in row order: the first pieces (0 .. cp-1) straight into place, the second ones (2cp-1 down
+   to cp) by way of ps->pad. Rows past the segment's hold what the blocks' spare rows held. */
+static void pr__cp_gather_rows(pr_trainer *tr, pr__pass *ps, void *dst, const void *own, int rows, size_t chunk) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, piece = chunk / 2;
     const pr_comm_type t = pr__act_type(tr);
+    const pr_backend *be = tr->be;
     pr_comm *c = tr->mesh->cp_comm;
     pr_error e;
-    size_t row = 0, kv_row = 0;  /* the path's segments in order (each gather's padding is the next one's room), then the pass's chunks */
+    pr__comm_done(tr, c->all_gather(c, dst, own, piece * kvd, t, &e), &e);
+    pr__comm_done(tr, c->all_gather(c, ps->pad, pr__cact_at(tr, own, piece * kvd), piece * kvd, t, &e), &e);
+    for (int q = 0; q < c->size; q++) {
+        const size_t at = pr__cp_piece_row(2 * c->size - 1 - q, chunk);
+        if (at < (size_t)rows)
+            be->copy(be, pr__act_at(tr, dst, at * kvd), pr__act_at(tr, ps->pad, (size_t)q * piece * kvd),
+                     ((size_t)rows - at < piece ? (size_t)rows - at : piece) * kvd * be->act_bytes);
+    }
+}
+
+static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    size_t row = 0, kv_row = 0;  /* the path's segments in order (each one's spare rows are the next one's room), then the pass's */
     for (int i = 0; i < ps->pre_seg; i++) {
         const pr__kv_seg *sg = &ps->pre->seg[i];
-        const size_t n = (size_t)sg->chunk * kvd;
-        pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, row * kvd), pr__cact_at(tr, kp, kv_row * kvd), n, t, &e), &e);
-        pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, row * kvd), pr__cact_at(tr, vp, kv_row * kvd), n, t, &e), &e);
+        pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->kreg, row * kvd), pr__cact_at(tr, kp, kv_row * kvd), sg->rows, (size_t)sg->chunk);
+        pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->vreg, row * kvd), pr__cact_at(tr, vp, kv_row * kvd), sg->rows, (size_t)sg->chunk);
         row += (size_t)sg->rows;
         kv_row += (size_t)sg->chunk;
     }
     const size_t at = (size_t)ps->cp_pre_rows * kvd;
-    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->kreg, at), a->k, (size_t)ps->cp_chunk * kvd, t, &e), &e);
-    pr__comm_done(tr, c->all_gather(c, pr__act_at(tr, ps->vreg, at), a->v, (size_t)ps->cp_chunk * kvd, t, &e), &e);
+    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->kreg, at), a->k, ps->cp_seg_rows, (size_t)ps->cp_chunk);
+    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->vreg, at), a->v, ps->cp_seg_rows, (size_t)ps->cp_chunk);
+}
+
+/* Piece B's layout (its rows' offsets in seg_off): piece A's, cp_shift rows further on. */
+static pr_seq_layout pr__cp_lay_b(const pr__pass *ps, int seg_off[2]) {
+    pr_seq_layout l = ps->lay;
+    seg_off[0] = 0;
+    seg_off[1] = ps->N - ps->cp_rows_a;
+    l.seg_off = seg_off;
+    l.pos0 += ps->cp_shift;
+    l.n_prefix += ps->cp_shift;
+    return l;
 }
 
 static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp) {
     const pr_config *c = &tr->cfg;
     const pr_backend *be = tr->be;
+    const int NH = c->num_attention_heads, NKV = c->num_key_value_heads, HS = c->head_dim;
     if (!ps->kreg) {
-        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, c->num_attention_heads,
-                          c->num_key_value_heads, c->head_dim);
+        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
     }
     pr__cp_gather_region(tr, ps, a, kp, vp);
-    if (ps->N)
+    const int na = ps->cp_rows_a;
+    int off_b[2];
+    const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
+    if (na)
         be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, ps->lay.n_prefix ? ps->kreg : NULL,
-                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, c->num_attention_heads, c->num_key_value_heads, c->head_dim);
+                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
+    if (ps->N > na) {            /* piece B sees more of the region (piece A among it) */
+        const size_t qa = (size_t)na * NH * HS, ka = (size_t)na * NKV * HS;
+        be->attention_fwd(be, pr__act_at(tr, a->att, qa), pr__stat_at(tr, a->lse, (size_t)na * NH), pr__cact_at(tr, a->q, qa),
+                          pr__cact_at(tr, a->k, ka), pr__cact_at(tr, a->v, ka), ps->kreg, ps->vreg, &lay_b, NH, NKV, HS);
+    }
 }
 
-/* Sends gradient rows back to the ranks that own them: n_before rows of the region gradient g
-   from region row `from` on (the chunks before this rank's, which they tile from block 0), plus
-   this rank's own n_own rows (own, activations, or NULL) in its block. Returns the sum over the
-   ranks of this rank's block, `chunk` rows of reals (ps->shard). */
-static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real *g, size_t from, size_t n_before,
+/* Sends a segment's region gradient back to the ranks that hold its rows: for each rank, the rows
+   of its two pieces among the first `vis` rows of the segment's gradient (g from region row
+   `from`; the rows past them no query saw), and into this rank's own block its n_own rows (own,
+   activations, or NULL) added. Returns the sum over the ranks of this rank's block, `chunk` rows
+   of reals (ps->shard). */
+static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real *g, size_t from, size_t vis,
                                     const void *own, size_t n_own, size_t chunk) {
-    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, piece = chunk / 2;
     pr_comm *c = tr->mesh->cp_comm;
     const pr_backend *be = tr->be;
     pr_error e;
     be->zero(be, ps->pad, (size_t)c->size * chunk * kvd * sizeof(pr_real));
-    if (n_before) be->copy(be, ps->pad, g + from * kvd, n_before * kvd * sizeof(pr_real));
     if (n_own) be->acts_to_reals(be, ps->pad + (size_t)c->rank * chunk * kvd, own, n_own * kvd);
+    for (int q = 0; q < c->size; q++)
+        for (int half = 0; half < 2; half++) {
+            const size_t at = pr__cp_piece_row(half ? 2 * c->size - 1 - q : q, chunk);
+            if (at >= vis) continue;
+            pr_real *to = ps->pad + ((size_t)q * chunk + (size_t)half * piece) * kvd;
+            const pr_real *src = g + (from + at) * kvd;
+            const size_t n = (vis - at < piece ? vis - at : piece) * kvd;
+            if (q == c->rank) be->add_reals(be, to, src, n);   /* its own rows: what the pass's own keys got too */
+            else be->copy(be, to, src, n * sizeof(pr_real));
+        }
     pr__comm_done(tr, c->reduce_scatter(c, ps->shard, ps->pad, chunk * kvd, PR_COMM_REAL, &e), &e);
     return ps->shard;
 }
@@ -5577,17 +5660,29 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
     }
-    const size_t kvd = (size_t)NKV * HS, np = (size_t)ps->lay.n_prefix, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
+    const size_t kvd = (size_t)NKV * HS, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N, na = (size_t)ps->cp_rows_a;
+    int off_b[2];
+    const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
+    /* the region rows the queries saw: piece B's when it has rows, else piece A's; a rank without
+       rows had no queries, returns nothing but joins the collectives */
+    const size_t np = (size_t)(N > na ? lay_b.n_prefix : ps->lay.n_prefix), vis = N ? np - pre : 0;
     pr__cp_gather_region(tr, ps, a, kp, vp);
     be->zero(be, ps->dkreg, np * kvd * sizeof(pr_real));
     be->zero(be, ps->dvreg, np * kvd * sizeof(pr_real));
-    if (N)
-        be->attention_bwd(be, s->dq, dk, dv, np ? ps->dkreg : NULL, np ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
-                          a->v, np ? ps->kreg : NULL, np ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
-    /* a rank without rows had no queries: it returns nothing but joins the collectives */
-    const size_t before = N ? np - pre : 0;
-    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, before, dk, N, (size_t)ps->cp_chunk), N * kvd);
-    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, before, dv, N, (size_t)ps->cp_chunk), N * kvd);
+    if (na) {
+        const size_t npa = (size_t)ps->lay.n_prefix;
+        be->attention_bwd(be, s->dq, dk, dv, npa ? ps->dkreg : NULL, npa ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
+                          a->v, npa ? ps->kreg : NULL, npa ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
+    }
+    if (N > na) {
+        const size_t qa = na * NH * HS, ka = na * kvd;
+        be->attention_bwd(be, pr__act_at(tr, s->dq, qa), pr__act_at(tr, dk, ka), pr__act_at(tr, dv, ka), ps->dkreg, ps->dvreg,
+                          pr__cact_at(tr, s->datt, qa), pr__cact_at(tr, a->att, qa), pr__stat_at(tr, a->lse, na * NH),
+                          pr__cact_at(tr, a->q, qa), pr__cact_at(tr, a->k, ka), pr__cact_at(tr, a->v, ka), ps->kreg, ps->vreg, &lay_b,
+                          NH, NKV, HS);
+    }
+    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, vis, dk, N, (size_t)ps->cp_chunk), N * kvd);
+    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, vis, dv, N, (size_t)ps->cp_chunk), N * kvd);
     size_t row = 0, own = 0;    /* the cached path: each segment's gradient added into its shards' owners' */
     for (int i = 0; i < ps->pre_seg; i++) {
         const pr__kv_seg *sg = &ps->pre->seg[i];
@@ -5599,18 +5694,22 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     }
 }
 
-/* CP: the rows of a segment of n that this rank holds (returned), from row *r0, in chunks of
-   *chunk rows; without CP all n, from row 0, one chunk. */
-static int pr__cp_share(const pr_trainer *tr, int n, int *r0, int *chunk) {
+static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n) {
+    pr__cp_cut k = { n, n, 0, n, n, 0 };
     const int cp = pr__cp(tr);
-    *chunk = (n + cp - 1) / cp;
-    *r0 = cp > 1 && tr->mesh->cp_rank * *chunk < n ? tr->mesh->cp_rank * *chunk : cp > 1 ? n : 0;
-    return n - *r0 < *chunk ? n - *r0 : *chunk;
+    if (cp == 1) return k;
+    k.piece = (int)(((long)n + 2 * cp - 1) / (2 * cp));
+    k.chunk = 2 * k.piece;
+    k.a0 = tr->mesh->cp_rank * k.piece;
+    k.b0 = (2 * cp - 1 - tr->mesh->cp_rank) * k.piece;
+    k.rows_a = n - k.a0 < 0 ? 0 : n - k.a0 < k.piece ? n - k.a0 : k.piece;
+    k.rows_b = n - k.b0 < 0 ? 0 : n - k.b0 < k.piece ? n - k.b0 : k.piece;
+    return k;
 }
 
-/* A batch as pr__batch_build makes it; under CP only this rank's chunk of its one segment: rows
-   r0 .. r0+n-1 of chunks of ceil(N/cp) rows, the loss rows re-indexed, positions and the region
-   its queries see whole moved on by r0. */
+/* A batch as pr__batch_build makes it; under CP only this rank's block of its one segment (its
+   two pieces, pr__cp_cut), the loss rows re-indexed, lay piece A's: positions and the region its
+   queries see whole moved on to the piece's first row. */
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err) {
     pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
@@ -5620,30 +5719,37 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
         for (int m = 0; m < b->head.M; m++) b->head.target[m] = pr__vocab_row(tr, b->head.target[m]);
     }
     if (pr__cp(tr) == 1) return PR_OK;
-    int r0, chunk;
-    const int rows = pr__cp_share(tr, b->N, &r0, &chunk);
-    memmove(b->tokens, b->tokens + r0, sizeof(int32_t) * (size_t)rows);
-    memmove(b->real, b->real + r0, (size_t)rows);
+    const pr__cp_cut k = pr__cp_cut_of(tr, b->N);
+    const int rows = k.rows_a + k.rows_b;    /* piece A moves down first: piece B's rows lie past its end */
+    memmove(b->tokens, b->tokens + k.a0, sizeof(int32_t) * (size_t)k.rows_a);
+    memmove(b->real, b->real + k.a0, (size_t)k.rows_a);
+    memmove(b->tokens + k.rows_a, b->tokens + k.b0, sizeof(int32_t) * (size_t)k.rows_b);
+    memmove(b->real + k.rows_a, b->real + k.b0, (size_t)k.rows_b);
     b->seg_off[0] = 0;
-    b->seg_off[1] = rows;
-    b->lay.pos0 += r0;
-    b->lay.n_prefix += r0;
+    b->seg_off[1] = k.rows_a;
+    b->lay.pos0 += k.a0;
+    b->lay.n_prefix += k.a0;
     pr__head_plan *h = &b->head;
     int m = 0;
-    for (int k = 0; k < h->M; k++) {
-        if (h->row[k] < r0 || h->row[k] >= r0 + rows) continue;
-        h->row[m] = h->row[k] - r0;
-        h->flat[m] = h->flat[k];
-        h->target[m] = h->target[k];
-        h->old_logp[m] = h->old_logp[k];
-        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[k];
-        h->advantage[m] = h->advantage[k];
-        h->weight[m] = h->weight[k];
+    for (int j = 0; j < h->M; j++) {
+        const int r = h->row[j];
+        const int in_a = r >= k.a0 && r < k.a0 + k.rows_a, in_b = r >= k.b0 && r < k.b0 + k.rows_b;
+        if (!in_a && !in_b) continue;
+        h->row[m] = in_a ? r - k.a0 : k.rows_a + r - k.b0;
+        h->flat[m] = h->flat[j];
+        h->target[m] = h->target[j];
+        h->old_logp[m] = h->old_logp[j];
+        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[j];
+        h->advantage[m] = h->advantage[j];
+        h->weight[m] = h->weight[j];
         m++;
     }
     h->M = m;
+    b->cp_seg_rows = b->N;
     b->N = rows;
-    b->cp_chunk = chunk;
+    b->cp_chunk = k.chunk;
+    b->cp_rows_a = k.rows_a;
+    b->cp_shift = k.b0 - k.a0;
     return PR_OK;
 }
 
@@ -5655,7 +5761,7 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
     const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
     if (cp > 1) {
         /* the region: every gather's rows from where it starts (the path's segments, then the
-           pass's chunks); a reduce-scatter's blocks: the largest chunk of them */
+           pass's); a reduce-scatter's blocks, and a gather's second pieces: the largest block */
         size_t region = (size_t)ps->cp_pre_rows + cp * (size_t)ps->cp_chunk, big = (size_t)ps->cp_chunk, row = 0;
         for (int i = 0; i < ps->pre_seg; i++) {
             const pr__kv_seg *sg = &ps->pre->seg[i];
@@ -5754,7 +5860,7 @@ static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const p
 
 /* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
    the prefix's routing sums) to each peer, the compact state Phase B reads; the prefix's
-   activation stack stays with the owner. The K/V buffers hold the CP chunk's rows. */
+   activation stack stays with the owner. The K/V buffers hold the CP block's rows. */
 static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_path *path) {
     pr_comm *t = cx->team;
     const pr_config *c = &tr->cfg;

@@ -1874,6 +1874,53 @@ static void test_grad_reduce_bf16(void) {
     pr_trainer_destroy(ref);
 }
 
+/* The CP cut (pr__cp_cut_of): every row of a segment held by exactly one rank, each rank's rows
+   its two pieces in order in a block of `chunk` rows, and the causal attention's work even: the
+   keys a rank's queries see, summed over its rows, at most 3/piece above the ranks' mean (where
+   cp contiguous chunks would put the last rank at (2cp-1)/cp of it, 1.5 at cp 2). */
+static void test_cp_cut(void) {
+    static pr_trainer tr;
+    pr_mesh mesh;
+    memset(&mesh, 0, sizeof mesh);
+    tr.mesh = &mesh;
+    const int sizes[] = { 0, 1, 2, 3, 5, 7, 16, 31, 100, 257, 1000, 4096, 10000 }, cps[] = { 2, 3, 4, 8 };
+    int bad_cover = 0, bad_block = 0;
+    double worst = 0, contiguous = 0;
+    for (size_t ci = 0; ci < sizeof cps / sizeof cps[0]; ci++)
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+            const int cp = cps[ci], n = sizes[si];
+            int *held = calloc((size_t)n + 1, sizeof(int));
+            double keys[8], total = 0;
+            mesh.cp = cp;
+            for (int r = 0; r < cp; r++) {
+                mesh.cp_rank = r;
+                const pr__cp_cut k = pr__cp_cut_of(&tr, n);
+                bad_block += k.chunk != 2 * k.piece || k.rows_a + k.rows_b > k.chunk || (k.rows_b > 0 && k.rows_a != k.piece) ||
+                             k.rows_a < 0 || k.rows_b < 0;
+                keys[r] = 0;
+                for (int i = 0; i < k.rows_a; i++) held[k.a0 + i]++, keys[r] += k.a0 + i + 1;
+                for (int i = 0; i < k.rows_b; i++) held[k.b0 + i]++, keys[r] += k.b0 + i + 1;
+                total += keys[r];
+            }
+            for (int i = 0; i < n; i++) bad_cover += held[i] != 1;
+            const int piece = (n + 2 * cp - 1) / (2 * cp);
+            for (int r = 0; r < cp && piece >= 16; r++) {
+                const double over = keys[r] / (total / cp) - 1;
+                if (over * piece > worst) worst = over * piece;
+            }
+            if (n == 10000) {            /* the contiguous cut's last rank: its chunk's keys over the mean */
+                const double c = ceil((double)n / cp), a = (cp - 1) * c;
+                const double last = ((double)n * (n + 1) - a * (a + 1)) / 2 / (total / cp);
+                if (last > contiguous) contiguous = last;
+            }
+            free(held);
+        }
+    CHECK(!bad_cover && !bad_block, "CP cut: %d rows not held exactly once, %d malformed blocks", bad_cover, bad_block);
+    CHECK(worst <= 3.0, "CP cut: a rank's causal keys %.2f/piece above the mean (at most 3/piece expected)", worst);
+    printf("CP cut: causal attention per rank within %.2f/piece of the mean (contiguous chunks: the last rank up to %.2fx it, 10k rows, cp 2..8)\n",
+           worst, contiguous);
+}
+
 static void test_mesh(void) {
     const int S[6] = { 5, 1, 8, 3, 6, 2 };
     static test_group tg[3];
@@ -3614,6 +3661,7 @@ int main(void) {
     test_steps();
     test_trees();
     test_prefix_loss();
+    test_cp_cut();
     test_mesh();
     test_mesh_faults();
     test_kv_replication();
