@@ -614,7 +614,8 @@ typedef struct {
 
 /* gKV hooks: the public seam of the schedule. Pointers are backend memory (host memory for the
    CPU backend), valid only during the call; k/v rows are (P, NKV*HS), post-RoPE, activations;
-   dK/dV and gK/gV are pr_real (fp32 on the GPU). */
+   dK/dV and gK/gV are pr_real (fp32 on the GPU). Under CP, P is this rank's rows of the prefix:
+   its two pieces, r and 2cp-1-r of 2 cp (pr_mesh), one after the other, not one run of rows. */
 typedef struct {
     void *user;
     /* Phase A: layer `layer` published its prefix K/V. The hook may rewrite them in place (a
@@ -5554,7 +5555,7 @@ static size_t pr__cp_piece_row(int k, size_t chunk) { return (size_t)k * (chunk 
 
 /* The ranks' blocks of a segment of `rows` rows (own: this rank's, `chunk` rows), gathered into
    dst in row order: the first pieces (0 .. cp-1) straight into place, the second ones (2cp-1 down
-   to cp) by way of ps->pad. Rows past the segment's hold what the blocks' spare rows held. */
+   to cp) by way of ps->pad. Rows past the segment's hold spare or stale rows: no query sees them. */
 static void pr__cp_gather_rows(pr_trainer *tr, pr__pass *ps, void *dst, const void *own, int rows, size_t chunk) {
     const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, piece = chunk / 2;
     const pr_comm_type t = pr__act_type(tr);

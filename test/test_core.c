@@ -1943,9 +1943,9 @@ static void test_mesh(void) {
         { &llama, { 1, 1, 1, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2" },
         { &qwen, { 1, 1, 1, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 tp 4 (tied, q/k norms)" },
         { &llama, { 1, 1, 2, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2" },
-        { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones)" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven pieces, empty ones)" },
         { &llama, { 1, 1, 2, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama cp 2, offload on" },
-        { &qwen, { 1, 1, 3, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven chunks, empty ones), offload on" },
+        { &qwen, { 1, 1, 3, 1, 1, 1, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, "qwen3 cp 3 (uneven pieces, empty ones), offload on" },
         { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama tp 2 cp 2" },
         { &llama, { 1, 1, 2, 2, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, "llama tp 2 cp 2, baseline schedule" },
         { &llama, { 1, 1, 2, 4, 1, 1, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, "llama pp 1 tp 4 cp 2 (Table 3)" },
@@ -3570,7 +3570,7 @@ static void test_trees(void) {
             moe_cases++;
         }
         /* on meshes of in-process ranks: subtrees placed over dp, tp inside every node, stages, every
-           node's rows and every suffix cut into cp chunks (3: uneven, a rank without rows of a node) */
+           node's rows and every suffix cut into 2 cp pieces (3: uneven, a rank without rows of a node) */
         const pr_moe_opts group_scope = { PR_AUX_SCOPE_GROUP, 0 };
         const pr_moe_opts micro_scope = { PR_AUX_SCOPE_MICROBATCH, 0 };
         const struct { const pr_config *c; mesh_shape s; pr_moe_opts moe; const char *name; } meshes[2][8] = {
