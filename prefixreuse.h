@@ -989,11 +989,11 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
      layers): each rank looks up its slice's tokens and a sum over tp completes the rows; the
      logits stay in slices, the log-sum-exp combines the slices' maxima and sums, and the head's
      d(input) is summed over tp.
-   - CP: each pass (the prefix in Phase A/C, one trajectory per Phase-B or baseline microbatch)
-     cut into 2 cp row pieces, rank r holding pieces r and 2cp-1-r, so that the causal
-     attention's work is even over the ranks (Llama 3's split); attention all-gathers the K/V of
-     the pass (and in Phase B the prefix K/V blocks) into row order and reduce-scatters their
-     gradients back to the owners.
+   - CP: each sequence of a pass (the prefix in Phase A/C, each trajectory of a Phase-B or
+     baseline microbatch) cut into 2 cp row pieces, rank r holding pieces r and 2cp-1-r, so that the causal
+     attention's work is even over the ranks (Llama 3's split); attention all-gathers the K/V
+     (in Phase B the prefix K/V blocks once, then each sequence's in turn) into row order and
+     reduce-scatters their gradients back to the owners.
    - PP: the layers split into pp stages (the first embeds, the last runs the loss head). Phase A
      and Phase C run stage by stage (the prefix's rows handed on, its gradient handed back); a
      stage starts Phase B as soon as its own Phase A is done, its K/V cache never leaving it, and
@@ -2104,7 +2104,7 @@ typedef struct { int rows, chunk, own; } pr__kv_seg;
    keys as another's; contiguous chunks would give the last rank (2cp-1)/cp of the mean. A rank's
    rows are its two pieces one after the other, in a block of `chunk` = 2 piece rows (piece B
    from row `piece`: rows_b > 0 only when piece A is whole). Without CP: all n rows, one piece. */
-typedef struct { int piece, chunk, a0, rows_a, b0, rows_b; } pr__cp_cut;
+typedef struct { int n, piece, chunk, a0, rows_a, b0, rows_b; } pr__cp_cut;
 
 /* The K/V a pass attends to ahead of its own rows, and where their gradients gather: the group's
    prefix in Phase B, or in a prefix tree every node from the root down to the pass. The path is a
@@ -2138,12 +2138,14 @@ typedef struct {
     void **res;               /* (L+1) */
     pr__route *route;         /* (L) MoE only */
     const double *aux_g;      /* MoE: d(aux loss)/d(router probability) per expert for each real row */
-    /* CP: the pass is this rank's block of a segment of cp_seg_rows rows (pr__cp_cut): cp_rows_a
-       rows of piece A, laid out by lay, then piece B, whose positions and visible region lie
-       cp_shift rows further on; its own K/V hold cp_chunk rows so that they can be gathered.
+    /* CP: the pass holds this rank's block of each of its lay.n_seg segments (cp_cut[j], from
+       row cp_off[j]: piece A, then piece B), each piece laid out by pr__cp_piece; its own K/V
+       hold cp_kv_rows rows so that every block can be gathered; cp_chunk: the largest block.
        pre: the path whose first pre_seg segments (cp_pre_rows rows) the pass reads ahead of its
        own rows (NULL: none). */
-    int cp_chunk, cp_seg_rows, cp_rows_a, cp_shift, cp_pre_rows, pre_seg;
+    const pr__cp_cut *cp_cut;
+    const int *cp_off;
+    int cp_chunk, cp_kv_rows, cp_pre_rows, pre_seg;
     const pr__kv_path *pre;
     void *kreg, *vreg;                   /* CP: gathered attention region */
     pr_real *dkreg, *dvreg;              /* CP: its gradient (reals, as the prefix dK/dV are) */
@@ -2193,9 +2195,9 @@ typedef struct {
     int32_t *tokens;
     uint8_t *real;            /* (N) 1 for a token row, 0 for padding */
     int N, n_traj;            /* rows; trajectories whose rows these are */
-    int cp_chunk;             /* CP: the rows of a rank's block (0 without CP) */
-    int cp_seg_rows;          /* CP: the segment's rows, all ranks' */
-    int cp_rows_a, cp_shift;  /* CP: the rows of piece A (lay's), and how much further on piece B lies */
+    pr__cp_cut *cp_cut;       /* CP: each segment's cut (NULL without CP) */
+    int *cp_off;              /* CP: (n_seg+1) where each segment's block starts among the rows */
+    int cp_chunk, cp_kv_rows; /* CP: the largest block; the rows the K/V need to send every block */
     pr__head_plan head;
 } pr__batch;
 
@@ -2334,7 +2336,7 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
                                 pr__batch_kind kind, int packed, pr_error *err);
 static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err);
 static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n);
-static pr_seq_layout pr__cp_lay_b(const pr__pass *ps, int seg_off[2]);
+static int pr__cp_piece(const pr__pass *ps, int j, int half, pr_seq_layout *lay, int seg_off[2]);
 static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd);
 static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd);
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in);
@@ -2933,7 +2935,7 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
                                 int row, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
-    const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
+    const size_t n_kv = ps->cp_kv_rows > N ? (size_t)ps->cp_kv_rows : n;
     const int L = c->num_hidden_layers;
     ps->N = N;
     ps->acts = (pr__layer_acts *)PR_MALLOC(sizeof(pr__layer_acts) * (size_t)L);
@@ -2983,7 +2985,7 @@ static pr_status pr__pass_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, int 
 static pr_status pr__pass_rebuilt_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps, pr_error *err) {
     const pr_config *c = &tr->cfg;
     const size_t n = (size_t)ps->N, kvd = (size_t)c->num_key_value_heads * c->head_dim;
-    const size_t n_kv = ps->cp_chunk > ps->N ? (size_t)ps->cp_chunk : n;
+    const size_t n_kv = ps->cp_kv_rows > ps->N ? (size_t)ps->cp_kv_rows : n;
     pr__layer_acts shared;
     memset(&shared, 0, sizeof shared);
     char *b = (char *)pr__elems(tr, a, pr__layer_rebuilt(tr, NULL, n, NULL), 1);
@@ -3034,7 +3036,7 @@ static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scr
     s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
     if (ps->keep != PR__KEEP_ALL) s->fwd_out = pr__act(tr, a, n * C);
     if (ps->keep == PR__KEEP_INPUT_KV) {
-        const size_t n_kv = ps->cp_chunk > N ? (size_t)ps->cp_chunk : n;
+        const size_t n_kv = ps->cp_kv_rows > N ? (size_t)ps->cp_kv_rows : n;
         s->fwd_k = pr__act(tr, a, n_kv * kvd);
         s->fwd_v = pr__act(tr, a, n_kv * kvd);
     }
@@ -3051,12 +3053,17 @@ static void pr__rope(pr_trainer *tr, const pr__pass *ps, void *x, int heads, int
     const pr_backend *be = tr->be;
     const int HS = tr->cfg.head_dim;
     void (*rope)(const pr_backend *, void *, const pr_seq_layout *, int, int, const pr_real *) = bwd ? be->rope_bwd : be->rope_fwd;
-    rope(be, x, &ps->lay, heads, HS, tr->inv_freq);
-    if (ps->cp_chunk && ps->N > ps->cp_rows_a) {
-        int off_b[2];
-        const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
-        rope(be, pr__act_at(tr, x, (size_t)ps->cp_rows_a * heads * HS), &lay_b, heads, HS, tr->inv_freq);
+    if (!ps->cp_cut) {
+        rope(be, x, &ps->lay, heads, HS, tr->inv_freq);
+        return;
     }
+    for (int j = 0; j < ps->lay.n_seg; j++)
+        for (int half = 0; half < 2; half++) {
+            pr_seq_layout lay;
+            int off[2];
+            const int row = pr__cp_piece(ps, j, half, &lay, off);
+            if (off[1]) rope(be, pr__act_at(tr, x, (size_t)row * heads * HS), &lay, heads, HS, tr->inv_freq);
+        }
 }
 
 /* Layer l forward over the pass's rows; kp/vp are the cached prefix K/V (Phase B) or NULL. */
@@ -3182,7 +3189,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
 
 /* ---------------------------------------------------------------- 3.7 Batches and the loss head */
 static void pr__batch_free(pr__batch *b) {
-    PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real);
+    PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real); PR_FREE(b->cp_cut); PR_FREE(b->cp_off);
     PR_FREE(b->head.row); PR_FREE(b->head.flat); PR_FREE(b->head.target);
     PR_FREE(b->head.old_logp); PR_FREE(b->head.ref_logp); PR_FREE(b->head.advantage); PR_FREE(b->head.weight);
     memset(b, 0, sizeof *b);
@@ -3315,10 +3322,10 @@ static void pr__pass_init(pr_trainer *tr, pr__pass *p, const pr__batch *b, const
     p->lay = b->lay;
     p->tokens = b->tokens;
     p->real = b->real;
+    p->cp_cut = b->cp_cut;
+    p->cp_off = b->cp_off;
     p->cp_chunk = b->cp_chunk;
-    p->cp_seg_rows = b->cp_seg_rows;
-    p->cp_rows_a = b->cp_rows_a;
-    p->cp_shift = b->cp_shift;
+    p->cp_kv_rows = b->cp_kv_rows;
     if (path && n_seg && pr__cp(tr) > 1) {
         p->pre = path;
         p->pre_seg = n_seg;
@@ -3863,8 +3870,6 @@ static pr_status pr__validate_step(const pr_trainer *tr, const pr_group *g, cons
     if (o->offload.enabled && o->schedule != PR_SCHEDULE_REUSE)
         return pr__fail(err, PR_ERR_ARG, "offload moves the reuse schedule's prefix state: it needs the reuse schedule");
     int mb = pr_step_microbatch(g, o);
-    if (pr__cp(tr) > 1 && mb != 1)
-        return pr__fail(err, PR_ERR_UNSUPPORTED, "context parallelism splits one sequence per pass: use microbatch 1 (got %d)", mb);
     /* a pass's rows, times any per-row count, must fit an int: the baseline's microbatch of whole
        sequences; with reuse the prefix's pass or a microbatch of suffixes, whichever is longer */
     const double whole = (double)mb * ((double)g->P + smax), waves = (double)mb * smax;
@@ -5572,9 +5577,11 @@ static void pr__cp_gather_rows(pr_trainer *tr, pr__pass *ps, void *dst, const vo
     }
 }
 
-static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, const void *kp, const void *vp) {
+/* The path's segments, in order, into the region's first cp_pre_rows rows (each one's spare rows
+   are the next one's room, the last one's the pass's). */
+static void pr__cp_gather_path(pr_trainer *tr, pr__pass *ps, const void *kp, const void *vp) {
     const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim;
-    size_t row = 0, kv_row = 0;  /* the path's segments in order (each one's spare rows are the next one's room), then the pass's */
+    size_t row = 0, kv_row = 0;
     for (int i = 0; i < ps->pre_seg; i++) {
         const pr__kv_seg *sg = &ps->pre->seg[i];
         pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->kreg, row * kvd), pr__cact_at(tr, kp, kv_row * kvd), sg->rows, (size_t)sg->chunk);
@@ -5582,20 +5589,29 @@ static void pr__cp_gather_region(pr_trainer *tr, pr__pass *ps, const pr__layer_a
         row += (size_t)sg->rows;
         kv_row += (size_t)sg->chunk;
     }
-    const size_t at = (size_t)ps->cp_pre_rows * kvd;
-    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->kreg, at), a->k, ps->cp_seg_rows, (size_t)ps->cp_chunk);
-    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->vreg, at), a->v, ps->cp_seg_rows, (size_t)ps->cp_chunk);
+}
+/* The pass's segment j, after the path: each segment in turn takes the same place. */
+static void pr__cp_gather_seg(pr_trainer *tr, pr__pass *ps, const pr__layer_acts *a, int j) {
+    const size_t kvd = (size_t)tr->cfg.num_key_value_heads * tr->cfg.head_dim, at = (size_t)ps->cp_pre_rows * kvd;
+    const size_t own = (size_t)ps->cp_off[j] * kvd, chunk = (size_t)ps->cp_cut[j].chunk;
+    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->kreg, at), pr__cact_at(tr, a->k, own), ps->cp_cut[j].n, chunk);
+    pr__cp_gather_rows(tr, ps, pr__act_at(tr, ps->vreg, at), pr__cact_at(tr, a->v, own), ps->cp_cut[j].n, chunk);
 }
 
-/* Piece B's layout (its rows' offsets in seg_off): piece A's, cp_shift rows further on. */
-static pr_seq_layout pr__cp_lay_b(const pr__pass *ps, int seg_off[2]) {
-    pr_seq_layout l = ps->lay;
+/* Piece `half` (0: A, 1: B) of the pass's segment j: its layout (its rows' offsets in seg_off,
+   seg_off[1] its rows), its position and its visible region moved on to the piece's first row.
+   Returns the piece's first row among the pass's rows. */
+static int pr__cp_piece(const pr__pass *ps, int j, int half, pr_seq_layout *lay, int seg_off[2]) {
+    const pr__cp_cut *k = &ps->cp_cut[j];
+    const int at = half ? k->b0 : k->a0;
+    *lay = ps->lay;
+    lay->n_seg = 1;
+    lay->seg_off = seg_off;
+    lay->pos0 += at;
+    lay->n_prefix += at;
     seg_off[0] = 0;
-    seg_off[1] = ps->N - ps->cp_rows_a;
-    l.seg_off = seg_off;
-    l.pos0 += ps->cp_shift;
-    l.n_prefix += ps->cp_shift;
-    return l;
+    seg_off[1] = half ? k->rows_b : k->rows_a;
+    return ps->cp_off[j] + (half ? k->rows_a : 0);
 }
 
 static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, const void *kp, const void *vp) {
@@ -5606,17 +5622,19 @@ static void pr__attention_fwd(pr_trainer *tr, pr__pass *ps, pr__layer_acts *a, c
         be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
     }
-    pr__cp_gather_region(tr, ps, a, kp, vp);
-    const int na = ps->cp_rows_a;
-    int off_b[2];
-    const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
-    if (na)
-        be->attention_fwd(be, a->att, a->lse, a->q, a->k, a->v, ps->lay.n_prefix ? ps->kreg : NULL,
-                          ps->lay.n_prefix ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
-    if (ps->N > na) {            /* piece B sees more of the region (piece A among it) */
-        const size_t qa = (size_t)na * NH * HS, ka = (size_t)na * NKV * HS;
-        be->attention_fwd(be, pr__act_at(tr, a->att, qa), pr__stat_at(tr, a->lse, (size_t)na * NH), pr__cact_at(tr, a->q, qa),
-                          pr__cact_at(tr, a->k, ka), pr__cact_at(tr, a->v, ka), ps->kreg, ps->vreg, &lay_b, NH, NKV, HS);
+    pr__cp_gather_path(tr, ps, kp, vp);
+    for (int j = 0; j < ps->lay.n_seg; j++) {
+        pr__cp_gather_seg(tr, ps, a, j);
+        for (int half = 0; half < 2; half++) {   /* piece B sees more of the region (piece A among it) */
+            pr_seq_layout lay;
+            int off[2];
+            const size_t r = (size_t)pr__cp_piece(ps, j, half, &lay, off), rq = r * NH * HS, rk = r * NKV * HS;
+            if (!off[1]) continue;
+            const int np = lay.n_prefix;
+            be->attention_fwd(be, pr__act_at(tr, a->att, rq), pr__stat_at(tr, a->lse, r * NH), pr__cact_at(tr, a->q, rq),
+                              pr__cact_at(tr, a->k, rk), pr__cact_at(tr, a->v, rk), np ? ps->kreg : NULL, np ? ps->vreg : NULL,
+                              &lay, NH, NKV, HS);
+        }
     }
 }
 
@@ -5661,29 +5679,34 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
         be->attention_bwd(be, s->dq, dk, dv, dkp, dvp, s->datt, a->att, a->lse, a->q, a->k, a->v, kp, vp, &ps->lay, NH, NKV, HS);
         return;
     }
-    const size_t kvd = (size_t)NKV * HS, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N, na = (size_t)ps->cp_rows_a;
-    int off_b[2];
-    const pr_seq_layout lay_b = pr__cp_lay_b(ps, off_b);
-    /* the region rows the queries saw: piece B's when it has rows, else piece A's; a rank without
-       rows had no queries, returns nothing but joins the collectives */
-    const size_t np = (size_t)(N > na ? lay_b.n_prefix : ps->lay.n_prefix), vis = N ? np - pre : 0;
-    pr__cp_gather_region(tr, ps, a, kp, vp);
-    be->zero(be, ps->dkreg, np * kvd * sizeof(pr_real));
-    be->zero(be, ps->dvreg, np * kvd * sizeof(pr_real));
-    if (na) {
-        const size_t npa = (size_t)ps->lay.n_prefix;
-        be->attention_bwd(be, s->dq, dk, dv, npa ? ps->dkreg : NULL, npa ? ps->dvreg : NULL, s->datt, a->att, a->lse, a->q, a->k,
-                          a->v, npa ? ps->kreg : NULL, npa ? ps->vreg : NULL, &ps->lay, NH, NKV, HS);
+    const size_t kvd = (size_t)NKV * HS, pre = (size_t)ps->cp_pre_rows, N = (size_t)ps->N;
+    pr__cp_gather_path(tr, ps, kp, vp);
+    be->zero(be, ps->dkreg, pre * kvd * sizeof(pr_real));    /* the path's rows: summed over every segment */
+    be->zero(be, ps->dvreg, pre * kvd * sizeof(pr_real));
+    for (int j = 0; j < ps->lay.n_seg; j++) {
+        const pr__cp_cut *k = &ps->cp_cut[j];
+        const size_t own = (size_t)(k->rows_a + k->rows_b), at = (size_t)ps->cp_off[j] * kvd;
+        /* the segment's rows its queries saw: those before piece B when it has rows, else before
+           piece A; a rank without rows of it had no queries, returns nothing but joins the collectives */
+        const size_t vis = own ? (size_t)(k->rows_b ? k->b0 : k->a0) : 0;
+        pr__cp_gather_seg(tr, ps, a, j);
+        be->zero(be, ps->dkreg + pre * kvd, vis * kvd * sizeof(pr_real));
+        be->zero(be, ps->dvreg + pre * kvd, vis * kvd * sizeof(pr_real));
+        for (int half = 0; half < 2; half++) {
+            pr_seq_layout lay;
+            int off[2];
+            const size_t r = (size_t)pr__cp_piece(ps, j, half, &lay, off), rq = r * NH * HS, rk = r * kvd;
+            if (!off[1]) continue;
+            const int np = lay.n_prefix;
+            be->attention_bwd(be, pr__act_at(tr, s->dq, rq), pr__act_at(tr, dk, rk), pr__act_at(tr, dv, rk), np ? ps->dkreg : NULL,
+                              np ? ps->dvreg : NULL, pr__cact_at(tr, s->datt, rq), pr__cact_at(tr, a->att, rq),
+                              pr__stat_at(tr, a->lse, r * NH), pr__cact_at(tr, a->q, rq), pr__cact_at(tr, a->k, rk),
+                              pr__cact_at(tr, a->v, rk), np ? ps->kreg : NULL, np ? ps->vreg : NULL, &lay, NH, NKV, HS);
+        }
+        void *dkj = pr__act_at(tr, dk, at), *dvj = pr__act_at(tr, dv, at);
+        be->reals_to_acts(be, dkj, pr__cp_return(tr, ps, ps->dkreg, pre, vis, dkj, own, (size_t)k->chunk), own * kvd);
+        be->reals_to_acts(be, dvj, pr__cp_return(tr, ps, ps->dvreg, pre, vis, dvj, own, (size_t)k->chunk), own * kvd);
     }
-    if (N > na) {
-        const size_t qa = na * NH * HS, ka = na * kvd;
-        be->attention_bwd(be, pr__act_at(tr, s->dq, qa), pr__act_at(tr, dk, ka), pr__act_at(tr, dv, ka), ps->dkreg, ps->dvreg,
-                          pr__cact_at(tr, s->datt, qa), pr__cact_at(tr, a->att, qa), pr__stat_at(tr, a->lse, na * NH),
-                          pr__cact_at(tr, a->q, qa), pr__cact_at(tr, a->k, ka), pr__cact_at(tr, a->v, ka), ps->kreg, ps->vreg, &lay_b,
-                          NH, NKV, HS);
-    }
-    be->reals_to_acts(be, dk, pr__cp_return(tr, ps, ps->dkreg, pre, vis, dk, N, (size_t)ps->cp_chunk), N * kvd);
-    be->reals_to_acts(be, dv, pr__cp_return(tr, ps, ps->dvreg, pre, vis, dv, N, (size_t)ps->cp_chunk), N * kvd);
     size_t row = 0, own = 0;    /* the cached path: each segment's gradient added into its shards' owners' */
     for (int i = 0; i < ps->pre_seg; i++) {
         const pr__kv_seg *sg = &ps->pre->seg[i];
@@ -5696,7 +5719,7 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
 }
 
 static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n) {
-    pr__cp_cut k = { n, n, 0, n, n, 0 };
+    pr__cp_cut k = { n, n, n, 0, n, n, 0 };
     const int cp = pr__cp(tr);
     if (cp == 1) return k;
     k.piece = (int)(((long)n + 2 * cp - 1) / (2 * cp));
@@ -5708,9 +5731,8 @@ static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n) {
     return k;
 }
 
-/* A batch as pr__batch_build makes it; under CP only this rank's block of its one segment (its
-   two pieces, pr__cp_cut), the loss rows re-indexed, lay piece A's: positions and the region its
-   queries see whole moved on to the piece's first row. */
+/* A batch as pr__batch_build makes it; under CP only this rank's block of each segment (its two
+   pieces, pr__cp_cut), the segments' blocks one after another, the loss rows re-indexed. */
 static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g, const pr_real *tok_weight, int i0, int n,
                                 pr__batch_kind kind, int packed, pr_error *err) {
     pr_status st = pr__batch_build(b, g, tok_weight, i0, n, kind, packed, err);
@@ -5720,37 +5742,43 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
         for (int m = 0; m < b->head.M; m++) b->head.target[m] = pr__vocab_row(tr, b->head.target[m]);
     }
     if (pr__cp(tr) == 1) return PR_OK;
-    const pr__cp_cut k = pr__cp_cut_of(tr, b->N);
-    const int rows = k.rows_a + k.rows_b;    /* piece A moves down first: piece B's rows lie past its end */
-    memmove(b->tokens, b->tokens + k.a0, sizeof(int32_t) * (size_t)k.rows_a);
-    memmove(b->real, b->real + k.a0, (size_t)k.rows_a);
-    memmove(b->tokens + k.rows_a, b->tokens + k.b0, sizeof(int32_t) * (size_t)k.rows_b);
-    memmove(b->real + k.rows_a, b->real + k.b0, (size_t)k.rows_b);
-    b->seg_off[0] = 0;
-    b->seg_off[1] = k.rows_a;
-    b->lay.pos0 += k.a0;
-    b->lay.n_prefix += k.a0;
+    const int ns = b->lay.n_seg;
+    b->cp_cut = (pr__cp_cut *)PR_MALLOC(sizeof(pr__cp_cut) * (size_t)ns);
+    b->cp_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(ns + 1));
+    if (!b->cp_cut || !b->cp_off) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a batch's CP cut");
+    b->cp_off[0] = 0;
+    for (int j = 0; j < ns; j++) {  /* each block moves down to where the ones before it end: never past its own rows */
+        const pr__cp_cut k = b->cp_cut[j] = pr__cp_cut_of(tr, b->seg_off[j + 1] - b->seg_off[j]);
+        const int o = b->cp_off[j], src = b->seg_off[j];
+        memmove(b->tokens + o, b->tokens + src + k.a0, sizeof(int32_t) * (size_t)k.rows_a);
+        memmove(b->real + o, b->real + src + k.a0, (size_t)k.rows_a);
+        memmove(b->tokens + o + k.rows_a, b->tokens + src + k.b0, sizeof(int32_t) * (size_t)k.rows_b);
+        memmove(b->real + o + k.rows_a, b->real + src + k.b0, (size_t)k.rows_b);
+        b->cp_off[j + 1] = o + k.rows_a + k.rows_b;
+        if (k.chunk > b->cp_chunk) b->cp_chunk = k.chunk;
+        if (o + k.chunk > b->cp_kv_rows) b->cp_kv_rows = o + k.chunk;
+    }
     pr__head_plan *h = &b->head;
     int m = 0;
-    for (int j = 0; j < h->M; j++) {
-        const int r = h->row[j];
-        const int in_a = r >= k.a0 && r < k.a0 + k.rows_a, in_b = r >= k.b0 && r < k.b0 + k.rows_b;
+    for (int i = 0, j = 0; i < h->M; i++) {
+        const int r = h->row[i];
+        while (j > 0 && r < b->seg_off[j]) j--;            /* the segment that holds row r */
+        while (j + 1 < ns && r >= b->seg_off[j + 1]) j++;
+        const pr__cp_cut *k = &b->cp_cut[j];
+        const int x = r - b->seg_off[j];
+        const int in_a = x >= k->a0 && x < k->a0 + k->rows_a, in_b = x >= k->b0 && x < k->b0 + k->rows_b;
         if (!in_a && !in_b) continue;
-        h->row[m] = in_a ? r - k.a0 : k.rows_a + r - k.b0;
-        h->flat[m] = h->flat[j];
-        h->target[m] = h->target[j];
-        h->old_logp[m] = h->old_logp[j];
-        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[j];
-        h->advantage[m] = h->advantage[j];
-        h->weight[m] = h->weight[j];
+        h->row[m] = b->cp_off[j] + (in_a ? x - k->a0 : k->rows_a + x - k->b0);
+        h->flat[m] = h->flat[i];
+        h->target[m] = h->target[i];
+        h->old_logp[m] = h->old_logp[i];
+        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[i];
+        h->advantage[m] = h->advantage[i];
+        h->weight[m] = h->weight[i];
         m++;
     }
     h->M = m;
-    b->cp_seg_rows = b->N;
-    b->N = rows;
-    b->cp_chunk = k.chunk;
-    b->cp_rows_a = k.rows_a;
-    b->cp_shift = k.b0 - k.a0;
+    b->N = b->cp_off[ns];
     return PR_OK;
 }
 
@@ -5761,8 +5789,8 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
     const size_t kvd = (size_t)c->num_key_value_heads * c->head_dim;
     const size_t cp = (size_t)pr__cp(tr), ep = (size_t)pr__ep(tr);
     if (cp > 1) {
-        /* the region: every gather's rows from where it starts (the path's segments, then the
-           pass's); a reduce-scatter's blocks, and a gather's second pieces: the largest block */
+        /* the region: every gather's rows from where it starts (the path's segments, then each
+           of the pass's); a reduce-scatter's blocks, and a gather's second pieces: the largest block */
         size_t region = (size_t)ps->cp_pre_rows + cp * (size_t)ps->cp_chunk, big = (size_t)ps->cp_chunk, row = 0;
         for (int i = 0; i < ps->pre_seg; i++) {
             const pr__kv_seg *sg = &ps->pre->seg[i];

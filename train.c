@@ -436,10 +436,6 @@ static int parse_args(int argc, char **argv, options *o) {
             return 0;
         }
     }
-    if (o->cp > 1 && o->step.microbatch != 1) {
-        if (o->step.microbatch) { fprintf(stderr, "train: --cp splits one sequence per pass: use --microbatch 1\n"); return 0; }
-        o->step.microbatch = 1;      /* the default (whole group) cannot be split by CP */
-    }
     if (o->pp > 1 && o->step.microbatch == 0 && !o->step.microbatch_tokens) o->step.microbatch = 1;   /* one microbatch would leave the stages in turn idle */
     return 1;
 }

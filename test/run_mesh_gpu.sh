@@ -180,7 +180,7 @@ offload_same() {
     run build/compare_st "$tmp/$name-offload-on.safetensors" "$tmp/$name-offload-off.safetensors" 0
 }
 offload_same dp-pp --dp 2 --pp 2 --steps 2 --microbatch 2
-offload_same cp-tp --cp 2 --tp 2 --steps 2      # each rank parks its chunk of the prefix
+offload_same cp-tp --cp 2 --tp 2 --steps 2      # each rank parks its block of the prefix
 # A rank that fails mid-run ends its peer's run with an error naming the exchange, exit status 1:
 #  - stopped (SIGSTOP: a hung process, which NCCL alone would wait for forever): its peer gives up
 #    after --nccl-timeout (2 s here), while the stopped rank is still there;

@@ -1501,7 +1501,7 @@ typedef struct {
 } mesh_spec;
 
 static void mesh_compare(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
-                         pr_schedule sched, int tree, const char *label) {
+                         pr_schedule sched, int tree, pr_layout layout, const char *label) {
     pr_trainer *ref = make_model(c, 5);
     pr_real *init = params_of(ref);
     pr_step_opts o = pr_step_opts_default();
@@ -1528,6 +1528,7 @@ static void mesh_compare(const pr_config *c, mesh_shape shape, const pr_group *g
     m.opt.schedule = sched;
     m.opt.accumulate = 0;
     m.opt.offload.enabled = shape.offload;
+    m.opt.layout = layout;
     m.tree = tree;
     m.grads = malloc(sizeof(pr_real) * np);
     m.params = malloc(sizeof(pr_real) * np);
@@ -1557,7 +1558,7 @@ static void mesh_compare(const pr_config *c, mesh_shape shape, const pr_group *g
 
 static void mesh_case(const pr_config *c, mesh_shape shape, const pr_group *groups, int n, pr_moe_opts moe,
                       pr_schedule sched, const char *label) {
-    mesh_compare(c, shape, groups, n, moe, sched, 0, label);
+    mesh_compare(c, shape, groups, n, moe, sched, 0, PR_LAYOUT_PADDED, label);
 }
 
 /* ZeRO: the same mesh run with the AdamW state unsharded and sharded over dp, three steps: the
@@ -1984,7 +1985,20 @@ static void test_mesh(void) {
     };
     const int n = (int)(sizeof cases / sizeof cases[0]);
     for (int i = 0; i < n; i++) mesh_case(cases[i].c, cases[i].s, groups, cases[i].groups, cases[i].moe, cases[i].sched, cases[i].name);
-    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n);
+    /* CP over microbatches of several trajectories: each one cut in pieces, gathered in turn */
+    const struct { const pr_config *c; mesh_shape s; int groups; pr_moe_opts moe; pr_schedule sched; pr_layout layout; const char *name; } cp_mb[] = {
+        { &llama, { 1, 1, 2, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PADDED, "llama cp 2, microbatch 2, padded" },
+        { &qwen, { 1, 1, 3, 1, 1, 3, 1 }, 1, mb_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PACKED, "qwen3 cp 3, microbatch 3, packed, offload on" },
+        { &llama, { 1, 1, 2, 2, 1, 0, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PACKED, "llama tp 2 cp 2, one microbatch, packed" },
+        { &llama, { 1, 1, 2, 2, 1, 0, 0 }, 1, mb_scope, PR_SCHEDULE_BASELINE, PR_LAYOUT_PADDED, "llama tp 2 cp 2, one microbatch, baseline schedule" },
+        { &moe, { 1, 1, 2, 2, 2, 2, 0 }, 1, group_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PACKED, "MoE tp 2 cp 2 ep 2, microbatch 2, packed, group scope" },
+        { &qwen, { 1, 2, 2, 1, 1, 2, 0 }, 1, mb_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PADDED, "qwen3 pp 2 cp 2, microbatch 2" },
+        { &llama, { 2, 1, 2, 1, 1, 2, 0 }, 3, mb_scope, PR_SCHEDULE_REUSE, PR_LAYOUT_PACKED, "llama dp 2 cp 2, microbatch 2, packed, whole groups" },
+    };
+    const int n_cp_mb = (int)(sizeof cp_mb / sizeof cp_mb[0]);
+    for (int i = 0; i < n_cp_mb; i++)
+        mesh_compare(cp_mb[i].c, cp_mb[i].s, groups, cp_mb[i].groups, cp_mb[i].moe, cp_mb[i].sched, 0, cp_mb[i].layout, cp_mb[i].name);
+    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n + n_cp_mb);
     /* what a split group replicates to each peer: the prefix K/V, a fraction of its activation stack */
     pr_trainer *tr = make_model(&llama, 5);
     pr_step_opts o = pr_step_opts_default();
@@ -3445,11 +3459,11 @@ static void test_prefix_loss(void) {
     }
     /* one group on meshes: CP chunks holding trained rows, a group split over dp, stages */
     const pr_moe_opts moe = { PR_AUX_SCOPE_MICROBATCH, 0 };
-    mesh_compare(&c, (mesh_shape){ 1, 1, 2, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, "trained prefix tokens on cp 2");
-    mesh_compare(&c, (mesh_shape){ 1, 1, 3, 1, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, "trained prefix tokens on cp 3, offload");
-    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
+    mesh_compare(&c, (mesh_shape){ 1, 1, 2, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PADDED, "trained prefix tokens on cp 2");
+    mesh_compare(&c, (mesh_shape){ 1, 1, 3, 1, 1, 2, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PACKED, "trained prefix tokens on cp 3, microbatch 2, packed, offload");
+    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PADDED,
                  "trained prefix tokens, the group split over dp 2");
-    mesh_compare(&c, (mesh_shape){ 1, 2, 1, 2, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0,
+    mesh_compare(&c, (mesh_shape){ 1, 2, 1, 2, 1, 1, 1 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PADDED,
                  "trained prefix tokens on pp 2 x tp 2, offload");
 
     /* a multi-turn step as its prefix tree: a system prompt; a trained first turn and a tool's
@@ -3514,7 +3528,7 @@ static void test_prefix_loss(void) {
         cases++;
     }
     pr_prefix_tree_free(&tree);
-    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 2, 1, 1, 0 }, groups, 4, moe, PR_SCHEDULE_REUSE, 1, "multi-turn tree on dp 2 x tp 2");
+    mesh_compare(&c, (mesh_shape){ 2, 1, 1, 2, 1, 1, 0 }, groups, 4, moe, PR_SCHEDULE_REUSE, 1, PR_LAYOUT_PADDED, "multi-turn tree on dp 2 x tp 2");
     printf("trained prefix tokens: %d cases against the same turns unrolled into every suffix, 4 meshes\n", cases);
 }
 
@@ -3577,7 +3591,7 @@ static void test_trees(void) {
             { { &c, { 2, 1, 1, 1, 1, 2, 1 }, group_scope, "dp 2, offload" },
               { &m8, { 2, 1, 1, 2, 2, 2, 0 }, group_scope, "MoE dp 2 x tp 2 x ep 2" },
               { &c, { 4, 1, 1, 1, 1, 0, 0 }, group_scope, "dp 4, a group a rank" }, { &c, { 1, 2, 1, 1, 1, 2, 0 }, group_scope, "pp 2" },
-              { &m, { 1, 2, 1, 1, 1, 1, 0 }, group_scope, "MoE pp 2, group scope" }, { &c, { 1, 1, 2, 1, 1, 1, 0 }, group_scope, "cp 2" },
+              { &m, { 1, 2, 1, 1, 1, 1, 0 }, group_scope, "MoE pp 2, group scope" }, { &c, { 1, 1, 2, 1, 1, 2, 0 }, group_scope, "cp 2, microbatch 2" },
               { &c, { 2, 1, 2, 2, 1, 1, 0 }, group_scope, "dp 2 x cp 2 x tp 2" },
               { &m, { 1, 1, 2, 1, 1, 1, 0 }, group_scope, "MoE cp 2, group scope" } },
             { { &c, { 3, 1, 1, 1, 1, 1, 0 }, group_scope, "dp 3" }, { &c, { 1, 1, 1, 2, 1, 2, 1 }, group_scope, "tp 2, offload" },
@@ -3585,7 +3599,7 @@ static void test_trees(void) {
               { &c, { 2, 2, 1, 2, 1, 1, 1 }, group_scope, "dp 2 x pp 2 x tp 2, offload" },
               { &m8, { 1, 2, 1, 2, 2, 2, 0 }, micro_scope, "MoE pp 2 x tp 2 x ep 2, microbatch scope" },
               { &c, { 1, 1, 3, 1, 1, 1, 1 }, group_scope, "cp 3, offload" },
-              { &c, { 1, 2, 2, 1, 1, 1, 1 }, group_scope, "pp 2 x cp 2, offload" },
+              { &c, { 1, 2, 2, 1, 1, 2, 1 }, group_scope, "pp 2 x cp 2, microbatch 2, offload" },
               { &m8, { 1, 1, 2, 2, 2, 1, 0 }, micro_scope, "MoE cp 2 x tp 2 x ep 2, microbatch scope" } } };
         for (int ranks = 1; ranks <= n; ranks++) {    /* the placement: every rank gets a group */
             pr_prefix_tree t;
@@ -3599,7 +3613,7 @@ static void test_trees(void) {
         for (int i = 0; i < 8 && sh < 2; i++) {
             char label[160];
             snprintf(label, sizeof label, "tree (%s) on %s", shapes[sh].name, meshes[sh][i].name);
-            mesh_compare(meshes[sh][i].c, meshes[sh][i].s, groups, n, meshes[sh][i].moe, PR_SCHEDULE_REUSE, 1, label);
+            mesh_compare(meshes[sh][i].c, meshes[sh][i].s, groups, n, meshes[sh][i].moe, PR_SCHEDULE_REUSE, 1, PR_LAYOUT_PADDED, label);
             mesh_cases++;
         }
     }
