@@ -1032,8 +1032,8 @@ PRDEF void pr_mesh_free(pr_mesh *mesh);
    call is collective over the mesh; gradients are summed over cp (and the q/k-norm gradients over
    tp) inside pr_trainer_compute_grads, so every rank ends a step with its shard of the full
    model's gradient. Requires heads, KV heads, intermediate (or, without EP, the expert
-   intermediate) size divisible by tp, and experts by ep. With cp > 1 a microbatch holds one
-   trajectory. */
+   intermediate) size divisible by tp, and experts by ep. With cp > 1 each sequence of a pass
+   (each trajectory of a microbatch) is cut into 2 cp pieces, two of them a rank. */
 PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
@@ -5548,11 +5548,12 @@ static void pr__mesh_sync_grads(pr_trainer *tr) {
 
 /* ---------------------------------------------------------------- 7.4 Context parallelism */
 /* CP attention. The segments a pass reads (the cached path above it: a group's prefix in Phase B,
-   a tree's nodes, whose blocks the ranks hold alike) and its own segment are gathered into one
-   region, each segment's rows in their order. Each of the pass's two pieces then runs the
-   two-region attention unchanged: its queries see the region up to their own piece whole, in
-   front of their own causal rows. The backward returns the region's dK/dV to the rows' owners by
-   reduce-scatter. */
+   a tree's nodes, whose blocks the ranks hold alike) are gathered into one region once a layer,
+   each segment's rows in their order; then each of the pass's own sequences in turn, after them.
+   Each of a sequence's two pieces runs the two-region attention unchanged: its queries see the
+   region up to their own piece whole, in front of their own causal rows. The backward returns
+   the region's dK/dV to the rows' owners by reduce-scatter, each sequence's before the next one
+   takes its place, the path's once at the end. */
 
 /* The region row where piece k of a segment of `chunk`-row blocks lands: q's block holds pieces q
    and 2cp-1-q. */

@@ -81,6 +81,7 @@ for p in float double; do
     run "$dir/train-$p" --check --tp 2 --cp 2 --offload on --offload-pool 0.5 --device-budget 4 --recompute prefix
     run "$dir/train-$p" --check --tp 4 --kl-coef 0.04
     run "$dir/train-$p" --config model/tiny-qwen3 --check --tp 4 --cp 2
+    run "$dir/train-$p" --check --dp 2 --cp 2 --kl-coef 0.04
     run "$dir/train-$p" --check --dp 2 --cp 2 --kl-coef 0.04 --microbatch 1
     run "$dir/train-$p" --config model/tiny-moe --check --tp 2 --ep 2 --cp 2 --aux-scope group
     run "$dir/train-$p" --check --pp 2 --tp 2 --cp 2 --kl-coef 0.04
