@@ -990,10 +990,10 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
      logits stay in slices, the log-sum-exp combines the slices' maxima and sums, and the head's
      d(input) is summed over tp.
    - CP: each sequence of a pass (the prefix in Phase A/C, each trajectory of a Phase-B or
-     baseline microbatch) cut into 2 cp row pieces, rank r holding pieces r and 2cp-1-r, so that the causal
-     attention's work is even over the ranks (Llama 3's split); attention all-gathers the K/V
-     (in Phase B the prefix K/V blocks once, then each sequence's in turn) into row order and
-     reduce-scatters their gradients back to the owners.
+     baseline microbatch) cut into 2 cp row pieces, rank r holding pieces r and 2cp-1-r, so that
+     the causal attention's work is even over the ranks (Llama 3's split); attention all-gathers
+     the K/V (in Phase B the prefix K/V blocks once, then each sequence's in turn) into row order
+     and reduce-scatters their gradients back to the owners.
    - PP: the layers split into pp stages (the first embeds, the last runs the loss head). Phase A
      and Phase C run stage by stage (the prefix's rows handed on, its gradient handed back); a
      stage starts Phase B as soon as its own Phase A is done, its K/V cache never leaving it, and
