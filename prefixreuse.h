@@ -2105,6 +2105,9 @@ typedef struct { int rows, chunk, own; } pr__kv_seg;
    rows are its two pieces one after the other, in a block of `chunk` = 2 piece rows (piece B
    from row `piece`: rows_b > 0 only when piece A is whole). Without CP: all n rows, one piece. */
 typedef struct { int n, piece, chunk, a0, rows_a, b0, rows_b; } pr__cp_cut;
+static int pr__cp_own(const pr__cp_cut *k) { return k->rows_a + k->rows_b; }   /* this rank's rows */
+/* The rows of a piece of `piece` rows from row `at` that lie before row n (0 from n on). */
+static size_t pr__piece_rows(size_t n, size_t at, size_t piece) { return at >= n ? 0 : n - at < piece ? n - at : piece; }
 
 /* The K/V a pass attends to ahead of its own rows, and where their gradients gather: the group's
    prefix in Phase B, or in a prefix tree every node from the root down to the pass. The path is a
@@ -3475,7 +3478,7 @@ static void pr__path_push(pr_trainer *tr, pr__kv_path *path, int rows) {
     pr__kv_seg *sg = &path->seg[path->n_seg++];
     const pr__cp_cut k = pr__cp_cut_of(tr, rows);
     sg->rows = rows;
-    sg->own = k.rows_a + k.rows_b;
+    sg->own = pr__cp_own(&k);
     sg->chunk = k.chunk;
     path->own += sg->own;
     path->kv += sg->chunk;
@@ -4003,7 +4006,7 @@ static pr_status pr__step_reuse(pr_trainer *tr, pr__step_ctx *cx, pr_step_stats 
     const pr_config *c = &tr->cfg;
     const int P = cx->g->P;
     const pr__cp_cut cut = pr__cp_cut_of(tr, P);
-    const int own = cut.rows_a + cut.rows_b, chunk = cut.chunk;
+    const int own = pr__cp_own(&cut), chunk = cut.chunk;
     pr__kv_path path;       /* one segment: the group's prefix */
     pr__prefix_state ps;
     memset(&ps, 0, sizeof ps);
@@ -4396,7 +4399,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         for (int k = 0; k < n; k++) t.copies[i] += pr__tree_below(tree, i, k) ? groups[k].G : 0;
         stack[i] = (size_t)tr->cfg.num_hidden_layers *
                    pr__layer_block(tr, NULL, (size_t)tree->nodes[i].len, opt->recompute == PR_RECOMPUTE_NONE, NULL, NULL);
-        own[i] = (size_t)cut.rows_a + (size_t)cut.rows_b;
+        own[i] = (size_t)pr__cp_own(&cut);
         kv[i] = (size_t)cut.chunk;
         depth[i] = 1;
         if (up >= 0) stack[i] += stack[up], own[i] += own[up], kv[i] += kv[up], depth[i] += depth[up];
@@ -5571,10 +5574,8 @@ static void pr__cp_gather_rows(pr_trainer *tr, pr__pass *ps, void *dst, const vo
     pr__comm_done(tr, c->all_gather(c, dst, own, piece * kvd, t, &e), &e);
     pr__comm_done(tr, c->all_gather(c, ps->pad, pr__cact_at(tr, own, piece * kvd), piece * kvd, t, &e), &e);
     for (int q = 0; q < c->size; q++) {
-        const size_t at = pr__cp_piece_row(2 * c->size - 1 - q, chunk);
-        if (at < (size_t)rows)
-            be->copy(be, pr__act_at(tr, dst, at * kvd), pr__act_at(tr, ps->pad, (size_t)q * piece * kvd),
-                     ((size_t)rows - at < piece ? (size_t)rows - at : piece) * kvd * be->act_bytes);
+        const size_t at = pr__cp_piece_row(2 * c->size - 1 - q, chunk), n = pr__piece_rows((size_t)rows, at, piece);
+        if (n) be->copy(be, pr__act_at(tr, dst, at * kvd), pr__act_at(tr, ps->pad, (size_t)q * piece * kvd), n * kvd * be->act_bytes);
     }
 }
 
@@ -5654,11 +5655,10 @@ static const pr_real *pr__cp_return(pr_trainer *tr, pr__pass *ps, const pr_real 
     if (n_own) be->acts_to_reals(be, ps->pad + (size_t)c->rank * chunk * kvd, own, n_own * kvd);
     for (int q = 0; q < c->size; q++)
         for (int half = 0; half < 2; half++) {
-            const size_t at = pr__cp_piece_row(half ? 2 * c->size - 1 - q : q, chunk);
-            if (at >= vis) continue;
+            const size_t at = pr__cp_piece_row(half ? 2 * c->size - 1 - q : q, chunk), n = pr__piece_rows(vis, at, piece) * kvd;
+            if (!n) continue;
             pr_real *to = ps->pad + ((size_t)q * chunk + (size_t)half * piece) * kvd;
             const pr_real *src = g + (from + at) * kvd;
-            const size_t n = (vis - at < piece ? vis - at : piece) * kvd;
             if (q == c->rank) be->add_reals(be, to, src, n);   /* its own rows: what the pass's own keys got too */
             else be->copy(be, to, src, n * sizeof(pr_real));
         }
@@ -5686,7 +5686,7 @@ static void pr__attention_bwd(pr_trainer *tr, pr__pass *ps, pr__bwd_scratch *s, 
     be->zero(be, ps->dvreg, pre * kvd * sizeof(pr_real));
     for (int j = 0; j < ps->lay.n_seg; j++) {
         const pr__cp_cut *k = &ps->cp_cut[j];
-        const size_t own = (size_t)(k->rows_a + k->rows_b), at = (size_t)ps->cp_off[j] * kvd;
+        const size_t own = (size_t)pr__cp_own(k), at = (size_t)ps->cp_off[j] * kvd;
         /* the segment's rows its queries saw: those before piece B when it has rows, else before
            piece A; a rank without rows of it had no queries, returns nothing but joins the collectives */
         const size_t vis = own ? (size_t)(k->rows_b ? k->b0 : k->a0) : 0;
@@ -5727,8 +5727,8 @@ static pr__cp_cut pr__cp_cut_of(const pr_trainer *tr, int n) {
     k.chunk = 2 * k.piece;
     k.a0 = tr->mesh->cp_rank * k.piece;
     k.b0 = (2 * cp - 1 - tr->mesh->cp_rank) * k.piece;
-    k.rows_a = n - k.a0 < 0 ? 0 : n - k.a0 < k.piece ? n - k.a0 : k.piece;
-    k.rows_b = n - k.b0 < 0 ? 0 : n - k.b0 < k.piece ? n - k.b0 : k.piece;
+    k.rows_a = (int)pr__piece_rows((size_t)n, (size_t)k.a0, (size_t)k.piece);
+    k.rows_b = (int)pr__piece_rows((size_t)n, (size_t)k.b0, (size_t)k.piece);
     return k;
 }
 
@@ -5755,7 +5755,7 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
         memmove(b->real + o, b->real + src + k.a0, (size_t)k.rows_a);
         memmove(b->tokens + o + k.rows_a, b->tokens + src + k.b0, sizeof(int32_t) * (size_t)k.rows_b);
         memmove(b->real + o + k.rows_a, b->real + src + k.b0, (size_t)k.rows_b);
-        b->cp_off[j + 1] = o + k.rows_a + k.rows_b;
+        b->cp_off[j + 1] = o + pr__cp_own(&k);
         if (k.chunk > b->cp_chunk) b->cp_chunk = k.chunk;
         if (o + k.chunk > b->cp_kv_rows) b->cp_kv_rows = o + k.chunk;
     }
