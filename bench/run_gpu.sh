@@ -21,7 +21,11 @@
 #
 # Environment (defaults sized for the 9 minutes; widen them in a call of its own):
 #   JOBS          make -j (the core count)
-#   BENCH_LAYERS  Llama3-8B layers in train-bench, train-memory, torch-ref (1)
+#   BENCH_LAYERS  Llama3-8B layers in train-bench, profile, train-memory, torch-ref, train-tree (1); `fit`: the
+#                 most whose full-sequence step of BENCH_TOTAL tokens fits this GPU beside their training
+#                 state (--fit-layers prints it: 7 on an 80 GB H100, 16 on a 141 GB H200)
+#   FIT_MARGIN_MIB  what `fit` leaves of the card for the CUDA context, cuBLASLt and scratch (6144)
+#   FIT_MEMORY_MIB  the card's memory for `fit` (nvidia-smi's memory.total when unset)
 #   BENCH_GROUPS  group sizes of train-bench and torch-ref (8)
 #   BENCH_SPLITS  prefix fractions of train-bench (0.16667,0.5,0.66667,0.83333: 2k/10k ... 10k/2k)
 #   BENCH_MICROBATCH  train-bench's and profile's microbatch flags (--microbatch 1: the paper's Phase B, one
@@ -61,7 +65,8 @@
 # is 3.3x (bench/README.md): the issue's goals want layers. Every rank holds 18 bytes a parameter,
 # so on an 80 GB card 7 layers (2.6B parameters, 44 GB) leave room for a G 32 baseline step at 12k
 # tokens (`./train --bench capacity --config model/llama3-8b --layers 7 --bench-sizes gpu
-# --bench-budget 76000`, on any machine); each of their steps costs ~5.5x a one-layer step. So
+# --bench-budget 76000`, on any machine); each of their steps costs ~5.5x a one-layer step. A 141 GB
+# H200 holds 16 (BENCH_LAYERS=fit counts it on the machine: `--fit-layers`), each step ~12x. So
 # one layer and G 8 by default, and a call of its own for the goal cells:
 #   BENCH_LAYERS=7 BENCH_GROUPS=4,8,16,32 BENCH_SPLITS=0.83333 bench/run_gpu.sh train-bench torch-ref
 # shellcheck disable=SC2015   # `a && b || c` below means "c unless both a and b", as intended
@@ -91,6 +96,8 @@ TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
+FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-6144}
+FIT_MEMORY_MIB=${FIT_MEMORY_MIB:-}
 export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
@@ -102,7 +109,7 @@ export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS M
 stages() {
     cat <<'EOF'
 preflight|15|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
-build|50|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double; make sass, check-sass
+build|50|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double build/train-float; make sass, check-sass
 smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way, then the tensor-core attention (mma, wgmma) each way
 test-gpu|20|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
 mma|130|330|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma kernels) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES (mma.sync), $WGMMA_RACE_SHAPES (wgmma)
@@ -219,7 +226,7 @@ body_build() {
         make -C "$d" -j"$JOBS" build/bench_cuda > "$stage_base.ab-$(basename "$d").log" 2>&1 < /dev/null &
         ab_jobs="$ab_jobs $!"
     done
-    make -j"$JOBS" train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double
+    make -j"$JOBS" train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double build/train-float
     rc=$?
     ab_rc=0
     for p in $ab_jobs; do wait "$p" || ab_rc=1; done
@@ -510,6 +517,38 @@ body_after() {
     return 0
 }
 
+# ------------------------------------------------------------------ BENCH_LAYERS=fit
+# The card's memory in MiB: FIT_MEMORY_MIB, else nvidia-smi's memory.total (the first GPU in view).
+card_mib() {
+    if [ -n "$FIT_MEMORY_MIB" ]; then echo "$FIT_MEMORY_MIB"
+    elif have nvidia-smi; then nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -dc 0-9
+    fi
+}
+# The most Llama3-8B layers (1 to 32) whose full-sequence step of BENCH_TOTAL tokens fits beside
+# their training state in the card less FIT_MARGIN_MIB, as `--bench capacity` counts it: the
+# allocator's sizes at the CUDA backend's element sizes, from the CPU driver (no kernel runs, a
+# second a count). The baseline's whole sequence is the larger need of the two schedules, and what
+# fits only shrinks as layers are added: a bisection. Prints "LAYERS layers: why", or why none.
+fit_layers() {
+    mib=$(card_mib)
+    [ -n "$mib" ] || { echo "no card memory to fit (no nvidia-smi, FIT_MEMORY_MIB unset)"; return 1; }
+    make -s build/train-float > /dev/null 2>&1 || { echo "cannot build build/train-float to count with"; return 1; }
+    room=$((mib - FIT_MARGIN_MIB))
+    fits() {      # the baseline's most tokens at $1 layers, 0 for none
+        t=$(build/train-float --bench capacity --config model/llama3-8b --layers "$1" --bench-budget "$room" --bench-sizes gpu 2>/dev/null |
+            awk '$1 == "baseline" { print $2 }')
+        case $t in ''|*[!0-9]*) echo 0 ;; *) echo "$t" ;; esac
+    }
+    lo=0; hi=32
+    while [ $lo -lt $hi ]; do
+        mid=$(( (lo + hi + 1) / 2 ))
+        if [ "$(fits $mid)" -ge "$BENCH_TOTAL" ]; then lo=$mid; else hi=$((mid - 1)); fi
+    done
+    [ $lo -ge 1 ] || { echo "not one layer's step of $BENCH_TOTAL tokens fits in $room MiB ($mib less $FIT_MARGIN_MIB)"; return 1; }
+    more=; [ $lo -lt 32 ] && more=", $((lo + 1)) layers $(fits $((lo + 1)))"
+    echo "$lo layers: the full-sequence step of $BENCH_TOTAL tokens and the training state fit in $room MiB ($mib less $FIT_MARGIN_MIB): up to $(fits $lo) tokens$more"
+}
+
 if [ "${1:-}" = --body ]; then
     trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null; exit 143' TERM INT HUP
     "body_$(echo "$2" | tr - _)"
@@ -518,7 +557,7 @@ fi
 
 # ------------------------------------------------------------------ the run
 usage() {
-    echo "usage: bench/run_gpu.sh [--list] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
+    echo "usage: bench/run_gpu.sh [--list | --fit-layers] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
     echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree)"
 }
@@ -539,6 +578,7 @@ label=
 while [ $# -gt 0 ]; do
     case $1 in
     --list) list; exit 0 ;;
+    --fit-layers) fit_layers; exit $? ;;
     -h|--help) usage; exit 0 ;;
     --budget) [ $# -ge 2 ] && [ "$2" -gt 0 ] 2>/dev/null || { echo "run_gpu.sh: --budget wants seconds" >&2; exit 2; }
               budget=$2; shift ;;
@@ -646,7 +686,17 @@ t_start=$(date +%s)
 cur=
 trap on_signal INT TERM HUP
 
+# BENCH_LAYERS=fit is counted once, before the first stage that takes it (after the build)
+fit_once() {
+    case $cur in train-bench|profile|train-memory|torch-ref|train-tree) ;; *) return ;; esac
+    [ "$BENCH_LAYERS" = fit ] || return
+    if why=$(fit_layers); then BENCH_LAYERS=${why%% *}; else BENCH_LAYERS=1; why="$why; one layer instead"; fi
+    export BENCH_LAYERS
+    echo "# BENCH_LAYERS=fit: $why" | tee -a "$summary"
+}
+
 for cur in $run; do
+    fit_once
     exp=$(field "$cur" 2); lim=$(field "$cur" 3)
     n=$((n + 1))
     stage_base="$logdir/$(printf '%02d' $n)-$cur"
