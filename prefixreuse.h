@@ -969,7 +969,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    groups whose prefix tree is `tree`: each rank runs the tree of the groups placed on it (the
    tree cut down to their nodes), then the gradients are summed over dp. A node whose groups sit
    on two ranks runs on both: the result is exact whatever the placement. pr_tree_place returns
-   PR_ERR_NOMEM as pr_dp_place does. */
+   PR_ERR_NOMEM as pr_dp_place does, and PR_ERR_ARG (everything on rank 0) for a tree that is not
+   the groups' (nodes that do not continue their parents, a group's prefix not ending at its node). */
 PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner);
 PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                                  const pr_prefix_tree *tree, const pr_step_opts *opt, pr_step_stats *stats,
@@ -5418,17 +5419,21 @@ static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, 
     }
 }
 
+/* The host scratch pr__set_full_arena needs on a mesh (n_params reals; NULL and nothing to free
+   without one): taken before the first arena changes, so that setting several cannot fail halfway. */
+static pr_status pr__full_scratch(const pr_trainer *tr, pr_real **local, pr_error *err) {
+    *local = tr->mesh ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params) : NULL;
+    if (tr->mesh && !*local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+    return PR_OK;
+}
 /* This rank's part of a full-model host vector (n_full reals) into one of its arenas (the master
-   weights, with the weights the kernels read, m or v: each holds this rank's slice). */
-static pr_status pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_error *err) {
-    pr_real *local = tr->mesh ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params) : NULL;
-    if (tr->mesh && !local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+   weights, with the weights the kernels read, m or v: each holds this rank's slice), by way of
+   local (pr__full_scratch). */
+static void pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_real *local) {
     if (tr->mesh) pr__shard_copy(tr, (pr_real *)src, local, 0);
-    const pr_real *mine = local ? local : src;
+    const pr_real *mine = tr->mesh ? local : src;
     if (arena == tr->params) pr__weights_take(tr, mine);
     else tr->be->upload_reals(tr->be, arena, mine + tr->slice_lo, tr->slice_n);
-    PR_FREE(local);
-    return PR_OK;
 }
 
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err) {
@@ -5436,7 +5441,11 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     if (!tr->mesh) return pr_trainer_set_params(tr, src, n, err);
     if (n != tr->n_full)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_set_full_params: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    return pr__set_full_arena(tr, tr->params, src, err);
+    pr_real *local;
+    pr_status st = pr__full_scratch(tr, &local, err);
+    if (!st) pr__set_full_arena(tr, tr->params, src, local);
+    PR_FREE(local);
+    return st;
 }
 
 static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
@@ -6091,7 +6100,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
 PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner) {
     if (!owner) return PR_OK;
     for (int k = 0; k < n; k++) owner[k] = 0;
-    if (!cfg || !groups || !tree || tree->n_groups != n || ranks < 2) return PR_OK;
+    if (!cfg || !groups || !tree || ranks < 2) return PR_OK;
+    if (pr__tree_check(tree, groups, n, NULL)) return PR_ERR_ARG;   /* its nodes and groups are followed below */
     const int N = tree->n_nodes;
     int *depth = (int *)PR_MALLOC(sizeof(int) * ((size_t)N + 2 * (size_t)n));
     int *order = depth ? depth + N : NULL, *chain = NULL, D = 0;
@@ -6195,14 +6205,14 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
     if (n < R)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: %d groups over %d dp ranks: a tree step places whole "
                         "groups, at least one a rank (pr_trainer_compute_grads_dp splits groups)", n, R);
-    if (tree->n_groups != n)
-        return pr__fail(err, PR_ERR_ARG, "prefix tree: built for %d groups, given %d", tree->n_groups, n);
+    pr_status st = pr__tree_check(tree, groups, n, err);   /* before the placement follows its nodes */
+    if (st) return st;
     int *owner = (int *)PR_MALLOC(sizeof(int) * 2 * (size_t)n);
     pr_group *mine = (pr_group *)PR_MALLOC(sizeof(pr_group) * (size_t)n);
     pr_prefix_tree sub;
     memset(&sub, 0, sizeof sub);
     int m = 0;
-    pr_status st = owner && mine ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
+    st = owner && mine ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (!st && pr_tree_place(&tr->model, groups, n, tree, R, owner))
         st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
     if (!st) {
@@ -10106,8 +10116,8 @@ static pr_status pr__state_read_run(pr__state_index *ix, const pr__piece *p, int
 
 /* This rank's part of kind `kind` of local tensor i (full tensor j) from the pieces into host (a
    copy of the local arena for the weights; for m and v of its slice), row by row of its rectangle, checking that
-   the pieces cover each row's part exactly once. Reads contiguous in both the file and host
-   merge into one. */
+   the pieces cover each row's part exactly once (no column twice, none left out). Reads
+   contiguous in both the file and host merge into one. */
 static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, int i, int j, int kind, pr_real *host, pr_error *err) {
     const pr_tensor_info *t = &tr->tensors[i];
     int64_t r[4];
@@ -10116,6 +10126,8 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
     pr__state_held(tr, i, kind != 0, &e0, &e1);
     const int64_t cols = r[3] - r[2];
     pr_real *base = host + t->offset - (kind ? tr->slice_lo : 0);    /* the tensor's element e at base[e] */
+    unsigned char *taken = (unsigned char *)PR_MALLOC((size_t)cols + 1);  /* the row's columns a piece gave */
+    if (!taken) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for a row of %lld columns", ix->path, (long long)cols);
     const pr__piece *run = NULL;
     int64_t run_from = 0, run_n = 0;
     pr_real *run_dst = NULL;
@@ -10125,6 +10137,7 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
         const int64_t b = (int64_t)e1 < (lr + 1) * cols ? (int64_t)e1 - lr * cols : cols;
         const int64_t R = r[0] + lr, c0 = r[2] + a, c1 = r[2] + b;       /* the full tensor's row R, columns [c0, c1) */
         int64_t covered = 0;
+        memset(taken + a, 0, (size_t)(b - a));
         for (int q = ix->first[j]; q < ix->first[j] + ix->n_of[j] && !st; q++) {
             const pr__piece *p = &ix->pieces[q];
             if (p->kind != kind || R < p->rows[0] || R >= p->rows[1]) continue;
@@ -10133,6 +10146,11 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
             if (x0 < c0) x0 = c0;
             if (x1 > c1) x1 = c1;
             if (x0 >= x1) continue;
+            for (int64_t x = x0; x < x1 && !st; x++)
+                if (taken[x - r[2]]++)
+                    st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s: two of its %s pieces give row %lld, column %lld (an overlap)", ix->path,
+                                  t->name, pr__state_kind[kind], (long long)R, (long long)x);
+            if (st) break;
             covered += x1 - x0;
             const int64_t from = at + (x0 - p->cols[0]) - p->el[0];
             pr_real *dst = base + lr * cols + (x0 - r[2]);
@@ -10145,9 +10163,10 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
         }
         if (!st && covered != c1 - c0)
             st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its %s pieces cover %lld of the %lld elements this rank needs in row %lld "
-                          "(a hole or an overlap)", ix->path, t->name, pr__state_kind[kind], (long long)covered, (long long)(c1 - c0), (long long)R);
+                          "(a hole)", ix->path, t->name, pr__state_kind[kind], (long long)covered, (long long)(c1 - c0), (long long)R);
     }
     if (!st && run) st = pr__state_read_run(ix, run, run_from, run_n, run_dst, err);
+    PR_FREE(taken);
     return st;
 }
 
@@ -10242,10 +10261,15 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
                           pr_checkpoint_count(ck), 2 * count);
         if (ck) pr_checkpoint_close(ck);
     }
-    /* every check passed: the trainer takes the state */
-    if (!st) st = pr__set_full_arena(tr, tr->params, host, err);
-    if (!st) st = pr__set_full_arena(tr, tr->adam_m, host + tr->n_full, err);
-    if (!st) st = pr__set_full_arena(tr, tr->adam_v, host + 2 * tr->n_full, err);
+    /* every check passed: the trainer takes the state (nothing can fail once the first arena is set) */
+    pr_real *local = NULL;
+    if (!st) st = pr__full_scratch(tr, &local, err);
+    if (!st) {
+        pr__set_full_arena(tr, tr->params, host, local);
+        pr__set_full_arena(tr, tr->adam_m, host + tr->n_full, local);
+        pr__set_full_arena(tr, tr->adam_v, host + 2 * tr->n_full, local);
+    }
+    PR_FREE(local);
     if (!st) {
         tr->adam_step = s.step;
         if (state) *state = s;

@@ -3066,7 +3066,10 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
     pr_status s = PR_OK;
     if (m->load) s = pr_trainer_load_state(tr, m->load, NULL, err);
     else if (m->set) {
-        for (int k = 0; k < 3 && !s; k++) s = pr__set_full_arena(tr, (pr_real *)arena[k], m->set[k], err);
+        pr_real *local;
+        s = pr__full_scratch(tr, &local, err);
+        for (int k = 0; k < 3 && !s; k++) pr__set_full_arena(tr, (pr_real *)arena[k], m->set[k], local);
+        free(local);
         tr->adam_step = 2;
     } else s = pr_trainer_set_full_params(tr, m->init, n, err);
     for (int k = 0; k < m->steps_before && !s; k++) s = rstate_step(tr, mesh, m, err);
@@ -3120,6 +3123,73 @@ static int rstate_same(pr_real *const *a, pr_real *const *b, size_t n) {
     int same = 1;
     for (int k = 0; k < 3; k++) same &= !memcmp(a[k], b[k], sizeof(pr_real) * n);
     return same;
+}
+
+/* A version-1 state (one rank's) loading on a dp 2 mesh, where each rank reads the full tensors
+   and keeps its part, with one of rank 0's allocations failing, each in turn: a load that fails
+   leaves that rank's parameters, m and v as they were (every allocation comes before the first). */
+typedef struct { const pr_config *c; const char *dir; long fail_at, made; int status, changed; } v1_fault_run;
+static pr_status v1_fault_rank(pr_comm *world, void *user, pr_error *err) {
+    v1_fault_run *m = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, 2, 1, 1, 1, 1, err);
+    if (s) return s;
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 7, err))) {
+        const pr_real *arena[3] = { tr->params, tr->adam_m, tr->adam_v };
+        const size_t len[3] = { tr->n_params, tr->slice_n, tr->slice_n };
+        pr_real *was[3];
+        for (int k = 0; k < 3; k++) {
+            was[k] = malloc(sizeof(pr_real) * len[k]);
+            memcpy(was[k], arena[k], sizeof(pr_real) * len[k]);
+        }
+        const int victim = world->rank == 0;
+        if (victim) {
+            alloc_made = 0;
+            alloc_fails_at = m->fail_at;
+        }
+        const pr_status ld = pr_trainer_load_state(tr, m->dir, NULL, err);
+        if (victim) {
+            m->made = alloc_made;
+            alloc_fails_at = -1;
+            m->status = ld;
+            m->changed = 0;
+            for (int k = 0; k < 3; k++) m->changed |= memcmp(was[k], arena[k], sizeof(pr_real) * len[k]) != 0;
+        }
+        for (int k = 0; k < 3; k++) free(was[k]);
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static void test_load_v1_faults(void) {
+    pr_config c = small_config(1, 0, 2);
+    char dir[256];
+    pr_error err;
+    CHECK(make_scratch_dir(dir, sizeof dir, "v1fault"), "a scratch folder under %s", test_tmpdir());
+    pr_trainer *one = make_model(&c, 5);
+    pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+    CHECK(!pr_trainer_save_state(one, dir, &state, NULL, &err), "save: %s", err.message);
+    pr_trainer_destroy(one);
+    v1_fault_run m = { &c, dir, LONG_MAX, 0, 0, 0 };
+    CHECK(pr_comm_local_run(2, v1_fault_rank, &m, &err) == PR_OK && m.status == PR_OK && m.changed,
+          "a version-1 state on dp 2: %s (status %d)", err.message, m.status);
+    const long total = m.made;
+    int failed = 0, kept = 1;
+    for (long k = 0; k < total; k++) {
+        m.fail_at = k;
+        CHECK(pr_comm_local_run(2, v1_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+        failed += m.status != PR_OK;
+        if (m.status != PR_OK && (m.status != PR_ERR_NOMEM || m.changed)) {
+            kept = 0;
+            CHECK(0, "version-1 state on dp 2, allocation %ld of %ld fails: status %d, the trainer %s", k, total, (int)m.status,
+                  m.changed ? "changed" : "kept");
+        }
+    }
+    CHECK(failed > 0 && kept, "version-1 state on dp 2: %d of %ld failing allocations failed the load", failed, total);
+    printf("a version-1 state on dp 2: each of its %ld allocations failing in turn (%d failed the load)\n", total, failed);
+    remove_tree(dir, 2);
 }
 
 /* A state saved on a mesh is one file per rank (each rank its own pieces, one copy of each) and an
@@ -3188,12 +3258,23 @@ out:
         CHECK(st == PR_ERR_ARG && strstr(err.message, "model.layers.0.self_attn.q_proj.weight: its param pieces cover 0 of the 24 elements"),
               "a hole in the pieces: %s", err.message);
         rewrite_file(path, label, path2);
+        /* both tp pieces of o_proj's columns on the second half: every row has the right count of
+           elements, half of them twice and half none */
+        const char *o = "\"key\": \"model.layers.0.self_attn.o_proj.weight\", \"rows\": [0, 24], \"cols\": [";
+        snprintf(path2, sizeof path2, "%s0, 12]", o);
+        snprintf(label, sizeof label, "%s12, 24]", o);
+        rewrite_file(path, path2, label);
+        st = pr_trainer_load_state(keep, dir, NULL, &err);
+        CHECK(st == PR_ERR_ARG && strstr(err.message, "o_proj.weight: two of its param pieces give row 0, column 12 (an overlap)") &&
+                  same_state(keep, before),
+              "an overlap and a hole in one row: %s", err.message);
+        rewrite_file(path, label, path2);
         pr_config other = *c;
         other.intermediate_size = 48;
-        pr_trainer *o = make_model(&other, 3);
-        st = pr_trainer_load_state(o, dir, NULL, &err);
+        pr_trainer *om = make_model(&other, 3);
+        st = pr_trainer_load_state(om, dir, NULL, &err);
         CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "another model: %s", err.message);
-        pr_trainer_destroy(o);
+        pr_trainer_destroy(om);
         CHECK(same_state(keep, before), "every refused load left the trainer as it was");
         CHECK(!pr_trainer_load_state(keep, dir, NULL, &err), "the restored state loads: %s", err.message);
         pr_trainer_destroy(keep);
@@ -3532,6 +3613,15 @@ static void test_prefix_loss(void) {
     printf("trained prefix tokens: %d cases against the same turns unrolled into every suffix, 4 meshes\n", cases);
 }
 
+/* One rank's dp tree step, for the refusals of test_trees. */
+typedef struct { pr_trainer *tr; const pr_group *groups; int n; const pr_prefix_tree *tree; } tree_dp_run;
+static pr_status tree_dp_rank(pr_comm *dp, void *user, pr_error *err) {
+    const tree_dp_run *r = user;
+    pr_step_opts o = pr_step_opts_default();
+    pr_step_stats st;
+    return pr_trainer_compute_grads_tree_dp(r->tr, dp, r->groups, r->n, r->tree, &o, &st, err);
+}
+
 static void test_trees(void) {
     pr_config c = small_config(1, 0, 2), m = moe_config(1), m8 = m;
     m8.num_experts = 8;                 /* EP 2 divides them */
@@ -3654,6 +3744,22 @@ static void test_trees(void) {
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 2, &two, &o, NULL, &err) == PR_ERR_ARG && strstr(err.message, "not its tokens"),
           "tree of other tokens: %s", err.message);
     pr_prefix_tree_free(&two);
+    /* a malformed tree (its group ending past the nodes or before them, a node that does not
+       continue its parent) is refused by every entry point before anything follows its nodes */
+    for (int bad = 0; bad < 3; bad++) {
+        const int node = tree.group_node[0], parent = tree.nodes[0].parent;
+        if (bad < 2) tree.group_node[0] = bad ? -1 : tree.n_nodes;
+        else tree.nodes[0].parent = 0;
+        CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG && strstr(err.message, "prefix tree"),
+              "malformed tree %d: %s", bad, err.message);
+        tree_dp_run run = { tr, groups, 1, &tree };
+        CHECK(pr_comm_local_run(1, tree_dp_rank, &run, &err) == PR_ERR_ARG && strstr(err.message, "prefix tree"),
+              "malformed tree %d over dp: %s", bad, err.message);
+        int owner[1] = { -1 };
+        CHECK(pr_tree_place(&c, groups, 1, &tree, 2, owner) == PR_ERR_ARG && owner[0] == 0, "malformed tree %d placed", bad);
+        tree.group_node[0] = node;
+        tree.nodes[0].parent = parent;
+    }
     o.schedule = PR_SCHEDULE_BASELINE;
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG, "tree baseline: %s", err.message);
     pr_trainer_destroy(tr);
@@ -3678,6 +3784,7 @@ int main(void) {
     test_cp_cut();
     test_mesh();
     test_mesh_faults();
+    test_load_v1_faults();
     test_kv_replication();
     test_head_chunks_uneven_vocab();
     test_zero();
