@@ -23,8 +23,9 @@
 #   JOBS          make -j (the core count)
 #   BENCH_LAYERS  Llama3-8B layers in train-bench, profile, train-memory, torch-ref, train-tree (1); `fit`: the
 #                 most whose full-sequence step of BENCH_TOTAL tokens fits this GPU beside their training
-#                 state (--fit-layers prints it: 7 on an 80 GB H100, 16 on a 141 GB H200)
-#   FIT_MARGIN_MIB  what `fit` leaves of the card for the CUDA context, cuBLASLt and scratch (6144)
+#                 state (--fit-layers prints it: 7 on an 80 GB H100, 15 on a 141 GB H200; none fits: 1)
+#   FIT_MARGIN_MIB  what `fit` leaves of the card beyond the baseline's step: the CUDA context, cuBLASLt,
+#                 and the chunks a run of both schedules keeps beside the largest step's (10240)
 #   FIT_MEMORY_MIB  the card's memory for `fit` (nvidia-smi's memory.total when unset)
 #   BENCH_GROUPS  group sizes of train-bench and torch-ref (8)
 #   BENCH_SPLITS  prefix fractions of train-bench (0.16667,0.5,0.66667,0.83333: 2k/10k ... 10k/2k)
@@ -66,7 +67,7 @@
 # so on an 80 GB card 7 layers (2.6B parameters, 44 GB) leave room for a G 32 baseline step at 12k
 # tokens (`./train --bench capacity --config model/llama3-8b --layers 7 --bench-sizes gpu
 # --bench-budget 76000`, on any machine); each of their steps costs ~5.5x a one-layer step. A 141 GB
-# H200 holds 16 (BENCH_LAYERS=fit counts it on the machine: `--fit-layers`), each step ~12x. So
+# H200 holds 15 (BENCH_LAYERS=fit counts it on the machine: `--fit-layers`), each step ~11x. So
 # one layer and G 8 by default, and a call of its own for the goal cells:
 #   BENCH_LAYERS=7 BENCH_GROUPS=4,8,16,32 BENCH_SPLITS=0.83333 bench/run_gpu.sh train-bench torch-ref
 # shellcheck disable=SC2015   # `a && b || c` below means "c unless both a and b", as intended
@@ -96,7 +97,7 @@ TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 ATTENTION=${ATTENTION:-auto}
-FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-6144}
+FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-10240}
 FIT_MEMORY_MIB=${FIT_MEMORY_MIB:-}
 export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION
 
