@@ -821,7 +821,10 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
    both shapes), or a version-2 index whose pieces miss a part of a tensor (named) is refused and
    the trainer is left as it was. A version-2 state loads on any mesh (or one rank): each rank
    reads from the files only the pieces over its own shard and slice. A version-1 state on a
-   mesh: each rank reads the full tensors and keeps its shard. */
+   mesh: each rank reads the full tensors and keeps its shard. On a mesh, collective over the
+   world: the ranks agree before any takes the state, so that one rank's failure (its part
+   unreadable, out of memory) fails the load on every rank, each keeping what it had; the others'
+   message names the first world rank that failed and its status, which they return. */
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
 
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
@@ -970,7 +973,8 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
    tree cut down to their nodes), then the gradients are summed over dp. A node whose groups sit
    on two ranks runs on both: the result is exact whatever the placement. pr_tree_place returns
    PR_ERR_NOMEM as pr_dp_place does, and PR_ERR_ARG (everything on rank 0) for a tree that is not
-   the groups' (nodes that do not continue their parents, a group's prefix not ending at its node). */
+   the groups' (nodes that do not continue their parents, a group's prefix not ending at its node)
+   whatever `ranks`; cfg, groups or tree NULL, or ranks < 2: every group on rank 0. */
 PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner);
 PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, const pr_group *groups, int n,
                                                  const pr_prefix_tree *tree, const pr_step_opts *opt, pr_step_stats *stats,
@@ -6100,8 +6104,9 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
 PRDEF pr_status pr_tree_place(const pr_config *cfg, const pr_group *groups, int n, const pr_prefix_tree *tree, int ranks, int *owner) {
     if (!owner) return PR_OK;
     for (int k = 0; k < n; k++) owner[k] = 0;
-    if (!cfg || !groups || !tree || ranks < 2) return PR_OK;
+    if (!cfg || !groups || !tree) return PR_OK;
     if (pr__tree_check(tree, groups, n, NULL)) return PR_ERR_ARG;   /* its nodes and groups are followed below */
+    if (ranks < 2) return PR_OK;
     const int N = tree->n_nodes;
     int *depth = (int *)PR_MALLOC(sizeof(int) * ((size_t)N + 2 * (size_t)n));
     int *order = depth ? depth + N : NULL, *chain = NULL, D = 0;
@@ -6388,12 +6393,15 @@ typedef struct {
 
 /* A collective's call, compared across the ranks before any buffer is read. `seq` numbers the
    rank's meetings on the communicator, so that a rank that gave up a meeting and comes with its
-   next call, of the same shape, is not taken for the call its peers wait in. */
+   next call, of the same shape, is not taken for the call its peers wait in. `ready`: the rank
+   holds the scratch its part needs, taken before the meeting; a rank without it makes every rank
+   fail the call, so that a collective succeeds or fails on all of its ranks alike. */
 typedef struct {
     const char *op;
     size_t n;
     pr_comm_type type;
     unsigned long seq;
+    int ready;
 } pr__call;
 
 /* What the ranks of one communicator share: a barrier, a slot per rank to publish a pointer and
@@ -6579,7 +6587,7 @@ static void pr__world_sync(pr__world *w) {
 /* A collective's meeting: the rank publishes its buffer and its call, waits for every rank and
    checks that all made the same call. After it, each rank reads the others' slots and then
    calls pr__world_sync; on calls that differ the ranks sync here and fail alike. */
-static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n, pr_comm_type t, pr_error *err) {
+static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n, pr_comm_type t, int ready, pr_error *err) {
     pr__local *l = (pr__local *)c;
     pr__world *w = l->w;
     pr__mtx_lock(&w->run->mu);
@@ -6588,6 +6596,7 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
     w->call[c->rank].n = n;
     w->call[c->rank].type = t;
     w->call[c->rank].seq = l->meetings++;
+    w->call[c->rank].ready = ready;
     pr_status st = PR_OK;
     if (++w->arrived == w->size) {
         pr__barrier_open(w);
@@ -6610,6 +6619,15 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
             st = pr__comm_fail(l, err, &e);
         }
     }
+    for (int r = 0; r < w->size && !st; r++) {
+        if (w->call[r].ready) continue;
+        if (r == c->rank) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory on this rank", op);
+        else {                                /* the peers' failure is the communicator's, not their own */
+            pr_error e;
+            pr__fail(&e, PR_ERR_NOMEM, "%s: rank %d is out of memory: every rank fails the call", op, w->thread[r]);
+            st = pr__comm_fail(l, err, &e);
+        }
+    }
     if (st) pr__world_sync(w);
     return st;
 }
@@ -6623,10 +6641,8 @@ static pr_status pr__comm_check(pr_comm *c, size_t n, pr_comm_type t, size_t blo
     return PR_OK;
 }
 
-/* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer */
-static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, pr_error *err) {
-    double *acc = (double *)PR_MALLOC(sizeof(double) * (n ? n : 1));
-    if (!acc) return pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory for %zu elements", n);
+/* out[i] = sum over ranks r (in order) of block `blk` of rank r's published buffer, in acc (n) */
+static void pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t, size_t blk, double *acc) {
     for (size_t i = 0; i < n; i++) acc[i] = 0;
     for (int r = 0; r < w->size; r++)
         for (size_t i = 0; i < n; i++) {
@@ -6636,30 +6652,33 @@ static pr_status pr__comm_sum(pr__world *w, void *out, size_t n, pr_comm_type t,
                                                                      : (double)pr_bf16_to_f32(pr_f32_to_bf16((float)(acc[i] + x)));
         }
     for (size_t i = 0; i < n; i++) pr__comm_put(out, i, t, acc[i]);
-    PR_FREE(acc);
-    return PR_OK;
+}
+/* The scratch of a sum over n elements: its accumulator, then `extra` bytes (NULL: out of memory). */
+static double *pr__comm_sum_scratch(size_t n, size_t extra) {
+    size_t bytes;
+    if (!pr__mul_size(n, sizeof(double), &bytes) || bytes + extra < bytes) return NULL;
+    return (double *)PR_MALLOC(bytes + extra ? bytes + extra : 1);
 }
 
 static pr_status pr__local_all_reduce(pr_comm *c, void *buf, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, 1, err);
     if (st) return st;
     pr__world *w = pr__lw(c);
-    size_t bytes = n * pr__comm_elem(t);
-    void *tmp = PR_MALLOC(bytes ? bytes : 1);
-    if ((st = pr__meet(c, "all_reduce", buf, n, t, err))) {
-        PR_FREE(tmp);
-        return st;
+    const size_t bytes = n * pr__comm_elem(t);
+    double *acc = pr__comm_sum_scratch(n, bytes);            /* the sum is written aside: the peers read buf until all are done */
+    if (!(st = pr__meet(c, "all_reduce", buf, n, t, acc != NULL, err))) {
+        void *sum = acc + n;
+        pr__comm_sum(w, sum, n, t, 0, acc);
+        pr__world_sync(w);                    /* every rank has read every buffer */
+        memcpy(buf, sum, bytes);
+        if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
     }
-    st = tmp ? pr__comm_sum(w, tmp, n, t, 0, err) : pr__fail(err, PR_ERR_NOMEM, "communicator: out of memory");
-    pr__world_sync(w);                        /* every rank has read every buffer */
-    if (!st) memcpy(buf, tmp, bytes);
-    PR_FREE(tmp);
-    if (c->size > 1) c->bytes_sent += bytes;    /* alone, a rank sends nothing */
+    PR_FREE(acc);
     return st;
 }
 static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st || (st = pr__meet(c, "all_gather", in, n, t, err))) return st;
+    if (st || (st = pr__meet(c, "all_gather", in, n, t, 1, err))) return st;
     pr__world *w = pr__lw(c);
     size_t bytes = n * pr__comm_elem(t);
     for (int r = 0; r < w->size; r++) memcpy((char *)out + (size_t)r * bytes, w->slot[r], bytes);
@@ -6669,16 +6688,20 @@ static pr_status pr__local_all_gather(pr_comm *c, void *out, const void *in, siz
 }
 static pr_status pr__local_reduce_scatter(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st || (st = pr__meet(c, "reduce_scatter", in, n, t, err))) return st;
-    pr__world *w = pr__lw(c);
-    st = pr__comm_sum(w, out, n, t, (size_t)c->rank, err);
-    pr__world_sync(w);
-    c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
+    if (st) return st;
+    double *acc = pr__comm_sum_scratch(n, 0);
+    if (!(st = pr__meet(c, "reduce_scatter", in, n, t, acc != NULL, err))) {
+        pr__world *w = pr__lw(c);
+        pr__comm_sum(w, out, n, t, (size_t)c->rank, acc);
+        pr__world_sync(w);
+        c->bytes_sent += n * pr__comm_elem(t) * (size_t)(c->size - 1);
+    }
+    PR_FREE(acc);
     return st;
 }
 static pr_status pr__local_all_to_all(pr_comm *c, void *out, const void *in, size_t n, pr_comm_type t, pr_error *err) {
     pr_status st = pr__comm_check(c, n, t, (size_t)c->size, err);
-    if (st || (st = pr__meet(c, "all_to_all", in, n, t, err))) return st;
+    if (st || (st = pr__meet(c, "all_to_all", in, n, t, 1, err))) return st;
     pr__world *w = pr__lw(c);
     size_t bytes = n * pr__comm_elem(t);
     for (int r = 0; r < w->size; r++)
@@ -6765,19 +6788,24 @@ static pr_status pr__local_send_recv(pr_comm *c, const void *send, size_t n_send
     return st ? st : sent;
 }
 static pr_status pr__local_barrier(pr_comm *c, pr_error *err) {
-    pr_status st = pr__meet(c, "barrier", NULL, 0, PR_COMM_F64, err);
+    pr_status st = pr__meet(c, "barrier", NULL, 0, PR_COMM_F64, 1, err);
     if (!st) pr__world_sync(pr__lw(c));
     return st;
 }
 
 static pr_comm *pr__local_comm_new(pr__world *w, int rank, int thread);
+static void pr__local_destroy(pr_comm *c) {
+    if (!c) return;
+    pr__world_leave(pr__lw(c), c->rank);
+    PR_FREE(c);
+}
 
 static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
     const pr__local *l = (const pr__local *)c;
     pr__world *w = l->w;
     w->color[c->rank] = color;
     w->key[c->rank] = key;
-    pr_status st = pr__meet(c, "split", NULL, 0, PR_COMM_F64, err);
+    pr_status st = pr__meet(c, "split", NULL, 0, PR_COMM_F64, 1, err);
     if (st) return st;
     /* my group, in (key, rank) order: my rank in it, its size, its leader */
     int size = 0, me = 0, leader = -1;
@@ -6793,18 +6821,15 @@ static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, 
     pr__world *nw = w->made[leader];
     pr_comm *nc = nw ? pr__local_comm_new(nw, me, l->thread) : NULL;
     if (nw) nw->thread[me] = l->thread;
-    pr__world_sync(w);                        /* every member has taken the leader's world */
-    if (!nc) {
-        if (nw) pr__world_leave(nw, me);
-        return pr__fail(err, PR_ERR_NOMEM, "split: out of memory");
+    /* every member has taken the leader's world; a rank without its communicator fails them all */
+    if ((st = pr__meet(c, "split", NULL, 0, PR_COMM_F64, nc != NULL, err))) {
+        if (nc) pr__local_destroy(nc);
+        else if (nw) pr__world_leave(nw, me);
+        return st;
     }
+    pr__world_sync(w);
     *sub = nc;
     return PR_OK;
-}
-static void pr__local_destroy(pr_comm *c) {
-    if (!c) return;
-    pr__world_leave(pr__lw(c), c->rank);
-    PR_FREE(c);
 }
 
 static pr_comm *pr__local_comm_new(pr__world *w, int rank, int thread) {
@@ -9795,6 +9820,35 @@ static pr_status pr__state_sum(const pr_trainer *tr, double *host, double *dev, 
     return st;
 }
 
+/* Every rank of the trainer's world goes on or none does: each rank's status st goes round, one
+   real a rank, through the staging buffers (nothing to allocate, so no rank can fail alone here).
+   A rank whose st failed keeps its message; the others fail with the status of the first world
+   rank that did, naming it and saying what follows (`then`). */
+static pr_status pr__ranks_agree(pr_trainer *tr, pr_status st, const char *fn, const char *then, pr_error *err) {
+    if (!tr->mesh || tr->mesh->world->size == 1) return st;
+    pr_comm *w = tr->mesh->world;
+    pr_real *h = tr->stage_host;
+    const size_t W = (size_t)w->size, me = (size_t)w->rank;
+    size_t failed = W;
+    pr_status said = PR_OK;
+    for (size_t a = 0; a < W; a += PR__STAGE_REALS) {
+        const size_t k = W - a < PR__STAGE_REALS ? W - a : PR__STAGE_REALS;
+        for (size_t i = 0; i < k; i++) h[i] = a + i == me ? (pr_real)st : 0;
+        tr->be->upload_reals(tr->be, tr->stage, h, k);
+        pr_error e;
+        const pr_status cs = w->all_reduce(w, tr->stage, k, PR_COMM_REAL, &e);
+        if (cs) {                              /* a collective fails on every rank alike */
+            if (!st && err) *err = e;
+            return st ? st : cs;
+        }
+        tr->be->download_reals(tr->be, h, tr->stage, k);
+        for (size_t i = 0; i < k && failed == W; i++)
+            if (h[i] != 0) failed = a + i, said = (pr_status)h[i];
+    }
+    if (!st && failed < W) st = pr__fail(err, said, "%s: world rank %zu failed (status %d; its own error says why): %s", fn, failed, (int)said, then);
+    return st;
+}
+
 static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                       pr_error *err) {
     const pr_backend *be = tr->be;
@@ -9814,11 +9868,10 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     pr__json *meta = NULL;
     pr__buf index = {NULL, 0, 0, 0};
     pr_status st = PR_OK, cs;
-    if (!ft || !tab || !dev || !host[0] || !host[1] || !host[2] || !en || !names) {
-        /* a rank that cannot join the collectives fails alone; the others wait, as on any communicator failure */
+    if (!ft || !tab || !dev || !host[0] || !host[1] || !host[2] || !en || !names)
         st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_save_state: out of memory for this rank's state");
+    if ((st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "no rank saves", err)))
         goto release;
-    }
     memset(tab, 0, sizeof(double) * n_tab);
     be->download_reals(be, host[0], tr->params, tr->slice_n);
     be->download_reals(be, host[1], tr->adam_m, tr->slice_n);
@@ -9849,12 +9902,14 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     /* rank 0 makes the temporary folder; its name and every rank's pieces go round, with failures */
     if (me == 0) st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err);
     began = me == 0 && !st;      /* rank 0 made the temporary folder */
-    tab[0] = st ? 1 : 0;
+    tab[0] = st;          /* rank 0's alone: the others' st is PR_OK here */
     tab[1] = me ? 0 : suffix;
     tab[2] = me ? 0 : (double)pr__io_pid();
     cs = pr__state_sum(tr, tab, dev, n_tab, st ? NULL : err);
     if (!st) st = cs;
-    if (!st && tab[0] > 0) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: world rank 0 could not create the state folder");
+    if (!st && tab[0] > 0)
+        st = pr__fail(err, (pr_status)tab[0], "pr_trainer_save_state: world rank 0 could not create the state folder (status %d; its own "
+                      "error says why)", (int)tab[0]);
     if (st) {
         if (began) pr__state_remove(n.tmp, W);
         goto release;
@@ -9872,17 +9927,12 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         if (!st) st = pr__state_meta(tr, n.tmp, state, 2, &progress, err);
     }
     /* every file on disk: rank 0 commits; then every rank learns how that went */
-    for (int round = 0; round < 2; round++) {
-        tab[0] = st ? 1 : 0;
-        cs = pr__state_sum(tr, tab, dev, 1, st ? NULL : err);
-        if (!st) st = cs;
-        if (!st && tab[0] > 0 && round) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: world rank 0 could not put the state in place");
-        if (!st && tab[0] > 0 && !round) st = pr__fail(err, PR_ERR_IO, "pr_trainer_save_state: %.0f rank(s) could not write their part", tab[0]);
-        if (round == 0 && me == 0) {
-            if (!st) st = pr__state_commit(dir, &n, &progress, err);
-            if (st) pr__state_remove(n.tmp, W);          /* nothing half-written stays behind */
-        }
+    st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "the state is not committed", err);
+    if (me == 0) {
+        if (!st) st = pr__state_commit(dir, &n, &progress, err);
+        if (st) pr__state_remove(n.tmp, W);              /* nothing half-written stays behind */
     }
+    st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "the state is not in place", err);
 release:
     PR_FREE(index.p);
     PR_FREE(meta);
@@ -10186,54 +10236,26 @@ static pr_status pr__load_state_ranks(pr_trainer *tr, const char *folder, pr_rea
     if (tr->mesh) PR_FREE(ft);
     return st;
 }
-PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
-    if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
-    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
-    char folder[4200], path[4300], name[256];
-    uint64_t size;
-    int is_dir;
+/* A version-1 state (the full model's tensors) into host copies of this rank's arenas: host[0]
+   n_params reals, host[1] and host[2] its slice of m and v. Without a mesh they point into `whole`
+   (the full tensors, parameters, m, v); on one, each rank keeps its part, host[0] the scratch of
+   m's and v's before it takes the parameters. */
+static pr_status pr__load_state_v1(pr_trainer *tr, const char *folder, pr_real *host[3], pr_real **whole, pr_error *err) {
+    int count;
+    pr_tensor_info *table = pr__table_of(tr, &count);
+    char path[4300];
+    size_t bytes;
     pr_status st = PR_OK;
-    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
-    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
-    else if (!(st = pr__state_latest(dir, name, sizeof name, 1, err))) snprintf(folder, sizeof folder, "%s/%s", dir, name);
-    if (st) return st;
-    pr_train_state s;
-    pr_config cfg;
-    int version = 0;
-    memset(&s, 0, sizeof s);
-    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
-    if ((st = pr__state_parse(path, &s, &version, err))) return st;
-    snprintf(path, sizeof path, "%s/config.json", folder);
-    if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
-    if (version == 2) {       /* pieces: this rank's part only, into host copies of its arenas */
-        pr_real *host[3];
+    pr_real *full = pr__mul_size(sizeof(pr_real) * 3, tr->n_full, &bytes) ? (pr_real *)PR_MALLOC(bytes) : NULL;
+    if (tr->mesh) {
         host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
         host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
         host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
-        if (!host[0] || !host[1] || !host[2]) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for this rank's state");
-        else {
-            memset(host[0], 0, sizeof(pr_real) * tr->n_params);
-            memset(host[1], 0, sizeof(pr_real) * tr->slice_n);
-            memset(host[2], 0, sizeof(pr_real) * tr->slice_n);
-            st = pr__load_state_ranks(tr, folder, host, err);
-        }
-        if (!st) {           /* every check passed: the trainer takes the state */
-            pr__weights_take(tr, host[0]);
-            tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);
-            tr->be->upload_reals(tr->be, tr->adam_v, host[2], tr->slice_n);
-            tr->adam_step = s.step;
-            if (state) *state = s;
-        }
-        for (int k = 0; k < 3; k++) PR_FREE(host[k]);
-        return st;
     }
-    int count;
-    pr_tensor_info *table = pr__table_of(tr, &count);
-    size_t bytes;
-    pr_real *host = pr__mul_size(sizeof(pr_real) * 3, tr->n_full, &bytes) ? (pr_real *)PR_MALLOC(bytes) : NULL;
-    if (!host || !table) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
+    if (!full || !table || (tr->mesh && (!host[0] || !host[1] || !host[2])))
+        st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
     snprintf(path, sizeof path, "%s/model.safetensors", folder);
-    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, host, err);
+    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, full, err);
     snprintf(path, sizeof path, "%s/optimizer.safetensors", folder);
     if (!st) {           /* m and v share one file: each read through the prefixes, then the count checked */
         pr_checkpoint *ck = NULL;
@@ -10253,7 +10275,7 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
                     pr__shape_text(have, sizeof have, t->ndim, t->shape);
                     pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
                     st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a state of another shape)", path, nm, have, want);
-                } else st = pr_checkpoint_read(ck, t, host + (size_t)(k + 1) * tr->n_full + ti->offset, ti->numel, err);
+                } else st = pr_checkpoint_read(ck, t, full + (size_t)(k + 1) * tr->n_full + ti->offset, ti->numel, err);
             }
         }
         if (!st && pr_checkpoint_count(ck) != 2 * count)
@@ -10261,21 +10283,68 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
                           pr_checkpoint_count(ck), 2 * count);
         if (ck) pr_checkpoint_close(ck);
     }
-    /* every check passed: the trainer takes the state (nothing can fail once the first arena is set) */
-    pr_real *local = NULL;
-    if (!st) st = pr__full_scratch(tr, &local, err);
-    if (!st) {
-        pr__set_full_arena(tr, tr->params, host, local);
-        pr__set_full_arena(tr, tr->adam_m, host + tr->n_full, local);
-        pr__set_full_arena(tr, tr->adam_v, host + 2 * tr->n_full, local);
+    if (!st && tr->mesh) {
+        for (int k = 1; k < 3; k++) {
+            pr__shard_copy(tr, full + (size_t)k * tr->n_full, host[0], 0);
+            memcpy(host[k], host[0] + tr->slice_lo, sizeof(pr_real) * tr->slice_n);
+        }
+        pr__shard_copy(tr, full, host[0], 0);
     }
-    PR_FREE(local);
-    if (!st) {
+    if (tr->mesh) PR_FREE(table);
+    if (!st && !tr->mesh) {
+        for (int k = 0; k < 3; k++) host[k] = full + (size_t)k * tr->n_full + (k ? tr->slice_lo : 0);
+        *whole = full;
+    } else PR_FREE(full);
+    return st;
+}
+
+/* Reads and checks the state at dir (one state folder, or the latest in a run's folder) into *s and
+   host copies of this rank's arenas (pr__load_state_v1's), the trainer untouched. */
+static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_state *s, pr_real *host[3], pr_real **whole,
+                                     pr_error *err) {
+    if (!dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
+    char folder[4200], path[4300], name[256];
+    uint64_t size;
+    int is_dir, version = 0;
+    pr_status st = PR_OK;
+    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
+    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
+    else if (!(st = pr__state_latest(dir, name, sizeof name, 1, err))) snprintf(folder, sizeof folder, "%s/%s", dir, name);
+    if (st) return st;
+    pr_config cfg;
+    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
+    if ((st = pr__state_parse(path, s, &version, err))) return st;
+    snprintf(path, sizeof path, "%s/config.json", folder);
+    if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
+    if (version == 1) return pr__load_state_v1(tr, folder, host, whole, err);
+    /* version 2, pieces: this rank's part only */
+    host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
+    host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+    host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
+    if (!host[0] || !host[1] || !host[2]) return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for this rank's state");
+    memset(host[0], 0, sizeof(pr_real) * tr->n_params);
+    memset(host[1], 0, sizeof(pr_real) * tr->slice_n);
+    memset(host[2], 0, sizeof(pr_real) * tr->slice_n);
+    return pr__load_state_ranks(tr, folder, host, err);
+}
+
+PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
+    pr_train_state s;
+    pr_real *host[3] = { NULL, NULL, NULL }, *whole = NULL;
+    memset(&s, 0, sizeof s);
+    pr_status st = pr__ranks_agree(tr, pr__load_state_read(tr, dir, &s, host, &whole, err), "pr_trainer_load_state", "no rank takes the state", err);
+    if (!st) {           /* every check passed on every rank: the trainer takes the state */
+        pr__weights_take(tr, host[0]);
+        tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);
+        tr->be->upload_reals(tr->be, tr->adam_v, host[2], tr->slice_n);
         tr->adam_step = s.step;
         if (state) *state = s;
     }
-    PR_FREE(host);
-    if (tr->mesh) PR_FREE(table);
+    if (whole) PR_FREE(whole);
+    else
+        for (int k = 0; k < 3; k++) PR_FREE(host[k]);
     return st;
 }
 

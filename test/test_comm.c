@@ -3,14 +3,24 @@
    at once (every rank sending first, which plain sends could not do); split into the rows and columns of
    a 2 x 2 mesh with collectives inside each; every rank ending with the same bits; bad arguments;
    calls that could never return (ranks whose calls differ, a peer that has returned, every rank
-   waiting on another across two communicators) failing on every rank instead of hanging. */
+   waiting on another across two communicators) failing on every rank instead of hanging; a rank
+   out of memory for a collective's scratch failing that call on every rank, the next one fine. */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+/* While a thread's `starved` is set, its allocations fail. */
+static _Thread_local int starved;
+static void *test_malloc(size_t n) { return starved ? NULL : malloc(n); }
+static void *test_realloc(void *p, size_t n) { return starved ? NULL : realloc(p, n); }
+#define PR_MALLOC(sz) test_malloc(sz)
+#define PR_REALLOC(p, sz) test_realloc(p, sz)
+#define PR_FREE(p) free(p)
+
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
 #include "harness.h"
 
 #include <math.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 #include <threads.h>
 #include <time.h>
@@ -236,6 +246,70 @@ static pr_status give_up_and_retry(pr_comm *c, void *user, pr_error *err) {
     sub->destroy(sub);
     return PR_OK;
 }
+/* Rank 1 out of memory for a call's scratch: all_reduce, reduce_scatter and split fail on every
+   rank (a rank that went on alone would reach a different call than its peers, or none), and each
+   call made again with memory succeeds on every rank with the right result. */
+typedef struct {
+    pr_status st[3][MAXR], again[3][MAXR];
+    char msg[3][MAXR][512];
+    double sum[MAXR], part[MAXR], sub_sum[MAXR];
+} starving;
+static pr_status starve_rank(pr_comm *c, void *user, pr_error *err) {
+    starving *o = user;
+    const int r = c->rank, R = c->size;
+    double in[MAXR] = { 0 }, x;
+    pr_comm *sub = NULL;
+    for (int op = 0; op < 3; op++)
+        for (int pass = 0; pass < 2; pass++) {
+            pr_error e;
+            pr_status st;
+            x = value(r, op, pass);
+            for (int i = 0; i < R; i++) in[i] = value(r, op, i);
+            starved = pass == 0 && r == 1;
+            if (op == 0) st = c->all_reduce(c, &x, 1, PR_COMM_F64, &e);
+            else if (op == 1) st = c->reduce_scatter(c, &x, in, 1, PR_COMM_F64, &e);
+            else st = c->split(c, r % 2, r, &sub, &e);
+            starved = 0;
+            (pass ? o->again : o->st)[op][r] = st;
+            if (!pass) snprintf(o->msg[op][r], sizeof o->msg[0][0], "%s", st ? e.message : "");
+            if (pass && !st && op == 0) o->sum[r] = x;
+            if (pass && !st && op == 1) o->part[r] = x;
+        }
+    if (!sub) return pr__fail(err, PR_ERR_ARG, "rank %d: no communicator from the split", r);
+    x = r;
+    pr_status st = sub->all_reduce(sub, &x, 1, PR_COMM_F64, err);
+    o->sub_sum[r] = x;
+    sub->destroy(sub);
+    return st;
+}
+static void check_starved(void) {
+    static const char *const op_name[3] = { "all_reduce", "reduce_scatter", "split" };
+    for (int R = 2; R <= MAXR; R++) {
+        starving o;
+        memset(&o, 0, sizeof o);
+        pr_error err;
+        CHECK(pr_comm_local_run(R, starve_rank, &o, &err) == PR_OK, "%d ranks, rank 1 starved: %s", R, err.message);
+        for (int op = 0; op < 3; op++)
+            for (int r = 0; r < R; r++) {
+                const char *says = r == 1 ? "out of memory on this rank" : "rank 1 is out of memory: every rank fails the call";
+                CHECK(o.st[op][r] == PR_ERR_NOMEM && strstr(o.msg[op][r], op_name[op]) && strstr(o.msg[op][r], says),
+                      "%d ranks, %s with rank 1 out of memory: rank %d says %d '%s'", R, op_name[op], r, (int)o.st[op][r], o.msg[op][r]);
+                CHECK(o.again[op][r] == PR_OK, "%d ranks, %s again: rank %d fails (%d)", R, op_name[op], r, (int)o.again[op][r]);
+            }
+        for (int r = 0; r < R; r++) {
+            double sum = 0, part = 0, sub_sum = 0;
+            for (int q = 0; q < R; q++) {
+                sum += value(q, 0, 1);
+                part += value(q, 1, r);
+                if (q % 2 == r % 2) sub_sum += q;
+            }
+            CHECK(o.sum[r] == sum && o.part[r] == part && o.sub_sum[r] == sub_sum,
+                  "%d ranks, rank %d after the failures: all_reduce %g (%g), reduce_scatter %g (%g), in its split %g (%g)", R, r, o.sum[r],
+                  sum, o.part[r], part, o.sub_sum[r], sub_sum);
+        }
+    }
+}
+
 /* A split communicator kept past the run's end and destroyed after it. */
 static pr_status keep_split(pr_comm *c, void *user, pr_error *err) {
     pr_comm **kept = user;
@@ -302,6 +376,7 @@ int main(void) {
     CHECK(pr_comm_local_run(3, failing, NULL, &err) == PR_ERR_IO && strstr(err.message, "rank 1") && strstr(err.message, "fire"),
           "a failing rank is reported: '%s'", err.message);
     check_faults();
+    check_starved();
     CHECK(pr_comm_local_run(0, failing, NULL, &err) == PR_ERR_ARG, "zero ranks refused");
     return test_report();
 }

@@ -3125,17 +3125,37 @@ static int rstate_same(pr_real *const *a, pr_real *const *b, size_t n) {
     return same;
 }
 
-/* A version-1 state (one rank's) loading on a dp 2 mesh, where each rank reads the full tensors
-   and keeps its part, with one of rank 0's allocations failing, each in turn: a load that fails
-   leaves that rank's parameters, m and v as they were (every allocation comes before the first). */
-typedef struct { const pr_config *c; const char *dir; long fail_at, made; int status, changed; } v1_fault_run;
-static pr_status v1_fault_rank(pr_comm *world, void *user, pr_error *err) {
-    v1_fault_run *m = user;
+/* A state loading on a dp 2 mesh with one of rank 0's allocations failing, each in turn, for a
+   version-1 state (one rank's: each rank reads the full tensors and keeps its part) and a
+   version-2 one (saved on the mesh: each rank reads its pieces). The ranks agree before any takes
+   the state: a load that fails on rank 0 fails on rank 1 too, with rank 0's status, and both keep
+   their parameters, m and v as they were. The version-2 save, with rank 0's allocations failing
+   in turn the same way, fails on both ranks alike and leaves no temporary folder. */
+typedef struct { const pr_config *c; const char *dir; int save; long fail_at, made; int status[2], changed[2]; char said[512]; } load_fault_run;
+static pr_status load_fault_rank(pr_comm *world, void *user, pr_error *err) {
+    load_fault_run *m = user;
     pr_mesh mesh;
     pr_trainer *tr = NULL;
     pr_status s = pr_mesh_init(&mesh, world, 2, 1, 1, 1, 1, err);
     if (s) return s;
-    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 7, err))) {
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, m->save ? 5 : 7, err))) {
+        const int me = world->rank;
+        if (m->save) {
+            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+            pr_error e;
+            if (me == 0) {
+                alloc_made = 0;
+                alloc_fails_at = m->fail_at;
+            }
+            m->status[me] = pr_trainer_save_state(tr, m->dir, &state, NULL, &e);
+            if (me == 0) {
+                m->made = alloc_made;
+                alloc_fails_at = -1;
+            } else snprintf(m->said, sizeof m->said, "%s", m->status[me] ? e.message : "");
+            pr_trainer_destroy(tr);
+            pr_mesh_free(&mesh);
+            return s;
+        }
         const pr_real *arena[3] = { tr->params, tr->adam_m, tr->adam_v };
         const size_t len[3] = { tr->n_params, tr->slice_n, tr->slice_n };
         pr_real *was[3];
@@ -3143,19 +3163,19 @@ static pr_status v1_fault_rank(pr_comm *world, void *user, pr_error *err) {
             was[k] = malloc(sizeof(pr_real) * len[k]);
             memcpy(was[k], arena[k], sizeof(pr_real) * len[k]);
         }
-        const int victim = world->rank == 0;
-        if (victim) {
+        if (me == 0) {
             alloc_made = 0;
             alloc_fails_at = m->fail_at;
         }
-        const pr_status ld = pr_trainer_load_state(tr, m->dir, NULL, err);
-        if (victim) {
+        pr_error e;
+        const pr_status ld = pr_trainer_load_state(tr, m->dir, NULL, &e);
+        if (me == 0) {
             m->made = alloc_made;
             alloc_fails_at = -1;
-            m->status = ld;
-            m->changed = 0;
-            for (int k = 0; k < 3; k++) m->changed |= memcmp(was[k], arena[k], sizeof(pr_real) * len[k]) != 0;
-        }
+        } else snprintf(m->said, sizeof m->said, "%s", ld ? e.message : "");
+        m->status[me] = ld;
+        m->changed[me] = 0;
+        for (int k = 0; k < 3; k++) m->changed[me] |= memcmp(was[k], arena[k], sizeof(pr_real) * len[k]) != 0;
         for (int k = 0; k < 3; k++) free(was[k]);
     }
     pr_trainer_destroy(tr);
@@ -3163,33 +3183,68 @@ static pr_status v1_fault_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
-static void test_load_v1_faults(void) {
+static void test_load_faults(void) {
     pr_config c = small_config(1, 0, 2);
-    char dir[256];
-    pr_error err;
-    CHECK(make_scratch_dir(dir, sizeof dir, "v1fault"), "a scratch folder under %s", test_tmpdir());
-    pr_trainer *one = make_model(&c, 5);
-    pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
-    CHECK(!pr_trainer_save_state(one, dir, &state, NULL, &err), "save: %s", err.message);
-    pr_trainer_destroy(one);
-    v1_fault_run m = { &c, dir, LONG_MAX, 0, 0, 0 };
-    CHECK(pr_comm_local_run(2, v1_fault_rank, &m, &err) == PR_OK && m.status == PR_OK && m.changed,
-          "a version-1 state on dp 2: %s (status %d)", err.message, m.status);
-    const long total = m.made;
-    int failed = 0, kept = 1;
-    for (long k = 0; k < total; k++) {
-        m.fail_at = k;
-        CHECK(pr_comm_local_run(2, v1_fault_rank, &m, &err) == PR_OK, "%s", err.message);
-        failed += m.status != PR_OK;
-        if (m.status != PR_OK && (m.status != PR_ERR_NOMEM || m.changed)) {
-            kept = 0;
-            CHECK(0, "version-1 state on dp 2, allocation %ld of %ld fails: status %d, the trainer %s", k, total, (int)m.status,
-                  m.changed ? "changed" : "kept");
+    for (int version = 1; version <= 2; version++) {
+        char dir[256];
+        pr_error err;
+        CHECK(make_scratch_dir(dir, sizeof dir, "loadfault"), "a scratch folder under %s", test_tmpdir());
+        load_fault_run m;
+        memset(&m, 0, sizeof m);
+        m.c = &c;
+        m.dir = dir;
+        m.fail_at = LONG_MAX;
+        if (version == 1) {
+            pr_trainer *one = make_model(&c, 5);
+            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+            CHECK(!pr_trainer_save_state(one, dir, &state, NULL, &err), "save: %s", err.message);
+            pr_trainer_destroy(one);
+        } else {
+            m.save = 1;
+            CHECK(pr_comm_local_run(2, load_fault_rank, &m, &err) == PR_OK && !m.status[0] && !m.status[1], "save on dp 2: %s %d %d",
+                  err.message, m.status[0], m.status[1]);
+            const long total = m.made;
+            int failed = 0;
+            for (long k = 0; k < total; k++) {
+                m.fail_at = k;
+                CHECK(pr_comm_local_run(2, load_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+                failed += m.status[0] != PR_OK;
+                int stray = 0;
+                DIR *d = opendir(dir);
+                for (struct dirent *e; d && (e = readdir(d));) stray |= strstr(e->d_name, ".tmp.") != NULL;
+                if (d) closedir(d);
+                CHECK(m.status[0] == m.status[1] && !stray, "save on dp 2, allocation %ld of %ld fails on rank 0: status %d and %d ('%s')%s", k,
+                      total, m.status[0], m.status[1], m.said, stray ? ", a temporary folder left" : "");
+            }
+            CHECK(failed > 0, "save on dp 2: no failing allocation failed it");
+            printf("a version-2 save on dp 2: each of its %ld allocations failing in turn on rank 0 (%d failed the save on both ranks)\n",
+                   total, failed);
+            m.save = 0;
+            m.fail_at = LONG_MAX;
         }
+        CHECK(pr_comm_local_run(2, load_fault_rank, &m, &err) == PR_OK && !m.status[0] && !m.status[1] && m.changed[0] && m.changed[1],
+              "a version-%d state on dp 2: %s (status %d, %d)", version, err.message, m.status[0], m.status[1]);
+        const long total = m.made;
+        int failed = 0, agreed = 1;
+        for (long k = 0; k < total; k++) {
+            m.fail_at = k;
+            CHECK(pr_comm_local_run(2, load_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+            failed += m.status[0] != PR_OK;
+            const int told = strstr(m.said, "world rank 0 failed (status 5; its own error says why): no rank takes the state") ||
+                             strstr(m.said, "rank 0 is out of memory: every rank fails the call");   /* the agreement's own scratch */
+            const int fine = m.status[0] == m.status[1] && (m.status[0] ? m.status[0] == PR_ERR_NOMEM && told && !m.changed[0] && !m.changed[1]
+                                                                         : m.changed[0] && m.changed[1]);
+            if (!fine) {
+                agreed = 0;
+                CHECK(0, "version-%d state on dp 2, allocation %ld of %ld fails on rank 0: status %d and %d, rank 0 %s, rank 1 %s ('%s')",
+                      version, k, total, m.status[0], m.status[1], m.changed[0] ? "changed" : "kept", m.changed[1] ? "changed" : "kept", m.said);
+            }
+        }
+        CHECK(failed > 0 && agreed, "version-%d state on dp 2: %d of %ld failing allocations failed the load", version, failed, total);
+        printf("a version-%d state on dp 2: each of its %ld allocations failing in turn on rank 0 (%d failed the load on both ranks)\n",
+               version, total, failed);
+        remove_tree(dir, 2);
     }
-    CHECK(failed > 0 && kept, "version-1 state on dp 2: %d of %ld failing allocations failed the load", failed, total);
-    printf("a version-1 state on dp 2: each of its %ld allocations failing in turn (%d failed the load)\n", total, failed);
-    remove_tree(dir, 2);
 }
 
 /* A state saved on a mesh is one file per rank (each rank its own pieces, one copy of each) and an
@@ -3755,8 +3810,11 @@ static void test_trees(void) {
         tree_dp_run run = { tr, groups, 1, &tree };
         CHECK(pr_comm_local_run(1, tree_dp_rank, &run, &err) == PR_ERR_ARG && strstr(err.message, "prefix tree"),
               "malformed tree %d over dp: %s", bad, err.message);
-        int owner[1] = { -1 };
-        CHECK(pr_tree_place(&c, groups, 1, &tree, 2, owner) == PR_ERR_ARG && owner[0] == 0, "malformed tree %d placed", bad);
+        for (int ranks = 1; ranks <= 2; ranks++) {
+            int owner[1] = { -1 };
+            CHECK(pr_tree_place(&c, groups, 1, &tree, ranks, owner) == PR_ERR_ARG && owner[0] == 0, "malformed tree %d placed on %d ranks",
+                  bad, ranks);
+        }
         tree.group_node[0] = node;
         tree.nodes[0].parent = parent;
     }
@@ -3784,7 +3842,7 @@ int main(void) {
     test_cp_cut();
     test_mesh();
     test_mesh_faults();
-    test_load_v1_faults();
+    test_load_faults();
     test_kv_replication();
     test_head_chunks_uneven_vocab();
     test_zero();
