@@ -1046,7 +1046,9 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
    rank (collective over tp and pp, and over dp under ZeRO for the parameters, whose master weights
    each rank holds a slice of, and after a ZeRO-2 step, whose reduce-scatter left each rank its
    slice of the summed gradient). Without a mesh they are get/set_params and
-   get_grads. The count of a NULL trainer is 0. */
+   get_grads. A rank of a gather that fails (its host memory) makes its tp and pp peers fail
+   with it, naming it, rather than return a copy without its shard. The count of a NULL trainer
+   is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
 PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, size_t n, pr_error *err);
@@ -5306,6 +5308,41 @@ static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
     }
 }
 
+/* Every rank of c goes on or none does: each rank's status st goes round, one real a rank, through
+   the staging buffers (nothing to allocate, so no rank can fail alone here). A rank whose st
+   failed keeps its message; the others fail with the status of the first rank that did, naming it
+   ("<group> rank <r>") and saying what follows (`then`): a failure told over c, not their own. */
+static void pr__comm_told(pr_comm *c, const pr_error *e);
+static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, const char *group, pr_status st, const char *fn, const char *then,
+                                 pr_error *err) {
+    if (c->size == 1) return st;
+    pr_real *h = tr->stage_host;
+    const size_t R = (size_t)c->size, me = (size_t)c->rank;
+    size_t failed = R;
+    pr_status said = PR_OK;
+    for (size_t a = 0; a < R; a += PR__STAGE_REALS) {
+        const size_t k = R - a < PR__STAGE_REALS ? R - a : PR__STAGE_REALS;
+        for (size_t i = 0; i < k; i++) h[i] = a + i == me ? (pr_real)st : 0;
+        tr->be->upload_reals(tr->be, tr->stage, h, k);
+        pr_error e;
+        const pr_status cs = c->all_reduce(c, tr->stage, k, PR_COMM_REAL, &e);
+        if (cs) {                              /* a collective fails on every rank alike */
+            if (!st && err) *err = e;
+            return st ? st : cs;
+        }
+        tr->be->download_reals(tr->be, h, tr->stage, k);
+        for (size_t i = 0; i < k && failed == R; i++)
+            if (h[i] != 0) failed = a + i, said = (pr_status)h[i];
+    }
+    if (!st && failed < R) {
+        pr_error e;
+        st = pr__fail(&e, said, "%s: %s rank %zu failed (status %d; its own error says why): %s", fn, group, failed, (int)said, then);
+        pr__comm_told(c, &e);
+        if (err) *err = e;
+    }
+    return st;
+}
+
 /* ---------------------------------------------------------------- 7.3 Sharded parameters and gradients (TP, EP, PP) */
 /* The first vocabulary row of TP rank r's slice (r = tp: the vocabulary's end): the embedding and
    the LM head are split by rows, as even a split as there is. */
@@ -5452,7 +5489,7 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     return st;
 }
 
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err);
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -5463,31 +5500,33 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         return st;
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    return pr__get_full_arena(tr, arena, dst, n, err);
+    return pr__get_full_arena(tr, arena, dst, n, PR_OK, err);
 }
 
 /* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
    every rank: collective over tp and pp, and under ZeRO over dp for the master weights, the
    moments and a scattered gradient. The host holds the whole; the device no more than the
    staging buffer, through which every collective runs in chunks alike on every rank, so that a
-   model of any size is gathered. A rank whose host memory fails still joins every collective
-   (with zeros) and reports. */
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_error *err) {
+   model of any size is gathered. st: the caller's failure so far (dst may be NULL then). A rank
+   that has failed still joins every collective, with zeros, and its tp and pp peers fail with it,
+   since their sums hold its zeros: the statuses go round tp, then pp. */
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, pr_error *err) {
     const pr_backend *be = tr->be;
     if (!tr->mesh) {
-        be->download_reals(be, dst, arena, n);
-        return PR_OK;
+        if (!st) be->download_reals(be, dst, arena, n);
+        return st;
     }
     pr_comm *dp = tr->mesh->dp_comm, *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    static const char *const sum_name[2] = { "tp", "pp" };
     const int D = tr->mesh->dp, me = tr->mesh->dp_rank;
-    pr_status st = PR_OK, cs;
+    pr_status cs;
     if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
-        st = dp->all_gather(dp, tr->grads, tr->grads + (size_t)me * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, err);
-        if (st) return st;
-        tr->grads_scattered = 0;
+        cs = dp->all_gather(dp, tr->grads, tr->grads + (size_t)me * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, st ? NULL : err);
+        if (!st) st = cs;
+        if (!cs) tr->grads_scattered = 0;
     }
-    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad);    /* this rank's arena, whole */
-    if (!local) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of host memory for %zu reals", tr->n_pad);
+    pr_real *local = dst ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad) : NULL;    /* this rank's arena, whole */
+    if (!local && !st) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of host memory for %zu reals", tr->n_pad);
     if (!tr->zero || arena == tr->grads) {
         if (local) be->download_reals(be, local, arena, tr->n_params);
     } else {                     /* the master weights or a moment: every rank's slice, a chunk of each at a time */
@@ -5500,18 +5539,20 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
             for (int r = 0; local && r < D; r++) be->download_reals(be, local + (size_t)r * tr->slice_cap + a, tr->stage + (size_t)r * m, m);
         }
     }
-    memset(dst, 0, sizeof(pr_real) * n);
+    if (dst) memset(dst, 0, sizeof(pr_real) * n);
     if (!st) pr__shard_copy(tr, dst, local, 1);
     PR_FREE(local);
     for (size_t a = 0; a < n; a += PR__STAGE_REALS) {      /* the shards summed over tp and pp */
         const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
-        be->upload_reals(be, tr->stage, dst + a, k);
+        if (dst) be->upload_reals(be, tr->stage, dst + a, k);
+        else be->zero(be, tr->stage, sizeof(pr_real) * k);
         for (int i = 0; i < 2; i++) {
             cs = sum_over[i]->all_reduce(sum_over[i], tr->stage, k, PR_COMM_REAL, st ? NULL : err);
             if (!st) st = cs;
         }
-        be->download_reals(be, dst + a, tr->stage, k);
+        if (dst) be->download_reals(be, dst + a, tr->stage, k);
     }
+    for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], sum_name[i], st, "pr_trainer_get_full", "the copy is not whole", err);
     return st;
 }
 
@@ -6799,6 +6840,14 @@ static void pr__local_destroy(pr_comm *c) {
     pr__world_leave(pr__lw(c), c->rank);
     PR_FREE(c);
 }
+/* A failure a peer told this rank over c, as the communicator's own are kept: pr_comm_local_run
+   then reports the rank whose failure it was, not the ranks that were told. */
+static void pr__comm_told(pr_comm *c, const pr_error *e) {
+    if (c->destroy == pr__local_destroy) {
+        pr_error tmp;
+        pr__comm_fail((const pr__local *)c->ctx, &tmp, e);
+    }
+}
 
 static pr_status pr__local_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
     const pr__local *l = (const pr__local *)c;
@@ -6957,6 +7006,11 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     PR_FREE(runs);
     PR_FREE(th);
     return st;
+}
+#else
+static void pr__comm_told(pr_comm *c, const pr_error *e) {
+    (void)c;
+    (void)e;
 }
 #endif /* PR_NO_THREADS */
 
@@ -9479,7 +9533,7 @@ static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const ch
     x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
     x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
     pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
-    if (!st) st = pr__get_full_arena(tr, arena, x->host, tr->n_full, err);
+    st = pr__get_full_arena(tr, arena, x->host, tr->n_full, st, err);      /* a mesh's rank joins its peers even when it failed */
     if (st) {
         pr__export_free(tr, x);
         return st;
@@ -9820,35 +9874,6 @@ static pr_status pr__state_sum(const pr_trainer *tr, double *host, double *dev, 
     return st;
 }
 
-/* Every rank of the trainer's world goes on or none does: each rank's status st goes round, one
-   real a rank, through the staging buffers (nothing to allocate, so no rank can fail alone here).
-   A rank whose st failed keeps its message; the others fail with the status of the first world
-   rank that did, naming it and saying what follows (`then`). */
-static pr_status pr__ranks_agree(pr_trainer *tr, pr_status st, const char *fn, const char *then, pr_error *err) {
-    if (!tr->mesh || tr->mesh->world->size == 1) return st;
-    pr_comm *w = tr->mesh->world;
-    pr_real *h = tr->stage_host;
-    const size_t W = (size_t)w->size, me = (size_t)w->rank;
-    size_t failed = W;
-    pr_status said = PR_OK;
-    for (size_t a = 0; a < W; a += PR__STAGE_REALS) {
-        const size_t k = W - a < PR__STAGE_REALS ? W - a : PR__STAGE_REALS;
-        for (size_t i = 0; i < k; i++) h[i] = a + i == me ? (pr_real)st : 0;
-        tr->be->upload_reals(tr->be, tr->stage, h, k);
-        pr_error e;
-        const pr_status cs = w->all_reduce(w, tr->stage, k, PR_COMM_REAL, &e);
-        if (cs) {                              /* a collective fails on every rank alike */
-            if (!st && err) *err = e;
-            return st ? st : cs;
-        }
-        tr->be->download_reals(tr->be, h, tr->stage, k);
-        for (size_t i = 0; i < k && failed == W; i++)
-            if (h[i] != 0) failed = a + i, said = (pr_status)h[i];
-    }
-    if (!st && failed < W) st = pr__fail(err, said, "%s: world rank %zu failed (status %d; its own error says why): %s", fn, failed, (int)said, then);
-    return st;
-}
-
 static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                       pr_error *err) {
     const pr_backend *be = tr->be;
@@ -9870,7 +9895,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     pr_status st = PR_OK, cs;
     if (!ft || !tab || !dev || !host[0] || !host[1] || !host[2] || !en || !names)
         st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_save_state: out of memory for this rank's state");
-    if ((st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "no rank saves", err)))
+    if ((st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "no rank saves", err)))
         goto release;
     memset(tab, 0, sizeof(double) * n_tab);
     be->download_reals(be, host[0], tr->params, tr->slice_n);
@@ -9927,12 +9952,12 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         if (!st) st = pr__state_meta(tr, n.tmp, state, 2, &progress, err);
     }
     /* every file on disk: rank 0 commits; then every rank learns how that went */
-    st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "the state is not committed", err);
+    st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "the state is not committed", err);
     if (me == 0) {
         if (!st) st = pr__state_commit(dir, &n, &progress, err);
         if (st) pr__state_remove(n.tmp, W);              /* nothing half-written stays behind */
     }
-    st = pr__ranks_agree(tr, st, "pr_trainer_save_state", "the state is not in place", err);
+    st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "the state is not in place", err);
 release:
     PR_FREE(index.p);
     PR_FREE(meta);
@@ -10334,7 +10359,8 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     pr_train_state s;
     pr_real *host[3] = { NULL, NULL, NULL }, *whole = NULL;
     memset(&s, 0, sizeof s);
-    pr_status st = pr__ranks_agree(tr, pr__load_state_read(tr, dir, &s, host, &whole, err), "pr_trainer_load_state", "no rank takes the state", err);
+    pr_status st = pr__load_state_read(tr, dir, &s, host, &whole, err);
+    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_load_state", "no rank takes the state", err);
     if (!st) {           /* every check passed on every rank: the trainer takes the state */
         pr__weights_take(tr, host[0]);
         tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);

@@ -3079,7 +3079,7 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
         for (int k = 0; k < (phase ? m->steps_after : 0) && !s; k++) s = rstate_step(tr, mesh, m, err);
         for (int k = 0; k < 3 && !s; k++) {     /* every rank gathers, the first keeps */
             pr_real *dst = malloc(sizeof(pr_real) * n);
-            s = pr__get_full_arena(tr, arena[k], dst, n, err);
+            s = pr__get_full_arena(tr, arena[k], dst, n, PR_OK, err);
             if (keep) (phase ? m->after : m->full)[k] = dst;
             else free(dst);
         }
@@ -3245,6 +3245,111 @@ static void test_load_faults(void) {
                version, total, failed);
         remove_tree(dir, 2);
     }
+}
+
+/* pr_trainer_get_full and pr_trainer_save on meshes with one of one rank's allocations failing,
+   each in turn on each rank: a rank either fails or holds exactly the copy of a run without the
+   fault (a peer whose host memory failed joins the sums with zeros, so its tp and pp peers must
+   fail with it, not return its shard as zeros), and a save either fails on world rank 0 or
+   writes the full parameters. The first 8 allocations each, then 12 spread over the rest; every
+   rank a victim of the gathers, the first and the last of the saves. */
+typedef struct {
+    const pr_config *c;
+    mesh_shape shape;
+    int zero, victim, save;
+    long fail_at, made;
+    const char *dir;
+    pr_real *want;               /* the full parameters (rank 0 of the run without a fault fills it) */
+    int status[8], wrong[8];
+} gather_fault_run;
+static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
+    gather_fault_run *m = user;
+    const mesh_shape sh = m->shape;
+    const int me = world->rank;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
+    if (s) return s;
+    mesh.zero = m->zero;
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 7, err))) {
+        const size_t n = pr_trainer_full_param_count(tr);
+        pr_real *got = calloc(n, sizeof(pr_real));
+        pr_error e;
+        if (me == m->victim) {
+            alloc_made = 0;
+            alloc_fails_at = m->fail_at;
+        }
+        m->status[me] = m->save ? pr_trainer_save(tr, m->dir, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, 0, &e) : pr_trainer_get_full(tr, PR_ARENA_PARAMS, got, n, &e);
+        if (me == m->victim) {
+            m->made = alloc_made;
+            alloc_fails_at = -1;
+        }
+        if (!m->want && me == 0) {
+            m->want = got;
+            got = NULL;
+        } else m->wrong[me] = !m->save && m->want && memcmp(got, m->want, sizeof(pr_real) * n) != 0;
+        free(got);
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static void test_gather_faults(void) {
+    pr_config c = small_config(1, 0, 2);
+    const struct { mesh_shape s; int zero; } meshes[3] = { { { 1, 2, 1, 2, 1, 0, 0 }, 0 }, { { 2, 1, 1, 2, 1, 0, 0 }, 1 },
+                                                            { { 2, 2, 1, 1, 1, 0, 0 }, 0 } };
+    char dir[256];
+    CHECK(make_scratch_dir(dir, sizeof dir, "gatherfault"), "a scratch folder under %s", test_tmpdir());
+    int runs = 0, failed = 0;
+    for (int i = 0; i < 3; i++) {
+        const int W = mesh_size(meshes[i].s);
+        gather_fault_run m;
+        memset(&m, 0, sizeof m);
+        m.c = &c;
+        m.shape = meshes[i].s;
+        m.zero = meshes[i].zero;
+        m.dir = dir;
+        m.victim = -1;
+        m.fail_at = LONG_MAX;
+        pr_error err;
+        CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK && m.want, "mesh %d: %s", i, err.message);
+        if (!m.want) continue;
+        for (int save = 0; save < 2; save++)
+            for (int v = 0; v < W; v += save ? W - 1 : 1) {     /* a save (its fsyncs are slow): the first rank and the last */
+                m.save = save;
+                m.victim = v;
+                m.fail_at = LONG_MAX;
+                CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+                const long total = m.made;
+                /* the first 8, then 12 spread over the rest (most are the collectives' scratch, each alike) */
+                for (long k = 0; k < total; k += k < 8 ? 1 : (total + 11) / 12) {
+                    m.fail_at = k;
+                    memset(m.status, 0, sizeof m.status);
+                    memset(m.wrong, 0, sizeof m.wrong);
+                    CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+                    runs++;
+                    failed += m.status[v] != PR_OK;
+                    for (int r = 0; r < W; r++)
+                        CHECK(m.status[r] || !m.wrong[r], "mesh %d, %s, allocation %ld of %ld failing on rank %d: rank %d returns another copy", i,
+                              save ? "pr_trainer_save" : "pr_trainer_get_full", k, total, v, r);
+                    if (save && !m.status[0]) {     /* the checkpoint world rank 0 wrote holds the parameters */
+                        pr_trainer *one = make_model(&c, 1);
+                        pr_real *p = calloc(pr_trainer_param_count(one), sizeof(pr_real));
+                        CHECK(!pr_trainer_load(one, dir, &err) && !pr_trainer_get_params(one, p, pr_trainer_param_count(one), &err) &&
+                                  !memcmp(p, m.want, sizeof(pr_real) * pr_trainer_param_count(one)),
+                              "mesh %d, allocation %ld failing on rank %d: the saved checkpoint is not the parameters", i, k, v);
+                        free(p);
+                        pr_trainer_destroy(one);
+                    }
+                }
+            }
+        free(m.want);
+    }
+    CHECK(failed > 0, "no failing allocation failed a gather");
+    printf("gathers and saves on tp 2 x pp 2, dp 2 x tp 2 (zero 1), dp 2 x pp 2: %d runs with one allocation failing on one rank "
+           "(%d failed it), no rank returning another copy\n", runs, failed);
+    remove_tree(dir, 2);
 }
 
 /* A state saved on a mesh is one file per rank (each rank its own pieces, one copy of each) and an
@@ -3843,6 +3948,7 @@ int main(void) {
     test_mesh();
     test_mesh_faults();
     test_load_faults();
+    test_gather_faults();
     test_kv_replication();
     test_head_chunks_uneven_vocab();
     test_zero();
