@@ -759,7 +759,11 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr);
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 /* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state zeroed. */
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
-/* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json). */
+/* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json).
+   On a mesh each rank checks the whole checkpoint (every tensor of the full model, of its shape)
+   and reads only its shard's rows and columns of each tensor: its host memory is its shard, not
+   the model. Collective over the world there: the ranks agree before any takes the weights, so a
+   load that fails on one rank fails on all, each keeping what it had. */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
 /* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
    atomically. dir is created when missing, its parent is not: a path with a missing folder above
@@ -8545,20 +8549,31 @@ static void pr__st_convert(pr_real *dst, const unsigned char *src, size_t n, pr_
     }
 }
 
-PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *t, pr_real *dst, size_t count, pr_error *err) {
-    if (!ck || !t || (!dst && count)) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_read: NULL argument");
-    /* t may be a caller's copy: check it as if it came from a file */
+/* Checks a tensor record as if it came from a file (t may be a caller's copy); *numel: its elements. */
+static pr_status pr__checkpoint_record(const pr_checkpoint *ck, const pr_st_tensor *t, uint64_t *numel, pr_error *err) {
     if (t->file < 0 || t->file >= ck->n_files || !pr__dtype_valid(t->dtype) || t->ndim < 0 || t->ndim > 8 || !memchr(t->name, 0, sizeof t->name))
         return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_read: the tensor record does not belong to this checkpoint");
-    const char *path = ck->paths[t->file];
     int ok;
-    uint64_t numel = pr__st_numel(t->shape, t->ndim, &ok), bytes, end_in_file, size;
-    int es = pr__dtype_size(t->dtype), is_dir;
-    if (!ok || !pr__u64_mul(numel, (uint64_t)es, &bytes) || t->end < t->begin || bytes != t->end - t->begin || t->end > ck->data_size[t->file])
-        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its record is inconsistent", path, t->name);
-    if (numel != (uint64_t)count)
-        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has %llu elements, the buffer holds %zu", path, t->name, (unsigned long long)numel, count);
-    if (count == 0) return PR_OK;
+    uint64_t bytes;
+    *numel = pr__st_numel(t->shape, t->ndim, &ok);
+    if (!ok || !pr__u64_mul(*numel, (uint64_t)pr__dtype_size(t->dtype), &bytes) || t->end < t->begin || bytes != t->end - t->begin ||
+        t->end > ck->data_size[t->file])
+        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s: its record is inconsistent", ck->paths[t->file], t->name);
+    return PR_OK;
+}
+
+/* Rows [r[0], r[1]) and columns [r[2], r[3]) of tensor t (its first dimension the rows, the rest
+   the columns; the caller checks the bounds) into dst, row-major: a shard of a tensor read without
+   the rest of it, each row's columns at their offset (whole rows in one run). */
+static pr_status pr__checkpoint_read_rect(const pr_checkpoint *ck, const pr_st_tensor *t, const int64_t r[4], pr_real *dst, pr_error *err) {
+    uint64_t numel, end_in_file, size;
+    pr_status st = pr__checkpoint_record(ck, t, &numel, err);
+    const int64_t rows = t->ndim ? t->shape[0] : 1;
+    if (st || r[0] >= r[1] || r[2] >= r[3] || rows <= 0) return st;
+    const char *path = ck->paths[t->file];
+    const uint64_t cols = numel / (uint64_t)rows;
+    const int es = pr__dtype_size(t->dtype);
+    int is_dir;
     end_in_file = ck->data_start[t->file] + t->end;
     if (!pr__io_stat(path, &size, &is_dir)) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     if (size < end_in_file) return pr__fail(err, PR_ERR_FORMAT, "%s: the file shrank to %llu bytes since it was opened", path, (unsigned long long)size);
@@ -8566,19 +8581,35 @@ PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *
     if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     const size_t chunk = (size_t)1 << 20; /* a multiple of every element size */
     unsigned char *buf = (unsigned char *)PR_MALLOC(chunk);
-    pr_status st = PR_OK;
     if (!buf) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
-    else if (!pr__io_seek(f, ck->data_start[t->file] + t->begin))
-        st = pr__fail(err, PR_ERR_IO, "%s: cannot seek to byte %llu of tensor %s", path, (unsigned long long)(ck->data_start[t->file] + t->begin), t->name);
-    for (uint64_t done = 0; !st && done < bytes;) {
-        size_t now = bytes - done < chunk ? (size_t)(bytes - done) : chunk;
-        if (fread(buf, 1, now, f) != now) { st = pr__fail(err, PR_ERR_IO, "%s: read error in tensor %s", path, t->name); break; }
-        pr__st_convert(dst + (size_t)(done / (uint64_t)es), buf, now / (size_t)es, t->dtype);
-        done += now;
+    const int whole_rows = r[2] == 0 && (uint64_t)r[3] == cols;
+    for (int64_t row = r[0]; !st && row < r[1]; row = whole_rows ? r[1] : row + 1) {
+        const uint64_t at = ck->data_start[t->file] + t->begin + ((uint64_t)row * cols + (uint64_t)r[2]) * (uint64_t)es;
+        const uint64_t run = (whole_rows ? (uint64_t)(r[1] - r[0]) * cols : (uint64_t)(r[3] - r[2])) * (uint64_t)es;
+        if (!pr__io_seek(f, at)) st = pr__fail(err, PR_ERR_IO, "%s: cannot seek to byte %llu of tensor %s", path, (unsigned long long)at, t->name);
+        for (uint64_t done = 0; !st && done < run;) {
+            size_t now = run - done < chunk ? (size_t)(run - done) : chunk;
+            if (fread(buf, 1, now, f) != now) st = pr__fail(err, PR_ERR_IO, "%s: read error in tensor %s", path, t->name);
+            else pr__st_convert(dst + (size_t)(done / (uint64_t)es), buf, now / (size_t)es, t->dtype);
+            done += now;
+        }
+        dst += run / (uint64_t)es;
     }
     PR_FREE(buf);
     fclose(f);
     return st;
+}
+
+PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *t, pr_real *dst, size_t count, pr_error *err) {
+    if (!ck || !t || (!dst && count)) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_read: NULL argument");
+    uint64_t numel;
+    pr_status st = pr__checkpoint_record(ck, t, &numel, err);
+    if (st) return st;
+    if (numel != (uint64_t)count)
+        return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has %llu elements, the buffer holds %zu", ck->paths[t->file], t->name,
+                        (unsigned long long)numel, count);
+    const int64_t rows = t->ndim ? t->shape[0] : 1, whole[4] = { 0, rows, 0, rows > 0 ? (int64_t)(numel / (uint64_t)rows) : 0 };
+    return pr__checkpoint_read_rect(ck, t, whole, dst, err);
 }
 
 /* ---------------------------------------------------------------- 8.8 safetensors writing */
@@ -9455,8 +9486,11 @@ static int pr__layer_of(const char *name) {
    another shape (both shapes given), a layer past the model's last. Other tensors are passed over
    (Hugging Face files may carry buffers such as rotary_emb.inv_freq) unless `exact`, for the
    trainer's own files, which hold nothing else. */
-static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
-                                  int n_layers, int exact, pr_real *host, pr_error *err) {
+/* Checks that ck holds the table's tensors (prefix + name), each of its shape, and no other (past
+   the model's n_layers only where not `exact`: a checkpoint of a deeper model loads its first
+   layers). */
+static pr_status pr__check_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
+                                   int n_layers, int exact, pr_error *err) {
     char name[400];
     for (int i = 0; i < count; i++) {
         const pr_tensor_info *ti = &table[i];
@@ -9472,8 +9506,6 @@ static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const cha
             return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a checkpoint of another shape)", path, name,
                             have, want);
         }
-        pr_status st = pr_checkpoint_read(ck, t, host + ti->offset, ti->numel, err);
-        if (st) return st;
     }
     const size_t plen = strlen(prefix);
     for (int k = 0; k < pr_checkpoint_count(ck); k++) {    /* every table name was found: the rest is extra */
@@ -9489,27 +9521,60 @@ static pr_status pr__read_tensors(pr_checkpoint *ck, const char *path, const cha
     return PR_OK;
 }
 
-/* Opens path and reads the table's tensors (prefix + name) into host. */
+/* Opens path, checks it (pr__check_tensors) and reads the table's tensors (prefix + name) into host. */
 static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, int n_layers,
                                      int exact, pr_real *host, pr_error *err) {
     pr_checkpoint *ck = NULL;
+    char name[400];
     pr_status st = pr_checkpoint_open(&ck, path, err);
     if (st) return st;
-    st = pr__read_tensors(ck, path, prefix, table, count, n_layers, exact, host, err);
+    st = pr__check_tensors(ck, path, prefix, table, count, n_layers, exact, err);
+    for (int i = 0; i < count && !st; i++) {
+        snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
+        st = pr_checkpoint_read(ck, pr_checkpoint_find(ck, name), host + table[i].offset, table[i].numel, err);
+    }
     pr_checkpoint_close(ck);
     return st;
 }
 
+/* Local tensor i's rectangle in its full tensor: rows [r[0], r[1]), columns [r[2], r[3]). */
+static void pr__state_rect(const pr_trainer *tr, int i, int64_t r[4]) {
+    const pr_tensor_info *t = &tr->tensors[i];
+    r[0] = tr->mesh ? tr->shard[i].row0 : 0;
+    r[1] = r[0] + t->shape[0];
+    r[2] = tr->mesh ? tr->shard[i].col0 : 0;
+    r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
+}
+
+/* A checkpoint on a mesh: every rank checks the whole (the full model's tensors, each of its
+   shape), then reads only its own shard's rectangle of each tensor into local (n_params reals). */
+static pr_status pr__load_shards(pr_trainer *tr, const char *path, pr_real *local, pr_error *err) {
+    int count;
+    pr_tensor_info *ft = pr__table_of(tr, &count);
+    pr_checkpoint *ck = NULL;
+    pr_status st = ft ? pr_checkpoint_open(&ck, path, err) : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
+    if (!st) st = pr__check_tensors(ck, path, "", ft, count, tr->model.num_hidden_layers, 0, err);
+    for (int i = 0; i < tr->n_tensors && !st; i++) {
+        int64_t r[4];
+        pr__state_rect(tr, i, r);
+        st = pr__checkpoint_read_rect(ck, pr_checkpoint_find(ck, tr->tensors[i].name), r, local + tr->tensors[i].offset, err);
+    }
+    if (ck) pr_checkpoint_close(ck);
+    PR_FREE(ft);
+    return st;
+}
+
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err) {
-    if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
-    int count;                          /* a mesh shard reads the full tensors and keeps its slices */
-    pr_tensor_info *table = pr__table_of(tr, &count);
-    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    pr_status st = host && table ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 0, host, err);
-    if (!st) st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
+    if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
+    /* one rank: the whole model; a mesh's rank: its shard, then every rank of the world agrees */
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
+    pr_status st = !path ? pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument")
+                   : !host ? pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory for %zu reals", tr->n_params)
+                   : tr->mesh ? pr__load_shards(tr, path, host, err)
+                              : pr__read_checkpoint(path, "", tr->tensors, tr->n_tensors, tr->model.num_hidden_layers, 0, host, err);
+    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_load", "no rank takes the checkpoint", err);
+    if (!st) pr__weights_take(tr, host);
     PR_FREE(host);
-    if (tr->mesh) PR_FREE(table);
     return st;
 }
 
@@ -9791,15 +9856,6 @@ static const char *const pr__state_prefix[3] = { "", "exp_avg.", "exp_avg_sq." }
    [first, end) of the rank's rectangle, then for each kind the elements [first, end) of its piece
    in the rectangle's row-major order (empty: the rank writes none). */
 #define PR__PIECE_NUMS 10
-
-/* Local tensor i's rectangle in its full tensor: rows [r[0], r[1]), columns [r[2], r[3]). */
-static void pr__state_rect(const pr_trainer *tr, int i, int64_t r[4]) {
-    const pr_tensor_info *t = &tr->tensors[i];
-    r[0] = tr->mesh ? tr->shard[i].row0 : 0;
-    r[1] = r[0] + t->shape[0];
-    r[2] = tr->mesh ? tr->shard[i].col0 : 0;
-    r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
-}
 
 /* The elements of local tensor i in this rank's slice (sliced; else all of them), [*e0, *e1) in its
    rectangle's row-major order. A rank holds its slice of the master weights, m and v (under ZeRO

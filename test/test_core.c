@@ -7,11 +7,16 @@
 #define PR__STAGE_REALS ((size_t)40)         /* host sums, pipeline doubles and padded KV gradients in several chunks */
 #include <stdlib.h>
 /* The library's allocations, with one that fails on demand (test_mesh_faults): on the thread that
-   arms it, the allocation numbered alloc_fails_at from the arming (-1: none fails). */
+   arms it, the allocation numbered alloc_fails_at from the arming (-1: none fails). alloc_largest:
+   the thread's largest request since the test set it to 0. */
 static _Thread_local long alloc_made, alloc_fails_at = -1;
-static int alloc_fails(void) { return alloc_fails_at >= 0 && alloc_made++ == alloc_fails_at; }
-static void *test_malloc(size_t n) { return alloc_fails() ? NULL : malloc(n); }
-static void *test_realloc(void *p, size_t n) { return alloc_fails() ? NULL : realloc(p, n); }
+static _Thread_local size_t alloc_largest;
+static int alloc_fails(size_t n) {
+    if (n > alloc_largest) alloc_largest = n;
+    return alloc_fails_at >= 0 && alloc_made++ == alloc_fails_at;
+}
+static void *test_malloc(size_t n) { return alloc_fails(n) ? NULL : malloc(n); }
+static void *test_realloc(void *p, size_t n) { return alloc_fails(n) ? NULL : realloc(p, n); }
 #define PR_MALLOC(sz) test_malloc(sz)
 #define PR_REALLOC(p, sz) test_realloc(p, sz)
 #define PR_FREE(p) free(p)
@@ -3295,6 +3300,139 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
+/* A Hugging Face checkpoint (pr_trainer_save of one trainer, in several files) loading on meshes:
+   each rank checks the whole and reads only its shard's rows and columns of each tensor, in the
+   file's dtype (the build's precision, and bf16), and the parameters gathered after are bitwise
+   those one rank loads from the same files. On tp 4 no allocation of the load holds half the
+   model. With one of rank 1's allocations failing (each of the first 8, then 8 spread), the load
+   fails on every rank, none taking the checkpoint. */
+typedef struct {
+    const pr_config *c;
+    mesh_shape shape;
+    int zero;
+    const char *dir;
+    const pr_real *want;         /* the parameters one rank loads */
+    long fail_at, made;
+    pr_status status[8];
+    int same[8], kept[8];
+    size_t largest[8];
+    char said[512];
+} mload_run;
+static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
+    mload_run *m = user;
+    const mesh_shape sh = m->shape;
+    const int me = world->rank;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
+    if (s) return s;
+    mesh.zero = m->zero;
+    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 3, err))) {
+        const size_t n = pr_trainer_full_param_count(tr);
+        pr_real *before = malloc(sizeof(pr_real) * n), *after = malloc(sizeof(pr_real) * n);
+        s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, before, n, err);
+        pr_error e;
+        alloc_largest = 0;
+        if (me == 1) {
+            alloc_made = 0;
+            alloc_fails_at = m->fail_at;
+        }
+        m->status[me] = pr_trainer_load(tr, m->dir, &e);
+        m->largest[me] = alloc_largest;
+        if (me == 1) {
+            m->made = alloc_made;
+            alloc_fails_at = -1;
+        }
+        if (me == 0) snprintf(m->said, sizeof m->said, "%s", m->status[me] ? e.message : "");
+        if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, after, n, err);
+        m->same[me] = !s && !memcmp(after, m->want, sizeof(pr_real) * n);
+        m->kept[me] = !s && !memcmp(after, before, sizeof(pr_real) * n);
+        free(before);
+        free(after);
+    }
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return s;
+}
+
+static void test_mesh_load(void) {
+    pr_config small = small_config(1, 0, 2), wide = small_config(0, 0, 2), moe = moe_config(1);
+    wide.vocab_size = 1024;              /* a model of 1.7M parameters: its shards well above the reader's 1 MiB buffer */
+    wide.hidden_size = 256;
+    wide.intermediate_size = 512;
+    wide.head_dim = 64;
+    moe.num_experts = 4;
+    moe.moe_intermediate_size = 8;
+    moe.tie_word_embeddings = 1;
+    const struct { const pr_config *c; mesh_shape s; int zero; const char *name; } cases[6] = {
+        { &wide, { 1, 1, 1, 4, 1, 0, 0 }, 0, "tp 4 (KV heads replicated)" },
+        { &small, { 1, 1, 1, 2, 1, 0, 0 }, 0, "tp 2" },
+        { &small, { 1, 2, 1, 1, 1, 0, 0 }, 0, "pp 2" },
+        { &small, { 2, 1, 1, 2, 1, 0, 0 }, 1, "dp 2 x tp 2, zero 1" },
+        { &small, { 1, 2, 1, 2, 1, 0, 0 }, 0, "pp 2 x tp 2" },
+        { &moe, { 1, 2, 1, 2, 2, 0, 0 }, 0, "MoE, tied: pp 2 x tp 2 x ep 2" },
+    };
+    char dir[256];
+    CHECK(make_scratch_dir(dir, sizeof dir, "meshload"), "a scratch folder under %s", test_tmpdir());
+    int loads = 0;
+    for (int i = 0; i < 6; i++)
+        for (int bf = 0; bf < 2; bf++) {
+            pr_error err;
+            pr_trainer *one = make_model(cases[i].c, 41);
+            const size_t n = pr_trainer_param_count(one);
+            const pr_dtype dt = bf ? PR_DT_BF16 : sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32;
+            CHECK(!pr_trainer_save(one, dir, dt, n * sizeof(pr_real) / 5, &err), "%s: save: %s", cases[i].name, err.message);
+            pr_trainer_destroy(one);
+            pr_trainer *ref = make_model(cases[i].c, 5);
+            pr_real *want = malloc(sizeof(pr_real) * n);
+            CHECK(!pr_trainer_load(ref, dir, &err) && !pr_trainer_get_params(ref, want, n, &err), "%s: one rank loads: %s", cases[i].name,
+                  err.message);
+            pr_trainer_destroy(ref);
+            mload_run m;
+            memset(&m, 0, sizeof m);
+            m.c = cases[i].c;
+            m.shape = cases[i].s;
+            m.zero = cases[i].zero;
+            m.dir = dir;
+            m.want = want;
+            m.fail_at = -1;
+            const int W = mesh_size(m.shape);
+            CHECK(pr_comm_local_run(W, mload_rank, &m, &err) == PR_OK, "%s: %s", cases[i].name, err.message);
+            for (int r = 0; r < W; r++) {
+                CHECK(m.status[r] == PR_OK && m.same[r], "%s, %s: rank %d: status %d, parameters %s (%s)", cases[i].name, bf ? "bf16" : "reals", r,
+                      m.status[r], m.same[r] ? "the same" : "differ", m.said);
+                if (i == 0)
+                    CHECK(m.largest[r] < n * sizeof(pr_real) / 2, "%s: rank %d took %zu bytes at once, the model is %zu", cases[i].name, r,
+                          m.largest[r], n * sizeof(pr_real));
+            }
+            loads++;
+            if (i == 4 && !bf) {          /* one rank's allocations failing */
+                m.fail_at = LONG_MAX;
+                CHECK(pr_comm_local_run(W, mload_rank, &m, &err) == PR_OK, "%s", err.message);
+                const long total = m.made;
+                int failed = 0;
+                for (long k = 0; k < total; k += k < 8 ? 1 : (total + 7) / 8) {
+                    m.fail_at = k;
+                    CHECK(pr_comm_local_run(W, mload_rank, &m, &err) == PR_OK, "%s", err.message);
+                    failed += m.status[1] != PR_OK;
+                    for (int r = 0; r < W; r++)
+                        CHECK(m.status[r] == m.status[1] && (m.status[r] ? m.kept[r] : m.same[r]),
+                              "%s, allocation %ld of %ld failing on rank 1: rank %d says %d and %s ('%s')", cases[i].name, k, total, r,
+                              m.status[r], m.kept[r] ? "kept its parameters" : m.same[r] ? "took the checkpoint" : "holds other parameters",
+                              m.said);
+                }
+                CHECK(failed > 0, "%s: no failing allocation failed the load", cases[i].name);
+            }
+            free(want);
+            remove_tree(dir, 1);
+            CHECK(make_scratch_dir(dir, sizeof dir, "meshload"), "a scratch folder under %s", test_tmpdir());
+        }
+    printf("a checkpoint in several files (reals and bf16) loading on tp 4 (KV heads replicated), tp 2, pp 2, dp 2 x tp 2 (zero 1), "
+           "pp 2 x tp 2 and a tied MoE pp 2 x tp 2 x ep 2: %d loads bitwise those of one rank, each rank reading its shard (on tp 4 "
+           "under half the model at once); one rank's allocations failing fail every rank\n", loads);
+    remove_tree(dir, 1);
+}
+
 static void test_gather_faults(void) {
     pr_config c = small_config(1, 0, 2);
     const struct { mesh_shape s; int zero; } meshes[3] = { { { 1, 2, 1, 2, 1, 0, 0 }, 0 }, { { 2, 1, 1, 2, 1, 0, 0 }, 1 },
@@ -3949,6 +4087,7 @@ int main(void) {
     test_mesh_faults();
     test_load_faults();
     test_gather_faults();
+    test_mesh_load();
     test_kv_replication();
     test_head_chunks_uneven_vocab();
     test_zero();
