@@ -767,7 +767,9 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
 /* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
    atomically. dir is created when missing, its parent is not: a path with a missing folder above
-   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. */
+   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. On a mesh, collective over tp and
+   pp: world rank 0 assembles the model and writes it; the others give their shards a chunk at a
+   time and hold no copy of the model. */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"). */
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err);
@@ -5447,19 +5449,35 @@ static pr_status pr__build_shards(pr_trainer *tr, pr_error *err) {
 
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr) { return tr ? tr->n_full : 0; }
 
-/* Between a full-model host vector and a host copy of this rank's arena. Towards the full vector a
-   tensor held elsewhere too is left to its one writer, so a sum over tp and pp assembles it. */
-static void pr__shard_copy(const pr_trainer *tr, pr_real *full, pr_real *local, int to_full) {
+/* This rank's shard of a full-model host vector into a host copy of its arena. */
+static void pr__shard_copy(const pr_trainer *tr, const pr_real *full, pr_real *local) {
     for (int i = 0; i < tr->n_tensors; i++) {
         const pr_tensor_info *t = &tr->tensors[i];
         const pr__shard *sh = &tr->shard[i];
-        if (to_full && sh->elsewhere) continue;
         const int64_t rows = t->shape[0], cols = t->ndim == 2 ? t->shape[1] : 1;
-        for (int64_t r = 0; r < rows; r++) {
-            pr_real *f = full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0;
-            pr_real *l = local + t->offset + (size_t)r * (size_t)cols;
-            if (to_full) memcpy(f, l, sizeof(pr_real) * (size_t)cols);
-            else memcpy(l, f, sizeof(pr_real) * (size_t)cols);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(local + t->offset + (size_t)r * (size_t)cols, full + sh->full_off + (size_t)(sh->row0 + r) * (size_t)sh->full_cols + (size_t)sh->col0,
+                   sizeof(pr_real) * (size_t)cols);
+    }
+}
+
+/* Elements [a, a + k) of the full-model vector that this rank writes from local, a host copy of its
+   arena, into out (k reals, left alone where another rank's): a tensor held elsewhere too is left
+   to its one writer, so that a sum over tp and pp assembles the vector. Only the rows that meet
+   the range are visited: a chunk at a time, a model of any size is assembled without a full-model
+   buffer. */
+static void pr__shard_chunk(const pr_trainer *tr, const pr_real *local, size_t a, size_t k, pr_real *out) {
+    const size_t b = a + k;
+    for (int i = 0; i < tr->n_tensors; i++) {
+        const pr_tensor_info *t = &tr->tensors[i];
+        const pr__shard *sh = &tr->shard[i];
+        const size_t cols = t->ndim == 2 ? (size_t)t->shape[1] : 1, fc = (size_t)sh->full_cols;
+        const size_t base = sh->full_off + (size_t)sh->row0 * fc + (size_t)sh->col0;      /* row 0's first element */
+        if (sh->elsewhere || base >= b || sh->full_off + (size_t)(sh->full_rows * sh->full_cols) <= a) continue;
+        size_t r = a > base + cols ? (a - base - cols) / fc : 0;             /* the first row that may meet [a, b) */
+        for (; r < (size_t)t->shape[0] && base + r * fc < b; r++) {
+            const size_t p = base + r * fc, lo = p > a ? p : a, hi = p + cols < b ? p + cols : b;
+            if (lo < hi) memcpy(out + (lo - a), local + t->offset + r * cols + (lo - p), sizeof(pr_real) * (hi - lo));
         }
     }
 }
@@ -5475,7 +5493,7 @@ static pr_status pr__full_scratch(const pr_trainer *tr, pr_real **local, pr_erro
    weights, with the weights the kernels read, m or v: each holds this rank's slice), by way of
    local (pr__full_scratch). */
 static void pr__set_full_arena(pr_trainer *tr, pr_real *arena, const pr_real *src, pr_real *local) {
-    if (tr->mesh) pr__shard_copy(tr, (pr_real *)src, local, 0);
+    if (tr->mesh) pr__shard_copy(tr, src, local);
     const pr_real *mine = tr->mesh ? local : src;
     if (arena == tr->params) pr__weights_take(tr, mine);
     else tr->be->upload_reals(tr->be, arena, mine + tr->slice_lo, tr->slice_n);
@@ -5511,8 +5529,9 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
    every rank: collective over tp and pp, and under ZeRO over dp for the master weights, the
    moments and a scattered gradient. The host holds the whole; the device no more than the
    staging buffer, through which every collective runs in chunks alike on every rank, so that a
-   model of any size is gathered. st: the caller's failure so far (dst may be NULL then). A rank
-   that has failed still joins every collective, with zeros, and its tp and pp peers fail with it,
+   model of any size is gathered. dst NULL: the rank gives its shard to the sums and keeps nothing
+   (its host memory is its own arena, not the model). st: the caller's failure so far. A rank that
+   has failed still joins every collective, with zeros, and its tp and pp peers fail with it,
    since their sums hold its zeros: the statuses go round tp, then pp. */
 static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, pr_error *err) {
     const pr_backend *be = tr->be;
@@ -5529,7 +5548,7 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
         if (!st) st = cs;
         if (!cs) tr->grads_scattered = 0;
     }
-    pr_real *local = dst ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad) : NULL;    /* this rank's arena, whole */
+    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad);    /* this rank's arena, whole */
     if (!local && !st) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of host memory for %zu reals", tr->n_pad);
     if (!tr->zero || arena == tr->grads) {
         if (local) be->download_reals(be, local, arena, tr->n_params);
@@ -5543,19 +5562,19 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
             for (int r = 0; local && r < D; r++) be->download_reals(be, local + (size_t)r * tr->slice_cap + a, tr->stage + (size_t)r * m, m);
         }
     }
-    if (dst) memset(dst, 0, sizeof(pr_real) * n);
-    if (!st) pr__shard_copy(tr, dst, local, 1);
-    PR_FREE(local);
     for (size_t a = 0; a < n; a += PR__STAGE_REALS) {      /* the shards summed over tp and pp */
         const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
-        if (dst) be->upload_reals(be, tr->stage, dst + a, k);
-        else be->zero(be, tr->stage, sizeof(pr_real) * k);
+        pr_real *chunk = dst ? dst + a : tr->stage_host;
+        memset(chunk, 0, sizeof(pr_real) * k);
+        if (!st) pr__shard_chunk(tr, local, a, k, chunk);
+        be->upload_reals(be, tr->stage, chunk, k);
         for (int i = 0; i < 2; i++) {
             cs = sum_over[i]->all_reduce(sum_over[i], tr->stage, k, PR_COMM_REAL, st ? NULL : err);
             if (!st) st = cs;
         }
         if (dst) be->download_reals(be, dst + a, tr->stage, k);
     }
+    PR_FREE(local);
     for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], sum_name[i], st, "pr_trainer_get_full", "the copy is not whole", err);
     return st;
 }
@@ -9579,8 +9598,8 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
 }
 
 /* A host copy of the full model's parameters, gradients or moments with its safetensors entries
-   (named prefix + the tensor's name). On a mesh it is assembled (collective over tp) and only
-   world rank 0 writes: *n is 0 on the others. */
+   (named prefix + the tensor's name). On a mesh it is assembled on world rank 0, which writes it
+   (collective over tp and pp); the others give their shards and hold no copy: n is 0 there. */
 typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; char *names; int n; } pr__host_copy;
 
 static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
@@ -9593,6 +9612,7 @@ static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
 #define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
 static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, pr_error *err) {
     memset(x, 0, sizeof *x);
+    if (tr->mesh && tr->mesh->world->rank) return pr__get_full_arena(tr, arena, NULL, tr->n_full, PR_OK, err);
     x->table = pr__table_of(tr, &x->n);
     x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
@@ -9601,6 +9621,7 @@ static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const ch
     st = pr__get_full_arena(tr, arena, x->host, tr->n_full, st, err);      /* a mesh's rank joins its peers even when it failed */
     if (st) {
         pr__export_free(tr, x);
+        memset(x, 0, sizeof *x);
         return st;
     }
     for (int i = 0; i < x->n; i++) {
@@ -9615,7 +9636,6 @@ static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const ch
         e->shape[0] = ti->shape[0];
         e->shape[1] = ti->shape[1];
     }
-    if (tr->mesh && tr->mesh->world->rank) x->n = 0;
     return PR_OK;
 }
 
@@ -10366,10 +10386,10 @@ static pr_status pr__load_state_v1(pr_trainer *tr, const char *folder, pr_real *
     }
     if (!st && tr->mesh) {
         for (int k = 1; k < 3; k++) {
-            pr__shard_copy(tr, full + (size_t)k * tr->n_full, host[0], 0);
+            pr__shard_copy(tr, full + (size_t)k * tr->n_full, host[0]);
             memcpy(host[k], host[0] + tr->slice_lo, sizeof(pr_real) * tr->slice_n);
         }
-        pr__shard_copy(tr, full, host[0], 0);
+        pr__shard_copy(tr, full, host[0]);
     }
     if (tr->mesh) PR_FREE(table);
     if (!st && !tr->mesh) {

@@ -3304,18 +3304,19 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
    each rank checks the whole and reads only its shard's rows and columns of each tensor, in the
    file's dtype (the build's precision, and bf16), and the parameters gathered after are bitwise
    those one rank loads from the same files. On tp 4 no allocation of the load holds half the
-   model. With one of rank 1's allocations failing (each of the first 8, then 8 spread), the load
+   model, and saving it again (pr_trainer_save: world rank 0 assembles and writes) gives the same
+   checkpoint with no allocation of half the model on the other ranks. With one of rank 1's allocations failing (each of the first 8, then 8 spread), the load
    fails on every rank, none taking the checkpoint. */
 typedef struct {
     const pr_config *c;
     mesh_shape shape;
     int zero;
-    const char *dir;
+    const char *dir, *save;      /* save: where the ranks save the model again after the load (NULL: not) */
     const pr_real *want;         /* the parameters one rank loads */
     long fail_at, made;
-    pr_status status[8];
+    pr_status status[8], saved[8];
     int same[8], kept[8];
-    size_t largest[8];
+    size_t largest[8], save_largest[8];
     char said[512];
 } mload_run;
 static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
@@ -3347,6 +3348,11 @@ static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
         if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, after, n, err);
         m->same[me] = !s && !memcmp(after, m->want, sizeof(pr_real) * n);
         m->kept[me] = !s && !memcmp(after, before, sizeof(pr_real) * n);
+        if (m->save) {
+            alloc_largest = 0;
+            m->saved[me] = pr_trainer_save(tr, m->save, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, 0, &e);
+            m->save_largest[me] = alloc_largest;
+        }
         free(before);
         free(after);
     }
@@ -3372,7 +3378,7 @@ static void test_mesh_load(void) {
         { &small, { 1, 2, 1, 2, 1, 0, 0 }, 0, "pp 2 x tp 2" },
         { &moe, { 1, 2, 1, 2, 2, 0, 0 }, 0, "MoE, tied: pp 2 x tp 2 x ep 2" },
     };
-    char dir[256];
+    char dir[256], again[300];
     CHECK(make_scratch_dir(dir, sizeof dir, "meshload"), "a scratch folder under %s", test_tmpdir());
     int loads = 0;
     for (int i = 0; i < 6; i++)
@@ -3396,14 +3402,27 @@ static void test_mesh_load(void) {
             m.dir = dir;
             m.want = want;
             m.fail_at = -1;
+            snprintf(again, sizeof again, "%s/again", dir);
+            m.save = i == 0 ? again : NULL;
             const int W = mesh_size(m.shape);
             CHECK(pr_comm_local_run(W, mload_rank, &m, &err) == PR_OK, "%s: %s", cases[i].name, err.message);
             for (int r = 0; r < W; r++) {
                 CHECK(m.status[r] == PR_OK && m.same[r], "%s, %s: rank %d: status %d, parameters %s (%s)", cases[i].name, bf ? "bf16" : "reals", r,
                       m.status[r], m.same[r] ? "the same" : "differ", m.said);
                 if (i == 0)
-                    CHECK(m.largest[r] < n * sizeof(pr_real) / 2, "%s: rank %d took %zu bytes at once, the model is %zu", cases[i].name, r,
-                          m.largest[r], n * sizeof(pr_real));
+                    CHECK(m.largest[r] < n * sizeof(pr_real) / 2 && m.saved[r] == PR_OK && (r == 0 || m.save_largest[r] < n * sizeof(pr_real) / 2),
+                          "%s: rank %d took %zu bytes at once to load, %zu to save (status %d), the model is %zu", cases[i].name, r, m.largest[r],
+                          m.save_largest[r], m.saved[r], n * sizeof(pr_real));
+            }
+            if (m.save) {            /* the model saved again by the mesh: what one rank loads from it */
+                pr_trainer *back = make_model(cases[i].c, 5);
+                pr_real *got = malloc(sizeof(pr_real) * n);
+                CHECK(!pr_trainer_load(back, again, &err) && !pr_trainer_get_params(back, got, n, &err) && !memcmp(got, want, sizeof(pr_real) * n),
+                      "%s: the model the mesh saved again differs: %s", cases[i].name, err.message);
+                free(got);
+                pr_trainer_destroy(back);
+                remove_tree(again, 1);
+                m.save = NULL;
             }
             loads++;
             if (i == 4 && !bf) {          /* one rank's allocations failing */
@@ -3429,7 +3448,8 @@ static void test_mesh_load(void) {
         }
     printf("a checkpoint in several files (reals and bf16) loading on tp 4 (KV heads replicated), tp 2, pp 2, dp 2 x tp 2 (zero 1), "
            "pp 2 x tp 2 and a tied MoE pp 2 x tp 2 x ep 2: %d loads bitwise those of one rank, each rank reading its shard (on tp 4 "
-           "under half the model at once); one rank's allocations failing fail every rank\n", loads);
+           "under half the model at once, and saved again with under half of it on ranks 1-3); one rank's allocations failing fail "
+           "every rank\n", loads);
     remove_tree(dir, 1);
 }
 
