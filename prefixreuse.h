@@ -757,7 +757,9 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr);
 /* The accessors take NULL and answer neutrally: pr_trainer_config NULL, the counts 0,
    pr_trainer_tensor NULL (also for i out of range). */
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
-/* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state zeroed. */
+/* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state
+   zeroed. Each value is drawn from its index in the full model, so a mesh's rank draws only its
+   shard's values, the bits one rank draws. */
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
 /* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json).
    On a mesh each rank checks the whole checkpoint (every tensor of the full model, of its shape)
@@ -2765,39 +2767,52 @@ static double pr__normal(uint64_t *s) {
     return sqrt(-2 * log(u1)) * cos(2 * 3.14159265358979323846 * u2);
 }
 
+/* Local tensor i's rectangle in its full tensor: rows [r[0], r[1]), columns [r[2], r[3]). */
+static void pr__shard_rect(const pr_trainer *tr, int i, int64_t r[4]) {
+    const pr_tensor_info *t = &tr->tensors[i];
+    r[0] = tr->mesh ? tr->shard[i].row0 : 0;
+    r[1] = r[0] + t->shape[0];
+    r[2] = tr->mesh ? tr->shard[i].col0 : 0;
+    r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
+}
+
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
-    /* drawn over the full model, so every mesh shard holds its slice of the same weights */
+    /* drawn over the full model, so every mesh shard holds its part of the same weights */
     int count = tr->n_tensors;
     pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, NULL) : tr->tensors;
-    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
+    pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
     if (!host || !table) {
         PR_FREE(host);
         if (tr->mesh) PR_FREE(table);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
     }
-    /* One stream over the matrices in table order, two draws per value. splitmix64's state after k
-       draws is seed + k * its increment, so each value starts from its own state: the loop runs in
-       parallel and gives the bits of the serial one. */
+    /* One stream over the full model's matrices in table order, two draws per value. splitmix64's
+       state after k draws is seed + k * its increment, so each value starts from its own state, set
+       by its index in the full tensor: a rank draws only the values of its shard, and the loop runs
+       in parallel, with the bits of the serial one. */
     uint64_t drawn = 0;
-    for (int t = 0; t < count; t++) {
-        const pr_tensor_info *ti = &table[t];
-        pr_real *dst = host + ti->offset;
-        const long long n = (long long)ti->numel;
+    for (int j = 0, i = 0; j < count; j++) {
+        const pr_tensor_info *ft = &table[j];
         const uint64_t base = seed + drawn * PR__SPLITMIX_STEP;
+        if (ft->ndim == 2) drawn += 2 * ft->numel;
+        if (i == tr->n_tensors || strcmp(tr->tensors[i].name, ft->name)) continue;     /* the local tensors: a subsequence */
+        int64_t r[4];
+        pr__shard_rect(tr, i, r);
+        const long long n = (long long)tr->tensors[i].numel, cols = r[3] - r[2], full_cols = ft->ndim == 2 ? ft->shape[1] : 1;
+        pr_real *dst = host + tr->tensors[i++].offset;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static)
 #endif
-        for (long long i = 0; i < n; i++) {
-            uint64_t s = base + 2 * (uint64_t)i * PR__SPLITMIX_STEP;
-            dst[i] = ti->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
+        for (long long e = 0; e < n; e++) {
+            const uint64_t at = (uint64_t)((r[0] + e / cols) * full_cols + r[2] + e % cols);
+            uint64_t s = base + 2 * at * PR__SPLITMIX_STEP;
+            dst[e] = ft->ndim == 2 ? (pr_real)(0.02 * pr__normal(&s)) : (pr_real)1;
         }
-        if (ti->ndim == 2) drawn += 2 * ti->numel;
     }
-    pr_status st = pr_trainer_set_full_params(tr, host, tr->n_full, err);
+    pr__weights_take(tr, host);
     PR_FREE(host);
     if (tr->mesh) PR_FREE(table);
-    if (st) return st;
     tr->be->zero(tr->be, tr->grads, (tr->n_pad + 2 * tr->slice_cap) * sizeof(pr_real));
     tr->grads_scattered = 0;
     tr->adam_step = 0;
@@ -9556,15 +9571,6 @@ static pr_status pr__read_checkpoint(const char *path, const char *prefix, const
     return st;
 }
 
-/* Local tensor i's rectangle in its full tensor: rows [r[0], r[1]), columns [r[2], r[3]). */
-static void pr__state_rect(const pr_trainer *tr, int i, int64_t r[4]) {
-    const pr_tensor_info *t = &tr->tensors[i];
-    r[0] = tr->mesh ? tr->shard[i].row0 : 0;
-    r[1] = r[0] + t->shape[0];
-    r[2] = tr->mesh ? tr->shard[i].col0 : 0;
-    r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
-}
-
 /* A checkpoint on a mesh: every rank checks the whole (the full model's tensors, each of its
    shape), then reads only its own shard's rectangle of each tensor into local (n_params reals). */
 static pr_status pr__load_shards(pr_trainer *tr, const char *path, pr_real *local, pr_error *err) {
@@ -9575,7 +9581,7 @@ static pr_status pr__load_shards(pr_trainer *tr, const char *path, pr_real *loca
     if (!st) st = pr__check_tensors(ck, path, "", ft, count, tr->model.num_hidden_layers, 0, err);
     for (int i = 0; i < tr->n_tensors && !st; i++) {
         int64_t r[4];
-        pr__state_rect(tr, i, r);
+        pr__shard_rect(tr, i, r);
         st = pr__checkpoint_read_rect(ck, pr_checkpoint_find(ck, tr->tensors[i].name), r, local + tr->tensors[i].offset, err);
     }
     if (ck) pr_checkpoint_close(ck);
@@ -9982,7 +9988,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         while (strcmp(ft[j].name, t->name)) j++;          /* the local tensors are a subsequence of the full list */
         double *p = tab + 3 + ((size_t)j * (size_t)W + (size_t)me) * PR__PIECE_NUMS;
         int64_t r[4];
-        pr__state_rect(tr, i, r);
+        pr__shard_rect(tr, i, r);
         for (int k = 0; k < 4; k++) p[k] = (double)r[k];
         for (int kind = 0; kind < 3; kind++) {
             size_t e0, e1;
@@ -10273,7 +10279,7 @@ static pr_status pr__state_read_part(const pr_trainer *tr, pr__state_index *ix, 
     const pr_tensor_info *t = &tr->tensors[i];
     int64_t r[4];
     size_t e0, e1;
-    pr__state_rect(tr, i, r);
+    pr__shard_rect(tr, i, r);
     pr__state_held(tr, i, kind != 0, &e0, &e1);
     const int64_t cols = r[3] - r[2];
     pr_real *base = host + t->offset - (kind ? tr->slice_lo : 0);    /* the tensor's element e at base[e] */

@@ -3300,7 +3300,8 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
     return s;
 }
 
-/* A Hugging Face checkpoint (pr_trainer_save of one trainer, in several files) loading on meshes:
+/* The seeded initialisation on meshes, each rank drawing only its shard: bitwise one rank's. A
+   Hugging Face checkpoint (pr_trainer_save of one trainer, in several files) loading on meshes:
    each rank checks the whole and reads only its shard's rows and columns of each tensor, in the
    file's dtype (the build's precision, and bf16), and the parameters gathered after are bitwise
    those one rank loads from the same files. On tp 4 no allocation of the load holds half the
@@ -3313,9 +3314,10 @@ typedef struct {
     int zero;
     const char *dir, *save;      /* save: where the ranks save the model again after the load (NULL: not) */
     const pr_real *want;         /* the parameters one rank loads */
+    const pr_real *drawn;        /* the parameters one rank draws with seed 3 */
     long fail_at, made;
     pr_status status[8], saved[8];
-    int same[8], kept[8];
+    int same[8], kept[8], same_draw[8];
     size_t largest[8], save_largest[8];
     char said[512];
 } mload_run;
@@ -3332,6 +3334,7 @@ static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
         const size_t n = pr_trainer_full_param_count(tr);
         pr_real *before = malloc(sizeof(pr_real) * n), *after = malloc(sizeof(pr_real) * n);
         s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, before, n, err);
+        m->same_draw[me] = !s && !memcmp(before, m->drawn, sizeof(pr_real) * n);
         pr_error e;
         alloc_largest = 0;
         if (me == 1) {
@@ -3393,6 +3396,10 @@ static void test_mesh_load(void) {
             pr_real *want = malloc(sizeof(pr_real) * n);
             CHECK(!pr_trainer_load(ref, dir, &err) && !pr_trainer_get_params(ref, want, n, &err), "%s: one rank loads: %s", cases[i].name,
                   err.message);
+            pr_real *drawn = malloc(sizeof(pr_real) * n);
+            ref = make_model(cases[i].c, 5);
+            CHECK(!pr_trainer_init_params(ref, 3, &err) && !pr_trainer_get_params(ref, drawn, n, &err), "%s: one rank draws: %s",
+                  cases[i].name, err.message);
             pr_trainer_destroy(ref);
             mload_run m;
             memset(&m, 0, sizeof m);
@@ -3401,6 +3408,7 @@ static void test_mesh_load(void) {
             m.zero = cases[i].zero;
             m.dir = dir;
             m.want = want;
+            m.drawn = drawn;
             m.fail_at = -1;
             snprintf(again, sizeof again, "%s/again", dir);
             m.save = i == 0 ? again : NULL;
@@ -3409,6 +3417,7 @@ static void test_mesh_load(void) {
             for (int r = 0; r < W; r++) {
                 CHECK(m.status[r] == PR_OK && m.same[r], "%s, %s: rank %d: status %d, parameters %s (%s)", cases[i].name, bf ? "bf16" : "reals", r,
                       m.status[r], m.same[r] ? "the same" : "differ", m.said);
+                CHECK(m.same_draw[r], "%s: rank %d drew other parameters than one rank with the same seed", cases[i].name, r);
                 if (i == 0)
                     CHECK(m.largest[r] < n * sizeof(pr_real) / 2 && m.saved[r] == PR_OK && (r == 0 || m.save_largest[r] < n * sizeof(pr_real) / 2),
                           "%s: rank %d took %zu bytes at once to load, %zu to save (status %d), the model is %zu", cases[i].name, r, m.largest[r],
@@ -3443,11 +3452,12 @@ static void test_mesh_load(void) {
                 CHECK(failed > 0, "%s: no failing allocation failed the load", cases[i].name);
             }
             free(want);
+            free(drawn);
             remove_tree(dir, 1);
             CHECK(make_scratch_dir(dir, sizeof dir, "meshload"), "a scratch folder under %s", test_tmpdir());
         }
     printf("a checkpoint in several files (reals and bf16) loading on tp 4 (KV heads replicated), tp 2, pp 2, dp 2 x tp 2 (zero 1), "
-           "pp 2 x tp 2 and a tied MoE pp 2 x tp 2 x ep 2: %d loads bitwise those of one rank, each rank reading its shard (on tp 4 "
+           "pp 2 x tp 2 and a tied MoE pp 2 x tp 2 x ep 2: %d loads (and seeded draws) bitwise those of one rank, each rank reading its shard (on tp 4 "
            "under half the model at once, and saved again with under half of it on ranks 1-3); one rank's allocations failing fail "
            "every rank\n", loads);
     remove_tree(dir, 1);
