@@ -770,7 +770,7 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
 /* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
    atomically. dir is created when missing, its parent is not: a path with a missing folder above
    dir is refused (PR_ERR_IO), so a typo cannot scatter folders. On a mesh, collective over tp and
-   pp: world rank 0 assembles the model and writes it; the others give their shards a chunk at a
+   pp, and over dp under ZeRO (as pr_trainer_get_full): world rank 0 assembles the model and writes it; the others give their shards a chunk at a
    time and hold no copy of the model. */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"). */
@@ -1054,8 +1054,9 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
    rank (collective over tp and pp, and over dp under ZeRO for the parameters, whose master weights
    each rank holds a slice of, and after a ZeRO-2 step, whose reduce-scatter left each rank its
    slice of the summed gradient). Without a mesh they are get/set_params and
-   get_grads. A rank of a gather that fails (its host memory) makes its tp and pp peers fail
-   with it, naming it, rather than return a copy without its shard. The count of a NULL trainer
+   get_grads. A rank of a gather that fails (its host memory) makes every rank of its tp x pp
+   group fail with it (statuses go round tp, then pp: a rank two steps away names the peer that
+   told it), rather than return a copy without its shard. The count of a NULL trainer
    is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
@@ -9515,14 +9516,11 @@ static int pr__layer_of(const char *name) {
     return atoi(name + 13);
 }
 
-/* Reads every tensor of the table, named prefix + its name, from ck into host (n_full reals at the
-   table's offsets). A checkpoint of another model is refused by name: a tensor missing, one of
-   another shape (both shapes given), a layer past the model's last. Other tensors are passed over
-   (Hugging Face files may carry buffers such as rotary_emb.inv_freq) unless `exact`, for the
-   trainer's own files, which hold nothing else. */
-/* Checks that ck holds the table's tensors (prefix + name), each of its shape, and no other (past
-   the model's n_layers only where not `exact`: a checkpoint of a deeper model loads its first
-   layers). */
+/* Checks that ck holds every tensor of the table, named prefix + its name, before any is read. A
+   checkpoint of another model is refused by name: a tensor missing, one of another shape (both
+   shapes given), a layer past the model's last. Other tensors are passed over (Hugging Face files
+   may carry buffers such as rotary_emb.inv_freq) unless `exact`, for the trainer's own files, which
+   hold nothing else. */
 static pr_status pr__check_tensors(pr_checkpoint *ck, const char *path, const char *prefix, const pr_tensor_info *table, int count,
                                    int n_layers, int exact, pr_error *err) {
     char name[400];
