@@ -769,11 +769,13 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
 /* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
    atomically. dir is created when missing, its parent is not: a path with a missing folder above
-   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. On a mesh, collective over tp and
-   pp, and over dp under ZeRO (as pr_trainer_get_full): world rank 0 assembles the model and writes it; the others give their shards a chunk at a
-   time and hold no copy of the model. */
+   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. On a mesh, collective over the
+   world: world rank 0 assembles the model and writes it; the others give their shards a chunk at
+   a time and hold no copy of the model. Every rank returns the same status, the others' message
+   naming the world rank that failed (rank 0's write, or a rank's part of the gather). */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
-/* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"). */
+/* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"),
+   on a mesh written as pr_trainer_save writes the model. */
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err);
 
 /* Training state: everything a run needs to go on exactly where it stopped. The trainer holds the
@@ -5330,36 +5332,43 @@ static void pr__sum_doubles(pr_trainer *tr, pr_comm *c, double *x, size_t n) {
     }
 }
 
-/* Every rank of c goes on or none does: each rank's status st goes round, one real a rank, through
-   the staging buffers (nothing to allocate, so no rank can fail alone here). A rank whose st
-   failed keeps its message; the others fail with the status of the first rank that did, naming it
-   ("<group> rank <r>") and saying what follows (`then`): a failure told over c, not their own. */
+/* Every rank of c goes on or none does: each rank's status st goes round with the world rank whose
+   failure it is, two reals a rank through the staging buffers (nothing to allocate, so no rank can
+   fail alone here). A rank whose st failed keeps its message; the others fail with the status of
+   the first rank of c that did, naming the world rank it came from and saying what follows
+   (`then`): a failure told over c, not their own. origin (NULL: st is always this rank's own)
+   carries a told failure's world rank into a later agreement over another group, so that a rank
+   two groups away still names the rank where it began: -1 before, set when this rank is told. */
 static void pr__comm_told(pr_comm *c, const pr_error *e);
-static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, const char *group, pr_status st, const char *fn, const char *then,
-                                 pr_error *err) {
+static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, pr_status st, int *origin, const char *fn, const char *then, pr_error *err) {
     if (c->size == 1) return st;
     pr_real *h = tr->stage_host;
-    const size_t R = (size_t)c->size, me = (size_t)c->rank;
-    size_t failed = R;
+    const size_t R = (size_t)c->size, me = (size_t)c->rank, per = PR__STAGE_REALS / 2;
+    const int from = origin && *origin >= 0 ? *origin : tr->mesh->world->rank;
+    int failed = -1;
     pr_status said = PR_OK;
-    for (size_t a = 0; a < R; a += PR__STAGE_REALS) {
-        const size_t k = R - a < PR__STAGE_REALS ? R - a : PR__STAGE_REALS;
-        for (size_t i = 0; i < k; i++) h[i] = a + i == me ? (pr_real)st : 0;
-        tr->be->upload_reals(tr->be, tr->stage, h, k);
+    for (size_t a = 0; a < R; a += per) {
+        const size_t k = R - a < per ? R - a : per;
+        for (size_t i = 0; i < k; i++) {
+            h[2 * i] = a + i == me ? (pr_real)st : 0;
+            h[2 * i + 1] = a + i == me && st ? (pr_real)(from + 1) : 0;
+        }
+        tr->be->upload_reals(tr->be, tr->stage, h, 2 * k);
         pr_error e;
-        const pr_status cs = c->all_reduce(c, tr->stage, k, PR_COMM_REAL, &e);
+        const pr_status cs = c->all_reduce(c, tr->stage, 2 * k, PR_COMM_REAL, &e);
         if (cs) {                              /* a collective fails on every rank alike */
             if (!st && err) *err = e;
             return st ? st : cs;
         }
-        tr->be->download_reals(tr->be, h, tr->stage, k);
-        for (size_t i = 0; i < k && failed == R; i++)
-            if (h[i] != 0) failed = a + i, said = (pr_status)h[i];
+        tr->be->download_reals(tr->be, h, tr->stage, 2 * k);
+        for (size_t i = 0; i < k && failed < 0; i++)
+            if (h[2 * i] != 0) said = (pr_status)h[2 * i], failed = (int)h[2 * i + 1] - 1;
     }
-    if (!st && failed < R) {
+    if (!st && failed >= 0) {
         pr_error e;
-        st = pr__fail(&e, said, "%s: %s rank %zu failed (status %d; its own error says why): %s", fn, group, failed, (int)said, then);
+        st = pr__fail(&e, said, "%s: world rank %d failed (status %d; its own error says why): %s", fn, failed, (int)said, then);
         pr__comm_told(c, &e);
+        if (origin) *origin = failed;
         if (err) *err = e;
     }
     return st;
@@ -5527,7 +5536,8 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     return st;
 }
 
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, pr_error *err);
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, int *origin,
+                                     pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -5538,7 +5548,8 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         return st;
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    return pr__get_full_arena(tr, arena, dst, n, PR_OK, err);
+    int origin = -1;
+    return pr__get_full_arena(tr, arena, dst, n, PR_OK, &origin, err);
 }
 
 /* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
@@ -5548,15 +5559,16 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
    model of any size is gathered. dst NULL: the rank gives its shard to the sums and keeps nothing
    (its host memory is its own arena, not the model). st: the caller's failure so far. A rank that
    has failed still joins every collective, with zeros, and its tp and pp peers fail with it,
-   since their sums hold its zeros: the statuses go round tp, then pp. */
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, pr_error *err) {
+   since their sums hold its zeros: the statuses go round tp, then pp, a rank told over tp handing
+   on the world rank it was told of. origin: as pr__ranks_agree's, for the caller's next agreement. */
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, int *origin,
+                                    pr_error *err) {
     const pr_backend *be = tr->be;
     if (!tr->mesh) {
         if (!st) be->download_reals(be, dst, arena, n);
         return st;
     }
     pr_comm *dp = tr->mesh->dp_comm, *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
-    static const char *const sum_name[2] = { "tp", "pp" };
     const int D = tr->mesh->dp, me = tr->mesh->dp_rank;
     pr_status cs;
     if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
@@ -5591,7 +5603,7 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
         if (dst) be->download_reals(be, dst + a, tr->stage, k);
     }
     PR_FREE(local);
-    for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], sum_name[i], st, "pr_trainer_get_full", "the copy is not whole", err);
+    for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], st, origin, "pr_trainer_get_full", "the copy is not whole", err);
     return st;
 }
 
@@ -9595,7 +9607,7 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
                    : !host ? pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory for %zu reals", tr->n_params)
                    : tr->mesh ? pr__load_shards(tr, path, host, err)
                               : pr__read_checkpoint(path, "", tr->tensors, tr->n_tensors, tr->model.num_hidden_layers, 0, host, err);
-    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_load", "no rank takes the checkpoint", err);
+    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_load", "no rank takes the checkpoint", err);
     if (!st) pr__weights_take(tr, host);
     PR_FREE(host);
     return st;
@@ -9614,15 +9626,15 @@ static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
 }
 
 #define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
-static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, pr_error *err) {
+static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, int *origin, pr_error *err) {
     memset(x, 0, sizeof *x);
-    if (tr->mesh && tr->mesh->world->rank) return pr__get_full_arena(tr, arena, NULL, tr->n_full, PR_OK, err);
+    if (tr->mesh && tr->mesh->world->rank) return pr__get_full_arena(tr, arena, NULL, tr->n_full, PR_OK, origin, err);
     x->table = pr__table_of(tr, &x->n);
     x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
     x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
     x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
     pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
-    st = pr__get_full_arena(tr, arena, x->host, tr->n_full, st, err);      /* a mesh's rank joins its peers even when it failed */
+    st = pr__get_full_arena(tr, arena, x->host, tr->n_full, st, origin, err);     /* a mesh's rank joins its peers even when it failed */
     if (st) {
         pr__export_free(tr, x);
         memset(x, 0, sizeof *x);
@@ -9643,36 +9655,39 @@ static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const ch
     return PR_OK;
 }
 
+/* The end of an export: on a mesh every rank returns what world rank 0's write returned (or the
+   first failure of the gathers before it), the others naming the rank where it began. */
+static pr_status pr__export_done(pr_trainer *tr, pr_status st, int *origin, const char *fn, pr_error *err) {
+    return tr->mesh ? pr__ranks_agree(tr, tr->mesh->world, st, origin, fn, "nothing is written", err) : st;
+}
+
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, tr->params, "", &x, err);
-    if (st || !x.n) {
-        if (!st) pr__export_free(tr, &x);
-        return st;
+    int origin = -1;
+    pr_status st = pr__export_arena(tr, tr->params, "", &x, &origin, err);
+    if (!st && x.n) {
+        st = pr_checkpoint_save(dir, x.entries, x.n, dtype, max_shard_bytes, err);
+        if (!st) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/config.json", dir);
+            st = pr_config_save(&tr->model, path, err);
+        }
+        pr__export_free(tr, &x);
     }
-    st = pr_checkpoint_save(dir, x.entries, x.n, dtype, max_shard_bytes, err);
-    if (!st) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s/config.json", dir);
-        st = pr_config_save(&tr->model, path, err);
-    }
-    pr__export_free(tr, &x);
-    return st;
+    return pr__export_done(tr, st, &origin, "pr_trainer_save", err);
 }
 
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_grads: NULL argument");
     pr__host_copy x;
-    pr_status st = pr__export_arena(tr, tr->grads, "", &x, err);
-    if (st || !x.n) {
-        if (!st) pr__export_free(tr, &x);
-        return st;
+    int origin = -1;
+    pr_status st = pr__export_arena(tr, tr->grads, "", &x, &origin, err);
+    if (!st && x.n) {
+        st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, "{\"content\": \"gradients\"}", err);
+        pr__export_free(tr, &x);
     }
-    st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32,
-                              "{\"content\": \"gradients\"}", err);
-    pr__export_free(tr, &x);
-    return st;
+    return pr__export_done(tr, st, &origin, "pr_trainer_save_grads", err);
 }
 
 /* ---- training state: a folder of complete states and a pointer to the current one */
@@ -9841,7 +9856,8 @@ static pr_status pr__save_state_one(pr_trainer *tr, const char *dir, const pr_tr
     const char *prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
     pr_status st = PR_OK;
     int got = 0, suffix;
-    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], err);
+    int origin = -1;
+    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], &origin, err);
     if (st) got--;
     char path[4100];
     pr__state_names n;
@@ -9975,7 +9991,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     pr_status st = PR_OK, cs;
     if (!ft || !tab || !dev || !host[0] || !host[1] || !host[2] || !en || !names)
         st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_save_state: out of memory for this rank's state");
-    if ((st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "no rank saves", err)))
+    if ((st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_save_state", "no rank saves", err)))
         goto release;
     memset(tab, 0, sizeof(double) * n_tab);
     be->download_reals(be, host[0], tr->params, tr->slice_n);
@@ -10032,12 +10048,12 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
         if (!st) st = pr__state_meta(tr, n.tmp, state, 2, &progress, err);
     }
     /* every file on disk: rank 0 commits; then every rank learns how that went */
-    st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "the state is not committed", err);
+    st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_save_state", "the state is not committed", err);
     if (me == 0) {
         if (!st) st = pr__state_commit(dir, &n, &progress, err);
         if (st) pr__state_remove(n.tmp, W);              /* nothing half-written stays behind */
     }
-    st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_save_state", "the state is not in place", err);
+    st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_save_state", "the state is not in place", err);
 release:
     PR_FREE(index.p);
     PR_FREE(meta);
@@ -10440,7 +10456,7 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     pr_real *host[3] = { NULL, NULL, NULL }, *whole = NULL;
     memset(&s, 0, sizeof s);
     pr_status st = pr__load_state_read(tr, dir, &s, host, &whole, err);
-    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, "world", st, "pr_trainer_load_state", "no rank takes the state", err);
+    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_load_state", "no rank takes the state", err);
     if (!st) {           /* every check passed on every rank: the trainer takes the state */
         pr__weights_take(tr, host[0]);
         tr->be->upload_reals(tr->be, tr->adam_m, host[1], tr->slice_n);

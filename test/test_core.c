@@ -3084,7 +3084,8 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
         for (int k = 0; k < (phase ? m->steps_after : 0) && !s; k++) s = rstate_step(tr, mesh, m, err);
         for (int k = 0; k < 3 && !s; k++) {     /* every rank gathers, the first keeps */
             pr_real *dst = malloc(sizeof(pr_real) * n);
-            s = pr__get_full_arena(tr, arena[k], dst, n, PR_OK, err);
+            int origin = -1;
+            s = pr__get_full_arena(tr, arena[k], dst, n, PR_OK, &origin, err);
             if (keep) (phase ? m->after : m->full)[k] = dst;
             else free(dst);
         }
@@ -3255,9 +3256,10 @@ static void test_load_faults(void) {
 /* pr_trainer_get_full and pr_trainer_save on meshes with one of one rank's allocations failing,
    each in turn on each rank: a rank either fails or holds exactly the copy of a run without the
    fault (a peer whose host memory failed joins the sums with zeros, so its tp and pp peers must
-   fail with it, not return its shard as zeros), and a save either fails on world rank 0 or
-   writes the full parameters. The first 8 allocations each, then 12 spread over the rest; every
-   rank a victim of the gathers, the first and the last of the saves. */
+   fail with it, not return its shard as zeros), each rank told of it naming the victim's world
+   rank; a save fails on every rank or on none, and then the checkpoint holds the full parameters.
+   The first 8 allocations each, then 12 spread over the rest; every rank a victim of the gathers,
+   the first and the last of the saves. */
 typedef struct {
     const pr_config *c;
     mesh_shape shape;
@@ -3266,6 +3268,7 @@ typedef struct {
     const char *dir;
     pr_real *want;               /* the full parameters (rank 0 of the run without a fault fills it) */
     int status[8], wrong[8];
+    char said[8][512];
 } gather_fault_run;
 static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
     gather_fault_run *m = user;
@@ -3289,6 +3292,7 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
             m->made = alloc_made;
             alloc_fails_at = -1;
         }
+        snprintf(m->said[me], sizeof m->said[me], "%s", m->status[me] ? e.message : "");
         if (!m->want && me == 0) {
             m->want = got;
             got = NULL;
@@ -3462,6 +3466,18 @@ static void test_mesh_load(void) {
     remove_tree(dir, 1);
 }
 
+/* Whether a rank's failure message leads to the victim v: it names world rank v, or a collective
+   that failed on every rank alike (each names its own; the starved rank by its number in that
+   group), or a world rank whose own message says that. */
+static int gather_fault_named(const gather_fault_run *m, const char *said, int v) {
+    static const char *const collective = "is out of memory: every rank fails the call";
+    const char *at = strstr(said, "world rank ");
+    int q;
+    if (strstr(said, collective)) return 1;
+    if (!at || sscanf(at, "world rank %d failed", &q) != 1 || q < 0 || q >= 8) return 0;
+    return q == v || strstr(m->said[q], collective) != NULL;
+}
+
 static void test_gather_faults(void) {
     pr_config c = small_config(1, 0, 2);
     const struct { mesh_shape s; int zero; } meshes[3] = { { { 1, 2, 1, 2, 1, 0, 0 }, 0 }, { { 2, 1, 1, 2, 1, 0, 0 }, 1 },
@@ -3497,9 +3513,15 @@ static void test_gather_faults(void) {
                     CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK, "%s", err.message);
                     runs++;
                     failed += m.status[v] != PR_OK;
-                    for (int r = 0; r < W; r++)
+                    for (int r = 0; r < W; r++) {
+                        const char *what = save ? "pr_trainer_save" : "pr_trainer_get_full";
                         CHECK(m.status[r] || !m.wrong[r], "mesh %d, %s, allocation %ld of %ld failing on rank %d: rank %d returns another copy", i,
-                              save ? "pr_trainer_save" : "pr_trainer_get_full", k, total, v, r);
+                              what, k, total, v, r);
+                        CHECK(!save || m.status[r] == m.status[0], "mesh %d, a save with allocation %ld failing on rank %d: rank %d returns %d, rank 0 %d",
+                              i, k, v, r, m.status[r], m.status[0]);
+                        CHECK(!m.status[r] || r == v || gather_fault_named(&m, m.said[r], v), "mesh %d, %s, allocation %ld failing on rank %d: rank %d does not name it: %s",
+                              i, what, k, v, r, m.said[r]);
+                    }
                     if (save && !m.status[0]) {     /* the checkpoint world rank 0 wrote holds the parameters */
                         pr_trainer *one = make_model(&c, 1);
                         pr_real *p = calloc(pr_trainer_param_count(one), sizeof(pr_real));
