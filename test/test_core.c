@@ -1423,6 +1423,23 @@ static void test_steps(void) {
 /* One step on a mesh of in-process ranks against the single-rank full-sequence baseline: loss,
    the gathered gradients, and the gathered parameters after AdamW. */
 typedef struct { int dp, pp, cp, tp, ep, mb, offload; } mesh_shape;
+
+/* A rank's trainer on a mesh of shape sh under ZeRO stage zero, on the CPU backend, drawn with
+   seed (0: as created). mesh_close frees whatever it made, wherever it failed. */
+static pr_status mesh_open(pr_comm *world, mesh_shape sh, int zero, const pr_config *c, uint64_t seed, pr_mesh *mesh, pr_trainer **tr,
+                           pr_error *err) {
+    memset(mesh, 0, sizeof *mesh);
+    *tr = NULL;
+    pr_status s = pr_mesh_init(mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
+    if (s) return s;
+    mesh->zero = zero;
+    if (!(s = pr_trainer_create_mesh(tr, c, pr_backend_cpu(), mesh, err)) && seed) s = pr_trainer_init_params(*tr, seed, err);
+    return s;
+}
+static void mesh_close(pr_mesh *mesh, pr_trainer *tr) {
+    pr_trainer_destroy(tr);
+    pr_mesh_free(mesh);
+}
 static int mesh_size(mesh_shape s) { return s.dp * s.pp * s.cp * s.tp; }
 
 typedef struct {
@@ -2124,17 +2141,14 @@ typedef struct {
 
 static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
     kvrep_run *m = user;
-    const mesh_shape sh = m->shape;
     const int r = world->rank;
     pr_mesh mesh;
-    pr_trainer *tr = NULL, *back = NULL;
-    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
-    if (s) return s;
+    pr_trainer *tr, *back = NULL;
     pr_step_opts o = pr_step_opts_default();
     pr_adamw_opts adam = pr_adamw_opts_default();
     pr_train_state state = { 0, 1, 5, adam };
-    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)))
-        s = pr_trainer_set_full_params(tr, m->init, pr_trainer_full_param_count(tr), err);
+    pr_status s = mesh_open(world, m->shape, 0, m->c, 0, &mesh, &tr, err);
+    if (!s) s = pr_trainer_set_full_params(tr, m->init, pr_trainer_full_param_count(tr), err);
     if (!s) s = pr_trainer_compute_grads(tr, m->g, &o, NULL, NULL, err);
     const size_t n = tr ? tr->n_params : 0;
     for (int k = 0; k < 4; k++) m->arena[r][k] = malloc(sizeof(pr_real) * n);
@@ -2160,8 +2174,7 @@ static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
     if (!s) s = pr_trainer_load_state(back, m->dir, NULL, err);
     if (!s) m->reload_same[r] = same_state(tr, back);     /* the state is in the build's precision: exact */
     pr_trainer_destroy(back);
-    pr_trainer_destroy(tr);
-    pr_mesh_free(&mesh);
+    mesh_close(&mesh, tr);
     return s;
 }
 
@@ -3096,15 +3109,11 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
 
 static pr_status rstate_rank(pr_comm *world, void *user, pr_error *err) {
     rstate_run *m = user;
-    const mesh_shape sh = m->shape;
     pr_mesh mesh;
-    pr_trainer *tr = NULL;
-    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
-    if (s) return s;
-    mesh.zero = m->zero;
-    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err))) s = rstate_body(tr, &mesh, m, world->rank == 0, err);
-    pr_trainer_destroy(tr);
-    pr_mesh_free(&mesh);
+    pr_trainer *tr;
+    pr_status s = mesh_open(world, m->shape, m->zero, m->c, 0, &mesh, &tr, err);
+    if (!s) s = rstate_body(tr, &mesh, m, world->rank == 0, err);
+    mesh_close(&mesh, tr);
     return s;
 }
 
@@ -3272,14 +3281,11 @@ typedef struct {
 } gather_fault_run;
 static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
     gather_fault_run *m = user;
-    const mesh_shape sh = m->shape;
     const int me = world->rank;
     pr_mesh mesh;
-    pr_trainer *tr = NULL;
-    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
-    if (s) return s;
-    mesh.zero = m->zero;
-    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 7, err))) {
+    pr_trainer *tr;
+    pr_status s = mesh_open(world, m->shape, m->zero, m->c, 7, &mesh, &tr, err);
+    if (!s) {
         const size_t n = pr_trainer_full_param_count(tr);
         pr_real *got = calloc(n, sizeof(pr_real));
         pr_error e;
@@ -3299,8 +3305,7 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
         } else m->wrong[me] = !m->save && m->want && memcmp(got, m->want, sizeof(pr_real) * n) != 0;
         free(got);
     }
-    pr_trainer_destroy(tr);
-    pr_mesh_free(&mesh);
+    mesh_close(&mesh, tr);
     return s;
 }
 
@@ -3327,14 +3332,11 @@ typedef struct {
 } mload_run;
 static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
     mload_run *m = user;
-    const mesh_shape sh = m->shape;
     const int me = world->rank;
     pr_mesh mesh;
-    pr_trainer *tr = NULL;
-    pr_status s = pr_mesh_init(&mesh, world, sh.dp, sh.pp, sh.cp, sh.tp, sh.ep, err);
-    if (s) return s;
-    mesh.zero = m->zero;
-    if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, 3, err))) {
+    pr_trainer *tr;
+    pr_status s = mesh_open(world, m->shape, m->zero, m->c, 3, &mesh, &tr, err);
+    if (!s) {
         const size_t n = pr_trainer_full_param_count(tr);
         pr_real *before = malloc(sizeof(pr_real) * n), *after = malloc(sizeof(pr_real) * n);
         s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, before, n, err);
@@ -3363,8 +3365,7 @@ static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
         free(before);
         free(after);
     }
-    pr_trainer_destroy(tr);
-    pr_mesh_free(&mesh);
+    mesh_close(&mesh, tr);
     return s;
 }
 
