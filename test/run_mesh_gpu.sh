@@ -6,7 +6,9 @@
 #   --check on dp, tp, pp, cp and ep meshes (MoE's all-to-all), split groups, the prefix-tree
 #   schedule and the bf16 sum over dp: bf16 reuse on the mesh vs the bf16 baseline on one rank
 #   (rank 0 compares); ZeRO stage 2 against stage 0 after three steps; an exact resume (ZeRO-2,
-#   dp x tp) and offload on a dp x pp and a cp x tp mesh, each bit for bit against the run without; one step's
+#   dp x tp) and offload on a dp x pp and a cp x tp mesh, each bit for bit against the run without; the
+#   seeded draw and a checkpoint's load on tp x pp, bit for bit those of one process, and a save
+#   failing on rank 0 failing on every rank; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
 #   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
 #   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another world size, a
@@ -171,6 +173,23 @@ run ranks 4 $zt --steps 4 --save "$tmp/whole.safetensors"
 run ranks 4 $zt --steps 2 --save-state "$tmp/state"
 run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors"
 run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
+# the seeded draw and a checkpoint's load on a tp x pp mesh, each rank taking only its shard, then
+# the model assembled on rank 0 and saved: the bits one process draws, the bits of the checkpoint
+run "$TRAIN_CUDA" --steps 0 --save "$tmp/drawn-one"
+run ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/drawn-mesh"
+run build/compare_st "$tmp/drawn-mesh" "$tmp/drawn-one" 0
+run ranks 4 --tp 2 --pp 2 --init "$tmp/whole.safetensors" --steps 0 --save "$tmp/loaded-mesh"
+run build/compare_st "$tmp/loaded-mesh" "$tmp/whole.safetensors" 0
+# a save that fails on rank 0 (a folder whose parent is missing) fails on every rank, naming rank 0
+save_fails() {
+    ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/missing/model" && return 1
+    r=1
+    while [ "$r" -lt 4 ]; do
+        grep -q "pr_trainer_save: world rank 0 failed (status" "$tmp/rank$r.log" || return 1
+        r=$((r + 1))
+    done
+}
+run save_fails
 # offload_same NAME ARGS...: 4 ranks of ARGS with offload on, the copy stream's work run as early as
 # CUDA allows (PR_EMU_SCHEDULE, test/cuda_emu.h), save what they save with it off, bit for bit
 offload_same() {
