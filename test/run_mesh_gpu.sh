@@ -6,7 +6,8 @@
 #   --check on dp, tp, pp, cp and ep meshes (MoE's all-to-all), split groups, the prefix-tree
 #   schedule and the bf16 sum over dp: bf16 reuse on the mesh vs the bf16 baseline on one rank
 #   (rank 0 compares); ZeRO stage 2 against stage 0 after three steps; an exact resume (ZeRO-2,
-#   dp x tp) and offload on a dp x pp and a cp x tp mesh, each bit for bit against the run without; the
+#   dp x tp, and through a state saved again on tp x pp) and offload on a dp x pp and a cp x tp mesh,
+#   each bit for bit against the run without; the
 #   seeded draw and a checkpoint's load on tp x pp, bit for bit those of one process, and a save
 #   failing on rank 0 failing on every rank; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
@@ -173,6 +174,11 @@ run ranks 4 $zt --steps 4 --save "$tmp/whole.safetensors"
 run ranks 4 $zt --steps 2 --save-state "$tmp/state"
 run ranks 4 $zt --steps 2 --resume "$tmp/state" --save "$tmp/resumed.safetensors"
 run build/compare_st "$tmp/resumed.safetensors" "$tmp/whole.safetensors" 0
+# the state moved through a tp x pp mesh (loaded there, each rank taking its pieces, and saved in
+# that mesh's layout) resumes on dp x tp as exactly as the state itself
+run ranks 4 --tp 2 --pp 2 --resume "$tmp/state" --steps 0 --save-state "$tmp/moved"
+run ranks 4 $zt --steps 2 --resume "$tmp/moved" --save "$tmp/moved-resumed.safetensors"
+run build/compare_st "$tmp/moved-resumed.safetensors" "$tmp/whole.safetensors" 0
 # the seeded draw and a checkpoint's load on a tp x pp mesh, each rank taking only its shard, then
 # the model assembled on rank 0 and saved: the bits one process draws, the bits of the checkpoint
 run "$TRAIN_CUDA" --steps 0 --save "$tmp/drawn-one"
