@@ -246,10 +246,13 @@ static pr_status give_up_and_retry(pr_comm *c, void *user, pr_error *err) {
     sub->destroy(sub);
     return PR_OK;
 }
-/* Rank 1 out of memory for a call's scratch: all_reduce, reduce_scatter and split fail on every
-   rank (a rank that went on alone would reach a different call than its peers, or none), and each
-   call made again with memory succeeds on every rank with the right result. */
+/* One rank out of memory for a call's scratch, each in turn (in split the leader of its group,
+   which makes the group's world, or another member, which joins it): all_reduce, reduce_scatter
+   and split fail on every rank (a rank that went on alone would reach a different call than its
+   peers, or none), and each call made again with memory succeeds on every rank with the right
+   result. */
 typedef struct {
+    int victim;
     pr_status st[3][MAXR], again[3][MAXR];
     char msg[3][MAXR][512];
     double sum[MAXR], part[MAXR], sub_sum[MAXR];
@@ -265,7 +268,7 @@ static pr_status starve_rank(pr_comm *c, void *user, pr_error *err) {
             pr_status st;
             x = value(r, op, pass);
             for (int i = 0; i < R; i++) in[i] = value(r, op, i);
-            starved = pass == 0 && r == 1;
+            starved = pass == 0 && r == o->victim;
             if (op == 0) st = c->all_reduce(c, &x, 1, PR_COMM_F64, &e);
             else if (op == 1) st = c->reduce_scatter(c, &x, in, 1, PR_COMM_F64, &e);
             else st = c->split(c, r % 2, r, &sub, &e);
@@ -284,30 +287,34 @@ static pr_status starve_rank(pr_comm *c, void *user, pr_error *err) {
 }
 static void check_starved(void) {
     static const char *const op_name[3] = { "all_reduce", "reduce_scatter", "split" };
-    for (int R = 2; R <= MAXR; R++) {
-        starving o;
-        memset(&o, 0, sizeof o);
-        pr_error err;
-        CHECK(pr_comm_local_run(R, starve_rank, &o, &err) == PR_OK, "%d ranks, rank 1 starved: %s", R, err.message);
-        for (int op = 0; op < 3; op++)
+    for (int R = 2; R <= MAXR; R++)
+        for (int v = 0; v < R; v++) {
+            starving o;
+            memset(&o, 0, sizeof o);
+            o.victim = v;
+            pr_error err;
+            char peers_say[64];
+            snprintf(peers_say, sizeof peers_say, "rank %d is out of memory: every rank fails the call", v);
+            CHECK(pr_comm_local_run(R, starve_rank, &o, &err) == PR_OK, "%d ranks, rank %d starved: %s", R, v, err.message);
+            for (int op = 0; op < 3; op++)
+                for (int r = 0; r < R; r++) {
+                    const char *says = r == v ? "out of memory on this rank" : peers_say;
+                    CHECK(o.st[op][r] == PR_ERR_NOMEM && strstr(o.msg[op][r], op_name[op]) && strstr(o.msg[op][r], says),
+                          "%d ranks, %s with rank %d out of memory: rank %d says %d '%s'", R, op_name[op], v, r, (int)o.st[op][r], o.msg[op][r]);
+                    CHECK(o.again[op][r] == PR_OK, "%d ranks, %s again: rank %d fails (%d)", R, op_name[op], r, (int)o.again[op][r]);
+                }
             for (int r = 0; r < R; r++) {
-                const char *says = r == 1 ? "out of memory on this rank" : "rank 1 is out of memory: every rank fails the call";
-                CHECK(o.st[op][r] == PR_ERR_NOMEM && strstr(o.msg[op][r], op_name[op]) && strstr(o.msg[op][r], says),
-                      "%d ranks, %s with rank 1 out of memory: rank %d says %d '%s'", R, op_name[op], r, (int)o.st[op][r], o.msg[op][r]);
-                CHECK(o.again[op][r] == PR_OK, "%d ranks, %s again: rank %d fails (%d)", R, op_name[op], r, (int)o.again[op][r]);
+                double sum = 0, part = 0, sub_sum = 0;
+                for (int q = 0; q < R; q++) {
+                    sum += value(q, 0, 1);
+                    part += value(q, 1, r);
+                    if (q % 2 == r % 2) sub_sum += q;
+                }
+                CHECK(o.sum[r] == sum && o.part[r] == part && o.sub_sum[r] == sub_sum,
+                      "%d ranks, rank %d after the failures: all_reduce %g (%g), reduce_scatter %g (%g), in its split %g (%g)", R, r, o.sum[r],
+                      sum, o.part[r], part, o.sub_sum[r], sub_sum);
             }
-        for (int r = 0; r < R; r++) {
-            double sum = 0, part = 0, sub_sum = 0;
-            for (int q = 0; q < R; q++) {
-                sum += value(q, 0, 1);
-                part += value(q, 1, r);
-                if (q % 2 == r % 2) sub_sum += q;
-            }
-            CHECK(o.sum[r] == sum && o.part[r] == part && o.sub_sum[r] == sub_sum,
-                  "%d ranks, rank %d after the failures: all_reduce %g (%g), reduce_scatter %g (%g), in its split %g (%g)", R, r, o.sum[r],
-                  sum, o.part[r], part, o.sub_sum[r], sub_sum);
         }
-    }
 }
 
 /* A split communicator kept past the run's end and destroyed after it. */
