@@ -769,10 +769,13 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
 /* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
    atomically. dir is created when missing, its parent is not: a path with a missing folder above
-   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. On a mesh, collective over the
-   world: world rank 0 assembles the model and writes it; the others give their shards a chunk at
-   a time and hold no copy of the model. Every rank returns the same status, the others' message
-   naming the world rank that failed (rank 0's write, or a rank's part of the gather). */
+   dir is refused (PR_ERR_IO), so a typo cannot scatter folders. The values go to the files as
+   they are assembled, a chunk at a time, so that no copy of the whole model is made (on the
+   host: the trainer without a mesh downloads a chunk at a time). On a mesh, collective over the
+   world: world rank 0 writes; the others give their shards to each chunk, and a file whose chunks
+   are not whole (a rank failed during the gather) is abandoned before it is committed. Every rank
+   returns the same status, the others' message naming the world rank that failed (rank 0's
+   write, or a rank's part of the gather). */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"),
    on a mesh written as pr_trainer_save writes the model. */
@@ -1057,8 +1060,8 @@ PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, co
    each rank holds a slice of, and after a ZeRO-2 step, whose reduce-scatter left each rank its
    slice of the summed gradient). Without a mesh they are get/set_params and
    get_grads. A rank of a gather that fails (its host memory) makes every rank of its tp x pp
-   group fail with it (statuses go round tp, then pp: a rank two steps away names the peer that
-   told it), rather than return a copy without its shard. The count of a NULL trainer
+   group fail with it (statuses go round tp, then pp, each rank told naming the world rank where
+   the failure began), rather than return a copy without its shard. The count of a NULL trainer
    is 0. */
 typedef enum { PR_ARENA_PARAMS = 0, PR_ARENA_GRADS = 1 } pr_arena_kind;
 PRDEF size_t pr_trainer_full_param_count(const pr_trainer *tr);
@@ -5536,8 +5539,7 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     return st;
 }
 
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, int *origin,
-                                     pr_error *err);
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, int *origin, pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -5549,62 +5551,118 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
     int origin = -1;
-    return pr__get_full_arena(tr, arena, dst, n, PR_OK, &origin, err);
+    return pr__get_full_arena(tr, arena, dst, PR_OK, &origin, err);
 }
 
-/* The full model's copy of one of this rank's arenas (parameters, gradients, m or v), assembled on
-   every rank: collective over tp and pp, and under ZeRO over dp for the master weights, the
-   moments and a scattered gradient. The host holds the whole; the device no more than the
-   staging buffer, through which every collective runs in chunks alike on every rank, so that a
-   model of any size is gathered. dst NULL: the rank gives its shard to the sums and keeps nothing
-   (its host memory is its own arena, not the model). st: the caller's failure so far. A rank that
-   has failed still joins every collective, with zeros, and its tp and pp peers fail with it,
-   since their sums hold its zeros: the statuses go round tp, then pp, a rank told over tp handing
-   on the world rank it was told of. origin: as pr__ranks_agree's, for the caller's next agreement. */
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, size_t n, pr_status st, int *origin,
-                                    pr_error *err) {
+/* The full model's vector of one of this rank's arenas (parameters, gradients, m or v), assembled
+   a chunk at a time on every rank: collective over tp and pp, and under ZeRO over dp for the
+   master weights, the moments and a scattered gradient. The device holds no more than the staging
+   buffer, through which every collective runs in chunks alike on every rank, and the host this
+   rank's arena (its shard) and the chunk the caller keeps, so that a model of any size is
+   assembled, into a full copy (pr__get_full_arena) or straight into a file (pr__export_*).
+   Without a mesh a chunk is a download. A rank that has failed (st) still joins every collective,
+   with zeros, and its tp and pp peers fail with it, since their sums hold its zeros: the statuses
+   go round tp, then pp, when the gather ends. Each chunk carries one more real, the number of its
+   tp x pp ranks that have failed so far, so that a rank keeping chunks knows as each arrives
+   whether it is whole. */
+typedef struct {
+    const pr_real *arena;
+    const char *fn;                        /* the public function, for messages */
+    pr_real *local;                        /* mesh: this rank's arena, whole, on the host */
+    pr_status st;                          /* this rank's first failure (its message in the caller's err) */
+    size_t next;                           /* the first element of the next chunk */
+} pr__gather;
+#define PR__GATHER_CHUNK (PR__STAGE_REALS - 1)   /* a chunk's elements: the staging buffer less the count */
+
+static void pr__gather_begin(pr_trainer *tr, const pr_real *arena, const char *fn, pr__gather *g, pr_status st, pr_error *err) {
     const pr_backend *be = tr->be;
-    if (!tr->mesh) {
-        if (!st) be->download_reals(be, dst, arena, n);
-        return st;
-    }
-    pr_comm *dp = tr->mesh->dp_comm, *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    memset(g, 0, sizeof *g);
+    g->arena = arena;
+    g->fn = fn;
+    g->st = st;
+    if (!tr->mesh) return;
+    pr_comm *dp = tr->mesh->dp_comm;
     const int D = tr->mesh->dp, me = tr->mesh->dp_rank;
     pr_status cs;
     if (tr->zero && arena == tr->grads && tr->grads_scattered) {     /* every slice's sum, in place */
-        cs = dp->all_gather(dp, tr->grads, tr->grads + (size_t)me * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, st ? NULL : err);
-        if (!st) st = cs;
+        cs = dp->all_gather(dp, tr->grads, tr->grads + (size_t)me * tr->slice_cap, tr->slice_cap, PR_COMM_REAL, g->st ? NULL : err);
+        if (!g->st) g->st = cs;
         if (!cs) tr->grads_scattered = 0;
     }
-    pr_real *local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad);    /* this rank's arena, whole */
-    if (!local && !st) st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_get_full: out of host memory for %zu reals", tr->n_pad);
+    g->local = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_pad);
+    if (!g->local && !g->st) g->st = pr__fail(err, PR_ERR_NOMEM, "%s: out of host memory for %zu reals (this rank's arena)", fn, tr->n_pad);
     if (!tr->zero || arena == tr->grads) {
-        if (local) be->download_reals(be, local, arena, tr->n_params);
-    } else {                     /* the master weights or a moment: every rank's slice, a chunk of each at a time */
-        const size_t k = PR__STAGE_REALS / (size_t)D;
-        for (size_t a = 0; a < tr->slice_cap; a += k) {
-            const size_t m = tr->slice_cap - a < k ? tr->slice_cap - a : k;
-            be->copy(be, tr->stage + (size_t)me * m, arena + a, sizeof(pr_real) * m);
-            cs = dp->all_gather(dp, tr->stage, tr->stage + (size_t)me * m, m, PR_COMM_REAL, st ? NULL : err);
-            if (!st) st = cs;
-            for (int r = 0; local && r < D; r++) be->download_reals(be, local + (size_t)r * tr->slice_cap + a, tr->stage + (size_t)r * m, m);
+        if (g->local) be->download_reals(be, g->local, arena, tr->n_params);
+        return;
+    }
+    const size_t k = PR__STAGE_REALS / (size_t)D;  /* the master weights or a moment: every rank's slice, a chunk of each at a time */
+    for (size_t a = 0; a < tr->slice_cap; a += k) {
+        const size_t m = tr->slice_cap - a < k ? tr->slice_cap - a : k;
+        be->copy(be, tr->stage + (size_t)me * m, arena + a, sizeof(pr_real) * m);
+        cs = dp->all_gather(dp, tr->stage, tr->stage + (size_t)me * m, m, PR_COMM_REAL, g->st ? NULL : err);
+        if (!g->st) g->st = cs;
+        for (int r = 0; g->local && r < D; r++)
+            be->download_reals(be, g->local + (size_t)r * tr->slice_cap + a, tr->stage + (size_t)r * m, m);
+    }
+}
+
+/* The next chunk, its elements [g->next, g->next + k) of the n_full, into dst (NULL: this rank
+   gives its shard and keeps nothing; its host staging buffer holds the chunk). Returns the chunk's
+   size, and in *whole whether no rank of the tp x pp group had failed by its end. */
+static size_t pr__gather_chunk(pr_trainer *tr, pr__gather *g, pr_real *dst, int *whole, pr_error *err) {
+    const pr_backend *be = tr->be;
+    const size_t a = g->next, k = tr->n_full - a < PR__GATHER_CHUNK ? tr->n_full - a : PR__GATHER_CHUNK;
+    g->next += k;
+    *whole = !g->st;
+    if (!tr->mesh) {
+        if (!g->st && dst) be->download_reals(be, dst, g->arena + a, k);
+        return k;
+    }
+    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    pr_real *chunk = tr->stage_host, failed;
+    memset(chunk, 0, sizeof(pr_real) * (k + 1));
+    if (!g->st) pr__shard_chunk(tr, g->local, a, k, chunk);
+    chunk[k] = g->st != PR_OK;
+    be->upload_reals(be, tr->stage, chunk, k + 1);
+    for (int i = 0; i < 2; i++) {
+        const pr_status cs = sum_over[i]->all_reduce(sum_over[i], tr->stage, k + 1, PR_COMM_REAL, g->st ? NULL : err);
+        if (cs && !g->st) g->st = cs;
+        if (cs && i == 0) {                /* what the tp sum left is not this rank's to hand on: zeros, counted */
+            memset(chunk, 0, sizeof(pr_real) * (k + 1));
+            chunk[k] = 1;
+            be->upload_reals(be, tr->stage, chunk, k + 1);
         }
     }
-    for (size_t a = 0; a < n; a += PR__STAGE_REALS) {      /* the shards summed over tp and pp */
-        const size_t k = n - a < PR__STAGE_REALS ? n - a : PR__STAGE_REALS;
-        pr_real *chunk = dst ? dst + a : tr->stage_host;
-        memset(chunk, 0, sizeof(pr_real) * k);
-        if (!st) pr__shard_chunk(tr, local, a, k, chunk);
-        be->upload_reals(be, tr->stage, chunk, k);
-        for (int i = 0; i < 2; i++) {
-            cs = sum_over[i]->all_reduce(sum_over[i], tr->stage, k, PR_COMM_REAL, st ? NULL : err);
-            if (!st) st = cs;
-        }
-        if (dst) be->download_reals(be, dst + a, tr->stage, k);
+    if (dst) {
+        be->download_reals(be, dst, tr->stage, k);
+        be->download_reals(be, &failed, tr->stage + k, 1);
+        *whole = !g->st && failed == 0;
     }
-    PR_FREE(local);
-    for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], st, origin, "pr_trainer_get_full", "the copy is not whole", err);
+    return k;
+}
+
+/* Every rank of the tp x pp group returns the same status (origin: as pr__ranks_agree's, for the
+   caller's next agreement). */
+static pr_status pr__gather_end(pr_trainer *tr, pr__gather *g, int *origin, pr_error *err) {
+    PR_FREE(g->local);
+    g->local = NULL;
+    if (!tr->mesh) return g->st;
+    pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
+    pr_status st = g->st;
+    for (int i = 0; i < 2; i++) st = pr__ranks_agree(tr, sum_over[i], st, origin, g->fn, "the copy is not whole", err);
     return st;
+}
+
+/* The whole vector into dst (NULL: this rank's shard given, nothing kept), st the caller's failure so far. */
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, int *origin, pr_error *err) {
+    pr__gather g;
+    int whole;
+    pr__gather_begin(tr, arena, "pr_trainer_get_full", &g, st, err);
+    while (g.next < tr->n_full) {
+        const size_t a = g.next;
+        pr__gather_chunk(tr, &g, dst ? dst + a : NULL, &whole, err);
+    }
+    return pr__gather_end(tr, &g, origin, err);
 }
 
 /* A tp_partial tensor's gradient summed over the TP ranks holding its rows. A tensor every rank
@@ -8661,7 +8719,9 @@ PRDEF pr_status pr_checkpoint_read(const pr_checkpoint *ck, const pr_st_tensor *
 
 /* ---------------------------------------------------------------- 8.8 safetensors writing */
 /* Checks entries before anything is written: shapes, sizes, unique names. */
-static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dtype, const char *what, uint64_t *bytes_out, pr_error *err) {
+/* streamed: the values come from a pr__st_source, so the entries need no data. */
+static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dtype, const char *what, uint64_t *bytes_out, int streamed,
+                                      pr_error *err) {
     if (n < 0 || (n > 0 && !en)) return pr__fail(err, PR_ERR_ARG, "%s: bad entry list (n = %d)", what, n);
     if (!pr__dtype_valid(dtype)) return pr__fail(err, PR_ERR_ARG, "%s: unknown dtype %d", what, (int)dtype);
     uint64_t total = 0;
@@ -8674,7 +8734,7 @@ static pr_status pr__st_check_entries(const pr_st_entry *en, int n, pr_dtype dty
         uint64_t numel = pr__st_numel(e->shape, e->ndim, &ok), b;
         if (!ok || !pr__u64_mul(numel, (uint64_t)pr__dtype_size(dtype), &b) || numel > SIZE_MAX || !pr__u64_add(total, b, &total))
             return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has a negative or overflowing shape", what, e->name);
-        if (numel && !e->data) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has no data", what, e->name);
+        if (numel && !e->data && !streamed) return pr__fail(err, PR_ERR_ARG, "%s: tensor %s has no data", what, e->name);
         if (bytes_out) bytes_out[i] = b;
     }
     if (n > 1) {
@@ -8722,9 +8782,18 @@ static void pr__st_encode(unsigned char *dst, const pr_real *src, size_t n, pr_d
     }
 }
 
-/* Writes the file; entries already checked, meta NULL or a parsed object of strings. */
+/* Where pr__st_write takes the values of a file's tensors when they are not in the entries' data:
+   read points *p at the next of entry e's values, from element `from`, and sets *got to how many it
+   has there (at least 1, at most want). A file's values are asked for in order, entry by entry. */
+typedef struct pr__st_source {
+    pr_status (*read)(struct pr__st_source *src, const pr_st_entry *e, size_t from, size_t want, const pr_real **p, size_t *got,
+                      pr_error *err);
+} pr__st_source;
+
+/* Writes the file; entries already checked, meta NULL or a parsed object of strings, src NULL or
+   where the values come from. */
 static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta,
-                              pr__progress *progress, pr_error *err) {
+                              pr__st_source *src, pr__progress *progress, pr_error *err) {
     pr__buf h = {NULL, 0, 0, 0};
     uint64_t off = 0;
     int es = pr__dtype_size(dtype);
@@ -8779,7 +8848,9 @@ static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr
         size_t numel = (size_t)pr__st_numel(en[i].shape, en[i].ndim, &ok);
         for (size_t done = 0; done < numel && !st;) {
             size_t now = numel - done < chunk_elems ? numel - done : chunk_elems;
-            pr__st_encode(buf, en[i].data + done, now, dtype);
+            const pr_real *values = src ? NULL : en[i].data + done;
+            if (src && (st = src->read(src, &en[i], done, now, &values, &now, err))) break;
+            pr__st_encode(buf, values, now, dtype);
             st = pr__atomic_write(&a, buf, now * (size_t)es, err);
             done += now;
         }
@@ -8812,11 +8883,11 @@ static pr_status pr__st_parse_meta(pr__json **out, const char *meta, const char 
 PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
                                      const char *metadata_json_object_or_null, pr_error *err) {
     if (!path) return pr__fail(err, PR_ERR_ARG, "pr_safetensors_write: NULL path");
-    pr_status st = pr__st_check_entries(entries, n, dtype, path, NULL, err);
+    pr_status st = pr__st_check_entries(entries, n, dtype, path, NULL, 0, err);
     if (st) return st;
     pr__json *meta;
     if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
-    st = pr__st_write(path, entries, n, dtype, meta, NULL, err);
+    st = pr__st_write(path, entries, n, dtype, meta, NULL, NULL, err);
     PR_FREE(meta);
     return st;
 }
@@ -8857,7 +8928,9 @@ static pr_status pr__remove_stale(const char *dir, const char *name, pr_error *e
     return st;
 }
 
-PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
+/* pr_checkpoint_save, the values from src when it is not NULL. */
+static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype, uint64_t max_shard_bytes,
+                                     pr__st_source *src, pr_error *err) {
     if (!dir || !dir[0]) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_save: NULL or empty folder");
     uint64_t *bytes = (uint64_t *)PR_MALLOC(sizeof(uint64_t) * (size_t)(n > 0 ? n : 1));
     int *shard = (int *)PR_MALLOC(sizeof(int) * (size_t)(n > 0 ? n : 1));
@@ -8869,7 +8942,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
     int n_shards = 1;
     uint64_t in_shard = 0, total = 0;
     if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-    if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, err))) goto done;
+    if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, src != NULL, err))) goto done;
     /* shards in entry order: a new one when the next tensor would pass the limit */
     for (int i = 0; i < n; i++) {
         /* in_shard can exceed the limit after an oversized tensor: test before subtracting */
@@ -8886,7 +8959,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
     if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
     if (n_shards == 1) {
         if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries, n, dtype, meta, NULL, err))) goto done;
+        if ((st = pr__st_write(file, entries, n, dtype, meta, src, NULL, err))) goto done;
         st = pr__remove_stale(dir, "model.safetensors.index.json", err);
         goto done;
     }
@@ -8896,7 +8969,7 @@ PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, 
         while (last < n && shard[last] == s) last++;
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         if (!(file = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, NULL, err))) goto done;
+        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, src, NULL, err))) goto done;
         PR_FREE(file);
         file = NULL;
         first = last;
@@ -8930,6 +9003,10 @@ done:
     PR_FREE(file);
     PR_FREE(meta);
     return st;
+}
+
+PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
+    return pr__checkpoint_save(dir, entries, n, dtype, max_shard_bytes, NULL, err);
 }
 
 /* ---------------------------------------------------------------- 8.9 GRPO traces */
@@ -9613,46 +9690,111 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
     return st;
 }
 
-/* A host copy of the full model's parameters, gradients or moments with its safetensors entries
-   (named prefix + the tensor's name). On a mesh it is assembled on world rank 0, which writes it
-   (collective over tp and pp); the others give their shards and hold no copy: n is 0 there. */
-typedef struct { pr_real *host; pr_st_entry *entries; pr_tensor_info *table; char *names; int n; } pr__host_copy;
+/* The full model's parameters, gradients or moments written as safetensors while they are
+   assembled (pr__gather), so that no rank holds a copy of the whole: world rank 0 (the trainer
+   without a mesh) names the entries (prefix + the tensor's name, the full model's shapes) and
+   each file's values are read from the gather as it goes, a chunk at a time; the other ranks give
+   their shards to the same chunks (pr__export_end). The entries of up to 3 arenas follow one
+   another (a state's parameters, m and v, on one rank); on a mesh of several ranks an export
+   holds one, its values asked for in order. A file whose values are not whole (a rank failed
+   during the gather) is abandoned before it is committed: a file holds the model or is not
+   written. */
+#define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
+typedef struct {
+    pr__st_source src;                     /* first: what pr__st_write reads through */
+    pr_trainer *tr;
+    const char *fn;
+    const pr_real *arena[3];
+    int n;                                 /* tensors an arena */
+    pr_tensor_info *table;                 /* (n) the full model's */
+    pr_st_entry *entries;                  /* (n arenas x n) NULL on the ranks that only give */
+    char *names;
+    pr_real *window;                       /* (PR__GATHER_CHUNK) the chunk read from: elements [w0, w0 + wk) */
+    size_t w0, wk;
+    pr__gather g;                          /* of arena[at] */
+    int at;
+    int told;                              /* a read failed for another rank's failure: its agreement says why */
+} pr__export;
 
-static void pr__export_free(pr_trainer *tr, pr__host_copy *x) {
-    PR_FREE(x->host);
+static pr_status pr__export_read(pr__st_source *src, const pr_st_entry *e, size_t from, size_t want, const pr_real **p, size_t *got,
+                                 pr_error *err) {
+    pr__export *x = (pr__export *)src;
+    pr_trainer *tr = x->tr;
+    const int j = (int)(e - x->entries);
+    const size_t off = (size_t)x->table[j % x->n].offset + from;
+    if (j / x->n != x->at) {               /* the next arena: only on one rank, where no peer follows the chunks */
+        pr_status st = pr__gather_end(tr, &x->g, NULL, err);
+        if (st) return st;
+        pr__gather_begin(tr, x->arena[j / x->n], x->fn, &x->g, PR_OK, err);
+        x->at = j / x->n;
+        x->w0 = x->wk = 0;
+    }
+    if (off < x->w0) return pr__fail(err, PR_ERR_ARG, "%s: the values were asked for out of order", x->fn);
+    while (x->w0 + x->wk <= off) {
+        int whole;
+        if (x->g.next >= tr->n_full) return pr__fail(err, PR_ERR_ARG, "%s: a value past the model's end was asked for", x->fn);
+        x->w0 = x->g.next;
+        x->wk = pr__gather_chunk(tr, &x->g, x->window, &whole, err);
+        if (x->g.st) return x->g.st;
+        if (!whole) {
+            x->told = 1;
+            return pr__fail(err, PR_ERR_IO, "%s: another rank failed during the gather", x->fn);
+        }
+    }
+    *p = x->window + (off - x->w0);
+    *got = x->w0 + x->wk - off < want ? x->w0 + x->wk - off : want;
+    return PR_OK;
+}
+
+/* Collective where the gather is: every rank starts arena[0]'s gather, joining it even when it
+   has failed; the writer (world rank 0) also names its entries. The writer writes only when this
+   succeeds; every rank then ends with pr__export_end, whatever happened. */
+static pr_status pr__export_begin(pr_trainer *tr, const pr_real *const *arena, const char *const *prefix, int n_arenas, const char *fn,
+                                  pr__export *x, pr_error *err) {
+    memset(x, 0, sizeof *x);
+    x->src.read = pr__export_read;
+    x->tr = tr;
+    x->fn = fn;
+    for (int b = 0; b < n_arenas; b++) x->arena[b] = arena[b];
+    pr_status st = PR_OK;
+    if (!tr->mesh || !tr->mesh->world->rank) {
+        x->table = pr__table_of(tr, &x->n);
+        const size_t count = (size_t)n_arenas * (size_t)x->n;
+        x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * count) : NULL;
+        x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * count) : NULL;
+        x->window = (pr_real *)PR_MALLOC(sizeof(pr_real) * PR__GATHER_CHUNK);
+        if (!x->entries || !x->names || !x->window) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", fn);
+        for (size_t i = 0; !st && i < count; i++) {
+            const pr_tensor_info *ti = &x->table[i % (size_t)x->n];
+            pr_st_entry *e = &x->entries[i];
+            char *name = x->names + (size_t)PR__NAME_CAP * i;
+            snprintf(name, PR__NAME_CAP, "%s%s", prefix[i / (size_t)x->n], ti->name);
+            memset(e, 0, sizeof *e);
+            e->name = name;
+            e->ndim = ti->ndim;
+            e->shape[0] = ti->shape[0];
+            e->shape[1] = ti->shape[1];
+        }
+    }
+    pr__gather_begin(tr, arena[0], fn, &x->g, st, st ? NULL : err);
+    return x->g.st;
+}
+
+/* The chunks the writer did not read (all of them on the others), the gather's agreement over
+   tp and pp, and what the export held freed. st: the write's status on the writer. */
+static pr_status pr__export_end(pr_trainer *tr, pr__export *x, pr_status st, int *origin, pr_error *err) {
+    while (x->g.next < tr->n_full) {
+        int whole;
+        pr__gather_chunk(tr, &x->g, NULL, &whole, st ? NULL : err);
+    }
+    const int keep = st && !x->told;       /* the writer's own failure keeps its message */
+    const pr_status gst = pr__gather_end(tr, &x->g, origin, keep ? NULL : err);
+    if (gst && !keep) st = gst;
+    PR_FREE(x->window);
     PR_FREE(x->entries);
     PR_FREE(x->names);
     if (tr->mesh) PR_FREE(x->table);
-}
-
-#define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
-static pr_status pr__export_arena(pr_trainer *tr, const pr_real *arena, const char *prefix, pr__host_copy *x, int *origin, pr_error *err) {
-    memset(x, 0, sizeof *x);
-    if (tr->mesh && tr->mesh->world->rank) return pr__get_full_arena(tr, arena, NULL, tr->n_full, PR_OK, origin, err);
-    x->table = pr__table_of(tr, &x->n);
-    x->host = (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_full);
-    x->entries = x->table ? (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * (size_t)x->n) : NULL;
-    x->names = x->table ? (char *)PR_MALLOC((size_t)PR__NAME_CAP * (size_t)x->n) : NULL;
-    pr_status st = x->host && x->entries && x->names ? PR_OK : pr__fail(err, PR_ERR_NOMEM, "out of memory for a host copy of %zu parameters", tr->n_full);
-    st = pr__get_full_arena(tr, arena, x->host, tr->n_full, st, origin, err);     /* a mesh's rank joins its peers even when it failed */
-    if (st) {
-        pr__export_free(tr, x);
-        memset(x, 0, sizeof *x);
-        return st;
-    }
-    for (int i = 0; i < x->n; i++) {
-        const pr_tensor_info *ti = &x->table[i];
-        pr_st_entry *e = &x->entries[i];
-        char *name = x->names + (size_t)PR__NAME_CAP * (size_t)i;
-        snprintf(name, PR__NAME_CAP, "%s%s", prefix, ti->name);
-        memset(e, 0, sizeof *e);
-        e->name = name;
-        e->data = x->host + ti->offset;
-        e->ndim = ti->ndim;
-        e->shape[0] = ti->shape[0];
-        e->shape[1] = ti->shape[1];
-    }
-    return PR_OK;
+    return st;
 }
 
 /* The end of an export: on a mesh every rank returns what world rank 0's write returned (or the
@@ -9663,30 +9805,37 @@ static pr_status pr__export_done(pr_trainer *tr, pr_status st, int *origin, cons
 
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
     if (!tr || !dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save: NULL argument");
-    pr__host_copy x;
+    static const char *const prefix[1] = { "" };
+    const pr_real *arena[1] = { tr->params };
+    pr__export x;
     int origin = -1;
-    pr_status st = pr__export_arena(tr, tr->params, "", &x, &origin, err);
-    if (!st && x.n) {
-        st = pr_checkpoint_save(dir, x.entries, x.n, dtype, max_shard_bytes, err);
+    pr_status st = pr__export_begin(tr, arena, prefix, 1, "pr_trainer_save", &x, err);
+    if (!st && x.entries) {
+        st = pr__checkpoint_save(dir, x.entries, x.n, dtype, max_shard_bytes, &x.src, err);
         if (!st) {
             char path[4096];
             snprintf(path, sizeof path, "%s/config.json", dir);
             st = pr_config_save(&tr->model, path, err);
         }
-        pr__export_free(tr, &x);
     }
+    st = pr__export_end(tr, &x, st, &origin, err);
     return pr__export_done(tr, st, &origin, "pr_trainer_save", err);
 }
 
 PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error *err) {
     if (!tr || !path) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_grads: NULL argument");
-    pr__host_copy x;
+    static const char *const prefix[1] = { "" };
+    const pr_real *arena[1] = { tr->grads };
+    pr__export x;
+    pr__json *meta = NULL;
     int origin = -1;
-    pr_status st = pr__export_arena(tr, tr->grads, "", &x, &origin, err);
-    if (!st && x.n) {
-        st = pr_safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, "{\"content\": \"gradients\"}", err);
-        pr__export_free(tr, &x);
-    }
+    const pr_dtype real = sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32;
+    pr_status st = pr__export_begin(tr, arena, prefix, 1, "pr_trainer_save_grads", &x, err);
+    if (!st && x.entries && !(st = pr__st_check_entries(x.entries, x.n, real, path, NULL, 1, err)) &&
+        !(st = pr__st_parse_meta(&meta, "{\"content\": \"gradients\"}", path, err)))
+        st = pr__st_write(path, x.entries, x.n, real, meta, &x.src, NULL, err);
+    PR_FREE(meta);
+    st = pr__export_end(tr, &x, st, &origin, err);
     return pr__export_done(tr, st, &origin, "pr_trainer_save_grads", err);
 }
 
@@ -9848,45 +9997,31 @@ static pr_status pr__state_commit(const char *dir, const pr__state_names *n, pr_
     return st;
 }
 
-/* One rank's whole state (version 1): full tensors, assembled on world rank 0 of a one-rank mesh. */
+/* One rank's whole state (version 1): full tensors, on the trainer without a mesh or with a mesh of one. */
 static pr_status pr__save_state_one(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                     pr_error *err) {
-    pr__host_copy x[3];
-    const pr_real *arenas[3] = { tr->params, tr->adam_m, tr->adam_v };
-    const char *prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
-    pr_status st = PR_OK;
-    int got = 0, suffix;
-    int origin = -1;
-    for (; got < 3 && !st; got++) st = pr__export_arena(tr, arenas[got], prefix[got], &x[got], &origin, err);
-    if (st) got--;
+    static const char *const prefix[3] = { "", "exp_avg.", "exp_avg_sq." };
+    const pr_real *arena[3] = { tr->params, tr->adam_m, tr->adam_v };
+    pr__export x;
     char path[4100];
     pr__state_names n;
     pr__progress progress = { opts, 0 };
     pr__json *meta = NULL;
-    n.tmp[0] = 0;
-    if (st) goto done;
-    if ((st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err))) goto done;
-    if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", n.tmp, err))) goto done;
-    snprintf(path, sizeof path, "%s/model.safetensors", n.tmp);
-    st = pr__st_write(path, x[0].entries, x[0].n, PR__STATE_REAL, meta, &progress, err);
-    snprintf(path, sizeof path, "%s/optimizer.safetensors", n.tmp);
-    if (!st) {      /* m and v in one file: the entries side by side */
-        pr_st_entry *both = (pr_st_entry *)PR_MALLOC(sizeof(pr_st_entry) * 2 * (size_t)x[1].n);
-        if (!both) st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
-        else {
-            memcpy(both, x[1].entries, sizeof(pr_st_entry) * (size_t)x[1].n);
-            memcpy(both + x[1].n, x[2].entries, sizeof(pr_st_entry) * (size_t)x[2].n);
-            st = pr__st_write(path, both, 2 * x[1].n, PR__STATE_REAL, meta, &progress, err);
-            PR_FREE(both);
-        }
+    int suffix;
+    pr_status st = pr__export_begin(tr, arena, prefix, 3, "pr_trainer_save_state", &x, err);
+    if (!st) st = pr__st_check_entries(x.entries, 3 * x.n, PR__STATE_REAL, dir, NULL, 1, err);
+    if (!st) st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err);
+    if (!st && !(st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err))) {
+        snprintf(path, sizeof path, "%s/model.safetensors", n.tmp);
+        st = pr__st_write(path, x.entries, x.n, PR__STATE_REAL, meta, &x.src, &progress, err);
+        snprintf(path, sizeof path, "%s/optimizer.safetensors", n.tmp);    /* m and v in one file, side by side */
+        if (!st) st = pr__st_write(path, x.entries + x.n, 2 * x.n, PR__STATE_REAL, meta, &x.src, &progress, err);
+        if (!st) st = pr__state_meta(tr, n.tmp, state, 1, &progress, err);
+        if (!st) st = pr__state_commit(dir, &n, &progress, err);
+        if (st) pr__state_remove(n.tmp, 0);          /* nothing half-written stays behind */
     }
-    if (!st) st = pr__state_meta(tr, n.tmp, state, 1, &progress, err);
-    if (!st) st = pr__state_commit(dir, &n, &progress, err);
-    if (st) pr__state_remove(n.tmp, 0);          /* nothing half-written stays behind */
-done:
     PR_FREE(meta);
-    for (int k = 0; k < got; k++) pr__export_free(tr, &x[k]);
-    return st;
+    return pr__export_end(tr, &x, st, NULL, err);
 }
 
 /* ---- a state on a mesh (version 2): each rank's own pieces, an index of them */
@@ -10038,9 +10173,9 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     if (me) pr__state_name(&n, dir, tr->adam_step, (int)tab[1], (long)tab[2]);
     /* each rank its own file, in parallel; rank 0 the index and the run's files */
     snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", n.tmp, me, W);
-    st = pr__st_check_entries(en, n_en, PR__STATE_REAL, path, NULL, err);
+    st = pr__st_check_entries(en, n_en, PR__STATE_REAL, path, NULL, 0, err);
     if (!st) st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", path, err);
-    if (!st) st = pr__st_write(path, en, n_en, PR__STATE_REAL, meta, &progress, err);
+    if (!st) st = pr__st_write(path, en, n_en, PR__STATE_REAL, meta, NULL, &progress, err);
     if (!st && me == 0) {
         pr__state_index_json(tr, ft, count, tab + 3, &index);
         snprintf(path, sizeof path, "%s/state_index.json", n.tmp);
