@@ -834,7 +834,8 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
    both shapes), or a version-2 index whose pieces miss a part of a tensor (named) is refused and
    the trainer is left as it was. A version-2 state loads on any mesh (or one rank): each rank
    reads from the files only the pieces over its own shard and slice. A version-1 state on a
-   mesh: each rank reads the full tensors and keeps its shard. On a mesh, collective over the
+   mesh: each rank checks every tensor and reads only its shard's rows and columns of each (as
+   pr_trainer_load). On a mesh, collective over the
    world: the ranks agree before any takes the state, so that one rank's failure (its part
    unreadable, out of memory) fails the load on every rank, each keeping what it had; the others'
    message names the first world rank that failed and its status, which they return. */
@@ -5510,11 +5511,13 @@ static void pr__shard_chunk(const pr_trainer *tr, const pr_real *local, size_t a
     }
 }
 
-/* The host scratch pr__set_full_arena needs on a mesh (n_params reals; NULL and nothing to free
-   without one): taken before the first arena changes, so that setting several cannot fail halfway. */
+/* The host scratch pr__set_full_arena needs on a mesh (n_params reals, zeroed; NULL and nothing to
+   free without one): taken before the first arena changes, so that setting several cannot fail
+   halfway. */
 static pr_status pr__full_scratch(const pr_trainer *tr, pr_real **local, pr_error *err) {
     *local = tr->mesh ? (pr_real *)PR_MALLOC(sizeof(pr_real) * tr->n_params) : NULL;
     if (tr->mesh && !*local) return pr__fail(err, PR_ERR_NOMEM, "out of host memory for %zu reals", tr->n_params);
+    if (*local) memset(*local, 0, sizeof(pr_real) * tr->n_params);
     return PR_OK;
 }
 /* This rank's part of a full-model host vector (n_full reals) into one of its arenas (the master
@@ -9642,37 +9645,24 @@ static pr_status pr__check_tensors(pr_checkpoint *ck, const char *path, const ch
     return PR_OK;
 }
 
-/* Opens path, checks it (pr__check_tensors) and reads the table's tensors (prefix + name) into host. */
-static pr_status pr__read_checkpoint(const char *path, const char *prefix, const pr_tensor_info *table, int count, int n_layers,
-                                     int exact, pr_real *host, pr_error *err) {
-    pr_checkpoint *ck = NULL;
+/* This rank's part of the tensors named prefix + each name in ck (checked first: pr__check_tensors
+   against the full model's table, so a checkpoint of another model is refused whatever the mesh)
+   into local (n_params reals, the layout of the rank's arena): on a mesh only its shard's
+   rectangle of each tensor is read, without one the whole of each. *count: the full model's
+   tensors. */
+static pr_status pr__read_local(pr_trainer *tr, pr_checkpoint *ck, const char *path, const char *prefix, int exact, pr_real *local,
+                                int *count, pr_error *err) {
+    pr_tensor_info *ft = pr__table_of(tr, count);
     char name[400];
-    pr_status st = pr_checkpoint_open(&ck, path, err);
-    if (st) return st;
-    st = pr__check_tensors(ck, path, prefix, table, count, n_layers, exact, err);
-    for (int i = 0; i < count && !st; i++) {
-        snprintf(name, sizeof name, "%s%s", prefix, table[i].name);
-        st = pr_checkpoint_read(ck, pr_checkpoint_find(ck, name), host + table[i].offset, table[i].numel, err);
-    }
-    pr_checkpoint_close(ck);
-    return st;
-}
-
-/* A checkpoint on a mesh: every rank checks the whole (the full model's tensors, each of its
-   shape), then reads only its own shard's rectangle of each tensor into local (n_params reals). */
-static pr_status pr__load_shards(pr_trainer *tr, const char *path, pr_real *local, pr_error *err) {
-    int count;
-    pr_tensor_info *ft = pr__table_of(tr, &count);
-    pr_checkpoint *ck = NULL;
-    pr_status st = ft ? pr_checkpoint_open(&ck, path, err) : pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory");
-    if (!st) st = pr__check_tensors(ck, path, "", ft, count, tr->model.num_hidden_layers, 0, err);
+    pr_status st = ft ? pr__check_tensors(ck, path, prefix, ft, *count, tr->model.num_hidden_layers, exact, err)
+                      : pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path);
     for (int i = 0; i < tr->n_tensors && !st; i++) {
         int64_t r[4];
         pr__shard_rect(tr, i, r);
-        st = pr__checkpoint_read_rect(ck, pr_checkpoint_find(ck, tr->tensors[i].name), r, local + tr->tensors[i].offset, err);
+        snprintf(name, sizeof name, "%s%s", prefix, tr->tensors[i].name);
+        st = pr__checkpoint_read_rect(ck, pr_checkpoint_find(ck, name), r, local + tr->tensors[i].offset, err);
     }
-    if (ck) pr_checkpoint_close(ck);
-    PR_FREE(ft);
+    if (tr->mesh) PR_FREE(ft);
     return st;
 }
 
@@ -9680,10 +9670,13 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument");
     /* one rank: the whole model; a mesh's rank: its shard, then every rank of the world agrees */
     pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
+    pr_checkpoint *ck = NULL;
     pr_status st = !path ? pr__fail(err, PR_ERR_ARG, "pr_trainer_load: NULL argument")
                    : !host ? pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load: out of memory for %zu reals", tr->n_params)
-                   : tr->mesh ? pr__load_shards(tr, path, host, err)
-                              : pr__read_checkpoint(path, "", tr->tensors, tr->n_tensors, tr->model.num_hidden_layers, 0, host, err);
+                           : pr_checkpoint_open(&ck, path, err);
+    int count;
+    if (!st) st = pr__read_local(tr, ck, path, "", 0, host, &count, err);
+    if (ck) pr_checkpoint_close(ck);
     if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_load", "no rank takes the checkpoint", err);
     if (!st) pr__weights_take(tr, host);
     PR_FREE(host);
@@ -10492,72 +10485,33 @@ static pr_status pr__load_state_ranks(pr_trainer *tr, const char *folder, pr_rea
     if (tr->mesh) PR_FREE(ft);
     return st;
 }
-/* A version-1 state (the full model's tensors) into host copies of this rank's arenas: host[0]
-   n_params reals, host[1] and host[2] its slice of m and v. Without a mesh they point into `whole`
-   (the full tensors, parameters, m, v); on one, each rank keeps its part, host[0] the scratch of
+/* A version-1 state (the full model's tensors) into host (pr__load_state_read's): each of its
+   tensors checked, and only this rank's part of each read (pr__read_local), host[0] the scratch of
    m's and v's before it takes the parameters. */
-static pr_status pr__load_state_v1(pr_trainer *tr, const char *folder, pr_real *host[3], pr_real **whole, pr_error *err) {
-    int count;
-    pr_tensor_info *table = pr__table_of(tr, &count);
+static pr_status pr__load_state_v1(pr_trainer *tr, const char *folder, pr_real *host[3], pr_error *err) {
     char path[4300];
-    size_t bytes;
-    pr_status st = PR_OK;
-    pr_real *full = pr__mul_size(sizeof(pr_real) * 3, tr->n_full, &bytes) ? (pr_real *)PR_MALLOC(bytes) : NULL;
-    if (tr->mesh) {
-        host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
-        host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
-        host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
-    }
-    if (!full || !table || (tr->mesh && (!host[0] || !host[1] || !host[2])))
-        st = pr__fail(err, PR_ERR_NOMEM, "pr_trainer_load_state: out of memory for %zu reals", tr->n_full * 3);
-    snprintf(path, sizeof path, "%s/model.safetensors", folder);
-    if (!st) st = pr__read_checkpoint(path, "", table, count, tr->model.num_hidden_layers, 1, full, err);
+    pr_checkpoint *ck = NULL;
     snprintf(path, sizeof path, "%s/optimizer.safetensors", folder);
-    if (!st) {           /* m and v share one file: each read through the prefixes, then the count checked */
-        pr_checkpoint *ck = NULL;
-        st = pr_checkpoint_open(&ck, path, err);
-        for (int k = 0; k < 2 && !st; k++) {
-            const char *prefix = k ? "exp_avg_sq." : "exp_avg.";
-            char nm[PR__NAME_CAP];
-            for (int i = 0; i < count && !st; i++) {
-                const pr_tensor_info *ti = &table[i];
-                snprintf(nm, sizeof nm, "%s%s", prefix, ti->name);
-                const pr_st_tensor *t = pr_checkpoint_find(ck, nm);
-                int same = t && t->ndim == ti->ndim;
-                for (int d = 0; same && d < ti->ndim; d++) same = t->shape[d] == ti->shape[d];
-                if (!t) st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s is missing", path, nm);
-                else if (!same) {
-                    char have[128], want[128];
-                    pr__shape_text(have, sizeof have, t->ndim, t->shape);
-                    pr__shape_text(want, sizeof want, ti->ndim, ti->shape);
-                    st = pr__fail(err, PR_ERR_ARG, "%s: tensor %s has shape %s, the model's is %s (a state of another shape)", path, nm, have, want);
-                } else st = pr_checkpoint_read(ck, t, full + (size_t)(k + 1) * tr->n_full + ti->offset, ti->numel, err);
-            }
-        }
-        if (!st && pr_checkpoint_count(ck) != 2 * count)
-            st = pr__fail(err, PR_ERR_ARG, "%s: holds %d tensors, the model's moments are %d (a state of another model)", path,
-                          pr_checkpoint_count(ck), 2 * count);
-        if (ck) pr_checkpoint_close(ck);
-    }
-    if (!st && tr->mesh) {
-        for (int k = 1; k < 3; k++) {
-            pr__shard_copy(tr, full + (size_t)k * tr->n_full, host[0]);
+    int count = 0;
+    pr_status st = pr_checkpoint_open(&ck, path, err);
+    for (int k = 1; k < 3 && !st; k++)          /* m and v share one file: each read through its prefix, then the count checked */
+        if (!(st = pr__read_local(tr, ck, path, k == 1 ? "exp_avg." : "exp_avg_sq.", 0, host[0], &count, err)))
             memcpy(host[k], host[0] + tr->slice_lo, sizeof(pr_real) * tr->slice_n);
-        }
-        pr__shard_copy(tr, full, host[0]);
+    if (!st && pr_checkpoint_count(ck) != 2 * count)
+        st = pr__fail(err, PR_ERR_ARG, "%s: holds %d tensors, the model's moments are %d (a state of another model)", path,
+                      pr_checkpoint_count(ck), 2 * count);
+    if (ck) pr_checkpoint_close(ck);
+    snprintf(path, sizeof path, "%s/model.safetensors", folder);
+    if (!st && !(st = pr_checkpoint_open(&ck, path, err))) {
+        st = pr__read_local(tr, ck, path, "", 1, host[0], &count, err);
+        pr_checkpoint_close(ck);
     }
-    if (tr->mesh) PR_FREE(table);
-    if (!st && !tr->mesh) {
-        for (int k = 0; k < 3; k++) host[k] = full + (size_t)k * tr->n_full + (k ? tr->slice_lo : 0);
-        *whole = full;
-    } else PR_FREE(full);
     return st;
 }
 
 /* Reads and checks the state at dir (one state folder, or the latest in a run's folder) into *s and
    host copies of this rank's arenas (pr__load_state_v1's), the trainer untouched. */
-static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_state *s, pr_real *host[3], pr_real **whole,
-                                     pr_error *err) {
+static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_state *s, pr_real *host[3], pr_error *err) {
     if (!dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
     if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
     char folder[4200], path[4300], name[256];
@@ -10573,8 +10527,6 @@ static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_s
     if ((st = pr__state_parse(path, s, &version, err))) return st;
     snprintf(path, sizeof path, "%s/config.json", folder);
     if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
-    if (version == 1) return pr__load_state_v1(tr, folder, host, whole, err);
-    /* version 2, pieces: this rank's part only */
     host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
     host[1] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
     host[2] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->slice_n + 1));
@@ -10582,15 +10534,15 @@ static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_s
     memset(host[0], 0, sizeof(pr_real) * tr->n_params);
     memset(host[1], 0, sizeof(pr_real) * tr->slice_n);
     memset(host[2], 0, sizeof(pr_real) * tr->slice_n);
-    return pr__load_state_ranks(tr, folder, host, err);
+    return version == 1 ? pr__load_state_v1(tr, folder, host, err) : pr__load_state_ranks(tr, folder, host, err);
 }
 
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
     pr_train_state s;
-    pr_real *host[3] = { NULL, NULL, NULL }, *whole = NULL;
+    pr_real *host[3] = { NULL, NULL, NULL };
     memset(&s, 0, sizeof s);
-    pr_status st = pr__load_state_read(tr, dir, &s, host, &whole, err);
+    pr_status st = pr__load_state_read(tr, dir, &s, host, err);
     if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_load_state", "no rank takes the state", err);
     if (!st) {           /* every check passed on every rank: the trainer takes the state */
         pr__weights_take(tr, host[0]);
@@ -10599,9 +10551,7 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
         tr->adam_step = s.step;
         if (state) *state = s;
     }
-    if (whole) PR_FREE(whole);
-    else
-        for (int k = 0; k < 3; k++) PR_FREE(host[k]);
+    for (int k = 0; k < 3; k++) PR_FREE(host[k]);
     return st;
 }
 

@@ -3316,19 +3316,21 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
    those one rank loads from the same files. On tp 4 no allocation of the load holds half the
    model, and saving it again (pr_trainer_save: world rank 0 writes the files as the ranks
    assemble them, a chunk at a time) gives the same checkpoint with no allocation of half the
-   model on any rank, nor in one rank's save. With one of rank 1's allocations failing (each of the
-   first 8, then 8 spread), the load fails on every rank, none taking the checkpoint. */
+   model on any rank, nor in one rank's save; one rank's version-1 state of the same parameters
+   loads there too, under half the model at once. With one of rank 1's allocations failing (each
+   of the first 8, then 8 spread), the load fails on every rank, none taking the checkpoint. */
 typedef struct {
     const pr_config *c;
     mesh_shape shape;
     int zero;
     const char *dir, *save;      /* save: where the ranks save the model again after the load (NULL: not) */
+    const char *state;           /* a version-1 state (one rank's) of the same parameters, loaded after (NULL: not) */
     const pr_real *want;         /* the parameters one rank loads */
     const pr_real *drawn;        /* the parameters one rank draws with seed 3 */
     long fail_at, made;
-    pr_status status[8], saved[8];
-    int same[8], kept[8], same_draw[8];
-    size_t largest[8], save_largest[8];
+    pr_status status[8], saved[8], state_st[8];
+    int same[8], kept[8], same_draw[8], state_same[8];
+    size_t largest[8], save_largest[8], state_largest[8];
     char said[512];
 } mload_run;
 static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
@@ -3362,6 +3364,13 @@ static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
             alloc_largest = 0;
             m->saved[me] = pr_trainer_save(tr, m->save, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, 0, &e);
             m->save_largest[me] = alloc_largest;
+        }
+        if (m->state && !s && !(s = pr_trainer_init_params(tr, 3, err))) {     /* drawn again, then the state's taken */
+            alloc_largest = 0;
+            m->state_st[me] = pr_trainer_load_state(tr, m->state, NULL, &e);
+            m->state_largest[me] = alloc_largest;
+            s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, after, n, err);
+            m->state_same[me] = !s && !memcmp(after, m->want, sizeof(pr_real) * n);
         }
         free(before);
         free(after);
@@ -3400,6 +3409,10 @@ static void test_mesh_load(void) {
             CHECK(!pr_trainer_save(one, dir, dt, n * sizeof(pr_real) / 5, &err), "%s: save: %s", cases[i].name, err.message);
             CHECK(i > 0 || alloc_largest < n * sizeof(pr_real) / 2, "%s: one rank's save took %zu bytes at once, the model is %zu", cases[i].name,
                   alloc_largest, n * sizeof(pr_real));
+            char state_dir[300];
+            snprintf(state_dir, sizeof state_dir, "%s/state", dir);
+            pr_train_state one_state = { 0, 3, 5, pr_adamw_opts_default() };
+            if (i == 0 && !bf) CHECK(!pr_trainer_save_state(one, state_dir, &one_state, NULL, &err), "%s: save_state: %s", cases[i].name, err.message);
             pr_trainer_destroy(one);
             pr_trainer *ref = make_model(cases[i].c, 5);
             pr_real *want = malloc(sizeof(pr_real) * n);
@@ -3420,6 +3433,7 @@ static void test_mesh_load(void) {
             m.fail_at = -1;
             snprintf(again, sizeof again, "%s/again", dir);
             m.save = i == 0 ? again : NULL;
+            m.state = i == 0 && !bf ? state_dir : NULL;
             const int W = mesh_size(m.shape);
             CHECK(pr_comm_local_run(W, mload_rank, &m, &err) == PR_OK, "%s: %s", cases[i].name, err.message);
             for (int r = 0; r < W; r++) {
@@ -3430,6 +3444,10 @@ static void test_mesh_load(void) {
                     CHECK(m.largest[r] < n * sizeof(pr_real) / 2 && m.saved[r] == PR_OK && m.save_largest[r] < n * sizeof(pr_real) / 2,
                           "%s: rank %d took %zu bytes at once to load, %zu to save (status %d), the model is %zu", cases[i].name, r, m.largest[r],
                           m.save_largest[r], m.saved[r], n * sizeof(pr_real));
+                if (m.state)
+                    CHECK(m.state_st[r] == PR_OK && m.state_same[r] && m.state_largest[r] < n * sizeof(pr_real) / 2,
+                          "%s: rank %d, one rank's state (version 1): status %d, parameters %s, %zu bytes at once (the model is %zu)", cases[i].name,
+                          r, m.state_st[r], m.state_same[r] ? "the same" : "differ", m.state_largest[r], n * sizeof(pr_real));
             }
             if (m.save) {            /* the model saved again by the mesh: what one rank loads from it */
                 pr_trainer *back = make_model(cases[i].c, 5);
@@ -3461,12 +3479,12 @@ static void test_mesh_load(void) {
             }
             free(want);
             free(drawn);
-            remove_tree(dir, 1);
+            remove_tree(dir, 2);
             CHECK(make_scratch_dir(dir, sizeof dir, "meshload"), "a scratch folder under %s", test_tmpdir());
         }
     printf("a checkpoint in several files (reals and bf16) loading on tp 4 (KV heads replicated), tp 2, pp 2, dp 2 x tp 2 (zero 1), "
            "pp 2 x tp 2 and a tied MoE pp 2 x tp 2 x ep 2: %d loads (and seeded draws) bitwise those of one rank, each rank reading its shard (on tp 4 "
-           "under half the model at once, and saved again with under half of it on every rank); one rank's allocations failing fail "
+           "under half the model at once, as one rank's version-1 state, and saved again with under half of it on every rank); one rank's allocations failing fail "
            "every rank\n", loads);
     remove_tree(dir, 1);
 }
