@@ -5611,7 +5611,8 @@ static void pr__gather_begin(pr_trainer *tr, const pr_real *arena, const char *f
 
 /* The next chunk, its elements [g->next, g->next + k) of the n_full, into dst (NULL: this rank
    gives its shard and keeps nothing; its host staging buffer holds the chunk). Returns the chunk's
-   size, and in *whole whether no rank of the tp x pp group had failed by its end. */
+   size, and in *whole whether no rank of the tp x pp group had failed by its end (with dst NULL:
+   whether this rank had not). */
 static size_t pr__gather_chunk(pr_trainer *tr, pr__gather *g, pr_real *dst, int *whole, pr_error *err) {
     const pr_backend *be = tr->be;
     const size_t a = g->next, k = tr->n_full - a < PR__GATHER_CHUNK ? tr->n_full - a : PR__GATHER_CHUNK;
@@ -5622,7 +5623,7 @@ static size_t pr__gather_chunk(pr_trainer *tr, pr__gather *g, pr_real *dst, int 
         return k;
     }
     pr_comm *sum_over[2] = { tr->mesh->tp_comm, tr->mesh->pp_comm };
-    pr_real *chunk = tr->stage_host, failed;
+    pr_real *chunk = tr->stage_host, failed = 1;     /* counted failed unless the download says otherwise */
     memset(chunk, 0, sizeof(pr_real) * (k + 1));
     if (!g->st) pr__shard_chunk(tr, g->local, a, k, chunk);
     chunk[k] = g->st != PR_OK;
@@ -8223,7 +8224,9 @@ static void pr__atomic_abort(pr__atomic *a) {
     a->tmp = NULL;
 }
 
-static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
+/* The temporary file complete and on disk, not yet in place (pr__atomic_place): a save of several
+   files places them only once all are written. */
+static pr_status pr__atomic_finish(pr__atomic *a, pr_error *err) {
     pr_status st = PR_OK;
     int e = 0;
     if (fflush(a->f) != 0 || ferror(a->f)) { e = errno; st = PR_ERR_IO; }
@@ -8231,12 +8234,23 @@ static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
     a->f = NULL;
     if (st) pr__fail(err, st, "%s: write failed: %s", a->tmp, strerror(e));
     else if (!pr__io_sync_path(a->tmp)) st = pr__fail(err, PR_ERR_IO, "%s: fsync failed: %s", a->tmp, strerror(errno));
-    else if (!pr__io_rename(a->tmp, a->path)) st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", a->path, a->tmp, strerror(errno));
-    if (st) { pr__atomic_abort(a); return st; }
+    if (st) pr__atomic_abort(a);
+    return st;
+}
+static pr_status pr__atomic_place(pr__atomic *a, pr_error *err) {
+    if (!pr__io_rename(a->tmp, a->path)) {
+        pr_status st = pr__fail(err, PR_ERR_IO, "%s: cannot rename %s into place: %s", a->path, a->tmp, strerror(errno));
+        pr__atomic_abort(a);
+        return st;
+    }
     PR_FREE(a->tmp);
     a->tmp = NULL;
     pr__io_sync_parent(a->path);
     return PR_OK;
+}
+static pr_status pr__atomic_commit(pr__atomic *a, pr_error *err) {
+    pr_status st = pr__atomic_finish(a, err);
+    return st ? st : pr__atomic_place(a, err);
 }
 
 static pr_status pr__write_file_progress(const char *path, const void *data, size_t n, pr__progress *progress, pr_error *err) {
@@ -8674,7 +8688,7 @@ static pr_status pr__checkpoint_record(const pr_checkpoint *ck, const pr_st_tens
    the columns; the caller checks the bounds) into dst, row-major: a shard of a tensor read without
    the rest of it, each row's columns at their offset (whole rows in one run). */
 static pr_status pr__checkpoint_read_rect(const pr_checkpoint *ck, const pr_st_tensor *t, const int64_t r[4], pr_real *dst, pr_error *err) {
-    uint64_t numel, end_in_file, size;
+    uint64_t numel = 0, end_in_file, size;
     pr_status st = pr__checkpoint_record(ck, t, &numel, err);
     const int64_t rows = t->ndim ? t->shape[0] : 1;
     if (st || r[0] >= r[1] || r[2] >= r[3] || rows <= 0) return st;
@@ -8794,9 +8808,10 @@ typedef struct pr__st_source {
 } pr__st_source;
 
 /* Writes the file; entries already checked, meta NULL or a parsed object of strings, src NULL or
-   where the values come from. */
+   where the values come from. kept NULL: the file is put in place; else it is left written under
+   its temporary name in *kept, for the caller to place (pr__atomic_place) or abort. */
 static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr_dtype dtype, const pr__json *meta,
-                              pr__st_source *src, pr__progress *progress, pr_error *err) {
+                              pr__st_source *src, pr__progress *progress, pr__atomic *kept, pr_error *err) {
     pr__buf h = {NULL, 0, 0, 0};
     uint64_t off = 0;
     int es = pr__dtype_size(dtype);
@@ -8861,7 +8876,9 @@ static pr_status pr__st_write(const char *path, const pr_st_entry *en, int n, pr
     PR_FREE(buf);
     PR_FREE(h.p);
     if (st) { pr__atomic_abort(&a); return st; }
-    return pr__atomic_commit(&a, err);
+    if (!kept) return pr__atomic_commit(&a, err);
+    *kept = a;
+    return pr__atomic_finish(kept, err);
 }
 
 /* Parses user metadata: NULL, or a JSON object whose values are all strings (the format's rule). */
@@ -8890,7 +8907,7 @@ PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entrie
     if (st) return st;
     pr__json *meta;
     if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
-    st = pr__st_write(path, entries, n, dtype, meta, NULL, NULL, err);
+    st = pr__st_write(path, entries, n, dtype, meta, NULL, NULL, NULL, err);
     PR_FREE(meta);
     return st;
 }
@@ -8939,10 +8956,11 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     int *shard = (int *)PR_MALLOC(sizeof(int) * (size_t)(n > 0 ? n : 1));
     const pr_st_entry **sorted = NULL;
     pr__buf ix = {NULL, 0, 0, 0};
-    char *file = NULL;
+    char *file = NULL, **shard_file = NULL;
+    pr__atomic *kept = NULL;               /* the shards written, placed only once every one is */
     pr__json *meta = NULL;
     pr_status st = PR_OK;
-    int n_shards = 1;
+    int n_shards = 1, written = 0, placed = 0;
     uint64_t in_shard = 0, total = 0;
     if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
     if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, src != NULL, err))) goto done;
@@ -8962,19 +8980,23 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
     if (n_shards == 1) {
         if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries, n, dtype, meta, src, NULL, err))) goto done;
+        if ((st = pr__st_write(file, entries, n, dtype, meta, src, NULL, NULL, err))) goto done;
         st = pr__remove_stale(dir, "model.safetensors.index.json", err);
         goto done;
     }
     char name[64];
-    for (int s = 0, first = 0; s < n_shards; s++) {
+    kept = (pr__atomic *)PR_MALLOC(sizeof(pr__atomic) * (size_t)n_shards);
+    shard_file = (char **)PR_MALLOC(sizeof(char *) * (size_t)n_shards);
+    if (!kept || !shard_file) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    for (int s = 0, first = 0; s < n_shards; s++, written++) {
         int last = first;
         while (last < n && shard[last] == s) last++;
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, n_shards);
-        if (!(file = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
-        if ((st = pr__st_write(file, entries + first, last - first, dtype, meta, src, NULL, err))) goto done;
-        PR_FREE(file);
-        file = NULL;
+        if (!(shard_file[s] = pr__path_join(dir, name))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+        if ((st = pr__st_write(shard_file[s], entries + first, last - first, dtype, meta, src, NULL, &kept[s], err))) {
+            PR_FREE(shard_file[s]);
+            goto done;
+        }
         first = last;
     }
     /* the index, names sorted as transformers writes them */
@@ -8996,9 +9018,17 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     pr__buf_str(&ix, "\n  }\n}\n");
     if (ix.failed) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for the index", dir); goto done; }
     if (!(file = pr__path_join(dir, "model.safetensors.index.json"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    for (; placed < written && !st; placed++) st = pr__atomic_place(&kept[placed], err);
+    if (st) goto done;
     if ((st = pr__write_file_atomic(file, ix.p, ix.len, err))) goto done;
     st = pr__remove_stale(dir, "model.safetensors", err);
 done:
+    for (int s = 0; s < written; s++) {
+        if (s >= placed) pr__atomic_abort(&kept[s]);    /* a shard not in place when the save failed: removed */
+        PR_FREE(shard_file[s]);
+    }
+    PR_FREE(kept);
+    PR_FREE(shard_file);
     PR_FREE(bytes);
     PR_FREE(shard);
     PR_FREE(sorted);
@@ -9690,8 +9720,8 @@ PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err)
    their shards to the same chunks (pr__export_end). The entries of up to 3 arenas follow one
    another (a state's parameters, m and v, on one rank); on a mesh of several ranks an export
    holds one, its values asked for in order. A file whose values are not whole (a rank failed
-   during the gather) is abandoned before it is committed: a file holds the model or is not
-   written. */
+   during the gather, or the device) is abandoned before it is committed, and a checkpoint's shards
+   are put in place only once all are written: what is in place holds the model. */
 #define PR__NAME_CAP 128   /* a tensor name (under 96) with a prefix */
 typedef struct {
     pr__st_source src;                     /* first: what pr__st_write reads through */
@@ -9728,6 +9758,7 @@ static pr_status pr__export_read(pr__st_source *src, const pr_st_entry *e, size_
         if (x->g.next >= tr->n_full) return pr__fail(err, PR_ERR_ARG, "%s: a value past the model's end was asked for", x->fn);
         x->w0 = x->g.next;
         x->wk = pr__gather_chunk(tr, &x->g, x->window, &whole, err);
+        if (!x->g.st && tr->be->take_error) x->g.st = tr->be->take_error(tr->be, err);   /* a device fault: not written */
         if (x->g.st) return x->g.st;
         if (!whole) {
             x->told = 1;
@@ -9781,7 +9812,7 @@ static pr_status pr__export_end(pr_trainer *tr, pr__export *x, pr_status st, int
         pr__gather_chunk(tr, &x->g, NULL, &whole, st ? NULL : err);
     }
     const int keep = st && !x->told;       /* the writer's own failure keeps its message */
-    const pr_status gst = pr__gather_end(tr, &x->g, origin, keep ? NULL : err);
+    const pr_status gst = pr__gather_end(tr, &x->g, keep ? NULL : origin, keep ? NULL : err);
     if (gst && !keep) st = gst;
     PR_FREE(x->window);
     PR_FREE(x->entries);
@@ -9793,7 +9824,7 @@ static pr_status pr__export_end(pr_trainer *tr, pr__export *x, pr_status st, int
 /* The end of an export: on a mesh every rank returns what world rank 0's write returned (or the
    first failure of the gathers before it), the others naming the rank where it began. */
 static pr_status pr__export_done(pr_trainer *tr, pr_status st, int *origin, const char *fn, pr_error *err) {
-    return tr->mesh ? pr__ranks_agree(tr, tr->mesh->world, st, origin, fn, "nothing is written", err) : st;
+    return tr->mesh ? pr__ranks_agree(tr, tr->mesh->world, st, origin, fn, "every rank fails the save", err) : st;
 }
 
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err) {
@@ -9826,7 +9857,7 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     pr_status st = pr__export_begin(tr, arena, prefix, 1, "pr_trainer_save_grads", &x, err);
     if (!st && x.entries && !(st = pr__st_check_entries(x.entries, x.n, real, path, NULL, 1, err)) &&
         !(st = pr__st_parse_meta(&meta, "{\"content\": \"gradients\"}", path, err)))
-        st = pr__st_write(path, x.entries, x.n, real, meta, &x.src, NULL, err);
+        st = pr__st_write(path, x.entries, x.n, real, meta, &x.src, NULL, NULL, err);
     PR_FREE(meta);
     st = pr__export_end(tr, &x, st, &origin, err);
     return pr__export_done(tr, st, &origin, "pr_trainer_save_grads", err);
@@ -10006,9 +10037,9 @@ static pr_status pr__save_state_one(pr_trainer *tr, const char *dir, const pr_tr
     if (!st) st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err);
     if (!st && !(st = pr__state_begin(dir, tr->adam_step, &n, &suffix, err))) {
         snprintf(path, sizeof path, "%s/model.safetensors", n.tmp);
-        st = pr__st_write(path, x.entries, x.n, PR__STATE_REAL, meta, &x.src, &progress, err);
+        st = pr__st_write(path, x.entries, x.n, PR__STATE_REAL, meta, &x.src, &progress, NULL, err);
         snprintf(path, sizeof path, "%s/optimizer.safetensors", n.tmp);    /* m and v in one file, side by side */
-        if (!st) st = pr__st_write(path, x.entries + x.n, 2 * x.n, PR__STATE_REAL, meta, &x.src, &progress, err);
+        if (!st) st = pr__st_write(path, x.entries + x.n, 2 * x.n, PR__STATE_REAL, meta, &x.src, &progress, NULL, err);
         if (!st) st = pr__state_meta(tr, n.tmp, state, 1, &progress, err);
         if (!st) st = pr__state_commit(dir, &n, &progress, err);
         if (st) pr__state_remove(n.tmp, 0);          /* nothing half-written stays behind */
@@ -10168,7 +10199,7 @@ static pr_status pr__save_state_ranks(pr_trainer *tr, const char *dir, const pr_
     snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", n.tmp, me, W);
     st = pr__st_check_entries(en, n_en, PR__STATE_REAL, path, NULL, 0, err);
     if (!st) st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", path, err);
-    if (!st) st = pr__st_write(path, en, n_en, PR__STATE_REAL, meta, NULL, &progress, err);
+    if (!st) st = pr__st_write(path, en, n_en, PR__STATE_REAL, meta, NULL, &progress, NULL, err);
     if (!st && me == 0) {
         pr__state_index_json(tr, ft, count, tab + 3, &index);
         snprintf(path, sizeof path, "%s/state_index.json", n.tmp);

@@ -3266,7 +3266,8 @@ static void test_load_faults(void) {
    each in turn on each rank: a rank either fails or holds exactly the copy of a run without the
    fault (a peer whose host memory failed joins the sums with zeros, so its tp and pp peers must
    fail with it, not return its shard as zeros), each rank told of it naming the victim's world
-   rank; a save fails on every rank or on none, and then the checkpoint holds the full parameters.
+   rank; a save (in several files, over an older checkpoint) fails on every rank or on none, and
+   the folder then holds the new parameters or, after a failure, the older ones: never a mix.
    The first 8 allocations each, then 12 spread over the rest; every rank a victim of the gathers,
    the first and the last of the saves. */
 typedef struct {
@@ -3293,7 +3294,7 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
             alloc_made = 0;
             alloc_fails_at = m->fail_at;
         }
-        m->status[me] = m->save ? pr_trainer_save(tr, m->dir, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, 0, &e) : pr_trainer_get_full(tr, PR_ARENA_PARAMS, got, n, &e);
+        m->status[me] = m->save ? pr_trainer_save(tr, m->dir, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, n * sizeof(pr_real) / 4, &e) : pr_trainer_get_full(tr, PR_ARENA_PARAMS, got, n, &e);
         if (me == m->victim) {
             m->made = alloc_made;
             alloc_fails_at = -1;
@@ -3508,6 +3509,11 @@ static void test_gather_faults(void) {
     char dir[256];
     CHECK(make_scratch_dir(dir, sizeof dir, "gatherfault"), "a scratch folder under %s", test_tmpdir());
     int runs = 0, failed = 0;
+    pr_trainer *older = make_model(&c, 2);             /* what the folder holds before each save */
+    const size_t n_old = pr_trainer_param_count(older);
+    pr_real *old_params = calloc(n_old, sizeof(pr_real)), *p = calloc(n_old, sizeof(pr_real));
+    pr_error err;
+    CHECK(!pr_trainer_get_params(older, old_params, n_old, &err), "%s", err.message);
     for (int i = 0; i < 3; i++) {
         const int W = mesh_size(meshes[i].s);
         gather_fault_run m;
@@ -3518,7 +3524,6 @@ static void test_gather_faults(void) {
         m.dir = dir;
         m.victim = -1;
         m.fail_at = LONG_MAX;
-        pr_error err;
         CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK && m.want, "mesh %d: %s", i, err.message);
         if (!m.want) continue;
         for (int save = 0; save < 2; save++)
@@ -3533,6 +3538,9 @@ static void test_gather_faults(void) {
                     m.fail_at = k;
                     memset(m.status, 0, sizeof m.status);
                     memset(m.wrong, 0, sizeof m.wrong);
+                    if (save)
+                        CHECK(!pr_trainer_save(older, dir, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, n_old * sizeof(pr_real) / 4, &err),
+                              "the older checkpoint: %s", err.message);
                     CHECK(pr_comm_local_run(W, gather_fault_rank, &m, &err) == PR_OK, "%s", err.message);
                     runs++;
                     failed += m.status[v] != PR_OK;
@@ -3545,24 +3553,22 @@ static void test_gather_faults(void) {
                         CHECK(!m.status[r] || r == v || gather_fault_named(&m, m.said[r], v), "mesh %d, %s, allocation %ld failing on rank %d: rank %d does not name it: %s",
                               i, what, k, v, r, m.said[r]);
                     }
-                    if (save) {     /* what world rank 0 wrote, if anything, holds the parameters; a save that succeeded wrote */
+                    if (save) {     /* the folder: the new parameters after a save that succeeded, else those or the older ones */
                         pr_trainer *one = make_model(&c, 1);
-                        pr_real *p = calloc(pr_trainer_param_count(one), sizeof(pr_real));
-                        const pr_status loaded = pr_trainer_load(one, dir, &err);
-                        CHECK(!loaded || m.status[0], "mesh %d, allocation %ld failing on rank %d: the save succeeded, its checkpoint does not load: %s",
-                              i, k, v, err.message);
-                        CHECK(loaded || (!pr_trainer_get_params(one, p, pr_trainer_param_count(one), &err) &&
-                                         !memcmp(p, m.want, sizeof(pr_real) * pr_trainer_param_count(one))),
-                              "mesh %d, allocation %ld failing on rank %d (save status %d): the checkpoint written is not the parameters", i, k,
-                              v, m.status[0]);
-                        free(p);
+                        const int loaded = !pr_trainer_load(one, dir, &err) && !pr_trainer_get_params(one, p, n_old, &err);
+                        const int is_new = loaded && !memcmp(p, m.want, sizeof(pr_real) * n_old),
+                                  is_old = loaded && !memcmp(p, old_params, sizeof(pr_real) * n_old);
+                        CHECK(is_new || (m.status[0] && is_old), "mesh %d, allocation %ld failing on rank %d (save status %d): the folder holds %s", i,
+                              k, v, m.status[0], !loaded ? "no checkpoint" : is_old ? "the older checkpoint" : "neither checkpoint");
                         pr_trainer_destroy(one);
-                        remove_tree(dir, 0);     /* the next save starts from nothing */
                     }
                 }
             }
         free(m.want);
     }
+    pr_trainer_destroy(older);
+    free(old_params);
+    free(p);
     CHECK(failed > 0, "no failing allocation failed a gather");
     printf("gathers and saves on tp 2 x pp 2, dp 2 x tp 2 (zero 1), dp 2 x pp 2: %d runs with one allocation failing on one rank "
            "(%d failed it), no rank returning another copy\n", runs, failed);
