@@ -257,8 +257,9 @@ PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entrie
 /* Writes a Hugging Face checkpoint folder (created if missing; its parent must exist): model.safetensors when all tensor
    data fits in max_shard_bytes (0 = no limit), else model-00001-of-0000N.safetensors ... and
    model.safetensors.index.json, written last. Shards are filled in entry order; a tensor larger than
-   the limit gets a shard of its own. Every file is written atomically; a stale single file or index
-   of the other layout is removed so that readers cannot pick it up. */
+   the limit gets a shard of its own. Every file is written atomically, and the shards are put in
+   place only once all of them are written (a save that fails before leaves the folder as it was);
+   a stale single file or index of the other layout is removed so that readers cannot pick it up. */
 PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype,
                                    uint64_t max_shard_bytes, pr_error *err);
 
@@ -767,15 +768,16 @@ PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *
    the model. Collective over the world there: the ranks agree before any takes the weights, so a
    load that fails on one rank fails on all, each keeping what it had. */
 PRDEF pr_status pr_trainer_load(pr_trainer *tr, const char *path, pr_error *err);
-/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, each file
-   atomically. dir is created when missing, its parent is not: a path with a missing folder above
+/* config.json + model.safetensors (sharded above max_shard_bytes, 0 = never) into dir, as
+   pr_checkpoint_save writes them. dir is created when missing, its parent is not: a path with a missing folder above
    dir is refused (PR_ERR_IO), so a typo cannot scatter folders. The values go to the files as
    they are assembled, a chunk at a time, so that no copy of the whole model is made (on the
    host: the trainer without a mesh downloads a chunk at a time). On a mesh, collective over the
    world: world rank 0 writes; the others give their shards to each chunk, and a file whose chunks
    are not whole (a rank failed during the gather) is abandoned before it is committed. Every rank
-   returns the same status, the others' message naming the world rank that failed (rank 0's
-   write, or a rank's part of the gather). */
+   fails or none does: a rank that failed returns its own status, the others the status of the
+   first that did, their message naming its world rank (rank 0's write, or a rank's part of the
+   gather). */
 PRDEF pr_status pr_trainer_save(pr_trainer *tr, const char *dir, pr_dtype dtype, uint64_t max_shard_bytes, pr_error *err);
 /* The gradients of the last step under the parameters' names ("model.layers.0.mlp.up_proj.weight"),
    on a mesh written as pr_trainer_save writes the model. */
@@ -5645,7 +5647,7 @@ static size_t pr__gather_chunk(pr_trainer *tr, pr__gather *g, pr_real *dst, int 
     return k;
 }
 
-/* Every rank of the tp x pp group returns the same status (origin: as pr__ranks_agree's, for the
+/* Every rank of the tp x pp group fails or none does (origin: as pr__ranks_agree's, for the
    caller's next agreement). */
 static pr_status pr__gather_end(pr_trainer *tr, pr__gather *g, int *origin, pr_error *err) {
     PR_FREE(g->local);
