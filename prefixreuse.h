@@ -5544,7 +5544,7 @@ PRDEF pr_status pr_trainer_set_full_params(pr_trainer *tr, const pr_real *src, s
     return st;
 }
 
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, int *origin, pr_error *err);
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, pr_error *err);
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
@@ -5555,8 +5555,7 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
         return st;
     }
     if (n != tr->n_full) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: buffer holds %zu reals, the model has %zu", n, tr->n_full);
-    int origin = -1;
-    return pr__get_full_arena(tr, arena, dst, PR_OK, &origin, err);
+    return pr__get_full_arena(tr, arena, dst, PR_OK, err);
 }
 
 /* The full model's vector of one of this rank's arenas (parameters, gradients, m or v), assembled
@@ -5648,8 +5647,10 @@ static size_t pr__gather_chunk(pr_trainer *tr, pr__gather *g, pr_real *dst, int 
 }
 
 /* Every rank of the tp x pp group fails or none does (origin: as pr__ranks_agree's, for the
-   caller's next agreement). */
+   caller's next agreement; NULL: the caller has none). */
 static pr_status pr__gather_end(pr_trainer *tr, pr__gather *g, int *origin, pr_error *err) {
+    int told_of = -1;                      /* carried from the tp agreement to the pp one */
+    if (!origin) origin = &told_of;
     PR_FREE(g->local);
     g->local = NULL;
     if (!tr->mesh) return g->st;
@@ -5660,7 +5661,7 @@ static pr_status pr__gather_end(pr_trainer *tr, pr__gather *g, int *origin, pr_e
 }
 
 /* The whole vector into dst (NULL: this rank's shard given, nothing kept), st the caller's failure so far. */
-static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, int *origin, pr_error *err) {
+static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_real *dst, pr_status st, pr_error *err) {
     pr__gather g;
     int whole;
     pr__gather_begin(tr, arena, "pr_trainer_get_full", &g, st, err);
@@ -5668,7 +5669,7 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
         const size_t a = g.next;
         pr__gather_chunk(tr, &g, dst ? dst + a : NULL, &whole, err);
     }
-    return pr__gather_end(tr, &g, origin, err);
+    return pr__gather_end(tr, &g, NULL, err);
 }
 
 /* A tp_partial tensor's gradient summed over the TP ranks holding its rows. A tensor every rank
@@ -8902,16 +8903,21 @@ static pr_status pr__st_parse_meta(pr__json **out, const char *meta, const char 
     return PR_OK;
 }
 
-PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
-                                     const char *metadata_json_object_or_null, pr_error *err) {
+/* pr_safetensors_write, the values from src when it is not NULL. */
+static pr_status pr__safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype, const char *metadata,
+                                       pr__st_source *src, pr_error *err) {
     if (!path) return pr__fail(err, PR_ERR_ARG, "pr_safetensors_write: NULL path");
-    pr_status st = pr__st_check_entries(entries, n, dtype, path, NULL, 0, err);
+    pr_status st = pr__st_check_entries(entries, n, dtype, path, NULL, src != NULL, err);
     if (st) return st;
     pr__json *meta;
-    if ((st = pr__st_parse_meta(&meta, metadata_json_object_or_null, path, err))) return st;
-    st = pr__st_write(path, entries, n, dtype, meta, NULL, NULL, NULL, err);
+    if ((st = pr__st_parse_meta(&meta, metadata, path, err))) return st;
+    st = pr__st_write(path, entries, n, dtype, meta, src, NULL, NULL, err);
     PR_FREE(meta);
     return st;
+}
+PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entries, int n, pr_dtype dtype,
+                                     const char *metadata_json_object_or_null, pr_error *err) {
+    return pr__safetensors_write(path, entries, n, dtype, metadata_json_object_or_null, NULL, err);
 }
 
 static int pr__st_cmp_entry(const void *a, const void *b) {
@@ -9853,14 +9859,11 @@ PRDEF pr_status pr_trainer_save_grads(pr_trainer *tr, const char *path, pr_error
     static const char *const prefix[1] = { "" };
     const pr_real *arena[1] = { tr->grads };
     pr__export x;
-    pr__json *meta = NULL;
     int origin = -1;
-    const pr_dtype real = sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32;
     pr_status st = pr__export_begin(tr, arena, prefix, 1, "pr_trainer_save_grads", &x, err);
-    if (!st && x.entries && !(st = pr__st_check_entries(x.entries, x.n, real, path, NULL, 1, err)) &&
-        !(st = pr__st_parse_meta(&meta, "{\"content\": \"gradients\"}", path, err)))
-        st = pr__st_write(path, x.entries, x.n, real, meta, &x.src, NULL, NULL, err);
-    PR_FREE(meta);
+    if (!st && x.entries)
+        st = pr__safetensors_write(path, x.entries, x.n, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, "{\"content\": \"gradients\"}",
+                                   &x.src, err);
     st = pr__export_end(tr, &x, st, &origin, err);
     return pr__export_done(tr, st, &origin, "pr_trainer_save_grads", err);
 }

@@ -3097,8 +3097,7 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
         for (int k = 0; k < (phase ? m->steps_after : 0) && !s; k++) s = rstate_step(tr, mesh, m, err);
         for (int k = 0; k < 3 && !s; k++) {     /* every rank gathers, the first keeps */
             pr_real *dst = malloc(sizeof(pr_real) * n);
-            int origin = -1;
-            s = pr__get_full_arena(tr, arena[k], dst, PR_OK, &origin, err);
+            s = pr__get_full_arena(tr, arena[k], dst, PR_OK, err);
             if (keep) (phase ? m->after : m->full)[k] = dst;
             else free(dst);
         }
