@@ -259,7 +259,10 @@ PRDEF pr_status pr_safetensors_write(const char *path, const pr_st_entry *entrie
    model.safetensors.index.json, written last. Shards are filled in entry order; a tensor larger than
    the limit gets a shard of its own. Every file is written atomically, and the shards are put in
    place only once all of them are written (a save that fails before leaves the folder as it was);
-   a stale single file or index of the other layout is removed so that readers cannot pick it up. */
+   a stale single file or index of the other layout is removed so that readers cannot pick it up,
+   and so are the shards the previous index named that this save does not write over. Where the new
+   shards replace the previous ones by name, the previous index is removed before they are placed:
+   a save interrupted while placing them leaves no index, so nothing loads, never a mix of two. */
 PRDEF pr_status pr_checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype,
                                    uint64_t max_shard_bytes, pr_error *err);
 
@@ -2530,6 +2533,8 @@ static void pr__plan_slices(pr_trainer *tr, int zero, int dp, int rank) {
 #ifndef PR__STAGE_REALS                    /* the tests make it small, to cross chunk boundaries */
 #define PR__STAGE_REALS ((size_t)1 << 20)
 #endif
+/* An agreement moves two reals a rank, a gather's chunk a real of count beside its values: */
+typedef char pr__stage_reals_at_least_2[PR__STAGE_REALS >= 2 ? 1 : -1];
 
 /* The gradient sum over dp in bf16 moves chunks of at most 2^22 elements (8 MiB): a chunk of the
    arena for an all-reduce; under ZeRO-2 a chunk of every rank's slice, packed rank after rank, and
@@ -8956,6 +8961,57 @@ static pr_status pr__remove_stale(const char *dir, const char *name, pr_error *e
     return st;
 }
 
+/* The folder's present index, parsed (*root NULL where there is none, or none that reads: only
+   running out of memory fails), for the shard files it names: a save removes those its own files
+   do not replace. */
+static pr_status pr__old_index(const char *dir, pr__json **root, pr_error *err) {
+    char *path = pr__path_join(dir, "model.safetensors.index.json"), *text = NULL;
+    uint64_t size;
+    int is_dir;
+    size_t len;
+    pr_error e;
+    pr_status st = PR_OK;
+    *root = NULL;
+    if (!path) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
+    if (pr__io_stat(path, &size, &is_dir) && !is_dir && !(st = pr__read_small_file(path, (size_t)256 << 20, &text, &len, &e)))
+        st = pr__json_parse(root, text, len, path, 0, &e);
+    PR_FREE(text);
+    PR_FREE(path);
+    if (st != PR_ERR_NOMEM) return PR_OK;
+    if (err) *err = e;
+    return st;
+}
+
+/* Whether name is shard s of n_shards, model-SSSSS-of-NNNNN.safetensors, for some s in 1..n_shards. */
+static int pr__is_shard_of(const char *name, int n_shards) {
+    char tail[32];
+    snprintf(tail, sizeof tail, "-of-%05d.safetensors", n_shards);
+    if (n_shards < 2 || strlen(name) != 11 + strlen(tail) || strncmp(name, "model-", 6) || strcmp(name + 11, tail)) return 0;
+    int s = 0;
+    for (int i = 6; i < 11; i++) {
+        if (name[i] < '0' || name[i] > '9') return 0;
+        s = 10 * s + (name[i] - '0');
+    }
+    return s >= 1 && s <= n_shards;
+}
+
+/* The previous index's files that a save of n_shards files (1: model.safetensors) writes over
+   (replaced) or leaves (stale), one by one: where stale is set, each stale file is removed (as
+   transformers' own save does, so that a re-sharded folder holds one checkpoint, not the remains of
+   the last); returns whether any is replaced. */
+static int pr__old_shards(const char *dir, const pr__json *old, int n_shards, int remove_stale, pr_status *st, pr_error *err) {
+    const pr__json *wm = old ? pr__json_get(old, "weight_map") : NULL;
+    int replaced = 0;
+    if (!wm || wm->type != PR__JSON_OBJECT) return 0;
+    const pr__json *e = pr__json_first(wm);
+    for (uint32_t i = 0; i < wm->count && !*st; i++, e = pr__json_next(e)) {
+        if (e->type != PR__JSON_STRING || !pr__st_plain_name(e->str, e->count) || !pr__ends_with(e->str, ".safetensors")) continue;
+        if (pr__is_shard_of(e->str, n_shards) || !strcmp(e->str, "model.safetensors")) replaced = 1;
+        else if (remove_stale) *st = pr__remove_stale(dir, e->str, err);   /* a second entry for a removed file finds none */
+    }
+    return replaced;
+}
+
 /* pr_checkpoint_save, the values from src when it is not NULL. */
 static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries, int n, pr_dtype dtype, uint64_t max_shard_bytes,
                                      pr__st_source *src, pr_error *err) {
@@ -8966,9 +9022,9 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     pr__buf ix = {NULL, 0, 0, 0};
     char *file = NULL, **shard_file = NULL;
     pr__atomic *kept = NULL;               /* the shards written, placed only once every one is */
-    pr__json *meta = NULL;
+    pr__json *meta = NULL, *old = NULL;    /* old: the folder's previous index */
     pr_status st = PR_OK;
-    int n_shards = 1, written = 0, placed = 0;
+    int n_shards = 1, written = 0, placed = 0, indexed = 0;
     uint64_t in_shard = 0, total = 0;
     if (!bytes || !shard) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
     if ((st = pr__st_check_entries(entries, n, dtype, dir, bytes, src != NULL, err))) goto done;
@@ -8985,11 +9041,12 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     }
     if (n_shards > 99999) { st = pr__fail(err, PR_ERR_ARG, "%s: %d shards are more than the 99999 the naming allows", dir, n_shards); goto done; }
     if ((st = pr__mkdir_one(dir, err))) goto done;
+    if ((st = pr__old_index(dir, &old, err))) goto done;
     if ((st = pr__st_parse_meta(&meta, "{\"format\":\"pt\"}", dir, err))) goto done; /* transformers refuses files without it */
     if (n_shards == 1) {
         if (!(file = pr__path_join(dir, "model.safetensors"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
         if ((st = pr__st_write(file, entries, n, dtype, meta, src, NULL, NULL, err))) goto done;
-        st = pr__remove_stale(dir, "model.safetensors.index.json", err);
+        if (!(st = pr__remove_stale(dir, "model.safetensors.index.json", err))) pr__old_shards(dir, old, 1, 1, &st, err);
         goto done;
     }
     char name[64];
@@ -9026,13 +9083,21 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
     pr__buf_str(&ix, "\n  }\n}\n");
     if (ix.failed) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory for the index", dir); goto done; }
     if (!(file = pr__path_join(dir, "model.safetensors.index.json"))) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir); goto done; }
+    /* Where placing the shards replaces some of the previous index's by name (or that index is not
+       read), the index goes first, so that an interruption part way (a crash, a refused rename)
+       leaves a folder without an index, which no reader loads, rather than a loadable mix of two
+       checkpoints. Otherwise the new index's rename replaces it at once. */
+    if ((!old || pr__old_shards(dir, old, n_shards, 0, &st, err)) && (st = pr__remove_stale(dir, "model.safetensors.index.json", err)))
+        goto done;
     for (; placed < written && !st; placed++) st = pr__atomic_place(&kept[placed], err);
     if (st) goto done;
     if ((st = pr__write_file_atomic(file, ix.p, ix.len, err))) goto done;
-    st = pr__remove_stale(dir, "model.safetensors", err);
+    indexed = 1;
+    if (!(st = pr__remove_stale(dir, "model.safetensors", err))) pr__old_shards(dir, old, n_shards, 1, &st, err);
 done:
-    for (int s = 0; s < written; s++) {
-        if (s >= placed) pr__atomic_abort(&kept[s]);    /* a shard not in place when the save failed: removed */
+    for (int s = 0; s < written; s++) {                 /* a failed save's shards are removed, unless its index is in place */
+        if (s >= placed) pr__atomic_abort(&kept[s]);
+        else if (st && !indexed) remove(shard_file[s]);
         PR_FREE(shard_file[s]);
     }
     PR_FREE(kept);
@@ -9043,6 +9108,7 @@ done:
     PR_FREE(ix.p);
     PR_FREE(file);
     PR_FREE(meta);
+    PR_FREE(old);
     return st;
 }
 

@@ -7,6 +7,20 @@
 
 #define TEST_COUNTING_ALLOCATOR
 #include "harness.h"
+#include <errno.h>
+
+/* The library's renames, refused once g_renames_left more have run (-1: never): a save interrupted
+   part way through putting its files in place. */
+static int g_renames_left = -1;
+static int test_rename(const char *from, const char *to) {
+    if (g_renames_left == 0) {
+        errno = EIO;
+        return -1;
+    }
+    if (g_renames_left > 0) g_renames_left--;
+    return rename(from, to);
+}
+#define rename(from, to) test_rename(from, to)
 
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
@@ -361,6 +375,26 @@ static void test_large_offset(void) {
 }
 
 /* ---------------------------------------------------------------- sharded checkpoints */
+/* Which save the checkpoint in dir holds: 0 when it does not open, 1 or 2 when every tensor holds
+   data[i][k] + that number's offset (0 and 1000), -1 for anything else (a mix of the two). */
+static int checkpoint_holds(const char *dir, const char (*names)[32], const pr_real (*data)[40], const int *sizes, int nt) {
+    pr_checkpoint *ck;
+    pr_error err;
+    if (pr_checkpoint_open(&ck, dir, &err)) return 0;
+    int which = pr_checkpoint_count(ck) == nt ? -2 : -1;     /* -2: not yet known */
+    for (int i = 0; i < nt && which != -1; i++) {
+        const pr_st_tensor *t = pr_checkpoint_find(ck, names[i]);
+        pr_real r[40];
+        if (!t || pr_checkpoint_read(ck, t, r, (size_t)sizes[i], &err)) { which = -1; break; }
+        for (int k = 0; k < sizes[i] && which != -1; k++) {
+            const int w = r[k] == data[i][k] ? 1 : r[k] == data[i][k] + 1000 ? 2 : -1;
+            which = which == -2 || which == w ? w : -1;
+        }
+    }
+    pr_checkpoint_close(ck);
+    return which;
+}
+
 static void test_sharded(void) {
     pr_error err;
     enum { NT = 7 };
@@ -425,9 +459,15 @@ static void test_sharded(void) {
         CHECK(ok && files == 4, "every tensor reads back from its shard");
         pr_checkpoint_close(ck);
     }
-    /* saving unsharded into the same folder removes the stale index, and the other way round */
+    /* saving unsharded into the same folder removes the stale index and the shards it named, and
+       the other way round */
     CHECK(pr_checkpoint_save(dirc, en, NT, PR_DT_BF16, 0, &err) == PR_OK, "single save: %s", err.message);
     CHECK(!file_exists(p), "stale index removed");
+    for (int s = 1; s <= 4; s++) {
+        char q[600];
+        snprintf(q, sizeof q, "%s/model-%05d-of-00004.safetensors", dirc, s);
+        CHECK(!file_exists(q), "stale shard %d of 4 removed", s);
+    }
     pr_checkpoint *ck;
     CHECK(OK(pr_checkpoint_open(&ck, dirc, &err)) && pr_checkpoint_count(ck) == NT && ck->n_files == 1, "single file opens");
     if (!g_st) pr_checkpoint_close(ck);
@@ -436,6 +476,41 @@ static void test_sharded(void) {
     CHECK(!file_exists(p), "stale single file removed");
     CHECK(OK(pr_checkpoint_open(&ck, dirc, &err)) && ck->n_files == 3, "3 shards at limit 200: %s", err.message);
     if (!g_st) pr_checkpoint_close(ck);
+
+    /* A save interrupted while it puts its files in place (here its third rename refused) never
+       leaves a loadable mix of two checkpoints. Over 3 shards, the 4 new ones replace none of them
+       by name: the previous checkpoint stays whole, and the new shards placed are not left behind. */
+    for (int i = 0; i < NT; i++)
+        for (int k = 0; k < 40; k++) data[i][k] += 1000;
+    g_renames_left = 2;
+    EXPECT_FAIL(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "cannot rename", "third rename refused");
+    g_renames_left = -1;
+    for (int i = 0; i < NT; i++)
+        for (int k = 0; k < 40; k++) data[i][k] -= 1000;
+    CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 1, "an interrupted 4-shard save leaves the 3-shard one whole");
+    for (int s = 1; s <= 4; s++) {
+        char q[600];
+        snprintf(q, sizeof q, "%s/model-%05d-of-00004.safetensors", dirc, s);
+        CHECK(!file_exists(q), "the interrupted save's shard %d of 4 removed", s);
+    }
+    /* over 4 shards, the new ones replace the previous by name: the folder keeps no index, so no mix loads */
+    CHECK(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err) == PR_OK, "4 shards again: %s", err.message);
+    for (int s = 1; s <= 3; s++) {
+        char q[600];
+        snprintf(q, sizeof q, "%s/model-%05d-of-00003.safetensors", dirc, s);
+        CHECK(!file_exists(q), "stale shard %d of 3 removed", s);
+    }
+    CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 1, "the 4-shard save reads back");
+    for (int i = 0; i < NT; i++)
+        for (int k = 0; k < 40; k++) data[i][k] += 1000;
+    g_renames_left = 2;
+    EXPECT_FAIL(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "cannot rename", "third rename refused");
+    g_renames_left = -1;
+    CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 0, "an interrupted save over its own shard names loads nothing");
+    st = pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err);
+    for (int i = 0; i < NT; i++)
+        for (int k = 0; k < 40; k++) data[i][k] -= 1000;
+    CHECK(st == PR_OK && checkpoint_holds(dirc, names, data, sizes, NT) == 2, "saved again whole: %s", st ? err.message : "");
 
     /* save errors: nothing written */
     pr_st_entry dup[2] = {en[0], en[0]};
