@@ -33,6 +33,8 @@ typedef struct {
     pr_step_opts step;
     pr_adamw_opts adam;
     int steps, check, bench, save_bf16, config_given;   /* bench: 0 none, 1 speed, 2 memory, 3 capacity */
+    uint64_t save_shard_bytes;       /* --save-shard-size: the saved checkpoint's shards at most this (0: one file) */
+    int save_shard_given;
     double bench_budget_mib;
     int bench_gpu_sizes;             /* --bench memory, capacity: the CUDA backend's sizes (pr_backend_cuda_sizes) */
     uint64_t seed;
@@ -138,8 +140,12 @@ static void usage(FILE *f) {
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
         "                         trace's steps; default for a version-1 trace: dp (--dp-groups N: the same)\n"
-        "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic)\n"
+        "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic; a checkpoint\n"
+        "                         already there is replaced, its shard files included)\n"
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
+        "  --save-shard-size SIZE split the saved checkpoint into files of at most SIZE (5GB, 500MB, 2GiB; B, KB,\n"
+        "                         MB, GB, TB by 1000, KiB ... TiB by 1024; a larger tensor gets a file of its own)\n"
+        "                         with model.safetensors.index.json, as transformers saves; 0: one file (default)\n"
         "  --save-grads FILE      write the last step's raw gradients (before clipping and the AdamW step;\n"
         "                         Hugging Face names) as safetensors\n"
         "  --save-state DIR       write the training state (parameters, AdamW moments and step, the trace\n"
@@ -212,6 +218,21 @@ static int parse_mib(const char *s, size_t *bytes) {
     if (!parse_double(s, &d) || !(d > 0) || d * 1048576.0 >= 0x1p63) return 0;
     *bytes = (size_t)(d * 1048576.0);
     return 1;
+}
+/* A byte count: a number (not negative) and a unit from the table, none meaning bytes */
+static int parse_bytes(const char *s, uint64_t *bytes) {
+    static const struct { const char *unit; double scale; } units[] = {
+        {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+        {"KiB", 0x1p10}, {"MiB", 0x1p20}, {"GiB", 0x1p30}, {"TiB", 0x1p40} };
+    char *end;
+    const double v = strtod(s, &end);
+    if (end == s || !isfinite(v) || v < 0) return 0;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (!strcmp(end, units[i].unit) && v * units[i].scale < 0x1p63) {
+            *bytes = (uint64_t)(v * units[i].scale);
+            return 1;
+        }
+    return 0;
 }
 static int parse_int(const char *s, int *out) {
     char *end;
@@ -286,6 +307,7 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--trace")) o->trace = v;
         else if (!strcmp(a, "--init")) o->init = v;
         else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--save-shard-size")) { ok = parse_bytes(v, &o->save_shard_bytes); o->save_shard_given = 1; }
         else if (!strcmp(a, "--save-grads")) o->save_grads = v;
         else if (!strcmp(a, "--save-state")) o->save_state = v;
         else if (!strcmp(a, "--resume")) o->resume = v;
@@ -407,6 +429,7 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
+    if (o->save_shard_given && !o->save) { fprintf(stderr, "train: --save-shard-size needs --save DIR\n"); return 0; }
     if (o->grad_reduce_bf16 && o->dp < 2) {
         fprintf(stderr, "train: --grad-reduce bf16 changes the gradient sum over dp: it needs --dp 2 or more\n");
         return 0;
@@ -919,7 +942,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     if (json && fclose(json) && !st) st = set_error(err, PR_ERR_IO, "writing the --log file failed");
     free(batch);
     if (!st && !j->check && o->steps == 0 && o->save_state) st = save_state(o, tr, &ts, lead, err);
-    if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, err)) && lead)
+    if (!st && !j->check && o->save && !(st = pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, o->save_shard_bytes, err)) && lead)
         printf("saved %s\n", o->save);
     pr_comm *dims[4] = { m.dp_comm, m.pp_comm, m.cp_comm, m.tp_comm };
     const int coord[4] = { m.dp_rank, m.pp_rank, m.cp_rank, m.tp_rank };
@@ -1121,7 +1144,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     free(load);
     if (o->steps == 0 && o->save_state && save_state(o, tr, &ts, 1, &err)) rc = fail(&err);
     if (o->save) {
-        if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, 0, &err)) rc = fail(&err);
+        if (pr_trainer_save(tr, o->save, o->save_bf16 ? PR_DT_BF16 : PR_DT_F32, o->save_shard_bytes, &err)) rc = fail(&err);
         else printf("saved %s\n", o->save);
     }
     pr_trainer_destroy(tr);

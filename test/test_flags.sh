@@ -62,5 +62,8 @@ check "it needs --dp 2 or more"             --grad-reduce bf16
 check "bad value 'seq-mean' for --loss-norm" --loss-norm seq-mean
 check "bad value '0' for --groups-per-step" --groups-per-step 0
 check "bad value '0' for --loss-norm-len"   --loss-norm-len 0
+check "bad value '5gb' for --save-shard-size" --save /tmp/never-written --save-shard-size 5gb
+check "bad value '-1MB' for --save-shard-size" --save /tmp/never-written --save-shard-size -1MB
+check "--save-shard-size needs --save DIR"  --save-shard-size 5GB
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

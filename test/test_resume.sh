@@ -5,7 +5,8 @@
 # group and of several (cut by --groups-per-step or a version-2 trace's table). A mesh's state
 # resumes on a mesh of another shape and on one rank. A save killed part way
 # (--fault-kill-after-bytes), on one rank and on a mesh, leaves the previous state loadable, and
-# resuming from it is still exact. A state of another model is refused with the reason.
+# resuming from it is still exact. A state of another model is refused with the reason. The
+# export (--save) in shards reads back as the one-file export.
 # Usage: sh test/test_resume.sh TRAIN
 train=${1:-./train}
 tmp=$(mktemp -d /tmp/pr_resume.XXXXXX) || exit 1
@@ -96,6 +97,20 @@ ls "$d/victim" | grep -q '\.tmp\.' && ok || bad "mesh: the killed save left no p
 "$train" --dp 3 --tp 2 --zero 1 --steps 4 --loss-log "$d/after-kill.log" --resume "$d/victim" >/dev/null 2>&1 || bad "mesh: resume after the kill"
 sed -n '5,8p' "$d/straight.log" >"$d/straight-tail.log"
 cmp -s "$d/straight-tail.log" "$d/after-kill.log" && ok || bad "mesh: resume after a killed save is not the straight run"
+
+# --save in shards (--save-shard-size): --init reads them back as the one file's tensors, bit for bit
+# (a save of them in one file equals the one-file save), and a save in one file into the sharded
+# folder leaves no shard or index behind
+d=$tmp/export; mkdir -p "$d"
+"$train" --steps 2 --save "$d/one" >/dev/null 2>&1 &&
+"$train" --steps 2 --save "$d/sharded" --save-shard-size 0.1MB >/dev/null 2>&1 || bad "the exports"
+shards=$(ls "$d/sharded" | grep -c '^model-[0-9]*-of-[0-9]*\.safetensors$')
+[ "$shards" -gt 2 ] && [ -f "$d/sharded/model.safetensors.index.json" ] && [ ! -f "$d/sharded/model.safetensors" ] && ok ||
+    bad "--save-shard-size 0.1MB: $shards shards in $(ls "$d/sharded" | tr '\n' ' ')"
+"$train" --init "$d/sharded" --steps 0 --save "$d/again" >/dev/null 2>&1 && cmp -s "$d/one/model.safetensors" "$d/again/model.safetensors" &&
+    ok || bad "the sharded export read back is not the one-file export"
+"$train" --init "$d/sharded" --steps 0 --save "$d/sharded" >/dev/null 2>&1 && cmp -s "$d/one/model.safetensors" "$d/sharded/model.safetensors" &&
+    [ "$(ls "$d/sharded" | tr '\n' ' ')" = "config.json model.safetensors " ] && ok || bad "one file over the shards: $(ls "$d/sharded" | tr '\n' ' ')"
 
 # refusals
 d=$tmp/one
