@@ -429,7 +429,10 @@ static int parse_args(int argc, char **argv, options *o) {
     }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
-    if (o->save_shard_given && !o->save) { fprintf(stderr, "train: --save-shard-size needs --save DIR\n"); return 0; }
+    if ((o->save_shard_given || o->save_bf16) && !o->save) {
+        fprintf(stderr, "train: %s needs --save DIR\n", o->save_bf16 ? "--save-bf16" : "--save-shard-size");
+        return 0;
+    }
     if (o->grad_reduce_bf16 && o->dp < 2) {
         fprintf(stderr, "train: --grad-reduce bf16 changes the gradient sum over dp: it needs --dp 2 or more\n");
         return 0;

@@ -184,6 +184,9 @@ run build/compare_st "$tmp/moved-resumed.safetensors" "$tmp/whole.safetensors" 0
 run "$TRAIN_CUDA" --steps 0 --save "$tmp/drawn-one"
 run ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/drawn-mesh"
 run build/compare_st "$tmp/drawn-mesh" "$tmp/drawn-one" 0
+# and in shards (rank 0 writing each as its chunks arrive): the same tensors
+run ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/drawn-shards" --save-shard-size 0.1MB
+run build/compare_st "$tmp/drawn-shards/model.safetensors.index.json" "$tmp/drawn-one" 0
 run ranks 4 --tp 2 --pp 2 --init "$tmp/whole.safetensors" --steps 0 --save "$tmp/loaded-mesh"
 run build/compare_st "$tmp/loaded-mesh" "$tmp/whole.safetensors" 0
 # a save that fails on rank 0 (a folder whose parent is missing) fails on every rank, naming rank 0

@@ -65,5 +65,6 @@ check "bad value '0' for --loss-norm-len"   --loss-norm-len 0
 check "bad value '5gb' for --save-shard-size" --save /tmp/never-written --save-shard-size 5gb
 check "bad value '-1MB' for --save-shard-size" --save /tmp/never-written --save-shard-size -1MB
 check "--save-shard-size needs --save DIR"  --save-shard-size 5GB
+check "--save-bf16 needs --save DIR"        --save-bf16 --steps 1
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
