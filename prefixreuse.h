@@ -10622,8 +10622,14 @@ static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_s
     pr_status st = PR_OK;
     snprintf(path, sizeof path, "%s/trainer_state.json", dir);
     if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
-    else if (!(st = pr__state_latest(dir, name, sizeof name, 1, err))) snprintf(folder, sizeof folder, "%s/%s", dir, name);
-    if (st) return st;
+    else {
+        snprintf(folder, sizeof folder, "%s/latest", dir);
+        if (!pr__io_stat(folder, &size, &is_dir))
+            return pr__fail(err, PR_ERR_IO, "pr_trainer_load_state: %s holds no training state: neither %s (a state's folder) "
+                            "nor %s (the folder a save was given)", dir, path, folder);
+        if ((st = pr__state_latest(dir, name, sizeof name, 1, err))) return st;
+        snprintf(folder, sizeof folder, "%s/%s", dir, name);
+    }
     pr_config cfg;
     snprintf(path, sizeof path, "%s/trainer_state.json", folder);
     if ((st = pr__state_parse(path, s, &version, err))) return st;
