@@ -5,6 +5,7 @@
 #include "prefixreuse.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -703,6 +704,14 @@ static pr_status set_error(pr_error *err, pr_status st, const char *msg) {
     return st;
 }
 
+/* The file of a run's --loss-log or --log (flag): *f opened with mode, or an error naming it and why. */
+static pr_status open_run_file(const char *flag, const char *path, const char *mode, FILE **f, pr_error *err) {
+    if ((*f = fopen(path, mode))) return PR_OK;
+    err->status = PR_ERR_IO;
+    snprintf(err->message, sizeof err->message, "%s %s: cannot open: %s", flag, path, strerror(errno));
+    return PR_ERR_IO;
+}
+
 /* ------------------------------------------------------------------ steps */
 /* The run's optimizer steps: a version-2 trace's own, or --groups-per-step N (default dp for a
    version-1 trace) consecutive groups, wrapping at the trace's end. A step is named by its trace
@@ -895,10 +904,9 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     }
     pr_train_state ts;
     if (!st && !j->check) st = start_state(o, tr, &ts, lead, err);
-    FILE *log = !st && !j->check && lead && o->loss_log ? fopen(o->loss_log, "a") : NULL;
-    if (!st && !j->check && lead && o->loss_log && !log) st = set_error(err, PR_ERR_IO, "cannot open the --loss-log file");
-    FILE *json = !st && !j->check && lead && o->log ? fopen(o->log, "w") : NULL;
-    if (!st && !j->check && lead && o->log && !json) st = set_error(err, PR_ERR_IO, "cannot open the --log file");
+    FILE *log = NULL, *json = NULL;
+    if (!st && !j->check && lead && o->loss_log) st = open_run_file("--loss-log", o->loss_log, "a", &log, err);
+    if (!st && !j->check && lead && o->log) st = open_run_file("--log", o->log, "w", &json, err);
     const time_t start = time(NULL);
     pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, j->trace));
     if (!st && !j->check && !batch) st = set_error(err, PR_ERR_NOMEM, "out of host memory");
@@ -1104,8 +1112,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     double *load = nl ? malloc(sizeof(double) * nl) : NULL;
     if (!batch || (nl && !load)) set_error(&err, PR_ERR_NOMEM, "out of host memory");
     if (!batch || (nl && !load) || start_state(o, tr, &ts, 1, &err) ||
-        (o->loss_log && !(log = fopen(o->loss_log, "a")) && set_error(&err, PR_ERR_IO, "cannot open the --loss-log file")) ||
-        (o->log && !(json = fopen(o->log, "w")) && set_error(&err, PR_ERR_IO, "cannot open the --log file")))
+        (o->loss_log && open_run_file("--loss-log", o->loss_log, "a", &log, &err)) ||
+        (o->log && open_run_file("--log", o->log, "w", &json, &err)))
         goto stop;
     const time_t start = time(NULL);
     for (int k = 0; k < o->steps; k++) {

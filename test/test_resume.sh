@@ -116,6 +116,8 @@ shards=$(ls "$d/sharded" | grep -c '^model-[0-9]*-of-[0-9]*\.safetensors$')
 d=$tmp/one
 msg=$("$train" --resume "$tmp/none" --steps 1 2>&1); rc=$?
 case "$msg" in *"$tmp/none/latest"*) [ $rc -eq 1 ] && ok || bad "missing state: status $rc" ;; *) bad "missing state: '$msg'" ;; esac
+msg=$("$train" --steps 1 --loss-log "$tmp/none/loss.log" 2>&1); rc=$?
+case "$msg" in *"--loss-log $tmp/none/loss.log: cannot open"*) [ $rc -eq 1 ] && ok || bad "loss log: status $rc" ;; *) bad "loss log: '$msg'" ;; esac
 msg=$("$train" --config model/tiny-qwen3 --resume "$d/split" --steps 1 2>&1); rc=$?
 case "$msg" in *"a llama model, this trainer's is qwen3"*) [ $rc -eq 1 ] && ok || bad "other model: status $rc" ;; *) bad "other model: '$msg'" ;; esac
 sed 's/"version": 1/"version": 0/' "$d/split/step-00000008/trainer_state.json" >"$tmp/ts" && cp "$tmp/ts" "$d/split/step-00000008/trainer_state.json"
