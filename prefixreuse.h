@@ -9656,7 +9656,10 @@ PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) 
     unsigned char *buf = NULL;
     size_t len = 0, cap = 0;
     pr_status st;
+    uint64_t size;
+    int is_dir;
     if (!trace || !path) return pr__fail(err, PR_ERR_ARG, "pr_trace_read: NULL %s", trace ? "path" : "trace");
+    if (pr__io_stat(path, &size, &is_dir) && is_dir) return pr__fail(err, PR_ERR_IO, "%s: is a folder, not a trace file", path);
     f = fopen(path, "rb");
     if (!f) return pr__fail(err, PR_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     for (;;) {   /* read to the end, doubling the buffer: no reliance on ftell for the size */

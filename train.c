@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 /* train_cuda (make cuda) is this file built with PR_CUDA: the same driver on the CUDA backend. */
@@ -117,7 +118,8 @@ static void usage(FILE *f) {
         "                         over the dp ranks by their cost; fewer groups than dp split each over a team of\n"
         "                         ranks, which get its prefix K/V from the first of them; tp divides the heads,\n"
         "                         and divides the KV heads or is a multiple of them (each KV head then\n"
-        "                         replicated on tp / KV heads ranks)\n"
+        "                         replicated on tp / KV heads ranks); each of dp, pp, cp, tp at most 64, the mesh\n"
+        "                         at most 256 ranks\n"
         "  --ep N                 expert parallelism inside the TP group: 1 or the tp size (default 1)\n"
         "  --pp N                 pipeline stages: the layers split into N stages, microbatches in the 1F1B order\n"
         "  --zero 0|1|2           shard the AdamW state over dp (README \"Training state\"): 1 keeps m and v of\n"
@@ -140,7 +142,8 @@ static void usage(FILE *f) {
         "run\n"
         "  --steps N              optimizer steps (default 8)\n"
         "  --groups-per-step N    N consecutive groups a step (wrapping at the trace's end), instead of a version-2\n"
-        "                         trace's steps; default for a version-1 trace: dp (--dp-groups N: the same)\n"
+        "                         trace's steps; default for a version-1 trace: dp (--dp-groups N: the same);\n"
+        "                         at most 65536\n"
         "  --save DIR             write config.json + model.safetensors to DIR at the end (atomic; a checkpoint\n"
         "                         already there is replaced, its shard files included)\n"
         "  --save-bf16            store the saved checkpoint in bf16 instead of fp32\n"
@@ -317,8 +320,18 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--replay")) ok = parse_int(v, &o->replay) && o->replay >= 1;
         else if (!strcmp(a, "--prefix-tree")) ok = parse_int(v, &o->prefix_tree) && o->prefix_tree >= 1;
         else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
-        else if (!strcmp(a, "--fault-kill-after-bytes")) { char *e; o->fault_kill_bytes = strtol(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
-        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = isdigit((unsigned char)*v) && !*e; }
+        else if (!strcmp(a, "--fault-kill-after-bytes")) {
+            char *e;
+            errno = 0;
+            o->fault_kill_bytes = strtol(v, &e, 10);
+            ok = isdigit((unsigned char)*v) && !*e && errno != ERANGE;
+        }
+        else if (!strcmp(a, "--seed")) {
+            char *e;
+            errno = 0;
+            o->seed = strtoull(v, &e, 10);
+            ok = isdigit((unsigned char)*v) && !*e && errno != ERANGE;
+        }
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
         else if (!strcmp(a, "--microbatch-tokens")) ok = parse_int(v, &o->step.microbatch_tokens) && o->step.microbatch_tokens >= 0;
@@ -407,8 +420,13 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --save-grads writes a training step's gradients: it needs --steps >= 1, without --check or --bench\n");
         return 0;
     }
-    if ((o->save_state || o->resume || o->loss_log) && (o->check || o->bench)) {
-        fprintf(stderr, "train: --save-state, --resume and --loss-log belong to a training run, not --check or --bench\n");
+    if ((o->save || o->save_state || o->resume || o->loss_log) && (o->check || o->bench)) {
+        fprintf(stderr, "train: --save, --save-state, --resume and --loss-log belong to a training run, not --check or --bench\n");
+        return 0;
+    }
+    if (o->check && o->bench) { fprintf(stderr, "train: --check and --bench are two runs: give one\n"); return 0; }
+    if (o->loss_norm_len && o->step.loss.norm != PR_NORM_SEQ_MEAN_TOKEN_SUM_NORM) {
+        fprintf(stderr, "train: --loss-norm-len is seq-mean-token-sum-norm's length: give --loss-norm seq-mean-token-sum-norm\n");
         return 0;
     }
     if (o->replay && (o->check || o->bench || on_mesh(o) || o->save_state || o->resume || o->save || o->save_grads)) {
@@ -2221,9 +2239,40 @@ static int run_on_trace(const options *o, const pr_config *cfg) {
     return rc;
 }
 
+/* Where a run will write, checked before it trains, so that a long run is not lost to a typo in a
+   path: the folder above each output must exist, and a folder output (--save, --save-state) must
+   not be a file, nor a file output (--save-grads) a folder. 1 when all can be written. */
+static int outputs_writable(const options *o) {
+    const struct { const char *flag, *path; int folder; } out[] = {
+        {"--save", o->save, 1}, {"--save-state", o->save_state, 1}, {"--save-grads", o->save_grads, 0} };
+    for (size_t i = 0; i < sizeof out / sizeof out[0]; i++) {
+        char parent[4096];
+        struct stat sb;
+        if (!out[i].path) continue;
+        size_t n = strlen(out[i].path);
+        if (n >= sizeof parent) { fprintf(stderr, "train: %s %s: the path is too long\n", out[i].flag, out[i].path); return 0; }
+        memcpy(parent, out[i].path, n + 1);
+        while (n > 1 && parent[n - 1] == '/') parent[--n] = 0;          /* "dir/" names dir */
+        char *slash = strrchr(parent, '/');
+        if (!slash) strcpy(parent, ".");
+        else slash[slash == parent] = 0;                                 /* "/x": the parent is "/" */
+        if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+            fprintf(stderr, "train: %s %s: the folder above it, %s, %s\n", out[i].flag, out[i].path, parent,
+                    stat(parent, &sb) != 0 ? "does not exist (folders above the one asked for are not created)" : "is not a folder");
+            return 0;
+        }
+        if (stat(out[i].path, &sb) == 0 && !S_ISDIR(sb.st_mode) != !out[i].folder) {
+            fprintf(stderr, "train: %s %s: %s\n", out[i].flag, out[i].path, out[i].folder ? "exists and is not a folder" : "is a folder");
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int main(int argc, char **argv) {
     options o;
     if (!parse_args(argc, argv, &o)) return 2;
+    if (!outputs_writable(&o)) return 1;
     pr_error err;
     pr_config cfg;
     char init_config[4096];

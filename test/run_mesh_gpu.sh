@@ -189,9 +189,11 @@ run ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/drawn-shards" --save-shard-size
 run build/compare_st "$tmp/drawn-shards/model.safetensors.index.json" "$tmp/drawn-one" 0
 run ranks 4 --tp 2 --pp 2 --init "$tmp/whole.safetensors" --steps 0 --save "$tmp/loaded-mesh"
 run build/compare_st "$tmp/loaded-mesh" "$tmp/whole.safetensors" 0
-# a save that fails on rank 0 (a folder whose parent is missing) fails on every rank, naming rank 0
+# a save that fails on rank 0 (its file cannot be renamed over the folder in its place) fails on
+# every rank, naming rank 0
 save_fails() {
-    ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/missing/model" && return 1
+    mkdir -p "$tmp/blocked/model.safetensors/inside" || return 1
+    ranks 4 --tp 2 --pp 2 --steps 0 --save "$tmp/blocked" && return 1
     r=1
     while [ "$r" -lt 4 ]; do
         grep -q "pr_trainer_save: world rank 0 failed (status" "$tmp/rank$r.log" || return 1

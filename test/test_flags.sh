@@ -66,5 +66,9 @@ check "bad value '5gb' for --save-shard-size" --save /tmp/never-written --save-s
 check "bad value '-1MB' for --save-shard-size" --save /tmp/never-written --save-shard-size -1MB
 check "--save-shard-size needs --save DIR"  --save-shard-size 5GB
 check "--save-bf16 needs --save DIR"        --save-bf16 --steps 1
+check "belong to a training run"            --check --save /tmp/never-written
+check "--check and --bench are two runs"    --check --bench
+check "--loss-norm-len is seq-mean-token-sum-norm's length" --loss-norm-len 48
+check "bad value '99999999999999999999999' for --seed" --seed 99999999999999999999999
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -116,6 +116,13 @@ shards=$(ls "$d/sharded" | grep -c '^model-[0-9]*-of-[0-9]*\.safetensors$')
 d=$tmp/one
 msg=$("$train" --resume "$tmp/none" --steps 1 2>&1); rc=$?
 case "$msg" in *"$tmp/none/latest"*) [ $rc -eq 1 ] && ok || bad "missing state: status $rc" ;; *) bad "missing state: '$msg'" ;; esac
+# an output whose folder above is missing fails before any step runs
+for flag in --save --save-state --save-grads; do
+    msg=$("$train" --steps 8 $flag "$tmp/none/out" 2>&1); rc=$?
+    case "$msg" in *"step "*) bad "$flag in a missing folder: a step ran first" ;;
+        *"$flag $tmp/none/out: the folder above it, $tmp/none, does not exist"*) [ $rc -eq 1 ] && ok || bad "$flag: status $rc" ;;
+        *) bad "$flag in a missing folder: '$msg'" ;; esac
+done
 msg=$("$train" --steps 1 --loss-log "$tmp/none/loss.log" 2>&1); rc=$?
 case "$msg" in *"--loss-log $tmp/none/loss.log: cannot open"*) [ $rc -eq 1 ] && ok || bad "loss log: status $rc" ;; *) bad "loss log: '$msg'" ;; esac
 msg=$("$train" --config model/tiny-qwen3 --resume "$d/split" --steps 1 2>&1); rc=$?

@@ -356,6 +356,7 @@ static void test_small(void) {
     CHECK(pr_trace_parse(&t, NULL, 0, &err) == PR_ERR_FORMAT, "NULL bytes, length 0: too short");
     CHECK(pr_trace_read(&t, "/nonexistent/dir/x.trace", &err) == PR_ERR_IO && strstr(err.message, "/nonexistent/dir/x.trace"),
           "missing file: %s", err.message);
+    CHECK(pr_trace_read(&t, ".", &err) == PR_ERR_IO && strstr(err.message, "is a folder"), "a folder: %s", err.message);
     CHECK(pr_trace_read(&t, NULL, NULL) == PR_ERR_ARG, "NULL path, NULL err");
     CHECK(t.groups == (void *)t.groups && ((unsigned char *)&t)[0] == 0x33, "failed calls leave the trace alone");
 
