@@ -8099,6 +8099,17 @@ static pr_status pr__read_small_file(const char *path, size_t max, char **out, s
     return PR_OK;
 }
 
+/* A JSON file of at most max bytes, parsed into *root (set only on success). */
+static pr_status pr__read_json_file(const char *path, size_t max, pr__json **root, pr_error *err) {
+    char *text;
+    size_t len;
+    pr_status st = pr__read_small_file(path, max, &text, &len, err);
+    if (st) return st;
+    st = pr__json_parse(root, text, len, path, 0, err);
+    PR_FREE(text);
+    return st;
+}
+
 PRDEF pr_status pr_config_load(pr_config *cfg, const char *path, pr_error *err) {
     if (!cfg || !path) return pr__fail(err, PR_ERR_ARG, "pr_config_load: NULL argument");
     uint64_t size;
@@ -8598,7 +8609,7 @@ PRDEF pr_status pr_checkpoint_open(pr_checkpoint **out, const char *path, pr_err
     if (!out || !path) return pr__fail(err, PR_ERR_ARG, "pr_checkpoint_open: NULL argument");
     uint64_t size;
     int is_dir = 0;
-    char *single = NULL, *index = NULL, *dir = NULL, *text = NULL;
+    char *single = NULL, *index = NULL, *dir = NULL;
     pr__json *root = NULL;
     pr_status st = PR_OK;
     pr_checkpoint *ck = (pr_checkpoint *)PR_MALLOC(sizeof *ck);
@@ -8622,9 +8633,7 @@ PRDEF pr_status pr_checkpoint_open(pr_checkpoint **out, const char *path, pr_err
         if (!single) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", path); goto done; }
     }
     if (index) { /* sharded */
-        size_t len;
-        if ((st = pr__read_small_file(index, (size_t)256 << 20, &text, &len, err))) goto done;
-        if ((st = pr__json_parse(&root, text, len, index, 0, err))) goto done;
+        if ((st = pr__read_json_file(index, (size_t)256 << 20, &root, err))) goto done;
         dir = pr__path_dir(index);
         if (!dir) { st = pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", index); goto done; }
         if ((st = pr__st_index_files(ck, root, dir, index, err))) goto done;
@@ -8642,7 +8651,6 @@ done:
     PR_FREE(single);
     PR_FREE(index);
     PR_FREE(dir);
-    PR_FREE(text);
     PR_FREE(root);
     if (st) { pr_checkpoint_close(ck); return st; }
     *out = ck;
@@ -8965,17 +8973,14 @@ static pr_status pr__remove_stale(const char *dir, const char *name, pr_error *e
    running out of memory fails), for the shard files it names: a save removes those its own files
    do not replace. */
 static pr_status pr__old_index(const char *dir, pr__json **root, pr_error *err) {
-    char *path = pr__path_join(dir, "model.safetensors.index.json"), *text = NULL;
+    char *path = pr__path_join(dir, "model.safetensors.index.json");
     uint64_t size;
     int is_dir;
-    size_t len;
     pr_error e;
     pr_status st = PR_OK;
     *root = NULL;
     if (!path) return pr__fail(err, PR_ERR_NOMEM, "%s: out of memory", dir);
-    if (pr__io_stat(path, &size, &is_dir) && !is_dir && !(st = pr__read_small_file(path, (size_t)256 << 20, &text, &len, &e)))
-        st = pr__json_parse(root, text, len, path, 0, &e);
-    PR_FREE(text);
+    if (pr__io_stat(path, &size, &is_dir) && !is_dir) st = pr__read_json_file(path, (size_t)256 << 20, root, &e);
     PR_FREE(path);
     if (st != PR_ERR_NOMEM) return PR_OK;
     if (err) *err = e;
@@ -9985,15 +9990,12 @@ static pr_status pr__state_json(const pr_train_state *s, long step, int version,
 
 /* The world size a version-2 state folder was saved on (its index's mesh), 0 when it has none. */
 static int pr__state_index_ranks(const char *folder) {
-    char path[4400], *text = NULL;
-    size_t len;
+    char path[4400];
     pr__json *j = NULL;
     int64_t w = 0;
     pr_error e;
     snprintf(path, sizeof path, "%s/state_index.json", folder);
-    if (pr__read_small_file(path, (size_t)256 << 20, &text, &len, &e)) return 0;
-    if (!pr__json_parse(&j, text, len, path, 0, &e) && !pr__json_int(pr__json_get(pr__json_get(j, "mesh"), "world"), &w)) w = 0;
-    PR_FREE(text);
+    if (!pr__read_json_file(path, (size_t)256 << 20, &j, &e) && !pr__json_int(pr__json_get(pr__json_get(j, "mesh"), "world"), &w)) w = 0;
     PR_FREE(j);
     return w > 0 && w < 1 << 20 ? (int)w : 0;
 }
@@ -10309,13 +10311,8 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
 /* trainer_state.json: the format and version first, so that another file or an older state is
    named as such. */
 static pr_status pr__state_parse(const char *path, pr_train_state *s, int *version_out, pr_error *err) {
-    char *text;
-    size_t len;
     pr__json *j = NULL;
-    pr_status st = pr__read_small_file(path, (size_t)1 << 20, &text, &len, err);
-    if (st) return st;
-    st = pr__json_parse(&j, text, len, path, 0, err);
-    PR_FREE(text);
+    pr_status st = pr__read_json_file(path, (size_t)1 << 20, &j, err);
     if (st) return st;
     const pr__json *f = pr__json_get(j, "format"), *a = pr__json_get(j, "adamw"), *seed = pr__json_get(j, "seed");
     const pr__json *real = pr__json_get(j, "real");
@@ -10399,14 +10396,11 @@ static int pr__json_range(const pr__json *a, int64_t out[2]) {
    model's shape, each kind's pieces inside it, in a listed file under their key with their length,
    and as many elements as the tensor has (a missing piece is refused here, on every rank alike). */
 static pr_status pr__state_index_open(pr__state_index *ix, const char *folder, const pr_tensor_info *ft, int count, pr_error *err) {
-    char *text = NULL, file[4400];
-    size_t len;
+    char file[4400];
     const char *path = ix->path;
     memset(ix, 0, sizeof *ix);
     snprintf(ix->path, sizeof ix->path, "%s/state_index.json", folder);
-    pr_status st = pr__read_small_file(path, (size_t)256 << 20, &text, &len, err);
-    if (!st) st = pr__json_parse(&ix->root, text, len, path, 0, err);
-    PR_FREE(text);
+    pr_status st = pr__read_json_file(path, (size_t)256 << 20, &ix->root, err);
     if (st) return st;
     const pr__json *fmt = pr__json_get(ix->root, "format"), *files = pr__json_get(ix->root, "files"), *tensors = pr__json_get(ix->root, "tensors");
     if (!fmt || fmt->type != PR__JSON_STRING || strcmp(fmt->str, "prefixreuse-train-state-index"))

@@ -2256,12 +2256,13 @@ static int outputs_writable(const options *o) {
         char *slash = strrchr(parent, '/');
         if (!slash) strcpy(parent, ".");
         else slash[slash == parent] = 0;                                 /* "/x": the parent is "/" */
-        if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+        const int exists = stat(parent, &sb) == 0;
+        if (!exists || !S_ISDIR(sb.st_mode)) {
             fprintf(stderr, "train: %s %s: the folder above it, %s, %s\n", out[i].flag, out[i].path, parent,
-                    stat(parent, &sb) != 0 ? "does not exist (folders above the one asked for are not created)" : "is not a folder");
+                    exists ? "is not a folder" : "does not exist (folders above the one asked for are not created)");
             return 0;
         }
-        if (stat(out[i].path, &sb) == 0 && !S_ISDIR(sb.st_mode) != !out[i].folder) {
+        if (stat(out[i].path, &sb) == 0 && (S_ISDIR(sb.st_mode) != 0) != out[i].folder) {
             fprintf(stderr, "train: %s %s: %s\n", out[i].flag, out[i].path, out[i].folder ? "exists and is not a folder" : "is a folder");
             return 0;
         }

@@ -395,6 +395,20 @@ static int checkpoint_holds(const char *dir, const char (*names)[32], const pr_r
     return which;
 }
 
+/* Checks that dir holds none of the shards model-0000s-of-0000N.safetensors. */
+static void check_no_shards(const char *dir, int of, const char *what) {
+    for (int s = 1; s <= of; s++) {
+        char q[600];
+        snprintf(q, sizeof q, "%s/model-%05d-of-%05d.safetensors", dir, s, of);
+        CHECK(!file_exists(q), "%s: shard %d of %d removed", what, s, of);
+    }
+}
+/* Adds d to every value of the test's tensors (1000: the second save's values, checkpoint_holds' 2). */
+static void add_to_values(pr_real (*data)[40], int nt, pr_real d) {
+    for (int i = 0; i < nt; i++)
+        for (int k = 0; k < 40; k++) data[i][k] += d;
+}
+
 static void test_sharded(void) {
     pr_error err;
     enum { NT = 7 };
@@ -463,11 +477,7 @@ static void test_sharded(void) {
        the other way round */
     CHECK(pr_checkpoint_save(dirc, en, NT, PR_DT_BF16, 0, &err) == PR_OK, "single save: %s", err.message);
     CHECK(!file_exists(p), "stale index removed");
-    for (int s = 1; s <= 4; s++) {
-        char q[600];
-        snprintf(q, sizeof q, "%s/model-%05d-of-00004.safetensors", dirc, s);
-        CHECK(!file_exists(q), "stale shard %d of 4 removed", s);
-    }
+    check_no_shards(dirc, 4, "stale after a save in one file");
     pr_checkpoint *ck;
     CHECK(OK(pr_checkpoint_open(&ck, dirc, &err)) && pr_checkpoint_count(ck) == NT && ck->n_files == 1, "single file opens");
     if (!g_st) pr_checkpoint_close(ck);
@@ -480,36 +490,24 @@ static void test_sharded(void) {
     /* A save interrupted while it puts its files in place (here its third rename refused) never
        leaves a loadable mix of two checkpoints. Over 3 shards, the 4 new ones replace none of them
        by name: the previous checkpoint stays whole, and the new shards placed are not left behind. */
-    for (int i = 0; i < NT; i++)
-        for (int k = 0; k < 40; k++) data[i][k] += 1000;
+    add_to_values(data, NT, 1000);
     g_renames_left = 2;
     EXPECT_FAIL(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "cannot rename", "third rename refused");
     g_renames_left = -1;
-    for (int i = 0; i < NT; i++)
-        for (int k = 0; k < 40; k++) data[i][k] -= 1000;
+    add_to_values(data, NT, -1000);
     CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 1, "an interrupted 4-shard save leaves the 3-shard one whole");
-    for (int s = 1; s <= 4; s++) {
-        char q[600];
-        snprintf(q, sizeof q, "%s/model-%05d-of-00004.safetensors", dirc, s);
-        CHECK(!file_exists(q), "the interrupted save's shard %d of 4 removed", s);
-    }
+    check_no_shards(dirc, 4, "the interrupted save's");
     /* over 4 shards, the new ones replace the previous by name: the folder keeps no index, so no mix loads */
     CHECK(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err) == PR_OK, "4 shards again: %s", err.message);
-    for (int s = 1; s <= 3; s++) {
-        char q[600];
-        snprintf(q, sizeof q, "%s/model-%05d-of-00003.safetensors", dirc, s);
-        CHECK(!file_exists(q), "stale shard %d of 3 removed", s);
-    }
+    check_no_shards(dirc, 3, "stale after a save in 4");
     CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 1, "the 4-shard save reads back");
-    for (int i = 0; i < NT; i++)
-        for (int k = 0; k < 40; k++) data[i][k] += 1000;
+    add_to_values(data, NT, 1000);
     g_renames_left = 2;
     EXPECT_FAIL(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "cannot rename", "third rename refused");
     g_renames_left = -1;
     CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 0, "an interrupted save over its own shard names loads nothing");
     st = pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err);
-    for (int i = 0; i < NT; i++)
-        for (int k = 0; k < 40; k++) data[i][k] -= 1000;
+    add_to_values(data, NT, -1000);
     CHECK(st == PR_OK && checkpoint_holds(dirc, names, data, sizes, NT) == 2, "saved again whole: %s", st ? err.message : "");
 
     /* save errors: nothing written */
