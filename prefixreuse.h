@@ -311,6 +311,7 @@ typedef struct {
     pr_group *groups;      /* (n_groups) */
     int n_steps;           /* 0: no step table (a version-1 file: each group its own step, or as the caller cuts them) */
     int *step_off;         /* (n_steps+1) step s is groups step_off[s] .. step_off[s+1]-1; NULL when n_steps is 0 */
+    uint64_t fingerprint;  /* FNV-1a (64-bit) of the bytes parsed: which trace a saved run was on; 0 for a trace the caller built */
 } pr_trace;
 
 /* Read a trace file, format version 1 or 2 (pr_trace_parse on its bytes; messages name the file). */
@@ -796,6 +797,8 @@ typedef struct {
     long next_group;         /* the trace position: index of the next group the run loop takes */
     uint64_t seed;           /* the initialisation seed */
     pr_adamw_opts adamw;     /* the AdamW settings the steps ran with */
+    uint64_t data_fingerprint; /* the caller's name for the data next_group counts in (train: its trace's
+                                  pr_trace.fingerprint), so that a resume can tell other data; 0: none */
 } pr_train_state;
 
 /* Optional settings of a save (NULL: none). on_write is called after every block written with the
@@ -811,7 +814,8 @@ typedef struct {
      dir/latest                    one line, the name of the current state folder
      dir/step-00000004/            one complete state, named after its step count:
          config.json               the full model's configuration
-         trainer_state.json        format, version, step, next_group, seed, AdamW settings
+         trainer_state.json        format, version, step, next_group, seed, AdamW settings, and
+                                   data_fingerprint (16 hex digits) when it is not 0
      one rank (no mesh, or a mesh of one), version 1:
          model.safetensors         fp32 parameters, Hugging Face names (what pr_trainer_load reads)
          optimizer.safetensors     fp32 AdamW moments: "exp_avg.<name>" (m), "exp_avg_sq.<name>" (v)
@@ -9407,6 +9411,12 @@ static pr_status pr__trace_steps_check(const unsigned char *buf, size_t len, con
     return PR_OK;
 }
 
+static uint64_t pr__fnv1a64(const unsigned char *p, size_t n) {
+    uint64_t h = 14695981039346656037ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+
 static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf, size_t len, const char *name,
                                        pr_error *err) {
     static const unsigned char magic[8] = {'P', 'R', 'T', 'R', 'A', 'C', 'E', 0};
@@ -9439,6 +9449,7 @@ static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf
     t.groups = NULL;
     t.n_steps = 0;
     t.step_off = NULL;
+    t.fingerprint = pr__fnv1a64(buf, len);
     if (version == 2 && (st = pr__trace_steps_check(buf, len, name, n_groups, &t.n_steps, err))) return st;
     const int prefix_loss = (int)((flags >> 1) & 1u);
     if ((st = pr__trace_walk(buf, len, name, &t, prefix_loss, NULL, &used, NULL, err))) return st;   /* check, size */
@@ -9983,8 +9994,14 @@ static pr_status pr__state_json(const pr_train_state *s, long step, int version,
     snprintf(line, sizeof line, "  \"adamw\": {\"lr\": %.17g, \"beta1\": %.17g, \"beta2\": %.17g, \"eps\": %.17g,\n", o->lr, o->beta1,
              o->beta2, o->eps);
     pr__buf_str(b, line);
-    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %.17g}\n}\n", o->weight_decay, o->max_grad_norm);
+    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %.17g}%s\n", o->weight_decay, o->max_grad_norm,
+             s->data_fingerprint ? "," : "");
     pr__buf_str(b, line);
+    if (s->data_fingerprint) {   /* a string: JSON numbers are doubles to most readers */
+        snprintf(line, sizeof line, "  \"data_fingerprint\": \"%016llx\"\n", (unsigned long long)s->data_fingerprint);
+        pr__buf_str(b, line);
+    }
+    pr__buf_str(b, "}\n");
     return b->failed ? PR_ERR_NOMEM : PR_OK;
 }
 
@@ -10315,7 +10332,7 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
     pr_status st = pr__read_json_file(path, (size_t)1 << 20, &j, err);
     if (st) return st;
     const pr__json *f = pr__json_get(j, "format"), *a = pr__json_get(j, "adamw"), *seed = pr__json_get(j, "seed");
-    const pr__json *real = pr__json_get(j, "real");
+    const pr__json *real = pr__json_get(j, "real"), *data = pr__json_get(j, "data_fingerprint");
     int64_t version = 0, step = -1, next = -1;
     if (!f || f->type != PR__JSON_STRING || strcmp(f->str, PR__STATE_FORMAT))
         st = pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse training state (its \"format\" is %s%s%s, expected \"" PR__STATE_FORMAT "\")",
@@ -10335,6 +10352,8 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
         st = pr__fail(err, PR_ERR_FORMAT, "%s: \"seed\" must be a string of decimal digits", path);
     else if (!a || a->type != PR__JSON_OBJECT)
         st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\" must be an object", path);
+    else if (data && (data->type != PR__JSON_STRING || data->count != 16 || strspn(data->str, "0123456789abcdef") != 16))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"data_fingerprint\" must be a string of 16 lower-case hex digits", path);
     if (!st) {
         static const char *const keys[6] = { "lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm" };
         double *dst[6] = { &s->adamw.lr, &s->adamw.beta1, &s->adamw.beta2, &s->adamw.eps, &s->adamw.weight_decay, &s->adamw.max_grad_norm };
@@ -10346,6 +10365,7 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
         s->step = (long)step;
         s->next_group = (long)next;
         s->seed = strtoull(seed->str, NULL, 10);
+        s->data_fingerprint = data ? strtoull(data->str, NULL, 16) : 0;
         *version_out = (int)version;
     }
     PR_FREE(j);

@@ -26,10 +26,12 @@
 typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
     const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
+    int new_trace;                   /* --new-trace: resume at the first group of a trace other than the state's */
     const char *log;                 /* --log: one JSON line a step */
     int replay;                      /* --replay N: steps of the drift replay (0: none) */
     int prefix_tree;                 /* --prefix-tree MIN: report the steps' prefix trees (0: none) */
     int tree, tree_min;              /* --schedule tree: each step's groups as their prefix tree, nodes of tree_min+ tokens */
+    const char *tree_min_given, *nccl_given;   /* the flag, where one was given: refused where nothing reads it */
     int save_every;                  /* steps between state saves (0: only at the end) */
     long fault_kill_bytes;           /* tests: the process kills itself once a state save has written this many bytes */
     pr_step_opts step;
@@ -156,7 +158,10 @@ static void usage(FILE *f) {
         "                         position) into DIR at the end, atomically; DIR/latest names the current one\n"
         "  --save-every N         also every N steps (with --save-state)\n"
         "  --resume DIR           go on from a training state (DIR as given to --save-state, or one state\n"
-        "                         folder): --steps N more steps, bit-identical to a run that never stopped\n"
+        "                         folder): --steps N more steps, bit-identical to a run that never stopped;\n"
+        "                         the trace must be the one the state was on (its fingerprint is saved)\n"
+        "  --new-trace            with --resume: the trace is new data (fresh rollouts): keep the weights and\n"
+        "                         AdamW state, start at the trace's first group\n"
         "  --loss-log FILE        append one line a step: step, loss and grad norm as exact hex floats\n"
         "  --fault-kill-after-bytes N  tests only: kill this process (SIGKILL) once a state save has written\n"
         "                         N bytes, to show that an interrupted save leaves the previous state loadable\n"
@@ -298,6 +303,7 @@ static int parse_args(int argc, char **argv, options *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--check")) { o->check = 1; takes = 0; }
         else if (!strcmp(a, "--save-bf16")) { o->save_bf16 = 1; takes = 0; }
+        else if (!strcmp(a, "--new-trace")) { o->new_trace = 1; takes = 0; }
         else if (!strcmp(a, "--profile")) { o->profile = 1; takes = 0; }
         else if (!strcmp(a, "--bench")) {
             o->bench = 1;
@@ -306,6 +312,7 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "memory")) { o->bench = 2; takes = 1; }
             else if (!strcmp(v, "capacity")) { o->bench = 3; takes = 1; }
             else if (!strcmp(v, "tree")) { o->bench = 4; takes = 1; }
+            else if (v[0] && v[0] != '-') { ok = 0; takes = 1; }   /* no flag: a misspelt kind, not a flag of its own */
         }
         else if (!strcmp(a, "--config")) { o->config = v; o->config_given = 1; }
         else if (!strcmp(a, "--trace")) o->trace = v;
@@ -347,8 +354,8 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--cp")) ok = parse_int(v, &o->cp) && o->cp >= 1 && o->cp <= 64;
         else if (!strcmp(a, "--tp")) ok = parse_int(v, &o->tp) && o->tp >= 1 && o->tp <= 64;
         else if (!strcmp(a, "--ep")) ok = parse_int(v, &o->ep) && o->ep >= 1 && o->ep <= 64;
-        else if (!strcmp(a, "--nccl-id")) o->nccl_id = v;
-        else if (!strcmp(a, "--nccl-timeout")) ok = parse_int(v, &o->nccl_timeout) && o->nccl_timeout >= 1;
+        else if (!strcmp(a, "--nccl-id")) { o->nccl_id = v; o->nccl_given = a; }
+        else if (!strcmp(a, "--nccl-timeout")) { ok = parse_int(v, &o->nccl_timeout) && o->nccl_timeout >= 1; o->nccl_given = a; }
         else if (!strcmp(a, "--attention")) {
             o->attention = -1;
             for (int k = 0; k <= PR_CUDA_ATTENTION_AUTO; k++)
@@ -398,7 +405,7 @@ static int parse_args(int argc, char **argv, options *o) {
             else if (!strcmp(v, "tree")) o->step.schedule = PR_SCHEDULE_REUSE, o->tree = 1;
             else ok = 0;
         }
-        else if (!strcmp(a, "--tree-min")) ok = parse_int(v, &o->tree_min) && o->tree_min >= 1;
+        else if (!strcmp(a, "--tree-min")) { ok = parse_int(v, &o->tree_min) && o->tree_min >= 1; o->tree_min_given = a; }
         else if (!strcmp(a, "--layout")) {
             if (!strcmp(v, "padded")) o->step.layout = PR_LAYOUT_PADDED;
             else if (!strcmp(v, "packed")) o->step.layout = PR_LAYOUT_PACKED;
@@ -447,6 +454,7 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (o->resume && o->init) { fprintf(stderr, "train: --resume and --init both say where the weights come from: give one\n"); return 0; }
+    if (o->new_trace && !o->resume) { fprintf(stderr, "train: --new-trace says where a --resume starts: it needs --resume DIR\n"); return 0; }
     if (o->save_every && !o->save_state) { fprintf(stderr, "train: --save-every needs --save-state DIR\n"); return 0; }
     if ((o->save_shard_given || o->save_bf16) && !o->save) {
         fprintf(stderr, "train: %s needs --save DIR\n", o->save_bf16 ? "--save-bf16" : "--save-shard-size");
@@ -470,8 +478,20 @@ static int parse_args(int argc, char **argv, options *o) {
         fprintf(stderr, "train: --bench-splits belongs to --bench (speed) and --bench memory\n");
         return 0;
     }
+    if (o->tree_min_given && !o->tree) { fprintf(stderr, "train: --tree-min sets --schedule tree's smallest shared node: it needs that schedule\n"); return 0; }
+    if ((o->step.offload.pool_bytes || o->step.offload.device_budget) && !o->step.offload.enabled && o->bench != 2) {
+        fprintf(stderr, "train: %s sets up the prefix's offload: it needs --offload on (or --bench memory, whose rows offload)\n",
+                o->step.offload.pool_bytes ? "--offload-pool" : "--device-budget");
+        return 0;
+    }
 #ifndef PR_CUDA
     if (o->profile) { fprintf(stderr, "train: --profile times the CUDA backend's operations: it is train_cuda's (make cuda)\n"); return 0; }
+    if (o->nccl_given) {
+        fprintf(stderr, "train: %s connects train_cuda's processes (make cuda); this build runs a mesh's ranks as its threads\n", o->nccl_given);
+        return 0;
+    }
+#else
+    if (o->nccl_given && !on_mesh(o)) { fprintf(stderr, "train: %s connects a mesh's processes: give the mesh (--dp, --tp, ...)\n", o->nccl_given); return 0; }
 #endif
     for (int i = 0; (o->bench == 1 || o->bench == 2) && i < o->n_bench_splits; i++) {
         const long P = split_prefix(o, i);
@@ -629,16 +649,32 @@ static void kill_after(void *user, uint64_t bytes) {
     abort();
 }
 
-/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. The
-   run's AdamW settings are the command line's; a state that ran with others gets a note. */
-static pr_status start_state(const options *o, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
+/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. A
+   state's position counts groups of the trace it was on: another trace is refused (the fingerprints
+   differ) unless --new-trace says it is new data, which starts at its first group. The run's AdamW
+   settings are the command line's; a state that ran with others gets a note. */
+static pr_status start_state(const options *o, const pr_trace *t, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
     memset(s, 0, sizeof *s);
     s->seed = o->seed;
     s->adamw = o->adam;
+    s->data_fingerprint = t->fingerprint;
     if (!o->resume) return PR_OK;
     pr_status st = pr_trainer_load_state(tr, o->resume, s, err);
-    if (st || !lead) return st;
-    printf("resumed %s: %ld steps taken, next group %ld (seed %llu)\n", o->resume, s->step, s->next_group, (unsigned long long)s->seed);
+    if (st) return st;
+    const uint64_t was = s->data_fingerprint;
+    if (o->new_trace) s->next_group = 0;
+    else if (was && was != t->fingerprint) {
+        err->status = PR_ERR_ARG;
+        snprintf(err->message, sizeof err->message, "%s was saved on another trace (fingerprint %016llx; %s's is %016llx), and its "
+                 "position, group %ld, counts that trace's groups: resume with its trace, or add --new-trace to start at this "
+                 "trace's first group", o->resume, (unsigned long long)was, o->trace, (unsigned long long)t->fingerprint, s->next_group);
+        return PR_ERR_ARG;
+    }
+    s->data_fingerprint = t->fingerprint;
+    if (!lead) return PR_OK;
+    printf("resumed %s: %ld steps taken, next group %ld%s (seed %llu)\n", o->resume, s->step, s->next_group,
+           o->new_trace ? " (--new-trace: this trace's first)" : "", (unsigned long long)s->seed);
+    if (!was) fprintf(stderr, "train: note: %s records no trace fingerprint; going on at its position in %s\n", o->resume, o->trace);
     const pr_adamw_opts *a = &s->adamw, *b = &o->adam;
     if (a->lr != b->lr || a->beta1 != b->beta1 || a->beta2 != b->beta2 || a->eps != b->eps || a->weight_decay != b->weight_decay ||
         a->max_grad_norm != b->max_grad_norm)
@@ -921,7 +957,7 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
         if (!lead) { free(g); free(p); }
     }
     pr_train_state ts;
-    if (!st && !j->check) st = start_state(o, tr, &ts, lead, err);
+    if (!st && !j->check) st = start_state(o, j->trace, tr, &ts, lead, err);
     FILE *log = NULL, *json = NULL;
     if (!st && !j->check && lead && o->loss_log) st = open_run_file("--loss-log", o->loss_log, "a", &log, err);
     if (!st && !j->check && lead && o->log) st = open_run_file("--log", o->log, "w", &json, err);
@@ -1129,7 +1165,7 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     const size_t nl = (size_t)cfg->num_hidden_layers * (size_t)cfg->num_experts;   /* MoE: the step's expert loads */
     double *load = nl ? malloc(sizeof(double) * nl) : NULL;
     if (!batch || (nl && !load)) set_error(&err, PR_ERR_NOMEM, "out of host memory");
-    if (!batch || (nl && !load) || start_state(o, tr, &ts, 1, &err) ||
+    if (!batch || (nl && !load) || start_state(o, trace, tr, &ts, 1, &err) ||
         (o->loss_log && open_run_file("--loss-log", o->loss_log, "a", &log, &err)) ||
         (o->log && open_run_file("--log", o->log, "w", &json, &err)))
         goto stop;

@@ -2146,7 +2146,7 @@ static pr_status kvrep_rank(pr_comm *world, void *user, pr_error *err) {
     pr_trainer *tr, *back = NULL;
     pr_step_opts o = pr_step_opts_default();
     pr_adamw_opts adam = pr_adamw_opts_default();
-    pr_train_state state = { 0, 1, 5, adam };
+    pr_train_state state = { 0, 1, 5, adam, 0 };
     pr_status s = mesh_open(world, m->shape, 0, m->c, 0, &mesh, &tr, err);
     if (!s) s = pr_trainer_set_full_params(tr, m->init, pr_trainer_full_param_count(tr), err);
     if (!s) s = pr_trainer_compute_grads(tr, m->g, &o, NULL, NULL, err);
@@ -2775,7 +2775,7 @@ static void test_train_state(void) {
     snprintf(sd, sizeof sd, "%s/run", dir);
     train_step(a, &t.g);
     train_step(a, &t.g);
-    pr_train_state s = { 0, 7, 1234, pr_adamw_opts_default() }, back;
+    pr_train_state s = { 0, 7, 1234, pr_adamw_opts_default(), 0xfedcba9876543210ULL }, back;
     CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "save state: %s", err.message);
     snprintf(path, sizeof path, "%s/latest", sd);
     CHECK(access(path, F_OK) == 0, "latest written");
@@ -2783,7 +2783,8 @@ static void test_train_state(void) {
     CHECK(!pr_trainer_load_state(b, sd, &back, &err), "load state: %s", err.message);
     CHECK(same_state(a, b), "parameters, m, v and step come back bit for bit");
     CHECK(back.step == 2 && back.next_group == 7 && back.seed == 1234 && back.adamw.lr == s.adamw.lr &&
-          back.adamw.beta1 == s.adamw.beta1 && back.adamw.eps == s.adamw.eps, "the run's position and settings come back");
+          back.adamw.beta1 == s.adamw.beta1 && back.adamw.eps == s.adamw.eps && back.data_fingerprint == s.data_fingerprint,
+          "the run's position, settings and data fingerprint come back");
     train_step(a, &t.g);
     train_step(b, &t.g);
     CHECK(same_state(a, b), "the resumed trainer's next step is the same bits");
@@ -2830,6 +2831,19 @@ static void test_train_state(void) {
     st = pr_trainer_load_state(b, sd, NULL, &err);
     CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "same precision"), "other precision: %s", err.message);
     rewrite_file(path, IS_DOUBLE ? "\"F32\"" : "\"F64\"", IS_DOUBLE ? "\"F64\"" : "\"F32\"");
+    rewrite_file(path, "fedcba9876543210", "FEDCBA9876543210");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "data_fingerprint"), "an upper-case fingerprint: %s", err.message);
+    rewrite_file(path, "\"FEDCBA9876543210\"", "12");
+    st = pr_trainer_load_state(b, sd, NULL, &err);
+    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "data_fingerprint"), "a fingerprint as a number: %s", err.message);
+    rewrite_file(path, ",\n  \"data_fingerprint\": 12", "");   /* a state written without one */
+    pr_trainer *fresh = make_model(&c, 5);
+    memset(&back, 0, sizeof back);
+    back.data_fingerprint = 1;
+    CHECK(!pr_trainer_load_state(fresh, sd, &back, &err) && back.data_fingerprint == 0, "a state without a fingerprint loads, as 0: %s",
+          err.message);
+    pr_trainer_destroy(fresh);
     snprintf(path, sizeof path, "%s/step-00000003.1/optimizer.safetensors", sd);
     snprintf(path2, sizeof path2, "%s/step-00000003.1/optimizer.hidden", sd);
     CHECK(rename(path, path2) == 0, "rename");
@@ -3092,7 +3106,7 @@ static pr_status rstate_body(pr_trainer *tr, pr_mesh *mesh, rstate_run *m, int k
         tr->adam_step = 2;
     } else s = pr_trainer_set_full_params(tr, m->init, n, err);
     for (int k = 0; k < m->steps_before && !s; k++) s = rstate_step(tr, mesh, m, err);
-    pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+    pr_train_state state = { 0, 3, 5, pr_adamw_opts_default(), 0 };
     if (!s && m->save) s = pr_trainer_save_state(tr, m->save, &state, NULL, err);
     for (int phase = 0; phase < 2 && !s; phase++) {
         for (int k = 0; k < (phase ? m->steps_after : 0) && !s; k++) s = rstate_step(tr, mesh, m, err);
@@ -3156,7 +3170,7 @@ static pr_status load_fault_rank(pr_comm *world, void *user, pr_error *err) {
     if (!(s = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, err)) && !(s = pr_trainer_init_params(tr, m->save ? 5 : 7, err))) {
         const int me = world->rank;
         if (m->save) {
-            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default(), 0 };
             pr_error e;
             if (me == 0) {
                 alloc_made = 0;
@@ -3211,7 +3225,7 @@ static void test_load_faults(void) {
         m.fail_at = LONG_MAX;
         if (version == 1) {
             pr_trainer *one = make_model(&c, 5);
-            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default() };
+            pr_train_state state = { 0, 3, 5, pr_adamw_opts_default(), 0 };
             CHECK(!pr_trainer_save_state(one, dir, &state, NULL, &err), "save: %s", err.message);
             pr_trainer_destroy(one);
         } else {
@@ -3412,7 +3426,7 @@ static void test_mesh_load(void) {
                   alloc_largest, n * sizeof(pr_real));
             char state_dir[300];
             snprintf(state_dir, sizeof state_dir, "%s/state", dir);
-            pr_train_state one_state = { 0, 3, 5, pr_adamw_opts_default() };
+            pr_train_state one_state = { 0, 3, 5, pr_adamw_opts_default(), 0 };
             if (i == 0 && !bf) CHECK(!pr_trainer_save_state(one, state_dir, &one_state, NULL, &err), "%s: save_state: %s", cases[i].name, err.message);
             pr_trainer_destroy(one);
             pr_trainer *ref = make_model(cases[i].c, 5);

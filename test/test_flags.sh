@@ -66,6 +66,13 @@ check "bad value '5gb' for --save-shard-size" --save /tmp/never-written --save-s
 check "bad value '-1MB' for --save-shard-size" --save /tmp/never-written --save-shard-size -1MB
 check "--save-shard-size needs --save DIR"  --save-shard-size 5GB
 check "--save-bf16 needs --save DIR"        --save-bf16 --steps 1
+check "--new-trace says where a --resume starts" --new-trace --steps 1
+check "bad value 'memroy' for --bench"      --bench memroy
+check "--tree-min sets --schedule tree's"   --tree-min 4 --steps 1
+check "--offload-pool sets up the prefix's offload: it needs --offload on" --offload-pool 64 --steps 1
+check "--device-budget sets up the prefix's offload" --offload off --device-budget 64 --steps 1
+check "--nccl-id connects train_cuda's processes" --dp 2 --nccl-id /tmp/never-read --steps 1
+check "--nccl-timeout connects train_cuda's processes" --nccl-timeout 5 --steps 1
 check "belong to a training run"            --check --save /tmp/never-written
 check "--check and --bench are two runs"    --check --bench
 check "--loss-norm-len is seq-mean-token-sum-norm's length" --loss-norm-len 48

@@ -5,8 +5,9 @@
 # group and of several (cut by --groups-per-step or a version-2 trace's table). A mesh's state
 # resumes on a mesh of another shape and on one rank. A save killed part way
 # (--fault-kill-after-bytes), on one rank and on a mesh, leaves the previous state loadable, and
-# resuming from it is still exact. A state of another model is refused with the reason. The
-# export (--save) in shards reads back as the one-file export.
+# resuming from it is still exact. A state of another model, or of another trace without
+# --new-trace, is refused with the reason. The export (--save) in shards reads back as the
+# one-file export.
 # Usage: sh test/test_resume.sh TRAIN
 train=${1:-./train}
 tmp=$(mktemp -d /tmp/pr_resume.XXXXXX) || exit 1
@@ -43,9 +44,34 @@ python3 -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = 
     bad "writing a version-2 trace"
 resume_case table --trace "$tmp/steps.trace" --loss-norm seq-mean-token-sum-norm
 # resuming at a position that starts no step of the table is refused with the reason
-"$train" --steps 1 --save-state "$tmp/at1" >/dev/null 2>&1 || bad "a state at group 1"
+"$train" --trace "$tmp/steps.trace" --groups-per-step 1 --steps 1 --save-state "$tmp/at1" >/dev/null 2>&1 || bad "a state at group 1"
 msg=$("$train" --trace "$tmp/steps.trace" --resume "$tmp/at1" --steps 1 2>&1); rc=$?
 case "$msg" in *"starts no step"*) [ $rc -eq 1 ] && ok || bad "position off the table: status $rc" ;; *) bad "position off the table: '$msg'" ;; esac
+
+# a state counts the groups of its own trace: another trace is refused (a copy of the same bytes is
+# the same trace), and --new-trace starts at its first group with the weights and AdamW state kept.
+# From a state at group 4 of the 4-group sample, the same groups as a version-2 trace (other bytes)
+# with --new-trace go on as the straight run's steps 5 to 8.
+d=$tmp/one
+cp data/sample.trace "$tmp/copy.trace"
+"$train" --trace "$tmp/copy.trace" --steps 1 --resume "$d/split" >/dev/null 2>&1 && ok || bad "resume with a copy of the trace"
+msg=$("$train" --trace "$tmp/steps.trace" --resume "$d/split" --steps 1 2>&1); rc=$?
+case "$msg" in *"was saved on another trace"*"--new-trace"*) [ $rc -eq 1 ] && ok || bad "another trace: status $rc" ;;
+    *) bad "another trace: '$msg'" ;; esac
+python3 -c "import sys; sys.path.insert(0, 'data'); import prtrace as p; g, v = p.read_trace('data/sample.trace'); p.write_trace('$tmp/ones.trace', g, v, steps=[1, 1, 1, 1])" ||
+    bad "writing a version-2 trace of one group a step"
+sed -n '5,8p' "$d/straight.log" >"$d/straight-tail.log"
+"$train" --steps 4 --save-state "$d/at4" >/dev/null 2>&1 &&
+"$train" --trace "$tmp/ones.trace" --new-trace --resume "$d/at4" --steps 4 --loss-log "$d/new-trace.log" >/dev/null 2>&1 || bad "--new-trace runs"
+cmp -s "$d/new-trace.log" "$d/straight-tail.log" && ok || bad "--new-trace from group 4 of 4 is not the straight run's steps 5 to 8"
+"$train" --steps 2 --save-state "$d/at2" >/dev/null 2>&1 &&
+"$train" --trace "$tmp/ones.trace" --new-trace --resume "$d/at2" --steps 1 >"$d/out" 2>&1 || bad "--new-trace from group 2"
+grep -q '^step   2  group 0 ' "$d/out" && grep -q 'next group 0 (--new-trace' "$d/out" && ok || { bad "--new-trace did not start at group 0"; cat "$d/out"; }
+# a state without a fingerprint goes on at its position, with a note
+f=$d/at2/step-00000002/trainer_state.json
+python3 -c "import json, sys; j = json.load(open(sys.argv[1])); del j['data_fingerprint']; json.dump(j, open(sys.argv[1], 'w'))" "$f" &&
+"$train" --trace "$tmp/ones.trace" --resume "$d/at2" --steps 1 >"$d/out" 2>&1 && grep -q "records no trace fingerprint" "$d/out" &&
+    grep -q '^step   2  group 2 ' "$d/out" && ok || { bad "a state without a fingerprint"; cat "$d/out"; }
 
 # the stage changes the pieces, not the values: a state saved with --zero 2 (each dp rank its slice
 # of m and v) resumes with --zero 0 exactly, and saves what the straight --zero 0 run saves

@@ -148,6 +148,15 @@ static void test_sample(const char *path) {
             PR_FREE(sb2);
             pr_trace_free(&t2);
         }
+        /* the fingerprint is FNV-1a 64 of the file's bytes (0x189b3324c3bb8a1 for data/sample.trace,
+           by Python); one changed byte changes it */
+        CHECK(t.fingerprint == 0x0189b3324c3bb8a1ULL, "sample: fingerprint %016llx", (unsigned long long)t.fingerprint);
+        if (file && len > 100) {
+            file[len - 1] ^= 1;   /* the last suffix token's loss_mask, 0 and 1 swapped: still a valid trace */
+            st = pr_trace_parse(&t2, file, len, &err);
+            CHECK(st == PR_OK && t2.fingerprint != t.fingerprint, "one bit flipped: the fingerprint changes (%s)", st ? err.message : "");
+            if (st == PR_OK) pr_trace_free(&t2);
+        }
         /* every proper prefix of the sample fails */
         if (file) {
             size_t bad = 0;
@@ -435,7 +444,7 @@ static void test_prefix_loss_trace(void) {
     pr_real pold[3] = {-0.5, -1.5, -2.5}, pref[3] = {-1, -1.25, -2};
     pr_group g[2] = { {3, 2, prefix, lens, off, tokens, adv, old, ref, mask, pmask, pold, pref},
                       {2, 1, prefix2, lens2, off2, tokens, adv2, old, ref, mask, NULL, NULL, NULL} };
-    pr_trace t = {2, 10, 1, g, 0, NULL}, r;
+    pr_trace t = {2, 10, 1, g, 0, NULL, 0}, r;
     pr_error err;
     void *bytes = NULL;
     size_t n = 0;
@@ -465,7 +474,7 @@ static void test_prefix_loss_trace(void) {
         pr_real zold[2] = {-0.5, -0.25}, zref[2] = {-1, -1};
         pr_group gz[2] = { g[0], g[1] };
         gz[1].prefix_mask = zmask; gz[1].prefix_old_logp = zold; gz[1].prefix_ref_logp = zref;
-        pr_trace tz = {2, 10, 1, gz, 0, NULL}, rz;
+        pr_trace tz = {2, 10, 1, gz, 0, NULL, 0}, rz;
         void *bz = NULL;
         size_t nz = 0;
         CHECK(!pr_trace_serialize(&tz, &bz, &nz, &err) && nz == n && !memcmp(bz, bytes, n),
