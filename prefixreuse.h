@@ -40,8 +40,8 @@
                         an #error that says so.
      The CUDA backend (prefixreuse_cuda.cu) is C++17 for nvcc.
 
-   EXAMPLE
-     pr_error err; pr_config cfg; pr_trace trace; pr_trainer *tr;
+   EXAMPLE (the body of a main; CI compiles and runs it)
+     pr_error err; pr_config cfg; pr_trace trace = {0}; pr_trainer *tr = NULL;
      if (pr_config_load(&cfg, "model/tiny", &err) ||
          pr_trace_read(&trace, "data/sample.trace", &err) ||
          pr_trainer_create(&tr, &cfg, pr_backend_cpu(), &err) ||
@@ -49,8 +49,13 @@
      pr_step_opts opt = pr_step_opts_default();      // reuse schedule, padded, all G at once
      pr_step_stats st;
      pr_adamw_opts adam = pr_adamw_opts_default();
-     if (pr_trainer_compute_grads(tr, &trace.groups[0], &opt, &st, NULL, &err) ||
-         pr_trainer_adamw_step(tr, &adam, NULL, &err)) { ... }
+     pr_status status = pr_trainer_compute_grads(tr, &trace.groups[0], &opt, &st, NULL, &err);
+     if (!status) status = pr_trainer_adamw_step(tr, &adam, NULL, &err);
+     if (status) fprintf(stderr, "%s\n", err.message);
+     else printf("group 0: loss %f\n", st.loss);
+     pr_trainer_destroy(tr);
+     pr_trace_free(&trace);
+     return status ? 1 : 0;
 
    CONTENTS
      The public API comes first, in the order its types need, then the implementation in reading

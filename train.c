@@ -487,9 +487,12 @@ static int parse_args(int argc, char **argv, options *o) {
 #ifndef PR_CUDA
     if (o->profile) { fprintf(stderr, "train: --profile times the CUDA backend's operations: it is train_cuda's (make cuda)\n"); return 0; }
     if (o->nccl_given) {
-        fprintf(stderr, "train: %s connects train_cuda's processes (make cuda); this build runs a mesh's ranks as its threads\n", o->nccl_given);
+        fprintf(stderr, "train: %s connects train_cuda's processes (make cuda), not this build's\n", o->nccl_given);
         return 0;
     }
+#ifdef PR_NO_THREADS
+    if (on_mesh(o)) { fprintf(stderr, "train: a mesh's ranks run as threads, which this build leaves out (compiled with PR_NO_THREADS)\n"); return 0; }
+#endif
 #else
     if (o->nccl_given && !on_mesh(o)) { fprintf(stderr, "train: %s connects a mesh's processes: give the mesh (--dp, --tp, ...)\n", o->nccl_given); return 0; }
 #endif
@@ -1036,7 +1039,7 @@ static pr_status mesh_run(mesh_job *j, pr_error *err) {
     world->destroy(world);
     return st;
 #elif defined(PR_NO_THREADS)
-    (void)j;
+    (void)j;                                       /* refused in parse_args */
     (void)mesh_rank;
     return set_error(err, PR_ERR_UNSUPPORTED, "this build has no in-process ranks (compiled with PR_NO_THREADS)");
 #else

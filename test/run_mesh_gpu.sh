@@ -14,7 +14,7 @@
 #   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
 #   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another world size, a
 #   RANK taken twice, an earlier launch's rank still calling, which then takes no rank's place) or
-#   waits for in vain, each named, and (with unshare -rn) a rank meeting
+#   waits for in vain, each named, --nccl-id without a mesh refused, and (with unshare -rn) a rank meeting
 #   itself on rank 0's port; a rank that hangs mid-run ending its peer's run with an error after
 #   --nccl-timeout, and one that is killed ending it at once (on a real node, where NCCL may not
 #   see a killed peer, at once or after the timeout); with FLIP_SEED, a check that fails on a
@@ -94,6 +94,13 @@ tcp="tcp://127.0.0.1:$(free_port)"
 # over_tcp N ARGS...: ranks N ARGS... with the id over TCP, rank 1 started first and rank 0 last
 over_tcp() { id=$tcp first=1 ranks "$@"; st=$?; id="$tmp/nccl-id"; first=0; return $st; }
 run over_tcp 4 --dp 2 --tp 2 --check $wide
+# --nccl-id without a mesh would be read by nothing: refused, with the reason
+no_mesh_id() {
+    msg=$("$TRAIN_CUDA" --steps 1 --nccl-id "$tcp" 2>&1); rc=$?
+    echo "$msg"
+    [ "$rc" -eq 2 ] && case "$msg" in *"connects a mesh's processes: give the mesh"*) ;; *) false ;; esac
+}
+run no_mesh_id
 # Refusals, each named, with --nccl-timeout 3: a rank of another world size (rank 0 then waits for
 # its rank 1 in vain), and a RANK taken twice (the second told so at once; rank 0 waits for rank 2
 # and then tells the rank 1 it holds that it gave up, so no rank waits in NCCL's init).
