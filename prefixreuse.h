@@ -854,6 +854,11 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
    unreadable, out of memory) fails the load on every rank, each keeping what it had; the others'
    message names the first world rank that failed and its status, which they return. */
 PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_state *state, pr_error *err);
+/* A state's record alone, without its tensors (e.g. to check its data_fingerprint before a long
+   load): dir as pr_trainer_load_state takes it. folder (optional, cap bytes) gets the state
+   folder's path, whose config.json is the model's; *state (optional) trainer_state.json's values,
+   checked as the load checks them. Nothing is written on failure. Any rank, no collective. */
+PRDEF pr_status pr_train_state_read(const char *dir, char *folder, size_t cap, pr_train_state *state, pr_error *err);
 
 PRDEF int pr_trainer_tensor_count(const pr_trainer *tr);
 PRDEF const pr_tensor_info *pr_trainer_tensor(const pr_trainer *tr, int i);
@@ -10633,28 +10638,51 @@ static pr_status pr__load_state_v1(pr_trainer *tr, const char *folder, pr_real *
     return st;
 }
 
+/* The state folder of dir (dir itself, or the one its latest names) into folder (4200 bytes) and
+   its trainer_state.json parsed into *s; fn names the caller in messages. */
+static pr_status pr__state_record(const char *dir, const char *fn, char *folder, pr_train_state *s, int *version, pr_error *err) {
+    if (!dir) return pr__fail(err, PR_ERR_ARG, "%s: NULL argument", fn);
+    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "%s: path too long", fn);
+    char path[4300], name[256];
+    uint64_t size;
+    int is_dir;
+    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
+    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, 4200, "%s", dir);    /* one state folder */
+    else {
+        snprintf(folder, 4200, "%s/latest", dir);
+        if (!pr__io_stat(folder, &size, &is_dir))
+            return pr__fail(err, PR_ERR_IO, "%s: %s holds no training state: neither %s (a state's folder) nor %s (the folder a save "
+                            "was given)", fn, dir, path, folder);
+        pr_status st = pr__state_latest(dir, name, sizeof name, 1, err);
+        if (st) return st;
+        snprintf(folder, 4200, "%s/%s", dir, name);
+    }
+    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
+    return pr__state_parse(path, s, version, err);
+}
+
+PRDEF pr_status pr_train_state_read(const char *dir, char *folder, size_t cap, pr_train_state *state, pr_error *err) {
+    char at[4200];
+    pr_train_state s;
+    int version;
+    memset(&s, 0, sizeof s);
+    pr_status st = pr__state_record(dir, "pr_train_state_read", at, &s, &version, err);
+    if (st) return st;
+    if (folder && strlen(at) >= cap)
+        return pr__fail(err, PR_ERR_ARG, "pr_train_state_read: the state folder's path (%zu bytes) does not fit in %zu", strlen(at) + 1, cap);
+    if (folder) memcpy(folder, at, strlen(at) + 1);
+    if (state) *state = s;
+    return PR_OK;
+}
+
 /* Reads and checks the state at dir (one state folder, or the latest in a run's folder) into *s and
    host copies of this rank's arenas (pr__load_state_v1's), the trainer untouched. */
 static pr_status pr__load_state_read(pr_trainer *tr, const char *dir, pr_train_state *s, pr_real *host[3], pr_error *err) {
-    if (!dir) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: NULL argument");
-    if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_load_state: path too long");
-    char folder[4200], path[4300], name[256];
-    uint64_t size;
-    int is_dir, version = 0;
-    pr_status st = PR_OK;
-    snprintf(path, sizeof path, "%s/trainer_state.json", dir);
-    if (pr__io_stat(path, &size, &is_dir)) snprintf(folder, sizeof folder, "%s", dir);    /* one state folder */
-    else {
-        snprintf(folder, sizeof folder, "%s/latest", dir);
-        if (!pr__io_stat(folder, &size, &is_dir))
-            return pr__fail(err, PR_ERR_IO, "pr_trainer_load_state: %s holds no training state: neither %s (a state's folder) "
-                            "nor %s (the folder a save was given)", dir, path, folder);
-        if ((st = pr__state_latest(dir, name, sizeof name, 1, err))) return st;
-        snprintf(folder, sizeof folder, "%s/%s", dir, name);
-    }
+    char folder[4200], path[4300];
+    int version = 0;
+    pr_status st = pr__state_record(dir, "pr_trainer_load_state", folder, s, &version, err);
+    if (st) return st;
     pr_config cfg;
-    snprintf(path, sizeof path, "%s/trainer_state.json", folder);
-    if ((st = pr__state_parse(path, s, &version, err))) return st;
     snprintf(path, sizeof path, "%s/config.json", folder);
     if ((st = pr_config_load(&cfg, path, err)) || (st = pr__state_same_model(&cfg, &tr->model, path, err))) return st;
     host[0] = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));

@@ -653,26 +653,30 @@ static void kill_after(void *user, uint64_t bytes) {
 }
 
 /* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. A
-   state's position counts groups of the trace it was on: another trace is refused (the fingerprints
-   differ) unless --new-trace says it is new data, which starts at its first group. The run's AdamW
-   settings are the command line's; a state that ran with others gets a note. */
+   state's position counts groups of the trace it was on: another trace is refused before the load
+   (the fingerprints differ; every rank reads the same record, so every rank refuses alike) unless
+   --new-trace says it is new data, which starts at its first group. The run's AdamW settings are
+   the command line's; a state that ran with others gets a note. */
 static pr_status start_state(const options *o, const pr_trace *t, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
     memset(s, 0, sizeof *s);
     s->seed = o->seed;
     s->adamw = o->adam;
     s->data_fingerprint = t->fingerprint;
     if (!o->resume) return PR_OK;
+    pr_train_state rec;          /* a record this rank cannot read fails in the load, where the ranks agree */
+    if (!o->new_trace && !pr_train_state_read(o->resume, NULL, 0, &rec, err) && rec.data_fingerprint &&
+        rec.data_fingerprint != t->fingerprint) {
+        err->status = PR_ERR_ARG;
+        snprintf(err->message, sizeof err->message, "%s was saved on another trace (fingerprint %016llx; %s's is %016llx), and its "
+                 "position, group %ld, counts that trace's groups: resume with its trace, or add --new-trace to start at this "
+                 "trace's first group", o->resume, (unsigned long long)rec.data_fingerprint, o->trace,
+                 (unsigned long long)t->fingerprint, rec.next_group);
+        return PR_ERR_ARG;
+    }
     pr_status st = pr_trainer_load_state(tr, o->resume, s, err);
     if (st) return st;
     const uint64_t was = s->data_fingerprint;
     if (o->new_trace) s->next_group = 0;
-    else if (was && was != t->fingerprint) {
-        err->status = PR_ERR_ARG;
-        snprintf(err->message, sizeof err->message, "%s was saved on another trace (fingerprint %016llx; %s's is %016llx), and its "
-                 "position, group %ld, counts that trace's groups: resume with its trace, or add --new-trace to start at this "
-                 "trace's first group", o->resume, (unsigned long long)was, o->trace, (unsigned long long)t->fingerprint, s->next_group);
-        return PR_ERR_ARG;
-    }
     s->data_fingerprint = t->fingerprint;
     if (!lead) return PR_OK;
     printf("resumed %s: %ld steps taken, next group %ld%s (seed %llu)\n", o->resume, s->step, s->next_group,
@@ -2245,21 +2249,6 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     return 0;
 }
 
-/* The model of a --resume folder: its config.json, through DIR/latest unless DIR is a state folder. */
-static void resume_config(const char *dir, char *path, size_t cap) {
-    char name[256] = "";
-    snprintf(path, cap, "%s/trainer_state.json", dir);
-    FILE *f = fopen(path, "r");
-    if (f) { fclose(f); snprintf(path, cap, "%s/config.json", dir); return; }
-    snprintf(path, cap, "%s/latest", dir);
-    if ((f = fopen(path, "r"))) {
-        if (!fgets(name, sizeof name, f)) name[0] = 0;
-        fclose(f);
-    }
-    name[strcspn(name, "\r\n")] = 0;
-    snprintf(path, cap, "%s/%s/config.json", dir, name);
-}
-
 /* The jobs on a trace: prefix trees, the check, the replay, or training. */
 static int run_on_trace(const options *o, const pr_config *cfg) {
     pr_error err;
@@ -2317,7 +2306,11 @@ int main(int argc, char **argv) {
     pr_config cfg;
     char init_config[4096];
     snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
-    if (o.resume) resume_config(o.resume, init_config, sizeof init_config);
+    if (o.resume) {              /* the model of the state --resume names */
+        char folder[4000];
+        if (pr_train_state_read(o.resume, folder, sizeof folder, NULL, &err)) return fail(&err);
+        snprintf(init_config, sizeof init_config, "%s/config.json", folder);
+    }
     FILE *probe = (o.init || o.resume) && !o.config_given ? fopen(init_config, "r") : NULL;
     if (probe) { fclose(probe); o.config = init_config; }
     if (pr_config_load(&cfg, o.config, &err) || select_attention(&o, &err)) return fail(&err);

@@ -1,7 +1,7 @@
 /* fuzz_state.c — libFuzzer harness for the training-state loader (pr_trainer_load_state) on a real
    version-2 state: the first input byte picks the file of that state the rest replaces,
      0  state_index.json (the pieces: kinds, files, keys, rectangles, element ranges)
-     1  trainer_state.json (format, version, step, next_group, seed, precision, AdamW settings)
+     1  trainer_state.json (format, version, step, next_group, seed, precision, AdamW settings, data fingerprint)
    and the other files (config.json, the ranks' safetensors) stay as saved. `make fuzz` saves the
    state first (./train --dp 2 --tp 2 --zero 2 --steps 1 --save-state build/fuzz_state.d) and seeds
    the corpus with its two files; FUZZ_STATE names another folder given to --save-state (the one

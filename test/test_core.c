@@ -2788,6 +2788,21 @@ static void test_train_state(void) {
     train_step(a, &t.g);
     train_step(b, &t.g);
     CHECK(same_state(a, b), "the resumed trainer's next step is the same bits");
+    {   /* the record alone: the folder latest names, the values the load gave */
+        char folder[700], small[8] = "keep";
+        pr_train_state rec;
+        memset(&rec, 0, sizeof rec);
+        snprintf(path, sizeof path, "%s/step-00000002", sd);
+        CHECK(!pr_train_state_read(sd, folder, sizeof folder, &rec, &err) && !strcmp(folder, path) && rec.step == 2 &&
+              rec.next_group == 7 && rec.seed == 1234 && rec.data_fingerprint == s.data_fingerprint,
+              "pr_train_state_read: folder %s, step %ld (%s)", folder, rec.step, err.message);
+        CHECK(!pr_train_state_read(path, NULL, 0, NULL, &err), "a state folder, nothing asked for: %s", err.message);
+        rec.step = -5;
+        CHECK(pr_train_state_read(sd, small, sizeof small, &rec, &err) == PR_ERR_ARG && strstr(err.message, "does not fit") &&
+              !strcmp(small, "keep") && rec.step == -5, "a folder buffer too small: refused, nothing written (%s)", err.message);
+        CHECK(pr_train_state_read(dir, folder, sizeof folder, &rec, &err) == PR_ERR_IO && strstr(err.message, "holds no training state") &&
+              rec.step == -5, "no state: %s", err.message);
+    }
 
     /* a second save replaces the first: latest moves, the old folder goes */
     CHECK(!pr_trainer_save_state(a, sd, &s, NULL, &err), "second save: %s", err.message);
