@@ -67,6 +67,12 @@ cmp -s "$d/new-trace.log" "$d/straight-tail.log" && ok || bad "--new-trace from 
 "$train" --steps 2 --save-state "$d/at2" >/dev/null 2>&1 &&
 "$train" --trace "$tmp/ones.trace" --new-trace --resume "$d/at2" --steps 1 >"$d/out" 2>&1 || bad "--new-trace from group 2"
 grep -q '^step   2  group 0 ' "$d/out" && grep -q 'next group 0 (--new-trace' "$d/out" && ok || { bad "--new-trace did not start at group 0"; cat "$d/out"; }
+# on a mesh every rank refuses alike (none is left waiting in the load), and --new-trace runs
+msg=$("$train" --dp 2 --tp 2 --cp 2 --trace "$tmp/steps.trace" --resume "$tmp/mesh/split" --steps 1 2>&1); rc=$?
+case "$msg" in *"was saved on another trace"*) [ $rc -eq 1 ] && ok || bad "another trace on a mesh: status $rc" ;;
+    *) bad "another trace on a mesh: '$msg'" ;; esac
+"$train" --dp 2 --tp 2 --cp 2 --trace "$tmp/ones.trace" --new-trace --resume "$tmp/mesh/split" --steps 1 >"$d/out" 2>&1 &&
+    grep -q 'next group 0 (--new-trace' "$d/out" && grep -q '^step   8  groups 0\.\.0 ' "$d/out" && ok || { bad "--new-trace on a mesh"; cat "$d/out"; }
 # a state without a fingerprint goes on at its position, with a note
 f=$d/at2/step-00000002/trainer_state.json
 python3 -c "import json, sys; j = json.load(open(sys.argv[1])); del j['data_fingerprint']; json.dump(j, open(sys.argv[1], 'w'))" "$f" &&
