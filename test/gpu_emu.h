@@ -5,7 +5,7 @@
    emulated machine sees is reported.
 
    The emulated block: one fiber per thread, run in turn until each reaches a synchronisation
-   point. __syncthreads releases when every thread has arrived. A warp-collective instruction
+   point. __syncthreads releases when every thread has arrived, at the same call site. A warp-collective instruction
    (ldmatrix, mma.sync, shfl) executes when all 32 lanes of the warp have arrived at it, through
    mma_emu.h's emulation written from the PTX ISA; lanes of one warp arriving at different ones is
    reported as divergence, threads that never meet as a deadlock. cp.async copies land only when
@@ -110,6 +110,8 @@ struct emu_thread {
     bool waited;                                 /* a wait_group since the last barrier (planted faults) */
     bool stored;                                 /* a shared-memory store since the last barrier (planted faults) */
     bool fence_due;                              /* a fence.proxy.async deferred past the next barrier (planted fault) */
+    const char *bar_file;                        /* the __syncthreads it waits at */
+    int bar_line;
     int wg_op;                                   /* a warpgroup instruction (WG_*) and its operands */
     uint64_t wg_da, wg_db;                       /* wgmma: descriptors (wg_a NULL: A from shared memory) */
     const uint32_t *wg_a;
@@ -265,7 +267,11 @@ static void emu_yield(int state) {
     emu_to_scheduler();
 }
 static void emu_proxy_fence(void);
-static void __syncthreads(void) {
+/* A call site's file and line: the threads of a block must wait at the same __syncthreads (CUDA
+   leaves a barrier reached at different ones undefined; a GPU may release it, or hang). */
+#define __syncthreads() emu_syncthreads(__FILE__, __LINE__)
+static void emu_syncthreads(const char *file, int line) {
+    emu_cur->bar_file = file, emu_cur->bar_line = line;
     const bool after_wait = emu_cur->waited, after_store = emu_cur->stored;
     emu_cur->waited = emu_cur->stored = false;
     if ((fault_skip_barrier == 1 && !after_wait) || (fault_skip_barrier == 2 && after_wait) || (fault_skip_barrier == 3 && after_store))
@@ -643,6 +649,15 @@ static void emu_run_block(unsigned threads) {
         for (unsigned t = 0; t < threads; t++) bar += emu_threads[t].state == T_BAR, done += emu_threads[t].state == T_DONE;
         if (done == threads) return;
         if (bar == threads) {
+            for (unsigned t = 1; t < threads; t++)
+                if (emu_threads[t].bar_line != emu_threads[0].bar_line || strcmp(emu_threads[t].bar_file, emu_threads[0].bar_file)) {
+                    char what[400];
+                    snprintf(what, sizeof what, "threads of a block wait at different __syncthreads: %s:%d and thread 0 at %s:%d",
+                             emu_threads[t].bar_file, emu_threads[t].bar_line, emu_threads[0].bar_file, emu_threads[0].bar_line);
+                    emu_cur = &emu_threads[t];
+                    emu_error(what);
+                    return;
+                }
             for (unsigned t = 0; t < threads; t++) {      /* what this barrier publishes unfenced stays so */
                 for (uint32_t w : emu_threads[t].unfenced)
                     if (emu_shadow[w].unfenced) emu_shadow[w].stale = true;

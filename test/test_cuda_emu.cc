@@ -37,6 +37,12 @@ static __global__ void k_deadlock(int unused) {
     (void)unused;
     if (threadIdx.x == 0) __syncthreads();
 }
+/* the two warps wait at different barriers: each call site is a barrier of its own to CUDA */
+static __global__ void k_split_barrier(int unused) {
+    (void)unused;
+    if (threadIdx.x < 32) __syncthreads();
+    else __syncthreads();
+}
 
 enum { N = 64 };
 static cudaStream_t compute, side;              /* created in this order: `side` is the one eager-side runs early */
@@ -196,6 +202,8 @@ static void test_launches(float *a) {
     PR_LAUNCH(k_deadlock, 1, 64, 0, compute, 0);
     CHECK(cudaGetLastError() == cudaSuccess, "a faulting kernel launches");
     CHECK(cudaStreamSynchronize(compute) == cudaErrorLaunchFailure && fault_seen(), "its fault shows at the next wait");
+    PR_LAUNCH(k_split_barrier, 1, 64, 0, compute, 0);
+    CHECK(cudaStreamSynchronize(compute) == cudaErrorLaunchFailure && fault_seen(), "warps at different __syncthreads are a fault");
 }
 
 /* cuBLASLt: D (m x n, column-major) = op(A) op(B) + D, against a plain product, and its operands checked */
