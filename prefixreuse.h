@@ -1071,7 +1071,10 @@ PRDEF void pr_mesh_free(pr_mesh *mesh);
    tp) inside pr_trainer_compute_grads, so every rank ends a step with its shard of the full
    model's gradient. Requires heads, KV heads, intermediate (or, without EP, the expert
    intermediate) size divisible by tp, and experts by ep. With cp > 1 each sequence of a pass
-   (each trajectory of a microbatch) is cut into 2 cp pieces, two of them a rank. */
+   (each trajectory of a microbatch) is cut into 2 cp pieces, two of them a rank. Collective over
+   the world: every rank keeps its trainer or none does. A rank that cannot create its own (out of
+   memory for a larger shard, say) fails with its own message, the others with the status of the
+   first that failed, naming its world rank; none is left waiting in a later collective. */
 PRDEF pr_status pr_trainer_create_mesh(pr_trainer **tr, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                        pr_error *err);
 /* The full model's parameter count, and whole-model copies in the unsharded trainer's layout:
@@ -5300,10 +5303,32 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
     return st;
 }
 
+static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, pr_status st, int *origin, const char *fn, const char *then, pr_error *err);
+/* A rank that could not create its trainer takes part in the agreement through staging buffers of
+   its own (if even those fail, its peers' next collective fails instead). */
+static pr_status pr__create_failed_agree(const pr_backend *be, const pr_mesh *mesh, pr_status st, pr_error *err) {
+    pr_trainer shell;
+    memset(&shell, 0, sizeof shell);
+    shell.be = be;
+    shell.mesh = mesh;
+    shell.stage = (pr_real *)be->alloc(be, sizeof(pr_real) * PR__STAGE_REALS, PR_TIER_DEVICE);
+    shell.stage_host = (pr_real *)PR_MALLOC(sizeof(pr_real) * PR__STAGE_REALS);
+    if (shell.stage && shell.stage_host) st = pr__ranks_agree(&shell, mesh->world, st, NULL, "pr_trainer_create_mesh", "", err);
+    if (shell.stage) be->release(be, shell.stage, PR_TIER_DEVICE);
+    PR_FREE(shell.stage_host);
+    return st;
+}
+
 PRDEF pr_status pr_trainer_create_mesh(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                        pr_error *err) {
-    if (!mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL mesh");
-    return pr__trainer_new(out, cfg, be, mesh, err);
+    if (!out || !mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL %s", out ? "mesh" : "argument");
+    pr_trainer *tr = NULL;
+    pr_status st = pr__trainer_new(&tr, cfg, be, mesh, err);
+    if (st && be && mesh->world->size > 1) return pr__create_failed_agree(be, mesh, st, err);
+    if (!st) st = pr__ranks_agree(tr, mesh->world, st, NULL, "pr_trainer_create_mesh", "no rank keeps a trainer", err);
+    if (st) pr_trainer_destroy(tr);
+    else *out = tr;
+    return st;
 }
 
 /* ---------------------------------------------------------------- 7.2 Collectives inside a step */

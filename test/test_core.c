@@ -3169,6 +3169,71 @@ static int rstate_same(pr_real *const *a, pr_real *const *b, size_t n) {
     return same;
 }
 
+/* Trainer creation on a dp 2 x tp 2 mesh with one of the victim rank's allocations failing, each
+   in turn: every rank fails or none does, the victim with its own message, the others naming it;
+   none is left waiting (the in-process ranks would end a wait with "has left", which fails the
+   check on the message). */
+typedef struct { const pr_config *c; int victim; long fail_at, made; pr_status status[4]; char said[4][512]; } create_fault_run;
+static pr_status create_fault_rank(pr_comm *world, void *user, pr_error *err) {
+    create_fault_run *m = user;
+    pr_mesh mesh;
+    pr_trainer *tr = NULL;
+    pr_status s = pr_mesh_init(&mesh, world, 2, 1, 1, 2, 1, err);
+    if (s) return s;
+    const int me = world->rank;
+    pr_error e;
+    if (me == m->victim) {
+        alloc_made = 0;
+        alloc_fails_at = m->fail_at;
+    }
+    m->status[me] = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, &e);
+    if (me == m->victim) {
+        m->made = alloc_made;
+        alloc_fails_at = -1;
+    }
+    snprintf(m->said[me], sizeof m->said[me], "%s", m->status[me] ? e.message : "");
+    if (!m->status[me] && !tr) m->status[me] = PR_ERR_ARG;     /* success without a trainer: counted as a failure */
+    pr_trainer_destroy(tr);
+    pr_mesh_free(&mesh);
+    return PR_OK;
+}
+
+static void test_create_faults(void) {
+    pr_config c = small_config(1, 0, 2);
+    pr_error err;
+    for (int victim = 0; victim < 4; victim += 3) {
+        create_fault_run m;
+        memset(&m, 0, sizeof m);
+        m.c = &c;
+        m.victim = victim;
+        m.fail_at = LONG_MAX;
+        CHECK(pr_comm_local_run(4, create_fault_rank, &m, &err) == PR_OK && !m.status[0] && !m.status[3], "creation on dp 2 x tp 2: %s",
+              err.message);
+        const long total = m.made;
+        int failed = 0;
+        char told[64], scratch[64];     /* the agreement's message, or the collective's own on its scratch */
+        snprintf(told, sizeof told, "world rank %d failed (status 5", victim);
+        snprintf(scratch, sizeof scratch, "rank %d is out of memory: every rank fails the call", victim);
+        for (long k = 0; k < total; k++) {
+            m.fail_at = k;
+            CHECK(pr_comm_local_run(4, create_fault_rank, &m, &err) == PR_OK, "%s", err.message);
+            failed += m.status[victim] != PR_OK;
+            int alike = 1;
+            for (int r = 0; r < 4; r++) {
+                alike &= (m.status[r] != PR_OK) == (m.status[victim] != PR_OK);
+                if (r != victim && m.status[r])
+                    alike &= (strstr(m.said[r], told) && strstr(m.said[r], "no rank keeps a trainer")) || strstr(m.said[r], scratch);
+            }
+            CHECK(alike && (!m.status[victim] || strstr(m.said[victim], "out of") || strstr(m.said[victim], "cannot allocate")),
+                  "creation, allocation %ld of %ld failing on rank %d: statuses %d %d %d %d, victim '%s', rank %d '%s'", k, total, victim,
+                  m.status[0], m.status[1], m.status[2], m.status[3], m.said[victim], victim ? 0 : 1, m.said[victim ? 0 : 1]);
+        }
+        CHECK(failed == total, "creation: %d of the victim's %ld allocations failed it", failed, total);
+        printf("trainer creation on dp 2 x tp 2: each of world rank %d's %ld allocations failing in turn fails it on every rank\n", victim,
+               total);
+    }
+}
+
 /* A state loading on a dp 2 mesh with one of rank 0's allocations failing, each in turn, for a
    version-1 state (one rank's: each rank reads the full tensors and keeps its part) and a
    version-2 one (saved on the mesh: each rank reads its pieces). The ranks agree before any takes
@@ -4199,6 +4264,7 @@ int main(void) {
     test_cp_cut();
     test_mesh();
     test_mesh_faults();
+    test_create_faults();
     test_load_faults();
     test_gather_faults();
     test_mesh_load();
