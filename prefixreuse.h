@@ -45,7 +45,12 @@
      if (pr_config_load(&cfg, "model/tiny", &err) ||
          pr_trace_read(&trace, "data/sample.trace", &err) ||
          pr_trainer_create(&tr, &cfg, pr_backend_cpu(), &err) ||
-         pr_trainer_init_params(tr, 1234, &err)) { fprintf(stderr, "%s\n", err.message); return 1; }
+         pr_trainer_init_params(tr, 1234, &err)) {
+         fprintf(stderr, "%s\n", err.message);
+         pr_trainer_destroy(tr);                     // NULL and a zeroed trace: no-ops
+         pr_trace_free(&trace);
+         return 1;
+     }
      pr_step_opts opt = pr_step_opts_default();      // reuse schedule, padded, all G at once
      pr_step_stats st;
      pr_adamw_opts adam = pr_adamw_opts_default();
@@ -5305,7 +5310,8 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
 
 static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, pr_status st, int *origin, const char *fn, const char *then, pr_error *err);
 /* A rank that could not create its trainer takes part in the agreement through staging buffers of
-   its own (if even those fail, its peers' next collective fails instead). */
+   its own. If even those fail it returns at once, and its peers, already in the agreement's sum,
+   wait for it there: in-process ranks see it leave, NCCL's peers wait for their timeout. */
 static pr_status pr__create_failed_agree(const pr_backend *be, const pr_mesh *mesh, pr_status st, pr_error *err) {
     pr_trainer shell;
     memset(&shell, 0, sizeof shell);

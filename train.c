@@ -27,6 +27,7 @@ typedef struct {
     const char *config, *trace, *init, *save, *save_grads;
     const char *save_state, *resume, *loss_log;   /* training state: README "Training state" */
     int new_trace;                   /* --new-trace: resume at the first group of a trace other than the state's */
+    pr_train_state resumed;          /* --resume's record (pr_train_state_read), read before anything is built */
     const char *log;                 /* --log: one JSON line a step */
     int replay;                      /* --replay N: steps of the drift replay (0: none) */
     int prefix_tree;                 /* --prefix-tree MIN: report the steps' prefix trees (0: none) */
@@ -479,8 +480,8 @@ static int parse_args(int argc, char **argv, options *o) {
         return 0;
     }
     if (o->tree_min_given && !o->tree) { fprintf(stderr, "train: --tree-min sets --schedule tree's smallest shared node: it needs that schedule\n"); return 0; }
-    if ((o->step.offload.pool_bytes || o->step.offload.device_budget) && !o->step.offload.enabled && o->bench != 2) {
-        fprintf(stderr, "train: %s sets up the prefix's offload: it needs --offload on (or --bench memory, whose rows offload)\n",
+    if ((o->step.offload.pool_bytes || o->step.offload.device_budget) && !o->step.offload.enabled && o->bench != 2 && o->bench != 3) {
+        fprintf(stderr, "train: %s sets up the prefix's offload: it needs --offload on (or --bench memory or capacity, whose rows offload)\n",
                 o->step.offload.pool_bytes ? "--offload-pool" : "--device-budget");
         return 0;
     }
@@ -495,6 +496,10 @@ static int parse_args(int argc, char **argv, options *o) {
 #endif
 #else
     if (o->nccl_given && !on_mesh(o)) { fprintf(stderr, "train: %s connects a mesh's processes: give the mesh (--dp, --tp, ...)\n", o->nccl_given); return 0; }
+    if (o->nccl_given && o->bench) {
+        fprintf(stderr, "train: %s connects a training run's processes; --bench capacity runs its mesh's ranks as threads\n", o->nccl_given);
+        return 0;
+    }
 #endif
     for (int i = 0; (o->bench == 1 || o->bench == 2) && i < o->n_bench_splits; i++) {
         const long P = split_prefix(o, i);
@@ -652,27 +657,16 @@ static void kill_after(void *user, uint64_t bytes) {
     abort();
 }
 
-/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off. A
-   state's position counts groups of the trace it was on: another trace is refused before the load
-   (the fingerprints differ; every rank reads the same record, so every rank refuses alike) unless
-   --new-trace says it is new data, which starts at its first group. The run's AdamW settings are
-   the command line's; a state that ran with others gets a note. */
+/* Where the run starts: step 0 at the trace's first group, or where --resume's state left off
+   (its trace checked by resumed_trace_fits before anything was built), or with --new-trace at the
+   trace's first group. The run's AdamW settings are the command line's; a state that ran with
+   others gets a note. */
 static pr_status start_state(const options *o, const pr_trace *t, pr_trainer *tr, pr_train_state *s, int lead, pr_error *err) {
     memset(s, 0, sizeof *s);
     s->seed = o->seed;
     s->adamw = o->adam;
     s->data_fingerprint = t->fingerprint;
     if (!o->resume) return PR_OK;
-    pr_train_state rec;          /* a record this rank cannot read fails in the load, where the ranks agree */
-    if (!o->new_trace && !pr_train_state_read(o->resume, NULL, 0, &rec, err) && rec.data_fingerprint &&
-        rec.data_fingerprint != t->fingerprint) {
-        err->status = PR_ERR_ARG;
-        snprintf(err->message, sizeof err->message, "%s was saved on another trace (fingerprint %016llx; %s's is %016llx), and its "
-                 "position, group %ld, counts that trace's groups: resume with its trace, or add --new-trace to start at this "
-                 "trace's first group", o->resume, (unsigned long long)rec.data_fingerprint, o->trace,
-                 (unsigned long long)t->fingerprint, rec.next_group);
-        return PR_ERR_ARG;
-    }
     pr_status st = pr_trainer_load_state(tr, o->resume, s, err);
     if (st) return st;
     const uint64_t was = s->data_fingerprint;
@@ -681,7 +675,8 @@ static pr_status start_state(const options *o, const pr_trace *t, pr_trainer *tr
     if (!lead) return PR_OK;
     printf("resumed %s: %ld steps taken, next group %ld%s (seed %llu)\n", o->resume, s->step, s->next_group,
            o->new_trace ? " (--new-trace: this trace's first)" : "", (unsigned long long)s->seed);
-    if (!was) fprintf(stderr, "train: note: %s records no trace fingerprint; going on at its position in %s\n", o->resume, o->trace);
+    if (!was && !o->new_trace)
+        fprintf(stderr, "train: note: %s records no trace fingerprint; going on at its position in %s\n", o->resume, o->trace);
     const pr_adamw_opts *a = &s->adamw, *b = &o->adam;
     if (a->lr != b->lr || a->beta1 != b->beta1 || a->beta2 != b->beta2 || a->eps != b->eps || a->weight_decay != b->weight_decay ||
         a->max_grad_norm != b->max_grad_norm)
@@ -2250,12 +2245,25 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
 }
 
 /* The jobs on a trace: prefix trees, the check, the replay, or training. */
+/* A state's position counts groups of the trace it was on: another trace (the fingerprints
+   differ) is refused unless --new-trace says it is new data. Checked before any trainer or rank
+   exists, so every process of a mesh refuses alike and a long load is not spent on it. */
+static int resumed_trace_fits(const options *o, const pr_trace *t) {
+    const pr_train_state *r = &o->resumed;
+    if (!o->resume || o->new_trace || !r->data_fingerprint || r->data_fingerprint == t->fingerprint) return 1;
+    fprintf(stderr, "train: %s was saved on another trace (fingerprint %016llx; %s's is %016llx), and its position, group %ld, counts "
+            "that trace's groups: resume with its trace, or add --new-trace to start at this trace's first group\n", o->resume,
+            (unsigned long long)r->data_fingerprint, o->trace, (unsigned long long)t->fingerprint, r->next_group);
+    return 0;
+}
+
 static int run_on_trace(const options *o, const pr_config *cfg) {
     pr_error err;
     pr_trace trace;
     if (pr_trace_read(&trace, o->trace, &err)) return fail(&err);
-    if (trace.vocab_size > cfg->vocab_size) {
-        fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o->trace, trace.vocab_size, cfg->vocab_size);
+    if (trace.vocab_size > cfg->vocab_size || !resumed_trace_fits(o, &trace)) {
+        if (trace.vocab_size > cfg->vocab_size)
+            fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o->trace, trace.vocab_size, cfg->vocab_size);
         pr_trace_free(&trace);
         return 1;
     }
@@ -2308,7 +2316,7 @@ int main(int argc, char **argv) {
     snprintf(init_config, sizeof init_config, "%s/config.json", o.init ? o.init : "");
     if (o.resume) {              /* the model of the state --resume names */
         char folder[4000];
-        if (pr_train_state_read(o.resume, folder, sizeof folder, NULL, &err)) return fail(&err);
+        if (pr_train_state_read(o.resume, folder, sizeof folder, &o.resumed, &err)) return fail(&err);
         snprintf(init_config, sizeof init_config, "%s/config.json", folder);
     }
     FILE *probe = (o.init || o.resume) && !o.config_given ? fopen(init_config, "r") : NULL;

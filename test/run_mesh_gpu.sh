@@ -94,11 +94,15 @@ tcp="tcp://127.0.0.1:$(free_port)"
 # over_tcp N ARGS...: ranks N ARGS... with the id over TCP, rank 1 started first and rank 0 last
 over_tcp() { id=$tcp first=1 ranks "$@"; st=$?; id="$tmp/nccl-id"; first=0; return $st; }
 run over_tcp 4 --dp 2 --tp 2 --check $wide
-# --nccl-id without a mesh would be read by nothing: refused, with the reason
+# --nccl-id without a mesh, or with --bench capacity (whose ranks are threads), would be read by
+# nothing: refused, with the reason
 no_mesh_id() {
     msg=$("$TRAIN_CUDA" --steps 1 --nccl-id "$tcp" 2>&1); rc=$?
     echo "$msg"
-    [ "$rc" -eq 2 ] && case "$msg" in *"connects a mesh's processes: give the mesh"*) ;; *) false ;; esac
+    [ "$rc" -eq 2 ] && case "$msg" in *"connects a mesh's processes: give the mesh"*) ;; *) false ;; esac || return 1
+    msg=$("$TRAIN_CUDA" --bench capacity --dp 2 --nccl-id "$tcp" 2>&1); rc=$?
+    echo "$msg"
+    [ "$rc" -eq 2 ] && case "$msg" in *"--bench capacity runs its mesh's ranks as threads"*) ;; *) false ;; esac
 }
 run no_mesh_id
 # Refusals, each named, with --nccl-timeout 3: a rank of another world size (rank 0 then waits for

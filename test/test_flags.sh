@@ -1,6 +1,7 @@
 #!/bin/sh
 # ./train refuses bad command lines before it loads anything: each row is the flags, then a piece
-# of the message it must print; the exit status must be 2. Usage: sh test/test_flags.sh TRAIN
+# of the message it must print; the exit status must be 2. Last, command lines it must take.
+# Usage: sh test/test_flags.sh TRAIN
 train=${1:-./train}
 passed=0; failed=0
 check() {
@@ -77,5 +78,14 @@ check "belong to a training run"            --check --save /tmp/never-written
 check "--check and --bench are two runs"    --check --bench
 check "--loss-norm-len is seq-mean-token-sum-norm's length" --loss-norm-len 48
 check "bad value '99999999999999999999999' for --seed" --seed 99999999999999999999999
+# ... and takes the flags where something reads them: the offload's pool and budget in --bench
+# capacity's and memory's offload rows
+accepts() {
+    "$train" "$@" >/dev/null 2>&1 && { passed=$((passed + 1)); return; }
+    failed=$((failed + 1))
+    echo "FAIL: train $* was refused or failed"
+}
+accepts --bench capacity --bench-budget 8 --device-budget 0.25 --offload-pool 1
+accepts --bench memory --bench-total 24 --bench-groups 2 --device-budget 0.25
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -78,6 +78,8 @@ f=$d/at2/step-00000002/trainer_state.json
 python3 -c "import json, sys; j = json.load(open(sys.argv[1])); del j['data_fingerprint']; json.dump(j, open(sys.argv[1], 'w'))" "$f" &&
 "$train" --trace "$tmp/ones.trace" --resume "$d/at2" --steps 1 >"$d/out" 2>&1 && grep -q "records no trace fingerprint" "$d/out" &&
     grep -q '^step   2  group 2 ' "$d/out" && ok || { bad "a state without a fingerprint"; cat "$d/out"; }
+"$train" --trace "$tmp/ones.trace" --new-trace --resume "$d/at2" --steps 1 >"$d/out" 2>&1 && ! grep -q "records no trace fingerprint" "$d/out" &&
+    grep -q '^step   2  group 0 ' "$d/out" && ok || { bad "--new-trace from a state without a fingerprint"; cat "$d/out"; }
 
 # the stage changes the pieces, not the values: a state saved with --zero 2 (each dp rank its slice
 # of m and v) resumes with --zero 0 exactly, and saves what the straight --zero 0 run saves
