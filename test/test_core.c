@@ -2831,28 +2831,23 @@ static void test_train_state(void) {
     CHECK(st == PR_ERR_ARG && strstr(err.message, "intermediate_size is 40, this trainer's model has 48"), "other shape: %s", err.message);
     pr_trainer_destroy(o);
     snprintf(path, sizeof path, "%s/step-00000003.1/trainer_state.json", sd);
-    rewrite_file(path, "\"version\": 1", "\"version\": 3");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "version 3 is newer; this build reads versions 1 to 2"), "newer: %s", err.message);
-    rewrite_file(path, "\"version\": 3", "\"version\": 0");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "version"), "version 0: %s", err.message);
-    rewrite_file(path, "\"version\": 0", "\"version\": 1");
-    rewrite_file(path, "prefixreuse-train-state", "something-else");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "not a prefixreuse training state"), "other format: %s", err.message);
-    rewrite_file(path, "something-else", "prefixreuse-train-state");
-    rewrite_file(path, IS_DOUBLE ? "\"F64\"" : "\"F32\"", IS_DOUBLE ? "\"F32\"" : "\"F64\"");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_UNSUPPORTED && strstr(err.message, "same precision"), "other precision: %s", err.message);
-    rewrite_file(path, IS_DOUBLE ? "\"F32\"" : "\"F64\"", IS_DOUBLE ? "\"F64\"" : "\"F32\"");
-    rewrite_file(path, "fedcba9876543210", "FEDCBA9876543210");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "data_fingerprint"), "an upper-case fingerprint: %s", err.message);
-    rewrite_file(path, "\"FEDCBA9876543210\"", "12");
-    st = pr_trainer_load_state(b, sd, NULL, &err);
-    CHECK(st == PR_ERR_FORMAT && strstr(err.message, "data_fingerprint"), "a fingerprint as a number: %s", err.message);
-    rewrite_file(path, ",\n  \"data_fingerprint\": 12", "");   /* a state written without one */
+    const char *own = IS_DOUBLE ? "\"F64\"" : "\"F32\"", *other_real = IS_DOUBLE ? "\"F32\"" : "\"F64\"";
+    const struct { const char *from, *to; pr_status want; const char *says; } edits[] = {
+        { "\"version\": 1", "\"version\": 3", PR_ERR_UNSUPPORTED, "version 3 is newer; this build reads versions 1 to 2" },
+        { "\"version\": 1", "\"version\": 0", PR_ERR_FORMAT, "version" },
+        { "prefixreuse-train-state", "something-else", PR_ERR_FORMAT, "not a prefixreuse training state" },
+        { own, other_real, PR_ERR_UNSUPPORTED, "same precision" },
+        { "fedcba9876543210", "FEDCBA9876543210", PR_ERR_FORMAT, "data_fingerprint" },
+        { "\"fedcba9876543210\"", "-1.5", PR_ERR_FORMAT, "data_fingerprint" },
+    };
+    for (size_t k = 0; k < sizeof edits / sizeof *edits; k++) {   /* each edit refused, then undone */
+        rewrite_file(path, edits[k].from, edits[k].to);
+        st = pr_trainer_load_state(b, sd, NULL, &err);
+        CHECK(st == edits[k].want && strstr(err.message, edits[k].says), "trainer_state.json with %s for %s: status %d, %s", edits[k].to,
+              edits[k].from, st, err.message);
+        rewrite_file(path, edits[k].to, edits[k].from);
+    }
+    rewrite_file(path, ",\n  \"data_fingerprint\": \"fedcba9876543210\"", "");   /* a state written without one */
     pr_trainer *fresh = make_model(&c, 5);
     memset(&back, 0, sizeof back);
     back.data_fingerprint = 1;
