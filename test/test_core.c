@@ -15,6 +15,16 @@ static int alloc_fails(size_t n) {
     if (n > alloc_largest) alloc_largest = n;
     return alloc_fails_at >= 0 && alloc_made++ == alloc_fails_at;
 }
+/* Arms this thread's failing allocation: the one numbered `at` from now. */
+static void alloc_fault_arm(long at) {
+    alloc_made = 0;
+    alloc_fails_at = at;
+}
+/* Disarms it; the allocations made since it was armed. */
+static long alloc_fault_disarm(void) {
+    alloc_fails_at = -1;
+    return alloc_made;
+}
 static void *test_malloc(size_t n) { return alloc_fails(n) ? NULL : malloc(n); }
 static void *test_realloc(void *p, size_t n) { return alloc_fails(n) ? NULL : realloc(p, n); }
 #define PR_MALLOC(sz) test_malloc(sz)
@@ -1481,20 +1491,14 @@ static pr_status mesh_rank(pr_comm *world, void *user, pr_error *err) {
     if (!s && m->tree) s = pr_prefix_tree_build(&tree, m->groups, m->n, 1, err);
     for (int k = 0; k < (m->steps ? m->steps : 1) && !s; k++) {
         const int victim = m->victim > 0 && world->rank == m->victim;
-        if (victim) {
-            alloc_made = 0;
-            alloc_fails_at = m->fail_at;
-        }
+        if (victim) alloc_fault_arm(m->fail_at);
         if (m->tree)
             s = sh.dp > 1 ? pr_trainer_compute_grads_tree_dp(tr, mesh.dp_comm, m->groups, m->n, &tree, &m->opt, &st, err)
                           : pr_trainer_compute_grads_tree(tr, m->groups, m->n, &tree, &m->opt, &st, err);
         else
             s = sh.dp > 1 ? pr_trainer_compute_grads_dp(tr, mesh.dp_comm, m->groups, m->n, &m->opt, &st, err)
                           : pr_trainer_compute_grads(tr, &m->groups[0], &m->opt, &st, NULL, err);
-        if (victim) {
-            m->allocs = alloc_made;
-            alloc_fails_at = -1;
-        }
+        if (victim) m->allocs = alloc_fault_disarm();
         if (!s) {
             m->loss[world->rank] = st.loss;
             s = pr_trainer_get_full(tr, PR_ARENA_GRADS, grads, n, err);
@@ -3177,15 +3181,9 @@ static pr_status create_fault_rank(pr_comm *world, void *user, pr_error *err) {
     if (s) return s;
     const int me = world->rank;
     pr_error e;
-    if (me == m->victim) {
-        alloc_made = 0;
-        alloc_fails_at = m->fail_at;
-    }
+    if (me == m->victim) alloc_fault_arm(m->fail_at);
     m->status[me] = pr_trainer_create_mesh(&tr, m->c, pr_backend_cpu(), &mesh, &e);
-    if (me == m->victim) {
-        m->made = alloc_made;
-        alloc_fails_at = -1;
-    }
+    if (me == m->victim) m->made = alloc_fault_disarm();
     snprintf(m->said[me], sizeof m->said[me], "%s", m->status[me] ? e.message : "");
     if (!m->status[me] && !tr) m->status[me] = PR_ERR_ARG;     /* success without a trainer: counted as a failure */
     pr_trainer_destroy(tr);
@@ -3247,15 +3245,10 @@ static pr_status load_fault_rank(pr_comm *world, void *user, pr_error *err) {
         if (m->save) {
             pr_train_state state = { 0, 3, 5, pr_adamw_opts_default(), 0 };
             pr_error e;
-            if (me == 0) {
-                alloc_made = 0;
-                alloc_fails_at = m->fail_at;
-            }
+            if (me == 0) alloc_fault_arm(m->fail_at);
             m->status[me] = pr_trainer_save_state(tr, m->dir, &state, NULL, &e);
-            if (me == 0) {
-                m->made = alloc_made;
-                alloc_fails_at = -1;
-            } else snprintf(m->said, sizeof m->said, "%s", m->status[me] ? e.message : "");
+            if (me == 0) m->made = alloc_fault_disarm();
+            else snprintf(m->said, sizeof m->said, "%s", m->status[me] ? e.message : "");
             pr_trainer_destroy(tr);
             pr_mesh_free(&mesh);
             return s;
@@ -3267,16 +3260,11 @@ static pr_status load_fault_rank(pr_comm *world, void *user, pr_error *err) {
             was[k] = malloc(sizeof(pr_real) * len[k]);
             memcpy(was[k], arena[k], sizeof(pr_real) * len[k]);
         }
-        if (me == 0) {
-            alloc_made = 0;
-            alloc_fails_at = m->fail_at;
-        }
+        if (me == 0) alloc_fault_arm(m->fail_at);
         pr_error e;
         const pr_status ld = pr_trainer_load_state(tr, m->dir, NULL, &e);
-        if (me == 0) {
-            m->made = alloc_made;
-            alloc_fails_at = -1;
-        } else snprintf(m->said, sizeof m->said, "%s", ld ? e.message : "");
+        if (me == 0) m->made = alloc_fault_disarm();
+        else snprintf(m->said, sizeof m->said, "%s", ld ? e.message : "");
         m->status[me] = ld;
         m->changed[me] = 0;
         for (int k = 0; k < 3; k++) m->changed[me] |= memcmp(was[k], arena[k], sizeof(pr_real) * len[k]) != 0;
@@ -3379,15 +3367,9 @@ static pr_status gather_fault_rank(pr_comm *world, void *user, pr_error *err) {
         const size_t n = pr_trainer_full_param_count(tr);
         pr_real *got = calloc(n, sizeof(pr_real));
         pr_error e;
-        if (me == m->victim) {
-            alloc_made = 0;
-            alloc_fails_at = m->fail_at;
-        }
+        if (me == m->victim) alloc_fault_arm(m->fail_at);
         m->status[me] = m->save ? pr_trainer_save(tr, m->dir, sizeof(pr_real) == 8 ? PR_DT_F64 : PR_DT_F32, n * sizeof(pr_real) / 4, &e) : pr_trainer_get_full(tr, PR_ARENA_PARAMS, got, n, &e);
-        if (me == m->victim) {
-            m->made = alloc_made;
-            alloc_fails_at = -1;
-        }
+        if (me == m->victim) m->made = alloc_fault_disarm();
         snprintf(m->said[me], sizeof m->said[me], "%s", m->status[me] ? e.message : "");
         if (!m->want && me == 0) {
             m->want = got;
@@ -3436,16 +3418,10 @@ static pr_status mload_rank(pr_comm *world, void *user, pr_error *err) {
         m->same_draw[me] = !s && !memcmp(before, m->drawn, sizeof(pr_real) * n);
         pr_error e;
         alloc_largest = 0;
-        if (me == 1) {
-            alloc_made = 0;
-            alloc_fails_at = m->fail_at;
-        }
+        if (me == 1) alloc_fault_arm(m->fail_at);
         m->status[me] = pr_trainer_load(tr, m->dir, &e);
         m->largest[me] = alloc_largest;
-        if (me == 1) {
-            m->made = alloc_made;
-            alloc_fails_at = -1;
-        }
+        if (me == 1) m->made = alloc_fault_disarm();
         if (me == 0) snprintf(m->said, sizeof m->said, "%s", m->status[me] ? e.message : "");
         if (!s) s = pr_trainer_get_full(tr, PR_ARENA_PARAMS, after, n, err);
         m->same[me] = !s && !memcmp(after, m->want, sizeof(pr_real) * n);
