@@ -6,6 +6,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -244,6 +245,16 @@ static int parse_bytes(const char *s, uint64_t *bytes) {
         }
     return 0;
 }
+/* A count in decimal digits alone (no sign, no space) that fits 64 bits. */
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    const unsigned long long v = strtoull(s, &end, 10);
+    if (!isdigit((unsigned char)*s) || *end || errno == ERANGE) return 0;
+    *out = v;
+    return 1;
+}
+
 static int parse_int(const char *s, int *out) {
     char *end;
     long v = strtol(s, &end, 10);
@@ -329,17 +340,11 @@ static int parse_args(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--prefix-tree")) ok = parse_int(v, &o->prefix_tree) && o->prefix_tree >= 1;
         else if (!strcmp(a, "--save-every")) ok = parse_int(v, &o->save_every) && o->save_every >= 1;
         else if (!strcmp(a, "--fault-kill-after-bytes")) {
-            char *e;
-            errno = 0;
-            o->fault_kill_bytes = strtol(v, &e, 10);
-            ok = isdigit((unsigned char)*v) && !*e && errno != ERANGE;
+            uint64_t n = 0;
+            ok = parse_u64(v, &n) && n <= (uint64_t)LONG_MAX;
+            o->fault_kill_bytes = (long)n;
         }
-        else if (!strcmp(a, "--seed")) {
-            char *e;
-            errno = 0;
-            o->seed = strtoull(v, &e, 10);
-            ok = isdigit((unsigned char)*v) && !*e && errno != ERANGE;
-        }
+        else if (!strcmp(a, "--seed")) ok = parse_u64(v, &o->seed);
         else if (!strcmp(a, "--steps")) ok = parse_int(v, &o->steps) && o->steps >= 0;
         else if (!strcmp(a, "--microbatch")) ok = parse_int(v, &o->step.microbatch) && o->step.microbatch >= 0;
         else if (!strcmp(a, "--microbatch-tokens")) ok = parse_int(v, &o->step.microbatch_tokens) && o->step.microbatch_tokens >= 0;
@@ -2244,7 +2249,6 @@ static int run_bench_capacity(const options *o, const pr_config *cfg) {
     return 0;
 }
 
-/* The jobs on a trace: prefix trees, the check, the replay, or training. */
 /* A state's position counts groups of the trace it was on: another trace (the fingerprints
    differ) is refused unless --new-trace says it is new data. Checked before any trainer or rank
    exists, so every process of a mesh refuses alike and a long load is not spent on it. */
@@ -2257,17 +2261,16 @@ static int resumed_trace_fits(const options *o, const pr_trace *t) {
     return 0;
 }
 
+/* The jobs on a trace: prefix trees, the check, the replay, or training. */
 static int run_on_trace(const options *o, const pr_config *cfg) {
     pr_error err;
     pr_trace trace;
     if (pr_trace_read(&trace, o->trace, &err)) return fail(&err);
-    if (trace.vocab_size > cfg->vocab_size || !resumed_trace_fits(o, &trace)) {
-        if (trace.vocab_size > cfg->vocab_size)
-            fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o->trace, trace.vocab_size, cfg->vocab_size);
-        pr_trace_free(&trace);
-        return 1;
-    }
-    int rc = o->prefix_tree ? run_prefix_tree(o, &trace)
+    int rc = 1;
+    if (trace.vocab_size > cfg->vocab_size)
+        fprintf(stderr, "train: trace %s has vocabulary %d, the model only %d\n", o->trace, trace.vocab_size, cfg->vocab_size);
+    else if (resumed_trace_fits(o, &trace))
+        rc = o->prefix_tree ? run_prefix_tree(o, &trace)
              : o->check     ? run_check(o, cfg, &trace)
              : o->replay    ? run_replay(o, cfg, &trace)
                             : run_training(o, cfg, &trace);
