@@ -1103,7 +1103,7 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
    communicator, and a wait while every rank of the run waits with none able to go on, as when a
    rank that failed skips a collective its peers are in. Returns the first failing rank's status,
    its message prefixed with the rank; a failure of its own before those the communicator raised
-   because of it. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
+   because of it, and of those, the fault it found in the calls before a peer's leaving. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
    (and is what a C99 build needs). */
 #ifndef PR_NO_THREADS
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
@@ -5128,12 +5128,12 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
             dp[(size_t)r * E + e] += ((double)rt->dw[j] - D[r]) / rt->wsum[r];
         }
     for (int r = 0; r < N; r++) {
-        const pr_real *p = rt->prob + (size_t)r * E;
+        const pr_real *prob = rt->prob + (size_t)r * E;
         double *dpr = dp + (size_t)r * E, dot = 0;
         if (ps->aux_g && ps->real[r])
             for (int e = 0; e < E; e++) dpr[e] += ps->aux_g[e];
-        for (int e = 0; e < E; e++) dot += p[e] * dpr[e];
-        for (int e = 0; e < E; e++) dz[(size_t)r * E + e] = (pr_real)(p[e] * (dpr[e] - dot));
+        for (int e = 0; e < E; e++) dot += prob[e] * dpr[e];
+        for (int e = 0; e < E; e++) dz[(size_t)r * E + e] = (pr_real)(prob[e] * (dpr[e] - dot));
     }
     be->upload_acts(be, s->dlogit, dz, (size_t)N * E);
     be->matmul_bwd(be, s->dln, g->router, s->dlogit, a->ln2, w->router, N, C, E);
@@ -6037,15 +6037,19 @@ static pr_status pr__pass_comm_alloc(pr_trainer *tr, pr__arena *a, pr__pass *ps,
    head. Between neighbours travel, forward, a pass's output rows (with MoE its routing sums so
    far) and, backward, the gradient of its input rows (with MoE its aux gradient). */
 
-/* One exchange of activations with rank `peer` of c: out and/or in (NULL: none; n_out, n_in
-   elements). Both sides make the same call with the roles swapped, so a send meets its recv and a
-   send_recv its send_recv. */
-static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, const void *out, size_t n_out, void *in, size_t n_in) {
+/* One exchange of activations with rank `peer` of c, in the directions `dir` names: n_out elements
+   of out sent (PR__SEND), n_in received into in (PR__RECV), or both. Both sides make the same call
+   with the roles swapped, so a send meets its recv and a send_recv its send_recv. The direction
+   is the caller's, never read from the buffers: a pass may hold no rows on this rank (a CP block
+   of a prefix shorter than the ranks) and then no buffer either, and its peer still waits for the
+   call. */
+enum { PR__SEND = 1, PR__RECV = 2 };
+static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, int dir, const void *out, size_t n_out, void *in, size_t n_in) {
     pr_error e;
     pr_status st = PR_OK;
-    if (out && in) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
-    else if (out) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
-    else if (in) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
+    if (dir == (PR__SEND | PR__RECV)) st = c->send_recv(c, out, n_out, peer, in, n_in, peer, pr__act_type(tr), &e);
+    else if (dir == PR__SEND) st = c->send(c, out, n_out, pr__act_type(tr), peer, &e);
+    else if (dir == PR__RECV) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
 }
 /* The same for host doubles (nd_out, nd_in of them), through the staging buffers, half of each a
@@ -6067,20 +6071,20 @@ static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *
         for (size_t j = 0; j < i; j++) d_in[a + j] = host[half + j];
     }
 }
-/* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in,
+/* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in (dir),
    then host doubles (MoE routing sums or aux gradients) the same way. */
-static void pr__pp_swap(pr_trainer *tr, int peer, const void *out, int out_rows, void *in, int in_rows, const double *d_out,
-                        size_t nd_out, double *d_in, size_t nd_in) {
+static void pr__pp_swap(pr_trainer *tr, int peer, int dir, const void *out, int out_rows, void *in, int in_rows,
+                        const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
     const size_t C = (size_t)tr->cfg.hidden_size;
-    pr__p2p_acts(tr, tr->mesh->pp_comm, peer, out, (size_t)out_rows * C, in, (size_t)in_rows * C);
+    pr__p2p_acts(tr, tr->mesh->pp_comm, peer, dir, out, (size_t)out_rows * C, in, (size_t)in_rows * C);
     pr__p2p_doubles(tr, tr->mesh->pp_comm, peer, d_out, nd_out, d_in, nd_in);
 }
 /* Its one-way halves, as Phases A and C use them: n rows (and nd doubles, d may be NULL). */
 static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd) {
-    pr__pp_swap(tr, peer, rows, n, NULL, 0, d, nd, NULL, 0);
+    pr__pp_swap(tr, peer, PR__SEND, rows, n, NULL, 0, d, nd, NULL, 0);
 }
 static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, size_t nd) {
-    pr__pp_swap(tr, peer, NULL, 0, rows, n, NULL, 0, d, nd);
+    pr__pp_swap(tr, peer, PR__RECV, NULL, 0, rows, n, NULL, 0, d, nd);
 }
 
 /* The microbatch's input from the previous stage, with the previous one's gradient going back
@@ -6088,24 +6092,26 @@ static void pr__pp_recv(pr_trainer *tr, int peer, void *rows, int n, double *d, 
 static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in) {
     if (pr__first_stage(tr) || (!back && !in)) return;
     const size_t E = (size_t)tr->cfg.num_experts;
-    pr__pp_swap(tr, tr->mesh->pp_rank - 1, back ? back->s.dres : NULL, back ? back->p.N : 0, in ? in->p.res[0] : NULL,
-                in ? in->p.N : 0, back ? back->g : NULL, E, in ? in->sums : NULL, 2 * E + 1);
+    pr__pp_swap(tr, tr->mesh->pp_rank - 1, (back ? PR__SEND : 0) | (in ? PR__RECV : 0), back ? back->s.dres : NULL,
+                back ? back->p.N : 0, in ? in->p.res[0] : NULL, in ? in->p.N : 0, back ? back->g : NULL, E,
+                in ? in->sums : NULL, 2 * E + 1);
 }
 /* The microbatch's output to the next stage, with a gradient coming back (either may be NULL);
    nothing on the last stage. */
 static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back) {
     if (pr__last_stage(tr) || (!out && !back)) return;
     const size_t E = (size_t)tr->cfg.num_experts, L = (size_t)tr->cfg.num_hidden_layers;
-    pr__pp_swap(tr, tr->mesh->pp_rank + 1, out ? out->p.res[L] : NULL, out ? out->p.N : 0, back ? back->s.dres : NULL,
-                back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1, back ? back->g : NULL, E);
+    pr__pp_swap(tr, tr->mesh->pp_rank + 1, (out ? PR__SEND : 0) | (back ? PR__RECV : 0), out ? out->p.res[L] : NULL,
+                out ? out->p.N : 0, back ? back->s.dres : NULL, back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1,
+                back ? back->g : NULL, E);
 }
 
 /* ---------------------------------------------------------------- 7.6 Groups split across DP ranks */
 /* n reals sent to `peer` (out) or received from it (in): a split group's gK/gV, which stay in
    reals on their way to the group's first rank. */
-static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, const pr_real *out, pr_real *in, size_t n) {
+static void pr__send_or_recv_reals(pr_trainer *tr, pr_comm *c, int peer, int send, const pr_real *out, pr_real *in, size_t n) {
     pr_error e;
-    pr__comm_done(tr, out ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
+    pr__comm_done(tr, send ? c->send(c, out, n, PR_COMM_REAL, peer, &e) : c->recv(c, in, n, PR_COMM_REAL, peer, &e), &e);
 }
 
 /* A group split across DP ranks, after Phase A: the owner sends every layer's K/V (and with MoE
@@ -6120,8 +6126,8 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_pa
         if (t->rank && t->rank != peer) continue;
         const int other = t->rank ? 0 : peer, send = !t->rank;
         for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__p2p_acts(tr, t, other, send ? path->k[l] : NULL, n, send ? NULL : path->k[l], n);
-            pr__p2p_acts(tr, t, other, send ? path->v[l] : NULL, n, send ? NULL : path->v[l], n);
+            pr__p2p_acts(tr, t, other, send ? PR__SEND : PR__RECV, path->k[l], n, path->k[l], n);
+            pr__p2p_acts(tr, t, other, send ? PR__SEND : PR__RECV, path->v[l], n, path->v[l], n);
         }
         if (ns) pr__p2p_doubles(tr, t, other, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
     }
@@ -6142,8 +6148,8 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
         if (t->rank && t->rank != peer) continue;
         const int other = t->rank ? 0 : peer, send = t->rank != 0;
         for (int l = 0; l < c->num_hidden_layers; l++) {
-            pr__send_or_recv_reals(tr, t, other, send ? path->gk[l] : NULL, send ? NULL : path->dk_mb, n);
-            pr__send_or_recv_reals(tr, t, other, send ? path->gv[l] : NULL, send ? NULL : path->dv_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send, path->gk[l], path->dk_mb, n);
+            pr__send_or_recv_reals(tr, t, other, send, path->gv[l], path->dv_mb, n);
             if (!send) {
                 tr->be->add_reals(tr->be, path->gk[l], path->dk_mb, n);
                 tr->be->add_reals(tr->be, path->gv[l], path->dv_mb, n);
@@ -6596,6 +6602,9 @@ typedef struct {
     int threads, waiting, done;    /* threads; of them, those in a recorded wait and those returned */
     pr__wait *wait;                /* (threads) */
     pr_error *said;                /* (threads) the first failure the communicator raised on each */
+    unsigned char *echo;           /* (threads) 1 where that failure passes on another rank's (it left, it
+                                      told, it ran out of memory), 0 where the communicator found a fault
+                                      in the calls themselves (all waiting, calls or sizes that differ) */
 } pr__run;
 
 /* A collective's call, compared across the ranks before any buffer is read. `seq` numbers the
@@ -6641,6 +6650,7 @@ static void pr__run_free(pr__run *run) {
     pr__mtx_destroy(&run->mu);
     PR_FREE(run->wait);
     PR_FREE(run->said);
+    PR_FREE(run->echo);
     PR_FREE(run);
 }
 /* Drops a reference to the run, with its lock held; frees it (after the unlock) when the last goes. */
@@ -6730,11 +6740,15 @@ static int pr__run_stuck(const pr__run *run) {
     return 1;
 }
 
-/* A failure the communicator raises (a rank gone, every thread waiting, calls that differ). The
-   thread's first is kept, so that pr_comm_local_run can tell it from the failure that caused it. */
-static pr_status pr__comm_fail(const pr__local *l, pr_error *err, const pr_error *e) {
+/* A failure the communicator raises (a rank gone, every thread waiting, calls that differ; echo:
+   one that passes on another rank's). The thread's first is kept, so that pr_comm_local_run can
+   tell it from the failure that caused it. */
+static pr_status pr__comm_fail(const pr__local *l, pr_error *err, const pr_error *e, int echo) {
     pr_error *said = &l->w->run->said[l->thread];      /* its own thread's: no lock */
-    if (!said->status) *said = *e;
+    if (!said->status) {
+        *said = *e;
+        l->w->run->echo[l->thread] = (unsigned char)echo;
+    }
     if (err) *err = *e;
     return e->status;
 }
@@ -6747,8 +6761,9 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
     run->waiting++;
     pr_error e;
     e.status = PR_OK;
+    int lost = -1;
     while (!pr__wait_over(me)) {
-        int lost = pr__wait_lost(me);
+        lost = pr__wait_lost(me);
         if (lost >= 0) {
             pr__fail(&e, PR_ERR_ARG, "%s: rank %d has left the communicator", x.what, x.w->thread[lost]);
             break;
@@ -6772,7 +6787,7 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
     }
     me->kind = PR__RUNNING;
     run->waiting--;
-    return e.status ? pr__comm_fail(l, err, &e) : PR_OK;
+    return e.status ? pr__comm_fail(l, err, &e, lost >= 0) : PR_OK;
 }
 
 static void pr__barrier_open(pr__world *w) {
@@ -6823,7 +6838,7 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
                      "%s: the ranks' calls differ: rank %d %s of %zu %s (its call %lu on this communicator), rank %d %s of %zu %s (its call %lu)",
                      op, w->thread[0], a->op, a->n, type_name[a->type], a->seq + 1, w->thread[r], b->op, b->n, type_name[b->type],
                      b->seq + 1);
-            st = pr__comm_fail(l, err, &e);
+            st = pr__comm_fail(l, err, &e, 0);
         }
     }
     for (int r = 0; r < w->size && !st; r++) {
@@ -6832,7 +6847,7 @@ static pr_status pr__meet(pr_comm *c, const char *op, const void *slot, size_t n
         else {                                /* the peers' failure is the communicator's, not their own */
             pr_error e;
             pr__fail(&e, PR_ERR_NOMEM, "%s: rank %d is out of memory: every rank fails the call", op, w->thread[r]);
-            st = pr__comm_fail(l, err, &e);
+            st = pr__comm_fail(l, err, &e, 1);
         }
     }
     if (st) pr__world_sync(w);
@@ -6971,7 +6986,7 @@ static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t,
     if (!st && got != bytes) {
         pr_error e;
         pr__fail(&e, PR_ERR_ARG, "%s: rank %d sent %zu bytes, %zu expected", what, w->thread[peer], got, bytes);
-        st = pr__comm_fail(l, err, &e);
+        st = pr__comm_fail(l, err, &e, 0);
     }
     return st;
 }
@@ -7011,7 +7026,7 @@ static void pr__local_destroy(pr_comm *c) {
 static void pr__comm_told(pr_comm *c, const pr_error *e) {
     if (c->destroy == pr__local_destroy) {
         pr_error tmp;
-        pr__comm_fail((const pr__local *)c->ctx, &tmp, e);
+        pr__comm_fail((const pr__local *)c->ctx, &tmp, e, 1);
     }
 }
 
@@ -7108,16 +7123,19 @@ static pr__run *pr__run_new(int threads) {
     run->refs = 1;
     run->wait = (pr__wait *)PR_MALLOC(sizeof(pr__wait) * (size_t)threads);
     run->said = (pr_error *)PR_MALLOC(sizeof(pr_error) * (size_t)threads);
-    int mu = run->wait && run->said && pr__mtx_init(&run->mu);
+    run->echo = (unsigned char *)PR_MALLOC((size_t)threads);
+    int mu = run->wait && run->said && run->echo && pr__mtx_init(&run->mu);
     if (!mu || !pr__cnd_init(&run->cv)) {
         if (mu) pr__mtx_destroy(&run->mu);
         PR_FREE(run->wait);
         PR_FREE(run->said);
+        PR_FREE(run->echo);
         PR_FREE(run);
         return NULL;
     }
     memset(run->wait, 0, sizeof(pr__wait) * (size_t)threads);       /* PR__RUNNING */
     memset(run->said, 0, sizeof(pr_error) * (size_t)threads);       /* PR_OK */
+    memset(run->echo, 0, (size_t)threads);
     return run;
 }
 
@@ -7155,15 +7173,18 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
     /* The failing rank to report: the first whose failure is its own, not one the communicator
-       raised on it because a peer had failed and left the collective it waited in. */
-    int first = -1, cause = -1;
+       raised on it because a peer had failed and left the collective it waited in; else the first
+       on which the communicator found the calls at fault (it names them), not one that was told. */
+    int first = -1, cause = -1, found = -1;
     for (int r = 0; r < n && !st; r++) {
         if (!runs[r].st) continue;
         if (first < 0) first = r;
-        if (cause < 0 && (runs[r].st != run->said[r].status || strcmp(runs[r].err.message, run->said[r].message))) cause = r;
+        const int raised = runs[r].st == run->said[r].status && !strcmp(runs[r].err.message, run->said[r].message);
+        if (cause < 0 && !raised) cause = r;
+        if (found < 0 && raised && !run->echo[r]) found = r;
     }
     if (first >= 0) {
-        const int r = cause >= 0 ? cause : first;
+        const int r = cause >= 0 ? cause : found >= 0 ? found : first;
         st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
     }
     for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);

@@ -2024,7 +2024,13 @@ static void test_mesh(void) {
     const int n_cp_mb = (int)(sizeof cp_mb / sizeof cp_mb[0]);
     for (int i = 0; i < n_cp_mb; i++)
         mesh_compare(cp_mb[i].c, cp_mb[i].s, groups, cp_mb[i].groups, cp_mb[i].moe, cp_mb[i].sched, 0, cp_mb[i].layout, cp_mb[i].name);
-    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n + n_cp_mb);
+    /* a prefix shorter than the CP ranks: one rank of each stage holds none of it (under offload
+       not even a buffer) and still meets every exchange between the stages */
+    static test_group one_token;
+    make_group(&one_token, 1, 3, S, 61, 710);
+    mesh_compare(&llama4, (mesh_shape){ 1, 2, 2, 1, 1, 1, 1 }, &one_token.g, 1, mb_scope, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PACKED,
+                 "llama pp 2 cp 2, a one-token prefix, offload on");
+    printf("mesh: %d layouts vs the single-rank baseline (loss, gathered gradients, parameters after AdamW)\n", n + n_cp_mb + 1);
     /* what a split group replicates to each peer: the prefix K/V, a fraction of its activation stack */
     pr_trainer *tr = make_model(&llama, 5);
     pr_step_opts o = pr_step_opts_default();
