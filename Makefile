@@ -169,7 +169,7 @@ bench-gemm: | build
 	./build/bench_gemm
 
 FUZZ_SECONDS ?= 60
-fuzz: train | build
+fuzz: train build/train-double | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_trace test/fuzz_trace.c -lm
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_state test/fuzz_state.c -lm
@@ -185,6 +185,7 @@ fuzz: train | build
 	./build/fuzz_trace -max_len=4096 -max_total_time=$(FUZZ_SECONDS) build/corpus_trace
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 	FUZZ_STATE=build/fuzz_state.d ./build/fuzz_state -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_state
+	$(PYTHON) test/fuzz_check.py --train build/train-double --seconds $(FUZZ_SECONDS)
 
 # CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
 # GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.

@@ -900,11 +900,13 @@ static pr_status add_expert_loads(const pr_trainer *tr, const pr_config *cfg, do
     return PR_OK;
 }
 
-/* One optimizer step's groups over the mesh's dp ranks: placed whole (pr_trainer_compute_grads_dp),
+/* One optimizer step's groups over the mesh's dp ranks: placed whole or split (pr_trainer_compute_grads_dp),
    or with --schedule tree as subtrees of their prefix tree. */
 static pr_status mesh_step_groups(const options *o, pr_trainer *tr, pr_comm *dp, const pr_group *batch, int nb,
                                   const pr_step_opts *so, pr_step_stats *ss, pr_error *err) {
-    if (!o->tree || so->schedule != PR_SCHEDULE_REUSE) return pr_trainer_compute_grads_dp(tr, dp, batch, nb, so, ss, err);
+    /* a tree places whole groups, one a rank at least: fewer are split over teams, which the reuse
+       schedule runs (README "Prefix trees") */
+    if (!o->tree || so->schedule != PR_SCHEDULE_REUSE || nb < dp->size) return pr_trainer_compute_grads_dp(tr, dp, batch, nb, so, ss, err);
     pr_prefix_tree t;
     memset(&t, 0, sizeof t);
     pr_status st = pr_prefix_tree_build(&t, batch, nb, o->tree_min, err);
@@ -1231,6 +1233,42 @@ stop:                       /* a failure before or during the steps: what is ope
 }
 
 /* ------------------------------------------------------------------ --check */
+/* A step of fewer groups than dp ranks splits group i over ranks i*dp/n .. (i+1)*dp/n - 1, each
+   rank cutting its share of the trajectories into microbatches of its own (README "Split groups").
+   A share that starts off a microbatch boundary of one rank's cut makes other microbatches, and
+   the MoE aux loss of --aux-scope microbatch is then another sum than the one-rank baseline's that
+   --check compares with: refused, as same_microbatches refuses a token budget's differing cuts. */
+static int split_microbatches_match(const options *o, const pr_config *cfg, const pr_trace *trace) {
+    if (!cfg->num_experts || o->step.moe.scope != PR_AUX_SCOPE_MICROBATCH || o->dp < 2) return 1;
+    pr_group *batch = malloc(sizeof(pr_group) * (size_t)max_step_groups(o, trace));
+    if (!batch) { fprintf(stderr, "train: out of memory\n"); return 0; }
+    pr_step_opts r = o->step;
+    r.schedule = PR_SCHEDULE_REUSE;
+    int match = 1;
+    for (int gi = 0, nb = 0; gi < trace->n_groups && match; gi += nb) {
+        pr_step_opts so;
+        pr_error err;
+        if (!(nb = step_at(o, trace, gi, batch, &so, &err))) {
+            fprintf(stderr, "train: %s\n", err.message);
+            match = 0;
+            break;
+        }
+        for (int i = 0; i < nb && nb < o->dp && match; i++) {
+            const int t = (i + 1) * o->dp / nb - i * o->dp / nb, G = batch[i].G, mb = pr_step_microbatch(&batch[i], &r);
+            for (int k = 1; k < t && match; k++)
+                if ((k * G / t) % mb) {
+                    fprintf(stderr, "train: the step at group %d splits its group %d (G %d) over %d dp ranks, whose shares "
+                            "cut other microbatches than one rank's of %d trajectories, and the MoE aux loss of --aux-scope "
+                            "microbatch depends on them: compare with --aux-scope group, or with as many groups a step as "
+                            "--dp\n", gi, (gi + i) % trace->n_groups, G, t, mb);
+                    match = 0;
+                }
+        }
+    }
+    free(batch);
+    return match;
+}
+
 typedef struct { double max_abs, max_rel; long bad; } diff;
 
 /* The mixed test |a-b| <= atol + rtol*|b| (+ allow[i] when given), per element; atol_at[i]
@@ -1352,7 +1390,7 @@ static int run_check(const options *o, const pr_config *cfg, const pr_trace *tra
     long plain_diffs = 0;           /* bits that differ from a reuse step without offload and recompute */
     const int vs_plain = !on_mesh(o) && (orr.offload.enabled || orr.recompute != PR_RECOMPUTE_NONE);
     static const char *recompute_name[3] = { "none", "prefix", "all" };
-    if (!same_microbatches(o, cfg, trace)) return 1;
+    if (!same_microbatches(o, cfg, trace) || !split_microbatches_match(o, cfg, trace)) return 1;
     printf("check: baseline (microbatch %s, padded) vs %s (the same, %s), recompute %s, %s, atol %s rtol %.1e\n",
            microbatch_label(&o->step), o->tree ? "tree" : "reuse", o->step.layout == PR_LAYOUT_PACKED ? "packed" : "padded",
            recompute_name[o->step.recompute], precision_label(),

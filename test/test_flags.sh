@@ -87,5 +87,19 @@ accepts() {
 }
 accepts --bench capacity --bench-budget 8 --device-budget 0.25 --offload-pool 1
 accepts --bench memory --bench-total 24 --bench-groups 2 --device-budget 0.25
+# --check's comparisons it cannot make, refused once the trace is read (status 1, nothing run):
+# sample.trace's group 0 has G 8, so over dp 3 its shares start at trajectories 2 and 5, inside
+# one rank's microbatches of 4; microbatches of 1 always agree, and that runs
+refused_check() {
+    want=$1; shift
+    msg=$("$train" --check "$@" 2>&1 >/dev/null); rc=$?
+    case "$msg" in
+        *"$want"*) [ "$rc" -eq 1 ] && { passed=$((passed + 1)); return; } ;;
+    esac
+    failed=$((failed + 1))
+    echo "FAIL: train --check $* -> status $rc, '$msg' (want status 1 and '$want')"
+}
+refused_check "splits its group 0 (G 8) over 3 dp ranks" --config model/tiny-moe --dp 3 --groups-per-step 1 --microbatch 4
+accepts --check --config model/tiny-moe --dp 2 --groups-per-step 1 --microbatch 1
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Random cases for `train --check`: the reuse (or tree) schedule against the full-sequence one on
+models, traces and flags drawn at random, so that the schedule meets shapes and combinations no
+fixed test names.
+
+Each case draws, from its own seed:
+  - a model config.json: llama (with or without llama3 RoPE scaling), qwen3 (q/k norms) or
+    qwen3_moe; 1 to 4 layers, heads, GQA ratio, head dim, widths, vocabulary, tied embeddings,
+    experts and top-k, all sized to fit the mesh (tp divides the heads and the MLP widths, and the
+    KV heads or is a multiple of them; ep divides the experts; pp is at most the layers);
+  - a trace: 1 to 6 groups whose prompts share runs (a system prompt, a common turn, whole
+    prompts), G 1 to 6, suffixes of 1 to 12 tokens, loss masks with holes, reference log-probs or
+    none, trained prefix tokens (multi-turn) in some groups, one group a step or a step table;
+  - flags: microbatch and token budget, padded or packed, the four loss norms, KL, clip ranges,
+    recompute, offload with small pools and budgets, gradient clipping, the MoE aux-loss scope,
+    a mesh of dp x pp x cp x tp (x ep) ranks of up to 8 with ZeRO 0-2 and the bf16 dp sum, and the
+    tree schedule (not with cp, which it does not run).
+and runs `TRAIN --config DIR --trace FILE --check FLAGS`. A case passes on exit 0 with the
+"check: PASS" line. Anything else (a FAIL, a refusal, a crash) fails it, and the case is printed
+with the command that reruns it: `python3 test/fuzz_check.py --train T --case SEED --keep DIR`
+writes the case's files into DIR and runs it alone.
+
+    python3 test/fuzz_check.py --train build/train-double --cases 60 --seed 1   (make test)
+    python3 test/fuzz_check.py --train build/train-double --seconds 600         (make fuzz)
+
+The last line is "N passed, N failed" (test/tally.sh). Needs python3 and numpy.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data"))
+from prtrace import write_trace  # noqa: E402
+
+MAX_RANKS = 8
+
+
+def draw_mesh(r, moe, tree):
+    """dp, pp, cp, tp, ep with at most MAX_RANKS ranks; a third of the cases on one rank."""
+    if r.random() < 1 / 3:
+        return dict(dp=1, pp=1, cp=1, tp=1, ep=1)
+    while True:
+        m = dict(dp=r.choice([1, 1, 2, 3, 4]), pp=r.choice([1, 1, 2, 3]), cp=1 if tree else r.choice([1, 1, 2, 3]),
+                 tp=r.choice([1, 1, 2, 3, 4]))
+        m["ep"] = m["tp"] if moe and m["tp"] > 1 and r.random() < 0.5 else 1
+        n = m["dp"] * m["pp"] * m["cp"] * m["tp"]
+        if 1 < n <= MAX_RANKS:
+            return m
+
+
+def draw_model(r, kind, mesh):
+    tp, pp, ep = mesh["tp"], mesh["pp"], mesh["ep"]
+    heads = tp * r.choice([1, 2, 3])
+    kv = r.choice([d for d in range(1, heads + 1) if heads % d == 0 and (d % tp == 0 or tp % d == 0)])
+    head_dim = r.choice([2, 4, 6, 8, 12, 16])
+    c = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]],
+        "model_type": kind,
+        "vocab_size": r.randint(max(tp, 8), 160),
+        "hidden_size": r.choice([8, 12, 16, 20, 24, 32]),
+        "intermediate_size": tp * r.randint(2, 10),
+        "num_hidden_layers": r.randint(pp, max(pp, 4) if r.random() < 0.5 else max(pp, 2)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": r.choice([1e-6, 1e-5]),
+        "rope_theta": r.choice([10000.0, 500000.0, 1000000.0]),
+        "rope_scaling": None,
+        "tie_word_embeddings": r.random() < 0.4,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    if kind == "llama" and r.random() < 0.4:
+        c["rope_scaling"] = {"factor": r.choice([2.0, 8.0]), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": r.choice([8, 16, 64]), "rope_type": "llama3"}
+    if kind == "qwen3_moe":
+        experts = ep * r.choice([1, 2, 3, 4]) if ep > 1 else r.choice([2, 3, 4, 6, 8])
+        c.update({"moe_intermediate_size": tp * r.randint(1, 6), "num_experts": experts,
+                  "num_experts_per_tok": r.randint(1, min(experts, 3)), "norm_topk_prob": r.random() < 0.5,
+                  "router_aux_loss_coef": r.choice([0.01, 0.05, 0.2]), "decoder_sparse_step": 1, "mlp_only_layers": []})
+    return c
+
+
+def draw_trace(r, vocab, ref, tree):
+    """Groups whose prompts share runs: a system prompt some open with, a turn several continue."""
+    n = r.randint(1, 6) if not tree else r.randint(2, 6)
+    system = [r.randrange(vocab) for _ in range(r.randint(1, 24))]
+    turns = [[r.randrange(vocab) for _ in range(r.randint(1, 10))] for _ in range(2)]
+    multiturn = r.random() < 0.25
+    groups = []
+    for _ in range(n):
+        shape = r.random()
+        if groups and shape < 0.15:
+            prefix = list(groups[r.randrange(len(groups))]["prefix"])          # the same prompt again
+        else:
+            prefix = system[:r.randint(1, len(system))] if shape < 0.7 else []
+            if r.random() < 0.5:
+                prefix += r.choice(turns)
+            prefix += [r.randrange(vocab) for _ in range(r.randint(0 if prefix else 1, 12))]
+        P, G = len(prefix), r.randint(1, 6)
+        lens = [r.randint(1, 12) for _ in range(G)]
+        base = -math.log(vocab)
+
+        def logps(k):
+            return [min(0.0, base + r.gauss(0, 0.15)) for _ in range(k)]
+
+        g = {
+            "prefix": prefix,
+            "suffixes": [[r.randrange(vocab) for _ in range(s)] for s in lens],
+            "advantages": [r.gauss(0, 1) for _ in range(G)],
+            "old_logp": [logps(s) for s in lens],
+            "ref_logp": [logps(s) for s in lens] if ref else None,
+            "loss_mask": [[1 if r.random() < 0.85 else 0 for _ in range(s)] for s in lens],
+        }
+        if multiturn and P > 1 and r.random() < 0.6:
+            a = r.randint(1, P - 1)
+            b = r.randint(a, P - 1)
+            g["prefix_mask"] = [1 if a <= j <= b else 0 for j in range(P)]
+            g["prefix_old_logp"] = logps(P)
+            if ref:
+                g["prefix_ref_logp"] = logps(P)
+        groups.append(g)
+    steps = None
+    if r.random() < 0.3 and n > 1:                       # a version-2 step table
+        steps, left = [], n
+        while left:
+            k = r.randint(1, left)
+            steps.append(k)
+            left -= k
+    return groups, steps
+
+
+def draw_case(seed):
+    r = random.Random(seed)
+    kind = r.choice(["llama", "llama", "qwen3", "qwen3_moe"])
+    moe = kind == "qwen3_moe"
+    tree = r.random() < 0.25
+    mesh = draw_mesh(r, moe, tree)
+    config = draw_model(r, kind, mesh)
+    ref = r.random() < 0.5
+    groups, steps = draw_trace(r, config["vocab_size"], ref, tree)
+    flags = ["--seed", str(r.randint(1, 10**6))]
+    if tree:
+        flags += ["--schedule", "tree", "--tree-min", str(r.randint(1, 8))]
+    if r.random() < 0.7:
+        flags += ["--microbatch", str(r.randint(0, 4))]
+    budget = r.random() < 0.2
+    if budget:
+        flags += ["--microbatch-tokens", str(r.randint(1, 40))]
+    flags += ["--layout", r.choice(["padded", "packed"])]
+    norm = r.choice(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+    flags += ["--loss-norm", norm]
+    if norm == "seq-mean-token-sum-norm" and r.random() < 0.5:
+        flags += ["--loss-norm-len", str(r.randint(1, 20))]
+    if ref and r.random() < 0.7:
+        flags += ["--kl-coef", r.choice(["0.02", "0.1", "0.5"])]
+    if r.random() < 0.3:
+        flags += ["--eps-low", r.choice(["0.1", "0.2"]), "--eps-high", r.choice(["0.2", "0.28", "0.4"])]
+    flags += ["--clip", r.choice(["0", "0.5", "1"]), "--lr", r.choice(["1e-3", "1e-2"])]
+    recompute = r.choice(["none", "none", "prefix", "all"])
+    flags += ["--recompute", recompute]
+    if r.random() < 0.3:
+        flags += ["--offload", "on"]
+        if r.random() < 0.5:
+            flags += ["--offload-pool", r.choice(["0.001", "0.01", "1"])]
+        if r.random() < 0.3:
+            flags += ["--device-budget", r.choice(["0.01", "0.1", "4"])]
+    for k in ("dp", "pp", "cp", "tp", "ep"):
+        if mesh[k] > 1:
+            flags += ["--" + k, str(mesh[k])]
+    if mesh["dp"] > 1:
+        flags += ["--zero", str(r.choice([0, 1, 2]))]
+        if r.random() < 0.2:
+            flags += ["--grad-reduce", "bf16"]
+    per_step = None
+    if steps is None and len(groups) > 1 and r.random() < 0.5:
+        per_step = r.randint(1, len(groups))
+        flags += ["--groups-per-step", str(per_step)]
+    if moe:
+        # The microbatch scope's aux loss is a sum over the microbatches that run. --check refuses
+        # the two ways they can differ from the one-rank baseline's: a token budget that cuts the
+        # schedules' microbatches differently, and a step of fewer groups than dp, whose groups
+        # each rank of a team cuts into microbatches of its own. There, the group scope.
+        sizes = steps or [per_step or mesh["dp"]]
+        split = mesh["dp"] > 1 and min(sizes) < mesh["dp"]
+        flags += ["--aux-scope", "group" if budget or split else r.choice(["microbatch", "group"])]
+    return config, groups, steps, flags
+
+
+def describe(config, groups, flags):
+    c = config
+    model = f"{c['model_type']} L{c['num_hidden_layers']} h{c['num_attention_heads']}/{c['num_key_value_heads']}x{c['head_dim']} " \
+            f"C{c['hidden_size']} V{c['vocab_size']}"
+    if "num_experts" in c:
+        model += f" E{c['num_experts']}k{c['num_experts_per_tok']}"
+    shapes = " ".join(f"{len(g['prefix'])}/{len(g['suffixes'])}" for g in groups)
+    return f"{model}; P/G {shapes}; {' '.join(flags[2:])}"
+
+
+def write_case(d, seed):
+    config, groups, steps, flags = draw_case(seed)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    write_trace(os.path.join(d, "case.trace"), groups, config["vocab_size"], steps=steps)
+    return config, groups, flags
+
+
+def run_case(train, seed, d, timeout):
+    config, groups, flags = write_case(d, seed)
+    cmd = [train, "--config", d, "--trace", os.path.join(d, "case.trace"), "--check"] + flags
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+        out, rc = p.stdout.decode(errors="replace"), p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = (e.stdout or b"").decode(errors="replace") + f"\n(timed out after {timeout} s)", None
+    ok = rc == 0 and any(line.startswith("check: PASS") for line in out.splitlines())
+    return ok, describe(config, groups, flags), time.time() - t0, out, rc
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train", required=True, help="a train build (build/train-double: its tolerances are double's)")
+    ap.add_argument("--cases", type=int, default=0, help="cases to run (with --seconds: at most)")
+    ap.add_argument("--seconds", type=float, default=0, help="run cases until this much time has passed")
+    ap.add_argument("--seed", type=int, default=None, help="the run's seed (default: from the clock, printed)")
+    ap.add_argument("--case", type=lambda s: int(s, 0), help="run the one case of this seed (printed by a failure)")
+    ap.add_argument("--keep", help="with --case: write the case's files here and keep them")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a case may take (default 120)")
+    a = ap.parse_args()
+    if a.case is None and a.cases <= 0 and a.seconds <= 0:
+        ap.error("give --cases N, --seconds S or --case SEED")
+    if a.keep and a.case is None:
+        ap.error("--keep writes one case's files: give --case SEED")
+    train = os.path.abspath(a.train)
+    if not os.access(train, os.X_OK):
+        ap.error(f"{a.train} is not an executable")
+    if a.case is not None:
+        d = os.path.abspath(a.keep) if a.keep else tempfile.mkdtemp(prefix="fuzz_check.")
+        os.makedirs(d, exist_ok=True)
+        ok, what, secs, out, rc = run_case(train, a.case, d, a.timeout)
+        print(out, end="")
+        print(f"case {a.case:#x}: {what}: {'PASS' if ok else 'FAIL'} ({secs:.1f} s){'; files in ' + d if a.keep else ''}")
+        if not a.keep:
+            shutil.rmtree(d)
+        print(f"{int(ok)} passed, {int(not ok)} failed")
+        return 0 if ok else 1
+    seed = a.seed if a.seed is not None else int(time.time()) % 1000000
+    print(f"fuzz_check: {a.train}, seed {seed}, " +
+          (f"{a.cases} cases" if a.cases and not a.seconds else f"{a.seconds:g} s" + (f" or {a.cases} cases" if a.cases else "")))
+    passed = failed = 0
+    start = time.time()
+    work = tempfile.mkdtemp(prefix="fuzz_check.")
+    try:
+        i = 0
+        while (not a.cases or i < a.cases) and (not a.seconds or time.time() - start < a.seconds):
+            case_seed = seed * 1000003 + i
+            d = os.path.join(work, str(i))
+            os.mkdir(d)
+            ok, what, secs, out, rc = run_case(train, case_seed, d, a.timeout)
+            shutil.rmtree(d)
+            if ok:
+                passed += 1
+            else:
+                failed += 1
+                print(f"case {i} FAIL (exit {rc}): {what}")
+                print("".join("    " + line + "\n" for line in out.splitlines()[-25:]), end="")
+                print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train} --case {case_seed:#x} --keep fuzz-case")
+            i += 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"fuzz_check: {passed + failed} cases in {time.time() - start:.0f} s")
+    print(f"{passed} passed, {failed} failed")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
