@@ -4697,7 +4697,7 @@ static pr_status pr__slot_take(pr_trainer *tr, pr__offload *o, pr__pass *ps, int
     int s = pr__slot_free(tr, o);
     if (s < 0) return pr__fail(err, PR_ERR_ARG, "offload: no free device slot for layer %d", layer);   /* a schedule bug */
     pr__slot_wait(tr, s);                           /* the block that left it is out before it is overwritten */
-    if (tr->slot_cap[s] < o->block) {
+    if (!tr->slot[s] || tr->slot_cap[s] < o->block) {   /* a block of no rows gets a slot too: its tensors point somewhere */
         if (tr->slot[s]) tr->be->release(tr->be, tr->slot[s], PR_TIER_DEVICE);
         tr->slot[s] = (char *)pr__device_alloc(tr, o->block);
         tr->slot_cap[s] = tr->slot[s] ? o->block : 0;
@@ -4796,7 +4796,7 @@ static pr_status pr__offload_begin(pr_trainer *tr, pr__offload *o, const pr_offl
     memset(o->own, 0, (size_t)L);
     if (!stack) stack = o->st.dormant_bytes;
     size_t want = opt->pool_bytes ? opt->pool_bytes : stack + stack / 16;
-    int resize = opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < stack;
+    int resize = !tr->pool || (opt->pool_bytes ? tr->pool_cap != want : tr->pool_cap < stack);   /* a pool even for no rows */
     if (below) o->pool_used = below->pool_used;
     else if (resize) {
         if (tr->pool) tr->be->release(tr->be, tr->pool, PR_TIER_HOST);

@@ -87,7 +87,7 @@ static void usage(FILE *f) {
         "  --layers N             keep only the first N layers of the model (benchmarks of large shapes)\n"
         "schedule\n"
         "  --schedule S           baseline | reuse | tree (default reuse). tree: each optimizer step's groups\n"
-        "                         as their prefix tree (README \"Prefix trees\"), on one rank or dp x pp x tp\n"
+        "                         as their prefix tree (README \"Prefix trees\"), on one rank or any mesh\n"
         "  --tree-min N           --schedule tree: a run shared by two or more groups becomes a node from\n"
         "                         N tokens (default 16)\n"
         "  --microbatch N         trajectories per microbatch, 0 = the whole group (default 0)\n"

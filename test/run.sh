@@ -60,6 +60,9 @@ if [ -x "$dir/emu/train_cuda" ]; then
         # shellcheck disable=SC2086   # $args is several words on purpose
         run same_bits_both_orders $args
     done
+    # random cases (test/fuzz_check.py) on the device's kernels, in bf16: a failed check asked again
+    # against the double build
+    run python3 test/fuzz_check.py --train "$dir/emu/train_cuda" --cuda "$dir/train-double" --cases 30 --seed 1
     # the replay's bf16 rule: reuse and the full-sequence schedule against the CPU's trajectory
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
     # each device and pinned allocation failing in turn: an out-of-memory error, never a crash
