@@ -122,7 +122,7 @@ initcheck|10|60|1|compute-sanitizer initcheck: test_gpu attention; test_gpu_atte
 synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention; test_gpu_attention --shape 1
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
-fuzz|45|90|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build
+fuzz|45|200|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
 gemm-rows|20|180|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
@@ -370,7 +370,7 @@ body_replay() {
 }
 
 body_fuzz() {
-    python3 test/fuzz_check.py --train ./train_cuda --cuda build/train-double --processes 1 --seconds "$FUZZ_SECONDS" --timeout 60
+    python3 test/fuzz_check.py --train ./train_cuda --cuda build/train-double --processes 1 --seconds "$FUZZ_SECONDS" --timeout 30
     rc=$?
     key "$(tail -n 2 "$stage_base.log" | tr '\n' ' ' | cut -c1-220)"
     return $rc

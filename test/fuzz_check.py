@@ -20,8 +20,8 @@ and runs `TRAIN --config DIR --trace FILE --check FLAGS`. A case passes on exit 
 with the command that reruns it: `python3 test/fuzz_check.py --train T --case SEED --keep DIR`
 writes the case's files into DIR and runs it alone.
 
-With --cuda DOUBLE_TRAIN, TRAIN is a train_cuda (on the emulated device, or on a GPU): head dims 16
-and 32, one step a trace, half the cases on a mesh of up to 4 ranks, one process each (RANK,
+With --cuda DOUBLE_TRAIN, TRAIN is a train_cuda (on the emulated device, or on a GPU): head dims 16,
+32, 64 and 128 (its attention's), one step a trace, half the cases on a mesh of up to 4 ranks, one process each (RANK,
 WORLD_SIZE, LOCAL_RANK, an --nccl-id file, as test/run_mesh_gpu.sh starts them; with a clip range
 no token reaches, as there). Its --check is bf16's
 mixed test, which the full-sequence schedule's own rounding can fail on a tiny model; a case that
@@ -39,6 +39,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,17 +263,19 @@ def run(cmd, timeout, processes=1, d=None):
                               env=dict(os.environ, RANK=str(k), WORLD_SIZE=str(processes), LOCAL_RANK=str(k)))
              for k in range(processes)]
     end, rc = time.time() + timeout, 0
-    for p in procs:
-        try:
-            code = p.wait(timeout=max(1.0, end - time.time()))
-        except subprocess.TimeoutExpired:
-            code = None
-        if rc == 0 and code != 0:
-            rc = code
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    try:
+        for p in procs:
+            try:
+                code = p.wait(timeout=max(1.0, end - time.time()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if rc == 0 and code != 0:
+                rc = code
+    finally:                           # also when a signal stops the run (Stopped)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     texts = []
     for f in logs:
         f.seek(0)
@@ -330,7 +333,7 @@ def bf16_triage(train, reference, d, flags, timeout):
         path = os.path.join(d, name.replace(" ", "-") + ".safetensors")
         out, rc = run(cmd + ["--save-grads", path], timeout, mesh_ranks(cmd), d)
         if rc != 0:
-            return False, f"triage: the {name} run failed (exit {rc}): {out.strip().splitlines()[-1:]}"
+            return False, f"triage: the {name} run failed (exit {rc}): {(out.strip().splitlines() or [''])[-1]}"
         grads[name] = read_safetensors(path)
     worst, where, err_b, err_r = 0.0, "", 0.0, 0.0
     for name, ref in grads["double baseline"].items():
@@ -377,8 +380,17 @@ def run_case(train, seed, d, timeout, cuda, reference):
     return verdict, describe(config, groups, flags), time.time() - t0, out, rc
 
 
+class Stopped(Exception):
+    """SIGTERM (a time limit around the run): the cases so far are still counted and reported."""
+
+
+def stop(signum, frame):
+    raise Stopped()
+
+
 def main():
     global MAX_PROCESSES
+    signal.signal(signal.SIGTERM, stop)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", required=True, help="a train build (build/train-double: its tolerances are double's)")
     ap.add_argument("--cases", type=int, default=0, help="cases to run (with --seconds: at most)")
@@ -388,7 +400,7 @@ def main():
     ap.add_argument("--keep", help="with --case: write the case's files here and keep them")
     ap.add_argument("--timeout", type=float, default=120, help="seconds a case may take (default 120)")
     ap.add_argument("--cuda", metavar="DOUBLE_TRAIN",
-                    help="TRAIN is a train_cuda (the emulated device's, or a GPU's): head dims 16 and 32, one step, meshes "
+                    help="TRAIN is a train_cuda (the emulated device's, or a GPU's): head dims 16 to 128, one step, meshes "
                          "of up to 4 processes; a failed bf16 check is asked again against DOUBLE_TRAIN, a double build "
                          "of train")
     ap.add_argument("--processes", type=int, default=MAX_PROCESSES,
@@ -431,7 +443,12 @@ def main():
             case_seed = seed * 1000003 + i
             d = os.path.join(work, str(i))
             os.mkdir(d)
-            verdict, what, secs, out, rc = run_case(train, case_seed, d, a.timeout, bool(a.cuda), reference)
+            try:
+                verdict, what, secs, out, rc = run_case(train, case_seed, d, a.timeout, bool(a.cuda), reference)
+            except Stopped:
+                failed += 1
+                print(f"case {i} stopped by SIGTERM before it ended ({case_seed:#x})")
+                break
             ok = verdict in ("pass", "triage")
             triage_passes += verdict == "triage"
             flips += verdict == "flip"
@@ -444,7 +461,8 @@ def main():
                 failed += 1
                 print(f"case {i} FAIL (exit {rc}): {what}")
                 print("".join("    " + line + "\n" for line in out.splitlines()[-25:]), end="")
-                print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train}{' --cuda ' + a.cuda if a.cuda else ''} "
+                cuda = f" --cuda {a.cuda} --processes {a.processes}" if a.cuda else ""
+                print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train}{cuda} --timeout {a.timeout:g} "
                       f"--case {case_seed:#x} --keep fuzz-case")
             i += 1
     finally:
