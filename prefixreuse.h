@@ -1103,8 +1103,10 @@ PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real
    communicator, and a wait while every rank of the run waits with none able to go on, as when a
    rank that failed skips a collective its peers are in. Returns the first failing rank's status,
    its message prefixed with the rank; a failure of its own before those the communicator raised
-   because of it, and of those, the fault it found in the calls before a peer's leaving. Its threads are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out
-   (and is what a C99 build needs). */
+   because of it, and of those, the fault it found in the calls (a peer that returned without
+   failing and left it waiting in a call included) before a failing peer's leaving. Its threads
+   are C11 <threads.h> in C, POSIX threads in C++; PR_NO_THREADS leaves it out (and is what a C99
+   build needs). */
 #ifndef PR_NO_THREADS
 PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *user, pr_error *err), void *user,
                                   pr_error *err);
@@ -6602,9 +6604,12 @@ typedef struct {
     int threads, waiting, done;    /* threads; of them, those in a recorded wait and those returned */
     pr__wait *wait;                /* (threads) */
     pr_error *said;                /* (threads) the first failure the communicator raised on each */
-    unsigned char *echo;           /* (threads) 1 where that failure passes on another rank's (it left, it
-                                      told, it ran out of memory), 0 where the communicator found a fault
-                                      in the calls themselves (all waiting, calls or sizes that differ) */
+    unsigned char *echo;           /* (threads) 1 where that failure passes on another rank's (it left
+                                      failing, it told, it ran out of memory), 0 where the communicator
+                                      found a fault in the calls themselves (all waiting, calls or sizes
+                                      that differ, a rank that returned without failing and left a peer
+                                      waiting in a call it skipped) */
+    unsigned char *returned_ok;    /* (threads) its function returned PR_OK */
 } pr__run;
 
 /* A collective's call, compared across the ranks before any buffer is read. `seq` numbers the
@@ -6787,7 +6792,8 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
     }
     me->kind = PR__RUNNING;
     run->waiting--;
-    return e.status ? pr__comm_fail(l, err, &e, lost >= 0) : PR_OK;
+    /* a peer that left failing is its own failure's echo here; one that returned fine skipped the call */
+    return e.status ? pr__comm_fail(l, err, &e, lost >= 0 && !run->returned_ok[x.w->thread[lost]]) : PR_OK;
 }
 
 static void pr__barrier_open(pr__world *w) {
@@ -7109,6 +7115,7 @@ static pr__thrd_result pr__rank_main(void *arg) {
     r->st = go ? r->fn(r->comm, r->user, &r->err) : PR_OK;
     pr__mtx_lock(&run->mu);
     run->wait[l->thread].kind = PR__DONE;
+    run->returned_ok[l->thread] = r->st == PR_OK;
     run->done++;
     pr__cnd_broadcast(&run->cv);
     pr__mtx_unlock(&run->mu);
@@ -7123,7 +7130,8 @@ static pr__run *pr__run_new(int threads) {
     run->refs = 1;
     run->wait = (pr__wait *)PR_MALLOC(sizeof(pr__wait) * (size_t)threads);
     run->said = (pr_error *)PR_MALLOC(sizeof(pr_error) * (size_t)threads);
-    run->echo = (unsigned char *)PR_MALLOC((size_t)threads);
+    run->echo = (unsigned char *)PR_MALLOC(2 * (size_t)threads);
+    run->returned_ok = run->echo ? run->echo + threads : NULL;
     int mu = run->wait && run->said && run->echo && pr__mtx_init(&run->mu);
     if (!mu || !pr__cnd_init(&run->cv)) {
         if (mu) pr__mtx_destroy(&run->mu);
@@ -7135,7 +7143,7 @@ static pr__run *pr__run_new(int threads) {
     }
     memset(run->wait, 0, sizeof(pr__wait) * (size_t)threads);       /* PR__RUNNING */
     memset(run->said, 0, sizeof(pr_error) * (size_t)threads);       /* PR_OK */
-    memset(run->echo, 0, (size_t)threads);
+    memset(run->echo, 0, 2 * (size_t)threads);
     return run;
 }
 

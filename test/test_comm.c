@@ -223,6 +223,16 @@ static pr_status chained(pr_comm *c, void *user, pr_error *err) {
     return record(user, c, st, err);
 }
 
+/* Rank 0 returns at once without failing, skipping the recv rank 1 waits in, while ranks 2 and 3
+   wait for each other: the run names rank 0's leaving, the fault, before the wait the others
+   then find. */
+static pr_status left_early(pr_comm *c, void *user, pr_error *err) {
+    if (c->rank == 0) return record(user, c, PR_OK, err);
+    double x[N] = { 0 };
+    const pr_status st = c->recv(c, x, N, PR_COMM_F64, c->rank == 1 ? 0 : 5 - c->rank, err);
+    return record(user, c, st, err);
+}
+
 /* Rank 1 gives up an all_reduce (every rank waits: rank 0 in a recv from it), then sends rank 0
    what it waits for and calls an all_reduce of the same shape again, while rank 0, its recv done,
    makes its first: the two calls must not be taken for one. */
@@ -347,6 +357,7 @@ static void check_faults(void) {
         /* one finds that every rank waits, the other is told it left: the run names the finding */
         { "each waits for the other", crossed, 2, PR_ERR_ARG, "every rank waits for another", NULL },
         { "a chain onto two that wait for each other", chained, 3, PR_ERR_ARG, "every rank waits for another", NULL },
+        { "a rank returns early, two wait for each other", left_early, 4, PR_ERR_ARG, "rank 1: recv: rank 0 has left", NULL },
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
         for (int rep = 0; rep < 20; rep++) {    /* the threads' order differs run to run */
@@ -357,13 +368,14 @@ static void check_faults(void) {
             int fine = st == cases[k].want && strstr(err.message, cases[k].says);
             for (int r = 0; r < cases[k].ranks && fine; r++) {
                 if (cases[k].fn == send_to_leaver && r == 1) continue;     /* the one that leaves succeeds */
+                if (cases[k].fn == left_early && r == 0) continue;
                 if (cases[k].peers_say && r == 1) continue;                /* the cause */
                 /* where the ranks wait for each other, one found it and the others were told it left */
-                const int waits = cases[k].fn == crossed || cases[k].fn == chained;
+                const int waits = cases[k].fn == crossed || cases[k].fn == chained || cases[k].fn == left_early;
                 fine = o.st[r] != PR_OK && (waits || strstr(o.msg[r], cases[k].peers_say ? cases[k].peers_say : cases[k].says));
             }
-            CHECK(fine, "%s (run %d): the run says %d '%s'; rank 0 '%s', rank 1 '%s', rank 2 '%s'", cases[k].name, rep, (int)st, err.message,
-                  o.msg[0], o.msg[1], o.msg[2]);
+            CHECK(fine, "%s (run %d): the run says %d '%s'; rank 0 '%s', rank 1 '%s', rank 2 '%s', rank 3 '%s'", cases[k].name, rep,
+                  (int)st, err.message, o.msg[0], o.msg[1], o.msg[2], o.msg[3]);
             if (!fine) break;
         }
     int ordered = 0;
