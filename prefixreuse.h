@@ -3600,7 +3600,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory");
     if (ps->route_sums) memset(ps->route_sums, 0, sizeof(double) * (2 * E + 1));
     if (pr__first_stage(tr)) pr__embed(tr, &ps->pass);
-    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, ps->route_sums, 2 * E + 1);
+    else pr__pp_recv(tr, tr->mesh->pp_rank - 1, ps->pass.res[0], P, ps->route_sums, E ? 2 * E + 1 : 0);
     for (int l = 0; l < L; l++) {
         if (o->on && l + 1 < L && (st = pr__slot_take(tr, o, &ps->pass, l + 1, err))) return st;  /* receives res[l+1] */
         pr__layer_forward(tr, &ps->pass, l, start ? path->k[l] : NULL, start ? path->v[l] : NULL);
@@ -3612,7 +3612,7 @@ static pr_status pr__phase_a_prefix_forward(pr_trainer *tr, pr__step_ctx *cx, pr
         pr__moe_stage_sums(tr, &cx->moe, &ps->pass, ps->route_sums, (double)ps->copies);
         for (size_t i = 0; i <= 2 * E; i++) cx->moe.pre[i] += ps->route_sums[i];
     }
-    if (!pr__last_stage(tr)) pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, ps->route_sums, 2 * E + 1);
+    if (!pr__last_stage(tr)) pr__pp_send(tr, tr->mesh->pp_rank + 1, ps->pass.res[L], P, ps->route_sums, E ? 2 * E + 1 : 0);
     pr__arena_reset(tr, &tr->step_arena);           /* the collectives' buffers, recompute's shared region */
     ps->pass.kreg = ps->pass.vreg = ps->pass.dkreg = ps->pass.dvreg = ps->pass.pad = ps->pass.shard = NULL;
     ps->pass.ep_send = ps->pass.ep_recv = NULL;
@@ -6054,10 +6054,11 @@ static void pr__p2p_acts(pr_trainer *tr, pr_comm *c, int peer, int dir, const vo
     else if (dir == PR__RECV) st = c->recv(c, in, n_in, pr__act_type(tr), peer, &e);
     pr__comm_done(tr, st, &e);
 }
-/* The same for host doubles (nd_out, nd_in of them), through the staging buffers, half of each a
-   way: the peer sends what this rank receives, so both run the same rounds. */
-static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
-    const size_t no = d_out ? nd_out : 0, ni = d_in ? nd_in : 0, half = PR__STAGE_REALS / 2;
+/* The same for host doubles (nd_out, nd_in of them, as dir says), through the staging buffers,
+   half of each a way: the peer sends what this rank receives, so both run the same rounds. */
+static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, int dir, const double *d_out, size_t nd_out, double *d_in,
+                            size_t nd_in) {
+    const size_t no = dir & PR__SEND ? nd_out : 0, ni = dir & PR__RECV ? nd_in : 0, half = PR__STAGE_REALS / 2;
     pr_real *host = tr->stage_host, *dev = tr->stage;
     for (size_t a = 0; a < no || a < ni; a += half) {
         const size_t o = a < no ? (no - a < half ? no - a : half) : 0, i = a < ni ? (ni - a < half ? ni - a : half) : 0;
@@ -6074,12 +6075,12 @@ static void pr__p2p_doubles(pr_trainer *tr, pr_comm *c, int peer, const double *
     }
 }
 /* One exchange with the neighbouring stage `peer`: rows of the residual stream out and/or in (dir),
-   then host doubles (MoE routing sums or aux gradients) the same way. */
+   then host doubles (MoE routing sums or aux gradients; none without experts) the same way. */
 static void pr__pp_swap(pr_trainer *tr, int peer, int dir, const void *out, int out_rows, void *in, int in_rows,
                         const double *d_out, size_t nd_out, double *d_in, size_t nd_in) {
     const size_t C = (size_t)tr->cfg.hidden_size;
     pr__p2p_acts(tr, tr->mesh->pp_comm, peer, dir, out, (size_t)out_rows * C, in, (size_t)in_rows * C);
-    pr__p2p_doubles(tr, tr->mesh->pp_comm, peer, d_out, nd_out, d_in, nd_in);
+    pr__p2p_doubles(tr, tr->mesh->pp_comm, peer, dir, d_out, nd_out, d_in, nd_in);
 }
 /* Its one-way halves, as Phases A and C use them: n rows (and nd doubles, d may be NULL). */
 static void pr__pp_send(pr_trainer *tr, int peer, const void *rows, int n, const double *d, size_t nd) {
@@ -6096,7 +6097,7 @@ static void pr__pp_prev(pr_trainer *tr, pr__mb *back, pr__mb *in) {
     const size_t E = (size_t)tr->cfg.num_experts;
     pr__pp_swap(tr, tr->mesh->pp_rank - 1, (back ? PR__SEND : 0) | (in ? PR__RECV : 0), back ? back->s.dres : NULL,
                 back ? back->p.N : 0, in ? in->p.res[0] : NULL, in ? in->p.N : 0, back ? back->g : NULL, E,
-                in ? in->sums : NULL, 2 * E + 1);
+                in ? in->sums : NULL, E ? 2 * E + 1 : 0);
 }
 /* The microbatch's output to the next stage, with a gradient coming back (either may be NULL);
    nothing on the last stage. */
@@ -6104,8 +6105,8 @@ static void pr__pp_next(pr_trainer *tr, pr__mb *out, pr__mb *back) {
     if (pr__last_stage(tr) || (!out && !back)) return;
     const size_t E = (size_t)tr->cfg.num_experts, L = (size_t)tr->cfg.num_hidden_layers;
     pr__pp_swap(tr, tr->mesh->pp_rank + 1, (out ? PR__SEND : 0) | (back ? PR__RECV : 0), out ? out->p.res[L] : NULL,
-                out ? out->p.N : 0, back ? back->s.dres : NULL, back ? back->p.N : 0, out ? out->sums : NULL, 2 * E + 1,
-                back ? back->g : NULL, E);
+                out ? out->p.N : 0, back ? back->s.dres : NULL, back ? back->p.N : 0, out ? out->sums : NULL,
+                E ? 2 * E + 1 : 0, back ? back->g : NULL, E);
 }
 
 /* ---------------------------------------------------------------- 7.6 Groups split across DP ranks */
@@ -6131,7 +6132,7 @@ static void pr__split_share_kv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_pa
             pr__p2p_acts(tr, t, other, send ? PR__SEND : PR__RECV, path->k[l], n, path->k[l], n);
             pr__p2p_acts(tr, t, other, send ? PR__SEND : PR__RECV, path->v[l], n, path->v[l], n);
         }
-        if (ns) pr__p2p_doubles(tr, t, other, send ? cx->moe.pre : NULL, ns, send ? NULL : cx->moe.pre, ns);
+        if (ns) pr__p2p_doubles(tr, t, other, send ? PR__SEND : PR__RECV, cx->moe.pre, ns, cx->moe.pre, ns);
     }
 }
 
@@ -6158,7 +6159,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
             }
         }
         if (E) {
-            pr__p2p_doubles(tr, t, other, send ? cx->moe.c : NULL, E, send ? NULL : peer_c, E);
+            pr__p2p_doubles(tr, t, other, send ? PR__SEND : PR__RECV, cx->moe.c, E, peer_c, E);
             for (size_t e = 0; !send && e < E; e++) cx->moe.c[e] += peer_c[e];
         }
     }
