@@ -6,7 +6,7 @@
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
 #   make fuzz                the trace and safetensors/config parsers, the config size checks and the training-state
-#                            loader under libFuzzer (clang)
+#                            loader under libFuzzer (clang); then random --check and resume cases (test/fuzz_check.py)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make test-gpu-mesh       train_cuda on dp, tp, pp, cp and ep meshes, one process a GPU (needs 4 GPUs)
@@ -186,6 +186,7 @@ fuzz: train build/train-double | build
 	./build/fuzz_safetensors -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_st
 	FUZZ_STATE=build/fuzz_state.d ./build/fuzz_state -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_state
 	$(PYTHON) test/fuzz_check.py --train build/train-double --seconds $(FUZZ_SECONDS)
+	$(PYTHON) test/fuzz_check.py --resume --train build/train-double --seconds $(FUZZ_SECONDS)
 
 # CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
 # GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.

@@ -31,6 +31,15 @@ fails it is asked again against the double build (bf16_triage).
     python3 test/fuzz_check.py --train build/train-double --seconds 600            (make fuzz)
     python3 test/fuzz_check.py --train build/emu/train_cuda --cuda build/train-double --cases 30 --seed 1
 
+With --resume the same cases train instead (train's CPU builds): 2 to 5 steps straight against a
+first part saved with --save-state and the rest resumed in a new process, now and then after a
+run that kills itself in a save (--fault-kill-after-bytes), four times in ten on another mesh
+(resume_plan). On the same mesh every step's loss and gradient norm, the final state's files and
+the exported weights must be the straight run's bit for bit; on another, to rounding
+(compare_resume).
+
+    python3 test/fuzz_check.py --resume --train build/train-double --cases 300 --seed 1   (make test)
+
 The last line is "N passed, N failed" (test/tally.sh). Needs python3 and numpy.
 """
 import argparse
@@ -70,6 +79,12 @@ def draw_mesh(r, moe, cuda):
 
 def ranks(mesh):
     return mesh["dp"] * mesh["pp"] * mesh["cp"] * mesh["tp"]
+
+
+def mesh_flags(r, mesh):
+    """The mesh's flags, and a ZeRO stage drawn where there is dp."""
+    flags = [f for k in ("dp", "pp", "cp", "tp", "ep") if mesh[k] > 1 for f in ("--" + k, str(mesh[k]))]
+    return flags + (["--zero", str(r.choice([0, 1, 2]))] if mesh["dp"] > 1 else [])
 
 
 def draw_model(r, kind, mesh, cuda):
@@ -195,13 +210,9 @@ def draw_case(seed, cuda):
             flags += ["--offload-pool", r.choice(["0.001", "0.01", "1"])]
         if r.random() < 0.3:
             flags += ["--device-budget", r.choice(["0.01", "0.1", "4"])]
-    for k in ("dp", "pp", "cp", "tp", "ep"):
-        if mesh[k] > 1:
-            flags += ["--" + k, str(mesh[k])]
-    if mesh["dp"] > 1:
-        flags += ["--zero", str(r.choice([0, 1, 2]))]
-        if r.random() < 0.2:
-            flags += ["--grad-reduce", "bf16"]
+    flags += mesh_flags(r, mesh)
+    if mesh["dp"] > 1 and r.random() < 0.2:
+        flags += ["--grad-reduce", "bf16"]
     per_step = None
     if cuda:                         # one step, whose gradients --save-grads can write (triage)
         per_step = len(groups)
@@ -235,7 +246,7 @@ def write_case(d, seed, cuda):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     write_trace(os.path.join(d, "case.trace"), groups, config["vocab_size"], steps=steps)
-    return config, groups, flags
+    return config, groups, steps, flags
 
 
 def mesh_ranks(flags):
@@ -298,6 +309,19 @@ def read_safetensors(path):
     return out
 
 
+def without(flags, drops):
+    """flags less those named in drops (flag -> how many values it takes) and their values."""
+    out, skip = [], 0
+    for f in flags:
+        if skip:
+            skip -= 1
+        elif f in drops:
+            skip = drops[f]
+        else:
+            out.append(f)
+    return out
+
+
 # flags the triage's full-sequence runs on one rank drop (the reuse schedule's own, and the mesh's),
 # and how many values each takes
 BASELINE_DROPS = {"--schedule": 1, "--tree-min": 1, "--offload": 1, "--offload-pool": 1, "--device-budget": 1, "--layout": 1,
@@ -316,14 +340,7 @@ def bf16_triage(train, reference, d, flags, timeout):
     errors reaches 2 to 4 now and then; a schedule's error (a wrong row, mask or weight) is of the
     gradient's own size, tens to thousands of times the rounding. Returns (passed, a line saying
     why)."""
-    base, skip = [], 0
-    for f in flags:
-        if skip:
-            skip -= 1
-        elif f in BASELINE_DROPS:
-            skip = BASELINE_DROPS[f]
-        else:
-            base.append(f)
+    base = without(flags, BASELINE_DROPS)
     common = ["--config", d, "--trace", os.path.join(d, "case.trace"), "--steps", "1"]
     runs = {"device baseline": [train] + common + base + ["--schedule", "baseline"],
             "device case": [train] + common + flags,
@@ -365,7 +382,7 @@ def routing_flip(out, trajectories):
 def run_case(train, seed, d, timeout, cuda, reference):
     """(verdict: "pass", "triage" (passed on the triage), "flip" (not judged: a routing flip) or
     "fail"; what the case is, seconds, output, exit status)"""
-    config, groups, flags = write_case(d, seed, cuda)
+    config, groups, _, flags = write_case(d, seed, cuda)
     t0 = time.time()
     out, rc = run([train, "--config", d, "--trace", os.path.join(d, "case.trace"), "--check"] + flags, timeout,
                   mesh_ranks(flags) if cuda else 1, d)
@@ -378,6 +395,200 @@ def run_case(train, seed, d, timeout, cuda, reference):
             out += why + "\n"
             verdict = "triage" if ok else "fail"
     return verdict, describe(config, groups, flags), time.time() - t0, out, rc
+
+
+MESH_KEYS = ("dp", "pp", "cp", "tp", "ep")
+MESH_DROPS = {"--dp": 1, "--pp": 1, "--cp": 1, "--tp": 1, "--ep": 1, "--zero": 1, "--grad-reduce": 1}
+
+
+def mesh_part(flags):
+    """The flags that place the run on its mesh (--dp .. --ep, --zero) with their values."""
+    return [v for i, f in enumerate(flags) if f in MESH_DROPS and f != "--grad-reduce" for v in flags[i:i + 2]]
+
+
+def fits(config, mesh):
+    """The mesh can hold the model: the library's rules for a shard (pr__shard_config)."""
+    tp, ep = mesh["tp"], mesh["ep"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    if mesh["pp"] > config["num_hidden_layers"] or heads % tp or (kv % tp and tp % kv) or config["vocab_size"] < tp:
+        return False
+    if "num_experts" in config:
+        return config["num_experts"] % ep == 0 if ep > 1 else config["moe_intermediate_size"] % tp == 0
+    return ep == 1 and config["intermediate_size"] % tp == 0
+
+
+def resume_plan(seed, config, steps, flags):
+    """A training run of the check case of this seed, cut in two: (the first part's flags, the
+    resumed part's, the steps in all, the steps before the cut, --save-every for the first part or
+    None, where a run between the parts dies in a save (killed_run) or None). Four times in ten
+    the resumed part runs on another mesh drawn for the model (or the same one with another ZeRO
+    stage); its sums then run in another order, so the bf16 dp sum, which rounds them, is dropped
+    from both parts, and a MoE model's aux loss takes the group scope (the microbatch scope's
+    microbatches are each rank's own under split groups)."""
+    r = random.Random(f"resume {seed}")
+    if steps is None and "--groups-per-step" not in flags:
+        # the default, dp groups a step, said: the resumed part keeps the steps on another mesh
+        flags = flags + ["--groups-per-step", str(int(dict(zip(flags, flags[1:])).get("--dp", 1)))]
+    total = r.randint(2, 5)
+    cut = r.randint(1, total - 1)
+    every = r.randint(1, cut) if r.random() < 0.3 else None
+    later = flags
+    if r.random() < 0.4:
+        base = without(flags, MESH_DROPS)
+        if "num_experts" in config:
+            base = without(base, {"--aux-scope": 1}) + ["--aux-scope", "group"]
+        other = next((m for m in (draw_mesh(r, "num_experts" in config, False) for _ in range(100)) if fits(config, m)),
+                     dict.fromkeys(MESH_KEYS, 1))
+        flags, later = base + mesh_part(flags), base + mesh_flags(r, other)
+    kill = (None if r.random() < 0.7 else 1.0 if r.random() < 0.25 else r.random())
+    return flags, later, total, cut, every, kill
+
+
+def read_log(path):
+    """A --loss-log's lines as (step, loss, grad norm)."""
+    with open(path) as f:
+        return [(int(w[1]), float.fromhex(w[3]), float.fromhex(w[5])) for w in (line.split() for line in f)]
+
+
+def final_state(folder):
+    """The folder of a --save-state's newest state (its latest file names it)."""
+    with open(os.path.join(folder, "latest")) as f:
+        return os.path.join(folder, f.read().strip())
+
+
+def state_record(folder):
+    """A state folder's trainer_state.json."""
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def same_bytes(a, b):
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def compare_resume(d, cut, alike):
+    """What differs between the straight run and the resumed one ("" if nothing): the losses and
+    grad norms of every step (the first part's bit for bit; the resumed part's too on the same
+    mesh, else to the precision's rounding), the final state (its files bit for bit on the same
+    mesh, else its step and next group) and the exported weights (bit for bit, or to rounding)."""
+    state = final_state(os.path.join(d, "straight"))
+    record = state_record(state)
+    # Another mesh's sums round otherwise, and AdamW divides a gradient by its own size plus eps: a
+    # component that cancels to near eps moves its update by (summands / eps) x the rounding, in
+    # float up to a good part of lr. So in float the losses are compared there, not the weights.
+    # The export is fp32 in both builds: the double build's weights agree to its rounding.
+    double = record["real"] == "F64"
+    tol, wtol = (1e-9, 1e-6) if double else (1e-4, None)
+    straight, split = read_log(os.path.join(d, "straight.log")), read_log(os.path.join(d, "split.log"))
+    if len(straight) != len(split) or any(a[0] != b[0] for a, b in zip(straight, split)):
+        return f"the logs' steps differ: {[a[0] for a in straight]} against {[b[0] for b in split]}"
+    for i, (a, b) in enumerate(zip(straight, split)):
+        if alike or i < cut:       # the same mesh's steps
+            differs = a != b
+        else:
+            differs = any(abs(x - y) > tol * max(abs(x), abs(y), 1e-2) for x, y in zip(a[1:], b[1:]))
+        if differs:
+            return f"step {a[0]}: loss {a[1]!r}, grad norm {a[2]!r} straight; {b[1]!r}, {b[2]!r} resumed"
+    resumed = final_state(os.path.join(d, "split"))
+    if alike:
+        files = sorted(os.listdir(state))
+        if files != sorted(os.listdir(resumed)):
+            return f"the final states hold {files} and {sorted(os.listdir(resumed))}"
+        for f in files:
+            if not same_bytes(os.path.join(state, f), os.path.join(resumed, f)):
+                return f"the final states' {f} differ"
+    else:
+        other = state_record(resumed)
+        if (record["step"], record["next_group"]) != (other["step"], other["next_group"]):
+            return f"the final states are at step {record['step']}, group {record['next_group']} and {other['step']}, {other['next_group']}"
+    if not alike and wtol is None:
+        return ""
+    a = read_safetensors(os.path.join(d, "straight-export", "model.safetensors"))
+    b = read_safetensors(os.path.join(d, "split-export", "model.safetensors"))
+    if a.keys() != b.keys():
+        return "the exports hold other tensors"
+    for name in a:
+        err = float(np.abs(a[name] - b[name]).max(initial=0))
+        if err > (0 if alike else wtol * max(float(np.abs(a[name]).max(initial=0)), 1e-30)):
+            return f"the exports' {name} differ by {err:.3e}"
+    return ""
+
+
+def killed_run(run_later, d, cut, kill):
+    """A resumed run with --save-every 1 that kills itself (SIGKILL) once a save has written a
+    fraction kill of the bytes of the state it resumes (its files and `latest`; at 1, within the
+    last file a save writes, `latest`; on a mesh a rank counts its own, and may finish its saves).
+    The newest state must then be the last one its saves finished, at step cut or later; its steps
+    before that state go into the split run's log. run_later(extra flags) runs it and returns its
+    (output, exit status). Returns (the newest state's step or None, what happened, exit status)."""
+    state = final_state(os.path.join(d, "split"))
+    size = sum(os.path.getsize(os.path.join(state, f)) for f in os.listdir(state))
+    size += os.path.getsize(os.path.join(d, "split", "latest"))
+    # a few bytes short of the whole: the next save's trainer_state.json may be a digit longer or shorter
+    at = max(1, size - 3 if kill == 1 else int(kill * size))
+    out, rc = run_later(["--loss-log", os.path.join(d, "killed.log"), "--save-every", "1", "--fault-kill-after-bytes", str(at)])
+    if rc not in (0, -signal.SIGKILL):
+        return None, f"the killed run failed otherwise (exit {rc})\n", rc
+    try:
+        saved = state_record(final_state(os.path.join(d, "split")))["step"]
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"after the killed run the newest state cannot be read: {e}\n", 1
+    finished = sum(line.startswith("saved state ") for line in out.splitlines())
+    if saved != cut + finished:
+        return None, f"the newest state is at step {saved}; the run resumed at {cut} and finished {finished} saves\n", 1
+    with open(os.path.join(d, "killed.log")) as f, open(os.path.join(d, "split.log"), "a") as log:
+        log.writelines(line for line in f if int(line.split()[1]) < saved)
+    return saved, f"killed in a save: resumed from step {saved}\n" if rc else "", 0
+
+
+def run_resume_case(train, seed, d, timeout):
+    """A --resume case: the run straight, and cut into a first part saved with --save-state and the
+    rest resumed in a new process (now and then after a run that dies in a save); (verdict "pass"
+    or "fail", what the case is, seconds, output, exit status)."""
+    config, groups, steps, flags = write_case(d, seed, False)
+    first, later, total, cut, every, kill = resume_plan(seed, config, steps, flags)
+
+    def at(name):
+        return os.path.join(d, name)
+
+    common = [train, "--config", d, "--trace", at("case.trace")]
+    alike = later == first
+    what = describe(config, groups, first) + f"; {cut} + {total - cut} steps" + \
+        ("" if alike else f", resumed with: {' '.join(mesh_part(later)) or 'one rank'}") + \
+        (f"; a save killed at {kill:.3f} of a state's bytes" if kill is not None else "")
+    t0, out = time.time(), ""
+
+    def step(name, flags):
+        nonlocal out
+        text, rc = run(common + flags, timeout)
+        out += f"{name}: {' '.join(flags)}\n{text}"
+        return text, rc
+
+    def resumed(steps):
+        return later + ["--steps", str(steps), "--resume", at("split"), "--save-state", at("split")]
+
+    for name, flags in (("straight", first + ["--steps", str(total), "--loss-log", at("straight.log"), "--save-state",
+                                              at("straight"), "--save", at("straight-export")]),
+                        ("first part", first + ["--steps", str(cut), "--loss-log", at("split.log"), "--save-state", at("split")] +
+                         (["--save-every", str(every)] if every else []))):
+        _, rc = step(name, flags)
+        if rc != 0:
+            return "fail", what, time.time() - t0, out + f"the {name} failed (exit {rc})\n", rc
+    at_step = cut
+    if kill is not None:
+        at_step, note, rc = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill)
+        out += note
+        if at_step is None:
+            return "fail", what, time.time() - t0, out, rc
+    _, rc = step("resumed part", resumed(total - at_step) + ["--loss-log", at("split.log"), "--save", at("split-export")])
+    if rc != 0:
+        return "fail", what, time.time() - t0, out + f"the resumed part failed (exit {rc})\n", rc
+    try:
+        why = compare_resume(d, cut, alike)
+    except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
+        why = f"the runs' files cannot be compared: {e}"
+    return ("fail" if why else "pass"), what, time.time() - t0, out + (why + "\n" if why else "resume: PASS\n"), 1 if why else 0
 
 
 class Stopped(Exception):
@@ -406,7 +617,12 @@ def main():
     ap.add_argument("--processes", type=int, default=MAX_PROCESSES,
                     help=f"with --cuda: the most processes a mesh takes (default {MAX_PROCESSES}; 1 on one GPU, whose "
                          "NCCL takes one rank a device)")
+    ap.add_argument("--resume", action="store_true",
+                    help="each case trains instead: a few steps straight, and cut in two with --save-state and --resume "
+                         "(on the same mesh or another); the runs must agree (bit for bit on the same mesh)")
     a = ap.parse_args()
+    if a.resume and a.cuda:
+        ap.error("--resume runs train's CPU builds: not with --cuda")
     if a.case is None and a.cases <= 0 and a.seconds <= 0:
         ap.error("give --cases N, --seconds S or --case SEED")
     if a.processes < 1:
@@ -419,10 +635,16 @@ def main():
     for path in (train, reference):
         if path and not os.access(path, os.X_OK):
             ap.error(f"{path} is not an executable")
+
+    def one_case(case_seed, d):
+        if a.resume:
+            return run_resume_case(train, case_seed, d, a.timeout)
+        return run_case(train, case_seed, d, a.timeout, bool(a.cuda), reference)
+
     if a.case is not None:
         d = os.path.abspath(a.keep) if a.keep else tempfile.mkdtemp(prefix="fuzz_check.")
         os.makedirs(d, exist_ok=True)
-        verdict, what, secs, out, rc = run_case(train, a.case, d, a.timeout, bool(a.cuda), reference)
+        verdict, what, secs, out, rc = one_case(a.case, d)
         print(out, end="")
         ok = verdict in ("pass", "triage")
         said = {"pass": "PASS", "triage": "PASS on the triage", "flip": "not judged: a routing flip", "fail": "FAIL"}[verdict]
@@ -432,7 +654,7 @@ def main():
         print(f"{int(ok)} passed, {int(verdict == 'fail')} failed")
         return 1 if verdict == "fail" else 0
     seed = a.seed if a.seed is not None else int(time.time()) % 1000000
-    print(f"fuzz_check: {a.train}, seed {seed}, " +
+    print(f"fuzz_check{' --resume' if a.resume else ''}: {a.train}, seed {seed}, " +
           (f"{a.cases} cases" if a.cases and not a.seconds else f"{a.seconds:g} s" + (f" or {a.cases} cases" if a.cases else "")))
     passed = failed = triage_passes = flips = 0
     start = time.time()
@@ -444,7 +666,7 @@ def main():
             d = os.path.join(work, str(i))
             os.mkdir(d)
             try:
-                verdict, what, secs, out, rc = run_case(train, case_seed, d, a.timeout, bool(a.cuda), reference)
+                verdict, what, secs, out, rc = one_case(case_seed, d)
             except Stopped:
                 failed += 1
                 print(f"case {i} stopped by SIGTERM before it ended ({case_seed:#x})")
@@ -461,8 +683,8 @@ def main():
                 failed += 1
                 print(f"case {i} FAIL (exit {rc}): {what}")
                 print("".join("    " + line + "\n" for line in out.splitlines()[-25:]), end="")
-                cuda = f" --cuda {a.cuda} --processes {a.processes}" if a.cuda else ""
-                print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train}{cuda} --timeout {a.timeout:g} "
+                mode = f" --cuda {a.cuda} --processes {a.processes}" if a.cuda else " --resume" if a.resume else ""
+                print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train}{mode} --timeout {a.timeout:g} "
                       f"--case {case_seed:#x} --keep fuzz-case")
             i += 1
     finally:

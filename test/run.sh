@@ -121,10 +121,13 @@ for p in float double; do      # trained prefix tokens: a multi-turn trace, both
     run "$dir/train-$p" --check --trace data/multiturn.trace --microbatch 2 --recompute prefix
     run "$dir/train-$p" --check --trace data/multiturn.trace --schedule tree --tree-min 8 --offload on
 done
-# random models, traces and flags: each case --check's equivalence (test/fuzz_check.py), the same
-# cases every run; a new seed's cases with make fuzz
 run "$dir/train-float" --check --schedule tree --tree-min 1 --groups-per-step 2 --dp 4    # a tree step of fewer groups than dp ranks
-for p in float double; do run python3 test/fuzz_check.py --train "$dir/train-$p" --cases 300 --seed 1; done
+# random models, traces and flags (test/fuzz_check.py), the same cases every run (a new seed's with
+# make fuzz): each case's --check, and the case trained straight against cut in two and resumed
+for p in float double; do
+    run python3 test/fuzz_check.py --train "$dir/train-$p" --cases 300 --seed 1
+    run python3 test/fuzz_check.py --resume --train "$dir/train-$p" --cases 300 --seed 1
+done
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 run python3 test/test_sass_loops.py
