@@ -36,7 +36,8 @@ first part saved with --save-state and the rest resumed in a new process, now an
 run that kills itself in a save (--fault-kill-after-bytes), four times in ten on another mesh
 (resume_plan). On the same mesh every step's loss and gradient norm, the final state's files and
 the exported weights must be the straight run's bit for bit; on another, to rounding
-(compare_resume).
+(compare_resume), and the state read there and saved again must hold the same bytes
+(reshaped_state).
 
     python3 test/fuzz_check.py --resume --train build/train-double --cases 300 --seed 1   (make test)
 
@@ -515,6 +516,27 @@ def compare_resume(d, cut, alike):
     return ""
 
 
+def reshaped_state(step, d, later, at_step):
+    """The first part's state read on the resumed part's mesh and saved again there (no step),
+    then each of the two read on one rank and saved: the two one-rank states must be the same
+    bytes (weights, AdamW moments, step and position), each rank having read exactly its part.
+    step(name, flags) runs train; returns what differs, or ""."""
+    one_rank = without(later, MESH_DROPS)
+    for name, flags in (("reshaped", later + ["--resume", os.path.join(d, "split"), "--save-state", os.path.join(d, "reshaped")]),
+                        ("one rank from the first part", one_rank + ["--resume", os.path.join(d, "split"), "--save-state",
+                                                                     os.path.join(d, "one-first")]),
+                        ("one rank from the reshaped", one_rank + ["--resume", os.path.join(d, "reshaped"), "--save-state",
+                                                                   os.path.join(d, "one-reshaped")])):
+        _, rc = step(name, flags + ["--steps", "0"])
+        if rc != 0:
+            return f"the {name} run failed (exit {rc})\n"
+    a, b = final_state(os.path.join(d, "one-first")), final_state(os.path.join(d, "one-reshaped"))
+    for f in sorted(set(os.listdir(a)) | set(os.listdir(b))):
+        if not (os.path.exists(os.path.join(a, f)) and os.path.exists(os.path.join(b, f)) and same_bytes(os.path.join(a, f), os.path.join(b, f))):
+            return f"the first part's state at step {at_step}, read on the resumed part's mesh and saved, then on one rank: its {f} differs\n"
+    return ""
+
+
 def killed_run(run_later, d, cut, kill):
     """A resumed run with --save-every 1 that kills itself (SIGKILL) once a save has written a
     fraction kill of the bytes of the state it resumes (its files and `latest`; at 1, within the
@@ -575,6 +597,13 @@ def run_resume_case(train, seed, d, timeout):
         _, rc = step(name, flags)
         if rc != 0:
             return "fail", what, time.time() - t0, out + f"the {name} failed (exit {rc})\n", rc
+    if not alike:
+        try:
+            why = reshaped_state(step, d, later, at_step=cut)
+        except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
+            why = f"the reshaped states cannot be compared: {e}\n"
+        if why:
+            return "fail", what, time.time() - t0, out + why, 1
     at_step = cut
     if kill is not None:
         at_step, note, rc = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill)
