@@ -53,7 +53,8 @@
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
-#   FUZZ_SECONDS  fuzz: how long it draws cases (40)
+#   FUZZ_SECONDS  fuzz: how long it draws --check cases (40)
+#   FUZZ_RESUME_SECONDS  fuzz: how long it draws resume cases (20)
 #
 # Sizing: Llama3-8B (C 4096, 32/8 heads of 128, MLP 14336, vocab 128256). A layer holds 218M
 # matrix parameters: 6 x 218M = 1.31 GFLOP per token (fwd + bwd); attention 4 * 128 * 32 = 16.4k
@@ -98,10 +99,11 @@ TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
 FUZZ_SECONDS=${FUZZ_SECONDS:-40}
+FUZZ_RESUME_SECONDS=${FUZZ_RESUME_SECONDS:-20}
 ATTENTION=${ATTENTION:-auto}
 FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-10240}
 FIT_MEMORY_MIB=${FIT_MEMORY_MIB:-}
-export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION FUZZ_SECONDS
+export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION FUZZ_SECONDS FUZZ_RESUME_SECONDS
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
@@ -122,7 +124,7 @@ initcheck|10|60|1|compute-sanitizer initcheck: test_gpu attention; test_gpu_atte
 synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny with offload; test_gpu attention; test_gpu_attention --shape 1
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
-fuzz|45|200|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build
+fuzz|65|260|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build; then --resume for $FUZZ_RESUME_SECONDS s: the same cases trained straight and cut in two with --save-state and --resume, bit for bit
 bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
 gemm-rows|20|180|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
@@ -370,9 +372,13 @@ body_replay() {
 }
 
 body_fuzz() {
-    python3 test/fuzz_check.py --train ./train_cuda --cuda build/train-double --processes 1 --seconds "$FUZZ_SECONDS" --timeout 30
+    # a case may start just before the time is up, and a failed check runs three more (30 s each at most)
+    sub check $((FUZZ_SECONDS + 120)) python3 test/fuzz_check.py --train ./train_cuda --cuda build/train-double --processes 1 \
+        --seconds "$FUZZ_SECONDS" --timeout 30
     rc=$?
-    key "$(tail -n 2 "$stage_base.log" | tr '\n' ' ' | cut -c1-220)"
+    sub resume $((FUZZ_RESUME_SECONDS + 60)) python3 test/fuzz_check.py --resume --train ./train_cuda --cuda build/train-double \
+        --processes 1 --seconds "$FUZZ_RESUME_SECONDS" --timeout 30 || rc=1
+    key "$(tail -n 2 "$stage_base.check.log" | tr '\n' ' ' | cut -c1-200); resume: $(tail -n 1 "$stage_base.resume.log")"
     return $rc
 }
 

@@ -61,8 +61,9 @@ if [ -x "$dir/emu/train_cuda" ]; then
         run same_bits_both_orders $args
     done
     # random cases (test/fuzz_check.py) on the device's kernels, in bf16: a failed check asked again
-    # against the double build
+    # against the double build; resumed runs bit for bit those that never stopped
     run python3 test/fuzz_check.py --train "$dir/emu/train_cuda" --cuda "$dir/train-double" --cases 30 --seed 1
+    run python3 test/fuzz_check.py --resume --train "$dir/emu/train_cuda" --cuda "$dir/train-double" --cases 10 --seed 1
     # the replay's bf16 rule: reuse and the full-sequence schedule against the CPU's trajectory
     run sh "$(dirname "$0")/test_replay.sh" "$dir/emu/train_cuda"
     # each device and pinned allocation failing in turn: an out-of-memory error, never a crash
