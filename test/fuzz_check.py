@@ -37,13 +37,15 @@ after a run that kills itself in a save (--fault-kill-after-bytes), four times i
 mesh (resume_plan). On the same mesh every step's loss and gradient norm, the final state's files and
 the exported weights must be the straight run's bit for bit; on another, to rounding
 (compare_resume), and the state read there and saved again must hold the same bytes
-(reshaped_state).
+(reshaped_state). The export, read on the resumed part's mesh and saved (in shards or one file),
+then read on one rank and saved, must be the same bytes (export_round_trip).
 
     python3 test/fuzz_check.py --resume --train build/train-double --cases 300 --seed 1   (make test)
 
 The last line is "N passed, N failed" (test/tally.sh). Needs python3 and numpy.
 """
 import argparse
+import collections
 import json
 import math
 import os
@@ -418,10 +420,14 @@ def fits(config, mesh):
     return ep == 1 and config["intermediate_size"] % tp == 0
 
 
+Plan = collections.namedtuple("Plan", "first later total cut every kill shards")
+
+
 def resume_plan(seed, config, steps, flags, cuda):
-    """A training run of the check case of this seed, cut in two: (the first part's flags, the
-    resumed part's, the steps in all, the steps before the cut, --save-every for the first part or
-    None, where a run between the parts dies in a save (killed_run) or None). Four times in ten
+    """A training run of the check case of this seed, cut in two, as a Plan: the first part's flags,
+    the resumed part's, the steps in all, the steps before the cut, --save-every for the first part
+    or None, where a run between the parts dies in a save (killed_run) or None, and the
+    --save-shard-size of the export's round trip (export_round_trip). Four times in ten
     the resumed part runs on another mesh drawn for the model (or the same one with another ZeRO
     stage); its sums then run in another order, so the bf16 dp sum, which rounds them, is dropped
     from both parts, and a MoE model's aux loss takes the group scope (the microbatch scope's
@@ -445,7 +451,7 @@ def resume_plan(seed, config, steps, flags, cuda):
     kill = (None if r.random() < 0.7 else 1.0 if r.random() < 0.25 else r.random())
     if cuda and mesh_ranks(later) > 1:
         kill = None
-    return flags, later, total, cut, every, kill
+    return Plan(flags, later, total, cut, every, kill, r.choice(["0", "0", "1KB", "4KB", "20KB"]))
 
 
 def read_log(path):
@@ -543,6 +549,24 @@ def reshaped_state(step, d, later, at_step):
     return ""
 
 
+def export_round_trip(step, d, later, shards):
+    """The straight run's export read with --init on the resumed part's mesh (each rank its shard)
+    and saved there in files of at most `shards` bytes (0: one), then those read on one rank and
+    saved in one file: the same bytes as the export. step(name, flags) runs train; returns what
+    differs, or ""."""
+    runs = (("export read on the resumed part's mesh", later + ["--init", os.path.join(d, "straight-export"), "--save",
+                                                               os.path.join(d, "re-export"), "--save-shard-size", shards]),
+            ("that read on one rank", without(later, MESH_DROPS) + ["--init", os.path.join(d, "re-export"), "--save",
+                                                                    os.path.join(d, "one-file")]))
+    for name, flags in runs:
+        _, rc = step(name, flags + ["--steps", "0"])
+        if rc != 0:
+            return f"the {name} failed (exit {rc})"
+    if not same_bytes(os.path.join(d, "straight-export", "model.safetensors"), os.path.join(d, "one-file", "model.safetensors")):
+        return f"the export read on the resumed part's mesh, saved in files of {shards} bytes (0: one) and read on one rank is not the export"
+    return ""
+
+
 def killed_run(run_later, d, cut, kill):
     """A resumed run with --save-every 1 that kills itself (SIGKILL) once a save has written a
     fraction kill of the bytes of the state it resumes (its files and `latest`; at 1, within the
@@ -575,7 +599,8 @@ def run_resume_case(train, seed, d, timeout, cuda):
     rest resumed in a new process (now and then after a run that dies in a save); (verdict "pass"
     or "fail", what the case is, seconds, output, exit status)."""
     config, groups, steps, flags = write_case(d, seed, cuda)
-    first, later, total, cut, every, kill = resume_plan(seed, config, steps, flags, cuda)
+    plan = resume_plan(seed, config, steps, flags, cuda)
+    first, later, total, cut, every, kill = plan[:6]
 
     def at(name):
         return os.path.join(d, name)
@@ -620,7 +645,7 @@ def run_resume_case(train, seed, d, timeout, cuda):
     if rc != 0:
         return "fail", what, time.time() - t0, out + f"the resumed part failed (exit {rc})\n", rc
     try:
-        why = compare_resume(d, cut, alike, cuda)
+        why = compare_resume(d, cut, alike, cuda) or export_round_trip(step, d, later, plan.shards)
     except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
         why = f"the runs' files cannot be compared: {e}"
     return ("fail" if why else "pass"), what, time.time() - t0, out + (why + "\n" if why else "resume: PASS\n"), 1 if why else 0
