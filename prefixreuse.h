@@ -1258,21 +1258,6 @@ static double pr__now(void) { return (double)clock() / CLOCKS_PER_SEC; }
 
 #ifndef PR_USE_CBLAS
 
-/* The obvious triple loop: the fallback when the packing buffers cannot be allocated. */
-static void pr__gemm_naive(int ta, int tb, int M, int N, int K,
-                               const pr_real *A, int lda, const pr_real *B, int ldb,
-                               pr_real beta, pr_real *C, int ldc) {
-    int i, j, k;
-    for (i = 0; i < M; i++)
-        for (j = 0; j < N; j++) {
-            pr_real s = 0;
-            for (k = 0; k < K; k++)
-                s += (ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
-                     (tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j]);
-            C[(size_t)i * ldc + j] = beta == 0 ? s : beta * C[(size_t)i * ldc + j] + s;
-        }
-}
-
 
 /* Tuning knobs (PR_GEMM_*) may be predefined; changing KC changes result bits. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -1387,19 +1372,22 @@ static void pr__gemm_kernel(int kc, const pr_real *pa, const pr_real *pb,
         for (j = 0; j < n; j++) c[j] = acc ? c[j] + t[i * PR__NR + j] : t[i * PR__NR + j];
 }
 
-/* One thread's share: rows [m0,m1) x cols [n0,n1) of C, with private buffers pa, pb. */
+/* One thread's share: rows [m0,m1) x cols [n0,n1) of C, with private buffers pa (MC_ x KC reals)
+   and pb (NC_ x KC), MC_ and NC_ whole tiles. An element of C is summed alike whatever the block
+   sizes and the share (over k in blocks of KC, in order, by the same tile kernel): only KC changes
+   its bits. */
 static void pr__gemm_part(int ta, int tb, int m0, int m1, int n0, int n1, int K,
                           const pr_real *A, int lda, const pr_real *B, int ldb,
-                          pr_real beta, pr_real *C, int ldc, pr_real *pa, pr_real *pb) {
+                          pr_real beta, pr_real *C, int ldc, pr_real *pa, pr_real *pb, int MC_, int NC_) {
     int jc, pc, ic, jr, ir;
-    for (jc = n0; jc < n1; jc += PR__NC) {
-        int nc = n1 - jc < PR__NC ? n1 - jc : PR__NC;
+    for (jc = n0; jc < n1; jc += NC_) {
+        int nc = n1 - jc < NC_ ? n1 - jc : NC_;
         for (pc = 0; pc < K; pc += PR__KC) {
             int kc = K - pc < PR__KC ? K - pc : PR__KC;
             pr__gemm_pack(pb, tb ? B + (size_t)jc * ldb + pc : B + (size_t)pc * ldb + jc,
                           ldb, tb, nc, kc, PR__NR);
-            for (ic = m0; ic < m1; ic += PR__MC) {
-                int mc = m1 - ic < PR__MC ? m1 - ic : PR__MC;
+            for (ic = m0; ic < m1; ic += MC_) {
+                int mc = m1 - ic < MC_ ? m1 - ic : MC_;
                 pr__gemm_pack(pa, ta ? A + (size_t)pc * lda + ic : A + (size_t)ic * lda + pc,
                               lda, !ta, mc, kc, PR__MR);
                 for (jr = 0; jr < nc; jr += PR__NR)
@@ -1454,8 +1442,11 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
         if ((double)M * N * K > 1e6) nt = omp_get_max_threads();
 #endif
         raw = (char *)PR_MALLOC((sa + sb) * nt * sizeof(pr_real) + 64);
-        if (!raw) { /* never abort: fall back to the unpacked loop */
-            pr__gemm_naive(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        if (!raw) {
+            /* Never abort, and give the same bits: one thread, a tile's worth of packing on the
+               stack (under 50 KB with the default KC), the same sums in the same order. */
+            pr_real pa[PR__MR * PR__KC], pb[PR__NR * PR__KC];
+            pr__gemm_part(ta, tb, 0, M, 0, N, K, A, lda, B, ldb, beta, C, ldc, pa, pb, PR__MR, PR__NR);
             return;
         }
         buf = (pr_real *)(raw + (64 - (uintptr_t)raw % 64) % 64);
@@ -1478,7 +1469,7 @@ static void pr__gemm(int ta, int tb, int M, int N, int K,
             if (lo < hi)
                 pr__gemm_part(ta, tb, splitn ? 0 : lo, splitn ? M : hi, splitn ? lo : 0,
                               splitn ? hi : N, K, A, lda, B, ldb, beta, C, ldc,
-                              buf + (size_t)t * (sa + sb), buf + (size_t)t * (sa + sb) + sa);
+                              buf + (size_t)t * (sa + sb), buf + (size_t)t * (sa + sb) + sa, PR__MC, PR__NC);
         }
         PR_FREE(raw);
     }
@@ -7182,18 +7173,22 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
     /* The failing rank to report: the first whose failure is its own, not one the communicator
-       raised on it because a peer had failed and left the collective it waited in; else the first
-       on which the communicator found the calls at fault (it names them), not one that was told. */
-    int first = -1, cause = -1, found = -1;
+       raised on it because a peer had failed and left the collective it waited in: surely so where
+       the communicator failed none of its calls (untold), else where it did not return the first
+       failure the communicator raised on it (a rank goes on to its step's other collectives after
+       one, and may return a later one's); else the first on which the communicator found the
+       calls at fault (it names them), not one that was told. */
+    int first = -1, untold = -1, cause = -1, found = -1;
     for (int r = 0; r < n && !st; r++) {
         if (!runs[r].st) continue;
         if (first < 0) first = r;
         const int raised = runs[r].st == run->said[r].status && !strcmp(runs[r].err.message, run->said[r].message);
+        if (untold < 0 && !run->said[r].status) untold = r;
         if (cause < 0 && !raised) cause = r;
         if (found < 0 && raised && !run->echo[r]) found = r;
     }
     if (first >= 0) {
-        const int r = cause >= 0 ? cause : found >= 0 ? found : first;
+        const int r = untold >= 0 ? untold : cause >= 0 ? cause : found >= 0 ? found : first;
         st = pr__fail(err, runs[r].st, "rank %d: %s", r, runs[r].err.message);
     }
     for (int r = 0; r < n; r++) runs[r].comm->destroy(runs[r].comm);

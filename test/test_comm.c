@@ -199,6 +199,23 @@ static pr_status one_leaves(pr_comm *c, void *user, pr_error *err) {
     }
     return record(user, c, c->barrier(c, err), err);
 }
+/* Rank 1 fails at once; the others go on through three calls, each failing as rank 1 left, and
+   return the second's failure (as a step keeps the failure of one of its collectives, not always
+   the first or the last the communicator raised): the run still names rank 1's own. */
+static pr_status keeps_middle(pr_comm *c, void *user, pr_error *err) {
+    if (c->rank == 1) {
+        err->status = PR_ERR_IO;
+        snprintf(err->message, sizeof err->message, "disk on fire");
+        return record(user, c, PR_ERR_IO, err);
+    }
+    double x[N] = { 0 };
+    pr_error e[3];
+    c->all_reduce(c, x, N, PR_COMM_F64, &e[0]);
+    const pr_status st = c->barrier(c, &e[1]);
+    c->all_reduce(c, x, N, PR_COMM_F64, &e[2]);
+    *err = e[1];
+    return record(user, c, st, err);
+}
 static pr_status send_to_leaver(pr_comm *c, void *user, pr_error *err) {
     double x[N] = { 0 };
     return record(user, c, c->rank ? PR_OK : c->send(c, x, N, PR_COMM_F64, 1, err), err);
@@ -353,6 +370,8 @@ static void check_faults(void) {
         { "sizes differ", sizes_differ, 3, PR_ERR_ARG, "all_reduce of 37 f64 (its call 1 on this communicator), rank 1 all_reduce of 42 f64", NULL },
         { "operations differ", ops_differ, 2, PR_ERR_ARG, "rank 0 all_gather of 37 f64 (its call 1 on this communicator), rank 1 all_reduce", NULL },
         { "a rank leaves", one_leaves, 3, PR_ERR_IO, "rank 1: disk on fire", "has left the communicator" },
+        { "a rank leaves, the others keep a later call's failure", keeps_middle, 3, PR_ERR_IO, "rank 1: disk on fire",
+          "barrier: rank" },
         { "send to a rank that left", send_to_leaver, 2, PR_ERR_ARG, "send: rank 1 has left the communicator", NULL },
         /* one finds that every rank waits, the other is told it left: the run names the finding */
         { "each waits for the other", crossed, 2, PR_ERR_ARG, "every rank waits for another", NULL },

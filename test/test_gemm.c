@@ -99,6 +99,19 @@ static void run_case(int ta, int tb, int M, int N, int K, pr_real beta, int pad)
         check(memcmp(C, R, ((size_t)M * ldc + 1) * sizeof *C) == 0, "determinism", ta, tb, M, N, K, beta);
     }
 #endif
+#ifndef PR_USE_CBLAS
+    {   /* Without memory for its packing buffers, the same bits (on the stack, one thread). */
+        const int was = fail_alloc;
+        memcpy(C, C0, ((size_t)M * ldc + 1) * sizeof *C);
+        memcpy(R, C0, ((size_t)M * ldc + 1) * sizeof *R);
+        fail_alloc = 0;
+        pr__gemm(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        fail_alloc = 1;
+        pr__gemm(ta, tb, M, N, K, A, lda, B, ldb, beta, R, ldc);
+        fail_alloc = was;
+        check(memcmp(C, R, ((size_t)M * ldc + 1) * sizeof *C) == 0, "out-of-memory bits", ta, tb, M, N, K, beta);
+    }
+#endif
     free(A); free(B); free(C0); free(C); free(R);
 }
 
