@@ -6,7 +6,7 @@
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
 #   make fuzz                the trace and safetensors/config parsers, the config size checks and the training-state
-#                            loader under libFuzzer (clang); then random --check and resume cases (test/fuzz_check.py)
+#                            loader under libFuzzer (clang); then random --check, resume and allocation-failure cases (test/fuzz_check.py)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
 #   make test-gpu            the GPU tests (needs a GPU; last line: N passed, N failed)
 #   make test-gpu-mesh       train_cuda on dp, tp, pp, cp and ep meshes, one process a GPU (needs 4 GPUs)
@@ -87,7 +87,9 @@ build:
 TEST_BINS = build/test_core-float build/test_core-double build/test_gemm-float build/test_gemm-double \
             build/test_io-float build/test_io-double build/test_trace-float build/test_trace-double \
             build/test_comm-float build/test_comm-double build/test_attn_check build/test_cxx \
-            build/train-float build/train-double
+            build/train-float build/train-double build/train_faults-double
+# train with an allocation failing on demand (test/train_faults.c includes train.c)
+build/train_faults-double build/asan/train_faults-double: train.c
 # The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
 # program, in double, since the library's CPU attention it is also compared with is the double
 # reference (the model computes in bf16/fp32 whatever the build).
@@ -126,7 +128,7 @@ SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover
 SAN_C = $(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS)
 ASAN_BINS = $(foreach p,float double,$(foreach t,test_core test_gemm test_io test_trace test_comm train,build/asan/$(t)-$(p))) \
             build/asan/test_attn_model-double build/asan/test_attn_check build/asan/test_cxx build/asan/test_mma_emul \
-            build/asan/test_mma_kernels build/asan/test_cuda_emu build/asan/train_cuda-emu
+            build/asan/test_mma_kernels build/asan/test_cuda_emu build/asan/train_cuda-emu build/asan/train_faults-double
 asan: | build/asan
 	@$(MAKE) --no-print-directory $(JOBS_FLAG) $(ASAN_BINS)
 	@sh test/run.sh build/asan
@@ -169,7 +171,7 @@ bench-gemm: | build
 	./build/bench_gemm
 
 FUZZ_SECONDS ?= 60
-fuzz: train build/train-double | build
+fuzz: train build/train-double build/train_faults-double | build
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_trace test/fuzz_trace.c -lm
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_safetensors test/fuzz_safetensors.c -lm
 	clang $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined $(LDFLAGS) -o build/fuzz_state test/fuzz_state.c -lm
@@ -187,6 +189,7 @@ fuzz: train build/train-double | build
 	FUZZ_STATE=build/fuzz_state.d ./build/fuzz_state -max_len=65536 -max_total_time=$(FUZZ_SECONDS) build/corpus_state
 	$(PYTHON) test/fuzz_check.py --train build/train-double --seconds $(FUZZ_SECONDS)
 	$(PYTHON) test/fuzz_check.py --resume --train build/train-double --seconds $(FUZZ_SECONDS)
+	$(PYTHON) test/fuzz_check.py --faults --train build/train_faults-double --seconds $(FUZZ_SECONDS)
 
 # CUDA: sm_90a machine code for H100/H200, plus compute_80 PTX that newer or older (>= sm_80)
 # GPUs compile at load. train.c and the tests are C, compiled by $(CC) and linked by nvcc.

@@ -754,9 +754,12 @@ static void print_progress(int done, int all, time_t start) {
     fflush(stdout);                  /* a log file shows each step as it ends */
 }
 
-/* --loss-log: exact values, so that two runs can be compared byte for byte. */
+/* --loss-log: exact values, so that two runs can be compared byte for byte; each line out as its
+   step ends, so that a run that dies keeps its steps'. */
 static void log_step(FILE *f, long step, double loss, double gnorm) {
-    if (f) fprintf(f, "step %ld loss %a grad-norm %a\n", step, loss, gnorm);
+    if (!f) return;
+    fprintf(f, "step %ld loss %a grad-norm %a\n", step, loss, gnorm);
+    fflush(f);
 }
 
 static pr_status set_error(pr_error *err, pr_status st, const char *msg) {

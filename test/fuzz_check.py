@@ -42,6 +42,13 @@ then read on one rank and saved, must be the same bytes (export_round_trip).
 
     python3 test/fuzz_check.py --resume --train build/train-double --cases 300 --seed 1   (make test)
 
+With --faults TRAIN is a build of test/train_faults.c (train with one of the library's allocations
+failing on demand): each case runs once to count the allocations, then with one of them failing,
+and must end with an out-of-memory error, every rank ending (or as if nothing failed), never a
+crash or a hang (run_fault_case).
+
+    python3 test/fuzz_check.py --faults --train build/train_faults-double --cases 300 --seed 1   (make test)
+
 The last line is "N passed, N failed" (test/tally.sh). Needs python3 and numpy.
 """
 import argparse
@@ -50,6 +57,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -260,14 +268,16 @@ def mesh_ranks(flags):
     return n
 
 
-def run(cmd, timeout, processes=1, d=None):
-    """Output and exit status of cmd; with processes > 1, cmd is a train_cuda of that many ranks,
+def run(cmd, timeout, processes=1, d=None, env=None):
+    """Output and exit status of cmd (with env's variables added); with processes > 1, cmd is a
+    train_cuda of that many ranks,
     one process each (RANK, WORLD_SIZE, LOCAL_RANK and an --nccl-id file in d, as
     test/run_mesh_gpu.sh starts them): rank 0's output and the others' last lines, the first
     failing status (None on a timeout)."""
     if processes == 1:
         try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+                               env=dict(os.environ, **env) if env else None)
             return p.stdout.decode(errors="replace"), p.returncode
         except subprocess.TimeoutExpired as e:
             return (e.stdout or b"").decode(errors="replace") + f"\n(timed out after {timeout} s)", None
@@ -455,9 +465,9 @@ def resume_plan(seed, config, steps, flags, cuda):
 
 
 def read_log(path):
-    """A --loss-log's lines as (step, loss, grad norm)."""
+    """A --loss-log's lines as (step, loss, grad norm, the line)."""
     with open(path) as f:
-        return [(int(w[1]), float.fromhex(w[3]), float.fromhex(w[5])) for w in (line.split() for line in f)]
+        return [(int(w[1]), float.fromhex(w[3]), float.fromhex(w[5]), " ".join(w)) for w in (line.split() for line in f)]
 
 
 def final_state(folder):
@@ -495,12 +505,12 @@ def compare_resume(d, cut, alike, cuda):
     if len(straight) != len(split) or any(a[0] != b[0] for a, b in zip(straight, split)):
         return f"the logs' steps differ: {[a[0] for a in straight]} against {[b[0] for b in split]}"
     for i, (a, b) in enumerate(zip(straight, split)):
-        if alike or i < cut:       # the same mesh's steps
-            differs = a != b
+        if alike or i < cut:       # the same mesh's steps: the same text (a NaN too)
+            differs = a[3] != b[3]
         elif tol is None:
             differs = False
-        else:
-            differs = any(abs(x - y) > tol * max(abs(x), abs(y), 1e-2) for x, y in zip(a[1:], b[1:]))
+        else:                      # (a NaN is never within)
+            differs = not all(abs(x - y) <= tol * max(abs(x), abs(y), 1e-2) for x, y in zip(a[1:3], b[1:3]))
         if differs:
             return f"step {a[0]}: loss {a[1]!r}, grad norm {a[2]!r} straight; {b[1]!r}, {b[2]!r} resumed"
     resumed = final_state(os.path.join(d, "split"))
@@ -511,11 +521,12 @@ def compare_resume(d, cut, alike, cuda):
         for f in files:
             if not same_bytes(os.path.join(state, f), os.path.join(resumed, f)):
                 return f"the final states' {f} differ"
-    else:
-        other = state_record(resumed)
-        if (record["step"], record["next_group"]) != (other["step"], other["next_group"]):
-            return f"the final states are at step {record['step']}, group {record['next_group']} and {other['step']}, {other['next_group']}"
-    if not alike and wtol is None:
+        same = same_bytes(os.path.join(d, "straight-export", "model.safetensors"), os.path.join(d, "split-export", "model.safetensors"))
+        return "" if same else "the exports differ"
+    other = state_record(resumed)
+    if (record["step"], record["next_group"]) != (other["step"], other["next_group"]):
+        return f"the final states are at step {record['step']}, group {record['next_group']} and {other['step']}, {other['next_group']}"
+    if wtol is None:
         return ""
     a = read_safetensors(os.path.join(d, "straight-export", "model.safetensors"))
     b = read_safetensors(os.path.join(d, "split-export", "model.safetensors"))
@@ -523,7 +534,7 @@ def compare_resume(d, cut, alike, cuda):
         return "the exports hold other tensors"
     for name in a:
         err = float(np.abs(a[name] - b[name]).max(initial=0))
-        if err > (0 if alike else wtol * max(float(np.abs(a[name]).max(initial=0)), 1e-30)):
+        if not err <= wtol * max(float(np.abs(a[name]).max(initial=0)), 1e-30):     # (a NaN is never within)
             return f"the exports' {name} differ by {err:.3e}"
     return ""
 
@@ -567,31 +578,31 @@ def export_round_trip(step, d, later, shards):
     return ""
 
 
-def killed_run(run_later, d, cut, kill):
-    """A resumed run with --save-every 1 that kills itself (SIGKILL) once a save has written a
-    fraction kill of the bytes of the state it resumes (its files and `latest`; at 1, within the
-    last file a save writes, `latest`; on a mesh a rank counts its own, and may finish its saves).
-    The newest state must then be the last one its saves finished, at step cut or later; its steps
-    before that state go into the split run's log. run_later(extra flags) runs it and returns its
-    (output, exit status). Returns (the newest state's step or None, what happened, exit status)."""
-    state = final_state(os.path.join(d, "split"))
-    size = sum(os.path.getsize(os.path.join(state, f)) for f in os.listdir(state))
-    size += os.path.getsize(os.path.join(d, "split", "latest"))
-    # a few bytes short of the whole: the next save's trainer_state.json may be a digit longer or shorter
+def rank0_bytes(folder):
+    """What world rank 0 writes in a save into folder (a --save-state folder), as its newest state
+    holds it: the state's files but the other ranks' pieces, and `latest`."""
+    state, size = final_state(folder), os.path.getsize(os.path.join(folder, "latest"))
+    for f in os.listdir(state):
+        piece = re.fullmatch(r"rank-(\d+)-of-\d+\.safetensors", f)
+        if not piece or piece.group(1) == "0":
+            size += os.path.getsize(os.path.join(state, f))
+    return size
+
+
+def killed_run(run_later, d, cut, kill, reference):
+    """A resumed run that kills itself (SIGKILL) in its first save, once that save has written a
+    fraction kill of what rank 0 writes in a save on the run's mesh (reference: a --save-state
+    folder of that mesh; at 1, within `latest`, the last file it writes). The newest state must
+    still be the one it resumed, at step cut. run_later(extra flags) runs it and returns its
+    (output, exit status). Returns what went wrong, or ""."""
+    size = rank0_bytes(reference)
+    # a few bytes short of the whole: the next save's trainer_state.json may be a digit longer
     at = max(1, size - 3 if kill == 1 else int(kill * size))
-    out, rc = run_later(["--loss-log", os.path.join(d, "killed.log"), "--save-every", "1", "--fault-kill-after-bytes", str(at)])
-    if rc not in (0, -signal.SIGKILL):
-        return None, f"the killed run failed otherwise (exit {rc})\n", rc
-    try:
-        saved = state_record(final_state(os.path.join(d, "split")))["step"]
-    except (OSError, ValueError, KeyError) as e:
-        return None, f"after the killed run the newest state cannot be read: {e}\n", 1
-    finished = sum(line.startswith("saved state ") for line in out.splitlines())
-    if saved != cut + finished:
-        return None, f"the newest state is at step {saved}; the run resumed at {cut} and finished {finished} saves\n", 1
-    with open(os.path.join(d, "killed.log")) as f, open(os.path.join(d, "split.log"), "a") as log:
-        log.writelines(line for line in f if int(line.split()[1]) < saved)
-    return saved, f"killed in a save: resumed from step {saved}\n" if rc else "", 0
+    _, rc = run_later(["--save-every", "1", "--fault-kill-after-bytes", str(at)])
+    if rc != -signal.SIGKILL:
+        return f"the run to be killed at byte {at} of its first save's {size} ended with exit {rc}\n"
+    saved = state_record(final_state(os.path.join(d, "split")))["step"]
+    return f"after the kill the newest state is at step {saved}, not {cut}, the one the run resumed\n" if saved != cut else ""
 
 
 def run_resume_case(train, seed, d, timeout, cuda):
@@ -609,7 +620,7 @@ def run_resume_case(train, seed, d, timeout, cuda):
     alike = later == first
     what = describe(config, groups, first) + f"; {cut} + {total - cut} steps" + \
         ("" if alike else f", resumed with: {' '.join(mesh_part(later)) or 'one rank'}") + \
-        (f"; a save killed at {kill:.3f} of a state's bytes" if kill is not None else "")
+        (f"; its first save killed at {kill:.3f} of its bytes" if kill is not None else "")
     t0, out = time.time(), ""
 
     def step(name, flags):
@@ -635,13 +646,15 @@ def run_resume_case(train, seed, d, timeout, cuda):
             why = f"the reshaped states cannot be compared: {e}\n"
         if why:
             return "fail", what, time.time() - t0, out + why, 1
-    at_step = cut
     if kill is not None:
-        at_step, note, rc = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill)
-        out += note
-        if at_step is None:
-            return "fail", what, time.time() - t0, out, rc
-    _, rc = step("resumed part", resumed(total - at_step) + ["--loss-log", at("split.log"), "--save", at("split-export")])
+        try:
+            why = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill,
+                             at("split") if alike else at("reshaped"))
+        except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
+            why = f"the killed run's state cannot be read: {e}\n"
+        if why:
+            return "fail", what, time.time() - t0, out + why, 1
+    _, rc = step("resumed part", resumed(total - cut) + ["--loss-log", at("split.log"), "--save", at("split-export")])
     if rc != 0:
         return "fail", what, time.time() - t0, out + f"the resumed part failed (exit {rc})\n", rc
     try:
@@ -649,6 +662,41 @@ def run_resume_case(train, seed, d, timeout, cuda):
     except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
         why = f"the runs' files cannot be compared: {e}"
     return ("fail" if why else "pass"), what, time.time() - t0, out + (why + "\n" if why else "resume: PASS\n"), 1 if why else 0
+
+
+def run_fault_case(train, seed, d, timeout):
+    """A --faults case: the check case of this seed (half the time a training run of two steps
+    with --save-state and --save instead of --check) on a build of train whose allocations can fail
+    (test/train_faults.c): once to count the library's allocations, then with one of them, drawn,
+    failing. The run must end with status 1 and say that memory ran out (on a mesh every rank
+    ends, none left waiting), or with 0 where the allocation was one it could do without, its
+    losses then the unfailed run's; never a crash or a hang (under the sanitizers, never a leak
+    or a bad access either). (verdict "pass" or "fail", what the case is, seconds, output, exit
+    status)"""
+    config, groups, _, flags = write_case(d, seed, False)
+    r = random.Random(f"faults {seed}")
+    t0 = time.time()
+    outputs = lambda tag: ["--steps", "2", "--loss-log", os.path.join(d, tag + ".log"),  # noqa: E731
+                           "--save-state", os.path.join(d, tag + "-state"), "--save", os.path.join(d, tag + "-export")]
+    check = r.random() < 0.5
+    cmd = [train, "--config", d, "--trace", os.path.join(d, "case.trace")] + flags
+    out, rc = run(cmd + (["--check"] if check else outputs("whole")), timeout, env={"PR_COUNT_ALLOCS": "1"})
+    counts = [int(line.split()[1]) for line in out.splitlines() if line.startswith("allocations: ")]
+    what = describe(config, groups, flags) + ("; --check" if check else "; two steps saved")
+    if rc != 0 or not counts:
+        return "fail", what, time.time() - t0, out + f"the run without a failing allocation failed (exit {rc})\n", rc or 1
+    at = r.randrange(counts[-1])
+    what += f"; allocation {at} of {counts[-1]} fails"
+    out, rc = run(cmd + (["--check"] if check else outputs("failed")), timeout, env={"PR_FAIL_ALLOC": str(at)})
+    said = [line for line in out.splitlines() if line.startswith("train: ")]
+    if rc == 1 and any("memory" in line or "cannot allocate" in line for line in said):
+        return "pass", what, time.time() - t0, out, 0
+    if rc == 0 and (check or same_bytes(os.path.join(d, "whole.log"), os.path.join(d, "failed.log"))):
+        return "pass", what, time.time() - t0, out + "the allocation was not needed\n", 0
+    why = ("its losses are not the unfailed run's" if rc == 0 else
+           "it said nothing of memory running out" if rc == 1 else "it crashed or was stopped" if rc is None or rc < 0 or rc > 2 else
+           "a usage error")
+    return "fail", what, time.time() - t0, out + f"with allocation {at} failing: exit {rc}, {why}\n", rc or 1
 
 
 class Stopped(Exception):
@@ -680,7 +728,12 @@ def main():
     ap.add_argument("--resume", action="store_true",
                     help="each case trains instead: a few steps straight, and cut in two with --save-state and --resume "
                          "(on the same mesh or another); the runs must agree (bit for bit on the same mesh)")
+    ap.add_argument("--faults", action="store_true",
+                    help="TRAIN is a build of test/train_faults.c: each case runs with one of the library's allocations "
+                         "failing; it must end with an out-of-memory error (or as if nothing failed), never crash or hang")
     a = ap.parse_args()
+    if a.faults and (a.cuda or a.resume):
+        ap.error("--faults runs alone (a CPU build of test/train_faults.c)")
     if a.case is None and a.cases <= 0 and a.seconds <= 0:
         ap.error("give --cases N, --seconds S or --case SEED")
     if a.processes < 1:
@@ -695,24 +748,33 @@ def main():
             ap.error(f"{path} is not an executable")
 
     def one_case(case_seed, d):
+        if a.faults:
+            return run_fault_case(train, case_seed, d, a.timeout)
         if a.resume:
             return run_resume_case(train, case_seed, d, a.timeout, bool(a.cuda))
         return run_case(train, case_seed, d, a.timeout, bool(a.cuda), reference)
 
     if a.case is not None:
         d = os.path.abspath(a.keep) if a.keep else tempfile.mkdtemp(prefix="fuzz_check.")
+        if a.keep and os.path.isdir(d) and os.listdir(d):
+            # a case's outputs are appended to and resumed from: an earlier case's go first
+            if not os.path.exists(os.path.join(d, "case.trace")):
+                ap.error(f"--keep {a.keep}: the folder holds other files than a case's")
+            shutil.rmtree(d)
         os.makedirs(d, exist_ok=True)
-        verdict, what, secs, out, rc = one_case(a.case, d)
+        try:
+            verdict, what, secs, out, rc = one_case(a.case, d)
+        finally:
+            if not a.keep:
+                shutil.rmtree(d)
         print(out, end="")
         ok = verdict in ("pass", "triage")
         said = {"pass": "PASS", "triage": "PASS on the triage", "flip": "not judged: a routing flip", "fail": "FAIL"}[verdict]
         print(f"case {a.case:#x}: {what}: {said} ({secs:.1f} s){'; files in ' + d if a.keep else ''}")
-        if not a.keep:
-            shutil.rmtree(d)
         print(f"{int(ok)} passed, {int(verdict == 'fail')} failed")
         return 1 if verdict == "fail" else 0
     seed = a.seed if a.seed is not None else int(time.time()) % 1000000
-    print(f"fuzz_check{' --resume' if a.resume else ''}: {a.train}, seed {seed}, " +
+    print(f"fuzz_check{' --resume' if a.resume else ' --faults' if a.faults else ''}: {a.train}, seed {seed}, " +
           (f"{a.cases} cases" if a.cases and not a.seconds else f"{a.seconds:g} s" + (f" or {a.cases} cases" if a.cases else "")))
     passed = failed = triage_passes = flips = 0
     start = time.time()
@@ -741,7 +803,8 @@ def main():
                 failed += 1
                 print(f"case {i} FAIL (exit {rc}): {what}")
                 print("".join("    " + line + "\n" for line in out.splitlines()[-25:]), end="")
-                mode = f" --cuda {a.cuda} --processes {a.processes}" if a.cuda else " --resume" if a.resume else ""
+                mode = (f" --cuda {a.cuda} --processes {a.processes}" if a.cuda else "") + (" --resume" if a.resume else "") + \
+                    (" --faults" if a.faults else "")
                 print(f"    rerun: python3 {os.path.relpath(__file__)} --train {a.train}{mode} --timeout {a.timeout:g} "
                       f"--case {case_seed:#x} --keep fuzz-case")
             i += 1

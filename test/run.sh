@@ -129,6 +129,9 @@ for p in float double; do
     run python3 test/fuzz_check.py --train "$dir/train-$p" --cases 300 --seed 1
     run python3 test/fuzz_check.py --resume --train "$dir/train-$p" --cases 300 --seed 1
 done
+# the same cases with one of the library's allocations failing: an out-of-memory error, every rank
+# ending, never a crash, a hang or (under the sanitizers) a leak
+run python3 test/fuzz_check.py --faults --train "$dir/train_faults-double" --cases 300 --seed 1
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
 run python3 test/test_sass_loops.py
