@@ -774,7 +774,8 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr);
 PRDEF const pr_config *pr_trainer_config(const pr_trainer *tr);
 /* Deterministic initialisation: N(0, 0.02) matrices and embeddings, norm weights 1; AdamW state
    zeroed. Each value is drawn from its index in the full model, so a mesh's rank draws only its
-   shard's values, the bits one rank draws. */
+   shard's values, the bits one rank draws. Collective over the world on a mesh: a rank without
+   the memory to draw fails every rank, each keeping what it had. */
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err);
 /* Parameters from a safetensors file or folder (sharded through model.safetensors.index.json).
    On a mesh each rank checks the whole checkpoint (every tensor of the full model, of its shape)
@@ -2095,6 +2096,8 @@ struct pr_trainer {
     pr_real *stage;                        /* backend memory (PR__STAGE_REALS) that host values and a padded
                                               gradient pass through to a collective, in chunks */
     pr_real *stage_host;                   /* host reals (PR__STAGE_REALS) host doubles are converted in */
+    double *norm_pieces;                   /* host (pr__norm_pieces_cap x dp under ZeRO) the gradient norm's pieces */
+    double *norm_pieces_dev;               /* their device twin, gathered over dp (under ZeRO only) */
     void *pool;                            /* HOST tier: the offload staging pool, kept across steps */
     size_t pool_cap;
     char *slot[PR__SLOTS];                 /* device slots a dormant block is computed or loaded into */
@@ -2522,6 +2525,10 @@ static void pr__rope_frequencies(const pr_config *c, pr_real *inv_freq) {
 
 #define PR__MAX_HEAD_DIM PR_MAX_HEAD_DIM   /* bounds the host copy of the RoPE frequencies */
 
+/* The gradient norm's pieces a slice can hold (pr__grad_pieces): its units, and one more for each
+   tensor that starts inside one. */
+static size_t pr__norm_pieces_cap(const pr_trainer *tr) { return tr->slice_cap / tr->unit + (size_t)tr->n_tensors + 1; }
+
 /* The master weights' and AdamW state's slices (ZeRO). The arena is cut into units of `unit` reals (a power of two
    that depends on the arena's size only, so that every stage cuts the same way), the units dealt
    out in dp contiguous runs of equal length (the last ones shorter, or empty). */
@@ -2640,7 +2647,10 @@ static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const p
        step over a dp communicator: pr_trainer_compute_grads_dp) */
     tr->stage = (pr_real *)be->alloc(be, sizeof(pr_real) * PR__STAGE_REALS, PR_TIER_DEVICE);
     tr->stage_host = (pr_real *)PR_MALLOC(sizeof(pr_real) * PR__STAGE_REALS);
-    if (!tr->stage || !tr->stage_host) {
+    const size_t pieces = pr__norm_pieces_cap(tr) * (size_t)(tr->zero ? mesh->dp : 1);
+    tr->norm_pieces = (double *)PR_MALLOC(sizeof(double) * pieces);
+    tr->norm_pieces_dev = tr->zero ? (double *)be->alloc(be, sizeof(double) * pieces, PR_TIER_DEVICE) : NULL;
+    if (!tr->stage || !tr->stage_host || !tr->norm_pieces || (tr->zero && !tr->norm_pieces_dev)) {
         pr_trainer_destroy(tr);
         return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_create: out of memory for the collectives' staging buffers");
     }
@@ -2715,6 +2725,8 @@ PRDEF void pr_trainer_destroy(pr_trainer *tr) {
     if (tr->inv_freq) tr->be->release(tr->be, tr->inv_freq, PR_TIER_DEVICE);
     if (tr->stage) tr->be->release(tr->be, tr->stage, PR_TIER_DEVICE);
     PR_FREE(tr->stage_host);
+    PR_FREE(tr->norm_pieces);
+    if (tr->norm_pieces_dev) tr->be->release(tr->be, tr->norm_pieces_dev, PR_TIER_DEVICE);
     if (tr->grad_wire) tr->be->release(tr->be, tr->grad_wire, PR_TIER_DEVICE);
     PR_FREE(tr->tensors);
     PR_FREE(tr->layer_off);
@@ -2805,16 +2817,22 @@ static void pr__shard_rect(const pr_trainer *tr, int i, int64_t r[4]) {
     r[3] = r[2] + (t->ndim == 2 ? t->shape[1] : 1);
 }
 
+static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, pr_status st, int *origin, const char *fn, const char *then, pr_error *err);
+
 PRDEF pr_status pr_trainer_init_params(pr_trainer *tr, uint64_t seed, pr_error *err) {
     if (!tr) return pr__fail(err, PR_ERR_ARG, "pr_trainer_init_params: NULL trainer");
     /* drawn over the full model, so every mesh shard holds its part of the same weights */
     int count = tr->n_tensors;
     pr_tensor_info *table = tr->mesh ? pr__full_table(tr, &count, NULL) : tr->tensors;
     pr_real *host = (pr_real *)PR_MALLOC(sizeof(pr_real) * (tr->n_params + 1));
-    if (!host || !table) {
+    pr_status st = !host || !table ? pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory") : PR_OK;
+    /* on a mesh every rank draws or none does: a rank gone from here would leave its peers waiting
+       in their first step's collectives */
+    if (tr->mesh) st = pr__ranks_agree(tr, tr->mesh->world, st, NULL, "pr_trainer_init_params", "no rank draws its weights", err);
+    if (st) {
         PR_FREE(host);
         if (tr->mesh) PR_FREE(table);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_trainer_init_params: out of memory");
+        return st;
     }
     /* One stream over the full model's matrices in table order, two draws per value. splitmix64's
        state after k draws is seed + k * its increment, so each value starts from its own state, set
@@ -4581,30 +4599,25 @@ static size_t pr__grad_pieces(pr_trainer *tr, size_t lo, size_t hi, double *piec
     return k;
 }
 
+/* Its buffers were taken with the trainer: a rank short of memory here would leave its dp peers
+   waiting in the gather, or meeting its next call of the same shape. */
 static double pr__grad_sum_squares(pr_trainer *tr) {
     const pr_backend *be = tr->be;
     const int R = tr->zero ? tr->mesh->dp : 1;
-    const size_t cap = tr->slice_cap / tr->unit + (size_t)tr->n_tensors + 1;   /* pieces a slice can hold */
-    double *piece = (double *)PR_MALLOC(sizeof(double) * cap * (size_t)R), sq = 0;
-    double *dev = R > 1 ? (double *)be->alloc(be, sizeof(double) * cap * (size_t)R, PR_TIER_DEVICE) : NULL;
-    if (!piece || (R > 1 && !dev)) {
-        tr->alloc_failed = 1;
-    } else {
-        const size_t mine = (size_t)(R > 1 ? tr->mesh->dp_rank : 0) * cap;
-        memset(piece, 0, sizeof(double) * cap * (size_t)R);
-        pr__grad_pieces(tr, tr->slice_lo, tr->slice_lo + tr->slice_n, piece + mine);
-        if (R > 1) {
-            pr_comm *c = tr->mesh->dp_comm;
-            pr_error e;
-            be->copy(be, dev + mine, piece + mine, sizeof(double) * cap);
-            pr__comm_done(tr, c->all_gather(c, dev, dev + mine, cap, PR_COMM_F64, &e), &e);
-            be->copy(be, piece, dev, sizeof(double) * cap * (size_t)R);
-            be->sync(be);
-        }
-        for (size_t k = 0; k < cap * (size_t)R; k++) sq += piece[k];
+    const size_t cap = pr__norm_pieces_cap(tr);
+    double *piece = tr->norm_pieces, *dev = tr->norm_pieces_dev, sq = 0;
+    const size_t mine = (size_t)(R > 1 ? tr->mesh->dp_rank : 0) * cap;
+    memset(piece, 0, sizeof(double) * cap * (size_t)R);
+    pr__grad_pieces(tr, tr->slice_lo, tr->slice_lo + tr->slice_n, piece + mine);
+    if (R > 1) {
+        pr_comm *c = tr->mesh->dp_comm;
+        pr_error e;
+        be->copy(be, dev + mine, piece + mine, sizeof(double) * cap);
+        pr__comm_done(tr, c->all_gather(c, dev, dev + mine, cap, PR_COMM_F64, &e), &e);
+        be->copy(be, piece, dev, sizeof(double) * cap * (size_t)R);
+        be->sync(be);
     }
-    PR_FREE(piece);
-    if (dev) be->release(be, dev, PR_TIER_DEVICE);
+    for (size_t k = 0; k < cap * (size_t)R; k++) sq += piece[k];
     if (tr->mesh) {
         pr__sum_doubles(tr, tr->mesh->tp_comm, &sq, 1);
         pr__sum_doubles(tr, tr->mesh->pp_comm, &sq, 1);
@@ -4625,8 +4638,6 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, do
     tr->comm_st = PR_OK;
     double norm = sqrt(pr__grad_sum_squares(tr));
     pr_status st = be->take_error ? be->take_error(be, err) : PR_OK;
-    if (!st && tr->alloc_failed) st = pr__fail(err, PR_ERR_NOMEM, "out of memory for the gradient norm's pieces");
-    tr->alloc_failed = 0;
     if (!st && tr->comm_st) st = pr__fail(err, tr->comm_st, "%s", tr->comm_err.message);
     if (st) return st;
     if (!isfinite(norm)) return pr__fail(err, PR_ERR_ARG, "gradient norm is %g: parameters left unchanged", norm);

@@ -641,6 +641,7 @@ static int make_trainer_on(const options *o, const pr_config *cfg, const pr_back
     if (pr_trainer_create(tr, cfg, be, err)) return 0;
     if (o->init ? pr_trainer_load(*tr, o->init, err) : pr_trainer_init_params(*tr, o->seed, err)) {
         pr_trainer_destroy(*tr);
+        *tr = NULL;                  /* the caller may destroy what it holds */
         return 0;
     }
     return 1;
