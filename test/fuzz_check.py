@@ -487,6 +487,14 @@ def same_bytes(a, b):
         return fa.read() == fb.read()
 
 
+def differing_file(a, b):
+    """The first file name, in order, that folders a and b do not hold with the same bytes (one of
+    them without it counts), or None."""
+    return next((f for f in sorted(set(os.listdir(a)) | set(os.listdir(b)))
+                 if not (os.path.exists(os.path.join(a, f)) and os.path.exists(os.path.join(b, f))
+                         and same_bytes(os.path.join(a, f), os.path.join(b, f)))), None)
+
+
 def compare_resume(d, cut, alike, cuda):
     """What differs between the straight run and the resumed one ("" if nothing): the losses and
     grad norms of every step (the first part's bit for bit; the resumed part's too on the same
@@ -515,12 +523,9 @@ def compare_resume(d, cut, alike, cuda):
             return f"step {a[0]}: loss {a[1]!r}, grad norm {a[2]!r} straight; {b[1]!r}, {b[2]!r} resumed"
     resumed = final_state(os.path.join(d, "split"))
     if alike:
-        files = sorted(os.listdir(state))
-        if files != sorted(os.listdir(resumed)):
-            return f"the final states hold {files} and {sorted(os.listdir(resumed))}"
-        for f in files:
-            if not same_bytes(os.path.join(state, f), os.path.join(resumed, f)):
-                return f"the final states' {f} differ"
+        f = differing_file(state, resumed)
+        if f:
+            return f"the final states' {f} differ (or one of them lacks it)"
         same = same_bytes(os.path.join(d, "straight-export", "model.safetensors"), os.path.join(d, "split-export", "model.safetensors"))
         return "" if same else "the exports differ"
     other = state_record(resumed)
@@ -553,11 +558,9 @@ def reshaped_state(step, d, later, at_step):
         _, rc = step(name, flags + ["--steps", "0"])
         if rc != 0:
             return f"the {name} run failed (exit {rc})\n"
-    a, b = final_state(os.path.join(d, "one-first")), final_state(os.path.join(d, "one-reshaped"))
-    for f in sorted(set(os.listdir(a)) | set(os.listdir(b))):
-        if not (os.path.exists(os.path.join(a, f)) and os.path.exists(os.path.join(b, f)) and same_bytes(os.path.join(a, f), os.path.join(b, f))):
-            return f"the first part's state at step {at_step}, read on the resumed part's mesh and saved, then on one rank: its {f} differs\n"
-    return ""
+    f = differing_file(final_state(os.path.join(d, "one-first")), final_state(os.path.join(d, "one-reshaped")))
+    return f"the first part's state at step {at_step}, read on the resumed part's mesh and saved, then on one rank: its {f} differs\n" \
+        if f else ""
 
 
 def export_round_trip(step, d, later, shards):
@@ -676,8 +679,11 @@ def run_fault_case(train, seed, d, timeout):
     config, groups, _, flags = write_case(d, seed, False)
     r = random.Random(f"faults {seed}")
     t0 = time.time()
-    outputs = lambda tag: ["--steps", "2", "--loss-log", os.path.join(d, tag + ".log"),  # noqa: E731
-                           "--save-state", os.path.join(d, tag + "-state"), "--save", os.path.join(d, tag + "-export")]
+
+    def outputs(tag):
+        return ["--steps", "2", "--loss-log", os.path.join(d, tag + ".log"), "--save-state", os.path.join(d, tag + "-state"),
+                "--save", os.path.join(d, tag + "-export")]
+
     check = r.random() < 0.5
     cmd = [train, "--config", d, "--trace", os.path.join(d, "case.trace")] + flags
     out, rc = run(cmd + (["--check"] if check else outputs("whole")), timeout, env={"PR_COUNT_ALLOCS": "1"})
