@@ -642,29 +642,40 @@ def run_resume_case(train, seed, d, timeout, cuda):
         _, rc = step(name, flags)
         if rc != 0:
             return "fail", what, time.time() - t0, out + f"the {name} failed (exit {rc})\n", rc
-    if not alike:
-        try:
+
+    def later_runs():
+        """The runs after the first part, each judged as it ends: (what went wrong or "", exit status)."""
+        if not alike:
             why = reshaped_state(step, d, later, at_step=cut)
-        except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
-            why = f"the reshaped states cannot be compared: {e}\n"
-        if why:
-            return "fail", what, time.time() - t0, out + why, 1
-    if kill is not None:
-        try:
+            if why:
+                return why, 1
+        if kill is not None:
             why = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill,
                              at("split") if alike else at("reshaped"))
-        except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
-            why = f"the killed run's state cannot be read: {e}\n"
-        if why:
-            return "fail", what, time.time() - t0, out + why, 1
-    _, rc = step("resumed part", resumed(total - cut) + ["--loss-log", at("split.log"), "--save", at("split-export")])
-    if rc != 0:
-        return "fail", what, time.time() - t0, out + f"the resumed part failed (exit {rc})\n", rc
-    try:
+            if why:
+                return why, 1
+        _, rc = step("resumed part", resumed(total - cut) + ["--loss-log", at("split.log"), "--save", at("split-export")])
+        if rc != 0:
+            return f"the resumed part failed (exit {rc})\n", rc
         why = compare_resume(d, cut, alike, cuda) or export_round_trip(step, d, later, plan.shards)
+        return (why + "\n", 1) if why else ("", 0)
+
+    try:
+        why, rc = later_runs()
     except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
-        why = f"the runs' files cannot be compared: {e}"
-    return ("fail" if why else "pass"), what, time.time() - t0, out + (why + "\n" if why else "resume: PASS\n"), 1 if why else 0
+        why, rc = f"the runs' files cannot be compared: {e}\n", 1
+    return ("fail" if why else "pass"), what, time.time() - t0, out + (why or "resume: PASS\n"), rc
+
+
+def drawn_allocation(counts, r):
+    """One of the allocations a run made, every one as likely, as (thread, its allocation number):
+    counts[t] is thread t's (train_faults counts them thread by thread, so that the same pair fails
+    the same allocation in a rerun)."""
+    at = r.randrange(sum(counts))
+    for thread, n in enumerate(counts):
+        if at < n:
+            return thread, at
+        at -= n
 
 
 def run_fault_case(train, seed, d, timeout):
@@ -687,13 +698,13 @@ def run_fault_case(train, seed, d, timeout):
     check = r.random() < 0.5
     cmd = [train, "--config", d, "--trace", os.path.join(d, "case.trace")] + flags
     out, rc = run(cmd + (["--check"] if check else outputs("whole")), timeout, env={"PR_COUNT_ALLOCS": "1"})
-    counts = [int(line.split()[1]) for line in out.splitlines() if line.startswith("allocations: ")]
+    counts = [[int(n) for n in line.split()[1:]] for line in out.splitlines() if line.startswith("allocations: ")]
     what = describe(config, groups, flags) + ("; --check" if check else "; two steps saved")
     if rc != 0 or not counts:
         return "fail", what, time.time() - t0, out + f"the run without a failing allocation failed (exit {rc})\n", rc or 1
-    at = r.randrange(counts[-1])
-    what += f"; allocation {at} of {counts[-1]} fails"
-    out, rc = run(cmd + (["--check"] if check else outputs("failed")), timeout, env={"PR_FAIL_ALLOC": str(at)})
+    thread, at = drawn_allocation(counts[-1], r)
+    what += f"; allocation {at} of thread {thread} fails ({sum(counts[-1])} in {len(counts[-1])} threads)"
+    out, rc = run(cmd + (["--check"] if check else outputs("failed")), timeout, env={"PR_FAIL_ALLOC": f"{thread}:{at}"})
     said = [line for line in out.splitlines() if line.startswith("train: ")]
     if rc == 1 and any("memory" in line or "cannot allocate" in line for line in said):
         return "pass", what, time.time() - t0, out, 0
