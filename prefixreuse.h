@@ -1230,6 +1230,14 @@ static int pr__mul_size(size_t a, size_t b, size_t *out) {
     return 1;
 }
 
+/* FNV-1a, 64-bit: a trace's fingerprint, the in-process communicator's record of the failures it
+   raised. */
+static uint64_t pr__fnv1a64(const unsigned char *p, size_t n) {
+    uint64_t h = 14695981039346656037ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+
 /* Elapsed seconds: the monotonic clock where <time.h> shows it (POSIX feature macros), which no
    clock adjustment moves; else timespec_get (C11, C++17), the settable wall clock. A C99 build
    has only clock(), processor time: its phase timings then add up the time of every thread. */
@@ -6589,6 +6597,9 @@ static void pr__comm_put(void *p, size_t i, pr_comm_type t, double v) {
    also checks that every rank made the same call (operation, count, type, and its number on the
    communicator) before it reads another rank's buffer. */
 enum { PR__RUNNING = 0, PR__DONE, PR__AT_BARRIER, PR__BOX_EMPTY, PR__BOX_FULL };
+/* How many of the latest failures the communicator raised on a thread it remembers (a step's
+   collectives after its first failure are a few). */
+#define PR__RAISED_KEPT 16
 struct pr__world;
 typedef struct {
     int kind;                      /* running, done (its function returned), or what it waits for */
@@ -6607,6 +6618,10 @@ typedef struct {
     int threads, waiting, done;    /* threads; of them, those in a recorded wait and those returned */
     pr__wait *wait;                /* (threads) */
     pr_error *said;                /* (threads) the first failure the communicator raised on each */
+    uint64_t *raised;              /* (threads x PR__RAISED_KEPT) a ring of the latest it raised on
+                                      each, hashed (pr__error_hash): a rank goes on to its step's other
+                                      collectives after a failure, and may return a later one's */
+    unsigned *raised_n;            /* (threads) how many it raised on each */
     unsigned char *echo;           /* (threads) 1 where that failure passes on another rank's (it left
                                       failing, it told, it ran out of memory), 0 where the communicator
                                       found a fault in the calls themselves (all waiting, calls or sizes
@@ -6653,13 +6668,19 @@ typedef struct {
     unsigned long meetings;        /* pr__call.seq */
 } pr__local;
 
+/* The run's memory: its arrays and itself (its lock and condition destroyed first where made). */
+static void pr__run_free_memory(pr__run *run) {
+    PR_FREE(run->wait);
+    PR_FREE(run->said);
+    PR_FREE(run->raised);
+    PR_FREE(run->raised_n);
+    PR_FREE(run->echo);
+    PR_FREE(run);
+}
 static void pr__run_free(pr__run *run) {
     pr__cnd_destroy(&run->cv);
     pr__mtx_destroy(&run->mu);
-    PR_FREE(run->wait);
-    PR_FREE(run->said);
-    PR_FREE(run->echo);
-    PR_FREE(run);
+    pr__run_free_memory(run);
 }
 /* Drops a reference to the run, with its lock held; frees it (after the unlock) when the last goes. */
 static void pr__run_unlock_release(pr__run *run) {
@@ -6748,15 +6769,31 @@ static int pr__run_stuck(const pr__run *run) {
     return 1;
 }
 
+static uint64_t pr__error_hash(pr_status st, const char *message) {
+    const unsigned char status = (unsigned char)st;
+    return pr__fnv1a64(&status, 1) ^ pr__fnv1a64((const unsigned char *)message, strlen(message));
+}
+/* Whether the failure a thread returned (st, message) is one of the latest the communicator
+   raised on it. */
+static int pr__raised_lately(const pr__run *run, int t, pr_status st, const char *message) {
+    const uint64_t h = pr__error_hash(st, message);
+    const unsigned n = run->raised_n[t] < PR__RAISED_KEPT ? run->raised_n[t] : PR__RAISED_KEPT;
+    for (unsigned i = 0; i < n; i++)
+        if (run->raised[(size_t)t * PR__RAISED_KEPT + i] == h) return 1;
+    return 0;
+}
 /* A failure the communicator raises (a rank gone, every thread waiting, calls that differ; echo:
-   one that passes on another rank's). The thread's first is kept, so that pr_comm_local_run can
-   tell it from the failure that caused it. */
+   one that passes on another rank's). The thread's first is kept, and the latest few hashed, so
+   that pr_comm_local_run can tell them from the failure that caused them. */
 static pr_status pr__comm_fail(const pr__local *l, pr_error *err, const pr_error *e, int echo) {
-    pr_error *said = &l->w->run->said[l->thread];      /* its own thread's: no lock */
+    pr__run *run = l->w->run;                          /* its own thread's entries: no lock */
+    pr_error *said = &run->said[l->thread];
     if (!said->status) {
         *said = *e;
-        l->w->run->echo[l->thread] = (unsigned char)echo;
+        run->echo[l->thread] = (unsigned char)echo;
     }
+    run->raised[(size_t)l->thread * PR__RAISED_KEPT + run->raised_n[l->thread] % PR__RAISED_KEPT] = pr__error_hash(e->status, e->message);
+    run->raised_n[l->thread]++;
     if (err) *err = *e;
     return e->status;
 }
@@ -7133,19 +7170,19 @@ static pr__run *pr__run_new(int threads) {
     run->refs = 1;
     run->wait = (pr__wait *)PR_MALLOC(sizeof(pr__wait) * (size_t)threads);
     run->said = (pr_error *)PR_MALLOC(sizeof(pr_error) * (size_t)threads);
+    run->raised = (uint64_t *)PR_MALLOC(sizeof(uint64_t) * PR__RAISED_KEPT * (size_t)threads);
+    run->raised_n = (unsigned *)PR_MALLOC(sizeof(unsigned) * (size_t)threads);
     run->echo = (unsigned char *)PR_MALLOC(2 * (size_t)threads);
     run->returned_ok = run->echo ? run->echo + threads : NULL;
-    int mu = run->wait && run->said && run->echo && pr__mtx_init(&run->mu);
+    int mu = run->wait && run->said && run->raised && run->raised_n && run->echo && pr__mtx_init(&run->mu);
     if (!mu || !pr__cnd_init(&run->cv)) {
         if (mu) pr__mtx_destroy(&run->mu);
-        PR_FREE(run->wait);
-        PR_FREE(run->said);
-        PR_FREE(run->echo);
-        PR_FREE(run);
+        pr__run_free_memory(run);
         return NULL;
     }
     memset(run->wait, 0, sizeof(pr__wait) * (size_t)threads);       /* PR__RUNNING */
     memset(run->said, 0, sizeof(pr_error) * (size_t)threads);       /* PR_OK */
+    memset(run->raised_n, 0, sizeof(unsigned) * (size_t)threads);
     memset(run->echo, 0, 2 * (size_t)threads);
     return run;
 }
@@ -7185,18 +7222,20 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;
     /* The failing rank to report: the first whose failure is its own, not one the communicator
        raised on it because a peer had failed and left the collective it waited in: surely so where
-       the communicator failed none of its calls (untold), else where it did not return the first
-       failure the communicator raised on it (a rank goes on to its step's other collectives after
-       one, and may return a later one's); else the first on which the communicator found the
-       calls at fault (it names them), not one that was told. */
+       the communicator failed none of its calls (untold), else where it returned none of the
+       failures the communicator raised on it (neither its first nor one of the latest: a rank goes
+       on to its step's other collectives after one, and may return a later one's); else the first
+       that returned the fault the communicator found in the calls (it names them), not one that
+       was told. */
     int first = -1, untold = -1, cause = -1, found = -1;
     for (int r = 0; r < n && !st; r++) {
         if (!runs[r].st) continue;
         if (first < 0) first = r;
-        const int raised = runs[r].st == run->said[r].status && !strcmp(runs[r].err.message, run->said[r].message);
+        const int first_raised = runs[r].st == run->said[r].status && !strcmp(runs[r].err.message, run->said[r].message);
+        const int raised = first_raised || pr__raised_lately(run, r, runs[r].st, runs[r].err.message);
         if (untold < 0 && !run->said[r].status) untold = r;
         if (cause < 0 && !raised) cause = r;
-        if (found < 0 && raised && !run->echo[r]) found = r;
+        if (found < 0 && first_raised && !run->echo[r]) found = r;
     }
     if (first >= 0) {
         const int r = untold >= 0 ? untold : cause >= 0 ? cause : found >= 0 ? found : first;
@@ -9486,12 +9525,6 @@ static pr_status pr__trace_steps_check(const unsigned char *buf, size_t len, con
                         name, (unsigned long long)covered, n_groups);
     *n_steps = (int)n;
     return PR_OK;
-}
-
-static uint64_t pr__fnv1a64(const unsigned char *p, size_t n) {
-    uint64_t h = 14695981039346656037ULL;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
-    return h;
 }
 
 static pr_status pr__trace_parse_named(pr_trace *trace, const unsigned char *buf, size_t len, const char *name,

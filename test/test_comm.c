@@ -216,6 +216,19 @@ static pr_status keeps_middle(pr_comm *c, void *user, pr_error *err) {
     *err = e[1];
     return record(user, c, st, err);
 }
+/* All three meet an all_reduce whose sizes differ (the communicator finds it on each); rank 1
+   returns that failure, ranks 0 and 2 go on to a barrier and are told rank 1 left: the run names
+   the calls that differ, not the later failure the others return. */
+static pr_status echo_after_fault(pr_comm *c, void *user, pr_error *err) {
+    double x[N + 5] = { 0 };
+    pr_error first;
+    const pr_status st = c->all_reduce(c, x, c->rank == 1 ? N + 5 : N, PR_COMM_F64, &first);
+    if (c->rank == 1) {
+        *err = first;
+        return record(user, c, st, err);
+    }
+    return record(user, c, c->barrier(c, err), err);
+}
 static pr_status send_to_leaver(pr_comm *c, void *user, pr_error *err) {
     double x[N] = { 0 };
     return record(user, c, c->rank ? PR_OK : c->send(c, x, N, PR_COMM_F64, 1, err), err);
@@ -372,6 +385,8 @@ static void check_faults(void) {
         { "a rank leaves", one_leaves, 3, PR_ERR_IO, "rank 1: disk on fire", "has left the communicator" },
         { "a rank leaves, the others keep a later call's failure", keeps_middle, 3, PR_ERR_IO, "rank 1: disk on fire",
           "barrier: rank" },
+        { "the calls differ, then a rank leaves", echo_after_fault, 3, PR_ERR_ARG, "rank 1: all_reduce: the ranks' calls differ",
+          "has left the communicator" },
         { "send to a rank that left", send_to_leaver, 2, PR_ERR_ARG, "send: rank 1 has left the communicator", NULL },
         /* one finds that every rank waits, the other is told it left: the run names the finding */
         { "each waits for the other", crossed, 2, PR_ERR_ARG, "every rank waits for another", NULL },
