@@ -5322,15 +5322,18 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
 
 static pr_status pr__ranks_agree(pr_trainer *tr, pr_comm *c, pr_status st, int *origin, const char *fn, const char *then, pr_error *err);
 /* A rank that could not create its trainer takes part in the agreement through staging buffers of
-   its own. If even those fail it returns at once, and its peers, already in the agreement's sum,
-   wait for it there: in-process ranks see it leave, NCCL's peers wait for their timeout. */
+   its own, as large as the agreement uses (two reals a rank of the world, in chunks of at most
+   PR__STAGE_REALS): a few bytes where the trainer's would be megabytes. If even those fail it
+   returns at once, and its peers, already in the agreement's sum, wait for it there: in-process
+   ranks see it leave, NCCL's peers wait for their timeout. */
 static pr_status pr__create_failed_agree(const pr_backend *be, const pr_mesh *mesh, pr_status st, pr_error *err) {
     pr_trainer shell;
     memset(&shell, 0, sizeof shell);
     shell.be = be;
     shell.mesh = mesh;
-    shell.stage = (pr_real *)be->alloc(be, sizeof(pr_real) * PR__STAGE_REALS, PR_TIER_DEVICE);
-    shell.stage_host = (pr_real *)PR_MALLOC(sizeof(pr_real) * PR__STAGE_REALS);
+    const size_t reals = 2 * (size_t)mesh->world->size < PR__STAGE_REALS ? 2 * (size_t)mesh->world->size : PR__STAGE_REALS;
+    shell.stage = (pr_real *)be->alloc(be, sizeof(pr_real) * reals, PR_TIER_DEVICE);
+    shell.stage_host = (pr_real *)PR_MALLOC(sizeof(pr_real) * reals);
     if (shell.stage && shell.stage_host) st = pr__ranks_agree(&shell, mesh->world, st, NULL, "pr_trainer_create_mesh", "", err);
     if (shell.stage) be->release(be, shell.stage, PR_TIER_DEVICE);
     PR_FREE(shell.stage_host);
