@@ -2,7 +2,7 @@
 # Everything a lent GPU is for, in stages that survive each other's failures. POSIX sh: runs under
 # dash or bash, from any directory (it works in the repository root).
 #
-#   bench/run_gpu.sh                        every stage, most informative first (~10 minutes: two calls)
+#   bench/run_gpu.sh                        every stage, most informative first (~15 minutes: two calls)
 #   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, any order)
 #   bench/run_gpu.sh --from sanitize        from a stage or group to the last stage
 #   bench/run_gpu.sh --list                 the stages with their expected and longest times
