@@ -134,5 +134,6 @@ done
 run python3 test/fuzz_check.py --faults --train "$dir/train_faults-double" --cases 300 --seed 1
 run python3 test/test_importers.py "$dir/train-float"
 run python3 test/test_plot.py "$dir/train-float"
+run python3 test/check_readme.py "$dir/train-float"      # README's capacity tables against the program
 run python3 test/test_sass_loops.py
 report
