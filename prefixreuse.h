@@ -6622,8 +6622,9 @@ typedef struct {
     pr__wait *wait;                /* (threads) */
     pr_error *said;                /* (threads) the first failure the communicator raised on each */
     uint64_t *raised;              /* (threads x PR__RAISED_KEPT) a ring of the latest it raised on
-                                      each, hashed (pr__error_hash): a rank goes on to its step's other
-                                      collectives after a failure, and may return a later one's */
+                                      each, hashed, with its echo flag (pr__raised_entry): a rank goes
+                                      on to its step's other collectives after a failure, and may
+                                      return a later one's */
     unsigned *raised_n;            /* (threads) how many it raised on each */
     unsigned char *echo;           /* (threads) 1 where that failure passes on another rank's (it left
                                       failing, it told, it ran out of memory), 0 where the communicator
@@ -6772,18 +6773,22 @@ static int pr__run_stuck(const pr__run *run) {
     return 1;
 }
 
-static uint64_t pr__error_hash(pr_status st, const char *message) {
+/* A raised failure as the ring keeps it: its hash shifted up, its echo flag in the low bit. */
+static uint64_t pr__raised_entry(pr_status st, const char *message, int echo) {
     const unsigned char status = (unsigned char)st;
-    return pr__fnv1a64(&status, 1) ^ pr__fnv1a64((const unsigned char *)message, strlen(message));
+    const uint64_t h = pr__fnv1a64(&status, 1) ^ pr__fnv1a64((const unsigned char *)message, strlen(message));
+    return h << 1 | (uint64_t)(echo != 0);
 }
-/* Whether the failure a thread returned (st, message) is one of the latest the communicator
-   raised on it. */
+/* The echo flag of the failure a thread returned (st, message) where it is one of the latest the
+   communicator raised on it; -1 where it is none of them. */
 static int pr__raised_lately(const pr__run *run, int t, pr_status st, const char *message) {
-    const uint64_t h = pr__error_hash(st, message);
+    const uint64_t h = pr__raised_entry(st, message, 0);
     const unsigned n = run->raised_n[t] < PR__RAISED_KEPT ? run->raised_n[t] : PR__RAISED_KEPT;
-    for (unsigned i = 0; i < n; i++)
-        if (run->raised[(size_t)t * PR__RAISED_KEPT + i] == h) return 1;
-    return 0;
+    for (unsigned i = 0; i < n; i++) {
+        const uint64_t e = run->raised[(size_t)t * PR__RAISED_KEPT + i];
+        if ((e | 1) == (h | 1)) return (int)(e & 1);
+    }
+    return -1;
 }
 /* A failure the communicator raises (a rank gone, every thread waiting, calls that differ; echo:
    one that passes on another rank's). The thread's first is kept, and the latest few hashed, so
@@ -6795,7 +6800,7 @@ static pr_status pr__comm_fail(const pr__local *l, pr_error *err, const pr_error
         *said = *e;
         run->echo[l->thread] = (unsigned char)echo;
     }
-    run->raised[(size_t)l->thread * PR__RAISED_KEPT + run->raised_n[l->thread] % PR__RAISED_KEPT] = pr__error_hash(e->status, e->message);
+    run->raised[(size_t)l->thread * PR__RAISED_KEPT + run->raised_n[l->thread] % PR__RAISED_KEPT] = pr__raised_entry(e->status, e->message, echo);
     run->raised_n[l->thread]++;
     if (err) *err = *e;
     return e->status;
@@ -7235,10 +7240,11 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
         if (!runs[r].st) continue;
         if (first < 0) first = r;
         const int first_raised = runs[r].st == run->said[r].status && !strcmp(runs[r].err.message, run->said[r].message);
-        const int raised = first_raised || pr__raised_lately(run, r, runs[r].st, runs[r].err.message);
+        const int lately = pr__raised_lately(run, r, runs[r].st, runs[r].err.message);
+        const int raised = first_raised || lately >= 0;
         if (untold < 0 && !run->said[r].status) untold = r;
         if (cause < 0 && !raised) cause = r;
-        if (found < 0 && first_raised && !run->echo[r]) found = r;
+        if (found < 0 && ((first_raised && !run->echo[r]) || lately == 0)) found = r;
     }
     if (first >= 0) {
         const int r = untold >= 0 ? untold : cause >= 0 ? cause : found >= 0 ? found : first;

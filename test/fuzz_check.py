@@ -643,27 +643,34 @@ def run_resume_case(train, seed, d, timeout, cuda):
         if rc != 0:
             return "fail", what, time.time() - t0, out + f"the {name} failed (exit {rc})\n", rc
 
+    judging = "the runs after the first part"
+
     def later_runs():
         """The runs after the first part, each judged as it ends: (what went wrong or "", exit status)."""
+        nonlocal judging
         if not alike:
+            judging = "the reshaped states"
             why = reshaped_state(step, d, later, at_step=cut)
             if why:
                 return why, 1
         if kill is not None:
+            judging = "the killed run's state"
             why = killed_run(lambda extra: step("killed run", resumed(total - cut) + extra), d, cut, kill,
                              at("split") if alike else at("reshaped"))
             if why:
                 return why, 1
+        judging = "the resumed part"
         _, rc = step("resumed part", resumed(total - cut) + ["--loss-log", at("split.log"), "--save", at("split-export")])
         if rc != 0:
             return f"the resumed part failed (exit {rc})\n", rc
+        judging = "the resumed part's files"
         why = compare_resume(d, cut, alike, cuda) or export_round_trip(step, d, later, plan.shards)
         return (why + "\n", 1) if why else ("", 0)
 
     try:
         why, rc = later_runs()
     except (OSError, ValueError, KeyError) as e:     # a file the runs said they wrote, missing or unreadable
-        why, rc = f"the runs' files cannot be compared: {e}\n", 1
+        why, rc = f"{judging} cannot be compared: {e}\n", 1
     return ("fail" if why else "pass"), what, time.time() - t0, out + (why or "resume: PASS\n"), rc
 
 

@@ -7,14 +7,17 @@
    one a thread ("allocations: N0 N1 ..."), so that a run without a failure says what there is to
    choose from. Built from train.c as it is, with the allocation macros the header lets a program
    supply, and the header's thread start (C11 thrd_create) wrapped to number the threads. */
+#ifdef __cplusplus
+#error "train_faults.c numbers the threads the header starts with C11 thrd_create: build it as C"
+#endif
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <threads.h>
 
-/* Threads numbered past the last slot share it (their counts then depend on timing); the fuzz's
-   meshes have at most 8 ranks, and train starts them once. */
-#define MAX_THREADS 256
+/* The main thread and one a rank (train takes at most 256, and starts them once); threads numbered
+   past the last slot would share it, their counts then depending on timing. */
+#define MAX_THREADS 257
 static atomic_long allocs_made[MAX_THREADS];
 static atomic_int threads_started;
 static _Thread_local int thread_no;          /* 0: the main thread */
