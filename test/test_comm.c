@@ -229,6 +229,33 @@ static pr_status echo_after_fault(pr_comm *c, void *user, pr_error *err) {
     }
     return record(user, c, c->barrier(c, err), err);
 }
+/* Rank 0 is first told (rank 2 leaves the barrier it waits in), then finds a fault itself: ranks 1
+   and 2 meet in an all_reduce of {1, 2} whose sizes differ, rank 2 returns that, rank 0 leaves the
+   world's barrier told that rank 2 left and meets rank 1 in an all_reduce of {0, 1} whose sizes
+   differ too, which both return. Every failing rank was told or found something, so the run names
+   the first rank that returned a fault the communicator found, rank 0's, though its first failure
+   was an echo (with only its first failure judged, the run would name rank 2's). */
+static pr_status told_then_found(pr_comm *c, void *user, pr_error *err) {
+    pr_comm *low = NULL, *high = NULL;
+    pr_status st = c->split(c, c->rank < 2 ? 0 : 1, c->rank, &low, err);
+    if (!st) st = c->split(c, c->rank > 0 ? 0 : 1, c->rank, &high, err);
+    if (st) {
+        if (low) low->destroy(low);
+        return record(user, c, st, err);
+    }
+    double x[N + 5] = { 0 };
+    pr_error told;
+    if (c->rank == 0) {
+        c->barrier(c, &told);
+        st = low->all_reduce(low, x, N, PR_COMM_F64, err);
+    } else {
+        st = high->all_reduce(high, x, c->rank == 1 ? N : N + 5, PR_COMM_F64, err);
+        if (c->rank == 1) st = low->all_reduce(low, x, N + 5, PR_COMM_F64, err);
+    }
+    low->destroy(low);
+    high->destroy(high);
+    return record(user, c, st, err);
+}
 static pr_status send_to_leaver(pr_comm *c, void *user, pr_error *err) {
     double x[N] = { 0 };
     return record(user, c, c->rank ? PR_OK : c->send(c, x, N, PR_COMM_F64, 1, err), err);
@@ -387,6 +414,8 @@ static void check_faults(void) {
           "barrier: rank" },
         { "the calls differ, then a rank leaves", echo_after_fault, 3, PR_ERR_ARG, "rank 1: all_reduce: the ranks' calls differ",
           "has left the communicator" },
+        { "a rank first told, then finding a fault", told_then_found, 3, PR_ERR_ARG,
+          "rank 0: all_reduce: the ranks' calls differ", "the ranks' calls differ" },
         { "send to a rank that left", send_to_leaver, 2, PR_ERR_ARG, "send: rank 1 has left the communicator", NULL },
         /* one finds that every rank waits, the other is told it left: the run names the finding */
         { "each waits for the other", crossed, 2, PR_ERR_ARG, "every rank waits for another", NULL },
