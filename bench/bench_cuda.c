@@ -2,8 +2,10 @@
      GEMM: every Llama3-8B projection (forward, and the two GEMMs of its backward) through the
            backend's matmul, beside the best of cuBLASLt's top algorithms for the same problem
            timed here (the ratio ours / best is the issue's >= 85% target);
-     attention: forward and backward TFLOP/s at head dim 128, causal over one 8k sequence, and the
-           two-region variant (a shared prefix region plus causal suffixes) at 8k rows and keys.
+     attention: forward and backward TFLOP/s, 32 query / 8 KV heads, causal over one 8k sequence
+           and the two-region variant (a shared prefix region plus causal suffixes), at head dim
+           128 (Llama3-8B's) and for two cases at 64 (Llama-3.2-1B's), the other head dim the
+           tensor-core kernels run at full speed.
    FLOPs: GEMM 2mnk; attention 4 * pairs * HS * NH forward and 2.5x that backward (FlashAttention's
    convention), pairs = the (query, key) pairs the mask allows. Times: median of --reps runs after
    a warm-up, the device drained around each run; fewer runs where the warm-up shows that --reps
@@ -191,11 +193,12 @@ static void att_call(void *arg) {
                            a->q, a->k, a->v, a->kp, a->vp, &a->lay, a->NH, a->NKV, a->HS);
 }
 
-/* n_prefix prefix keys, then n_seg segments of len rows each: the forward (unless bwd_only) and
-   the backward timed, printed as TFLOP/s; the backward's seconds returned. With base_bwd > 0 (the
-   deterministic backward's seconds on the same case), the line also gives base_bwd / this one. */
-static double bench_attention(const char *label, int n_prefix, int n_seg, int len, int bwd_only, double base_bwd) {
-    const int NH = 32, NKV = 8, HS = 128, N = n_seg * len;
+/* n_prefix prefix keys, then n_seg segments of len rows each, at head dim HS: the forward (unless
+   bwd_only) and the backward timed, printed as TFLOP/s; the backward's seconds returned. With
+   base_bwd > 0 (the deterministic backward's seconds on the same case), the line also gives
+   base_bwd / this one. */
+static double bench_attention(const char *label, int n_prefix, int n_seg, int len, int HS, int bwd_only, double base_bwd) {
+    const int NH = 32, NKV = 8, N = n_seg * len;
     int *seg = malloc(sizeof(int) * (n_seg + 1));
     for (int s = 0; s <= n_seg; s++) seg[s] = s * len;
     att_args a;
@@ -397,13 +400,15 @@ static int smoke(void) {
 }
 
 /* ---------------------------------------------------------------- main */
-/* The attention cases: prefix keys, segments, rows per segment. */
-static const struct { const char *name, *label; int n_prefix, n_seg, len; } att_cases[] = {
-    { "causal8k", "causal, one 8k sequence", 0, 1, 8192 },
-    { "p6k-4x512", "two-region: prefix 6k + 4 x 512", 6144, 4, 512 },
-    { "p2k-4x1.5k", "two-region: prefix 2k + 4 x 1.5k", 2048, 4, 1536 },
-    { "p10k-8x2k", "two-region: prefix 10k + 8 x 2k", 10240, 8, 2048 },
-    { "p10k-32x2k", "two-region: prefix 10k + 32 x 2k", 10240, 32, 2048 },
+/* The attention cases: prefix keys, segments, rows per segment, head dim. */
+static const struct { const char *name, *label; int n_prefix, n_seg, len, HS; } att_cases[] = {
+    { "causal8k", "causal, one 8k sequence", 0, 1, 8192, 128 },
+    { "p6k-4x512", "two-region: prefix 6k + 4 x 512", 6144, 4, 512, 128 },
+    { "p2k-4x1.5k", "two-region: prefix 2k + 4 x 1.5k", 2048, 4, 1536, 128 },
+    { "p10k-8x2k", "two-region: prefix 10k + 8 x 2k", 10240, 8, 2048, 128 },
+    { "p10k-32x2k", "two-region: prefix 10k + 32 x 2k", 10240, 32, 2048, 128 },
+    { "causal8k-hd64", "HS 64: causal, one 8k sequence", 0, 1, 8192, 64 },
+    { "p10k-8x2k-hd64", "HS 64: prefix 10k + 8 x 2k", 10240, 8, 2048, 64 },
 };
 #define N_ATT_CASES (int)(sizeof att_cases / sizeof *att_cases)
 
@@ -433,8 +438,8 @@ static void bench_attention_table(const int *sel, int kind, const char *title, d
             char label[80];
             snprintf(label, sizeof label, "%s [%s]", att_cases[c].label, att_cases[c].name);
             const int atomic = kind == PR_CUDA_ATTENTION_MMA_ATOMIC;
-            const double tb = bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len, atomic,
-                                              atomic ? bwd_time[c] : 0);
+            const double tb = bench_attention(label, att_cases[c].n_prefix, att_cases[c].n_seg, att_cases[c].len,
+                                              att_cases[c].HS, atomic, atomic ? bwd_time[c] : 0);
             if (kind == PR_CUDA_ATTENTION_MMA) bwd_time[c] = tb;
         }
     pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_AUTO, NULL);   /* the default again */
@@ -475,7 +480,7 @@ int main(int argc, char **argv) {
     if (gemm) bench_gemm(N);
     if (attention) {
         double bwd_time[N_ATT_CASES] = { 0 };
-        bench_attention_table(att_sel, PR_CUDA_ATTENTION_FFMA, "attention, bf16, HS 128, 32 query / 8 KV heads", bwd_time);
+        bench_attention_table(att_sel, PR_CUDA_ATTENTION_FFMA, "attention (FFMA), bf16, 32 query / 8 KV heads, HS 128 unless said", bwd_time);
         printf("\n");
         bench_attention_table(att_sel, PR_CUDA_ATTENTION_MMA, "tensor-core attention (MMA), same cases", bwd_time);
         printf("\n");

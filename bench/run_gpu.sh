@@ -125,10 +125,10 @@ synccheck|15|120|1|compute-sanitizer synccheck: train_cuda --check on model/tiny
 determinism|5|90|1|train_cuda --steps 2 --save-grads in two processes each, tiny-qwen3 and tiny-moe; cmp
 replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse and full-sequence drift from the CPU's fp32 run, JSON lines
 fuzz|65|260|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build; then --resume for $FUZZ_RESUME_SECONDS s: the same cases trained straight and cut in two with --save-state and --resume, bit for bit
-bench-cuda|85|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region; atomic-dQ backward; wgmma
+bench-cuda|95|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region, head dims 128 and 64; atomic-dQ backward; wgmma
 gemm-rows|20|180|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
 bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
-sdpa|35|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
+sdpa|45|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS, $BENCH_MICROBATCH: baseline vs reuse, MFU, reuse by phase
 profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers, 10k/2k, G 8, $BENCH_MICROBATCH: each timed step's GPU time per backend operation (GEMMs by shape), and the time the GPU waited for the host
@@ -388,7 +388,7 @@ body_bench_cuda() {
     key "$(grep '^GEMM: mean' "$stage_base.log" | cut -c7-)"
     # attention lines: "<label> [name]  fwd  bwd   (fwd ms / bwd ms)", FFMA's then MMA's; then the
     # atomic-dQ backward's "<label> [name]  -  bwd   (bwd ms; deterministic / this: ratio)"
-    key "$(awk '/\[(causal8k|p10k-8x2k|p10k-32x2k)\]/ { n = $0; sub(/.*\[/, "", n); sub(/\].*/, "", n)
+    key "$(awk '/\[(causal8k|p10k-8x2k|p10k-32x2k|causal8k-hd64)\]/ { n = $0; sub(/.*\[/, "", n); sub(/\].*/, "", n)
                 if ($0 ~ /deterministic \/ this:/) { r = $NF; sub(/\)/, "", r); printf "%s%s atomic-dQ bwd %s (det/atomic time %s)", sep, n, $(NF-6), r }
                 else printf "%s%s %s/%s", sep, n, $(NF-5), $(NF-4)
                 sep = ", " }' "$stage_base.log") TF/s fwd/bwd"
@@ -414,6 +414,7 @@ body_sdpa() {
     PYTHONUNBUFFERED=1 python3 bench/sdpa_ref.py --reps 10
     rc=$?
     key "$(awk '$1 == "causal8k" && $3 != "-" { printf "%s%s %s/%s", sep, $2, $3, $4; sep = ", " }' "$stage_base.log") TF/s causal 8k fwd/bwd"
+    key "$(awk '$1 == "causal8k-hd64" && $3 != "-" { printf "%s%s %s/%s", sep, $2, $3, $4; sep = ", " }' "$stage_base.log") TF/s causal 8k fwd/bwd at head dim 64"
     return $rc
 }
 

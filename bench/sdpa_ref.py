@@ -2,12 +2,13 @@
 """PyTorch's scaled_dot_product_attention on the same GPU and shapes as bench_cuda's attention: the
 yardstick for its TFLOP/s.
 
-Shapes (bf16, head dim 128, 32 query / 8 KV heads):
+Shapes (bf16, 32 query / 8 KV heads, head dim 128 unless said):
   causal8k     one causal 8k sequence;
   p10k-8x2k    the two-region case: G = 8 suffixes of 2k rows, each attending to a 10k prefix and
   p10k-32x2k   causally to itself (G = 32). As PyTorch runs it: a batch of G sequences, queries = the
                suffix rows, keys = prefix + suffix, causal mask aligned bottom-right. The (query, key)
                pairs are the ones bench_cuda counts, so the FLOPs are the same.
+  causal8k-hd64, p10k-8x2k-hd64   the first two at head dim 64 (Llama-3.2-1B's).
 Backends, each forced in turn: flash (FlashAttention-2), cudnn, efficient (memory-efficient).
 A backend that refuses a shape is reported as such. GQA through enable_gqa where the backend takes
 it, else K/V repeated to 32 heads (same FLOPs).
@@ -23,12 +24,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # name: (prefix, segments, rows per segment)
-    "causal8k": (0, 1, 8192),
-    "p10k-8x2k": (10240, 8, 2048),
-    "p10k-32x2k": (10240, 32, 2048),
+SHAPES = {  # name: (prefix, segments, rows per segment, head dim)
+    "causal8k": (0, 1, 8192, 128),
+    "p10k-8x2k": (10240, 8, 2048, 128),
+    "p10k-32x2k": (10240, 32, 2048, 128),
+    "causal8k-hd64": (0, 1, 8192, 64),
+    "p10k-8x2k-hd64": (10240, 8, 2048, 64),
 }
-NH, NKV, HS = 32, 8, 128
+NH, NKV = 32, 8
 
 
 def backends():
@@ -53,7 +56,7 @@ def timed(fn, reps, max_seconds):
 def run(shape, backend, reps, max_seconds):
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
-    P, G, S = SHAPES[shape]
+    P, G, S, HS = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(G, NH, S, HS, device=dev, dtype=dt, generator=gen)
@@ -110,8 +113,8 @@ def main():
             print(f"sdpa_ref: no shape '{s}' (of {', '.join(SHAPES)})")
             return 2
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
-          f"on {torch.cuda.get_device_name()}; bf16, head dim {HS}, {NH} query / {NKV} KV heads")
-    print(f"{'shape':<12} {'backend':<10} {'fwd TF/s':>9} {'bwd TF/s':>9}   notes")
+          f"on {torch.cuda.get_device_name()}; bf16, {NH} query / {NKV} KV heads, head dim 128 unless the shape says")
+    print(f"{'shape':<14} {'backend':<10} {'fwd TF/s':>9} {'bwd TF/s':>9}   notes")
     failed = 0
     for s in shapes:
         for b in a.backends.split(","):
@@ -124,10 +127,10 @@ def main():
                 f, g, note = None, None, "out of memory: " + str(e).splitlines()[0][:120]
             torch.cuda.empty_cache()
             if f is None:
-                print(f"{s:<12} {b:<10} {'-':>9} {'-':>9}   {note}", flush=True)
+                print(f"{s:<14} {b:<10} {'-':>9} {'-':>9}   {note}", flush=True)
                 failed += 1
             else:
-                print(f"{s:<12} {b:<10} {f:>9.1f} {g:>9.1f}   {note}", flush=True)
+                print(f"{s:<14} {b:<10} {f:>9.1f} {g:>9.1f}   {note}", flush=True)
     return 0 if failed < len(shapes) * len(a.backends.split(",")) else 1
 
 
