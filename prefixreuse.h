@@ -1144,16 +1144,20 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    world (the one created here and all split from it) fails at once with that reason, and their
    destroy aborts rather than waits. The reason is also printed on stderr just before the abort
    (the one thing this library prints), since the abort itself may wait: within a node, until the
-   peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863). Other waits on
-   the host have no limit: NCCL's init (over TCP, entered only once every rank has come) and split,
-   and the connections NCCL makes inside a call: at the first operation with a peer and, by
-   default (NCCL_RUNTIME_CONNECT=1), at an algorithm's first use, which can come mid-run when a
-   message size first picks it (NCCL_RUNTIME_CONNECT=0 connects every algorithm at init, at the
-   memory of all their buffers). A launcher should still end the job when one rank exits with an
-   error. The communicators are blocking ones: NCCL_COMM_BLOCKING set to what NCCL reads as 0 ("0",
-   or any value with no number), which would make them non-blocking, is refused
-   (PR_ERR_UNSUPPORTED; an nccl.conf setting is not seen). An argument a call refuses (a type, a
-   peer, a split color below 0) aborts the communicator like a failure. */
+   peers' processes end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863).
+   NCCL's init is watched too: it runs in NCCL's thread (a non-blocking communicator that does
+   nothing else) and fails after timeout_s (PR_ERR_DEVICE, "the world did not come together")
+   where a rank never comes, rank 0's id file removed; so are the splits of the world, which are
+   that communicator's. The world and its splits are blocking communicators, unless
+   NCCL_COMM_BLOCKING=0 (which NCCL lets override the configuration) makes them non-blocking:
+   then each call also waits, within the same limit, for NCCL's thread to queue its operation.
+   Other waits on the host have no limit: a split of a communicator other than the world, and
+   the connections NCCL makes inside a call: at the first operation with a peer and, by default
+   (NCCL_RUNTIME_CONNECT=1), at an algorithm's first use, which can come mid-run when a message
+   size first picks it (NCCL_RUNTIME_CONNECT=0 makes every connection inside the watched set-up,
+   at the memory of all the algorithms' buffers). A launcher should still end the job when one
+   rank exits with an error. An argument a call refuses (a type, a peer, a split color below 0)
+   aborts the communicator like a failure. */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);
 

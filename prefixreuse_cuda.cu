@@ -3168,11 +3168,19 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
    fails. A communicator and those split from it are one family: after such a failure every
    call of each fails at once with its reason, and each is aborted rather than destroyed, as
    NCCL's destroy would first complete the operations its peers no longer come to. A family is
-   used from one thread, as NCCL's blocking communicators are. */
+   used from one thread, as NCCL's blocking communicators are.
+   A blocking communicator's init and split wait on the host for every peer, without limit, and
+   cannot be aborted (the handle comes back only when they end). So the family's first member is
+   a non-blocking communicator, the root, whose init and splits go on in NCCL's own thread while
+   this one watches them (pr_nccl_settle) and aborts them after timeout_s: the world is the
+   root's split into one blocking communicator of every rank, and the world's splits are the
+   root's, into blocking ones too. The root does nothing else. (A split of a communicator other
+   than the world is its own, and waits as a blocking one does.) */
 typedef struct {
     int refs;                      /* the family's live communicators */
     int timeout_s;
     int world_rank;                /* this process's rank in the world communicator, for messages */
+    ncclComm_t root;               /* non-blocking, every rank of the world; NULL once aborted */
     char failed[320];              /* empty, or why the family's communicators are unusable */
 } pr_nccl_family;
 typedef struct {
@@ -3180,6 +3188,7 @@ typedef struct {
     ncclComm_t nc;                 /* NULL once aborted */
     pr_cu *cx;                     /* the backend: its device and stream */
     float *one;                    /* device scratch for the barrier (zeroed once) */
+    int world;                     /* the family's world: its splits are the root's */
     pr_nccl_family *family;
 } pr_nccl;
 
@@ -3230,12 +3239,35 @@ static pr_status pr_nccl_abort(pr_nccl *x, const char *what, pr_error *err, cons
     return pr_nccl_error(err, PR_ERR_DEVICE, "%s: the communicator is aborted", f->failed);
 }
 
-/* Waits for the backend's stream (the operation just queued, after the work queued before it,
-   which the clock counts too), watching it: NCCL's asynchronous errors, and timeout_s without
-   completion (pr_nccl). Yields between looks for the first 100 ms, as cudaStreamSynchronize's
-   spin would, so that an exchange ends as soon as the device does; then naps of 20 us. */
-static pr_status pr_nccl_wait(pr_nccl *x, const char *what, pr_error *err) {
-    const double t0 = pr_nccl_now();
+/* Between two looks at what NCCL or the device is doing, `waited` seconds into the wait: a yield
+   for the first 100 ms, as cudaStreamSynchronize's spin would, so that an exchange ends as soon
+   as the device does; then naps of 20 us, and past a second (an init, a long exchange) of 1 ms. */
+static void pr_nccl_nap(double waited) {
+    if (waited < 0.1) sched_yield();
+    else usleep(waited < 1 ? 20 : 1000);
+}
+
+/* Waits, from t0, until nc has ended what its last call began on the host: the init, a split or
+   the queueing of an operation of a non-blocking communicator (the root; any under
+   NCCL_COMM_BLOCKING=0), which returns ncclInProgress and goes on in NCCL's thread. NCCL's
+   verdict, or ncclInProgress where timeout_s has passed first (the caller aborts nc: that ends
+   the work and joins NCCL's thread). */
+static ncclResult_t pr_nccl_settle(ncclComm_t nc, double t0, int timeout_s) {
+    for (;;) {
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(nc, &async);
+        if (r != ncclSuccess) return r;
+        if (async != ncclInProgress) return async;
+        const double waited = pr_nccl_now() - t0;
+        if (waited > timeout_s) return ncclInProgress;
+        pr_nccl_nap(waited);
+    }
+}
+
+/* Waits for the backend's stream (the operation queued, after the work queued before it, which
+   the clock, started at t0, counts too), watching it: NCCL's asynchronous errors, and timeout_s
+   without completion (pr_nccl). */
+static pr_status pr_nccl_wait(pr_nccl *x, double t0, const char *what, pr_error *err) {
     for (;;) {
         cudaError_t e = cudaStreamQuery(x->cx->stream);
         if (e == cudaSuccess) return PR_OK;
@@ -3251,16 +3283,21 @@ static pr_status pr_nccl_wait(pr_nccl *x, const char *what, pr_error *err) {
         if (waited > x->family->timeout_s)
             return pr_nccl_abort(x, what, err, "not complete after %d s (a peer rank has stopped or hangs, or the ranks' calls differ)",
                                  x->family->timeout_s);
-        if (waited < 0.1) sched_yield();
-        else usleep(20);
+        pr_nccl_nap(waited);
     }
 }
-/* r: what queueing the operation returned. Any failure aborts, a call refused for its arguments
-   too: the peers have queued their part of it, and NCCL pairs the ranks' calls by their order
-   alone, so this rank's next call would meet the peers' pending one (other data, or a hang). */
+/* r: what queueing the operation returned; ncclInProgress (a non-blocking communicator) until
+   NCCL's thread has queued it. Any failure aborts, a call refused for its arguments too: the
+   peers have queued their part of it, and NCCL pairs the ranks' calls by their order alone, so
+   this rank's next call would meet the peers' pending one (other data, or a hang). */
 static pr_status pr_nccl_status(pr_nccl *x, ncclResult_t r, const char *what, pr_error *err) {
+    const double t0 = pr_nccl_now();
+    if (r == ncclInProgress) r = pr_nccl_settle(x->nc, t0, x->family->timeout_s);
+    if (r == ncclInProgress)
+        return pr_nccl_abort(x, what, err, "not queued after %d s (a peer rank has stopped or hangs in NCCL's connection set-up)",
+                             x->family->timeout_s);
     if (r != ncclSuccess) return pr_nccl_abort(x, what, err, "%s", ncclGetErrorString(r));
-    return pr_nccl_wait(x, what, err);
+    return pr_nccl_wait(x, t0, what, err);
 }
 
 /* Whether c can run `what`: not once its family has failed (err says why). */
@@ -3370,29 +3407,61 @@ static pr_status pr_nccl_barrier(pr_comm *c, pr_error *err) {
 static void pr_nccl_destroy(pr_comm *c) {
     if (!c) return;
     pr_nccl *x = pr_nccl_of(c);
-    if (x->nc) (x->family->failed[0] ? ncclCommAbort : ncclCommDestroy)(x->nc);
+    pr_nccl_family *f = x->family;
+    if (x->nc) (f->failed[0] ? ncclCommAbort : ncclCommDestroy)(x->nc);
     if (x->one) cudaFree(x->one);
-    if (--x->family->refs == 0) free(x->family);
+    if (--f->refs == 0) {
+        if (f->root) (f->failed[0] ? ncclCommAbort : ncclCommDestroy)(f->root);
+        free(f);
+    }
     free(x);
 }
 
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, pr_error *err);
+/* parent split by (color >= 0, key) into a blocking communicator, *out: where parent is
+   non-blocking, the split returns at once (ncclSuccess, NCCL's source says; ncclInProgress, its
+   documentation), *out NULL until NCCL's thread has made it, which is watched until timeout_s
+   (ncclInProgress where it has not ended: the caller then aborts parent, which ends the split
+   and joins NCCL's thread, before it looks at *out again). */
+static ncclResult_t pr_nccl_split_into(ncclComm_t parent, int color, int key, ncclComm_t *out, int timeout_s) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    const double t0 = pr_nccl_now();
+    *out = NULL;
+    ncclResult_t r = ncclCommSplit(parent, color, key, out, &config);
+    if (r == ncclSuccess || r == ncclInProgress) r = pr_nccl_settle(parent, t0, timeout_s);   /* at once where parent blocks */
+    return r == ncclSuccess && !*out ? ncclInternalError : r;
+}
+
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, int world, pr_error *err);
 
 static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr_error *err) {
     pr_nccl *x = pr_nccl_of(c);
+    pr_nccl_family *f = x->family;
     pr_status st = pr_nccl_usable(c, "split", err);
     if (st) return st;
     if (color < 0)    /* NCCL's NCCL_SPLIT_NOCOLOR (-1) would give this rank no communicator */
         return pr_nccl_abort(x, "split", err, "color %d: every rank needs one >= 0", color);
+    const int from_root = x->world && f->root;
     ncclComm_t nc = NULL;
-    ncclResult_t r = ncclCommSplit(x->nc, color, key, &nc, NULL);
-    if (r != ncclSuccess) return pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* the peers may be in it */
-    st = pr_nccl_wrap(sub, nc, x->cx, x->family, err);                /* the peers hold theirs: this rank cannot go on */
+    const ncclResult_t r = pr_nccl_split_into(from_root ? f->root : x->nc, color, key, &nc, f->timeout_s);
+    if (r != ncclSuccess) {                       /* the peers may be in it */
+        if (from_root) {
+            ncclCommAbort(f->root);
+            f->root = NULL;
+        }
+        st = r == ncclInProgress ? pr_nccl_abort(x, "split", err, "not done after %d s (a peer rank has stopped or hangs, or the "
+                                                                  "ranks' calls differ)", f->timeout_s)
+                                 : pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* x's abort ends a split of x */
+        if (nc) ncclCommAbort(nc);                /* what the split made before it failed */
+        return st;
+    }
+    st = pr_nccl_wrap(sub, nc, x->cx, f, 0, err);                    /* the peers hold theirs: this rank cannot go on */
     return st ? pr_nccl_abort(x, "split", err, "%s", err ? err->message : "out of memory") : PR_OK;
 }
 
-/* nc as a pr_comm of the family (which it joins); on failure nc is destroyed. */
-static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, pr_error *err) {
+/* nc as a pr_comm of the family (which it joins; world: it is the family's world); on failure nc
+   is destroyed. */
+static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_family *family, int world, pr_error *err) {
     pr_nccl *x = (pr_nccl *)calloc(1, sizeof *x);
     int rank = 0, size = 0;
     if (!x || ncclCommUserRank(nc, &rank) != ncclSuccess || ncclCommCount(nc, &size) != ncclSuccess ||
@@ -3405,6 +3474,7 @@ static pr_status pr_nccl_wrap(pr_comm **out, ncclComm_t nc, pr_cu *cx, pr_nccl_f
     }
     x->nc = nc;
     x->cx = cx;
+    x->world = world;
     x->family = family;
     family->refs++;
     pr_comm *c = &x->c;
@@ -3471,7 +3541,7 @@ static pr_status pr_nccl_file_id(ncclUniqueId *id, int rank, const char *id_path
    RANK), is told so at once and takes no place. Rank 0 holds the others' connections (a rank that
    hangs up frees its place) until every rank has come, and only then hands each the id; after
    timeout_s it tells those it holds that it has given up, naming the ranks that did not come. So
-   no rank enters NCCL's init, whose wait has no limit, unless the whole world has come. Rank 0
+   no rank enters NCCL's init unless the whole world has come. Rank 0
    closes the port before its own init (a relaunch can take it at once). The others connect until
    timeout_s, again while rank 0 is not yet listening, and wait for the handout until rank 0's
    limit. Integers in network byte order. */
@@ -3800,12 +3870,6 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     if (be->alloc != pr_cu_alloc)
         return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: backend '%s' is not a CUDA backend", be->name);
     if (timeout_s < 1) return pr_nccl_error(err, PR_ERR_ARG, "pr_comm_nccl_create: timeout %d s, at least 1 expected", timeout_s);
-    /* The variable overrides the blocking = 1 below (NCCL's init.cc): each call could then return
-       before its operation is queued (ncclInProgress), which the watched wait does not handle. */
-    const char *blocking = getenv("NCCL_COMM_BLOCKING");
-    if (blocking && *blocking && strtoll(blocking, NULL, 0) == 0)   /* as NCCL reads it: "0", "false", "no" are all 0 */
-        return pr_nccl_error(err, PR_ERR_UNSUPPORTED, "NCCL_COMM_BLOCKING=%s, which NCCL reads as 0, makes its communicators "
-                                                      "non-blocking, which this communicator does not handle: unset it", blocking);
     pr_cu *cx = pr_cu_of(be);
     ncclUniqueId id;
     pr_status st = pr_nccl_share_id(&id, rank, size, id_path, timeout_s, err);
@@ -3814,16 +3878,34 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     if (!family) return pr_nccl_error(err, PR_ERR_NOMEM, "NCCL: out of host memory");
     family->timeout_s = timeout_s;
     family->world_rank = rank;
-    ncclComm_t nc;
-    ncclResult_t r = ncclSuccess;
+    ncclComm_t root = NULL, nc = NULL;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 1;                                   /* each call returns queued (NCCL_COMM_BLOCKING=0 refused above) */
-    if (cudaSetDevice(cx->device) != cudaSuccess)          /* NCCL binds the communicator to the current device */
+    config.blocking = 0;                                   /* the root (pr_nccl_family): its init watched */
+    const double t0 = pr_nccl_now();
+    if (cudaSetDevice(cx->device) != cudaSuccess) {        /* NCCL binds the communicator to the current device */
         st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init: cannot select CUDA device %d", cx->device);
-    else if ((r = ncclCommInitRankConfig(&nc, size, id, rank, &config)) != ncclSuccess)
-        st = pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
-    else
-        st = pr_nccl_wrap(out, nc, cx, family, err);
+    } else {
+        ncclResult_t r = ncclCommInitRankConfig(&root, size, id, rank, &config);
+        if (r == ncclInProgress) r = pr_nccl_settle(root, t0, timeout_s);
+        if (r == ncclSuccess) r = pr_nccl_split_into(root, 0, rank, &nc, timeout_s);   /* the world: every rank, as ranked */
+        if (r != ncclSuccess) {
+            if (r == ncclInProgress)
+                pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): the world did not come together within %d s (a rank "
+                              "that did not start or failed before its init, or one NCCL cannot reach)", rank, size, timeout_s);
+            else
+                pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): %s", rank, size, ncclGetErrorString(r));
+            if (root) {                                    /* the abort may wait (pr_nccl_abort): said first */
+                fprintf(stderr, "prefixreuse: %s: aborting the communicator\n", err ? err->message : "NCCL init failed");
+                ncclCommAbort(root);                       /* ends an init or split under way, joining NCCL's thread */
+            }
+            if (nc) ncclCommAbort(nc);
+            st = PR_ERR_DEVICE;
+        } else {
+            family->root = root;
+            st = pr_nccl_wrap(out, nc, cx, family, 1, err);
+            if (st) ncclCommAbort(root);
+        }
+    }
     if (rank == 0 && !pr_nccl_id_over_tcp(id_path)) remove(id_path);   /* joined, or failed: no later launch may take this id */
     if (st) free(family);
     return st;

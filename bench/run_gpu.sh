@@ -116,7 +116,7 @@ stages() {
 preflight|15|60|0|GPU, driver, clocks, temperature, nvcc, NCCL (make info), compute-sanitizer, ncu, cuobjdump, cores, PyTorch
 build|50|300|0|make -j$JOBS train_cuda build/test_gpu build/test_gpu_attention build/bench_cuda build/compare_st build/train-double build/train-float; make sass, check-sass
 smoke|3|60|1|build/bench_cuda --smoke: device, one GEMM, one attention each way, one training step each way, then the tensor-core attention (mma, wgmma) each way
-test-gpu|20|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads
+test-gpu|25|240|1|make test-gpu: kernels and attention against the CPU double path, determinism, --check, GPU vs CPU grads, NCCL on one rank
 mma|130|330|1|build/test_gpu_attention: tensor-core attention (its atomic-dQ backward, its wgmma kernels) vs CPU double, FFMA and the tile model; memcheck --quick; racecheck on shapes $MMA_RACE_SHAPES (mma.sync), $WGMMA_RACE_SHAPES (wgmma)
 memcheck|10|160|1|compute-sanitizer memcheck (+ leaks): train_cuda --check on model/tiny with offload; test_gpu attention
 racecheck|45|160|1|compute-sanitizer racecheck: one train_cuda step; test_gpu attention --cases $RACE_CASES

@@ -36,9 +36,21 @@
      - a member whose process has ended without destroying the communicator (killed, or exited
        on an error) makes ncclCommGetAsyncError report ncclRemoteError to the others, as NCCL's
        network transports report a peer's closed connection; a stopped process is no error (only
-       a timeout finds it), nor one that destroyed the communicator before it ended.
-   Not emulated: the ring and tree algorithms' own summation orders, non-blocking communicators,
-   reductions other than the sum.
+       a timeout finds it), nor one that destroyed the communicator before it ended;
+     - non-blocking communicators (ncclConfig_t.blocking = 0, or NCCL_COMM_BLOCKING, which NCCL
+       lets override the configuration, set to 0 or 1): ncclCommInitRankConfig returns
+       ncclInProgress at once, and ncclCommGetAsyncError reports ncclInProgress until every member
+       has come, with no limit of its own (ncclCommAbort ends the wait, and leaves no segment
+       behind); a call returns ncclInProgress and its operation reaches the stream only once
+       ncclCommGetAsyncError has said ncclSuccess, which it says at its second look (so a program
+       that waits for the stream first finds it done without the operation); a call on a
+       communicator still in progress is refused (ncclInvalidArgument, as NCCL's "use before the
+       previous operation returned ncclSuccess"), and so is its destroy; ncclCommSplit of a
+       non-blocking parent sets *newcomm to NULL and returns ncclSuccess (as NCCL's source does;
+       its documentation says ncclInProgress), and the parent reports ncclInProgress until the
+       members of the new communicator have all come, when *newcomm is set (a new communicator is blocking or not as its configuration says, or as its
+       parent where the configuration is NULL).
+   Not emulated: the ring and tree algorithms' own summation orders, reductions other than the sum.
    test/test_cuda_emu.cc checks these rules on a world of three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
@@ -70,7 +82,7 @@ typedef enum { ncclSum = 0 } ncclRedOp_t;
 #define NCCL_UNIQUE_ID_BYTES 128
 #define NCCL_SPLIT_NOCOLOR -1
 typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
-/* A configuration: the blocking attribute alone (a blocking communicator is what is emulated). */
+/* A configuration: the blocking attribute alone. */
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
 typedef struct { int blocking; } ncclConfig_t;
 #define NCCL_CONFIG_INITIALIZER { NCCL_CONFIG_UNDEF_INT }
@@ -85,14 +97,23 @@ struct emu_nccl_shm {
     int32_t pid[EMU_NCCL_MAX_RANKS];            /* each member's process; 0 once it destroyed the communicator */
     emu_nccl_box box[1];
 };
+/* One side of a message: `bytes` from or into buf, moved chunk by chunk (`chunks` of them so far). */
+struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved, chunks; bool done; };
+struct emu_nccl_split_job;
 struct ncclComm {
     emu_nccl_shm *shm;
     size_t map_bytes;
     int rank, size, splits;
     bool aborted;                               /* ncclCommAbort: its queued operations end at once */
+    bool blocking;
+    bool joining;                               /* non-blocking: not every member has come yet */
     ncclResult_t async;                         /* what ncclCommGetAsyncError reports, once a member's process ended */
     double looked;                              /* when the members' processes were last looked at */
     std::string name;
+    /* non-blocking: the operations of the last call, for the stream at its second look */
+    std::vector<std::function<void(void)>> deferred;
+    int deferred_looks;
+    std::shared_ptr<emu_nccl_split_job> split;  /* non-blocking: a split under way */
 };
 typedef struct ncclComm *ncclComm_t;
 
@@ -142,9 +163,24 @@ static ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     return ncclSuccess;
 }
 
-/* Opens (or creates) the segment `name` for a communicator of `size` and waits for all of its
-   members; the last to attach removes the name. */
-static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, int size, int rank) {
+/* Whether blocking, as NCCL decides it: NCCL_COMM_BLOCKING set to 0 or 1 (strtoll's reading)
+   first, then the configuration, else `inherit`. 0 where the configuration's value is neither
+   0 nor 1 (NCCL refuses it). */
+static int emu_nccl_blocking(const ncclConfig_t *config, bool inherit, bool *blocking) {
+    const char *env = getenv("NCCL_COMM_BLOCKING");
+    const long long forced = env && *env ? strtoll(env, NULL, 0) : -1;
+    if (config && config->blocking != NCCL_CONFIG_UNDEF_INT && config->blocking != 0 && config->blocking != 1) return 0;
+    *blocking = forced == 0 || forced == 1 ? forced == 1 : config && config->blocking != NCCL_CONFIG_UNDEF_INT ? config->blocking == 1 : inherit;
+    return 1;
+}
+
+static bool emu_nccl_all_came(const ncclComm *c) { return __atomic_load_n(&c->shm->attached, __ATOMIC_ACQUIRE) >= (uint32_t)c->size; }
+
+/* Opens (or creates) the segment `name` for a communicator of `size` and takes rank's place in it;
+   the last to attach removes the name. A blocking communicator then waits for all of its
+   members; a non-blocking one returns ncclInProgress with *out set (ncclCommGetAsyncError
+   reports ncclSuccess once they have all come). */
+static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, int size, int rank, bool blocking) {
     if (size < 1 || size > EMU_NCCL_MAX_RANKS || rank < 0 || rank >= size || name.size() > 200) return ncclInvalidArgument;
     const size_t bytes = emu_nccl_map_bytes(size);
     int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
@@ -170,7 +206,7 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
         if (__atomic_add_fetch(&shm->attached, 1, __ATOMIC_ACQ_REL) == (uint32_t)size) shm_unlink(name.c_str());
     }
     emu_nccl_wait w;
-    while (r == ncclSuccess && __atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
+    while (r == ncclSuccess && blocking && __atomic_load_n(&shm->attached, __ATOMIC_ACQUIRE) < (uint32_t)size)
         if (w.expired()) r = ncclSystemError;
     if (r != ncclSuccess) {
         shm_unlink(name.c_str());
@@ -184,39 +220,70 @@ static ncclResult_t emu_nccl_attach(ncclComm_t *out, const std::string &name, in
     c->size = size;
     c->splits = 0;
     c->aborted = false;
+    c->blocking = blocking;
+    c->joining = !blocking;
     c->async = ncclSuccess;
     c->looked = 0.0;
     c->name = name;
+    c->deferred_looks = 0;
     *out = c;
-    return ncclSuccess;
+    return blocking ? ncclSuccess : ncclInProgress;
 }
 
-static ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+/* Whether a call on c must be refused: a non-blocking communicator whose last call is still in
+   progress (NCCL's ncclCommEnsureReady). */
+static bool emu_nccl_busy(const ncclComm *c) {
+    if (!c->joining && c->deferred.empty() && !c->split) return false;
+    fprintf(stderr, "emulated NCCL: a communicator used before its previous operation returned ncclSuccess\n");
+    return true;
+}
+
+static ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
+    bool blocking = true;
+    if (!emu_nccl_blocking(config, true, &blocking)) return ncclInvalidArgument;
     id.internal[NCCL_UNIQUE_ID_BYTES - 1] = 0;
     if (id.internal[0] != '/') return ncclInvalidArgument;
-    return emu_nccl_attach(comm, id.internal, nranks, rank);
+    return emu_nccl_attach(comm, id.internal, nranks, rank, blocking);
 }
-/* Non-blocking communicators are not emulated: a configuration must ask for a blocking one. */
-static ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
-    if (!config || config->blocking != 1) return ncclInvalidArgument;
-    return ncclCommInitRank(comm, nranks, id, rank);
+static inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
+    return ncclCommInitRankConfig(comm, nranks, id, rank, NULL);
 }
 static ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { *rank = c->rank; return ncclSuccess; }
 static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->size; return ncclSuccess; }
+static void emu_nccl_free(ncclComm_t c) {
+    if (!c->aborted) __atomic_store_n(&c->shm->pid[c->rank], 0, __ATOMIC_RELEASE);   /* it left in order */
+    if (!emu_nccl_all_came(c)) shm_unlink(c->name.c_str());   /* an aborted wait for the members: no segment left behind */
+    munmap(c->shm, c->map_bytes);
+    delete c;
+}
 static ncclResult_t ncclCommDestroy(ncclComm_t c) {
+    if (c && emu_nccl_busy(c)) return ncclInvalidArgument;
     emu_run_all();
-    if (c) {
-        if (!c->aborted) __atomic_store_n(&c->shm->pid[c->rank], 0, __ATOMIC_RELEASE);   /* it left in order */
-        munmap(c->shm, c->map_bytes);
-        delete c;
-    }
+    if (c) emu_nccl_free(c);
     return ncclSuccess;
 }
-/* Its queued operations end where they stand (the streams go on past them), then it is freed. */
+static ncclResult_t ncclCommAbort(ncclComm_t c);
+/* A split under way on a non-blocking parent: the members' colours and keys going round the parent,
+   then this member's place in the new communicator while the others come. */
+struct emu_nccl_split_job {
+    int color, key, index;
+    bool blocking;                              /* the new communicator's */
+    ncclComm_t *out;
+    int mine[2];
+    std::vector<int> all;
+    std::vector<emu_nccl_p2p> ops;
+    ncclComm_t child = NULL;
+    ~emu_nccl_split_job() { if (child) ncclCommAbort(child); }
+};
+/* Its queued operations end where they stand (the streams go on past them), then it is freed; a
+   split under way ends with it, and a wait for the members too. */
 static ncclResult_t ncclCommAbort(ncclComm_t c) {
     if (!c) return ncclSuccess;
     c->aborted = true;
-    return ncclCommDestroy(c);
+    c->split.reset();
+    emu_run_all();
+    emu_nccl_free(c);
+    return ncclSuccess;
 }
 /* Whether process pid has ended: gone, or a zombie its parent has not reaped yet (Linux's /proc;
    the state follows the command's name, which may hold spaces and parentheses). */
@@ -231,7 +298,10 @@ static bool emu_nccl_process_ended(int pid) {
     const char *end = strrchr(buf, ')');
     return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
 }
-/* The members' processes are looked at every 10 ms at most: pr_nccl_wait asks between naps of 20 us. */
+static void emu_nccl_split_step(ncclComm_t c);
+/* The members' processes are looked at every 10 ms at most: pr_nccl_wait asks between naps of 20 us.
+   On a non-blocking communicator: ncclInProgress while its members come, while a split of it is
+   under way, and at the first look after a call, whose operations reach the stream at the second. */
 static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
     if (!c || !r) return ncclInvalidArgument;
     const double now = emu_nccl_now();
@@ -242,13 +312,18 @@ static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
             if (q != c->rank && pid > 0 && emu_nccl_process_ended(pid)) c->async = ncclRemoteError;
         }
     }
-    *r = c->async;
+    if (c->async == ncclSuccess && c->joining) c->joining = !emu_nccl_all_came(c);
+    if (c->async == ncclSuccess && c->split) emu_nccl_split_step(c);
+    if (c->async == ncclSuccess && !c->deferred.empty() && c->deferred_looks++ > 0) {
+        for (auto &queue : c->deferred) queue();
+        c->deferred.clear();
+        c->deferred_looks = 0;
+    }
+    *r = c->async != ncclSuccess ? c->async : c->joining || c->split || !c->deferred.empty() ? ncclInProgress : ncclSuccess;
     return ncclSuccess;
 }
 
 /* ================================================================ point to point */
-/* One side of a message: `bytes` from or into buf, moved chunk by chunk (`chunks` of them so far). */
-struct emu_nccl_p2p { bool send; int peer; unsigned char *buf; size_t bytes, moved, chunks; bool done; };
 
 /* A message's chunks: at least one, so that a message of 0 bytes still meets its receive. */
 static size_t emu_nccl_chunks(size_t bytes) { return bytes ? (bytes + EMU_NCCL_CHUNK - 1) / EMU_NCCL_CHUNK : 1; }
@@ -334,7 +409,7 @@ static void emu_nccl_sum(void *dst, const unsigned char *parts, int ranks, size_
 static struct { int depth; ncclComm_t comm; cudaStream_t stream; std::vector<emu_nccl_p2p> ops; } emu_nccl_group;
 
 static ncclResult_t emu_nccl_check(const char *what, ncclComm_t c, const void *buf, size_t bytes, cudaStream_t s) {
-    if (!c || !emu_known_stream(s)) return ncclInvalidArgument;
+    if (!c || !emu_known_stream(s) || emu_nccl_busy(c)) return ncclInvalidArgument;
     if (bytes && !emu_is_device(buf, bytes)) {
         fprintf(stderr, "emulated NCCL: %s: %zu bytes at %p are not inside one device allocation\n", what, bytes, buf);
         return ncclInvalidArgument;
@@ -352,6 +427,17 @@ static ncclResult_t emu_nccl_alias(const char *what, const void *send, size_t se
     return ncclInvalidArgument;
 }
 
+/* op queued on s behind what is queued there, or, on a non-blocking communicator, once the call
+   has been looked at twice (ncclCommGetAsyncError): what the call returns. */
+static ncclResult_t emu_nccl_enqueue(ncclComm_t c, cudaStream_t s, std::function<bool(bool)> op) {
+    if (c->blocking) {
+        emu_enqueue_resumable(s, op);
+        return ncclSuccess;
+    }
+    c->deferred.push_back([s, op] { emu_enqueue_resumable(s, op); });
+    return ncclInProgress;
+}
+
 /* Sends and receives in ops, queued on s as one operation (or added to the open group). */
 static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vector<emu_nccl_p2p> &ops, const char *what) {
     if (emu_nccl_group.depth > 0) {
@@ -362,14 +448,13 @@ static ncclResult_t emu_nccl_queue(ncclComm_t c, cudaStream_t s, const std::vect
     }
     std::string w = what;
     std::shared_ptr<std::vector<emu_nccl_p2p>> todo = std::make_shared<std::vector<emu_nccl_p2p>>(ops);
-    emu_enqueue_resumable(s, [c, todo, w](bool block) {
+    return emu_nccl_enqueue(c, s, [c, todo, w](bool block) {
         if (emu_sticky || emu_nccl_progress(c, *todo, w.c_str(), block) != EMU_NCCL_PENDING) {
             std::vector<emu_nccl_p2p>().swap(*todo);    /* the stream keeps its finished operations: not their state */
             return true;
         }
         return false;
     });
-    return ncclSuccess;
 }
 
 static ncclResult_t ncclGroupStart(void) {
@@ -419,7 +504,7 @@ static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStre
     struct state { std::vector<unsigned char> parts; std::vector<emu_nccl_p2p> ops; };
     std::shared_ptr<state> st = std::make_shared<state>();
     std::string w = what;
-    emu_enqueue_resumable(s, [c, send, block_bytes, same, finish, w, st](bool block) {
+    return emu_nccl_enqueue(c, s, [c, send, block_bytes, same, finish, w, st](bool block) {
         if (emu_sticky) return true;
         if (st->ops.empty()) {                  /* send is read when the operation runs, not when it is queued */
             st->parts.resize((size_t)c->size * block_bytes);
@@ -432,7 +517,6 @@ static ncclResult_t emu_nccl_collective(const char *what, ncclComm_t c, cudaStre
         std::vector<emu_nccl_p2p>().swap(st->ops);
         return true;
     });
-    return ncclSuccess;
 }
 
 static ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
@@ -474,26 +558,74 @@ static ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count
                                [recv, ranks, count, t](const unsigned char *parts) { emu_nccl_sum(recv, parts, ranks, count, t); });
 }
 
-/* Every member calls it, in the same order as its other splits of c: the members' colours and keys
-   go round, and those of this colour attach to their own segment, ranked by key, then by rank in c. */
-static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *out, ncclConfig_t *config) {
-    (void)config;
-    if (!c || !out) return ncclInvalidArgument;
-    emu_run_all();
-    const int mine[2] = { color, key };
-    std::vector<int> all(2 * (size_t)c->size);
-    const int split = c->splits++;
-    std::vector<emu_nccl_p2p> ops = emu_nccl_exchange(c, mine, sizeof mine, true, (unsigned char *)all.data());
-    if (emu_nccl_progress(c, ops, "ncclCommSplit", true) != EMU_NCCL_DONE) return ncclSystemError;
-    *out = NULL;
-    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+/* The new communicator's segment and this member's rank there, from every member's colour and key
+   (all): those of this colour, ranked by key, then by rank in c. */
+static ncclResult_t emu_nccl_split_attach(ncclComm_t c, const emu_nccl_split_job &j, ncclComm_t *out) {
     int rank = 0, size = 0;
     for (int q = 0; q < c->size; q++) {
-        if (all[2 * (size_t)q] != color) continue;
+        if (j.all[2 * (size_t)q] != j.color) continue;
         size++;
-        const int k = all[2 * (size_t)q + 1];
-        rank += k < key || (k == key && q < c->rank);
+        const int k = j.all[2 * (size_t)q + 1];
+        rank += k < j.key || (k == j.key && q < c->rank);
     }
-    return emu_nccl_attach(out, c->name + "-s" + std::to_string(split) + "c" + std::to_string(color), size, rank);
+    const std::string name = c->name + "-s" + std::to_string(j.index) + "c" + std::to_string(j.color);
+    const ncclResult_t r = emu_nccl_attach(out, name, size, rank, c->blocking);   /* the parent's way of waiting */
+    if (r == ncclSuccess || r == ncclInProgress) (*out)->blocking = j.blocking;
+    return r;
+}
+/* A look at a non-blocking parent's split: the exchange moved on, then the new communicator's
+   members counted; done, *out is set and the parent's split cleared. */
+static void emu_nccl_split_step(ncclComm_t c) {
+    emu_nccl_split_job &j = *c->split;
+    if (!j.ops.empty()) {
+        const emu_nccl_state st = emu_nccl_progress(c, j.ops, "ncclCommSplit", false);
+        if (st == EMU_NCCL_PENDING) return;
+        j.ops.clear();
+        if (st == EMU_NCCL_FAILED) {
+            c->async = ncclSystemError;
+            c->split.reset();
+            return;
+        }
+        if (j.color != NCCL_SPLIT_NOCOLOR) {
+            const ncclResult_t r = emu_nccl_split_attach(c, j, &j.child);
+            if (r != ncclSuccess && r != ncclInProgress) {
+                j.child = NULL;
+                c->async = r;
+                c->split.reset();
+                return;
+            }
+            j.child->joining = false;           /* it is the parent that reports the wait */
+        }
+    }
+    if (j.child && !emu_nccl_all_came(j.child)) return;
+    *j.out = j.child;
+    j.child = NULL;
+    c->split.reset();
+}
+/* Every member calls it, in the same order as its other splits of c: the members' colours and keys
+   go round, and those of this colour attach to their own segment. On a blocking parent all of it
+   before the call returns; on a non-blocking one, *out NULL (and ncclSuccess, as NCCL returns),
+   the parent's looks carrying it on (emu_nccl_split_step). */
+static ncclResult_t ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *out, ncclConfig_t *config) {
+    if (!c || !out || emu_nccl_busy(c)) return ncclInvalidArgument;
+    std::shared_ptr<emu_nccl_split_job> j = std::make_shared<emu_nccl_split_job>();
+    if (!emu_nccl_blocking(config, c->blocking, &j->blocking)) return ncclInvalidArgument;
+    emu_run_all();
+    j->color = color;
+    j->key = key;
+    j->index = c->splits++;
+    j->out = out;
+    j->mine[0] = color;
+    j->mine[1] = key;
+    j->all.resize(2 * (size_t)c->size);
+    j->ops = emu_nccl_exchange(c, j->mine, sizeof j->mine, true, (unsigned char *)j->all.data());
+    *out = NULL;
+    if (!c->blocking) {
+        c->split = j;
+        return ncclSuccess;
+    }
+    if (emu_nccl_progress(c, j->ops, "ncclCommSplit", true) != EMU_NCCL_DONE) return ncclSystemError;
+    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+    return emu_nccl_split_attach(c, *j, out);   /* a blocking parent's: it waits for the members */
 }
 #endif

@@ -1,8 +1,9 @@
 #!/bin/sh
 # The GPU tests (make test-gpu), from the repository root:
 #   build/test_gpu      every CUDA kernel and the two-region attention against the double CPU
-#                       path, bitwise reproducibility of the backward and of whole steps, and
-#                       the bf16 weights the kernels read refreshed by an AdamW step;
+#                       path, bitwise reproducibility of the backward and of whole steps, the
+#                       bf16 weights the kernels read refreshed by an AdamW step, and the NCCL
+#                       communicator on one rank (again with NCCL_COMM_BLOCKING=0);
 #   train_cuda --check  bf16 reuse vs bf16 baseline after one AdamW step (the mixed test; MoE too;
 #                       microbatches of 1, 2 and 3; the tensor-core attention, mma and wgmma, at
 #                       head dim 128 on model/tiny-hd128), and with offload on: reuse with and without
@@ -19,6 +20,9 @@
 TRAIN_CUDA=${TRAIN_CUDA:-./train_cuda}
 TEST_GPU=${TEST_GPU:-build/test_gpu}
 run "$TEST_GPU"
+# the NCCL communicator once more with every communicator non-blocking (NCCL's environment
+# overrides the configuration): each call's queueing is then waited for before its stream
+run env NCCL_COMM_BLOCKING=0 "$TEST_GPU" nccl
 for m in tiny tiny-qwen3; do
     for lay in padded packed; do run "$TRAIN_CUDA" --config model/$m --check --microbatch 3 --layout $lay --kl-coef 0.04; done
     run "$TRAIN_CUDA" --config model/$m --check --microbatch 2 --offload on --offload-pool 0.5 --device-budget 4

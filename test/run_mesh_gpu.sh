@@ -11,7 +11,9 @@
 #   seeded draw and a checkpoint's load on tp x pp, bit for bit those of one process, and a save
 #   failing on rank 0 failing on every rank; one step's
 #   gradients on a tp x pp mesh against the CPU double build's, per tensor, within 2^-5 relative;
-#   a stale --nccl-id file from an earlier launch replaced, not joined; the id over TCP
+#   every communicator non-blocking (NCCL_COMM_BLOCKING=0) on dp x tp;
+#   a stale --nccl-id file from an earlier launch replaced, not joined; a rank that never starts
+#   ending rank 0's init after --nccl-timeout (the init is watched); the id over TCP
 #   (--nccl-id tcp://HOST:PORT), rank 0 coming last, the ranks it refuses (another world size, a
 #   RANK taken twice, an earlier launch's rank still calling, which then takes no rank's place) or
 #   waits for in vain, each named, --nccl-id without a mesh refused, and (with unshare -rn) a rank meeting
@@ -62,6 +64,10 @@ touch -d '1 hour ago' "$tmp/nccl-id"
 run ranks 2 --dp 2 --check
 run ranks 2 --dp 2 --check --grad-reduce bf16
 run ranks 4 --dp 2 --tp 2 --check $wide
+# every communicator non-blocking (NCCL_COMM_BLOCKING=0 overrides the configuration): each exchange
+# waits for NCCL's thread to queue it before it waits for the stream
+nonblocking() { NCCL_COMM_BLOCKING=0; export NCCL_COMM_BLOCKING; ranks "$@"; st=$?; unset NCCL_COMM_BLOCKING; return $st; }
+run nonblocking 4 --dp 2 --tp 2 --check $wide
 run ranks 4 --pp 2 --tp 2 --check --microbatch 2 $wide
 run ranks 4 --cp 2 --dp 2 --check --layout packed $wide
 run ranks 4 --dp 4 --groups-per-step 2 --check $wide
@@ -80,6 +86,16 @@ routing_flip() {
 }
 if [ -n "${FLIP_SEED:-}" ]; then run routing_flip "$FLIP_SEED"; fi
 run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --check $wide
+# The id through a file, and a rank that never starts: rank 0's init is watched, so it gives up
+# after --nccl-timeout with the reason, and leaves no id file behind.
+missing_rank() {
+    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" --dp 2 --steps 1 --nccl-timeout 3 --nccl-id "$id" > "$tmp/alone.log" 2>&1
+    rc=$?
+    grep '^train: NCCL' "$tmp/alone.log"
+    [ "$rc" -eq 1 ] && grep -q "^train: NCCL init (rank 0 of 2): the world did not come together within 3 s" "$tmp/alone.log" &&
+        [ ! -e "$id" ]
+}
+run missing_rank
 # The id over TCP: rank 0 listens, the others connect to it, retrying while it is not there yet.
 # a port free now below the local port range (32768 on), where no outgoing connection takes it
 free_port() {

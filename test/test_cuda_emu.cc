@@ -307,9 +307,9 @@ static int nccl_rank(ncclUniqueId id, int rank) {
     ncclComm_t c, sub;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = 2;
     CHECK(ncclCommInitRankConfig(&c, RANKS, id, rank, &config) == ncclInvalidArgument,
-          "a non-blocking communicator (not emulated) is refused, before joining, on rank %d", rank);
+          "a configuration's blocking attribute other than 0 or 1 is refused, before joining, on rank %d", rank);
     config.blocking = 1;
     CHECK(ncclCommInitRankConfig(&c, RANKS, id, rank, &config) == ncclSuccess, "rank %d joins", rank);
     std::vector<float> host((size_t)RANKS * BIG);
@@ -439,6 +439,131 @@ static int nccl_rank(ncclUniqueId id, int rank) {
     return test_failed;
 }
 
+/* ncclCommGetAsyncError's verdict on c once it no longer says ncclInProgress (10 s at most); how
+   many looks said ncclInProgress in *looks. */
+static ncclResult_t settled(ncclComm_t c, int *looks) {
+    ncclResult_t async = ncclInProgress;
+    *looks = 0;
+    for (int k = 0; k < 100000 && async == ncclInProgress; k++) {
+        if (ncclCommGetAsyncError(c, &async) != ncclSuccess) return ncclInternalError;
+        if (async == ncclInProgress) ++*looks, usleep(100);
+    }
+    return async;
+}
+
+/* One rank of a world of two non-blocking communicators: the init, a call refused while the init
+   is in progress, an all-reduce that reaches the stream only once the communicator has said
+   ncclSuccess (a wait for the stream before that finds the values as they were), a destroy
+   refused while a call is in progress, and splits into a blocking communicator and, with no
+   configuration, into a non-blocking one like its parent. Returns this rank's failed checks. */
+static int nonblocking_rank(ncclUniqueId id, int rank) {
+    cudaStream_t s;
+    ncclComm_t c = NULL, sub = NULL;
+    float *x;
+    float host[4];
+    int looks = 0;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    cudaMalloc((void **)&x, sizeof host);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    CHECK(ncclCommInitRankConfig(&c, 2, id, rank, &config) == ncclInProgress && c, "rank %d's non-blocking init returns at once", rank);
+    if (!c) return test_failed;
+    CHECK(ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, c, s) == ncclInvalidArgument,
+          "rank %d: a call while the init is in progress is refused", rank);
+    CHECK(settled(c, &looks) == ncclSuccess, "rank %d: the init ends once both ranks have come", rank);
+
+    for (int i = 0; i < 4; i++) host[i] = (float)(rank + 1);
+    cudaMemcpyAsync(x, host, sizeof host, cudaMemcpyHostToDevice, s);
+    cudaStreamSynchronize(s);
+    CHECK(ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, c, s) == ncclInProgress, "rank %d: an all-reduce returns in progress", rank);
+    CHECK(ncclCommDestroy(c) == ncclInvalidArgument, "rank %d: a destroy while a call is in progress is refused", rank);
+    cudaStreamSynchronize(s);
+    cudaMemcpyAsync(host, x, sizeof host, cudaMemcpyDeviceToHost, s);
+    CHECK(host[0] == (float)(rank + 1), "rank %d: waiting for the stream before the call is queued finds the values as they were",
+          rank);
+    CHECK(settled(c, &looks) == ncclSuccess && looks == 1, "rank %d: the call is queued at the second look (%d said in progress)",
+          rank, looks);
+    cudaStreamSynchronize(s);
+    cudaMemcpyAsync(host, x, sizeof host, cudaMemcpyDeviceToHost, s);
+    CHECK(host[0] == 3.0f && host[3] == 3.0f, "rank %d: then the stream holds the sum (%g)", rank, host[0]);
+
+    config.blocking = 1;
+    CHECK(ncclCommSplit(c, 0, rank, &sub, &config) == ncclSuccess && !sub, "rank %d: a split of it returns at once, no communicator yet",
+          rank);
+    CHECK(settled(c, &looks) == ncclSuccess && sub, "rank %d: the split ends with its communicator", rank);
+    if (sub) {
+        CHECK(ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, sub, s) == ncclSuccess && cudaStreamSynchronize(s) == cudaSuccess,
+              "rank %d: the split made a blocking communicator, as configured", rank);
+        cudaMemcpyAsync(host, x, sizeof host, cudaMemcpyDeviceToHost, s);
+        CHECK(host[0] == 6.0f, "rank %d: its sum (%g)", rank, host[0]);
+        ncclCommDestroy(sub);
+    }
+    sub = NULL;
+    CHECK(ncclCommSplit(c, 0, rank, &sub, NULL) == ncclSuccess && settled(c, &looks) == ncclSuccess && sub,
+          "rank %d: a split with no configuration", rank);
+    if (sub) {
+        CHECK(ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, sub, s) == ncclInProgress && settled(sub, &looks) == ncclSuccess,
+              "rank %d: made a non-blocking communicator, as its parent is", rank);
+        ncclCommDestroy(sub);
+    }
+    CHECK(ncclCommDestroy(c) == ncclSuccess, "rank %d: destroyed once idle", rank);
+    cudaFree(x);
+    cudaStreamDestroy(s);
+    return test_failed;
+}
+
+static void test_nccl_nonblocking(void) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two non-blocking ranks");
+    fflush(stdout);
+    fflush(stderr);
+    pid_t child[2];
+    for (int r = 0; r < 2; r++)
+        if ((child[r] = fork()) == 0) {
+            const int failures = nonblocking_rank(id, r);
+            fflush(stdout);
+            _exit(failures ? 1 : 0);
+        }
+    for (int r = 0; r < 2; r++) {
+        int status = 0;
+        CHECK(child[r] > 0 && waitpid(child[r], &status, 0) == child[r] && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "non-blocking rank %d's process passed its checks (its failures are printed above)", r);
+    }
+}
+
+/* A non-blocking init whose peer never comes stays in progress, with no limit of its own, until
+   aborted, and the abort leaves no segment behind; NCCL_COMM_BLOCKING=0 makes a configuration's
+   blocking communicator a non-blocking one. */
+static void test_nccl_missing_rank(void) {
+    ncclUniqueId id;
+    ncclComm_t c = NULL;
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    CHECK(ncclCommInitRankConfig(&c, 2, id, 0, &config) == ncclInProgress && c, "rank 0 of two: its init returns at once");
+    if (!c) return;
+    ncclResult_t async = ncclSuccess;
+    bool waiting = true;
+    for (int k = 0; k < 30; k++) {                  /* 0.3 s */
+        waiting &= ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress;
+        usleep(10000);
+    }
+    CHECK(waiting, "without rank 1, the init stays in progress");
+    CHECK(ncclCommAbort(c) == ncclSuccess, "the abort ends it");
+    const int fd = shm_open(id.internal, O_RDWR, 0600);
+    CHECK(fd < 0, "the aborted init left no segment behind");
+    if (fd >= 0) close(fd);
+
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for one");
+    setenv("NCCL_COMM_BLOCKING", "0", 1);
+    config.blocking = 1;
+    int looks = 0;
+    CHECK(ncclCommInitRankConfig(&c, 1, id, 0, &config) == ncclInProgress && settled(c, &looks) == ncclSuccess,
+          "NCCL_COMM_BLOCKING=0 overrides the configuration's blocking");
+    unsetenv("NCCL_COMM_BLOCKING");
+    ncclCommDestroy(c);
+}
+
 /* A world of two whose rank 1 ends without destroying its communicator (as a killed rank does),
    left a zombie until the parent reaps it: rank 0's receive from it stays not ready, and
    ncclCommGetAsyncError reports ncclRemoteError within a few looks. */
@@ -530,6 +655,8 @@ int main(void) {
     test_matmul();
     test_nccl();
     test_nccl_ended_peer();
+    test_nccl_nonblocking();
+    test_nccl_missing_rank();
     cudaFree(a);
     cudaFree(b);
     cudaFreeHost(pinned);

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define TOL_BF16 1e-2
@@ -546,7 +547,8 @@ static void test_nccl_tcp_one_rank(void) {
 
 /* The NCCL communicator on a world of one rank (one GPU cannot hold more): its set-up through the
    id file, an all-reduce, an all-gather and a barrier, each waited for by the watched wait, a
-   split, and a timeout below one second refused. A build without NCCL says so instead. */
+   split, and a timeout below one second refused. A build without NCCL says so instead. (test/
+   run_gpu.sh runs these once more under NCCL_COMM_BLOCKING=0, every communicator non-blocking.) */
 static void test_nccl_one_rank(void) {
     pr_error err;
     char id_path[600];
@@ -554,24 +556,6 @@ static void test_nccl_one_rank(void) {
     pr_comm *world = NULL, *sub = NULL;
     pr_status st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 0, &err);
     CHECK(st == PR_ERR_ARG || st == PR_ERR_UNSUPPORTED, "NCCL: a timeout of 0 s accepted (%d: %s)", (int)st, err.message);
-    /* NCCL_COMM_BLOCKING=0 would make the communicator non-blocking behind the library's back, and
-       so would any value NCCL's strtoll reads as 0: refused before rank 0 writes its id (the
-       caller's own setting restored after) */
-    const char *had = getenv("NCCL_COMM_BLOCKING");
-    char *saved = had ? strdup(had) : NULL;
-    static const char *const nonblocking[] = { "0", "false", "0x0" };
-    for (int k = 0; k < 3; k++) {
-        char named[64];                             /* the message names the value as it was set */
-        snprintf(named, sizeof named, "NCCL_COMM_BLOCKING=%s,", nonblocking[k]);
-        setenv("NCCL_COMM_BLOCKING", nonblocking[k], 1);
-        st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
-        CHECK(st == PR_ERR_UNSUPPORTED && (strstr(err.message, named) || strstr(err.message, "no NCCL")),
-              "NCCL: NCCL_COMM_BLOCKING=%s not refused (%d: %s)", nonblocking[k], (int)st, err.message);
-        CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 wrote its id file %s for a refused communicator", id_path);
-    }
-    if (saved) setenv("NCCL_COMM_BLOCKING", saved, 1);
-    else unsetenv("NCCL_COMM_BLOCKING");
-    free(saved);
     st = pr_comm_nccl_create(&world, be, 0, 1, id_path, 5, &err);
     if (st == PR_ERR_UNSUPPORTED) {
         printf("NCCL: %s\n", err.message);
@@ -617,6 +601,27 @@ static void test_nccl_one_rank(void) {
     expect_backend_ok("NCCL: one rank");
 }
 
+/* A world of two whose rank 1 never comes: rank 0's set-up gives up after its timeout, naming the
+   wait, rather than wait in NCCL's init for ever, and leaves no id file behind. */
+static void test_nccl_missing_peer(void) {
+    pr_error err;
+    char id_path[600];
+    snprintf(id_path, sizeof id_path, "%s/pr-test-gpu-nccl-missing.%ld", test_tmpdir(), (long)getpid());
+    pr_comm *world = NULL;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const pr_status st = pr_comm_nccl_create(&world, be, 0, 2, id_path, 2, &err);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (st == PR_ERR_UNSUPPORTED) return;
+    const double took = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    CHECK(st == PR_ERR_DEVICE && strstr(err.message, "did not come together within 2 s") && !world,
+          "NCCL: rank 0 of two without rank 1 (%d: %s)", (int)st, err.message);
+    CHECK(took >= 2 && took < 60, "NCCL: rank 0 of two gave up after %.1f s, its timeout 2 s", took);
+    CHECK(access(id_path, F_OK) != 0, "NCCL: rank 0 left its id file %s behind", id_path);
+    if (world) world->destroy(world);
+    expect_backend_ok("NCCL: a missing peer");
+}
+
 /* After an AdamW step the bf16 weights the kernels read are the updated fp32 masters rounded to
    nearest even, element for element (a stale copy would train on the old weights unnoticed). */
 static void test_weights_refresh(const char *model) {
@@ -646,15 +651,16 @@ static void test_weights_refresh(const char *model) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: test_gpu [kernels] [attention] [steps] [--cases LIST] [--list]\n"
+    fprintf(f, "usage: test_gpu [kernels] [nccl] [attention] [steps] [--cases LIST] [--list]\n"
                "  the named parts only (default: all); --cases 0,3,8-10: those attention shapes only\n"
                "  (and only the attention part unless parts are named); --list: the shapes\n");
 }
 
 int main(int argc, char **argv) {
-    int kernels = 0, attention = 0, steps = 0, cases_given = 0, sel[ATT_N_CASES] = { 0 };
+    int kernels = 0, nccl = 0, attention = 0, steps = 0, cases_given = 0, sel[ATT_N_CASES] = { 0 };
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "kernels")) kernels = 1;
+        else if (!strcmp(argv[i], "nccl")) nccl = 1;
         else if (!strcmp(argv[i], "attention")) attention = 1;
         else if (!strcmp(argv[i], "steps")) steps = 1;
         else if (!strcmp(argv[i], "--cases")) {
@@ -676,7 +682,7 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!kernels && !attention && !steps) { attention = 1; kernels = steps = !cases_given; }
+    if (!kernels && !nccl && !attention && !steps) { attention = 1; kernels = nccl = steps = !cases_given; }
     if (!cases_given) for (int c = 0; c < ATT_N_CASES; c++) sel[c] = 1;
     pr_error err;
     if (pr_backend_cuda_create(&be, 0, &err) || pr_backend_cuda_set_attention(be, PR_CUDA_ATTENTION_FFMA, &err)) {
@@ -705,8 +711,12 @@ int main(int argc, char **argv) {
         test_logit_head(33, 5000);
         test_optimizer(1000003);
         test_profile();
+    }
+    if (nccl) {
+        printf("the NCCL communicator on one rank%s\n", getenv("NCCL_COMM_BLOCKING") ? ", NCCL_COMM_BLOCKING set" : "");
         test_nccl_one_rank();
         test_nccl_tcp_one_rank();
+        test_nccl_missing_peer();
     }
     if (attention) {
         printf("attention against the double CPU path, and its backward run twice\n");
