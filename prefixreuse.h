@@ -1151,6 +1151,8 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    that communicator's. The world and its splits are blocking communicators, unless
    NCCL_COMM_BLOCKING=0 (which NCCL lets override the configuration) makes them non-blocking:
    then each call also waits, within the same limit, for NCCL's thread to queue its operation.
+   (NCCL_COMM_BLOCKING=1 makes that first communicator blocking too: its init and splits then
+   wait without limit.)
    Other waits on the host have no limit: a split of a communicator other than the world, and
    the connections NCCL makes inside a call: at the first operation with a peer and, by default
    (NCCL_RUNTIME_CONNECT=1), at an algorithm's first use, which can come mid-run when a message
