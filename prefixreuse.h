@@ -1156,9 +1156,10 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
    Other waits on the host have no limit: a split of a communicator other than the world, and
    the connections NCCL makes inside a call: at the first operation with a peer and, by default
    (NCCL_RUNTIME_CONNECT=1), at an algorithm's first use, which can come mid-run when a message
-   size first picks it (NCCL_RUNTIME_CONNECT=0 makes every connection inside the watched set-up,
-   at the memory of all the algorithms' buffers). A launcher should still end the job when one
-   rank exits with an error. An argument a call refuses (a type, a peer, a split color below 0)
+   size first picks it (NCCL_RUNTIME_CONNECT=0 makes every connection when a communicator is set
+   up, watched where that is, at the memory of all the algorithms' buffers, which the watching
+   communicator then holds too). A launcher should still end the job when one rank exits with an
+   error. An argument a call refuses (a type, a peer, a split color below 0)
    aborts the communicator like a failure. */
 pr_status pr_comm_nccl_create(pr_comm **comm, const pr_backend *be, int rank, int size, const char *id_path, int timeout_s,
                               pr_error *err);

@@ -3174,8 +3174,10 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
    a non-blocking communicator, the root, whose init and splits go on in NCCL's own thread while
    this one watches them (pr_nccl_settle) and aborts them after timeout_s: the world is the
    root's split into one blocking communicator of every rank, and the world's splits are the
-   root's, into blocking ones too. The root does nothing else. (A split of a communicator other
-   than the world is its own, and waits as a blocking one does.) */
+   root's, into blocking ones too. The root does nothing else: what it costs is a second init
+   (its set-up time, and where NCCL_RUNTIME_CONNECT=0 the buffers of every algorithm, which it
+   then connects and never uses). A split of a communicator other than the world is that
+   communicator's own, watched only where it is non-blocking (NCCL_COMM_BLOCKING=0). */
 typedef struct {
     int refs;                      /* the family's live communicators */
     int timeout_s;
@@ -3225,7 +3227,9 @@ static double pr_nccl_now(void) {
    thing this library prints: within a node the abort may itself wait until the peers' processes
    end or abort too (an NCCL maintainer's word, NVIDIA/nccl#863), and the reason must show even
    then. Only the failed operation is in flight (each call waits for its own), so the family's
-   other communicators are idle when they are aborted in turn by their destroy. */
+   other communicators are idle when they are aborted in turn by their destroy; the root too is
+   aborted here (a split of it that failed included), so that peers waiting in a split of it end
+   at once rather than at their own timeout. */
 static pr_status pr_nccl_abort(pr_nccl *x, const char *what, pr_error *err, const char *fmt, ...) {
     pr_nccl_family *f = x->family;
     int n = snprintf(f->failed, sizeof f->failed, "NCCL %s (rank %d of %d, world rank %d): ", what, x->c.rank, x->c.size, f->world_rank);
@@ -3236,6 +3240,8 @@ static pr_status pr_nccl_abort(pr_nccl *x, const char *what, pr_error *err, cons
     fprintf(stderr, "prefixreuse: %s: aborting the communicator\n", f->failed);
     ncclCommAbort(x->nc);
     x->nc = NULL;
+    if (f->root) ncclCommAbort(f->root);
+    f->root = NULL;
     return pr_nccl_error(err, PR_ERR_DEVICE, "%s: the communicator is aborted", f->failed);
 }
 
@@ -3420,12 +3426,12 @@ static void pr_nccl_destroy(pr_comm *c) {
 /* parent split by (color >= 0, key) into a blocking communicator, *out: where parent is
    non-blocking, the split returns at once (ncclSuccess, NCCL's source says; ncclInProgress, its
    documentation), *out NULL until NCCL's thread has made it, which is watched until timeout_s
-   (ncclInProgress where it has not ended: the caller then aborts parent, which ends the split
-   and joins NCCL's thread, before it looks at *out again). */
-static ncclResult_t pr_nccl_split_into(ncclComm_t parent, int color, int key, ncclComm_t *out, int timeout_s) {
+   from t0 (ncclInProgress where it has not ended: the caller then aborts parent, which ends the
+   split and joins NCCL's thread, before it looks at *out again; NCCL's thread sets *out at its
+   end even where the split failed, to what the caller must then abort). */
+static ncclResult_t pr_nccl_split_into(ncclComm_t parent, int color, int key, ncclComm_t *out, double t0, int timeout_s) {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
-    const double t0 = pr_nccl_now();
     *out = NULL;
     ncclResult_t r = ncclCommSplit(parent, color, key, out, &config);
     if (r == ncclSuccess || r == ncclInProgress) r = pr_nccl_settle(parent, t0, timeout_s);   /* at once where parent blocks */
@@ -3441,17 +3447,13 @@ static pr_status pr_nccl_split(pr_comm *c, int color, int key, pr_comm **sub, pr
     if (st) return st;
     if (color < 0)    /* NCCL's NCCL_SPLIT_NOCOLOR (-1) would give this rank no communicator */
         return pr_nccl_abort(x, "split", err, "color %d: every rank needs one >= 0", color);
-    const int from_root = x->world && f->root;
     ncclComm_t nc = NULL;
-    const ncclResult_t r = pr_nccl_split_into(from_root ? f->root : x->nc, color, key, &nc, f->timeout_s);
+    const ncclResult_t r = pr_nccl_split_into(x->world && f->root ? f->root : x->nc, color, key, &nc, pr_nccl_now(), f->timeout_s);
     if (r != ncclSuccess) {                       /* the peers may be in it */
-        if (from_root) {
-            ncclCommAbort(f->root);
-            f->root = NULL;
-        }
+        /* x's abort and the root's end a split of either under way */
         st = r == ncclInProgress ? pr_nccl_abort(x, "split", err, "not done after %d s (a peer rank has stopped or hangs, or the "
                                                                   "ranks' calls differ)", f->timeout_s)
-                                 : pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));   /* x's abort ends a split of x */
+                                 : pr_nccl_abort(x, "split", err, "%s", ncclGetErrorString(r));
         if (nc) ncclCommAbort(nc);                /* what the split made before it failed */
         return st;
     }
@@ -3887,7 +3889,7 @@ pr_status pr_comm_nccl_create(pr_comm **out, const pr_backend *be, int rank, int
     } else {
         ncclResult_t r = ncclCommInitRankConfig(&root, size, id, rank, &config);
         if (r == ncclInProgress) r = pr_nccl_settle(root, t0, timeout_s);
-        if (r == ncclSuccess) r = pr_nccl_split_into(root, 0, rank, &nc, timeout_s);   /* the world: every rank, as ranked */
+        if (r == ncclSuccess) r = pr_nccl_split_into(root, 0, rank, &nc, t0, timeout_s);   /* the world: every rank, as ranked */
         if (r != ncclSuccess) {
             if (r == ncclInProgress)
                 pr_nccl_error(err, PR_ERR_DEVICE, "NCCL init (rank %d of %d): the world did not come together within %d s (a rank "

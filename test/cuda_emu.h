@@ -110,8 +110,10 @@ static bool emu_is_pinned(const void *p, size_t bytes) { return emu_find(p, byte
 /* Queued work: stream s's operations in order; `done` of them have run. An operation is called
    with `block`: true, it runs to its end; false (cudaStreamQuery), it may instead return false
    when it cannot finish now (NCCL's waiting for its peers), to be called again. An event is the
-   point a stream had reached when it was recorded. */
-struct emu_stream { std::vector<std::function<bool(bool)>> ops; size_t done; };
+   point a stream had reached when it was recorded. `held`: operations a library has taken for the
+   stream and not yet queued (a non-blocking NCCL call that its communicator has not yet said is
+   queued, test/nccl_emu.h): a wait for the stream then would end without them, a fault. */
+struct emu_stream { std::vector<std::function<bool(bool)>> ops; size_t done; int held; };
 struct emu_event { emu_stream *stream; size_t at; bool timing; std::shared_ptr<double> when; };
 typedef emu_stream *cudaStream_t;
 typedef emu_event *cudaEvent_t;
@@ -260,8 +262,15 @@ static cudaError_t cudaStreamDestroy(cudaStream_t s) {
     delete s;
     return emu_result(cudaSuccess);
 }
+/* A wait for s while a library holds operations for it: a fault (the wait would miss them). */
+static void emu_check_held(cudaStream_t s, const char *what) {
+    if (s->held)
+        emu_device_fault("%s: a wait for a stream for which %d operation(s) of a non-blocking NCCL communicator are not yet "
+                         "queued (ncclCommGetAsyncError has not yet said ncclSuccess)", what, s->held);
+}
 static cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     if (!emu_known_stream(s)) return cudaErrorInvalidResourceHandle;
+    emu_check_held(s, "cudaStreamSynchronize");
     emu_run_until(s, s->ops.size());
     return emu_result(cudaSuccess);
 }
@@ -271,6 +280,7 @@ static cudaError_t cudaStreamSynchronize(cudaStream_t s) {
    it). */
 static cudaError_t cudaStreamQuery(cudaStream_t s) {
     if (!emu_known_stream(s)) return cudaErrorInvalidResourceHandle;
+    emu_check_held(s, "cudaStreamQuery");
     if (emu_run_until(s, s->ops.size(), false)) return emu_result(cudaSuccess);
     emu_last = cudaErrorNotReady;
     return emu_result(cudaErrorNotReady);

@@ -42,14 +42,18 @@
        ncclInProgress at once, and ncclCommGetAsyncError reports ncclInProgress until every member
        has come, with no limit of its own (ncclCommAbort ends the wait, and leaves no segment
        behind); a call returns ncclInProgress and its operation reaches the stream only once
-       ncclCommGetAsyncError has said ncclSuccess, which it says at its second look (so a program
-       that waits for the stream first finds it done without the operation); a call on a
+       ncclCommGetAsyncError has said ncclSuccess, which it says at its second look (a program that
+       waits for the stream before then would find it done without the operation: here such a
+       wait is a device fault, test/cuda_emu.h's `held`); a call on a
        communicator still in progress is refused (ncclInvalidArgument, as NCCL's "use before the
        previous operation returned ncclSuccess"), and so is its destroy; ncclCommSplit of a
        non-blocking parent sets *newcomm to NULL and returns ncclSuccess (as NCCL's source does;
        its documentation says ncclInProgress), and the parent reports ncclInProgress until the
-       members of the new communicator have all come, when *newcomm is set (a new communicator is blocking or not as its configuration says, or as its
-       parent where the configuration is NULL).
+       members of the new communicator have all come, when *newcomm is set (a new communicator is
+       blocking or not as its configuration says, or as its parent where the configuration is
+       NULL); a split that fails, or whose parent is aborted, still sets *newcomm, to the
+       communicator it was making or to one that reports the failure, for the caller to abort, as
+       NCCL's thread does at its end.
    Not emulated: the ring and tree algorithms' own summation orders, reductions other than the sum.
    test/test_cuda_emu.cc checks these rules on a world of three processes. */
 #ifndef PR_NCCL_EMU_H
@@ -110,8 +114,9 @@ struct ncclComm {
     ncclResult_t async;                         /* what ncclCommGetAsyncError reports, once a member's process ended */
     double looked;                              /* when the members' processes were last looked at */
     std::string name;
-    /* non-blocking: the operations of the last call, for the stream at its second look */
-    std::vector<std::function<void(void)>> deferred;
+    /* non-blocking: the operations of the last call and their stream, queued at its second look
+       (each counted in its stream's `held` meanwhile) */
+    std::vector<std::pair<cudaStream_t, std::function<bool(bool)>>> deferred;
     int deferred_looks;
     std::shared_ptr<emu_nccl_split_job> split;  /* non-blocking: a split under way */
 };
@@ -251,9 +256,13 @@ static inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUn
 static ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { *rank = c->rank; return ncclSuccess; }
 static ncclResult_t ncclCommCount(const ncclComm_t c, int *count) { *count = c->size; return ncclSuccess; }
 static void emu_nccl_free(ncclComm_t c) {
-    if (!c->aborted) __atomic_store_n(&c->shm->pid[c->rank], 0, __ATOMIC_RELEASE);   /* it left in order */
-    if (!emu_nccl_all_came(c)) shm_unlink(c->name.c_str());   /* an aborted wait for the members: no segment left behind */
-    munmap(c->shm, c->map_bytes);
+    for (auto &d : c->deferred)                 /* an abort drops a call not yet queued */
+        if (emu_known_stream(d.first)) d.first->held--;
+    if (c->shm) {
+        if (!c->aborted) __atomic_store_n(&c->shm->pid[c->rank], 0, __ATOMIC_RELEASE);   /* it left in order */
+        if (!emu_nccl_all_came(c)) shm_unlink(c->name.c_str());   /* an aborted wait for the members: no segment left behind */
+        munmap(c->shm, c->map_bytes);
+    }
     delete c;
 }
 static ncclResult_t ncclCommDestroy(ncclComm_t c) {
@@ -273,14 +282,24 @@ struct emu_nccl_split_job {
     std::vector<int> all;
     std::vector<emu_nccl_p2p> ops;
     ncclComm_t child = NULL;
-    ~emu_nccl_split_job() { if (child) ncclCommAbort(child); }
 };
+/* The end of a split that failed (r) or whose parent is aborted: *newcomm gets the communicator it
+   was making, or one that reports r where it had none yet, for the caller to abort. */
+static void emu_nccl_split_fail(ncclComm_t c, ncclResult_t r) {
+    emu_nccl_split_job &j = *c->split;
+    if (j.color != NCCL_SPLIT_NOCOLOR) {
+        ncclComm_t made = j.child ? j.child : new ncclComm();   /* no segment: a communicator in name only */
+        made->async = r;
+        *j.out = made;
+    }
+    c->split.reset();
+}
 /* Its queued operations end where they stand (the streams go on past them), then it is freed; a
    split under way ends with it, and a wait for the members too. */
 static ncclResult_t ncclCommAbort(ncclComm_t c) {
     if (!c) return ncclSuccess;
     c->aborted = true;
-    c->split.reset();
+    if (c->split) emu_nccl_split_fail(c, ncclInternalError);
     emu_run_all();
     emu_nccl_free(c);
     return ncclSuccess;
@@ -315,7 +334,10 @@ static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
     if (c->async == ncclSuccess && c->joining) c->joining = !emu_nccl_all_came(c);
     if (c->async == ncclSuccess && c->split) emu_nccl_split_step(c);
     if (c->async == ncclSuccess && !c->deferred.empty() && c->deferred_looks++ > 0) {
-        for (auto &queue : c->deferred) queue();
+        for (auto &d : c->deferred) {
+            d.first->held--;
+            emu_enqueue_resumable(d.first, d.second);
+        }
         c->deferred.clear();
         c->deferred_looks = 0;
     }
@@ -434,7 +456,8 @@ static ncclResult_t emu_nccl_enqueue(ncclComm_t c, cudaStream_t s, std::function
         emu_enqueue_resumable(s, op);
         return ncclSuccess;
     }
-    c->deferred.push_back([s, op] { emu_enqueue_resumable(s, op); });
+    s->held++;
+    c->deferred.push_back({ s, op });
     return ncclInProgress;
 }
 
@@ -583,7 +606,7 @@ static void emu_nccl_split_step(ncclComm_t c) {
         j.ops.clear();
         if (st == EMU_NCCL_FAILED) {
             c->async = ncclSystemError;
-            c->split.reset();
+            emu_nccl_split_fail(c, c->async);
             return;
         }
         if (j.color != NCCL_SPLIT_NOCOLOR) {
@@ -591,7 +614,7 @@ static void emu_nccl_split_step(ncclComm_t c) {
             if (r != ncclSuccess && r != ncclInProgress) {
                 j.child = NULL;
                 c->async = r;
-                c->split.reset();
+                emu_nccl_split_fail(c, r);
                 return;
             }
             j.child->joining = false;           /* it is the parent that reports the wait */

@@ -66,7 +66,13 @@ run ranks 2 --dp 2 --check --grad-reduce bf16
 run ranks 4 --dp 2 --tp 2 --check $wide
 # every communicator non-blocking (NCCL_COMM_BLOCKING=0 overrides the configuration): each exchange
 # waits for NCCL's thread to queue it before it waits for the stream
-nonblocking() { NCCL_COMM_BLOCKING=0; export NCCL_COMM_BLOCKING; ranks "$@"; st=$?; unset NCCL_COMM_BLOCKING; return $st; }
+nonblocking() {
+    had=${NCCL_COMM_BLOCKING-unset}
+    NCCL_COMM_BLOCKING=0; export NCCL_COMM_BLOCKING
+    ranks "$@"; st=$?
+    if [ "$had" = unset ]; then unset NCCL_COMM_BLOCKING; else NCCL_COMM_BLOCKING=$had; fi
+    return $st
+}
 run nonblocking 4 --dp 2 --tp 2 --check $wide
 run ranks 4 --pp 2 --tp 2 --check --microbatch 2 $wide
 run ranks 4 --cp 2 --dp 2 --check --layout packed $wide
@@ -89,7 +95,8 @@ run ranks 4 --schedule tree --tree-min 1 --groups-per-step 4 --dp 2 --pp 2 --che
 # The id through a file, and a rank that never starts: rank 0's init is watched, so it gives up
 # after --nccl-timeout with the reason, and leaves no id file behind.
 missing_rank() {
-    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 timeout 60 "$TRAIN_CUDA" --dp 2 --steps 1 --nccl-timeout 3 --nccl-id "$id" > "$tmp/alone.log" 2>&1
+    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 timeout 60 env -u NCCL_COMM_BLOCKING "$TRAIN_CUDA" --dp 2 --steps 1 --nccl-timeout 3 \
+        --nccl-id "$id" > "$tmp/alone.log" 2>&1
     rc=$?
     grep '^train: NCCL' "$tmp/alone.log"
     [ "$rc" -eq 1 ] && grep -q "^train: NCCL init (rank 0 of 2): the world did not come together within 3 s" "$tmp/alone.log" &&

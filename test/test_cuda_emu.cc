@@ -453,9 +453,9 @@ static ncclResult_t settled(ncclComm_t c, int *looks) {
 
 /* One rank of a world of two non-blocking communicators: the init, a call refused while the init
    is in progress, an all-reduce that reaches the stream only once the communicator has said
-   ncclSuccess (a wait for the stream before that finds the values as they were), a destroy
-   refused while a call is in progress, and splits into a blocking communicator and, with no
-   configuration, into a non-blocking one like its parent. Returns this rank's failed checks. */
+   ncclSuccess (a wait for the stream before that is a fault), a destroy refused while a call is
+   in progress, and splits into a blocking communicator and, with no configuration, into a
+   non-blocking one like its parent. Returns this rank's failed checks. */
 static int nonblocking_rank(ncclUniqueId id, int rank) {
     cudaStream_t s;
     ncclComm_t c = NULL, sub = NULL;
@@ -478,9 +478,8 @@ static int nonblocking_rank(ncclUniqueId id, int rank) {
     CHECK(ncclAllReduce(x, x, 4, ncclFloat32, ncclSum, c, s) == ncclInProgress, "rank %d: an all-reduce returns in progress", rank);
     CHECK(ncclCommDestroy(c) == ncclInvalidArgument, "rank %d: a destroy while a call is in progress is refused", rank);
     cudaStreamSynchronize(s);
-    cudaMemcpyAsync(host, x, sizeof host, cudaMemcpyDeviceToHost, s);
-    CHECK(host[0] == (float)(rank + 1), "rank %d: waiting for the stream before the call is queued finds the values as they were",
-          rank);
+    CHECK(fault_seen(), "rank %d: a wait for the stream before the communicator has said the call is queued is a fault (on a GPU "
+          "it would end without the call's operation)", rank);
     CHECK(settled(c, &looks) == ncclSuccess && looks == 1, "rank %d: the call is queued at the second look (%d said in progress)",
           rank, looks);
     cudaStreamSynchronize(s);
@@ -564,6 +563,51 @@ static void test_nccl_missing_rank(void) {
     ncclCommDestroy(c);
 }
 
+/* A split of a non-blocking parent that its peer never joins stays in progress until the parent
+   is aborted; then, as NCCL's thread does at its end, *newcomm holds what the split was making,
+   reporting the failure, for the caller to abort. */
+static void test_nccl_split_abandoned(void) {
+    ncclUniqueId id;
+    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two");
+    fflush(stdout);
+    fflush(stderr);
+    int go[2];
+    CHECK(pipe(go) == 0, "a pipe");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    int looks = 0;
+    const pid_t peer = fork();
+    if (peer == 0) {                                /* rank 1: joins, never splits, ends when told */
+        ncclComm_t c = NULL;
+        char byte;
+        close(go[1]);
+        bool ok = ncclCommInitRankConfig(&c, 2, id, 1, &config) == ncclInProgress && settled(c, &looks) == ncclSuccess;
+        ok = read(go[0], &byte, 1) == 1 && ok;
+        if (c) ncclCommDestroy(c);
+        _exit(ok ? 0 : 1);
+    }
+    close(go[0]);
+    ncclComm_t c = NULL, sub = NULL;
+    CHECK(ncclCommInitRankConfig(&c, 2, id, 0, &config) == ncclInProgress && settled(c, &looks) == ncclSuccess, "rank 0 of two joins");
+    CHECK(c && ncclCommSplit(c, 0, 0, &sub, NULL) == ncclSuccess && !sub, "rank 0 splits alone");
+    ncclResult_t async = ncclSuccess;
+    bool waiting = c != NULL;
+    for (int k = 0; k < 30 && waiting; k++) {       /* 0.3 s */
+        waiting = ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress;
+        usleep(10000);
+    }
+    CHECK(waiting && !sub, "the split waits for rank 1");
+    CHECK(ncclCommAbort(c) == ncclSuccess && sub, "the parent's abort ends it, and sets the new communicator");
+    async = ncclSuccess;
+    CHECK(sub && ncclCommGetAsyncError(sub, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress,
+          "which reports the failure (%s)", ncclGetErrorString(async));
+    if (sub) CHECK(ncclCommAbort(sub) == ncclSuccess, "and is aborted");
+    CHECK(write(go[1], "x", 1) == 1, "rank 1 told to end");
+    close(go[1]);
+    int status = 0;
+    CHECK(waitpid(peer, &status, 0) == peer && WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank 1 joined, then ended");
+}
+
 /* A world of two whose rank 1 ends without destroying its communicator (as a killed rank does),
    left a zombie until the parent reaps it: rank 0's receive from it stays not ready, and
    ncclCommGetAsyncError reports ncclRemoteError within a few looks. */
@@ -637,6 +681,7 @@ static void test_nccl(void) {
 
 int main(void) {
     emu_eager_side = 0;                         /* the environment does not choose for this test */
+    unsetenv("NCCL_COMM_BLOCKING");             /* nor which communicators block */
     cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
     cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
     float *a, *b, *pinned;
@@ -657,6 +702,7 @@ int main(void) {
     test_nccl_ended_peer();
     test_nccl_nonblocking();
     test_nccl_missing_rank();
+    test_nccl_split_abandoned();
     cudaFree(a);
     cudaFree(b);
     cudaFreeHost(pinned);
