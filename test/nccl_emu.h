@@ -44,9 +44,9 @@
        behind); a call returns ncclInProgress and its operation reaches the stream only once
        ncclCommGetAsyncError has said ncclSuccess, which it says at its second look (a program that
        waits for the stream before then would find it done without the operation: here such a
-       wait is a device fault, test/cuda_emu.h's `held`); a call on a
-       communicator still in progress is refused (ncclInvalidArgument, as NCCL's "use before the
-       previous operation returned ncclSuccess"), and so is its destroy; ncclCommSplit of a
+       wait is a device fault, test/cuda_emu.h's `held`); a call on a communicator still in
+       progress is refused (ncclInvalidArgument, as NCCL's "use before the previous operation
+       returned ncclSuccess"), and so is its destroy; ncclCommSplit of a
        non-blocking parent sets *newcomm to NULL and returns ncclSuccess (as NCCL's source does;
        its documentation says ncclInProgress), and the parent reports ncclInProgress until the
        members of the new communicator have all come, when *newcomm is set (a new communicator is
@@ -55,7 +55,7 @@
        communicator it was making or to one that reports the failure, for the caller to abort, as
        NCCL's thread does at its end.
    Not emulated: the ring and tree algorithms' own summation orders, reductions other than the sum.
-   test/test_cuda_emu.cc checks these rules on a world of three processes. */
+   test/test_cuda_emu.cc checks these rules on worlds of two and three processes. */
 #ifndef PR_NCCL_EMU_H
 #define PR_NCCL_EMU_H
 #include <errno.h>
@@ -271,7 +271,6 @@ static ncclResult_t ncclCommDestroy(ncclComm_t c) {
     if (c) emu_nccl_free(c);
     return ncclSuccess;
 }
-static ncclResult_t ncclCommAbort(ncclComm_t c);
 /* A split under way on a non-blocking parent: the members' colours and keys going round the parent,
    then this member's place in the new communicator while the others come. */
 struct emu_nccl_split_job {
@@ -346,7 +345,6 @@ static ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *r) {
 }
 
 /* ================================================================ point to point */
-
 /* A message's chunks: at least one, so that a message of 0 bytes still meets its receive. */
 static size_t emu_nccl_chunks(size_t bytes) { return bytes ? (bytes + EMU_NCCL_CHUNK - 1) / EMU_NCCL_CHUNK : 1; }
 
