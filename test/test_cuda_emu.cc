@@ -439,6 +439,15 @@ static int nccl_rank(ncclUniqueId id, int rank) {
     return test_failed;
 }
 
+/* A unique id for a world of two, and a pipe from rank 0 to its peer, made before the peer's fork
+   (the output flushed, so that the child does not print it again). */
+static void two_ranks(ncclUniqueId *id, int go[2]) {
+    CHECK(ncclGetUniqueId(id) == ncclSuccess, "a unique id for two");
+    fflush(stdout);
+    fflush(stderr);
+    CHECK(pipe(go) == 0, "a pipe");
+}
+
 /* ncclCommGetAsyncError's verdict on c once it no longer says ncclInProgress (10 s at most); how
    many looks said ncclInProgress in *looks. */
 static ncclResult_t settled(ncclComm_t c, int *looks) {
@@ -568,11 +577,8 @@ static void test_nccl_missing_rank(void) {
    reporting the failure, for the caller to abort. */
 static void test_nccl_split_abandoned(void) {
     ncclUniqueId id;
-    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two");
-    fflush(stdout);
-    fflush(stderr);
     int go[2];
-    CHECK(pipe(go) == 0, "a pipe");
+    two_ranks(&id, go);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     int looks = 0;
@@ -613,11 +619,8 @@ static void test_nccl_split_abandoned(void) {
    ncclCommGetAsyncError reports ncclRemoteError within a few looks. */
 static void test_nccl_ended_peer(void) {
     ncclUniqueId id;
-    CHECK(ncclGetUniqueId(&id) == ncclSuccess, "a unique id for two");
-    fflush(stdout);
-    fflush(stderr);
     int go[2];
-    CHECK(pipe(go) == 0, "a pipe");
+    two_ranks(&id, go);
     const pid_t peer = fork();
     if (peer == 0) {                                /* joins, waits for rank 0's first look, ends */
         ncclComm_t c;
