@@ -460,6 +460,16 @@ static ncclResult_t settled(ncclComm_t c, int *looks) {
     return async;
 }
 
+/* Whether every look at c for 0.3 s says ncclInProgress: a wait for a peer that does not come. */
+static bool stays_in_progress(ncclComm_t c) {
+    for (int k = 0; k < 30; k++) {
+        ncclResult_t async = ncclSuccess;
+        if (ncclCommGetAsyncError(c, &async) != ncclSuccess || async != ncclInProgress) return false;
+        usleep(10000);
+    }
+    return true;
+}
+
 /* One rank of a world of two non-blocking communicators: the init, a call refused while the init
    is in progress, an all-reduce that reaches the stream only once the communicator has said
    ncclSuccess (a wait for the stream before that is a fault), a destroy refused while a call is
@@ -550,13 +560,7 @@ static void test_nccl_missing_rank(void) {
     config.blocking = 0;
     CHECK(ncclCommInitRankConfig(&c, 2, id, 0, &config) == ncclInProgress && c, "rank 0 of two: its init returns at once");
     if (!c) return;
-    ncclResult_t async = ncclSuccess;
-    bool waiting = true;
-    for (int k = 0; k < 30; k++) {                  /* 0.3 s */
-        waiting &= ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress;
-        usleep(10000);
-    }
-    CHECK(waiting, "without rank 1, the init stays in progress");
+    CHECK(stays_in_progress(c), "without rank 1, the init stays in progress");
     CHECK(ncclCommAbort(c) == ncclSuccess, "the abort ends it");
     const int fd = shm_open(id.internal, O_RDWR, 0600);
     CHECK(fd < 0, "the aborted init left no segment behind");
@@ -596,15 +600,9 @@ static void test_nccl_split_abandoned(void) {
     ncclComm_t c = NULL, sub = NULL;
     CHECK(ncclCommInitRankConfig(&c, 2, id, 0, &config) == ncclInProgress && settled(c, &looks) == ncclSuccess, "rank 0 of two joins");
     CHECK(c && ncclCommSplit(c, 0, 0, &sub, NULL) == ncclSuccess && !sub, "rank 0 splits alone");
-    ncclResult_t async = ncclSuccess;
-    bool waiting = c != NULL;
-    for (int k = 0; k < 30 && waiting; k++) {       /* 0.3 s */
-        waiting = ncclCommGetAsyncError(c, &async) == ncclSuccess && async == ncclInProgress;
-        usleep(10000);
-    }
-    CHECK(waiting && !sub, "the split waits for rank 1");
+    CHECK(c && stays_in_progress(c) && !sub, "the split waits for rank 1");
     CHECK(ncclCommAbort(c) == ncclSuccess && sub, "the parent's abort ends it, and sets the new communicator");
-    async = ncclSuccess;
+    ncclResult_t async = ncclSuccess;
     CHECK(sub && ncclCommGetAsyncError(sub, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress,
           "which reports the failure (%s)", ncclGetErrorString(async));
     if (sub) CHECK(ncclCommAbort(sub) == ncclSuccess, "and is aborted");
