@@ -2,7 +2,7 @@
 # Everything a lent GPU is for, in stages that survive each other's failures. POSIX sh: runs under
 # dash or bash, from any directory (it works in the repository root).
 #
-#   bench/run_gpu.sh                        every stage, most informative first (~15 minutes: two calls)
+#   bench/run_gpu.sh                        every stage, most informative first (~17 minutes: two calls)
 #   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, any order)
 #   bench/run_gpu.sh --from sanitize        from a stage or group to the last stage
 #   bench/run_gpu.sh --list                 the stages with their expected and longest times
@@ -53,6 +53,9 @@
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
+#   MOE_LAYERS    train-moe: Qwen3-30B-A3B layers (2: 1.9B parameters, 34 GB of training state)
+#   MOE_TOTAL     train-moe: tokens per trajectory (4096; the prompt 5/6 of it)
+#   MOE_GROUPS    train-moe: group sizes (8)
 #   FUZZ_SECONDS  fuzz: how long it draws --check cases (40)
 #   FUZZ_RESUME_SECONDS  fuzz: how long it draws resume cases (20)
 #
@@ -98,12 +101,15 @@ AB_CASES=${AB_CASES:-causal8k,p10k-8x2k}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
+MOE_LAYERS=${MOE_LAYERS:-2}
+MOE_TOTAL=${MOE_TOTAL:-4096}
+MOE_GROUPS=${MOE_GROUPS:-8}
 FUZZ_SECONDS=${FUZZ_SECONDS:-40}
 FUZZ_RESUME_SECONDS=${FUZZ_RESUME_SECONDS:-20}
 ATTENTION=${ATTENTION:-auto}
 FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-10240}
 FIT_MEMORY_MIB=${FIT_MEMORY_MIB:-}
-export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS ATTENTION FUZZ_SECONDS FUZZ_RESUME_SECONDS
+export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS MOE_LAYERS MOE_TOTAL MOE_GROUPS ATTENTION FUZZ_SECONDS FUZZ_RESUME_SECONDS
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
@@ -135,6 +141,7 @@ profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers,
 train-memory|40|240|1|train_cuda --bench memory, Llama3-8B x $BENCH_LAYERS layers, splits $MEM_SPLITS, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $TORCH_GROUPS
 train-tree|65|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
+train-moe|60|240|1|train_cuda --bench --profile, Qwen3-30B-A3B x $MOE_LAYERS layers, $MOE_TOTAL tokens, split 5/6, G $MOE_GROUPS: baseline vs reuse and where the GPU waits for the host (its routing), with the host's loops on every core, then on one (OMP_NUM_THREADS=1)
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF
 }
@@ -144,7 +151,7 @@ group() {
     case $1 in
     all) echo "$all_stages" ;;
     sanitize) echo "memcheck racecheck initcheck synccheck" ;;
-    bench) echo "bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree" ;;
+    bench) echo "bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree train-moe" ;;
     *) [ -n "$(field "$1" 1)" ] && echo "$1" ;;
     esac
 }
@@ -489,14 +496,21 @@ body_bench_ab() {
     return $rc
 }
 
+# --profile's tables in a log (only those after its line "== $2", if given, up to the next "== "
+# line): per schedule, the step, its three longest operations, and the time between operations
+profile_key() {
+    awk -v from="== $2" '/^== / { on = index($0, from) == 1; next }
+                         from != "== " && !on { next }
+                         $1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
+                         $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
+                         $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$1"
+}
+
 body_profile() {
     ./train_cuda --bench --profile --config model/llama3-8b --layers "$BENCH_LAYERS" --bench-total "$BENCH_TOTAL" \
         --bench-groups 8 --bench-splits 0.83333 $BENCH_MICROBATCH --bench-reps 1 --attention "$ATTENTION"
     rc=$?
-    # per schedule: the step, its three longest operations, and the time between operations
-    key "attention $(ran_attention); $(awk '$1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
-                     $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
-                     $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$stage_base.log")"
+    key "attention $(ran_attention); $(profile_key "$stage_base.log")"
     return $rc
 }
 
@@ -523,6 +537,23 @@ body_train_tree() {
     rc=$?
     # rows: groups baseline-s reuse-s tree-s tree/reuse bound ratio tree/baseline bound ratio A+C A+C
     key "attention $(ran_attention); $(awk '$1 ~ /^[0-9]+$/ && NF >= 10 { printf "%s%s groups: tree/reuse %s (bound %s), tree/baseline %s (bound %s)", sep, $1, $5, $6, $8, $9; sep = ", " }' "$stage_base.log")"
+    return $rc
+}
+
+# MoE's routing runs on the host (softmax and top-k of 128 experts for every row, each MoE layer and
+# pass), between the router's GEMM and the experts' gathers: the GPU waits for it. The two runs, the
+# host's loops on every core and on one, say how much of a step that wait is and what the cores buy.
+body_train_moe() {
+    rc=0
+    for threads in "" 1; do
+        echo "== host threads: ${threads:-every core}"
+        env ${threads:+OMP_NUM_THREADS=$threads} ./train_cuda --bench --profile --config model/qwen3-30b-a3b \
+            --layers "$MOE_LAYERS" --bench-total "$MOE_TOTAL" --bench-groups "$MOE_GROUPS" --bench-splits 0.83333 \
+            --microbatch 1 --bench-reps 1 --attention "$ATTENTION" || rc=1
+    done
+    key "attention $(ran_attention); $(grep '^bench: mean' "$stage_base.log" | head -n 1 | cut -c8-)"
+    key "every core: $(profile_key "$stage_base.log" "host threads: every core" | cut -c1-300)"
+    key "one core: $(profile_key "$stage_base.log" "host threads: 1" | cut -c1-300)"
     return $rc
 }
 
@@ -577,7 +608,7 @@ fi
 usage() {
     echo "usage: bench/run_gpu.sh [--list | --fit-layers] [--budget SECONDS] [--no-build] [--from STAGE|GROUP | STAGE|GROUP ...]"
     echo "stages: $all_stages"
-    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree)"
+    echo "groups: all (default), sanitize (memcheck racecheck initcheck synccheck), bench (bench-cuda gemm-rows bench-ab sdpa ncu train-bench profile train-memory torch-ref train-tree train-moe)"
 }
 list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
@@ -662,7 +693,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS BENCH_MICROBATCH=\"$BENCH_MICROBATCH\" MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS ATTENTION=$ATTENTION"
+    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS BENCH_MICROBATCH=\"$BENCH_MICROBATCH\" MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS MOE_LAYERS=$MOE_LAYERS MOE_TOTAL=$MOE_TOTAL MOE_GROUPS=$MOE_GROUPS ATTENTION=$ATTENTION"
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"

@@ -971,6 +971,52 @@ static void test_moe(void) {
         pr_trainer_destroy(tr);
     }
 
+    /* The host's routing runs on every core: its bits are the same on any number of threads
+       (13 experts: blocks of 8 and 5 in the routing sums; 3 threads, more than the blocks' 2).
+       Loss, aux loss, expert load and gradients, both schedules and aux scopes, three draws:
+       a sum split between threads changes the loss's last bits in about one case in four. */
+#ifdef _OPENMP
+    {
+        pr_config cm = moe_config(1);
+        cm.num_experts = 13;
+        cm.num_experts_per_tok = 3;
+        const int S6[6] = { 17, 9, 30, 1, 22, 12 }, threads0 = omp_get_max_threads();
+        int same = 0, steps = 0;
+        for (int seed = 1; seed <= 3; seed++)
+            for (int scope = 0; scope < 2; scope++)
+                for (int sched = 0; sched < 2; sched++, steps++) {
+                    test_group tm;
+                    make_group(&tm, 40, 6, S6, cm.vocab_size, 100 + seed);
+                    pr_real *g[2];
+                    size_t n = 0;
+                    double loss[2][2], load[2][13] = { { 0 } };
+                    int ok = 1;
+                    for (int i = 0; i < 2; i++) {
+                        omp_set_num_threads(i ? 3 : 1);
+                        pr_trainer *tr = make_model(&cm, seed);
+                        pr_step_opts o = pr_step_opts_default();
+                        o.microbatch = 2;
+                        o.moe.scope = (pr_aux_scope)scope;
+                        o.schedule = sched ? PR_SCHEDULE_REUSE : PR_SCHEDULE_BASELINE;
+                        pr_step_stats s = { 0 };
+                        ok = ok && !pr_trainer_compute_grads(tr, &tm.g, &o, &s, NULL, NULL) &&
+                             !pr_trainer_expert_load(tr, 1, load[i], 13, NULL);
+                        loss[i][0] = s.loss;
+                        loss[i][1] = s.aux_loss;
+                        g[i] = grads_of(tr);
+                        n = pr_trainer_param_count(tr);
+                        pr_trainer_destroy(tr);
+                    }
+                    same += ok && !memcmp(loss[0], loss[1], sizeof loss[0]) && !memcmp(load[0], load[1], sizeof load[0]) &&
+                            !memcmp(g[0], g[1], sizeof(pr_real) * n);
+                    free(g[0]);
+                    free(g[1]);
+                }
+        omp_set_num_threads(threads0);
+        CHECK(same == steps, "MoE on 1 and 3 threads: %d of %d steps differ in their bits", steps - same, steps);
+    }
+#endif
+
     /* the preset round-trips through config.json (refused MoE configurations: test_io's table) */
     pr_config q, back;
     pr_error err;
