@@ -11,7 +11,7 @@
 #                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer), tiny-hd128's
-#   through the default (tensor-core) attention;
+#   through the default (tensor-core) attention; tiny-moe's on 1 and 3 host threads bit for bit;
 #   train_cuda --bench --profile (test/check_profile.sh): the operations' time within the step's,
 #   and the schedule's attention calls.
 # Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make
@@ -49,6 +49,9 @@ for m in tiny tiny-qwen3 tiny-hd128; do
     run "$TRAIN_CUDA" --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
 done
+# MoE's routing runs on the host's cores: two steps on 1 and on 3 OpenMP threads, the same bytes
+for n in 1 3; do run env OMP_NUM_THREADS=$n "$TRAIN_CUDA" --config model/tiny-moe --steps 2 --save-grads "$tmp/moe-$n.safetensors"; done
+run cmp "$tmp/moe-1.safetensors" "$tmp/moe-3.safetensors"
 rm -rf "$tmp"
 run sh "$(dirname "$0")/check_profile.sh" "$TRAIN_CUDA"
 report
