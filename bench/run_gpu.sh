@@ -141,7 +141,7 @@ profile|30|150|1|train_cuda --bench --profile, Llama3-8B x $BENCH_LAYERS layers,
 train-memory|40|240|1|train_cuda --bench memory, Llama3-8B x $BENCH_LAYERS layers, splits $MEM_SPLITS, G $MEM_GROUPS: per-phase peaks, offload on/off and step times, the block copies' own time and GB/s
 torch-ref|35|300|0|bench/torch_ref.py: the baseline step in PyTorch, eager and torch.compile, same layers, splits $TORCH_SPLITS, G $TORCH_GROUPS
 train-tree|65|240|1|train_cuda --bench tree, Llama3-8B x $BENCH_LAYERS layers: $TREE_GROUPS groups sharing a $TREE_SYSTEM-token system prompt, G 8
-train-moe|60|240|1|train_cuda --bench --profile, Qwen3-30B-A3B x $MOE_LAYERS layers, $MOE_TOTAL tokens, split 5/6, G $MOE_GROUPS: baseline vs reuse and where the GPU waits for the host (its routing), with the host's loops on every core, then on one (OMP_NUM_THREADS=1)
+train-moe|60|240|1|train_cuda --bench --profile, Qwen3-30B-A3B x $MOE_LAYERS layers, $MOE_TOTAL tokens, split 5/6, G $MOE_GROUPS: baseline vs reuse, each step's GPU time per operation, and the time the GPU waited for the host (its routing)
 after|3|20|0|clocks, temperature, power, memory used after the run
 EOF
 }
@@ -496,14 +496,12 @@ body_bench_ab() {
     return $rc
 }
 
-# --profile's tables in a log (only those after its line "== $2", if given, up to the next "== "
-# line): per schedule, the step, its three longest operations, and the time between operations
+# --profile's tables in a log: per schedule, the step, its three longest operations, and the time
+# between operations (test/check_profile.sh runs this on train_cuda's output)
 profile_key() {
-    awk -v from="== $2" '/^== / { on = index($0, from) == 1; next }
-                         from != "== " && !on { next }
-                         $1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
-                         $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
-                         $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$1"
+    awk '$1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
+         $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
+         $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$1"
 }
 
 body_profile() {
@@ -540,20 +538,17 @@ body_train_tree() {
     return $rc
 }
 
-# MoE's routing runs on the host (softmax and top-k of 128 experts for every row, each MoE layer and
-# pass), between the router's GEMM and the experts' gathers: the GPU waits for it. The two runs, the
-# host's loops on every core and on one, say how much of a step that wait is and what the cores buy.
+# MoE's routing runs on the host (a softmax and top-k of 128 experts for every row, each MoE layer
+# and pass, on OMP_NUM_THREADS threads, every core by default), between the router's GEMM and the
+# experts' gathers: the GPU waits for it, and the profile's time between operations says how long.
 body_train_moe() {
-    rc=0
-    for threads in "" 1; do
-        echo "== host threads: ${threads:-every core}"
-        env ${threads:+OMP_NUM_THREADS=$threads} ./train_cuda --bench --profile --config model/qwen3-30b-a3b \
-            --layers "$MOE_LAYERS" --bench-total "$MOE_TOTAL" --bench-groups "$MOE_GROUPS" --bench-splits 0.83333 \
-            --microbatch 1 --bench-reps 1 --attention "$ATTENTION" || rc=1
-    done
-    key "attention $(ran_attention); $(grep '^bench: mean' "$stage_base.log" | head -n 1 | cut -c8-)"
-    key "every core: $(profile_key "$stage_base.log" "host threads: every core" | cut -c1-300)"
-    key "one core: $(profile_key "$stage_base.log" "host threads: 1" | cut -c1-300)"
+    threads=${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo '?')}
+    echo "host threads (OpenMP): $threads"
+    ./train_cuda --bench --profile --config model/qwen3-30b-a3b --layers "$MOE_LAYERS" --bench-total "$MOE_TOTAL" \
+        --bench-groups "$MOE_GROUPS" --bench-splits 0.83333 --microbatch 1 --bench-reps 1 --attention "$ATTENTION"
+    rc=$?
+    key "attention $(ran_attention), $threads host threads; $(grep '^bench: mean' "$stage_base.log" | cut -c8-)"
+    key "$(profile_key "$stage_base.log")"
     return $rc
 }
 

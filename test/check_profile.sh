@@ -3,12 +3,19 @@
 # operations fits inside the step's wall time (what is left is the time between them), and the
 # attention calls a step are the schedule's: the baseline runs each layer's forward once a
 # trajectory (2 x 2), reuse once for the prefix and once a suffix (2 x 3). Usage:
-# sh test/check_profile.sh TRAIN_CUDA. Last line: "N passed, N failed".
+# bench/run_gpu.sh's summary of such output (profile_key, its profile and train-moe stages' key),
+# under that script's set -u, names both schedules' steps, operations and time between them.
+# Usage: sh test/check_profile.sh TRAIN_CUDA. Last line: "N passed, N failed".
 train=${1:-./train_cuda}
 out=$("$train" --bench --profile --bench-total 48 --bench-groups 2 --bench-splits 0.75 --bench-reps 2 --microbatch 1 2>&1)
 rc=$?
 printf '%s\n' "$out"
-printf '%s\n' "$out" | awk -v rc="$rc" '
+log=$(mktemp) || exit 1
+printf '%s\n' "$out" > "$log"
+key=$(set -u; eval "$(sed -n '/^profile_key() {/,/^}/p' "$(dirname "$0")/../bench/run_gpu.sh")" && profile_key "$log" 2>&1)
+rm -f "$log"
+echo "bench/run_gpu.sh's key: $key"
+printf '%s\n' "$out" | awk -v rc="$rc" -v key="$key" '
     function fail(msg) { failed++; print "FAIL: " msg }
     function close_block() {
         if (what == "") return
@@ -33,5 +40,7 @@ printf '%s\n' "$out" | awk -v rc="$rc" '
         close_block()
         if (rc != 0) fail("train_cuda exited " rc); else passed++
         if (blocks != 2) fail(blocks + 0 " profiles, want 2 (baseline and reuse)"); else passed++
+        if (key !~ /^baseline [0-9.]+ s: [^;]+ [0-9.]+%, .* between -?[0-9.]+%; reuse [0-9.]+ s: [^;]+ [0-9.]+%, .* between -?[0-9.]+%$/)
+            fail("bench/run_gpu.sh summarises the profile as \"" key "\""); else passed++
         printf "%d passed, %d failed\n", passed, failed
     }'

@@ -49,7 +49,7 @@ for m in tiny tiny-qwen3 tiny-hd128; do
     run "$TRAIN_CUDA" --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
 done
-# MoE's routing runs on the host's cores: two steps on 1 and on 3 OpenMP threads, the same bytes
+# MoE's routing runs on the host's cores (a build with OpenMP): two steps on 1 and on 3 threads, the same bytes
 for n in 1 3; do run env OMP_NUM_THREADS=$n "$TRAIN_CUDA" --config model/tiny-moe --steps 2 --save-grads "$tmp/moe-$n.safetensors"; done
 run cmp "$tmp/moe-1.safetensors" "$tmp/moe-3.safetensors"
 rm -rf "$tmp"
