@@ -4847,8 +4847,8 @@ static void pr__offload_end(pr_trainer *tr, pr__offload *o) {
 /* ================================================================ 6. MOE */
 /* ---------------------------------------------------------------- 6.1 Routing on the host */
 /* The host's routing work is N x E for every MoE layer of every pass, on every rank alike (at
-   Qwen3-30B-A3B's 128 experts and 12k rows, 1.5 million exponentials a layer and pass, tens of
-   milliseconds on one core, while a GPU waits for it): its loops run on every core, each row (or
+   Qwen3-30B-A3B's 128 experts and 12k rows, 1.5 million exponentials a layer and pass,
+   milliseconds on one core while a GPU waits for it): its loops run on every core, each row (or
    expert) by one thread in the serial order, so the bits do not depend on the thread count. */
 static int pr__host_threads(void) {
 #ifdef _OPENMP
