@@ -10,10 +10,8 @@ train=${1:-./train_cuda}
 out=$("$train" --bench --profile --bench-total 48 --bench-groups 2 --bench-splits 0.75 --bench-reps 2 --microbatch 1 2>&1)
 rc=$?
 printf '%s\n' "$out"
-log=$(mktemp) || exit 1
-printf '%s\n' "$out" > "$log"
-key=$(set -u; eval "$(sed -n '/^profile_key() {/,/^}/p' "$(dirname "$0")/../bench/run_gpu.sh")" && profile_key "$log" 2>&1)
-rm -f "$log"
+key=$(set -u; eval "$(sed -n '/^profile_key() {/,/^}/p' "$(dirname "$0")/../bench/run_gpu.sh")" &&
+      printf '%s\n' "$out" | profile_key - 2>&1)
 echo "bench/run_gpu.sh's key: $key"
 printf '%s\n' "$out" | awk -v rc="$rc" -v key="$key" '
     function fail(msg) { failed++; print "FAIL: " msg }
