@@ -125,7 +125,7 @@ test: | build
 	@sh test/run.sh build
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-SAN_C = $(CC) $(WARN) -O1 -g $(SAN) $(LDFLAGS)
+SAN_C = $(CC) $(WARN) -O1 -g $(SAN) $(OPENMP) $(LDFLAGS)
 ASAN_BINS = $(foreach p,float double,$(foreach t,test_core test_gemm test_io test_trace test_comm train,build/asan/$(t)-$(p))) \
             build/asan/test_attn_model-double build/asan/test_attn_check build/asan/test_cxx build/asan/test_mma_emul \
             build/asan/test_mma_kernels build/asan/test_cuda_emu build/asan/train_cuda-emu build/asan/train_faults-double

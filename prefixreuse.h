@@ -617,6 +617,16 @@ typedef struct {
 pr_status pr_backend_cuda_profile(const pr_backend *be, int on, pr_error *err);
 int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, int cap, int *complete);
 
+/* The GEMMs' algorithm cache since the backend's creation: GEMMs looked up, the misses among them
+   (each a query of cuBLASLt's heuristic, tens of microseconds of host time), and the misses that
+   pushed out another shape (the cache holds 4,096, 8 a set by a hash of the shape, the least
+   recently used giving way). After a warm-up a dense model's steps ask nothing; MoE's experts ask
+   for every new row count. All zero without a backend. */
+typedef struct {
+    long lookups, queries, evictions;
+} pr_cuda_gemm_counts;
+pr_cuda_gemm_counts pr_backend_cuda_gemm_counts(const pr_backend *be);
+
 /* ---------------------------------------------------------------- 3-6. Trainer: model 3, schedules and hooks 4, offload 5, MoE 6 */
 /* One parameter tensor: its Hugging Face name, shape and place in the parameter arena. */
 typedef struct {
@@ -5055,9 +5065,19 @@ static void pr__ep_combine(pr_trainer *tr, pr__pass *ps, const pr__route *rt, co
 }
 
 /* ---------------------------------------------------------------- 6.3 The sparse MLP: a loop of GEMMs over each expert's rows */
+/* Local expert le's rows: how many (0: it has none this pass), and in *off the first one's place
+   among this rank's slots. */
+static int pr__expert_rows(const pr_trainer *tr, const pr__route *rt, const pr__ep_plan *p, int le, int *off) {
+    const int e = tr->expert0 + le;
+    *off = rt->start[e] - p->slot0;
+    return rt->start[e + 1] - rt->start[e];
+}
+
 /* The sparse MLP of layer l: y = sum over each row's top-k experts of weight * expert(ln2 row).
-   Per expert: gather its rows (into its part of ye), gate/up GEMMs, SwiGLU, the down GEMM into ye
-   (the gathered rows are no longer needed), then a weighted scatter-add into y, experts in order. */
+   The rows gathered into ye, slot by slot (an expert's rows one after another); each expert's
+   gate and up GEMMs; SwiGLU over all the rows at once (elementwise: one launch, not one an expert);
+   each expert's down GEMM into ye (the gathered rows no longer needed); then a weighted
+   scatter-add into y, experts in order. */
 static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
@@ -5074,17 +5094,20 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
         return;
     }
     pr__ep_dispatch(tr, ps, rt, &p, a->ye, a->ln2, 0);         /* ye: the experts' inputs, slot by slot */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
+    /* the GEMMs expert by expert; the elementwise SwiGLU once over every expert's rows */
+    for (int le = 0, off, M; le < tr->n_experts; le++) {
+        if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
         const void *wg = pr__cact_at(tr, w->experts, (size_t)le * 3 * Fm * C), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
-        const void *wd = pr__cact_at(tr, wu, (size_t)Fm * C);
-        void *ye = pr__act_at(tr, a->ye, (size_t)off * C), *ge = pr__act_at(tr, a->gate, (size_t)off * Fm);
-        void *ue = pr__act_at(tr, a->up, (size_t)off * Fm), *he = pr__act_at(tr, a->h, (size_t)off * Fm);
-        be->matmul_fwd(be, ge, ye, wg, M, C, Fm);
-        be->matmul_fwd(be, ue, ye, wu, M, C, Fm);
-        be->swiglu_fwd(be, he, ge, ue, (size_t)M * Fm);
-        be->matmul_fwd(be, ye, he, wd, M, Fm, C);                  /* ye: now the experts' outputs */
+        const void *ye = pr__act_at(tr, a->ye, (size_t)off * C);
+        be->matmul_fwd(be, pr__act_at(tr, a->gate, (size_t)off * Fm), ye, wg, M, C, Fm);
+        be->matmul_fwd(be, pr__act_at(tr, a->up, (size_t)off * Fm), ye, wu, M, C, Fm);
+    }
+    be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)p.n_slots * Fm);
+    for (int le = 0, off, M; le < tr->n_experts; le++) {
+        if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
+        const void *wd = pr__cact_at(tr, w->experts, ((size_t)le * 3 + 2) * Fm * C);
+        /* ye: now the experts' outputs (every expert's inputs were read above) */
+        be->matmul_fwd(be, pr__act_at(tr, a->ye, (size_t)off * C), pr__act_at(tr, a->h, (size_t)off * Fm), wd, M, Fm, C);
     }
     pr__ep_combine(tr, ps, rt, &p, y, a->ye, 1);
     pr__ep_plan_free(&p);
@@ -5115,32 +5138,28 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 0);
     be->row_dots(be, rt->dw + p.slot0, s->dye, a->ye, p.n_slots, C);
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 1);       /* the experts' share of dy */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
-        const size_t eo = (size_t)le * 3 * Fm * C;
-        const void *wd = pr__cact_at(tr, w->experts, eo + 2 * (size_t)Fm * C);
-        pr_real *gd = g->experts + eo + 2 * (size_t)Fm * C;
-        void *dy = pr__act_at(tr, s->dye, (size_t)off * C), *dh = pr__act_at(tr, s->dh, (size_t)off * Fm);
-        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
-        void *ge = pr__act_at(tr, a->gate, (size_t)off * Fm), *ue = pr__act_at(tr, a->up, (size_t)off * Fm);
-        void *he = pr__act_at(tr, a->h, (size_t)off * Fm);
-        pr__zero_acts(tr, dh, (size_t)M * Fm);
-        be->matmul_bwd(be, dh, gd, dy, he, wd, M, Fm, C);
-        pr__zero_acts(tr, dg, (size_t)M * Fm);
-        pr__zero_acts(tr, du, (size_t)M * Fm);
-        be->swiglu_bwd(be, dg, du, dh, ge, ue, (size_t)M * Fm);
+    /* the products below add into dh, dgate, dup and dxe, each zeroed once for every expert's rows
+       (slot by slot, one expert's after another's); the GEMMs run expert by expert, the
+       elementwise SwiGLU backward once over all the rows */
+    pr__zero_acts(tr, s->dh, (size_t)p.n_slots * Fm);
+    for (int le = 0, off, M; le < tr->n_experts; le++) {
+        if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
+        const size_t wo = ((size_t)le * 3 + 2) * Fm * C;       /* the down projection's weight */
+        be->matmul_bwd(be, pr__act_at(tr, s->dh, (size_t)off * Fm), g->experts + wo, pr__act_at(tr, s->dye, (size_t)off * C),
+                       pr__act_at(tr, a->h, (size_t)off * Fm), pr__cact_at(tr, w->experts, wo), M, Fm, C);
     }
+    pr__zero_acts(tr, s->dgate, (size_t)p.n_slots * Fm);
+    pr__zero_acts(tr, s->dup, (size_t)p.n_slots * Fm);
+    be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, (size_t)p.n_slots * Fm);
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, a->ln2, 0);        /* dy's room: the experts' inputs again */
-    for (int le = 0; le < tr->n_experts; le++) {
-        const int e = tr->expert0 + le, off = rt->start[e] - p.slot0, M = rt->start[e + 1] - rt->start[e];
-        if (!M) continue;
+    pr__zero_acts(tr, s->dxe, (size_t)p.n_slots * C);
+    for (int le = 0, off, M; le < tr->n_experts; le++) {
+        if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
         const size_t eo = (size_t)le * 3 * Fm * C;
         const void *wg = pr__cact_at(tr, w->experts, eo), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
         pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
         void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
         void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
-        pr__zero_acts(tr, dx, (size_t)M * C);
         be->matmul_bwd(be, dx, gg, dg, x, wg, M, C, Fm);
         be->matmul_bwd(be, dx, gu, du, x, wu, M, C, Fm);
     }

@@ -1631,12 +1631,25 @@ static long long pr_mma_key_tiles(pr_att_ktile *out, const pr_att_tile *qt, int 
 #ifndef PR_CUDA_HOST_EMULATION
 
 /* ---------------------------------------------------------------- backend state */
-#define PR_CU_ALGO_CACHE 128
+/* cuBLASLt's algorithm for each GEMM shape, asked of its heuristic once (tens of microseconds,
+   longer than a small GEMM), kept with the shape's descriptors, so that a GEMM of a known shape is
+   one cublasLtMatmul call: a set-associative cache, a shape's hash choosing a set of
+   PR_CU_ALGO_WAYS entries, the least recently used of them making room. A dense model has a few
+   dozen shapes; MoE gives every expert's row count its own, hundreds of new ones a pass, which must
+   not push out the dense shapes used on every layer (a cache flushed whole when full would). */
+#define PR_CU_ALGO_SETS 512
+#define PR_CU_ALGO_WAYS 8
 
 typedef struct {
     int transa, transb, m, n, k, lda, ldb, ldc, c_fp32, accumulate, align;
+} pr_cu_gemm_shape;
+
+typedef struct {
+    pr_cu_gemm_shape shape;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
-    int valid;
+    uint64_t used;                 /* the lookup that last used it; 0: empty */
 } pr_cu_algo;
 
 /* Timing pairs: two events around a piece of a stream's work, kept until the times are read; each
@@ -1680,8 +1693,8 @@ typedef struct {
     double *reduce_host;           /* pinned: results the host waits for */
     float *row_host;               /* pinned: the loss head's per-row values (3 floats a row) */
     size_t row_host_cap;           /* rows it holds */
-    pr_cu_algo algos[PR_CU_ALGO_CACHE];
-    int n_algos;
+    pr_cu_algo algos[PR_CU_ALGO_SETS][PR_CU_ALGO_WAYS];
+    pr_cuda_gemm_counts gemm_counts;   /* lookups, heuristic queries and evictions since creation */
     int attention_kind;            /* PR_CUDA_ATTENTION_FFMA, _MMA, _MMA_ATOMIC or _WGMMA (pr_backend_cuda_set_attention) */
     uint64_t smem_opted;           /* attention kernels given their shared memory (pr_cu_smem_attr) */
     pr_status failed;              /* first failure since take_error */
@@ -1950,72 +1963,99 @@ static int pr_cu_align(const void *p) {
     return al;
 }
 
-/* D (m,n) = A op (m,k) * B op (k,n) [+ D], column-major as cuBLASLt sees it. A and B bf16; D bf16
-   or fp32 (c_fp32); fp32 compute. Row-major callers pass the transposed problem (see matmul_*). */
-static void pr_cu_gemm(pr_cu *cx, int transa, int transb, int m, int n, int k, const bf16 *A, int lda,
-                       const bf16 *B, int ldb, void *D, int ldd, int c_fp32, int accumulate) {
-    if (m <= 0 || n <= 0 || k <= 0 || !A || !B || cx->failed) return;
-    const cudaDataType_t dt = c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-    int align = pr_cu_align(A);
-    if (pr_cu_align(B) < align) align = pr_cu_align(B);
-    if (pr_cu_align(D) < align) align = pr_cu_align(D);
-    cublasLtMatmulDesc_t op = NULL;
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    int ok = pr_lt_ok(cx, cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc") &&
-             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "transa") &&
-             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "transb") &&
-             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, transa ? k : m, transa ? m : k, lda), "layout A") &&
-             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, ldb), "layout B") &&
-             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&ld, dt, m, n, ldd), "layout D");
-    /* the heuristic's choice depends only on the problem, so it is asked once per shape */
-    pr_cu_algo key;
-    memset(&key, 0, sizeof key);
-    key.transa = transa; key.transb = transb; key.m = m; key.n = n; key.k = k;
-    key.lda = lda; key.ldb = ldb; key.ldc = ldd; key.c_fp32 = c_fp32; key.accumulate = accumulate; key.align = align;
-    pr_cu_algo *hit = NULL;
-    for (int i = 0; ok && i < cx->n_algos && !hit; i++) {
-        pr_cu_algo *a = &cx->algos[i];
-        if (a->transa == key.transa && a->transb == key.transb && a->m == m && a->n == n && a->k == k &&
-            a->lda == lda && a->ldb == ldb && a->ldc == ldd && a->c_fp32 == c_fp32 &&
-            a->accumulate == accumulate && a->align == align)
-            hit = a;
+/* The cache entry holding shape s (*hit = 1), or the one to fill with it (*hit = 0): an empty way
+   of its set, else the least recently used. Either way it is marked used now. */
+static pr_cu_algo *pr_cu_algo_entry(pr_cu *cx, const pr_cu_gemm_shape *s, int *hit) {
+    const unsigned char *b = (const unsigned char *)s;
+    uint32_t h = 2166136261u;                                   /* FNV-1a over the shape's ints */
+    for (size_t i = 0; i < sizeof *s; i++) h = (h ^ b[i]) * 16777619u;
+    pr_cu_algo *set = cx->algos[h % PR_CU_ALGO_SETS], *room = &set[0];
+    const uint64_t now = ++cx->gemm_counts.lookups;
+    *hit = 0;
+    for (int w = 0; w < PR_CU_ALGO_WAYS; w++) {
+        if (set[w].used && !memcmp(&set[w].shape, s, sizeof *s)) {
+            room = &set[w];
+            *hit = 1;
+            break;
+        }
+        if (set[w].used < room->used) room = &set[w];
     }
-    if (ok && !hit) {
-        uint32_t al = (uint32_t)align;
-        cublasLtMatmulHeuristicResult_t res;
-        int found = 0;
-        ok = pr_lt_ok(cx, cublasLtMatmulPreferenceCreate(&pref), "preference") &&
+    room->used = now;
+    return room;
+}
+
+/* An entry back to empty, its descriptors destroyed. */
+static void pr_cu_algo_clear(pr_cu_algo *e) {
+    if (e->ld) cublasLtMatrixLayoutDestroy(e->ld);
+    if (e->lb) cublasLtMatrixLayoutDestroy(e->lb);
+    if (e->la) cublasLtMatrixLayoutDestroy(e->la);
+    if (e->op) cublasLtMatmulDescDestroy(e->op);
+    memset(e, 0, sizeof *e);
+}
+
+/* Entry e (marked used) takes shape s: its descriptors, and the heuristic's first choice for them.
+   0 on a failure (recorded), which leaves e empty. */
+static int pr_cu_algo_fill(pr_cu *cx, pr_cu_algo *e, const pr_cu_gemm_shape *s) {
+    const uint64_t used = e->used;
+    if (e->shape.m) cx->gemm_counts.evictions++;                /* the way held another shape */
+    pr_cu_algo_clear(e);
+    cx->gemm_counts.queries++;
+    const cudaDataType_t dt = s->c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    const cublasOperation_t ta = s->transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = s->transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int m = s->m, n = s->n, k = s->k;
+    const uint32_t al = (uint32_t)s->align;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    int ok = pr_lt_ok(cx, cublasLtMatmulDescCreate(&e->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc") &&
+             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "transa") &&
+             pr_lt_ok(cx, cublasLtMatmulDescSetAttribute(e->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "transb") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&e->la, CUDA_R_16BF, s->transa ? k : m, s->transa ? m : k, s->lda), "layout A") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&e->lb, CUDA_R_16BF, s->transb ? n : k, s->transb ? k : n, s->ldb), "layout B") &&
+             pr_lt_ok(cx, cublasLtMatrixLayoutCreate(&e->ld, dt, m, n, s->ldc), "layout D") &&
+             pr_lt_ok(cx, cublasLtMatmulPreferenceCreate(&pref), "preference") &&
              pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                                &cx->workspace_bytes, sizeof cx->workspace_bytes), "workspace") &&
              pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof al), "align A") &&
              pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof al), "align B") &&
              pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al), "align C") &&
              pr_lt_ok(cx, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al), "align D") &&
-             pr_lt_ok(cx, cublasLtMatmulAlgoGetHeuristic(cx->lt, op, la, lb, ld, ld, pref, 1, &res, &found), "heuristic");
-        if (ok && !found) {
-            pr_cu_fail(cx, PR_ERR_DEVICE, "cuBLASLt has no algorithm for a %dx%dx%d bf16 GEMM", m, n, k);
-            ok = 0;
-        }
-        if (ok) {
-            if (cx->n_algos == PR_CU_ALGO_CACHE) cx->n_algos = 0;   /* full: start over */
-            hit = &cx->algos[cx->n_algos++];
-            key.algo = res.algo;
-            key.valid = 1;
-            *hit = key;
-        }
-    }
-    if (ok) {
-        const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-        pr_lt_ok(cx, cublasLtMatmul(cx->lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo,
-                                    cx->workspace, cx->workspace_bytes, cx->stream), "matmul");
-    }
+             pr_lt_ok(cx, cublasLtMatmulAlgoGetHeuristic(cx->lt, e->op, e->la, e->lb, e->ld, e->ld, pref, 1, &res, &found), "heuristic");
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (ld) cublasLtMatrixLayoutDestroy(ld);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (op) cublasLtMatmulDescDestroy(op);
+    if (ok && !found) {
+        pr_cu_fail(cx, PR_ERR_DEVICE, "cuBLASLt has no algorithm for a %dx%dx%d bf16 GEMM", m, n, k);
+        ok = 0;
+    }
+    if (!ok) {
+        pr_cu_algo_clear(e);
+        return 0;
+    }
+    e->shape = *s;
+    e->algo = res.algo;
+    e->used = used;
+    return 1;
+}
+
+/* D (m,n) = A op (m,k) * B op (k,n) [+ D], column-major as cuBLASLt sees it. A and B bf16; D bf16
+   or fp32 (c_fp32); fp32 compute. Row-major callers pass the transposed problem (see matmul_*). */
+static void pr_cu_gemm(pr_cu *cx, int transa, int transb, int m, int n, int k, const bf16 *A, int lda,
+                       const bf16 *B, int ldb, void *D, int ldd, int c_fp32, int accumulate) {
+    if (m <= 0 || n <= 0 || k <= 0 || !A || !B || cx->failed) return;
+    /* the heuristic's choice depends only on the problem (the alignment of the pointers included),
+       so it is asked once per shape */
+    pr_cu_gemm_shape shape;
+    memset(&shape, 0, sizeof shape);
+    shape.transa = transa; shape.transb = transb; shape.m = m; shape.n = n; shape.k = k;
+    shape.lda = lda; shape.ldb = ldb; shape.ldc = ldd; shape.c_fp32 = c_fp32; shape.accumulate = accumulate;
+    shape.align = pr_cu_align(A);
+    if (pr_cu_align(B) < shape.align) shape.align = pr_cu_align(B);
+    if (pr_cu_align(D) < shape.align) shape.align = pr_cu_align(D);
+    int known;
+    pr_cu_algo *e = pr_cu_algo_entry(cx, &shape, &known);
+    if (!known && !pr_cu_algo_fill(cx, e, &shape)) return;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    pr_lt_ok(cx, cublasLtMatmul(cx->lt, e->op, &alpha, A, e->la, B, e->lb, &beta, D, e->ld, D, e->ld, &e->algo,
+                                cx->workspace, cx->workspace_bytes, cx->stream), "matmul");
 }
 
 /* Row-major out (N,OC) = inp (N,C) @ w^T is column-major out^T (OC,N) = w (OC,C) . inp^T (C,N):
@@ -2954,6 +2994,8 @@ void pr_backend_cuda_destroy(const pr_backend *be) {
     cudaFreeHost(cx->stage_host);
     cudaFreeHost(cx->reduce_host);
     cudaFreeHost(cx->row_host);
+    for (int i = 0; i < PR_CU_ALGO_SETS; i++)
+        for (int w = 0; w < PR_CU_ALGO_WAYS; w++) pr_cu_algo_clear(&cx->algos[i][w]);
     if (cx->lt) cublasLtDestroy(cx->lt);
     if (cx->stream) cudaStreamDestroy(cx->stream);
     free(cx);
@@ -3153,6 +3195,11 @@ int pr_backend_cuda_profile_read(const pr_backend *be, pr_cuda_op_time *rows, in
     }
     if (complete) *complete = !pf->lost;
     return pf->n;
+}
+
+pr_cuda_gemm_counts pr_backend_cuda_gemm_counts(const pr_backend *be) {
+    pr_cuda_gemm_counts none = {0, 0, 0};
+    return be ? pr_cu_of(be)->gemm_counts : none;
 }
 
 /* ---------------------------------------------------------------- the NCCL communicator */

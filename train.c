@@ -14,6 +14,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* train_cuda (make cuda) is this file built with PR_CUDA: the same driver on the CUDA backend. */
 #ifdef PR_CUDA
@@ -1158,8 +1161,14 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     if (on_mesh(o)) return run_training_mesh(o, cfg, trace);
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     char mlp[96];
-    if (cfg->num_experts)
-        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d", cfg->num_experts, cfg->num_experts_per_tok, cfg->moe_intermediate_size);
+    if (cfg->num_experts)      /* the routing runs on the host's threads (prefixreuse.h 6.1) */
+#ifdef _OPENMP
+        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on %d host threads", cfg->num_experts,
+                 cfg->num_experts_per_tok, cfg->moe_intermediate_size, omp_get_max_threads());
+#else
+        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on 1 host thread (built without OpenMP)", cfg->num_experts,
+                 cfg->num_experts_per_tok, cfg->moe_intermediate_size);
+#endif
     else
         snprintf(mlp, sizeof mlp, "%d", cfg->intermediate_size);
     printf("model %s: %d layers, hidden %d, %d/%d heads x %d, MLP %s, vocabulary %d, %.2f M parameters (%.1f MiB with gradients and AdamW state)\n",
@@ -1871,6 +1880,7 @@ static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *
 #ifdef PR_CUDA
     const pr_backend *be = o->profile ? backend(err) : NULL;
     if (be && pr_backend_cuda_profile(be, 1, err)) return 0;
+    const pr_cuda_gemm_counts gemms = pr_backend_cuda_gemm_counts(be);
 #endif
     if (!time_step(tr, g, so, o->bench_reps, best, &sum, phase, err)) return 0;
 #ifdef PR_CUDA
@@ -1890,6 +1900,10 @@ static int time_step_profiled(const options *o, pr_trainer *tr, const pr_group *
                (double)rows[i].calls / o->bench_reps, rows[i].name);
     printf("    %5.1f%% %9.2f ms %13s  between operations (the GPU waiting for the host)\n", 100 * (step - in_ops) / step,
            1e3 * (step - in_ops), "");
+    const pr_cuda_gemm_counts now = pr_backend_cuda_gemm_counts(be);
+    printf("    GEMMs: %.1f a step, %.1f of new shapes (each a query of cuBLASLt's heuristic), %.1f evicting another\n",
+           (double)(now.lookups - gemms.lookups) / o->bench_reps, (double)(now.queries - gemms.queries) / o->bench_reps,
+           (double)(now.evictions - gemms.evictions) / o->bench_reps);
     fflush(stdout);
 #else
     (void)what;

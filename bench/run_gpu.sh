@@ -496,11 +496,13 @@ body_bench_ab() {
     return $rc
 }
 
-# --profile's tables in a log: per schedule, the step, its three longest operations, and the time
-# between operations (test/check_profile.sh runs this on train_cuda's output)
+# --profile's tables in a log: per schedule, the step, its three longest operations, the time
+# between operations, and the GEMMs whose shape was new (each a query of cuBLASLt's heuristic on the
+# host) out of all (test/check_profile.sh runs this on train_cuda's output)
 profile_key() {
     awk '$1 == "profile" { printf "%s%s %s s:", sep, $2, $5; sep = "; "; n = 0; next }
          $1 ~ /%$/ && /between operations/ { printf " between %s", $1; next }
+         $1 == "GEMMs:" { printf ", GEMMs of new shapes %s/%s a step", $5, $2; next }
          $1 ~ /%$/ && n++ < 3 { name = $6; for (i = 7; i <= NF; i++) name = name " " $i; printf " %s %s,", name, $1 }' "$1"
 }
 
@@ -541,6 +543,8 @@ body_train_tree() {
 # MoE's routing runs on the host (a softmax and top-k of 128 experts for every row, each MoE layer
 # and pass, on OMP_NUM_THREADS threads, every core by default), between the router's GEMM and the
 # experts' gathers: the GPU waits for it, and the profile's time between operations says how long.
+# Every expert's row count is a GEMM shape of its own; the warm-up step ran the same routing, so the
+# GEMMs of new shapes the profile counts are those the algorithm cache could not keep.
 body_train_moe() {
     threads=${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo '?')}
     echo "host threads (OpenMP): $threads"

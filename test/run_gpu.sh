@@ -49,9 +49,14 @@ for m in tiny tiny-qwen3 tiny-hd128; do
     run "$TRAIN_CUDA" --config model/$m --steps 1 --clip 0 --save-grads "$tmp/$m-gpu.safetensors"
     run build/compare_st "$tmp/$m-gpu.safetensors" "$tmp/$m-cpu.safetensors" 0.03125
 done
-# MoE's routing runs on the host's cores (a build with OpenMP): two steps on 1 and on 3 threads, the same bytes
-for n in 1 3; do run env OMP_NUM_THREADS=$n "$TRAIN_CUDA" --config model/tiny-moe --steps 2 --save-grads "$tmp/moe-$n.safetensors"; done
-run cmp "$tmp/moe-1.safetensors" "$tmp/moe-3.safetensors"
+# MoE's routing runs on the host's cores: two steps on 1 and on 3 threads, the same bytes, where
+# train_cuda was built with OpenMP (its model line names the threads the routing runs on)
+case $(OMP_NUM_THREADS=3 "$TRAIN_CUDA" --config model/tiny-moe --steps 0 2>&1) in
+    *"routed on 3 host threads"*)
+        for n in 1 3; do run env OMP_NUM_THREADS=$n "$TRAIN_CUDA" --config model/tiny-moe --steps 2 --save-grads "$tmp/moe-$n.safetensors"; done
+        run cmp "$tmp/moe-1.safetensors" "$tmp/moe-3.safetensors" ;;
+    *) echo "== MoE routing on 1 and 3 host threads: not checked, train_cuda does not route on 3 (built without OpenMP?)" ;;
+esac
 rm -rf "$tmp"
 run sh "$(dirname "$0")/check_profile.sh" "$TRAIN_CUDA"
 report

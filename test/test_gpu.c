@@ -371,6 +371,43 @@ static void test_profile(void) {
     free(x); free(w);
 }
 
+/* The GEMM algorithm cache, as MoE uses it: 5,000 shapes each new (an expert's row count is a new
+   shape), more than the cache holds, and between every ten of them one shape used all along (a
+   dense layer's projection). Each new shape is asked of the heuristic once; the shape in use all
+   along never again, however many new ones pass; and its product stays bit for bit the same
+   (its algorithm was not overwritten by another's). */
+static void test_gemm_algo_cache(void) {
+    enum { NEW = 5000, DN = 24, DC = 96, DOC = 88, MAX = 128 };
+    double *x = random_bf16(MAX * MAX, 1), *w = random_bf16(MAX * MAX, 0.1);
+    void *x_ = dev_bf16(x, MAX * MAX), *w_ = dev_bf16(w, MAX * MAX), *y_ = dev_poison(MAX * MAX, 2);
+    be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
+    double *first = host_bf16(y_, (size_t)DN * DOC);
+    const pr_cuda_gemm_counts c0 = pr_backend_cuda_gemm_counts(be);
+    for (int i = 0; i < NEW; i++) {
+        if (i % 10 == 0) be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
+        /* 50 row counts x 10 widths x 10 outputs, none the shape in use all along (its width is 96) */
+        be->matmul_fwd(be, y_, x_, w_, 1 + i % 50, 8 * (1 + (i / 50) % 10), 8 * (1 + i / 500));
+    }
+    const pr_cuda_gemm_counts c1 = pr_backend_cuda_gemm_counts(be);
+    be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
+    be->matmul_fwd(be, y_, x_, w_, 50, 80, 80);                  /* the newest shape: still held */
+    const pr_cuda_gemm_counts c2 = pr_backend_cuda_gemm_counts(be);
+    be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
+    double *last = host_bf16(y_, (size_t)DN * DOC);
+    expect_backend_ok("GEMM algorithm cache");
+    CHECK(c1.lookups - c0.lookups == NEW + NEW / 10, "GEMM algorithm cache: %ld lookups, want %d", c1.lookups - c0.lookups,
+          NEW + NEW / 10);
+    CHECK(c1.queries - c0.queries == NEW,
+          "GEMM algorithm cache: %ld heuristic queries for %d new shapes and one in use all along (want one a new shape)",
+          c1.queries - c0.queries, NEW);
+    CHECK(c1.evictions - c0.evictions >= NEW - 4096 + 1 && c1.evictions - c0.evictions <= NEW,
+          "GEMM algorithm cache: %ld evictions for %d shapes in a cache of 4096", c1.evictions - c0.evictions, NEW + 1);
+    CHECK(c2.lookups - c1.lookups == 2 && c2.queries == c1.queries, "GEMM algorithm cache: shapes just used were asked again");
+    EXPECT_CLOSE(last, first, (size_t)DN * DOC, 0, "GEMM algorithm cache: the shape in use all along, its product at the end");
+    release(x_); release(w_); release(y_);
+    free(x); free(w); free(first); free(last);
+}
+
 /* ---------------------------------------------------------------- attention */
 static void test_attention(int index) {
     const att_case *c = &att_cases[index];
@@ -716,6 +753,7 @@ int main(int argc, char **argv) {
         test_logit_head(33, 5000);
         test_optimizer(1000003);
         test_profile();
+        test_gemm_algo_cache();
     }
     if (nccl) {
         printf("the NCCL communicator on one rank%s\n", getenv("NCCL_COMM_BLOCKING") ? ", NCCL_COMM_BLOCKING set" : "");
