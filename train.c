@@ -1163,8 +1163,8 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     char mlp[96];
     if (cfg->num_experts)      /* the routing runs on the host's threads (prefixreuse.h 6.1) */
 #ifdef _OPENMP
-        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on %d host threads", cfg->num_experts,
-                 cfg->num_experts_per_tok, cfg->moe_intermediate_size, omp_get_max_threads());
+        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on %d host thread%s", cfg->num_experts,
+                 cfg->num_experts_per_tok, cfg->moe_intermediate_size, omp_get_max_threads(), omp_get_max_threads() > 1 ? "s" : "");
 #else
         snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on 1 host thread (built without OpenMP)", cfg->num_experts,
                  cfg->num_experts_per_tok, cfg->moe_intermediate_size);

@@ -11,7 +11,8 @@
 #                       schedule with offload;
 #   one step's gradients on the GPU against the CPU double build's, per tensor, within 2^-5
 #   relative (four bf16 spacings: the activations are rounded at every layer), tiny-hd128's
-#   through the default (tensor-core) attention; tiny-moe's on 1 and 3 host threads bit for bit;
+#   through the default (tensor-core) attention; tiny-moe's on 1 and 3 host threads bit for bit
+#   (where train_cuda is built with OpenMP);
 #   train_cuda --bench --profile (test/check_profile.sh): the operations' time within the step's,
 #   and the schedule's attention calls.
 # Last line: "N passed, N failed". TRAIN_CUDA and TEST_GPU name other binaries of the two (make

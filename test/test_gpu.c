@@ -385,12 +385,13 @@ static void test_gemm_algo_cache(void) {
     const pr_cuda_gemm_counts c0 = pr_backend_cuda_gemm_counts(be);
     for (int i = 0; i < NEW; i++) {
         if (i % 10 == 0) be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
-        /* 50 row counts x 10 widths x 10 outputs, none the shape in use all along (its width is 96) */
-        be->matmul_fwd(be, y_, x_, w_, 1 + i % 50, 8 * (1 + (i / 50) % 10), 8 * (1 + i / 500));
+        /* 50 row counts x 10 widths x 10 outputs: none the shape in use all along (its width is 96),
+           none a shape the tests above ran (their forward GEMMs' rows are outside 51 .. 100) */
+        be->matmul_fwd(be, y_, x_, w_, 51 + i % 50, 8 * (1 + (i / 50) % 10), 8 * (1 + i / 500));
     }
     const pr_cuda_gemm_counts c1 = pr_backend_cuda_gemm_counts(be);
     be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
-    be->matmul_fwd(be, y_, x_, w_, 50, 80, 80);                  /* the newest shape: still held */
+    be->matmul_fwd(be, y_, x_, w_, 100, 80, 80);                 /* the newest shape: still held */
     const pr_cuda_gemm_counts c2 = pr_backend_cuda_gemm_counts(be);
     be->matmul_fwd(be, y_, x_, w_, DN, DC, DOC);
     double *last = host_bf16(y_, (size_t)DN * DOC);
