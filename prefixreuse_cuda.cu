@@ -1996,7 +1996,6 @@ static void pr_cu_algo_clear(pr_cu_algo *e) {
 /* Entry e (marked used) takes shape s: its descriptors, and the heuristic's first choice for them.
    0 on a failure (recorded), which leaves e empty. */
 static int pr_cu_algo_fill(pr_cu *cx, pr_cu_algo *e, const pr_cu_gemm_shape *s) {
-    const uint64_t used = e->used;
     if (e->shape.m) cx->gemm_counts.evictions++;                /* the way held another shape */
     pr_cu_algo_clear(e);
     cx->gemm_counts.queries++;
@@ -2032,7 +2031,7 @@ static int pr_cu_algo_fill(pr_cu *cx, pr_cu_algo *e, const pr_cu_gemm_shape *s) 
     }
     e->shape = *s;
     e->algo = res.algo;
-    e->used = used;
+    e->used = (uint64_t)cx->gemm_counts.lookups;               /* this lookup's mark, which the clear above undid */
     return 1;
 }
 

@@ -1161,14 +1161,17 @@ static int run_training(const options *o, const pr_config *cfg, const pr_trace *
     if (on_mesh(o)) return run_training_mesh(o, cfg, trace);
     if (!make_trainer(o, cfg, &tr, &err)) return fail(&err);
     char mlp[96];
-    if (cfg->num_experts)      /* the routing runs on the host's threads (prefixreuse.h 6.1) */
+    /* MoE's routing runs on the host's threads (prefixreuse.h 6.1) */
 #ifdef _OPENMP
-        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on %d host thread%s", cfg->num_experts,
-                 cfg->num_experts_per_tok, cfg->moe_intermediate_size, omp_get_max_threads(), omp_get_max_threads() > 1 ? "s" : "");
+    const int host_threads = omp_get_max_threads();
+    const char *no_openmp = "";
 #else
-        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on 1 host thread (built without OpenMP)", cfg->num_experts,
-                 cfg->num_experts_per_tok, cfg->moe_intermediate_size);
+    const int host_threads = 1;
+    const char *no_openmp = " (built without OpenMP)";
 #endif
+    if (cfg->num_experts)
+        snprintf(mlp, sizeof mlp, "%d experts (top %d) x %d, routed on %d host thread%s%s", cfg->num_experts,
+                 cfg->num_experts_per_tok, cfg->moe_intermediate_size, host_threads, host_threads > 1 ? "s" : "", no_openmp);
     else
         snprintf(mlp, sizeof mlp, "%d", cfg->intermediate_size);
     printf("model %s: %d layers, hidden %d, %d/%d heads x %d, MLP %s, vocabulary %d, %.2f M parameters (%.1f MiB with gradients and AdamW state)\n",
