@@ -446,7 +446,8 @@ PRDEF double pr_grpo_token_loss(double logp, double old_logp, const pr_real *ref
    kernels read (`const void *w`): the trainer keeps the model's weights in that type, converted
    with reals_to_acts from the master weights whenever those change. `pr_real *` are master
    weights and gradients. Every backward ADDS into its gradient outputs (dinp, dw, dq, ...);
-   callers zero them first. */
+   callers zero them first. One exception: swiglu_bwd writes its output, whose one caller has
+   nothing there to add to (so no zeroing pass goes over the MLP's widest gradient). */
 typedef struct pr_backend pr_backend;
 struct pr_backend {
     const char *name;
@@ -503,9 +504,11 @@ struct pr_backend {
                           const void *dout, const void *out, const void *lse, const void *q, const void *k,
                           const void *v, const void *kp, const void *vp, const pr_seq_layout *lay,
                           int NH, int NKV, int HS);
-    /* h = silu(gate) * up, n elements */
-    void (*swiglu_fwd)(const pr_backend *be, void *h, const void *gate, const void *up, size_t n);
-    void (*swiglu_bwd)(const pr_backend *be, void *dgate, void *dup, const void *dh, const void *gate, const void *up, size_t n);
+    /* h (rows,F) = silu(gate) * up, where each row of gu (rows,2F) holds the row's gate and then
+       its up: the output of one GEMM by the gate and up projections stacked. dgu (rows,2F) = the
+       gradients of both halves (written, not added). */
+    void (*swiglu_fwd)(const pr_backend *be, void *h, const void *gu, int rows, int F);
+    void (*swiglu_bwd)(const pr_backend *be, void *dgu, const void *dh, const void *gu, int rows, int F);
     /* tokens: host memory, ids into emb's rows; a token < 0 (its row on another TP rank's slice of
        the vocabulary): a zero row forward, nothing backward */
     void (*embed_fwd)(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C);
@@ -1712,27 +1715,31 @@ static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, vo
     }
 }
 
-/* h = silu(g) * u,  silu(g) = g * sigmoid(g) */
-static void pr__cpu_swiglu_fwd(const pr_backend *be, void *h_, const void *gate_, const void *up_, size_t n) {
+/* h = silu(g) * u,  silu(g) = g * sigmoid(g); a row's g and u are its two halves of gu */
+static void pr__cpu_swiglu_fwd(const pr_backend *be, void *h_, const void *gu_, int rows, int F) {
     (void)be;
     pr_real *h = PR__R(h_);
-    const pr_real *g = PR__CR(gate_), *u = PR__CR(up_);
-    for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
-        h[i] = (pr_real)(g[i] * sg * u[i]);
-    }
+    const pr_real *gu = PR__CR(gu_);
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t j = 0; j < (size_t)F; j++) {
+            const pr_real g = gu[2 * F * r + j], u = gu[2 * F * r + F + j];
+            double sg = 1.0 / (1.0 + PR__EXP(-g));
+            h[F * r + j] = (pr_real)(g * sg * u);
+        }
 }
-/* dg += dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  du += dh * silu(g) */
-static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgate_, void *dup_, const void *dh_, const void *gate_,
-                               const void *up_, size_t n) {
+/* dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  du = dh * silu(g) */
+static void pr__cpu_swiglu_bwd(const pr_backend *be, void *dgu_, const void *dh_, const void *gu_, int rows, int F) {
     (void)be;
-    pr_real *dg = PR__R(dgate_), *du = PR__R(dup_);
-    const pr_real *dh = PR__CR(dh_), *g = PR__CR(gate_), *u = PR__CR(up_);
-    for (size_t i = 0; i < n; i++) {
-        double sg = 1.0 / (1.0 + PR__EXP(-g[i]));
-        dg[i] += (pr_real)(dh[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg)));
-        du[i] += (pr_real)(dh[i] * g[i] * sg);
-    }
+    pr_real *dgu = PR__R(dgu_);
+    const pr_real *dh = PR__CR(dh_), *gu = PR__CR(gu_);
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t j = 0; j < (size_t)F; j++) {
+            const size_t gi = 2 * F * r + j, ui = gi + F;
+            const pr_real g = gu[gi], u = gu[ui], d = dh[F * r + j];
+            double sg = 1.0 / (1.0 + PR__EXP(-g));
+            dgu[gi] = (pr_real)(d * u * sg * (1.0 + g * (1.0 - sg)));
+            dgu[ui] = (pr_real)(d * g * sg);
+        }
 }
 
 static void pr__cpu_embed_fwd(const pr_backend *be, void *out, const int32_t *tokens, const void *emb, int N, int C) {
@@ -1940,11 +1947,11 @@ static void pr__measure_attention_bwd(const pr_backend *be, void *dq, void *dk, 
     (void)be; (void)dq; (void)dk; (void)dv; (void)dkp; (void)dvp; (void)d; (void)o; (void)lse; (void)q; (void)k; (void)v;
     (void)kp; (void)vp; (void)l; (void)NH; (void)NKV; (void)HS;
 }
-static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *g, const void *u, size_t n) {
-    (void)be; (void)h; (void)g; (void)u; (void)n;
+static void pr__measure_swiglu_fwd(const pr_backend *be, void *h, const void *gu, int rows, int F) {
+    (void)be; (void)h; (void)gu; (void)rows; (void)F;
 }
-static void pr__measure_swiglu_bwd(const pr_backend *be, void *dg, void *du, const void *dh, const void *g, const void *u, size_t n) {
-    (void)be; (void)dg; (void)du; (void)dh; (void)g; (void)u; (void)n;
+static void pr__measure_swiglu_bwd(const pr_backend *be, void *dgu, const void *dh, const void *gu, int rows, int F) {
+    (void)be; (void)dgu; (void)dh; (void)gu; (void)rows; (void)F;
 }
 static void pr__measure_embed_fwd(const pr_backend *be, void *o, const int32_t *t, const void *e, int N, int C) {
     (void)be; (void)o; (void)t; (void)e; (void)N; (void)C;
@@ -2042,13 +2049,15 @@ PRDEF const pr_backend *pr_backend_measure(const pr_backend *like, pr_backend *b
 /* ================================================================ 3. THE MODEL */
 /* ---------------------------------------------------------------- 3.1 The data: the trainer, a pass, a batch, a step's state */
 /* Offsets (in reals) of one layer's tensors in the parameter arena; the gradient, AdamW-moment
-   arenas use the same offsets. qn/kn exist only with per-head q/k norms (Qwen3). */
-/* MoE layers have no wg/wu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
-   and down (C,Fm) stored one after the other from `experts` on. */
-typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wg, wu, wd, router, experts; } pr__layer_off;
-typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_g;
+   arenas use the same offsets. qn/kn exist only with per-head q/k norms (Qwen3). wgu: the gate
+   projection (F,C) and right after it the up projection (F,C), which the MLP multiplies by as one
+   (2F,C) matrix: one GEMM, not two. */
+/* MoE layers have no wgu/wd but a router (E,C) and E experts, expert e's gate (Fm,C), up (Fm,C)
+   and down (C,Fm) stored one after the other from `experts` on (its gate and up as one matrix too). */
+typedef struct { size_t ln1, wq, wk, wv, qn, kn, wo, ln2, wgu, wd, router, experts; } pr__layer_off;
+typedef struct { pr_real *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wgu, *wd, *router, *experts; } pr__layer_g;
 /* The same tensors in the weights the kernels read (pr_trainer.weights, the activations' type). */
-typedef struct { const void *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wg, *wu, *wd, *router, *experts; } pr__layer_w;
+typedef struct { const void *ln1, *wq, *wk, *wv, *qn, *kn, *wo, *ln2, *wgu, *wd, *router, *experts; } pr__layer_w;
 
 /* Activation memory: a bump allocator over backend chunks that are kept across resets, so a
    phase that runs many microbatches allocates once (unless the device runs short: then the chunks
@@ -2142,7 +2151,8 @@ typedef struct {
     void *att, *lse;          /* (N,NH*HS) (N,NH) */
     void *x_mid;              /* (N,C) residual after attention */
     void *ln2, *ln2_rstd;     /* (N,C) (N) */
-    void *gate, *up, *h;      /* (N,F); MoE: (N*k, Fm), the routed rows grouped by expert */
+    void *gu, *h;             /* (N,2F) each row's gate then its up, (N,F); MoE: (N*k, 2Fm),
+                                 (N*k, Fm), the routed rows grouped by expert */
     void *ye;                 /* MoE: (N*k, C) each routed row's expert output, before its weight */
     void *router;             /* MoE: (N, E) router logits (read once, on the host) */
 } pr__layer_acts;
@@ -2226,12 +2236,12 @@ typedef struct {
     void *ep_send, *ep_recv;             /* EP: all-to-all blocks */
 } pr__pass;
 
-/* Scratch for one backward, shared by every layer of it (MoE: dh/dgate/dup hold N*k routed rows,
+/* Scratch for one backward, shared by every layer of it (MoE: dh and dgu hold N*k routed rows,
    dye and dxe the routed rows' C-wide gradients, dlogit the router's). Under recompute the
    rebuilt forward writes its output to fwd_out, and on a pass that keeps its K/V its K/V to
    fwd_k/fwd_v, so that what the pass keeps stays as it is. */
 typedef struct {
-    void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgate, *dup, *dye, *dxe, *dlogit;
+    void *dres, *dln, *dq, *dk, *dv, *dq_pre, *dk_pre, *datt, *dh, *dgu, *dye, *dxe, *dlogit;
     void *fwd_out, *fwd_k, *fwd_v;
 } pr__bwd_scratch;
 
@@ -2424,7 +2434,7 @@ static pr__layer_g pr__layer_grads(pr_trainer *tr, int l) {
     pr__layer_g g;
     g.ln1 = base + o->ln1; g.wq = base + o->wq; g.wk = base + o->wk; g.wv = base + o->wv;
     g.qn = tr->cfg.qk_norm ? base + o->qn : NULL; g.kn = tr->cfg.qk_norm ? base + o->kn : NULL;
-    g.wo = base + o->wo; g.ln2 = base + o->ln2; g.wg = base + o->wg; g.wu = base + o->wu; g.wd = base + o->wd;
+    g.wo = base + o->wo; g.ln2 = base + o->ln2; g.wgu = base + o->wgu; g.wd = base + o->wd;
     g.router = base + o->router; g.experts = base + o->experts;
     return g;
 }
@@ -2440,7 +2450,7 @@ static pr__layer_w pr__layer_weights(const pr_trainer *tr, int l) {
     w.ln1 = pr__weight(tr, o->ln1); w.wq = pr__weight(tr, o->wq); w.wk = pr__weight(tr, o->wk); w.wv = pr__weight(tr, o->wv);
     w.qn = tr->cfg.qk_norm ? pr__weight(tr, o->qn) : NULL; w.kn = tr->cfg.qk_norm ? pr__weight(tr, o->kn) : NULL;
     w.wo = pr__weight(tr, o->wo); w.ln2 = pr__weight(tr, o->ln2);
-    w.wg = pr__weight(tr, o->wg); w.wu = pr__weight(tr, o->wu); w.wd = pr__weight(tr, o->wd);
+    w.wgu = pr__weight(tr, o->wgu); w.wd = pr__weight(tr, o->wd);
     w.router = pr__weight(tr, o->router); w.experts = pr__weight(tr, o->experts);
     return w;
 }
@@ -2499,8 +2509,9 @@ static void pr__build_layout(pr_trainer *tr, pr_tensor_info *table, int *count, 
                 if (e == tr->expert0) o.experts = first;
             }
         } else {
-            PR__T(wg, "mlp.gate_proj.weight", F, C, 1);
-            PR__T(wu, "mlp.up_proj.weight", F, C, 1);
+            PR__T(wgu, "mlp.gate_proj.weight", F, C, 1);     /* the up projection right after it */
+            snprintf(nm, sizeof nm, "model.layers.%d.mlp.up_proj.weight", tr->layer0 + l);
+            pr__add_tensor(table, count, total, nm, F, C, 1);
             PR__T(wd, "mlp.down_proj.weight", C, F, 1);
         }
 #undef PR__T
@@ -3006,12 +3017,11 @@ static size_t pr__layer_rebuilt(const pr_trainer *tr, char *base, size_t n, pr__
     x->ln2 = pr__carve(base, &off, n * C, A); x->ln2_rstd = pr__carve(base, &off, n, S);
     if (c->num_experts) {
         const size_t slots = n * (size_t)c->num_experts_per_tok, Fm = c->moe_intermediate_size;
-        x->gate = pr__carve(base, &off, slots * Fm, A); x->up = pr__carve(base, &off, slots * Fm, A);
-        x->h = pr__carve(base, &off, slots * Fm, A);
+        x->gu = pr__carve(base, &off, slots * 2 * Fm, A); x->h = pr__carve(base, &off, slots * Fm, A);
         x->ye = pr__carve(base, &off, slots * C, A);
         x->router = pr__carve(base, &off, n * (size_t)c->num_experts, A);
     } else {
-        x->gate = pr__carve(base, &off, n * F, A); x->up = pr__carve(base, &off, n * F, A); x->h = pr__carve(base, &off, n * F, A);
+        x->gu = pr__carve(base, &off, n * 2 * F, A); x->h = pr__carve(base, &off, n * F, A);
         x->ye = x->router = NULL;
     }
     return off;
@@ -3136,7 +3146,7 @@ static pr_status pr__bwd_scratch_alloc(pr_trainer *tr, pr__arena *a, pr__bwd_scr
         s->dye = pr__act(tr, a, slots * C); s->dxe = pr__act(tr, a, slots * C);
         s->dlogit = pr__act(tr, a, n * (size_t)c->num_experts);
     }
-    s->dh = pr__act(tr, a, hidden); s->dgate = pr__act(tr, a, hidden); s->dup = pr__act(tr, a, hidden);
+    s->dh = pr__act(tr, a, hidden); s->dgu = pr__act(tr, a, 2 * hidden);
     if (ps->keep != PR__KEEP_ALL) s->fwd_out = pr__act(tr, a, n * C);
     if (ps->keep == PR__KEEP_INPUT_KV) {
         const size_t n_kv = ps->cp_kv_rows > N ? (size_t)ps->cp_kv_rows : n;
@@ -3201,9 +3211,8 @@ static void pr__layer_forward(pr_trainer *tr, pr__pass *ps, int l, const void *k
     if (c->num_experts) {
         pr__moe_forward(tr, ps, l, &w, y);                     /* y = x_mid + sum_k w_k expert_k(ln2) */
     } else {
-        be->matmul_fwd(be, a->gate, a->ln2, w.wg, N, C, F);
-        be->matmul_fwd(be, a->up, a->ln2, w.wu, N, C, F);
-        be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)N * F);
+        be->matmul_fwd(be, a->gu, a->ln2, w.wgu, N, C, 2 * F);  /* [gate | up] = ln2 @ [wg; wu]^T */
+        be->swiglu_fwd(be, a->h, a->gu, N, F);
         be->matmul_fwd(be, y, a->h, w.wd, N, F, C);            /* y = x_mid + h @ wd^T */
     }
     pr__tp_sum(tr, y, (size_t)N * C);                           /* the columns' (or experts') shares */
@@ -3250,13 +3259,10 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
         pr__zero_acts(tr, s->dh, nF);
         be->matmul_bwd(be, s->dh, g.wd, s->dres, a->h, w.wd, N, F, C);
         /* h = silu(gate) * up */
-        pr__zero_acts(tr, s->dgate, nF);
-        pr__zero_acts(tr, s->dup, nF);
-        be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, nF);
-        /* gate = ln2 @ wg^T, up = ln2 @ wu^T */
+        be->swiglu_bwd(be, s->dgu, s->dh, a->gu, N, F);
+        /* [gate | up] = ln2 @ [wg; wu]^T */
         pr__zero_acts(tr, s->dln, nC);
-        be->matmul_bwd(be, s->dln, g.wg, s->dgate, a->ln2, w.wg, N, C, F);
-        be->matmul_bwd(be, s->dln, g.wu, s->dup, a->ln2, w.wu, N, C, F);
+        be->matmul_bwd(be, s->dln, g.wgu, s->dgu, a->ln2, w.wgu, N, C, 2 * F);
         pr__tp_sum(tr, s->dln, nC);                             /* column-parallel: the inputs' shares */
     }
     /* ln2 = rmsnorm(x_mid): dres becomes d(x_mid) */
@@ -5075,9 +5081,9 @@ static int pr__expert_rows(const pr_trainer *tr, const pr__route *rt, const pr__
 
 /* The sparse MLP of layer l: y = sum over each row's top-k experts of weight * expert(ln2 row).
    The rows gathered into ye, slot by slot (an expert's rows one after another); each expert's
-   gate and up GEMMs; SwiGLU over all the rows at once (elementwise: one launch, not one an expert);
-   each expert's down GEMM into ye (the gathered rows no longer needed); then a weighted
-   scatter-add into y, experts in order. */
+   gate and up GEMM (one, by the two stacked); SwiGLU over all the rows at once (elementwise: one
+   launch, not one an expert); each expert's down GEMM into ye (the gathered rows no longer
+   needed); then a weighted scatter-add into y, experts in order. */
 static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer_w *w, void *y) {
     const pr_backend *be = tr->be;
     const pr_config *c = &tr->cfg;
@@ -5097,12 +5103,11 @@ static void pr__moe_forward(pr_trainer *tr, pr__pass *ps, int l, const pr__layer
     /* the GEMMs expert by expert; the elementwise SwiGLU once over every expert's rows */
     for (int le = 0, off, M; le < tr->n_experts; le++) {
         if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
-        const void *wg = pr__cact_at(tr, w->experts, (size_t)le * 3 * Fm * C), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
-        const void *ye = pr__act_at(tr, a->ye, (size_t)off * C);
-        be->matmul_fwd(be, pr__act_at(tr, a->gate, (size_t)off * Fm), ye, wg, M, C, Fm);
-        be->matmul_fwd(be, pr__act_at(tr, a->up, (size_t)off * Fm), ye, wu, M, C, Fm);
+        const void *wgu = pr__cact_at(tr, w->experts, (size_t)le * 3 * Fm * C);
+        be->matmul_fwd(be, pr__act_at(tr, a->gu, (size_t)off * 2 * Fm), pr__act_at(tr, a->ye, (size_t)off * C), wgu, M, C,
+                       2 * Fm);
     }
-    be->swiglu_fwd(be, a->h, a->gate, a->up, (size_t)p.n_slots * Fm);
+    be->swiglu_fwd(be, a->h, a->gu, p.n_slots, Fm);
     for (int le = 0, off, M; le < tr->n_experts; le++) {
         if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
         const void *wd = pr__cact_at(tr, w->experts, ((size_t)le * 3 + 2) * Fm * C);
@@ -5138,9 +5143,9 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 0);
     be->row_dots(be, rt->dw + p.slot0, s->dye, a->ye, p.n_slots, C);
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, s->dres, 1);       /* the experts' share of dy */
-    /* the products below add into dh, dgate, dup and dxe, each zeroed once for every expert's rows
+    /* the products below add into dh and dxe, each zeroed once for every expert's rows
        (slot by slot, one expert's after another's); the GEMMs run expert by expert, the
-       elementwise SwiGLU backward once over all the rows */
+       elementwise SwiGLU backward (which writes dgu) once over all the rows */
     pr__zero_acts(tr, s->dh, (size_t)p.n_slots * Fm);
     for (int le = 0, off, M; le < tr->n_experts; le++) {
         if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
@@ -5148,20 +5153,14 @@ static void pr__moe_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scratc
         be->matmul_bwd(be, pr__act_at(tr, s->dh, (size_t)off * Fm), g->experts + wo, pr__act_at(tr, s->dye, (size_t)off * C),
                        pr__act_at(tr, a->h, (size_t)off * Fm), pr__cact_at(tr, w->experts, wo), M, Fm, C);
     }
-    pr__zero_acts(tr, s->dgate, (size_t)p.n_slots * Fm);
-    pr__zero_acts(tr, s->dup, (size_t)p.n_slots * Fm);
-    be->swiglu_bwd(be, s->dgate, s->dup, s->dh, a->gate, a->up, (size_t)p.n_slots * Fm);
+    be->swiglu_bwd(be, s->dgu, s->dh, a->gu, p.n_slots, Fm);
     pr__ep_dispatch(tr, ps, rt, &p, s->dye, a->ln2, 0);        /* dy's room: the experts' inputs again */
     pr__zero_acts(tr, s->dxe, (size_t)p.n_slots * C);
     for (int le = 0, off, M; le < tr->n_experts; le++) {
         if (!(M = pr__expert_rows(tr, rt, &p, le, &off))) continue;
-        const size_t eo = (size_t)le * 3 * Fm * C;
-        const void *wg = pr__cact_at(tr, w->experts, eo), *wu = pr__cact_at(tr, wg, (size_t)Fm * C);
-        pr_real *gg = g->experts + eo, *gu = gg + (size_t)Fm * C;
-        void *x = pr__act_at(tr, s->dye, (size_t)off * C), *dx = pr__act_at(tr, s->dxe, (size_t)off * C);
-        void *dg = pr__act_at(tr, s->dgate, (size_t)off * Fm), *du = pr__act_at(tr, s->dup, (size_t)off * Fm);
-        be->matmul_bwd(be, dx, gg, dg, x, wg, M, C, Fm);
-        be->matmul_bwd(be, dx, gu, du, x, wu, M, C, Fm);
+        const size_t eo = (size_t)le * 3 * Fm * C;                 /* the gate and up projections' weight */
+        be->matmul_bwd(be, pr__act_at(tr, s->dxe, (size_t)off * C), g->experts + eo, pr__act_at(tr, s->dgu, (size_t)off * 2 * Fm),
+                       pr__act_at(tr, s->dye, (size_t)off * C), pr__cact_at(tr, w->experts, eo), M, C, 2 * Fm);
     }
     pr__ep_combine(tr, ps, rt, &p, s->dln, s->dxe, 0);
     pr__ep_plan_free(&p);

@@ -134,7 +134,7 @@ static void mm_call(void *arg) {
 static void bench_gemm(int N) {
     static const struct { const char *name; int C, OC; } shapes[] = {
         { "q_proj", 4096, 4096 }, { "k/v_proj", 4096, 1024 }, { "o_proj", 4096, 4096 },
-        { "gate/up_proj", 4096, 14336 }, { "down_proj", 14336, 4096 }, { "lm_head (2k rows)", 4096, 128256 },
+        { "gate_up_proj", 4096, 2 * 14336 }, { "down_proj", 14336, 4096 }, { "lm_head (2k rows)", 4096, 128256 },
     };
     cublasLtHandle_t lt;
     cudaStream_t stream;

@@ -71,8 +71,8 @@ int main(int argc, char **argv) {
            sizeof(pr_real) == 8 ? " (double build)" : "", reps);
     for (t = 0; t < 2; t++) {
         int T = toks[t];
-        /* (out, in) of every weight: q, k/v, o, gate/up, down, LM head */
-        const int io[6][2] = {{QD, C_}, {KVD, C_}, {C_, QD}, {F, C_}, {C_, F}, {V, C_}};
+        /* (out, in) of every weight: q, k/v, o, gate and up stacked (one GEMM), down, LM head */
+        const int io[6][2] = {{QD, C_}, {KVD, C_}, {C_, QD}, {2 * F, C_}, {C_, F}, {V, C_}};
         for (i = 0; i < 6; i++) {
             int O = io[i][0], In = io[i][1];
             snprintf(names[ns], 48, "fwd T=%d %dx%d", T, O, In);

@@ -41,10 +41,6 @@ void ref_attention_bwd(double *dq, double *dk, double *dv, double *dkp, double *
     pr_seq_layout l = layout(seg_off, n_seg, n_prefix, n_prefix);
     cpu()->attention_bwd(cpu(), dq, dk, dv, dkp, dvp, dout, out, lse, q, k, v, kp, vp, &l, NH, NKV, HS);
 }
-void ref_swiglu_fwd(double *h, const double *gate, const double *up, size_t n) { cpu()->swiglu_fwd(cpu(), h, gate, up, n); }
-void ref_swiglu_bwd(double *dgate, double *dup, const double *dh, const double *gate, const double *up, size_t n) {
-    cpu()->swiglu_bwd(cpu(), dgate, dup, dh, gate, up, n);
-}
 void ref_embed_fwd(double *out, const int32_t *tokens, const double *emb, int N, int C) {
     cpu()->embed_fwd(cpu(), out, tokens, emb, N, C);
 }

@@ -17,8 +17,6 @@ void ref_attention_bwd(double *dq, double *dk, double *dv, double *dkp, double *
                        const double *out, const double *lse, const double *q, const double *k, const double *v,
                        const double *kp, const double *vp, const int *seg_off, int n_seg, int n_prefix,
                        int NH, int NKV, int HS);
-void ref_swiglu_fwd(double *h, const double *gate, const double *up, size_t n);
-void ref_swiglu_bwd(double *dgate, double *dup, const double *dh, const double *gate, const double *up, size_t n);
 void ref_embed_fwd(double *out, const int32_t *tokens, const double *emb, int N, int C);
 void ref_embed_bwd(double *demb, const double *dout, const int32_t *tokens, int N, int C);
 void ref_logit_stats(double *stats, const double *logits, const int32_t *target, int M, int V);

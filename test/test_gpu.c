@@ -180,26 +180,46 @@ static void test_rope(int heads, int HS, int pos0) {
     release(f_); free(x); free(f);
 }
 
-static void test_elementwise(size_t n) {
-    double *g = random_bf16(n, 4), *u = random_bf16(n, 2), *dh = random_bf16(n, 1), *dg0 = random_bf16(n, 1), *du0 = random_bf16(n, 1);
-    double *rh = malloc(sizeof(double) * n), *rdg = copy_of(dg0, n), *rdu = copy_of(du0, n);
-    ref_swiglu_fwd(rh, g, u, n);
-    ref_swiglu_bwd(rdg, rdu, dh, g, u, n);
-    void *g_ = dev_bf16(g, n), *u_ = dev_bf16(u, n), *h_ = dev_poison(n, 2), *dh_ = dev_bf16(dh, n);
-    void *dg_ = dev_bf16(dg0, n), *du_ = dev_bf16(du0, n);
-    be->swiglu_fwd(be, h_, g_, u_, n);
-    be->swiglu_bwd(be, dg_, du_, dh_, g_, u_, n);
+/* SwiGLU over rows whose gate and up are the two halves of a row of gu (rows, 2F), against the
+   formula here on separate gate and up arrays; then add. F not a multiple of a block, or below one. */
+/* SwiGLU over rows whose gate and up are the two halves of a row of gu (rows, 2F), against the
+   formula here on separate gate and up arrays (its backward writes every element of dgu, which
+   starts poisoned); then add. F not a multiple of a block, or below one. */
+static void test_elementwise(int rows, int F) {
+    const size_t n = (size_t)rows * F;
+    double *g = random_bf16(n, 4), *u = random_bf16(n, 2), *dh = random_bf16(n, 1), *gu = malloc(sizeof(double) * 2 * n);
+    double *rh = malloc(sizeof(double) * n), *rdg = malloc(sizeof(double) * n), *rdu = malloc(sizeof(double) * n);
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t j = 0; j < (size_t)F; j++) {
+            const size_t i = r * F + j;
+            gu[2 * r * F + j] = g[i];
+            gu[2 * r * F + F + j] = u[i];
+            const double s = 1 / (1 + exp(-g[i]));
+            rh[i] = g[i] * s * u[i];
+            rdg[i] = dh[i] * u[i] * s * (1 + g[i] * (1 - s));
+            rdu[i] = dh[i] * g[i] * s;
+        }
+    void *gu_ = dev_bf16(gu, 2 * n), *h_ = dev_poison(n, 2), *dh_ = dev_bf16(dh, n), *dgu_ = dev_poison(2 * n, 2);
+    void *u_ = dev_bf16(u, n);
+    be->swiglu_fwd(be, h_, gu_, rows, F);
+    be->swiglu_bwd(be, dgu_, dh_, gu_, rows, F);
     be->add(be, dh_, u_, n);                     /* dh += u */
     expect_backend_ok("swiglu/add");
-    double *gh = host_bf16(h_, n), *gdg = host_bf16(dg_, n), *gdu = host_bf16(du_, n), *gsum = host_bf16(dh_, n);
-    double *rsum = malloc(sizeof(double) * n);
+    double *gh = host_bf16(h_, n), *gdgu = host_bf16(dgu_, 2 * n), *gsum = host_bf16(dh_, n);
+    double *gdg = malloc(sizeof(double) * n), *gdu = malloc(sizeof(double) * n), *rsum = malloc(sizeof(double) * n);
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t j = 0; j < (size_t)F; j++) {
+            gdg[r * F + j] = gdgu[2 * r * F + j];
+            gdu[r * F + j] = gdgu[2 * r * F + F + j];
+        }
     for (size_t i = 0; i < n; i++) rsum[i] = dh[i] + u[i];
     EXPECT_CLOSE(gh, rh, n, TOL_BF16, "swiglu_fwd");
     EXPECT_CLOSE(gdg, rdg, n, TOL_BF16, "swiglu_bwd dgate");
     EXPECT_CLOSE(gdu, rdu, n, TOL_BF16, "swiglu_bwd dup");
     EXPECT_CLOSE(gsum, rsum, n, TOL_BF16, "add");
-    release(g_); release(u_); release(h_); release(dh_); release(dg_); release(du_);
-    free(g); free(u); free(dh); free(dg0); free(du0); free(rh); free(rdg); free(rdu); free(gh); free(gdg); free(gdu); free(gsum); free(rsum);
+    release(gu_); release(h_); release(dh_); release(dgu_); release(u_);
+    free(g); free(u); free(dh); free(gu); free(rh); free(rdg); free(rdu);
+    free(gh); free(gdgu); free(gsum); free(gdg); free(gdu); free(rsum);
 }
 
 static void test_embed_rows(int N, int C, int V) {
@@ -747,7 +767,9 @@ int main(int argc, char **argv) {
         test_rmsnorm(5000, 128);       /* the q/k norm's shape: many short rows */
         test_rope(4, 16, 0);
         test_rope(8, 128, 9000);       /* positions past 8k: the angle is reduced in double */
-        test_elementwise(100003);
+        test_elementwise(331, 303);
+        test_elementwise(2, 4099);
+        test_elementwise(57, 48);                /* a block of 64 threads a row */
         test_embed_rows(257, 96, 1000);
         test_scatter_repeats(37, 600, 300);
         test_logit_head(7, 257);
