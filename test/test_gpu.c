@@ -181,8 +181,6 @@ static void test_rope(int heads, int HS, int pos0) {
 }
 
 /* SwiGLU over rows whose gate and up are the two halves of a row of gu (rows, 2F), against the
-   formula here on separate gate and up arrays; then add. F not a multiple of a block, or below one. */
-/* SwiGLU over rows whose gate and up are the two halves of a row of gu (rows, 2F), against the
    formula here on separate gate and up arrays (its backward writes every element of dgu, which
    starts poisoned); then add. F not a multiple of a block, or below one. */
 static void test_elementwise(int rows, int F) {
