@@ -9740,111 +9740,6 @@ PRDEF pr_status pr_trace_write(const pr_trace *t, const char *path, pr_error *er
     return st;
 }
 
-/* ---------------------------------------------------------------- prefix trees */
-typedef struct {
-    const pr_group *groups;
-    int *order;            /* the groups being placed, a scratch permutation */
-    pr_prefix_tree *t;
-    int min_shared;
-} pr__tree_build;
-
-static int pr__tree_node(pr__tree_build *b, int parent, int start, int len, int below) {
-    pr_prefix_node *nd = &b->t->nodes[b->t->n_nodes];
-    nd->parent = parent;
-    nd->start = start;
-    nd->len = len;
-    nd->groups_below = below;
-    b->t->tokens_tree += len;
-    return b->t->n_nodes++;
-}
-
-/* The groups order[lo..hi-1] share prefix positions start .. d-1, which no node holds yet; their
-   node so far is `parent`. The run is extended as far as they all agree; a run long enough (or
-   one group's own) becomes a node, the groups that go on split by their next token. A run too
-   short for a node is carried down into each class of the split, which shares it plus its token. */
-static void pr__tree_place(pr__tree_build *b, int lo, int hi, int start, int d, int parent) {
-    const pr_group *g = b->groups;
-    int *ord = b->order;
-    for (;;) {                                  /* extend d while every group has the same token there */
-        int same = 1;
-        for (int i = lo; i < hi && same; i++)
-            same = g[ord[i]].P > d && g[ord[i]].prefix[d] == g[ord[lo]].prefix[d];
-        if (!same) break;
-        d++;
-    }
-    if (hi - lo == 1 || d - start >= b->min_shared) {
-        int node = d > start ? pr__tree_node(b, parent, start, d - start, hi - lo) : parent;
-        int k = lo;                             /* the groups that end here first */
-        for (int i = lo; i < hi; i++)
-            if (g[ord[i]].P == d) {
-                b->t->group_node[ord[i]] = node;
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        start = d;
-        parent = node;
-        lo = k;
-    } else {                                    /* too short to share: the groups ending inside it keep their own */
-        int k = lo;
-        for (int i = lo; i < hi; i++)
-            if (g[ord[i]].P == d) {
-                b->t->group_node[ord[i]] = pr__tree_node(b, parent, start, d - start, 1);
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        lo = k;
-    }
-    while (lo < hi) {                           /* each class of the next token */
-        const int32_t tok = g[ord[lo]].prefix[d];
-        int k = lo + 1;
-        for (int i = lo + 1; i < hi; i++)
-            if (g[ord[i]].prefix[d] == tok) {
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        pr__tree_place(b, lo, k, start, d + 1, parent);
-        lo = k;
-    }
-}
-
-PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *groups, int n, int min_shared, pr_error *err) {
-    if (!tree || !groups || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: NULL argument or no groups");
-    if (min_shared < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: min_shared %d must be at least 1", min_shared);
-    for (int i = 0; i < n; i++)
-        if (groups[i].P < 1 || groups[i].G < 1 || !groups[i].prefix)
-            return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: group %d has no prefix (P %d, G %d)", i, groups[i].P, groups[i].G);
-    /* at most two nodes a group: its own, and the shared one its class opens (n - 1 of those) */
-    pr_prefix_tree t;
-    memset(&t, 0, sizeof t);
-    t.nodes = (pr_prefix_node *)PR_MALLOC(sizeof(pr_prefix_node) * 2 * (size_t)n);
-    t.group_node = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
-    int *order = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
-    if (!t.nodes || !t.group_node || !order) {
-        PR_FREE(t.nodes);
-        PR_FREE(t.group_node);
-        PR_FREE(order);
-        return pr__fail(err, PR_ERR_NOMEM, "pr_prefix_tree_build: out of memory for %d groups", n);
-    }
-    t.n_groups = n;
-    for (int i = 0; i < n; i++) {
-        order[i] = i;
-        t.tokens_baseline += (long)groups[i].G * groups[i].P;
-        t.tokens_groups += groups[i].P;
-    }
-    pr__tree_build b = { groups, order, &t, min_shared };
-    pr__tree_place(&b, 0, n, 0, 0, -1);
-    PR_FREE(order);
-    *tree = t;
-    return PR_OK;
-}
-
-PRDEF void pr_prefix_tree_free(pr_prefix_tree *tree) {
-    if (!tree) return;
-    PR_FREE(tree->nodes);
-    PR_FREE(tree->group_node);
-    memset(tree, 0, sizeof *tree);
-}
-
 PRDEF pr_status pr_trace_read(pr_trace *trace, const char *path, pr_error *err) {
     FILE *f;
     unsigned char *buf = NULL;
@@ -10879,6 +10774,111 @@ PRDEF pr_status pr_trainer_load_state(pr_trainer *tr, const char *dir, pr_train_
     }
     for (int k = 0; k < 3; k++) PR_FREE(host[k]);
     return st;
+}
+
+/* ---------------------------------------------------------------- 8.11 The prefix tree of a step's groups */
+typedef struct {
+    const pr_group *groups;
+    int *order;            /* the groups being placed, a scratch permutation */
+    pr_prefix_tree *t;
+    int min_shared;
+} pr__tree_build;
+
+static int pr__tree_node(pr__tree_build *b, int parent, int start, int len, int below) {
+    pr_prefix_node *nd = &b->t->nodes[b->t->n_nodes];
+    nd->parent = parent;
+    nd->start = start;
+    nd->len = len;
+    nd->groups_below = below;
+    b->t->tokens_tree += len;
+    return b->t->n_nodes++;
+}
+
+/* The groups order[lo..hi-1] share prefix positions start .. d-1, which no node holds yet; their
+   node so far is `parent`. The run is extended as far as they all agree; a run long enough (or
+   one group's own) becomes a node, the groups that go on split by their next token. A run too
+   short for a node is carried down into each class of the split, which shares it plus its token. */
+static void pr__tree_place(pr__tree_build *b, int lo, int hi, int start, int d, int parent) {
+    const pr_group *g = b->groups;
+    int *ord = b->order;
+    for (;;) {                                  /* extend d while every group has the same token there */
+        int same = 1;
+        for (int i = lo; i < hi && same; i++)
+            same = g[ord[i]].P > d && g[ord[i]].prefix[d] == g[ord[lo]].prefix[d];
+        if (!same) break;
+        d++;
+    }
+    if (hi - lo == 1 || d - start >= b->min_shared) {
+        int node = d > start ? pr__tree_node(b, parent, start, d - start, hi - lo) : parent;
+        int k = lo;                             /* the groups that end here first */
+        for (int i = lo; i < hi; i++)
+            if (g[ord[i]].P == d) {
+                b->t->group_node[ord[i]] = node;
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        start = d;
+        parent = node;
+        lo = k;
+    } else {                                    /* too short to share: the groups ending inside it keep their own */
+        int k = lo;
+        for (int i = lo; i < hi; i++)
+            if (g[ord[i]].P == d) {
+                b->t->group_node[ord[i]] = pr__tree_node(b, parent, start, d - start, 1);
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        lo = k;
+    }
+    while (lo < hi) {                           /* each class of the next token */
+        const int32_t tok = g[ord[lo]].prefix[d];
+        int k = lo + 1;
+        for (int i = lo + 1; i < hi; i++)
+            if (g[ord[i]].prefix[d] == tok) {
+                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                k++;
+            }
+        pr__tree_place(b, lo, k, start, d + 1, parent);
+        lo = k;
+    }
+}
+
+PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *groups, int n, int min_shared, pr_error *err) {
+    if (!tree || !groups || n < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: NULL argument or no groups");
+    if (min_shared < 1) return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: min_shared %d must be at least 1", min_shared);
+    for (int i = 0; i < n; i++)
+        if (groups[i].P < 1 || groups[i].G < 1 || !groups[i].prefix)
+            return pr__fail(err, PR_ERR_ARG, "pr_prefix_tree_build: group %d has no prefix (P %d, G %d)", i, groups[i].P, groups[i].G);
+    /* at most two nodes a group: its own, and the shared one its class opens (n - 1 of those) */
+    pr_prefix_tree t;
+    memset(&t, 0, sizeof t);
+    t.nodes = (pr_prefix_node *)PR_MALLOC(sizeof(pr_prefix_node) * 2 * (size_t)n);
+    t.group_node = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
+    int *order = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
+    if (!t.nodes || !t.group_node || !order) {
+        PR_FREE(t.nodes);
+        PR_FREE(t.group_node);
+        PR_FREE(order);
+        return pr__fail(err, PR_ERR_NOMEM, "pr_prefix_tree_build: out of memory for %d groups", n);
+    }
+    t.n_groups = n;
+    for (int i = 0; i < n; i++) {
+        order[i] = i;
+        t.tokens_baseline += (long)groups[i].G * groups[i].P;
+        t.tokens_groups += groups[i].P;
+    }
+    pr__tree_build b = { groups, order, &t, min_shared };
+    pr__tree_place(&b, 0, n, 0, 0, -1);
+    PR_FREE(order);
+    *tree = t;
+    return PR_OK;
+}
+
+PRDEF void pr_prefix_tree_free(pr_prefix_tree *tree) {
+    if (!tree) return;
+    PR_FREE(tree->nodes);
+    PR_FREE(tree->group_node);
+    memset(tree, 0, sizeof *tree);
 }
 
 #ifdef PR__POP_DIAGNOSTICS

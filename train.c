@@ -1634,8 +1634,10 @@ typedef struct {
     uint8_t *mask;
 } reordered_group;
 
+/* Safe to call again: reorder_group's failure frees what it took, and run_replay frees every group. */
 static void reordered_free(reordered_group *r) {
     free(r->len); free(r->off); free(r->tokens); free(r->adv); free(r->old); free(r->ref); free(r->mask);
+    memset(r, 0, sizeof *r);
 }
 
 static int reorder_group(reordered_group *r, const pr_group *g, int mb) {
