@@ -930,8 +930,8 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
 /* The same FLOPs by the phase that performs them (flops[PR_PHASE_A/B/C], pr_step_stats.seconds'
    phases): with reuse, A is the prefix forward; B the suffixes forward and backward with the loss
    rows they hold (each suffix's rows but the last); C the prefix backward with the loss rows of
-   the prefix (the last prefix row, which predicts every suffix's first token, and trained prefix
-   tokens). The baseline's all fall in B. Zeros for a NULL config or group. */
+   the prefix (the last prefix row, which predicts every suffix's first token, and each trained
+   prefix token once for all G trajectories). The baseline's all fall in B. Zeros for a NULL config or group. */
 PRDEF void pr_step_phase_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule, double flops[3]);
 
 /* A step of n groups whose prefixes share tokens, run as their prefix tree (pr_prefix_tree_build
@@ -996,7 +996,9 @@ PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err);
 
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
-   schedule charges each prefix once): every rank computes the same placement. owner NULL:
+   schedule charges each prefix once): every rank computes the same placement. It reads each
+   group's P, G and suffix_len (groups as pr_group_validate takes them; a negative length counts
+   as no cost, and every group is still placed). owner NULL:
    nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. PR_ERR_NOMEM when its
    scratch memory could not be had: owner then holds every group on rank 0, a placement the other
    ranks do not share, which a caller over dp must take as this rank's failure. */
@@ -2262,12 +2264,17 @@ static pr__kv_grads pr__kv_own(void *dk, void *dv) {
     return kv;
 }
 
-/* Which rows of a pass predict which suffix tokens, with what the loss needs for each. */
+/* Which rows of a pass predict which tokens, with what the loss needs for each. The head runs M
+   (row, target) pairs; pair m stands for the loss slots first[m] .. first[m+1]-1, the tokens it
+   predicts: one, or for a trained prefix token every trajectory's copy of it (the same logits,
+   the same target), so that the prefix's head runs once and not G times. */
 typedef struct {
-    int M;
-    int *row;           /* row of the pass whose final hidden state predicts the token */
-    long *flat;         /* index of the token in the group's flattened suffix arrays */
+    int M, n_slots;
+    int *row;           /* row of the pass whose final hidden state predicts the target */
     int32_t *target;
+    int *first;         /* (M + 1) */
+    /* a slot's: index of its token in the group's loss slots (pr__loss_slots), what its loss needs */
+    long *flat;
     pr_real *old_logp, *ref_logp, *advantage, *weight;
 } pr__head_plan;
 
@@ -3299,7 +3306,7 @@ static void pr__layer_backward(pr_trainer *tr, pr__pass *ps, int l, pr__bwd_scra
 /* ---------------------------------------------------------------- 3.7 Batches and the loss head */
 static void pr__batch_free(pr__batch *b) {
     PR_FREE(b->seg_off); PR_FREE(b->tokens); PR_FREE(b->real); PR_FREE(b->cp_cut); PR_FREE(b->cp_off);
-    PR_FREE(b->head.row); PR_FREE(b->head.flat); PR_FREE(b->head.target);
+    PR_FREE(b->head.row); PR_FREE(b->head.first); PR_FREE(b->head.flat); PR_FREE(b->head.target);
     PR_FREE(b->head.old_logp); PR_FREE(b->head.ref_logp); PR_FREE(b->head.advantage); PR_FREE(b->head.weight);
     memset(b, 0, sizeof *b);
 }
@@ -3317,29 +3324,39 @@ static long pr__loss_slots(const pr_group *g) {
     return (long)g->suffix_off[g->G] + (g->prefix_mask ? (long)g->G * g->P : 0);
 }
 
-static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
-    long f = (long)g->suffix_off[i] + j;
-    int m = h->M++;
-    h->row[m] = row;
-    h->flat[m] = f;
-    h->target[m] = g->tokens[f];
-    h->old_logp[m] = g->old_logp[f];
-    if (h->ref_logp) h->ref_logp[m] = g->ref_logp[f];
-    h->advantage[m] = g->advantage[i];
-    h->weight[m] = tok_weight[f];
+/* A new (row, target) pair of the head, with no slot yet. */
+static void pr__head_pair(pr__head_plan *h, int row, int32_t target) {
+    h->row[h->M] = row;
+    h->target[h->M] = target;
+    h->M++;
+    h->first[h->M] = h->n_slots;
 }
 
-/* Trained prefix token j (prefix_mask) for trajectory i, predicted by `row`: its loss slot. */
-static void pr__head_push_prefix(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
-    long f = (long)g->suffix_off[g->G] + (long)i * g->P + j;
-    int m = h->M++;
-    h->row[m] = row;
-    h->flat[m] = f;
-    h->target[m] = g->prefix[j];
-    h->old_logp[m] = g->prefix_old_logp[j];
-    if (h->ref_logp) h->ref_logp[m] = g->prefix_ref_logp[j];
-    h->advantage[m] = g->advantage[i];
-    h->weight[m] = tok_weight[f];
+/* A loss slot of the last pair: loss slot f, with trajectory i's advantage. */
+static void pr__head_slot(pr__head_plan *h, const pr_real *tok_weight, long f, pr_real old_logp, const pr_real *ref_logp, pr_real adv) {
+    const int k = h->n_slots++;
+    h->flat[k] = f;
+    h->old_logp[k] = old_logp;
+    if (h->ref_logp) h->ref_logp[k] = *ref_logp;
+    h->advantage[k] = adv;
+    h->weight[k] = tok_weight[f];
+    h->first[h->M] = h->n_slots;
+}
+
+/* Token j of suffix i, predicted by `row`: a pair of its own. */
+static void pr__head_push(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i, int j) {
+    const long f = (long)g->suffix_off[i] + j;
+    pr__head_pair(h, row, g->tokens[f]);
+    pr__head_slot(h, tok_weight, f, g->old_logp[f], g->ref_logp ? g->ref_logp + f : NULL, g->advantage[i]);
+}
+
+/* Trained prefix token j (prefix_mask) for trajectories i0 .. i1-1, predicted by `row`: their loss
+   slots, under one pair (a prefix batch holds every trajectory's, a full sequence its own). */
+static void pr__head_push_prefix(pr__head_plan *h, const pr_group *g, const pr_real *tok_weight, int row, int i0, int i1, int j) {
+    pr__head_pair(h, row, g->prefix[j]);
+    for (int i = i0; i < i1; i++)
+        pr__head_slot(h, tok_weight, (long)g->suffix_off[g->G] + (long)i * g->P + j, g->prefix_old_logp[j],
+                      g->prefix_ref_logp ? g->prefix_ref_logp + j : NULL, g->advantage[i]);
 }
 
 /* Trajectories i0 .. i0+n-1 of group g as one batch of the given kind; for PR__BATCH_PREFIX
@@ -3363,7 +3380,7 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     const long trained = kind == PR__BATCH_PREFIX ? pr__prefix_trained(g, i0 + 1, i0 + n + 1)
                        : kind == PR__BATCH_FULL ? pr__prefix_trained(g, 0, P) : 0;
     long mrows = kind == PR__BATCH_PREFIX ? (ends ? g->G : 0) + g->G * trained : kind == PR__BATCH_FULL ? sum + n * trained
-               : sum - n;
+               : sum - n;              /* loss slots; the pairs are as many or fewer */
     b->N = (int)rows;
     b->n_traj = kind == PR__BATCH_PREFIX ? g->G : n;
     b->seg_off = (int *)PR_MALLOC(sizeof(int) * (size_t)(nseg + 1));
@@ -3371,17 +3388,19 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
     b->real = (uint8_t *)PR_MALLOC((size_t)(rows > 0 ? rows : 1));
     size_t mr = (size_t)(mrows > 0 ? mrows : 1);
     b->head.row = (int *)PR_MALLOC(sizeof(int) * mr);
+    b->head.first = (int *)PR_MALLOC(sizeof(int) * (mr + 1));
     b->head.flat = (long *)PR_MALLOC(sizeof(long) * mr);
     b->head.target = (int32_t *)PR_MALLOC(sizeof(int32_t) * mr);
     b->head.old_logp = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
     b->head.ref_logp = g->ref_logp ? (pr_real *)PR_MALLOC(sizeof(pr_real) * mr) : NULL;
     b->head.advantage = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
     b->head.weight = (pr_real *)PR_MALLOC(sizeof(pr_real) * mr);
-    if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.flat || !b->head.target || !b->head.old_logp ||
+    if (!b->seg_off || !b->tokens || !b->real || !b->head.row || !b->head.first || !b->head.flat || !b->head.target || !b->head.old_logp ||
         (g->ref_logp && !b->head.ref_logp) || !b->head.advantage || !b->head.weight) {
         pr__batch_free(b);
         return pr__fail(err, PR_ERR_NOMEM, "out of host memory for a batch of %ld rows", rows);
     }
+    b->head.first[0] = 0;
     b->lay.n_seg = nseg;
     b->lay.seg_off = b->seg_off;
     b->lay.pos0 = kind == PR__BATCH_SUFFIX ? P : kind == PR__BATCH_PREFIX ? i0 : 0;
@@ -3390,9 +3409,8 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
         b->seg_off[0] = 0; b->seg_off[1] = n;
         memcpy(b->tokens, g->prefix + i0, sizeof(int32_t) * (size_t)n);
         memset(b->real, 1, (size_t)n);
-        for (int i = 0; trained && i < g->G; i++)
-            for (int j = i0 + 1; j <= i0 + n && j < P; j++)
-                if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, j - 1 - i0, i, j);
+        for (int j = i0 + 1; trained && j <= i0 + n && j < P; j++)
+            if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, j - 1 - i0, 0, g->G, j);
         for (int i = 0; ends && i < g->G; i++) pr__head_push(&b->head, g, tok_weight, n - 1, i, 0);
         return PR_OK;
     }
@@ -3413,7 +3431,7 @@ static pr_status pr__batch_build(pr__batch *b, const pr_group *g, const pr_real 
         memset(b->real + off, 1, (size_t)used);
         memset(b->real + off + used, 0, (size_t)(len - used));
         for (int j = 1; trained && kind == PR__BATCH_FULL && j < P; j++)
-            if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, off + j - 1, i, j);
+            if (g->prefix_mask[j]) pr__head_push_prefix(&b->head, g, tok_weight, off + j - 1, i, i + 1, j);
         if (kind == PR__BATCH_FULL)
             for (int j = 0; j < S; j++) pr__head_push(&b->head, g, tok_weight, off + P - 1 + j, i, j);
         else
@@ -3509,13 +3527,15 @@ static pr_status pr__head(pr_trainer *tr, pr__arena *a, const void *x_final, voi
         be->logit_stats(be, stats, logits, hp->target + m0, n, V);
         pr__head_lse(tr, stats, gathered, n, lse, zt);
         double total = 0;
-        for (int m = 0; m < n; m++) {
-            const int k = m0 + m;
-            double dl, lp = zt[m] - lse[m];
-            double l = pr_grpo_token_loss(lp, hp->old_logp[k], hp->ref_logp ? hp->ref_logp + k : NULL, hp->advantage[k], lo, &dl);
-            total += hp->weight[k] * l;
-            coef[m] = hp->weight[k] * dl;
-            if (logp_flat) logp_flat[hp->flat[k]] = (pr_real)lp;
+        for (int m = 0; m < n; m++) {          /* a pair's slope: the sum of its slots' */
+            const double lp = zt[m] - lse[m];
+            coef[m] = 0;
+            for (int k = hp->first[m0 + m]; k < hp->first[m0 + m + 1]; k++) {
+                double dl, l = pr_grpo_token_loss(lp, hp->old_logp[k], hp->ref_logp ? hp->ref_logp + k : NULL, hp->advantage[k], lo, &dl);
+                total += hp->weight[k] * l;
+                coef[m] += hp->weight[k] * dl;
+                if (logp_flat) logp_flat[hp->flat[k]] = (pr_real)lp;
+            }
         }
         *loss += total;
         be->logit_grad(be, logits, lse, coef, hp->target + m0, n, V);      /* logits now hold dlogits */
@@ -4313,15 +4333,16 @@ PRDEF void pr_step_phase_flops(const pr_config *c, const pr_group *g, pr_schedul
         if (schedule == PR_SCHEDULE_BASELINE) { tokens += T; pairs += T * (T + 1) / 2; }
         else { tokens += S; pairs += S * P + S * (S + 1) / 2; }
     }
-    const double prefix_rows = g->G * (1 + trained);             /* the loss rows the prefix holds */
     flops[PR_PHASE_B] = tokens * per_token + pairs * per_pair + suffix_rows * head_row;
-    if (schedule == PR_SCHEDULE_BASELINE) {
-        flops[PR_PHASE_B] += prefix_rows * head_row;
+    if (schedule == PR_SCHEDULE_BASELINE) {        /* each sequence's last prefix row and its trained prefix tokens */
+        flops[PR_PHASE_B] += g->G * (1 + trained) * head_row;
         return;
     }
+    /* the prefix's loss rows: its last row once a suffix (each its own first token), each trained
+       prefix token once for all G (pr__head_push_prefix) */
     const double prefix = P * per_token + P * (P + 1) / 2 * per_pair;   /* forward 1/3 of it, backward 2/3 */
     flops[PR_PHASE_A] = prefix / 3;
-    flops[PR_PHASE_C] = prefix - prefix / 3 + prefix_rows * head_row;
+    flops[PR_PHASE_C] = prefix - prefix / 3 + (g->G + trained) * head_row;
 }
 
 PRDEF double pr_step_flops(const pr_config *c, const pr_group *g, pr_schedule schedule) {
@@ -6054,9 +6075,10 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
         if (o + k.chunk > b->cp_kv_rows) b->cp_kv_rows = o + k.chunk;
     }
     pr__head_plan *h = &b->head;
-    int m = 0;
-    for (int i = 0, j = 0; i < h->M; i++) {
-        const int r = h->row[i];
+    int m = 0, s = 0;
+    for (int i = 0, j = 0, next = h->first[0]; i < h->M; i++) {
+        const int r = h->row[i], from = next, e = h->first[i + 1];   /* pair i's slots, read before first[m <= i] is written */
+        next = e;
         while (j > 0 && r < b->seg_off[j]) j--;            /* the segment that holds row r */
         while (j + 1 < ns && r >= b->seg_off[j + 1]) j++;
         const pr__cp_cut *k = &b->cp_cut[j];
@@ -6064,15 +6086,20 @@ static pr_status pr__batch_make(pr_trainer *tr, pr__batch *b, const pr_group *g,
         const int in_a = x >= k->a0 && x < k->a0 + k->rows_a, in_b = x >= k->b0 && x < k->b0 + k->rows_b;
         if (!in_a && !in_b) continue;
         h->row[m] = b->cp_off[j] + (in_a ? x - k->a0 : k->rows_a + x - k->b0);
-        h->flat[m] = h->flat[i];
         h->target[m] = h->target[i];
-        h->old_logp[m] = h->old_logp[i];
-        if (h->ref_logp) h->ref_logp[m] = h->ref_logp[i];
-        h->advantage[m] = h->advantage[i];
-        h->weight[m] = h->weight[i];
+        h->first[m] = s;
+        for (int q = from; q < e; q++, s++) {
+            h->flat[s] = h->flat[q];
+            h->old_logp[s] = h->old_logp[q];
+            if (h->ref_logp) h->ref_logp[s] = h->ref_logp[q];
+            h->advantage[s] = h->advantage[q];
+            h->weight[s] = h->weight[q];
+        }
         m++;
     }
     h->M = m;
+    h->n_slots = s;
+    h->first[m] = s;
     b->N = b->cp_off[ns];
     return PR_OK;
 }
@@ -6256,7 +6283,7 @@ PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n,
         double cost = -1;
         for (int i = 0; i < n; i++) {
             double f = done[i] ? -1 : pr_step_flops(cfg, &groups[i], schedule);
-            if (!done[i] && f > cost) { cost = f; best = i; }
+            if (!done[i] && (best < 0 || f > cost)) { cost = f; best = i; }
         }
         int to = 0;
         for (int r = 1; r < ranks; r++) if (load[r] < load[to]) to = r;
@@ -6358,9 +6385,12 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     if (tr->zero && dp != tr->mesh->dp_comm)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
-    int *place = n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    /* every group checked before the placement reads them: alike on every rank, so all fail alike
+       and still meet at the step's end */
     pr_status st = PR_OK;
-    if (n >= R && (!place || pr_dp_place(&tr->model, groups, n, R, opt->schedule, place)))
+    for (int k = 0; k < n && !st; k++) st = pr_group_validate(&groups[k], tr->model.vocab_size, err);
+    int *place = !st && n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
+    if (!st && n >= R && (!place || pr_dp_place(&tr->model, groups, n, R, opt->schedule, place)))
         st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
     pr__dp_step_begin(tr);
     pr_step_opts o = *opt;
@@ -6498,7 +6528,9 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
     if (n < R)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: %d groups over %d dp ranks: a tree step places whole "
                         "groups, at least one a rank (pr_trainer_compute_grads_dp splits groups)", n, R);
-    pr_status st = pr__tree_check(tree, groups, n, err);   /* before the placement follows its nodes */
+    pr_status st = PR_OK;      /* the groups and the tree checked before the placement reads them (alike on every rank) */
+    for (int k = 0; k < n && !st; k++) st = pr_group_validate(&groups[k], tr->model.vocab_size, err);
+    if (!st) st = pr__tree_check(tree, groups, n, err);
     if (st) return st;
     int *owner = (int *)PR_MALLOC(sizeof(int) * 2 * (size_t)n);
     pr_group *mine = (pr_group *)PR_MALLOC(sizeof(pr_group) * (size_t)n);

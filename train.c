@@ -1831,13 +1831,22 @@ static uint64_t rng_next(uint64_t *s) {
     return *s;
 }
 
+/* Safe to call again: synth's failure frees what it took, and some callers free after it. */
+static void synth_free(synth_group *sg) {
+    free(sg->prefix); free(sg->tokens); free(sg->len); free(sg->off); free(sg->adv); free(sg->old); free(sg->mask);
+    memset(sg, 0, sizeof *sg);
+}
+
 static int synth(synth_group *sg, int P, int S, int G, int V, uint64_t seed) {
     memset(sg, 0, sizeof *sg);
     size_t n = (size_t)S * G;
     sg->prefix = malloc(sizeof(int32_t) * P); sg->tokens = malloc(sizeof(int32_t) * n);
     sg->len = malloc(sizeof(int) * G); sg->off = malloc(sizeof(int64_t) * (G + 1));
     sg->adv = malloc(sizeof(pr_real) * G); sg->old = malloc(sizeof(pr_real) * n); sg->mask = malloc(n);
-    if (!sg->prefix || !sg->tokens || !sg->len || !sg->off || !sg->adv || !sg->old || !sg->mask) return 0;
+    if (!sg->prefix || !sg->tokens || !sg->len || !sg->off || !sg->adv || !sg->old || !sg->mask) {
+        synth_free(sg);
+        return 0;
+    }
     uint64_t s = seed | 1;
     for (int i = 0; i < P; i++) sg->prefix[i] = (int32_t)(rng_next(&s) % (uint64_t)V);
     for (size_t i = 0; i < n; i++) {
@@ -1854,9 +1863,6 @@ static int synth(synth_group *sg, int P, int S, int G, int V, uint64_t seed) {
     return 1;
 }
 
-static void synth_free(synth_group *sg) {
-    free(sg->prefix); free(sg->tokens); free(sg->len); free(sg->off); free(sg->adv); free(sg->old); free(sg->mask);
-}
 
 /* Best wall time of reps runs of one schedule on the group; *sum: all of them; phase (or NULL):
    the best run's time in each phase. */

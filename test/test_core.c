@@ -1218,6 +1218,34 @@ static void test_dp(void) {
     double most = 0;
     for (int i = 0; i < 5; i++) most = fmax(most, pr_step_flops(&c, &groups[i], PR_SCHEDULE_REUSE));
     CHECK(fabs(load[0] - load[1]) <= most, "dp placement: loads %.3g and %.3g differ by more than one group", load[0], load[1]);
+
+    /* a malformed group (a negative suffix length, then no lengths at all) is refused over dp as it
+       is on one rank, before the placement reads it; the placement itself places every group */
+    int len[3] = { 4, -5, 2 };
+    pr_group bad[2] = { groups[0], groups[1] };
+    bad[1].suffix_len = len;
+    for (int v = 0; v < 2; v++) {
+        if (v) bad[1].suffix_len = NULL;
+        for (int ranks = 1; ranks <= 2; ranks++) {
+            dp_run d;
+            memset(&d, 0, sizeof d);
+            for (int r = 0; r < ranks; r++) d.tr[r] = make_model(&c, 5);
+            d.groups = bad;
+            d.n = 2;
+            d.opt = pr_step_opts_default();
+            d.opt.schedule = PR_SCHEDULE_REUSE;
+            pr_error err;
+            pr_status st = pr_comm_local_run(ranks, dp_rank, &d, &err);
+            CHECK(st == PR_ERR_ARG && strstr(err.message, v ? "NULL array" : "suffix"), "dp %d ranks, a group %s: status %d (%s)", ranks,
+                  v ? "without suffix lengths" : "with a negative suffix length", st, err.message);
+            for (int r = 0; r < ranks; r++) pr_trainer_destroy(d.tr[r]);
+        }
+    }
+    bad[1].suffix_len = len;
+    int placed[2] = { -1, -1 };
+    pr_dp_place(&c, bad, 2, 2, PR_SCHEDULE_REUSE, placed);
+    CHECK(placed[0] >= 0 && placed[0] < 2 && placed[1] >= 0 && placed[1] < 2, "dp placement of a negative-cost group: owners %d, %d",
+          placed[0], placed[1]);
 }
 
 /* The step's diagnostics (pr_step_stats loss_tokens, kl_sum, clipped_tokens) against a formula of
@@ -3960,9 +3988,10 @@ static void test_phase_flops(void) {
             for (int r = P; r < P + S[i]; r++) want[1][PR_PHASE_B] += 3 * (row_fwd + (r + 1) * pair_fwd);
             /* loss rows: the last prefix row and the trained prefix tokens' (the prefix's), then the suffix's but its last */
             want[0][PR_PHASE_B] += 3 * head_fwd * (1 + n_trained + S[i] - 1);
-            want[1][PR_PHASE_C] += 3 * head_fwd * (1 + n_trained);
+            want[1][PR_PHASE_C] += 3 * head_fwd;
             want[1][PR_PHASE_B] += 3 * head_fwd * (S[i] - 1);
         }
+        want[1][PR_PHASE_C] += 3 * head_fwd * n_trained;   /* reuse: a trained prefix token's head once for all G */
         for (int r = 0; r < P; r++) {
             want[1][PR_PHASE_A] += row_fwd + (r + 1) * pair_fwd;
             want[1][PR_PHASE_C] += 2 * (row_fwd + (r + 1) * pair_fwd);
@@ -3981,6 +4010,35 @@ static void test_phase_flops(void) {
     double f[3] = { 1, 1, 1 };
     pr_step_phase_flops(NULL, &t.g, PR_SCHEDULE_REUSE, f);
     CHECK(f[0] == 0 && f[1] == 0 && f[2] == 0, "phase flops of a NULL config are 0");
+}
+
+/* The CPU backend, counting the rows the loss head runs (its logit_stats calls). */
+typedef struct { pr_backend be; long rows; } head_count_backend;
+static void head_count_logit_stats(const pr_backend *be, double *stats, const void *logits, const int32_t *target, int M, int V) {
+    ((head_count_backend *)be->ctx)->rows += M;
+    pr_backend_cpu()->logit_stats(be, stats, logits, target, M, V);
+}
+
+/* The head's rows of one step of group g: reuse runs a trained prefix token's once for all G
+   trajectories (they share its logits and its target), the baseline once a sequence. */
+static void check_head_rows(const pr_config *c, const pr_group *g, pr_schedule schedule, const char *label) {
+    head_count_backend hc;
+    hc.be = *pr_backend_cpu();
+    hc.be.ctx = &hc;
+    hc.be.logit_stats = head_count_logit_stats;
+    hc.rows = 0;
+    long trained = 0, suffix = 0;
+    for (int j = 1; j < g->P; j++) trained += g->prefix_mask[j];
+    for (int i = 0; i < g->G; i++) suffix += g->suffix_len[i] - 1;
+    const long want = suffix + g->G + (schedule == PR_SCHEDULE_REUSE ? trained : g->G * trained);
+    pr_trainer *tr = make_model_on(c, 9, &hc.be);
+    pr_step_opts o = pr_step_opts_default();
+    o.schedule = schedule;
+    pr_step_stats st;
+    pr_error err;
+    CHECK(!pr_trainer_compute_grads(tr, g, &o, &st, NULL, &err) && hc.rows == want,
+          "%s: the loss head ran %ld rows, %ld expected (G %d, %ld trained prefix tokens)", label, hc.rows, want, g->G, trained);
+    pr_trainer_destroy(tr);
 }
 
 /* Trained prefix tokens (multi-turn): a group whose prefix trains a turn, through both schedules,
@@ -4039,6 +4097,8 @@ static void test_prefix_loss(void) {
         pr_trainer_destroy(ref);
         cases++;
     }
+    check_head_rows(&c, &t.g, PR_SCHEDULE_REUSE, "trained prefix tokens, reuse");
+    check_head_rows(&c, &t.g, PR_SCHEDULE_BASELINE, "trained prefix tokens, baseline");
     /* one group on meshes: CP chunks holding trained rows, a group split over dp, stages */
     const pr_moe_opts moe = { PR_AUX_SCOPE_MICROBATCH, 0 };
     mesh_compare(&c, (mesh_shape){ 1, 1, 2, 1, 1, 1, 0 }, &t.g, 1, moe, PR_SCHEDULE_REUSE, 0, PR_LAYOUT_PADDED, "trained prefix tokens on cp 2");
@@ -4264,6 +4324,15 @@ static void test_trees(void) {
         tree.group_node[0] = node;
         tree.nodes[0].parent = parent;
     }
+    /* a malformed group is refused over dp before the tree's placement reads it */
+    int len[8];
+    memcpy(len, groups[0].suffix_len, sizeof(int) * (size_t)groups[0].G);
+    pr_group bad = groups[0];
+    len[0] = -5;
+    bad.suffix_len = len;
+    tree_dp_run run = { tr, &bad, 1, &tree };
+    CHECK(pr_comm_local_run(1, tree_dp_rank, &run, &err) == PR_ERR_ARG && strstr(err.message, "suffix"),
+          "a group with a negative suffix length in a tree over dp: %s", err.message);
     o.schedule = PR_SCHEDULE_BASELINE;
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG, "tree baseline: %s", err.message);
     pr_trainer_destroy(tr);
