@@ -931,7 +931,8 @@ PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule 
    phases): with reuse, A is the prefix forward; B the suffixes forward and backward with the loss
    rows they hold (each suffix's rows but the last); C the prefix backward with the loss rows of
    the prefix (the last prefix row, which predicts every suffix's first token, and each trained
-   prefix token once for all G trajectories). The baseline's all fall in B. Zeros for a NULL config or group. */
+   prefix token once for all G trajectories). The baseline's all fall in B. Zeros for a NULL
+   config or group. */
 PRDEF void pr_step_phase_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule, double flops[3]);
 
 /* A step of n groups whose prefixes share tokens, run as their prefix tree (pr_prefix_tree_build
@@ -997,8 +998,8 @@ PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err);
 /* Data parallelism over whole prompt groups. pr_dp_place assigns each of n groups to one of
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
    schedule charges each prefix once): every rank computes the same placement. It reads each
-   group's P, G and suffix_len (groups as pr_group_validate takes them; a negative length counts
-   as no cost, and every group is still placed). owner NULL:
+   group's P, G, suffix_len and prefix_mask (groups as pr_group_validate takes them; a group whose
+   lengths make no positive cost counts as none, and every group is placed). owner NULL:
    nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. PR_ERR_NOMEM when its
    scratch memory could not be had: owner then holds every group on rank 0, a placement the other
    ranks do not share, which a caller over dp must take as this rank's failure. */
@@ -3332,7 +3333,7 @@ static void pr__head_pair(pr__head_plan *h, int row, int32_t target) {
     h->first[h->M] = h->n_slots;
 }
 
-/* A loss slot of the last pair: loss slot f, with trajectory i's advantage. */
+/* A loss slot of the last pair: loss slot f, with its trajectory's advantage. */
 static void pr__head_slot(pr__head_plan *h, const pr_real *tok_weight, long f, pr_real old_logp, const pr_real *ref_logp, pr_real adv) {
     const int k = h->n_slots++;
     h->flat[k] = f;
@@ -4325,7 +4326,8 @@ PRDEF void pr_step_phase_flops(const pr_config *c, const pr_group *g, pr_schedul
     double C = c->hidden_size, V = c->vocab_size, per_token, per_pair;
     pr__flop_rates(c, &per_token, &per_pair);
     const double head_row = 6 * C * V, P = g->P;
-    const double trained = pr__prefix_trained(g, 0, g->P);     /* every trajectory's loss row in either schedule */
+    /* trained prefix tokens: a head row each under reuse, G under the baseline */
+    const double trained = pr__prefix_trained(g, 0, g->P);
     double tokens = 0, pairs = 0, suffix_rows = 0;
     for (int i = 0; i < g->G; i++) {
         double S = g->suffix_len[i], T = P + S;
@@ -6283,6 +6285,7 @@ PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n,
         double cost = -1;
         for (int i = 0; i < n; i++) {
             double f = done[i] ? -1 : pr_step_flops(cfg, &groups[i], schedule);
+            if (!(f > 0)) f = 0;                 /* a malformed group's (negative or NaN) */
             if (!done[i] && (best < 0 || f > cost)) { cost = f; best = i; }
         }
         int to = 0;
@@ -6293,6 +6296,21 @@ PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n,
     }
     PR_FREE(load);
     PR_FREE(done);
+    return PR_OK;
+}
+
+/* What a placement reads of the groups (their FLOPs), checked before it reads it: alike on every
+   rank, so that all fail alike. The rest is checked where a group runs (pr__validate_step). */
+static pr_status pr__groups_placeable(const pr_group *groups, int n, const char *fn, pr_error *err) {
+    for (int k = 0; k < n; k++) {
+        const pr_group *g = &groups[k];
+        if (g->P < 1 || g->G < 1 || !g->suffix_len)
+            return pr__fail(err, PR_ERR_ARG, "%s: group %d: P %d, G %d, suffix_len %s (pr_group_validate has the rules)", fn, k,
+                            g->P, g->G, g->suffix_len ? "given" : "NULL");
+        for (int i = 0; i < g->G; i++)
+            if (g->suffix_len[i] < 1)
+                return pr__fail(err, PR_ERR_ARG, "%s: group %d: suffix_len[%d] = %d (must be >= 1)", fn, k, i, g->suffix_len[i]);
+    }
     return PR_OK;
 }
 
@@ -6385,10 +6403,7 @@ PRDEF pr_status pr_trainer_compute_grads_dp(pr_trainer *tr, pr_comm *dp, const p
     if (tr->zero && dp != tr->mesh->dp_comm)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_dp: a trainer with sharded state (zero %d) steps over its mesh's dp communicator", tr->zero);
     const int R = dp->size;
-    /* every group checked before the placement reads them: alike on every rank, so all fail alike
-       and still meet at the step's end */
-    pr_status st = PR_OK;
-    for (int k = 0; k < n && !st; k++) st = pr_group_validate(&groups[k], tr->model.vocab_size, err);
+    pr_status st = pr__groups_placeable(groups, n, "pr_trainer_compute_grads_dp", err);   /* every rank meets at the end */
     int *place = !st && n >= R ? (int *)PR_MALLOC(sizeof(int) * (size_t)n) : NULL;    /* whole groups: each one's rank */
     if (!st && n >= R && (!place || pr_dp_place(&tr->model, groups, n, R, opt->schedule, place)))
         st = pr__fail(err, PR_ERR_NOMEM, "out of host memory to place %d groups", n);
@@ -6528,8 +6543,8 @@ PRDEF pr_status pr_trainer_compute_grads_tree_dp(pr_trainer *tr, pr_comm *dp, co
     if (n < R)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree_dp: %d groups over %d dp ranks: a tree step places whole "
                         "groups, at least one a rank (pr_trainer_compute_grads_dp splits groups)", n, R);
-    pr_status st = PR_OK;      /* the groups and the tree checked before the placement reads them (alike on every rank) */
-    for (int k = 0; k < n && !st; k++) st = pr_group_validate(&groups[k], tr->model.vocab_size, err);
+    /* the groups and the tree checked before the placement follows them (alike on every rank) */
+    pr_status st = pr__groups_placeable(groups, n, "pr_trainer_compute_grads_tree_dp", err);
     if (!st) st = pr__tree_check(tree, groups, n, err);
     if (st) return st;
     int *owner = (int *)PR_MALLOC(sizeof(int) * 2 * (size_t)n);

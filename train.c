@@ -1863,7 +1863,6 @@ static int synth(synth_group *sg, int P, int S, int G, int V, uint64_t seed) {
     return 1;
 }
 
-
 /* Best wall time of reps runs of one schedule on the group; *sum: all of them; phase (or NULL):
    the best run's time in each phase. */
 static int time_step(pr_trainer *tr, const pr_group *g, const pr_step_opts *o, int reps, double *best, double *sum, double *phase,

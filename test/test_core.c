@@ -1220,8 +1220,9 @@ static void test_dp(void) {
     CHECK(fabs(load[0] - load[1]) <= most, "dp placement: loads %.3g and %.3g differ by more than one group", load[0], load[1]);
 
     /* a malformed group (a negative suffix length, then no lengths at all) is refused over dp as it
-       is on one rank, before the placement reads it; the placement itself places every group */
-    int len[3] = { 4, -5, 2 };
+       is on one rank, before the placement reads it; the placement itself places every group, also
+       one whose lengths make its FLOPs negative */
+    int len[3] = { 4, -40, 2 };
     pr_group bad[2] = { groups[0], groups[1] };
     bad[1].suffix_len = len;
     for (int v = 0; v < 2; v++) {
@@ -1236,7 +1237,7 @@ static void test_dp(void) {
             d.opt.schedule = PR_SCHEDULE_REUSE;
             pr_error err;
             pr_status st = pr_comm_local_run(ranks, dp_rank, &d, &err);
-            CHECK(st == PR_ERR_ARG && strstr(err.message, v ? "NULL array" : "suffix"), "dp %d ranks, a group %s: status %d (%s)", ranks,
+            CHECK(st == PR_ERR_ARG && strstr(err.message, "suffix_len"), "dp %d ranks, a group %s: status %d (%s)", ranks,
                   v ? "without suffix lengths" : "with a negative suffix length", st, err.message);
             for (int r = 0; r < ranks; r++) pr_trainer_destroy(d.tr[r]);
         }
@@ -1244,8 +1245,8 @@ static void test_dp(void) {
     bad[1].suffix_len = len;
     int placed[2] = { -1, -1 };
     pr_dp_place(&c, bad, 2, 2, PR_SCHEDULE_REUSE, placed);
-    CHECK(placed[0] >= 0 && placed[0] < 2 && placed[1] >= 0 && placed[1] < 2, "dp placement of a negative-cost group: owners %d, %d",
-          placed[0], placed[1]);
+    CHECK(pr_step_flops(&c, &bad[1], PR_SCHEDULE_REUSE) < 0 && placed[0] >= 0 && placed[0] < 2 && placed[1] >= 0 && placed[1] < 2,
+          "dp placement of a negative-cost group: owners %d, %d", placed[0], placed[1]);
 }
 
 /* The step's diagnostics (pr_step_stats loss_tokens, kl_sum, clipped_tokens) against a formula of
@@ -4182,6 +4183,10 @@ static pr_status tree_dp_rank(pr_comm *dp, void *user, pr_error *err) {
     pr_step_stats st;
     return pr_trainer_compute_grads_tree_dp(r->tr, dp, r->groups, r->n, r->tree, &o, &st, err);
 }
+/* The same with a run a rank (user: an array of them). */
+static pr_status tree_dp_two_ranks(pr_comm *dp, void *user, pr_error *err) {
+    return tree_dp_rank(dp, (tree_dp_run *)user + dp->rank, err);
+}
 
 static void test_trees(void) {
     pr_config c = small_config(1, 0, 2), m = moe_config(1), m8 = m;
@@ -4324,15 +4329,20 @@ static void test_trees(void) {
         tree.group_node[0] = node;
         tree.nodes[0].parent = parent;
     }
-    /* a malformed group is refused over dp before the tree's placement reads it */
-    int len[8];
-    memcpy(len, groups[0].suffix_len, sizeof(int) * (size_t)groups[0].G);
-    pr_group bad = groups[0];
-    len[0] = -5;
-    bad.suffix_len = len;
-    tree_dp_run run = { tr, &bad, 1, &tree };
-    CHECK(pr_comm_local_run(1, tree_dp_rank, &run, &err) == PR_ERR_ARG && strstr(err.message, "suffix"),
-          "a group with a negative suffix length in a tree over dp: %s", err.message);
+    /* a malformed group (no suffix lengths) is refused over dp before the tree's placement reads
+       it: two groups on one prefix over two ranks */
+    {
+        pr_group two_groups[2] = { groups[0], groups[0] };
+        pr_prefix_tree shared;
+        CHECK(!pr_prefix_tree_build(&shared, two_groups, 2, 1, &err), "%s", err.message);
+        two_groups[1].suffix_len = NULL;
+        pr_trainer *peer = make_model(&c, 8);
+        tree_dp_run runs[2] = { { tr, two_groups, 2, &shared }, { peer, two_groups, 2, &shared } };
+        CHECK(pr_comm_local_run(2, tree_dp_two_ranks, runs, &err) == PR_ERR_ARG && strstr(err.message, "suffix_len"),
+              "a group without suffix lengths in a tree over dp 2: %s", err.message);
+        pr_trainer_destroy(peer);
+        pr_prefix_tree_free(&shared);
+    }
     o.schedule = PR_SCHEDULE_BASELINE;
     CHECK(pr_trainer_compute_grads_tree(tr, groups, 1, &tree, &o, NULL, &err) == PR_ERR_ARG, "tree baseline: %s", err.message);
     pr_trainer_destroy(tr);
