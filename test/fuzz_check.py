@@ -281,6 +281,8 @@ def run(cmd, timeout, processes=1, d=None, env=None):
             return p.stdout.decode(errors="replace"), p.returncode
         except subprocess.TimeoutExpired as e:
             return (e.stdout or b"").decode(errors="replace") + f"\n(timed out after {timeout} s)", None
+    # the ranks share the machine's cores: more ranks than cores run that many times slower
+    timeout *= max(1.0, processes / (os.cpu_count() or 1))
     logs = [open(os.path.join(d, f"rank{k}.log"), "w+b") for k in range(processes)]
     procs = [subprocess.Popen(cmd + ["--nccl-id", os.path.join(d, "nccl-id"), "--nccl-timeout", str(int(timeout))],
                               stdout=logs[k], stderr=subprocess.STDOUT,
@@ -741,7 +743,7 @@ def main():
     ap.add_argument("--seed", type=int, default=None, help="the run's seed (default: from the clock, printed)")
     ap.add_argument("--case", type=lambda s: int(s, 0), help="run the one case of this seed (printed by a failure)")
     ap.add_argument("--keep", help="with --case: write the case's files here and keep them")
-    ap.add_argument("--timeout", type=float, default=120, help="seconds a case may take (default 120)")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a case may take (default 120; a case of more ranks than cores, that many times more)")
     ap.add_argument("--cuda", metavar="DOUBLE_TRAIN",
                     help="TRAIN is a train_cuda (the emulated device's, or a GPU's): head dims 16 to 128, one step, meshes "
                          "of up to 4 processes; a failed bf16 check is asked again against DOUBLE_TRAIN, a double build "
