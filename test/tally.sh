@@ -1,6 +1,8 @@
 # Sourced by run.sh, run_gpu.sh and run_mesh_gpu.sh: `run CMD...` prints a program's output and adds
 # its "N passed, N failed" line (or, without one, its exit status as one check) to the totals;
-# `report` prints the totals as the last line and sets the exit status.
+# `report` prints the totals as the last line and sets the exit status. Each program's seconds follow
+# its output, and the report lists the ten slowest first (what to cut when the suite outgrows CI's
+# time).
 # `run_at_once N`, before the first `run`, lets N programs run at once (test/run.sh: one a core;
 # the emulated device and most tests are single-threaded; each program gets one OpenMP thread unless
 # OMP_NUM_THREADS says otherwise). Each program's output is still printed whole, under its command
@@ -42,6 +44,9 @@ tally_show() {
     [ "$tally_pool" -gt 1 ] && echo "== $(cat "$1.cmd")"
     cat "$1.out"
     tally_rc=$(cat "$1.rc")
+    tally_sec=$(( $(cat "$1.end") - $(cat "$1.start") ))
+    echo "($tally_sec s)"
+    printf '%6d s  %s\n' "$tally_sec" "$(cat "$1.cmd")" >> "$tally_spool/seconds"
     tally_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$1.out" | tail -n 1)
     if [ -n "$tally_line" ]; then
         tally_np=${tally_line%% passed*}; tally_nf=${tally_line#*passed, }; tally_nf=${tally_nf%% failed*}
@@ -66,12 +71,13 @@ run() {
     while [ $((tally_started - tally_shown)) -ge "$tally_pool" ]; do tally_show_ended; sleep 0.2; done
     tally_started=$((tally_started + 1))
     tally_f=$tally_spool/$tally_started
+    printf '%s\n' "$*" > "$tally_f.cmd"
     if [ "$tally_pool" -le 1 ]; then
         echo "== $*"
-        "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"
+        date +%s > "$tally_f.start"; "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.rc"; date +%s > "$tally_f.end"
     else
-        printf '%s\n' "$*" > "$tally_f.cmd"
-        ( "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; mv "$tally_f.part" "$tally_f.rc" ) &
+        ( date +%s > "$tally_f.start"; "$@" > "$tally_f.out" 2>&1; echo $? > "$tally_f.part"; date +%s > "$tally_f.end"
+          mv "$tally_f.part" "$tally_f.rc" ) &
         tally_pids="$tally_pids $!"
     fi
     tally_show_ended
@@ -79,6 +85,10 @@ run() {
 
 report() {
     until tally_show_ended; [ "$tally_shown" -eq "$tally_started" ]; do sleep 0.2; done
+    if [ -f "$tally_spool/seconds" ]; then
+        echo "the slowest programs:"
+        sort -rn "$tally_spool/seconds" | head -n 10
+    fi
     rm -rf "$tally_spool"
     echo "$passed passed, $failed failed"
     [ "$failed" -eq 0 ]
