@@ -531,14 +531,20 @@ static cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
         const uint64_t m = LD.rows, n = LD.cols;
         uint64_t k, unused;
         emu_op_shape(&LA, op.ta, &unused, &k);
+        /* op(A) row by row and op(B) column by column, read once: each dot product then runs over
+           contiguous doubles, in the same order (the same bits) */
+        std::vector<double> rows_a(m * k), cols_b(n * k);
+        for (uint64_t i = 0; i < m; i++)
+            for (uint64_t p = 0; p < k; p++)
+                rows_a[i * k + p] = emu_load(A, LA.type, op.ta == CUBLAS_OP_T ? p + i * LA.ld : i + p * LA.ld);
+        for (uint64_t j = 0; j < n; j++)
+            for (uint64_t p = 0; p < k; p++)
+                cols_b[j * k + p] = emu_load(B, LB.type, op.tb == CUBLAS_OP_T ? j + p * LB.ld : p + j * LB.ld);
         for (uint64_t j = 0; j < n; j++)
             for (uint64_t i = 0; i < m; i++) {
+                const double *x = &rows_a[i * k], *y = &cols_b[j * k];
                 double acc = 0;
-                for (uint64_t p = 0; p < k; p++) {
-                    size_t ia = op.ta == CUBLAS_OP_T ? p + i * LA.ld : i + p * LA.ld;
-                    size_t ib = op.tb == CUBLAS_OP_T ? j + p * LB.ld : p + j * LB.ld;
-                    acc += emu_load(A, LA.type, ia) * emu_load(B, LB.type, ib);
-                }
+                for (uint64_t p = 0; p < k; p++) acc += x[p] * y[p];
                 const size_t id = i + j * LD.ld;
                 const double v = a * acc + (b != 0 ? b * emu_load(D, LD.type, id) : 0.0);   /* C unread when beta is 0 */
                 if (LD.type == CUDA_R_32F) { const float f = (float)v; memcpy((char *)D + 4 * id, &f, 4); }

@@ -69,18 +69,23 @@ enum { T_RUN, T_BAR, T_WARP, T_WG, T_DONE };
 enum { WG_FENCE, WG_MMA, WG_COMMIT, WG_WAIT };
 enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL, OP_VOTE_ANY };
 struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
-/* Switching between fibers: ucontext, or on x86-64 (outside AddressSanitizer, which follows
-   ucontext only) a plain switch of the callee-saved registers and the stack pointer, without
-   glibc's signal-mask system call: the emulation makes tens of millions of switches. */
+/* Switching between fibers: on x86-64 a plain switch of the callee-saved registers and the stack
+   pointer, without glibc's signal-mask system call (the emulation makes tens of millions of
+   switches); elsewhere, or with EMU_UCONTEXT, ucontext. Under AddressSanitizer each switch is told
+   to it (__sanitizer_start/finish_switch_fiber), as it must be for any stack it did not make; its
+   swapcontext interceptor would instead clear the whole new stack's shadow at every switch. */
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define EMU_SANITIZED 1
 #endif
 #endif
+#if !defined(EMU_SANITIZED) && defined(__SANITIZE_ADDRESS__)
+#define EMU_SANITIZED 1
+#endif
 #ifndef EMU_SANITIZED
 #define EMU_SANITIZED 0
 #endif
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !EMU_SANITIZED && !defined(EMU_UCONTEXT)
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
 #define EMU_FAST_SWITCH 1
 extern "C" void emu_switch(void **save_sp, void *load_sp);
 __asm__(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
@@ -91,9 +96,16 @@ __asm__(".text\n.globl emu_switch\n.type emu_switch,@function\nemu_switch:\n"
 #else
 #define EMU_FAST_SWITCH 0
 #endif
+#if EMU_FAST_SWITCH && EMU_SANITIZED
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 struct emu_thread {
 #if EMU_FAST_SWITCH
     void *sp;                                    /* its stack pointer while switched out */
+    char *stack;                                 /* its stack's lowest byte, and its size */
+    size_t stack_size;
+    void *fake_stack;                            /* AddressSanitizer's, while switched out */
 #else
     ucontext_t ctx;
 #endif
@@ -123,6 +135,8 @@ static std::vector<emu_thread> emu_threads;
 static std::vector<char> emu_stacks;
 #if EMU_FAST_SWITCH
 static void *emu_sched_sp;
+static const void *emu_sched_stack;              /* the scheduler's stack, as AddressSanitizer gives it */
+static size_t emu_sched_stack_size;
 #else
 static ucontext_t emu_sched;
 #endif
@@ -247,17 +261,32 @@ static void emu_shadow_land(uint32_t addr, int bytes) {
     }
 }
 
-static void emu_to_scheduler(void) {
+/* From the running fiber to the scheduler; `ending`: never to be resumed. */
+static void emu_to_scheduler(bool ending = false) {
 #if EMU_FAST_SWITCH
+#if EMU_SANITIZED
+    __sanitizer_start_switch_fiber(ending ? NULL : &emu_cur->fake_stack, emu_sched_stack, emu_sched_stack_size);
+#endif
     emu_switch(&emu_cur->sp, emu_sched_sp);
+#if EMU_SANITIZED
+    __sanitizer_finish_switch_fiber(emu_cur->fake_stack, NULL, NULL);     /* emu_cur: this fiber again */
+#endif
 #else
+    (void)ending;
     swapcontext(&emu_cur->ctx, &emu_sched);
 #endif
 }
 static void emu_to_fiber(emu_thread *t) {
     emu_cur = t;
 #if EMU_FAST_SWITCH
+#if EMU_SANITIZED
+    void *fake_stack;
+    __sanitizer_start_switch_fiber(&fake_stack, t->stack, t->stack_size);
+#endif
     emu_switch(&emu_sched_sp, t->sp);
+#if EMU_SANITIZED
+    __sanitizer_finish_switch_fiber(fake_stack, NULL, NULL);
+#endif
 #else
     swapcontext(&emu_sched, &t->ctx);
 #endif
@@ -558,25 +587,30 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
 }
 
 static void emu_fiber(void) {
+#if EMU_FAST_SWITCH && EMU_SANITIZED
+    __sanitizer_finish_switch_fiber(NULL, &emu_sched_stack, &emu_sched_stack_size);   /* the first switch in */
+#endif
     (*emu_body)();
     size_t pending = emu_cur->open.size();
     for (const std::vector<emu_copy> &g : emu_cur->groups) pending += g.size();
     if (pending) emu_error("the thread ends with cp.async copies it never waited for");
     if (emu_cur->idx.x % 128 == 0 && !emu_wgs[emu_cur->idx.x / 128].ops.empty()) emu_error("the warpgroup ends with a wgmma it never waited for");
     emu_cur->state = T_DONE;
-    emu_to_scheduler();
+    emu_to_scheduler(true);
     abort();                                     /* never resumed */
 }
 
 /* The order blocks, warps and lanes run in: PR_EMU_ORDER (see the top), read at the first launch. */
 static int emu_reversed = -1;
-static bool emu_order_reversed(void) {
-    if (emu_reversed < 0) {
-        const char *v = getenv("PR_EMU_ORDER");
-        emu_reversed = v && !strcmp(v, "reverse");
-        if (v && !emu_reversed && strcmp(v, "forward"))
-            fprintf(stderr, "emulated device: PR_EMU_ORDER=%s is neither forward nor reverse; running forward\n", v);
-    }
+static void emu_read_order(void) {
+    const char *v = getenv("PR_EMU_ORDER");
+    emu_reversed = v && !strcmp(v, "reverse");
+    if (v && !emu_reversed && strcmp(v, "forward"))
+        fprintf(stderr, "emulated device: PR_EMU_ORDER=%s is neither forward nor reverse; running forward\n", v);
+}
+/* inline, as the scheduler asks it for every lane it runs */
+static inline bool emu_order_reversed(void) {
+    if (emu_reversed < 0) emu_read_order();
     return emu_reversed;
 }
 /* The i-th of n in the chosen order. */
@@ -586,9 +620,17 @@ static unsigned emu_nth(unsigned i, unsigned n) { return emu_order_reversed() ? 
 static void emu_run_block(unsigned threads) {
     const size_t stack = 128 * 1024;
     emu_threads.resize(threads);
-    emu_stacks.resize(stack * threads);
+    /* grown, never shrunk: a resize back up would zero the stacks again (a 1024-thread block's
+       128 MiB at every launch that follows a smaller block's) */
+    if (emu_stacks.size() < stack * threads) {
+        emu_stacks.clear();                      /* nothing copied: the old stacks hold dead frames (poisoned, under the sanitizer) */
+        emu_stacks.resize(stack * threads);
+    }
     for (unsigned t = 0; t < threads; t++) {
         emu_thread &e = emu_threads[t];
+        /* each stack's top a cache line further down than the last one's: tops a whole stack apart
+           would all fall in the same cache sets, and the lanes of a warp, run in turn, evict each other */
+        const size_t size = stack - 64 * (t % 64);
         e.idx.x = t, e.idx.y = e.idx.z = 0;
         e.state = T_RUN;
         e.open.clear();
@@ -599,15 +641,17 @@ static void emu_run_block(unsigned threads) {
 #if EMU_FAST_SWITCH
         /* the first switch pops six zero registers and returns into emu_fiber, which then sees the
            stack as a called function does (rsp = 8 mod 16) */
-        uintptr_t top = ((uintptr_t)&emu_stacks[stack * (t + 1)] & ~(uintptr_t)15) - 8;
+        e.stack = emu_stacks.data() + stack * t, e.stack_size = size;
+        e.fake_stack = NULL;
+        uintptr_t top = ((uintptr_t)(e.stack + size) & ~(uintptr_t)15) - 8;
         void **sp = (void **)top;
         *--sp = (void *)emu_fiber;
         for (int r = 0; r < 6; r++) *--sp = NULL;
         e.sp = sp;
 #else
         getcontext(&e.ctx);
-        e.ctx.uc_stack.ss_sp = &emu_stacks[stack * t];
-        e.ctx.uc_stack.ss_size = stack;
+        e.ctx.uc_stack.ss_sp = emu_stacks.data() + stack * t;
+        e.ctx.uc_stack.ss_size = size;
         e.ctx.uc_link = &emu_sched;
         makecontext(&e.ctx, emu_fiber, 0);
 #endif
@@ -704,6 +748,15 @@ static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, 
                 before[o].assign(p, p + outs[o].n * outs[o].elem);
             }
             emu_run_block(threads);
+#if EMU_FAST_SWITCH && EMU_SANITIZED
+            /* The frames still on a fiber's stack when its block ends (a finished thread's last
+               switch; a whole kernel's where a fault cut the block short) keep their poisoned
+               shadow, where the next block's fibers start afresh. */
+            for (unsigned t = 0; t < threads; t++) {
+                const emu_thread &e = emu_threads[t];
+                __asan_unpoison_memory_region(e.sp, (size_t)(e.stack + e.stack_size - (char *)e.sp));
+            }
+#endif
             const long id = (long)y * gx + x;
             for (size_t o = 0; o < outs.size(); o++) {
                 const size_t el = outs[o].elem;

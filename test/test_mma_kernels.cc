@@ -431,7 +431,7 @@ int main(void) {
         { 130, 2, { 40, 65 }, 4, 4, 32 },
     };
 #if defined(__SANITIZE_ADDRESS__) || EMU_SANITIZED
-    const size_t n_shapes = 4;                    /* ucontext under AddressSanitizer: slower (and the head dims 16, 32 last) */
+    const size_t n_shapes = 4;                    /* under AddressSanitizer: slower (and the head dims 16, 32 last) */
 #else
     const size_t n_shapes = sizeof shapes / sizeof *shapes;
 #endif
