@@ -6651,6 +6651,7 @@ PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err) {
    these few calls only. */
 #if defined(__cplusplus)
 #include <pthread.h>
+#include <sched.h>
 typedef pthread_mutex_t pr__mtx;
 typedef pthread_cond_t pr__cnd;
 typedef pthread_t pr__thrd;
@@ -6665,6 +6666,7 @@ static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { pthread_cond_wait(c, m); }
 static void pr__cnd_broadcast(pr__cnd *c) { pthread_cond_broadcast(c); }
 static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return pthread_create(t, NULL, fn, arg) == 0; }
 static void pr__thrd_join(pr__thrd t) { pthread_join(t, NULL); }
+static void pr__thrd_yield(void) { sched_yield(); }
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L && !defined(__STDC_NO_THREADS__)
 #include <threads.h>
 typedef mtx_t pr__mtx;
@@ -6681,6 +6683,7 @@ static void pr__cnd_wait(pr__cnd *c, pr__mtx *m) { cnd_wait(c, m); }
 static void pr__cnd_broadcast(pr__cnd *c) { cnd_broadcast(c); }
 static int pr__thrd_create(pr__thrd *t, pr__thrd_result (*fn)(void *), void *arg) { return thrd_create(t, fn, arg) == thrd_success; }
 static void pr__thrd_join(pr__thrd t) { thrd_join(t, NULL); }
+static void pr__thrd_yield(void) { thrd_yield(); }
 #else
 #error "prefixreuse.h: the in-process ranks (pr_comm_local_run) need C11 <threads.h> or C++; compile as C11 or later, or define PR_NO_THREADS to leave them out"
 #endif
@@ -6722,6 +6725,7 @@ typedef struct {
 typedef struct {
     pr__mtx mu;
     pr__cnd cv;
+    unsigned epoch;                /* counts the changes a waiter may be waiting for (pr__run_wake) */
     int refs;                      /* its worlds, and pr_comm_local_run until it returns */
     int gate;                      /* 0 wait, 1 go, -1 give up (a thread failed to start) */
     int threads, waiting, done;    /* threads; of them, those in a recorded wait and those returned */
@@ -6739,6 +6743,27 @@ typedef struct {
                                       waiting in a call it skipped) */
     unsigned char *returned_ok;    /* (threads) its function returned PR_OK */
 } pr__run;
+
+/* The run's waits, with its lock held. A change any waiter may wait for counts an epoch and wakes
+   them all. A waiter first gives up its core a few times, looking again after each, before it
+   sleeps: the peer it waits for mostly arrives within a few yields, and a sleep and wake of the
+   ranks' threads at every collective cost far more than the collective when the ranks outnumber
+   the cores (a barrier of four ranks on two cores: ten times as long). It returns on a change or a
+   spurious wake; its caller looks again at what it waits for. */
+#define PR__RUN_YIELDS 100
+static void pr__run_wake(pr__run *run) {
+    run->epoch++;
+    pr__cnd_broadcast(&run->cv);
+}
+static void pr__run_sleep(pr__run *run) {
+    const unsigned epoch = run->epoch;
+    for (int i = 0; i < PR__RUN_YIELDS && run->epoch == epoch; i++) {
+        pr__mtx_unlock(&run->mu);
+        pr__thrd_yield();
+        pr__mtx_lock(&run->mu);
+    }
+    if (run->epoch == epoch) pr__cnd_wait(&run->cv, &run->mu);
+}
 
 /* A collective's call, compared across the ranks before any buffer is read. `seq` numbers the
    rank's meetings on the communicator, so that a rank that gave up a meeting and comes with its
@@ -6840,7 +6865,7 @@ static void pr__world_leave(pr__world *w, int rank) {
     pr__run *run = w->run;
     pr__mtx_lock(&run->mu);
     w->left[rank] = 1;
-    pr__cnd_broadcast(&run->cv);
+    pr__run_wake(run);
     if (--w->refs) {
         pr__mtx_unlock(&run->mu);
         return;
@@ -6942,7 +6967,7 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
             e.status = PR_ERR_ARG;
             break;
         }
-        pr__cnd_wait(&run->cv, &run->mu);
+        pr__run_sleep(run);
     }
     me->kind = PR__RUNNING;
     run->waiting--;
@@ -6953,7 +6978,7 @@ static pr_status pr__wait_for(const pr__local *l, pr__wait x, pr_error *err) {
 static void pr__barrier_open(pr__world *w) {
     w->arrived = 0;
     w->gen++;
-    pr__cnd_broadcast(&w->run->cv);
+    pr__run_wake(w->run);
 }
 /* A collective's second half, after its meeting: every rank is inside the same call and comes
    here without waiting on anything else, so this barrier cannot fail. */
@@ -6963,7 +6988,7 @@ static void pr__world_sync(pr__world *w) {
     if (++w->arrived == w->size)
         pr__barrier_open(w);
     else
-        while (gen == w->gen) pr__cnd_wait(&w->run->cv, &w->run->mu);
+        while (gen == w->gen) pr__run_sleep(w->run);
     pr__mtx_unlock(&w->run->mu);
 }
 /* A collective's meeting: the rank publishes its buffer and its call, waits for every rank and
@@ -7115,7 +7140,7 @@ static pr_status pr__local_post(pr_comm *c, const void *buf, size_t n, pr_comm_t
         w->mail[box] = buf;
         w->mail_bytes[box] = n * pr__comm_elem(t);
         w->mail_full[box] = 1;
-        pr__cnd_broadcast(&w->run->cv);
+        pr__run_wake(w->run);
     }
     pr__mtx_unlock(&w->run->mu);
     if (!st) c->bytes_sent += n * pr__comm_elem(t);
@@ -7140,7 +7165,7 @@ static pr_status pr__local_take(pr_comm *c, void *buf, size_t n, pr_comm_type t,
         got = w->mail_bytes[box];
         if (got == bytes) memcpy(buf, w->mail[box], bytes);
         w->mail_full[box] = 0;                /* the sender goes on either way: no rank is left waiting */
-        pr__cnd_broadcast(&w->run->cv);
+        pr__run_wake(w->run);
     }
     pr__mtx_unlock(&w->run->mu);
     if (!st && got != bytes) {
@@ -7261,7 +7286,7 @@ static pr__thrd_result pr__rank_main(void *arg) {
     const pr__local *l = (const pr__local *)r->comm;
     pr__run *run = l->w->run;
     pr__mtx_lock(&run->mu);
-    while (run->gate == 0) pr__cnd_wait(&run->cv, &run->mu);
+    while (run->gate == 0) pr__run_sleep(run);
     int go = run->gate > 0;
     pr__mtx_unlock(&run->mu);
     r->err.status = PR_OK;
@@ -7271,7 +7296,7 @@ static pr__thrd_result pr__rank_main(void *arg) {
     run->wait[l->thread].kind = PR__DONE;
     run->returned_ok[l->thread] = r->st == PR_OK;
     run->done++;
-    pr__cnd_broadcast(&run->cv);
+    pr__run_wake(run);
     pr__mtx_unlock(&run->mu);
     return 0;
 }
@@ -7330,7 +7355,7 @@ PRDEF pr_status pr_comm_local_run(int n, pr_status (*fn)(pr_comm *comm, void *us
     }
     pr__mtx_lock(&run->mu);
     run->gate = started == n ? 1 : -1;
-    pr__cnd_broadcast(&run->cv);
+    pr__run_wake(run);
     pr__mtx_unlock(&run->mu);
     for (int r = 0; r < started; r++) pr__thrd_join(th[r]);
     pr_status st = started < n ? pr__fail(err, PR_ERR_NOMEM, "pr_comm_local_run: could not start %d threads", n) : PR_OK;

@@ -135,8 +135,10 @@ static std::vector<emu_thread> emu_threads;
 static std::vector<char> emu_stacks;
 #if EMU_FAST_SWITCH
 static void *emu_sched_sp;
+#if EMU_SANITIZED
 static const void *emu_sched_stack;              /* the scheduler's stack, as AddressSanitizer gives it */
 static size_t emu_sched_stack_size;
+#endif
 #else
 static ucontext_t emu_sched;
 #endif
@@ -263,6 +265,7 @@ static void emu_shadow_land(uint32_t addr, int bytes) {
 
 /* From the running fiber to the scheduler; `ending`: never to be resumed. */
 static void emu_to_scheduler(bool ending = false) {
+    (void)ending;                                /* read only under AddressSanitizer */
 #if EMU_FAST_SWITCH
 #if EMU_SANITIZED
     __sanitizer_start_switch_fiber(ending ? NULL : &emu_cur->fake_stack, emu_sched_stack, emu_sched_stack_size);
@@ -272,7 +275,6 @@ static void emu_to_scheduler(bool ending = false) {
     __sanitizer_finish_switch_fiber(emu_cur->fake_stack, NULL, NULL);     /* emu_cur: this fiber again */
 #endif
 #else
-    (void)ending;
     swapcontext(&emu_cur->ctx, &emu_sched);
 #endif
 }

@@ -110,31 +110,47 @@ static inline void emu_c_pos(int lane, int i, int *row, int *col) {
     *col = tig * 2 + (i & 0x1);
 }
 
-/* mma.m16n8k16 bf16 -> fp32: d = a b + c, per lane registers. */
-static inline void emu_mma(float d[32][4], const uint32_t a[32][4], const uint32_t b[32][2], const float c[32][4]) {
-    double A[16][16], B[16][8], C[16][8];
-    for (int lane = 0; lane < 32; lane++) {
-        for (int i = 0; i < 8; i++) {
-            int r, q;
-            emu_a_pos(lane, i, &r, &q);
-            A[r][q] = bf16_value((uint16_t)(a[lane][i / 2] >> (16 * (i % 2))));
-        }
-        for (int i = 0; i < 4; i++) {
-            int r, q;
-            emu_b_pos(lane, i, &r, &q);
-            B[r][q] = bf16_value((uint16_t)(b[lane][i / 2] >> (16 * (i % 2))));
-            emu_c_pos(lane, i, &r, &q);
-            C[r][q] = c[lane][i];
+/* Each lane register's element of A, B and C/D, from the tables above (one lookup a call, not
+   three calls an element: the emulated kernels execute millions of mma). */
+struct emu_frag_tables {
+    unsigned char a[32][8][2], b[32][4][2], c[32][4][2];   /* [lane][i]: row, col */
+    emu_frag_tables() {
+        for (int lane = 0; lane < 32; lane++) {
+            for (int i = 0; i < 8; i++) {
+                int r, q;
+                emu_a_pos(lane, i, &r, &q);
+                a[lane][i][0] = (unsigned char)r, a[lane][i][1] = (unsigned char)q;
+            }
+            for (int i = 0; i < 4; i++) {
+                int r, q;
+                emu_b_pos(lane, i, &r, &q);
+                b[lane][i][0] = (unsigned char)r, b[lane][i][1] = (unsigned char)q;
+                emu_c_pos(lane, i, &r, &q);
+                c[lane][i][0] = (unsigned char)r, c[lane][i][1] = (unsigned char)q;
+            }
         }
     }
-    for (int lane = 0; lane < 32; lane++)
+};
+
+/* mma.m16n8k16 bf16 -> fp32: d = a b + c, per lane registers. Every element of D sums c, then
+   the products in k order; the loop over k is the outer one so that the eight columns of a row
+   accumulate together (the same sums, vectorised). */
+static inline void emu_mma(float d[32][4], const uint32_t a[32][4], const uint32_t b[32][2], const float c[32][4]) {
+    static const emu_frag_tables pos;
+    double A[16][16], B[16][8], S[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        for (int i = 0; i < 8; i++)
+            A[pos.a[lane][i][0]][pos.a[lane][i][1]] = bf16_value((uint16_t)(a[lane][i / 2] >> (16 * (i % 2))));
         for (int i = 0; i < 4; i++) {
-            int r, q;
-            emu_c_pos(lane, i, &r, &q);
-            double s = C[r][q];
-            for (int kk = 0; kk < 16; kk++) s += A[r][kk] * B[kk][q];
-            d[lane][i] = (float)s;
+            B[pos.b[lane][i][0]][pos.b[lane][i][1]] = bf16_value((uint16_t)(b[lane][i / 2] >> (16 * (i % 2))));
+            S[pos.c[lane][i][0]][pos.c[lane][i][1]] = c[lane][i];
         }
+    }
+    for (int r = 0; r < 16; r++)
+        for (int kk = 0; kk < 16; kk++)
+            for (int q = 0; q < 8; q++) S[r][q] += A[r][kk] * B[kk][q];
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 4; i++) d[lane][i] = (float)S[pos.c[lane][i][0]][pos.c[lane][i][1]];
 }
 
 #endif
