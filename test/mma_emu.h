@@ -133,8 +133,8 @@ struct emu_frag_tables {
 };
 
 /* mma.m16n8k16 bf16 -> fp32: d = a b + c, per lane registers. Every element of D sums c, then
-   the products in k order; the loop over k is the outer one so that the eight columns of a row
-   accumulate together (the same sums, vectorised). */
+   the products in k order; the loop over k runs outside the one over the eight columns of a row,
+   so that they accumulate together (the same sums, vectorised). */
 static inline void emu_mma(float d[32][4], const uint32_t a[32][4], const uint32_t b[32][2], const float c[32][4]) {
     static const emu_frag_tables pos;
     double A[16][16], B[16][8], S[16][8];
