@@ -375,8 +375,8 @@ template <typename K> static cudaError_t cudaFuncSetAttribute(K kernel, cudaFunc
 }
 
 /* A launch: its geometry and shared memory checked now, as the runtime does (an error for
-   cudaGetLastError), its arguments taken now, the kernel run when the stream gets there. The
-   emulated block is one-dimensional, as all of the backend's are. */
+   cudaGetLastError), its arguments and PR_EMU_ORDER taken now, the kernel run when the stream
+   gets there. The emulated block is one-dimensional, as all of the backend's are. */
 template <typename K, typename... A>
 static void emu_kernel_launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
     const std::map<const void *, int>::const_iterator opted = emu_smem_optin.find(reinterpret_cast<const void *>(kernel));
@@ -393,9 +393,10 @@ static void emu_kernel_launch(const char *name, K kernel, dim3 grid, dim3 block,
         return;
     }
     std::tuple<A...> bound(args...);
+    const bool reversed = emu_order_env();
     emu_enqueue(s, [=] {
         if (emu_sticky) return;                 /* a faulted context runs nothing more */
-        emu_launch(grid.x, grid.y, block.x, smem, std::vector<emu_out>(), [&] { std::apply(kernel, bound); });
+        emu_launch(grid.x, grid.y, block.x, smem, std::vector<emu_out>(), [&] { std::apply(kernel, bound); }, reversed);
         if (emu_errors || emu_races) emu_device_fault("in kernel %s (grid %u x %u, %u threads)", name, grid.x, grid.y, block.x);
     });
 }

@@ -1,5 +1,7 @@
 /* Device buffers of the GPU tests from host doubles and back, through a backend's copies: bf16
-   (rounded to nearest even) or fp32 elements on the device. Include after prefixreuse.h. */
+   (rounded to nearest even) or fp32 elements on the device; and the order a run repeated for its
+   bits runs in on the emulated device. Include after prefixreuse.h, with setenv declared
+   (_POSIX_C_SOURCE 200112L or later). */
 #ifndef PR_GPU_COPY_H
 #define PR_GPU_COPY_H
 #include <stdint.h>
@@ -44,4 +46,20 @@ static double *gpu_download(const pr_backend *be, const void *d, size_t n, int b
     free(h);
     return x;
 }
+
+/* The emulated device (test/gpu_emu.h) runs a launch's blocks, warps and lanes in the order
+   PR_EMU_ORDER names, read at each launch; a GPU ignores it. A run repeated to compare its bits
+   runs between gpu_order_flip() and gpu_order_restore(): on the emulator in the other order, so
+   that a result which depends on the order threads run in (two writers of one element) differs
+   there as it may on a GPU, where the repeat alone would give the same bits every time. */
+static int gpu_order_reversed(void) {
+    const char *v = getenv("PR_EMU_ORDER");
+    return v && !strcmp(v, "reverse");
+}
+static int gpu_order_flip(void) {
+    const int was = gpu_order_reversed();
+    setenv("PR_EMU_ORDER", was ? "forward" : "reverse", 1);
+    return was;
+}
+static void gpu_order_restore(int was) { setenv("PR_EMU_ORDER", was ? "reverse" : "forward", 1); }
 #endif

@@ -19,7 +19,9 @@
    PR_EMU_ORDER=reverse in the environment runs the blocks of a launch, the warps of a block and
    the lanes of a warp each in reverse order: a kernel whose result depends on that order (two
    threads adding into one element, which on a GPU also lose each other's updates) then gives
-   other bits than the forward order, which a comparison of the two runs shows. */
+   other bits than the forward order, which a comparison of the two runs shows. It is read at
+   every launch (test/cuda_emu.h's: when the host issues it), so a program can run a launch again
+   in the other order (test/gpu_copy.h). */
 #ifndef PR_GPU_EMU_H
 #define PR_GPU_EMU_H
 #include <math.h>
@@ -602,21 +604,20 @@ static void emu_fiber(void) {
     abort();                                     /* never resumed */
 }
 
-/* The order blocks, warps and lanes run in: PR_EMU_ORDER (see the top), read at the first launch. */
-static int emu_reversed = -1;
-static void emu_read_order(void) {
+/* The order blocks, warps and lanes run in: the running launch's, from PR_EMU_ORDER (see the top). */
+static bool emu_reversed;
+static bool emu_order_env(void) {
+    static bool warned;
     const char *v = getenv("PR_EMU_ORDER");
-    emu_reversed = v && !strcmp(v, "reverse");
-    if (v && !emu_reversed && strcmp(v, "forward"))
+    const bool reversed = v && !strcmp(v, "reverse");
+    if (v && !reversed && strcmp(v, "forward") && !warned) {
+        warned = true;
         fprintf(stderr, "emulated device: PR_EMU_ORDER=%s is neither forward nor reverse; running forward\n", v);
+    }
+    return reversed;
 }
-/* inline, as the scheduler asks it for every lane it runs */
-static inline bool emu_order_reversed(void) {
-    if (emu_reversed < 0) emu_read_order();
-    return emu_reversed;
-}
-/* The i-th of n in the chosen order. */
-static unsigned emu_nth(unsigned i, unsigned n) { return emu_order_reversed() ? n - 1 - i : i; }
+/* The i-th of n in the launch's order. */
+static unsigned emu_nth(unsigned i, unsigned n) { return emu_reversed ? n - 1 - i : i; }
 
 /* Runs one block of `threads` threads (a multiple of 32) to its end. */
 static void emu_run_block(unsigned threads) {
@@ -725,10 +726,11 @@ static void emu_run_block(unsigned threads) {
 struct emu_out { const char *name; void *p; size_t n, elem; };
 static long emu_multi_writers;
 
-/* Runs the grid, blocks one after another, each from NaN-filled shared memory; returns the races
-   its blocks showed. */
+/* Runs the grid, blocks one after another, each from NaN-filled shared memory, in the order
+   `reversed` says (by default the environment's now); returns the races its blocks showed. */
 template <typename F>
-static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::vector<emu_out> &outs, F f) {
+static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::vector<emu_out> &outs, F f,
+                       bool reversed = emu_order_env()) {
     std::function<void()> body = f;
     emu_body = &body;
     emu_smem_bytes = smem;
@@ -736,6 +738,7 @@ static long emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, 
     emu_grid.x = gx, emu_grid.y = gy, emu_grid.z = 1;
     emu_bdim.x = threads, emu_bdim.y = emu_bdim.z = 1;
     const long races0 = emu_races;
+    emu_reversed = reversed;
     std::vector<std::vector<long>> owner(outs.size());
     std::vector<std::vector<unsigned char>> before(outs.size());
     for (size_t o = 0; o < outs.size(); o++) owner[o].assign(outs[o].n, -1);

@@ -161,11 +161,11 @@ static void test_bounds(float *a) {
     CHECK(fault_seen(), "and it was reported");
 }
 
-/* PR_EMU_ORDER=reverse: the blocks, warps and lanes of a launch in reverse order (set directly
-   here: the environment is read once). Two writers of one element give other bits; one writer
+/* PR_EMU_ORDER=reverse: the blocks, warps and lanes of a launch in reverse order (the
+   environment is read at each launch). Two writers of one element give other bits; one writer
    the same bits. */
 static float run_ordered(bool reversed, float *a, bool one_writer) {
-    emu_reversed = reversed;
+    setenv("PR_EMU_ORDER", reversed ? "reverse" : "forward", 1);
     const float zero[N] = { 0 };
     float out[N];
     cudaMemcpyAsync(a, zero, sizeof zero, cudaMemcpyHostToDevice, compute);
@@ -180,7 +180,7 @@ static void test_order(float *a) {
     const float f = run_ordered(false, a, false), r = run_ordered(true, a, false);
     CHECK(f != r, "two threads adding into one element: forward and reverse order give other bits (%.9g, %.9g)", f, r);
     CHECK(run_ordered(false, a, true) == run_ordered(true, a, true), "one writer an element: the same bits in either order");
-    emu_reversed = 0;
+    unsetenv("PR_EMU_ORDER");
     CHECK(!fault_seen(), "no fault in the ordered launches");
 }
 

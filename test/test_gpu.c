@@ -1,6 +1,7 @@
 /* GPU tests: every kernel of the CUDA backend against the CPU backend in double precision
    (test/gpu_ref.c), on fresh random inputs, with poisoned outputs; the attention kernels over many
-   shapes; bitwise determinism of the attention backward and of a whole training step.
+   shapes; bitwise determinism of the attention backward and of a whole training step (on the
+   emulated device the repeat runs its threads in the other order: test/gpu_copy.h).
    Inputs are drawn, rounded to bf16, and given to both sides, so the reference sees exactly what
    the GPU sees. Errors are ||gpu - ref|| / ||ref||: bf16 outputs within 1e-2, fp32 outputs within
    1e-5 (the limits the CUDA backend promises). The attention backward's outputs are added into
@@ -457,9 +458,11 @@ static void test_attention(int index) {
     for (int run = 0; run < 2; run++) {
         for (int g = 0; g < ATT_N_GRADS; g++)
             bits[run][g] = g < ATT_DKP ? dev_bf16(p.init[g], p.n[g]) : dev_f32(p.init[g], p.n[g]);
+        const int order = run ? gpu_order_flip() : 0;       /* the second run in the other order (gpu_copy.h) */
         be->attention_bwd(be, bits[run][ATT_DQ], bits[run][ATT_DK], bits[run][ATT_DV], np ? bits[run][ATT_DKP] : NULL,
                           np ? bits[run][ATT_DVP] : NULL, dout_, o_, l_, q_, k_, v_, np ? kp_ : NULL, np ? vp_ : NULL,
                           &lay, c->NH, c->NKV, c->HS);
+        if (run) gpu_order_restore(order);
         expect_backend_ok("attention_bwd");
     }
     double *got[ATT_N_GRADS], err[ATT_N_GRADS];
@@ -519,8 +522,10 @@ static void test_step_determinism(const char *model, pr_schedule sched) {
     o.schedule = sched;
     o.microbatch = 3;
     o.layout = PR_LAYOUT_PACKED;
-    int ok = !pr_trainer_compute_grads(tr, &trace.groups[0], &o, NULL, NULL, &err) && !pr_trainer_get_grads(tr, a, n, &err) &&
-             !pr_trainer_compute_grads(tr, &trace.groups[0], &o, NULL, NULL, &err) && !pr_trainer_get_grads(tr, b, n, &err);
+    int ok = !pr_trainer_compute_grads(tr, &trace.groups[0], &o, NULL, NULL, &err) && !pr_trainer_get_grads(tr, a, n, &err);
+    const int order = gpu_order_flip();                    /* the second step in the other order (gpu_copy.h) */
+    ok = ok && !pr_trainer_compute_grads(tr, &trace.groups[0], &o, NULL, NULL, &err) && !pr_trainer_get_grads(tr, b, n, &err);
+    gpu_order_restore(order);
     CHECK(ok, "step on %s: %s", model, err.message);
     CHECK(ok && !memcmp(a, b, sizeof(float) * n), "%s %s: two runs of one step differ", model,
           sched == PR_SCHEDULE_REUSE ? "reuse" : "baseline");

@@ -6,7 +6,8 @@
      - the FFMA kernels, the backend's reference (PR_CUDA_ATTENTION_FFMA), and
      - the tile-level model of the same algorithm (test/attn_model.c), with the same bf16 roundings
        of P and dS, which the kernels must match far more closely (MODEL below),
-   and the backward's bits run to run; and the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq
+   and the backward's bits run to run (on the emulated device the second run in the other
+   thread order: test/gpu_copy.h); and the fused backward (PR_CUDA_ATTENTION_MMA_ATOMIC): its dq
    against the reference and the model, its other outputs bitwise the MMA kernels'; and the wgmma
    kernels (PR_CUDA_ATTENTION_WGMMA, where the GPU runs them: forward, dQ and dK/dV): every output
    against the reference and the model, bitwise run to run. q, k and kp are drawn with standard deviation sqrt(2.5), so
@@ -25,6 +26,7 @@
    Needs a GPU: build/test_gpu_attention [--quick | --shape I] [--kind mma|wgmma] (make
    test-gpu-attention; --quick: the first six shapes, --shape I: shape I alone, both for
    compute-sanitizer; --kind: one tensor-core family, for the same). Last line: N passed, N failed. */
+#define _POSIX_C_SOURCE 200809L   /* setenv (gpu_copy.h) */
 #include <ctype.h>
 
 #define PREFIXREUSE_IMPLEMENTATION
@@ -196,10 +198,14 @@ static void test_shape(const shape *s) {
                     gpu_upload(be, kp, npk, 1), gpu_upload(be, vp, npk, 1), gpu_upload(be, dout, nq, 1),
                     gpu_upload(be, bo, nq, 1), gpu_upload(be, bl, nl, 0) };
 
+    /* each kernel family's second run in the other order on the emulated device (gpu_copy.h) */
     run_out m1 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
     run_out m2;
-    if (!wgmma_only) m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
-    else memset(&m2, 0, sizeof m2);
+    if (!wgmma_only) {
+        const int order = gpu_order_flip();
+        m2 = run(PR_CUDA_ATTENTION_MMA, s, seg_off, in, init, n);
+        gpu_order_restore(order);
+    } else memset(&m2, 0, sizeof m2);
     run_out f = run(PR_CUDA_ATTENTION_FFMA, s, seg_off, in, init, n);
     run_out a, w1, w2;
     double *adq = NULL;
@@ -208,7 +214,9 @@ static void test_shape(const shape *s) {
     memset(&w2, 0, sizeof w2);
     if (wgmma_here) {
         w1 = run(PR_CUDA_ATTENTION_WGMMA, s, seg_off, in, init, n);
+        const int order = gpu_order_flip();
         w2 = run(PR_CUDA_ATTENTION_WGMMA, s, seg_off, in, init, n);
+        gpu_order_restore(order);
     }
     if (fused_here) {
         a = run(PR_CUDA_ATTENTION_MMA_ATOMIC, s, seg_off, in, init, n);
