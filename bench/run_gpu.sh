@@ -3,13 +3,15 @@
 # dash or bash, from any directory (it works in the repository root).
 #
 #   bench/run_gpu.sh                        every stage, most informative first (~17 minutes: two calls)
-#   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, any order)
+#   bench/run_gpu.sh build smoke test-gpu   these stages only (stage or group names, given in any order,
+#                                           run in the table's order below)
 #   bench/run_gpu.sh --from sanitize        from a stage or group to the last stage
 #   bench/run_gpu.sh --list                 the stages with their expected and longest times
 # preflight and after run every time (seconds each); build runs whenever a chosen stage needs it
 # (make is incremental: a call after a fix rebuilds what changed), unless --no-build.
 # --budget S: the whole run's time (default $BUDGET, else 540 s): a stage starts only while at least
-# half its expected time is left, and never runs past the budget.
+# half its expected time is left (all of it for ncu and torch-ref; EXPECT below for other sizes),
+# and never runs past the budget.
 #
 # Each stage runs in its own process under `timeout`, its output in its own log. One line per stage
 # (name, ok / FAIL / TIMEOUT / SKIP, seconds, its key figure: test-gpu's closing "N passed, N failed",
@@ -50,6 +52,7 @@
 #                 prefixreuse_cuda.cu bench/bench_cuda.c | tar -x -C ab/REV`
 #                 (untracked files travel with the working tree); none: the stage is skipped
 #   AB_CASES      bench-ab: the attention cases (causal8k,p10k-8x2k)
+#   AB_ROUNDS     bench-ab: how many times each tree runs, in turn (2; 1 saves about 40 s)
 #   TREE_TOTAL    train-tree: tokens per trajectory (4096; the prompt 5/6 of it)
 #   TREE_SYSTEM   train-tree: the system prompt every group's prompt opens with (2048)
 #   TREE_GROUPS   train-tree: groups a step (8)
@@ -58,6 +61,8 @@
 #   MOE_GROUPS    train-moe: group sizes (8)
 #   FUZZ_SECONDS  fuzz: how long it draws --check cases (40)
 #   FUZZ_RESUME_SECONDS  fuzz: how long it draws resume cases (20)
+#   EXPECT        expected seconds of stages run at other sizes than the table's, as "stage=seconds ..."
+#                 (the table's are one layer's, G 8): what the budget's start rule below reads
 #
 # Sizing: Llama3-8B (C 4096, 32/8 heads of 128, MLP 14336, vocab 128256). A layer holds 218M
 # matrix parameters: 6 x 218M = 1.31 GFLOP per token (fwd + bwd); attention 4 * 128 * 32 = 16.4k
@@ -98,6 +103,8 @@ MMA_RACE_SHAPES=${MMA_RACE_SHAPES:-1}
 WGMMA_RACE_SHAPES=${WGMMA_RACE_SHAPES:-1 5 2}
 AB_DIRS=${AB_DIRS:-}
 AB_CASES=${AB_CASES:-causal8k,p10k-8x2k}
+AB_ROUNDS=${AB_ROUNDS:-2}
+EXPECT=${EXPECT:-}
 TREE_TOTAL=${TREE_TOTAL:-4096}
 TREE_SYSTEM=${TREE_SYSTEM:-2048}
 TREE_GROUPS=${TREE_GROUPS:-8}
@@ -109,7 +116,7 @@ FUZZ_RESUME_SECONDS=${FUZZ_RESUME_SECONDS:-20}
 ATTENTION=${ATTENTION:-auto}
 FIT_MARGIN_MIB=${FIT_MARGIN_MIB:-10240}
 FIT_MEMORY_MIB=${FIT_MEMORY_MIB:-}
-export AB_DIRS AB_CASES JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS MOE_LAYERS MOE_TOTAL MOE_GROUPS ATTENTION FUZZ_SECONDS FUZZ_RESUME_SECONDS
+export AB_DIRS AB_CASES AB_ROUNDS JOBS BENCH_LAYERS BENCH_GROUPS BENCH_SPLITS MEM_GROUPS MEM_SPLITS BENCH_TOTAL TORCH_SPLITS TORCH_GROUPS REPS RACE_CASES MMA_RACE_SHAPES WGMMA_RACE_SHAPES TREE_TOTAL TREE_SYSTEM TREE_GROUPS MOE_LAYERS MOE_TOTAL MOE_GROUPS ATTENTION FUZZ_SECONDS FUZZ_RESUME_SECONDS
 
 # The stages, in the order they run: name | expected seconds | longest | needs the build | what.
 # Expected times as measured on an H100 on 2026-11-26 (bench/results/2026-11-26-h100; make -j16
@@ -133,7 +140,7 @@ replay|15|150|1|train_cuda --replay 100 --lr 1e-4 on model/tiny in bf16: reuse a
 fuzz|65|260|1|test/fuzz_check.py --cuda for $FUZZ_SECONDS s: random models, traces and flags on one rank (head dims 16 to 128), train_cuda --check, a failed bf16 check asked again against the CPU double build; then --resume for $FUZZ_RESUME_SECONDS s: the same cases trained straight and cut in two with --save-state and --resume, bit for bit
 bench-cuda|95|200|1|build/bench_cuda --reps $REPS: GEMMs beside cuBLASLt's best; attention TFLOP/s, causal 8k and two-region, head dims 128 and 64; atomic-dQ backward; wgmma
 gemm-rows|20|180|1|build/bench_cuda --only gemm --rows R for each R of $GEMM_ROWS: the GEMMs at Phase B's row counts (2048: one 2k suffix; 6144: a wave of three) beside cuBLASLt's best, where bench-cuda has 12288
-bench-ab|70|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, twice: a kernel change against the revision before it, on one machine in one run
+bench-ab|80|300|1|the attention benchmark (bench_cuda --only attention --att $AB_CASES) of this tree and of each tree in AB_DIRS (built by the build stage, beside this tree), in turn, $AB_ROUNDS rounds (about 20 s a tree a round): a kernel change against the revision before it, on one machine in one run
 sdpa|45|120|0|bench/sdpa_ref.py: PyTorch SDPA (flash, cudnn, efficient) on the same attention shapes
 ncu|60|180|1|ncu --clock-control none on the attention kernels (causal 8k; FFMA, MMA, fused, wgmma): speed of light, occupancy, stalls
 train-bench|80|300|1|train_cuda --bench, Llama3-8B x $BENCH_LAYERS layers, $BENCH_TOTAL tokens, splits $BENCH_SPLITS, G $BENCH_GROUPS, $BENCH_MICROBATCH: baseline vs reuse, MFU, reuse by phase
@@ -147,6 +154,15 @@ EOF
 }
 all_stages=$(stages | cut -d'|' -f1 | tr '\n' ' ')
 field() { stages | awk -F'|' -v n="$1" -v f="$2" '$1 == n { print $f }'; }
+# A stage's expected seconds: EXPECT's figure for it where given, else the table's.
+expected() {
+    e=$(for x in $EXPECT; do echo "$x"; done | sed -n "s/^$1=\([0-9][0-9]*\)\$/\1/p" | tail -n 1)
+    echo "${e:-$(field "$1" 2)}"
+}
+# Stages whose figures come only at their end, so that one cut short gives nothing: ncu writes its
+# report when it ends, torch-ref a row when a cell's compile and timed runs are done. They start
+# only while their whole expected time is left, the others while half of it is.
+whole_stages="ncu torch-ref"
 group() {
     case $1 in
     all) echo "$all_stages" ;;
@@ -478,13 +494,15 @@ body_bench_ab() {
             rc=1
         fi
     done
-    for round in 1 2; do         # in turn, so that a drift of the clocks falls on every tree alike
+    round=0
+    while [ $round -lt "$AB_ROUNDS" ]; do     # in turn, so that a drift of the clocks falls on every tree alike
+        round=$((round + 1))
         for b in $bins; do
             echo "== $b, round $round"
             limited 120 "$b" --only attention --att "$AB_CASES" --reps "$REPS" || rc=1
         done
     done
-    # each tree's wgmma rows, the better of its two rounds: "<tree> <case> fwd/bwd"
+    # each tree's wgmma rows, the best of its rounds: "<tree> <case> fwd/bwd"
     key "$(awk '/^== .*round/ { b = $2; sub(/,$/, "", b); sub(/\/build\/bench_cuda$/, "", b); sub(/^\.$/, "this", b); t = 0; next }
                 /^wgmma/ { t = 1; next }
                 /^$/ { t = 0 }
@@ -613,7 +631,7 @@ list() {
     printf '%-13s %6s %6s %6s  %s\n' stage expect limit build what
     total=0
     for s in $all_stages; do
-        e=$(field "$s" 2); total=$((total + e))
+        e=$(expected "$s"); total=$((total + e))
         printf '%-13s %5ss %5ss %6s  %s\n' "$s" "$e" "$(field "$s" 3)" "$( [ "$(field "$s" 4)" = 1 ] && echo needs || echo -)" "$(field "$s" 5)"
     done
     echo "all: about $total s expected (as measured on an H100, make -j16); the budget stops the run at ${BUDGET:-540} s"
@@ -644,6 +662,14 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ -n "$chosen" ] || { chosen=$all_stages; label=_all; }
+for x in $EXPECT; do
+    case $x in
+    *=*[!0-9]*|*=) echo "run_gpu.sh: EXPECT's '$x' wants stage=seconds" >&2; exit 2 ;;
+    *=*) [ -n "$(field "${x%%=*}" 1)" ] || { echo "run_gpu.sh: EXPECT names no stage '${x%%=*}'" >&2; usage >&2; exit 2; } ;;
+    *) echo "run_gpu.sh: EXPECT's '$x' wants stage=seconds" >&2; exit 2 ;;
+    esac
+done
+case $AB_ROUNDS in ''|*[!0-9]*|0) echo "run_gpu.sh: AB_ROUNDS wants a count of rounds, not '$AB_ROUNDS'" >&2; exit 2 ;; esac
 label=$(echo "${label#_}" | tr -c 'A-Za-z0-9_.\n-' '-' | cut -c1-60)
 # the chosen stages in their running order, with preflight, after, and build where needed
 needbuild=0
@@ -692,7 +718,7 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 {
     echo "# bench/run_gpu.sh$run"
     echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname 2>/dev/null || uname -n), commit $commit, budget ${budget}s, make -j$JOBS"
-    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS BENCH_MICROBATCH=\"$BENCH_MICROBATCH\" MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS MOE_LAYERS=$MOE_LAYERS MOE_TOTAL=$MOE_TOTAL MOE_GROUPS=$MOE_GROUPS ATTENTION=$ATTENTION"
+    echo "# AB_DIRS=$AB_DIRS BENCH_LAYERS=$BENCH_LAYERS BENCH_GROUPS=$BENCH_GROUPS BENCH_SPLITS=$BENCH_SPLITS BENCH_MICROBATCH=\"$BENCH_MICROBATCH\" MEM_GROUPS=$MEM_GROUPS MEM_SPLITS=$MEM_SPLITS BENCH_TOTAL=$BENCH_TOTAL TORCH_SPLITS=$TORCH_SPLITS TORCH_GROUPS=$TORCH_GROUPS REPS=$REPS RACE_CASES=$RACE_CASES TREE_TOTAL=$TREE_TOTAL TREE_SYSTEM=$TREE_SYSTEM TREE_GROUPS=$TREE_GROUPS MOE_LAYERS=$MOE_LAYERS MOE_TOTAL=$MOE_TOTAL MOE_GROUPS=$MOE_GROUPS ATTENTION=$ATTENTION AB_ROUNDS=$AB_ROUNDS FUZZ_SECONDS=$FUZZ_SECONDS FUZZ_RESUME_SECONDS=$FUZZ_RESUME_SECONDS EXPECT=\"$EXPECT\""
     printf '# %-11s %-7s %5s  %s\n' stage status secs "key figure"
 } > "$summary"
 cat "$summary"
@@ -745,7 +771,7 @@ fit_once() {
 
 for cur in $run; do
     fit_once
-    exp=$(field "$cur" 2); lim=$(field "$cur" 3)
+    exp=$(expected "$cur"); lim=$(field "$cur" 3)
     n=$((n + 1))
     stage_base="$logdir/$(printf '%02d' $n)-$cur"
     log="$stage_base.log"
@@ -757,7 +783,8 @@ for cur in $run; do
         left=$((deadline - t_start - reserve))
         half=$(( (exp + 1) / 2 ))
         [ $half -lt 5 ] && half=5
-        if [ $left -lt $half ]; then status=SKIP; note="not started: ${left} s of the budget left, ${exp} s expected"
+        case " $whole_stages " in *" $cur "*) half=$exp ;; esac
+        if [ "$left" -lt "$half" ]; then status=SKIP; note="not started: ${left} s of the budget left, ${exp} s expected"
         elif [ $left -lt "$lim" ]; then lim=$left; cut=" (the budget's)"; fi
     fi
     if [ -z "$status" ]; then
