@@ -156,8 +156,9 @@ all_stages=$(stages | cut -d'|' -f1 | tr '\n' ' ')
 field() { stages | awk -F'|' -v n="$1" -v f="$2" '$1 == n { print $f }'; }
 # A stage's expected seconds: EXPECT's figure for it where given, else the table's.
 expected() {
-    e=$(for x in $EXPECT; do echo "$x"; done | sed -n "s/^$1=\([0-9][0-9]*\)\$/\1/p" | tail -n 1)
-    echo "${e:-$(field "$1" 2)}"
+    e=$(field "$1" 2)
+    for x in $EXPECT; do [ "${x%%=*}" = "$1" ] && e=${x#*=}; done
+    echo "$e"
 }
 # Stages whose figures come only at their end, so that one cut short gives nothing: ncu writes its
 # report when it ends, torch-ref a row when a cell's compile and timed runs are done. They start
@@ -663,11 +664,9 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$chosen" ] || { chosen=$all_stages; label=_all; }
 for x in $EXPECT; do
-    case $x in
-    *=*[!0-9]*|*=) echo "run_gpu.sh: EXPECT's '$x' wants stage=seconds" >&2; exit 2 ;;
-    *=*) [ -n "$(field "${x%%=*}" 1)" ] || { echo "run_gpu.sh: EXPECT names no stage '${x%%=*}'" >&2; usage >&2; exit 2; } ;;
-    *) echo "run_gpu.sh: EXPECT's '$x' wants stage=seconds" >&2; exit 2 ;;
-    esac
+    case $x in *=*) secs=${x#*=} ;; *) secs= ;; esac
+    case $secs in ''|*[!0-9]*) echo "run_gpu.sh: EXPECT's '$x' wants stage=seconds" >&2; exit 2 ;; esac
+    [ -n "$(field "${x%%=*}" 1)" ] || { echo "run_gpu.sh: EXPECT names no stage '${x%%=*}'" >&2; usage >&2; exit 2; }
 done
 case $AB_ROUNDS in ''|*[!0-9]*|0) echo "run_gpu.sh: AB_ROUNDS wants a count of rounds, not '$AB_ROUNDS'" >&2; exit 2 ;; esac
 label=$(echo "${label#_}" | tr -c 'A-Za-z0-9_.\n-' '-' | cut -c1-60)
@@ -781,10 +780,10 @@ for cur in $run; do
         status=SKIP; note="needs the build (build: $build_status)"
     elif [ "$cur" != after ]; then
         left=$((deadline - t_start - reserve))
-        half=$(( (exp + 1) / 2 ))
-        [ $half -lt 5 ] && half=5
-        case " $whole_stages " in *" $cur "*) half=$exp ;; esac
-        if [ "$left" -lt "$half" ]; then status=SKIP; note="not started: ${left} s of the budget left, ${exp} s expected"
+        need=$(( (exp + 1) / 2 ))
+        [ $need -lt 5 ] && need=5
+        case " $whole_stages " in *" $cur "*) need=$exp ;; esac
+        if [ "$left" -lt "$need" ]; then status=SKIP; note="not started: ${left} s of the budget left, ${exp} s expected"
         elif [ $left -lt "$lim" ]; then lim=$left; cut=" (the budget's)"; fi
     fi
     if [ -z "$status" ]; then
