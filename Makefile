@@ -105,7 +105,6 @@ TEST_BINS += build/test_cuda_emu build/emu/train_cuda build/emu/test_gpu build/e
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
 # CPU attention, the FFMA kernels' too (test_mma_kernels; prefixreuse_cuda.cu compiled with
 # PR_CUDA_HOST_EMULATION and PR_CUDA_KERNEL_EMULATION).
-CXX ?= c++
 MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h test/gpu_emu.h test/wgmma_emu.h $(HEADER)
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
