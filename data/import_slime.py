@@ -20,8 +20,10 @@ The dump holds no advantages: slime computes them when it turns samples into tra
 (slime/ray/rollout.py, _post_process_rewards). --advantage picks that computation:
 grpo (default: (r - mean) / (std + 1e-6) per group, unbiased std), mean (slime's
 --disable-grpo-std-normalization) or raw (--disable-rewards-normalization). slime normalises
-blocks of n_samples_per_prompt consecutive samples; this importer normalises each group_index
-group, which is the same thing for slime's own rollouts. The file is read without torch
+blocks of n_samples_per_prompt consecutive samples when the rollout holds exactly
+n_samples_per_prompt * rollout_batch_size of them (else the whole rollout as one block); this
+importer normalises each group_index group, the same thing for slime's ordinary rollouts. slime's
+--normalize-advantages (a whitening over the rollout's loss tokens) is not reproduced. The file is read without torch
 (data/ptfile.py); no code from it is run.
 """
 import sys
