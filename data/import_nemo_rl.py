@@ -24,7 +24,10 @@ sequences with identical prompts, as NeMo-RL's own baseline groups them
 cannot be imported.
 
 Each input file is one GRPO step's training batch, so the trace is format version 2 with one
-optimizer step per input file (its groups); train replays it step by step.
+optimizer step per input file (its groups); train replays it step by step. With NeMo-RL's
+policy.train_global_batch_size below the batch, NeMo-RL steps once per global batch of that many
+consecutive rows (BatchedDataDict.shard_by_batch_size, which refuses a batch of another count):
+--train-global-batch-size N cuts each file the same way, groups scoped to their step.
 """
 import sys
 
@@ -50,7 +53,12 @@ def read(path, file_index, args, notes):
     trajs = []
     zero_prev = True        # every prev_logprob of every generated token is exactly 0
     logp_field = "prev_logprobs" if args.logprobs == "prev" else "generation_logprobs"
-    for where, rec in primport.jsonl_records(path):
+    records = list(primport.jsonl_records(path))
+    gbs = args.train_global_batch_size
+    if gbs and len(records) % gbs:     # NeMo-RL's steps: global batch k is rows [k gbs, (k+1) gbs)
+        raise InputError(f"{path}: {len(records)} sequences, not a multiple of --train-global-batch-size {gbs} "
+                         f"(NeMo-RL's shard_by_batch_size refuses such a batch, so the run had another)")
+    for row, (where, rec) in enumerate(records):
         if "token_ids" not in rec and "generation_logprobs" in rec:
             raise InputError(f"{where}: token_ids: missing (dumps of NeMo-RL before v0.6.0 hold no token ids "
                              f"and cannot be imported)")
@@ -72,6 +80,10 @@ def read(path, file_index, args, notes):
                                   logp_tolerance=args.logp_tolerance)
 
         tmask = per_token("token_loss_mask", "mask")
+        past = [j for j, m in enumerate(_row(where, "token_loss_mask", rec["token_loss_mask"], True)[L:], L) if m]
+        if past:       # NeMo-RL pads the mask with 0: a 1 there means input_lengths is wrong
+            raise InputError(f"{where}: token_loss_mask[{past[0]}] = 1 lies past input_lengths = {L} (NeMo-RL pads "
+                             f"the mask with 0)")
         gen = np.flatnonzero(tmask)
         if gen.size == 0:
             if not args.drop_empty:
@@ -105,12 +117,38 @@ def read(path, file_index, args, notes):
                                  f"{float(on[0])!r}: the trace holds one advantage per response "
                                  f"(--varying-advantage mean takes their mean over the trained tokens)")
             adv = float(on[0])
-        trajs.append(primport.Traj(where, file_index, None, ids[:k], ids[k:], old, ref,
+        scope = (file_index, row // gbs) if gbs else file_index
+        trajs.append(primport.Traj(where, scope, None, ids[:k], ids[k:], old, ref,
                                    tmask[k:] * np.uint8(smask), advantage=adv))
+    extended = prompt_extensions(trajs)
+    if extended:
+        longer, shorter, n = extended[0]
+        notes.append(f"{longer.where}: its prompt is that of {shorter.where} and {n} more tokens"
+                     + (f" ({len(extended)} prompts in the file are another's and more)" if len(extended) > 1 else "")
+                     + ": a sequence whose first assistant turn is empty has its later turns in its prompt, "
+                       "and a group of its own")
     if trajs and logp_field == "prev_logprobs" and zero_prev:
         notes.append(f"{path}: every prev_logprob of a generated token is 0 (the run skipped them, e.g. "
                      f"force_on_policy_ratio): --logprobs generation takes the generation engine's instead")
     return trajs
+
+
+def prompt_extensions(trajs):
+    """(longer, shorter, extra tokens) for each distinct prompt of a step that is another's and more,
+    the shorter the longest such. In sorted order a stack holds the chain of prompts, each the one
+    below it and more, that the current one may extend."""
+    prompts = {}
+    for t in trajs:
+        prompts.setdefault((t.scope, tuple(t.prompt.tolist())), t)
+    found, chain = [], []
+    for key in sorted(prompts):
+        scope, p = key
+        while chain and not (chain[-1][0] == scope and p[:len(chain[-1][1])] == chain[-1][1]):
+            chain.pop()
+        if chain:
+            found.append((prompts[key], prompts[chain[-1]], len(p) - len(chain[-1][1])))
+        chain.append(key)
+    return found
 
 
 def main(argv=None):
@@ -122,9 +160,16 @@ def main(argv=None):
     p.add_argument("--varying-advantage", choices=("error", "mean"), default="error",
                    help="when a response's per-token advantages differ (message-level penalties, token-level "
                         "estimators): an error (default), or their mean over the trained tokens")
+    p.add_argument("--train-global-batch-size", type=int, metavar="N",
+                   help="NeMo-RL's policy.train_global_batch_size when below the step's batch: each file is then "
+                        "one optimizer step per N consecutive sequences (default: one step per file)")
     args = p.parse_args(argv)
+    if args.train_global_batch_size is not None and args.train_global_batch_size < 1:
+        p.error("--train-global-batch-size must be at least 1")
     notes = []
-    return primport.run(args, lambda path, i: read(path, i, args, notes), "token_ids", notes=notes, step_per_file=True)
+    return primport.run(args, lambda path, i: read(path, i, args, notes), "token_ids", notes=notes,
+                        steps_of=f"global batch of {args.train_global_batch_size} sequences"
+                        if args.train_global_batch_size else "input file")
 
 
 if __name__ == "__main__":

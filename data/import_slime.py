@@ -17,13 +17,15 @@ class Sample) is a plain dict. The fields read:
   remove_sample      bool      True: slime zeroes the sample's loss mask; so does this importer
 
 The dump holds no advantages: slime computes them when it turns samples into training data
-(slime/ray/rollout.py, _post_process_rewards). --advantage picks that computation:
-grpo (default: (r - mean) / (std + 1e-6) per group, unbiased std), mean (slime's
---disable-grpo-std-normalization) or raw (--disable-rewards-normalization). slime normalises
-blocks of n_samples_per_prompt consecutive samples when the rollout holds exactly
-n_samples_per_prompt * rollout_batch_size of them (else the whole rollout as one block); this
-importer normalises each group_index group, the same thing for slime's ordinary rollouts. slime's
---normalize-advantages (a whitening over the rollout's loss tokens) is not reproduced. The file is read without torch
+(slime/ray/rollout.py, _post_process_rewards), and this importer does the same. --advantage picks
+the estimator's normalisation: grpo (default: (r - mean) / (std + 1e-6), unbiased std), mean
+(slime's --disable-grpo-std-normalization) or raw (--disable-rewards-normalization). slime
+normalises blocks of n_samples_per_prompt consecutive samples when a rollout holds exactly
+n_samples_per_prompt * rollout_batch_size of them, and otherwise the whole rollout as one block:
+--n-samples-per-prompt and --rollout-batch-size apply that rule to each file; without them the
+file's groups must be consecutive runs of one size, which are slime's blocks for an ordinary
+rollout. --normalize-advantages then whitens them over every loss token of the file, as slime's
+flag of that name does in training (compute_advantages_and_returns). The file is read without torch
 (data/ptfile.py); no code from it is run.
 """
 import sys
@@ -83,19 +85,92 @@ def read(path, file_index, args):
     return trajs
 
 
+def blocks(path, trajs, args):
+    """slime's normalisation blocks of one file, as lists of sample positions (rollout.py,
+    _post_process_rewards), and a note saying which rule gave them."""
+    n = len(trajs)
+    if args.n_samples_per_prompt is not None:
+        N, B = args.n_samples_per_prompt, args.rollout_batch_size
+        if n == N * B:
+            return [list(range(i, i + N)) for i in range(0, n, N)], f"{path}: {n} samples = {N} x {B}: blocks of {N}"
+        return [list(range(n))], f"{path}: {n} samples, not {N} x {B}: one block of all {n}, as slime does"
+    primport.group_trajs(trajs)         # its rule first: every sample has a group id or none has
+    runs = []
+    for i, t in enumerate(trajs):
+        key = t.key if t.key is not None else (t.prompt.shape[0], t.prompt.tobytes())
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(i)
+        else:
+            runs.append((key, [i]))
+    sizes = {len(r) for _, r in runs}
+    if len(sizes) > 1 or len({k for k, _ in runs}) < len(runs):
+        raise InputError(f"{path}: the groups are not consecutive runs of one size, so slime's normalisation "
+                         f"blocks depend on its --n-samples-per-prompt and --rollout-batch-size: give both")
+    m = sizes.pop()
+    return [r for _, r in runs], (f"{path}: {len(runs)} groups of {m} consecutive samples, taken as slime's "
+                                  f"n_samples_per_prompt x rollout_batch_size")
+
+
+def whiten(adv, masks):
+    """slime's --normalize-advantages (distributed_masked_whiten): each response's advantage less the
+    mean over every loss token, over the square root of their unbiased variance plus 1e-8."""
+    w = np.array([float(m.sum()) for m in masks])
+    M = w.sum()
+    if M == 0:
+        raise InputError("--normalize-advantages: no token has loss mask 1, so there is nothing to whiten over")
+    mean = (adv * w).sum() / M
+    var = (adv * adv * w).sum() / M - mean * mean
+    if M >= 2:
+        var *= M / (M - 1)
+    return (adv - mean) / np.sqrt(var + 1e-8)
+
+
+def advantages(path, trajs, args, notes):
+    """Each trajectory's advantage from the file's rewards, in sample order, as slime computes it."""
+    if not trajs:
+        return trajs
+    r = np.array([t.reward for t in trajs], np.float64)
+    a = r.copy()
+    if args.advantage != "raw":
+        block_list, note = blocks(path, trajs, args)
+        notes.append(note)
+        for b in block_list:
+            x = r[b] - r[b].mean()
+            # slime turns the std off at n_samples_per_prompt 1; a block of one is 0 (torch: NaN)
+            if args.advantage == "grpo" and args.n_samples_per_prompt != 1 and len(b) > 1:
+                x = x / (r[b].std(ddof=1) + args.std_eps)
+            a[b] = x
+    if args.normalize_advantages:
+        a = whiten(a, [t.loss_mask for t in trajs])
+    for t, x in zip(trajs, a):
+        t.advantage = float(x)
+    return trajs
+
+
 def main(argv=None):
     p = primport.parser("import_slime.py", __doc__.split("\n\n")[0] +
                         "\nFields, layout and rules: data/README.md, 'Importing from RL frameworks'.")
     p.add_argument("--advantage", choices=("grpo", "mean", "raw"), default="grpo",
-                   help="advantages from each group's rewards: grpo (r-mean)/(std+eps), mean r-mean, raw r "
+                   help="advantages from each block's rewards: grpo (r-mean)/(std+eps), mean r-mean, raw r "
                         "(default grpo)")
     p.add_argument("--std-eps", type=float, default=1e-6, metavar="X", help="eps of grpo (default 1e-6, slime's)")
+    p.add_argument("--n-samples-per-prompt", type=int, metavar="N", help="slime's, with --rollout-batch-size: "
+                   "blocks of N samples when a file holds N x B, else one block (default: the file's groups)")
+    p.add_argument("--rollout-batch-size", type=int, metavar="B", help="slime's; see --n-samples-per-prompt")
+    p.add_argument("--normalize-advantages", action="store_true",
+                   help="whiten the advantages over the file's loss tokens, as slime's flag of that name")
     p.add_argument("--reward-key", metavar="KEY", help="the reward to use when rewards are dicts")
     args = p.parse_args(argv)
-    note = (f"advantages computed from rewards per group: {args.advantage}"
-            + (f" (r - mean) / (std + {args.std_eps:g})" if args.advantage == "grpo" else ""))
-    return primport.run(args, lambda path, i: read(path, i, args), "tokens", advantage_mode=args.advantage,
-                        eps=args.std_eps, notes=[note])
+    if (args.n_samples_per_prompt is None) != (args.rollout_batch_size is None):
+        p.error("--n-samples-per-prompt and --rollout-batch-size go together")
+    if args.n_samples_per_prompt is not None and min(args.n_samples_per_prompt, args.rollout_batch_size) < 1:
+        p.error("--n-samples-per-prompt and --rollout-batch-size must be at least 1")
+    rule = {"grpo": f"(r - mean) / (std + {args.std_eps:g}) over slime's blocks", "mean": "r - mean over slime's blocks",
+            "raw": "r"}[args.advantage]
+    notes = [f"advantages computed from rewards: {args.advantage}, {rule}"
+             + (", then whitened over the loss tokens (--normalize-advantages)" if args.normalize_advantages else "")]
+    return primport.run(args, lambda path, i: advantages(path, read(path, i, args), args, notes), "tokens",
+                        notes=notes)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Shared part of the importers (import_nemo_rl.py, import_slime.py, import_jsonl.py): checking the
-fields of one trajectory, forming prompt groups, GRPO advantages from rewards, the report, and the
+fields of one trajectory, forming prompt groups, the report, and the
 command line. Python 3.8+ and numpy only; data/README.md ("Importing from RL frameworks") has the rules.
 
 An importer turns each trajectory of its input into a Traj: the prompt tokens, the response
@@ -14,13 +14,14 @@ tokens and, per response token, the rollout log-prob, optionally the reference l
 - with an explicit id, the prompts of a group must be equal; with --common-prefix the prefix is
   their longest common prefix (at least 1 token) and the rest of each prompt opens that
   trajectory's suffix with loss mask 0 and log-prob 0 (attended to, never trained);
-- groups never span input files, and keep the order in which their first trajectory appears.
+- groups never span input files (nor two optimizer steps an importer cuts a file into), and keep the order in which their first trajectory appears.
 
 Errors are InputError (a ValueError) whose message names the file, the line or record, and the
 field. Nothing is written until every input has been read and checked; prtrace.write_trace
 then writes the trace atomically (a temporary file and os.replace).
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -41,18 +42,20 @@ class Traj:
     """One trajectory as read from the source.
 
     where       "FILE: line N" or "FILE: samples[K]", for messages
-    file_index  which input file it came from (groups never span files)
+    scope       where its group may be: the input file's index, or (file, step) where an importer cuts
+                a file into optimizer steps; groups never span two scopes
     key         explicit group id (hashable), or None to group by identical prompt
     prompt      int64 (P,) tokens; response int64 (S,) tokens (S may be 0 only with drop_empty)
     old_logp, ref_logp (or None), loss_mask: (S,) arrays
-    advantage   float, or None when it is to be computed from `reward`
+    advantage   float; an importer whose source holds rewards instead (slime) sets it from `reward`
+                before build()
     """
-    __slots__ = ("where", "file_index", "key", "prompt", "response", "old_logp", "ref_logp",
+    __slots__ = ("where", "scope", "key", "prompt", "response", "old_logp", "ref_logp",
                  "loss_mask", "advantage", "reward")
 
-    def __init__(self, where, file_index, key, prompt, response, old_logp, ref_logp, loss_mask,
+    def __init__(self, where, scope, key, prompt, response, old_logp, ref_logp, loss_mask,
                  advantage=None, reward=None):
-        self.where, self.file_index, self.key = where, file_index, key
+        self.where, self.scope, self.key = where, scope, key
         self.prompt, self.response = prompt, response
         self.old_logp, self.ref_logp, self.loss_mask = old_logp, ref_logp, loss_mask
         self.advantage, self.reward = advantage, reward
@@ -184,11 +187,11 @@ def require(where, record, field, what=""):
     return record[field]
 
 
-# ---------------------------------------------------------------- grouping and advantages
+# ---------------------------------------------------------------- grouping
 
 def group_trajs(trajs):
     """[(key, [Traj...])] in order of first appearance: by Traj.key where every trajectory has one,
-    by identical prompt tokens where none has; keys are scoped to their input file."""
+    by identical prompt tokens where none has; keys are scoped to their Traj.scope."""
     if not trajs:
         return []
     with_id = [t for t in trajs if t.key is not None]
@@ -199,27 +202,9 @@ def group_trajs(trajs):
                          f"group id, or none)")
     buckets = {}
     for t in trajs:
-        k = (t.file_index, t.key) if with_id else (t.file_index, t.prompt.shape[0], t.prompt.tobytes())
+        k = (t.scope, t.key) if with_id else (t.scope, t.prompt.shape[0], t.prompt.tobytes())
         buckets.setdefault(k, []).append(t)
     return [(k[1] if with_id else None, v) for k, v in buckets.items()]
-
-
-def grpo_advantages(rewards, mode, eps=1e-6):
-    """Advantages of one group from its rewards.
-    grpo: (r - mean) / (std + eps) with the unbiased std (torch.std's default; slime's
-          --advantage-estimator grpo with its default reward normalization);
-    mean: r - mean (slime's --disable-grpo-std-normalization, Dr. GRPO);
-    raw:  r (slime's --disable-rewards-normalization).
-    A group of one gets 0 in grpo and mean (nothing to compare with)."""
-    r = np.asarray(rewards, dtype=np.float64)
-    if mode == "raw":
-        return r
-    if r.size == 1:
-        return np.zeros(1)
-    a = r - r.mean()
-    if mode == "grpo":
-        a = a / (r.std(ddof=1) + eps)
-    return a
 
 
 def _lcp(a, b):
@@ -228,17 +213,12 @@ def _lcp(a, b):
     return int(d[0]) if d.size else n
 
 
-def build(trajs, prompt_field, common_prefix=False, advantage_mode=None, eps=1e-6):
-    """Form the trace's groups from checked trajectories. With advantage_mode set, advantages
-    are first computed from each group's rewards (over all its trajectories, empty ones too,
-    as the trainer did). Trajectories with an empty response are dropped here (the importers
-    only let them through with --drop-empty). Returns (groups for prtrace.write_trace, report)."""
+def build(trajs, prompt_field, common_prefix=False):
+    """Form the trace's groups from checked trajectories, each with its advantage. Trajectories
+    with an empty response are dropped here (the importers only let them through with
+    --drop-empty, after any advantages computed from rewards, which count them as the trainer
+    did). Returns (groups for prtrace.write_trace, report)."""
     buckets = group_trajs(trajs)
-    if advantage_mode is not None:
-        for _, members in buckets:
-            adv = grpo_advantages([t.reward for t in members], advantage_mode, eps)
-            for t, a in zip(members, adv):
-                t.advantage = float(a)
     has_ref = trajs[0].ref_logp is not None if trajs else False
     for t in trajs:
         if (t.ref_logp is not None) != has_ref:
@@ -246,7 +226,7 @@ def build(trajs, prompt_field, common_prefix=False, advantage_mode=None, eps=1e-
             raise InputError(f"{t.where}: reference log-probs {'present' if t.ref_logp is not None else 'missing'}"
                              f", but {'absent' if t.ref_logp is not None else 'present'} at {first.where} "
                              f"(all trajectories carry them or none)")
-    groups, files, dropped, all_empty, trimmed = [], [], 0, 0, 0
+    groups, scopes, dropped, all_empty, trimmed = [], [], 0, 0, 0
     for key, members in buckets:
         kept = [t for t in members if t.response.shape[0] > 0]
         dropped += len(members) - len(kept)
@@ -285,11 +265,11 @@ def build(trajs, prompt_field, common_prefix=False, advantage_mode=None, eps=1e-
                 g["ref_logp"].append(np.concatenate([z, t.ref_logp]))
             g["loss_mask"].append(np.concatenate([np.zeros(k, np.uint8), t.loss_mask]))
         groups.append(g)
-        files.append(first.file_index)
+        scopes.append(first.scope)
     if not groups:
         raise InputError("no trajectory with a non-empty response: nothing to write")
     report = _report(groups, trajs, dropped, all_empty, trimmed, explicit=trajs[0].key is not None)
-    report["group_files"] = files      # each group's input file (groups never span two)
+    report["group_scopes"] = scopes    # each group's scope, in the order the groups come
     return groups, report
 
 
@@ -344,7 +324,7 @@ def format_report(r):
               + (f", {r['groups_all_empty']} groups left empty" if r['groups_all_empty'] else "") + ")"
               if r["dropped_empty"] else ""),
              f"groups: {r['groups']} (by {r['grouping']})"
-             + (f"; {len(r['steps'])} step{'s' if len(r['steps']) > 1 else ''}, one per input file, of "
+             + (f"; {len(r['steps'])} step{'s' if len(r['steps']) > 1 else ''}, one per {r['steps_of']}, of "
                 f"{', '.join(map(str, r['steps']))} groups" if r.get("steps") else ""),
              f"G per group: {st(r['G_stats'])}",
              f"prefix length P: {st(r['P_stats'], ' tokens')}",
@@ -388,10 +368,11 @@ def parser(prog, description):
     return p
 
 
-def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=(), step_per_file=False):
+def run(args, read, prompt_field, notes=(), steps_of=None):
     """Read every input with read(path, file_index) -> [Traj], build the groups, write the trace,
-    print the report. step_per_file: each input file is one optimizer step (a version-2 trace
-    whose step table holds each file's groups); otherwise a version-1 trace. Returns the process
+    print the report. steps_of, when set, names what a Traj.scope is ("input file", ...): each
+    scope is one optimizer step (a version-2 trace whose step table holds each scope's groups);
+    otherwise a version-1 trace. Returns the process
     exit status (0, or 1 after printing the error)."""
     try:
         if not 1 <= args.vocab_size <= MAX_VOCAB:
@@ -401,12 +382,12 @@ def run(args, read, prompt_field, advantage_mode=None, eps=1e-6, notes=(), step_
             trajs.extend(read(path, i))
         if not trajs:
             raise InputError(f"{', '.join(args.inputs)}: no trajectories")
-        groups, report = build(trajs, prompt_field, args.common_prefix, advantage_mode, eps)
+        groups, report = build(trajs, prompt_field, args.common_prefix)
         report["notes"].extend(notes)
         steps = None
-        if step_per_file:      # groups come file by file, in input order
-            steps = [n for n in (report["group_files"].count(i) for i in range(len(args.inputs))) if n]
-            report["steps"] = steps
+        if steps_of:           # groups come scope by scope, in input order
+            steps = [len(list(same)) for _, same in itertools.groupby(report["group_scopes"])]
+            report["steps"], report["steps_of"] = steps, steps_of
         report["tree_prefix_tokens"] = tree_prefix_tokens(groups, steps)
         prtrace.write_trace(args.output, groups, args.vocab_size, steps=steps)
     except (InputError, prtrace.TraceError) as e:

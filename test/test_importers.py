@@ -215,6 +215,25 @@ def nemo_rl_step_dump():
 
 
 @test
+def nemo_rl_global_batches():
+    """--train-global-batch-size N: NeMo-RL's optimizer steps of a dump, N consecutive rows each
+    (BatchedDataDict.shard_by_batch_size, which refuses a batch that is not a multiple of N)."""
+    rows = nemo_rows()[:9]              # prompts A A A A B B B B C
+    path = tmp("train_data_step7.jsonl")
+    write_nemo(path, nemo_log_data(rows))
+    groups, report = imported(import_nemo_rl.main, [path], tmp("nemo-gbs.trace"), "--train-global-batch-size", "3")
+    _, _, steps = read_trace(tmp("nemo-gbs.trace"), steps=True)
+    assert steps == [1, 2, 2], steps     # rows 0-2: A; 3-5: A, B; 6-8: B, C
+    assert [len(g["suffixes"]) for g in groups] == [3, 1, 2, 2, 1]
+    got = [a for g in groups for a in g["advantages"]]
+    assert np.allclose(got, [r["advantage"] for r in rows], rtol=1e-6)
+    assert "3 steps, one per global batch of 3 sequences, of 1, 2, 2 groups" in report, report
+    replay(tmp("nemo-gbs.trace"))
+    expect_error(import_nemo_rl.main, [path], "9 sequences, not a multiple of --train-global-batch-size 4",
+                 extra=["--train-global-batch-size", "4"])
+
+
+@test
 def nemo_rl_generation_logprobs_and_pooled_prompts():
     rows = nemo_rows(2)
     rows.append(dict(rows[0]))           # a prompt seen again later in the batch joins its group
@@ -266,6 +285,27 @@ def nemo_rl_bad_input():
     expect_error(import_nemo_rl.main, [variant("vocab.jsonl", lambda r: r["token_ids"][0].__setitem__(0, 300))],
                  "line 5: token_ids[0] = 300 is outside the vocabulary")
 
+    def mask_past_length(r):
+        assert len(r["token_ids"][0]) > r["input_lengths"][0]      # (line 5 is padded)
+        r["token_loss_mask"][0][-1] = 1
+    T5 = len(json.loads(open(good).read().splitlines()[4])["token_ids"][0])
+    expect_error(import_nemo_rl.main, [variant("past.jsonl", mask_past_length)],
+                 f"line 5: token_loss_mask[{T5 - 1}] = 1 lies past input_lengths")
+
+    # line 10 (prompt C, then an answer, a tool span and a second answer) with its first answer's
+    # mask 0: its prompt runs on through the tool span, a group of one, which the report points out
+    C = len(rows[9]["prompt_ids"])
+    first = len(rows[9]["spans"][0][0])
+    lines = open(good).read().splitlines()
+    rec = json.loads(lines[9])
+    rec["token_loss_mask"][0][C:C + first] = [0] * first
+    lines[9] = json.dumps(rec)
+    open(tmp("empty_turn.jsonl"), "w").write("\n".join(lines) + "\n")
+    groups, report = imported(import_nemo_rl.main, [tmp("empty_turn.jsonl")], tmp("empty_turn.trace"))
+    assert [len(g["suffixes"]) for g in groups] == [4, 4, 2, 1]
+    assert f"line 10: its prompt is that of {tmp('empty_turn.jsonl')}: line 9 and {first + 3} more tokens" in report, report
+    assert "its prompt is that of" not in imported(import_nemo_rl.main, [good], tmp("good.trace"))[1]
+
 
 # ------------------------------------------------------------------ slime fixture
 
@@ -286,7 +326,7 @@ def slime_sample(group, index, prompt, response, logp, reward, loss_mask=None, *
     return d
 
 
-def slime_rollout(seed=3):
+def slime_rollout(seed=3, interleave=False):
     rng = np.random.default_rng(seed)
     prompts = [ints(rng, 1, 250, n) for n in (11, 6)]
     samples = []
@@ -304,7 +344,8 @@ def slime_rollout(seed=3):
     samples[3]["tokens"] = Tensor(np.array(samples[3]["tokens"], np.int64))
     samples[5]["rollout_routed_experts"] = Tensor(rng.integers(0, 8, (len(samples[5]["tokens"]) - 1, 2, 2)).astype(np.int32))
     samples[6]["metadata"] = {"raw_reward": np.float64(0.5), "turns": {1, 2}}
-    samples.insert(2, samples.pop(6))               # a sample of group 1 among group 0's
+    if interleave:
+        samples.insert(2, samples.pop(6))           # a sample of group 1 among group 0's
     return {"rollout_id": 3, "samples": samples}
 
 
@@ -339,6 +380,63 @@ def slime_rollout_dump():
     assert np.allclose(g2[0]["advantages"], np.array(r) - np.mean(r))
 
 
+def slime_advantages_in_trace_order(groups, samples, adv):
+    """adv (one per sample, in sample order) in the order the trace's groups hold the samples."""
+    return [[adv[k] for k, s in enumerate(samples) if s["group_index"] == gi] for gi in range(len(groups))]
+
+
+@test
+def slime_normalisation_blocks():
+    """slime's rule (rollout.py, _post_process_rewards): blocks of n_samples_per_prompt samples in sample
+    order when the rollout holds n_samples_per_prompt * rollout_batch_size, else the whole rollout."""
+    data = slime_rollout(interleave=True)
+    path = tmp("rollout_5.pt")
+    save_pt(path, data)
+    samples = data["samples"]
+    r = [s["reward"] for s in samples]
+    expect_error(import_slime.main, [path], "rollout_5.pt: the groups are not consecutive runs of one size",
+                 "--n-samples-per-prompt and --rollout-batch-size")
+    for B, want in ((2, grpo(r[:4]) + grpo(r[4:])), (3, grpo(r))):
+        groups, report = imported(import_slime.main, [path], tmp(f"slime_b{B}.trace"),
+                                  "--n-samples-per-prompt", "4", "--rollout-batch-size", str(B))
+        assert [len(g["suffixes"]) for g in groups] == [4, 4]        # the groups are still group_index's
+        for g, w in zip(groups, slime_advantages_in_trace_order(groups, samples, want)):
+            assert np.allclose(g["advantages"], w, rtol=1e-6, atol=1e-7), (B, g["advantages"], w)
+        assert ("blocks of 4" if B == 2 else "one block of all 8") in report
+    groups, _ = imported(import_slime.main, [path], tmp("slime_n1.trace"),     # one block, no std at N 1
+                         "--n-samples-per-prompt", "1", "--rollout-batch-size", "4")
+    for g, w in zip(groups, slime_advantages_in_trace_order(groups, samples, list(np.array(r) - np.mean(r)))):
+        assert np.allclose(g["advantages"], w, rtol=1e-6, atol=1e-7), (g["advantages"], w)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "data", "import_slime.py"), path, "-o", tmp("x.trace"),
+                        "--vocab-size", str(VOCAB), "--rollout-batch-size", "2"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "go together" in p.stderr, p.stderr
+
+
+@test
+def slime_normalize_advantages():
+    """--normalize-advantages: every loss token carries its response's advantage; the result is
+    those tokens' values less their mean, over sqrt(their unbiased variance + 1e-8)."""
+    data = slime_rollout()
+    path = tmp("rollout_6.pt")
+    save_pt(path, data)
+    samples = data["samples"]
+    groups, report = imported(import_slime.main, [path], tmp("slime_w.trace"), "--normalize-advantages")
+    a = [x for g in range(2) for x in grpo([s["reward"] for s in samples if s["group_index"] == g])]
+    masks = [[0] * s["response_length"] if s["remove_sample"] else (s["loss_mask"] or [1] * s["response_length"])
+             for s in samples]
+    tokens = np.array([x for x, m in zip(a, masks) for on in m if on])
+    want = (np.array(a) - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
+    for g, w in zip(groups, slime_advantages_in_trace_order(groups, samples, want)):
+        assert np.allclose(g["advantages"], w, rtol=1e-6, atol=1e-7), (g["advantages"], w)
+    assert "whitened over the loss tokens" in report
+    for s in samples:
+        s["remove_sample"] = True
+    save_pt(path, data)
+    expect_error(import_slime.main, [path], "--normalize-advantages: no token has loss mask 1",
+                 extra=["--normalize-advantages"])
+
+
 @test
 def slime_reward_dict_and_no_group_index():
     data = slime_rollout(4)
@@ -371,8 +469,8 @@ def slime_bad_input():
                  "empty.pt: samples[0]: response_length = 0: an empty response")
     expect_error(import_slime.main, [bad("mixed.pt", lambda s: s[5].__setitem__("group_index", None))],
                  "mixed.pt: samples[5]: group id missing")
-    expect_error(import_slime.main, [bad("prompt.pt", lambda s: s[4]["tokens"].storage.__setitem__(0, 0))],
-                 "prompt.pt: samples[4]:", "tokens: group 0 has a different prompt", "first difference at token 0")
+    expect_error(import_slime.main, [bad("prompt.pt", lambda s: s[3]["tokens"].storage.__setitem__(0, 0))],
+                 "prompt.pt: samples[3]:", "tokens: group 0 has a different prompt", "first difference at token 0")
     # --common-prefix: the prompts of group 0 share 0 tokens now, so it still fails, naming the group
     expect_error(import_slime.main, [tmp("prompt.pt")], "share no first token", extra=["--common-prefix"])
     not_pt = tmp("not_a.pt")
