@@ -13,9 +13,9 @@
    Prefix backward is a vector-Jacobian product on a fixed forward trace, so it is linear in its
    incoming adjoints: one backward on the summed gK/gV equals the sum of G separate backwards.
    The two schedules agree exactly over the reals; only the order of the sums differs. On the
-   sample trace `./train --check` finds, in the double build, the losses 6e-17 apart and the worst
-   gradient element 4e-11 apart relative to its size, the worst updated parameter 8e-13 (float
-   build: 7e-17 for the loss, which is summed in double, and 9e-3 for the worst gradient element).
+   sample trace `./train --check` finds, in the double build, the losses 1e-16 apart and the worst
+   gradient element 5e-11 apart relative to its size, the worst updated parameter 1e-12 (float
+   build: 6e-17 for the loss, which is summed in double, and 2e-2 for the worst gradient element).
 
    USAGE
      #define PREFIXREUSE_IMPLEMENTATION   (in exactly one C file)
@@ -1288,6 +1288,16 @@ static double pr__now(void) { return (double)clock() / CLOCKS_PER_SEC; }
 #include <omp.h>
 #endif
 
+/* GCC in ISO mode (-std=c99) defaults to -ffp-contract=off, which would split every multiply-add
+   of the hot loops (the GEMM's tile, the CPU attention's) into two instructions and halve their
+   throughput; PR__FUSED opts a function back in. Clang fuses "acc += a*b" by default. Fusing is a
+   per-binary property, so it does not affect determinism across thread counts. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define PR__FUSED __attribute__((optimize("fp-contract=fast")))
+#else
+#define PR__FUSED
+#endif
+
 #ifndef PR_USE_CBLAS
 
 
@@ -1355,15 +1365,8 @@ static void pr__gemm_pack(pr_real *P, const pr_real *X, int ld, int rk, int n, i
     }
 }
 
-/* GCC in ISO mode (-std=c99) defaults to -ffp-contract=off, which would split every
-   multiply-add into two instructions and halve throughput; opt this function back in.
-   Clang fuses "acc += a*b" by default.  Fusing is a per-binary property, so it does
-   not affect determinism across thread counts. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=fast")))
-#endif
 /* Tile c[0..m) x [0..n) (stride ldc) = (acc ? c : 0) + sum_k pa[k] (x) pb[k]. */
-static void pr__gemm_kernel(int kc, const pr_real *pa, const pr_real *pb,
+PR__FUSED static void pr__gemm_kernel(int kc, const pr_real *pa, const pr_real *pb,
                             pr_real *c, int ldc, int m, int n, int acc) {
     pr_real t[PR__MR * PR__NR];
     int i, j, k;
@@ -1632,44 +1635,265 @@ static void pr__axpy(pr_real *y, pr_real a, const pr_real *x, int n) {
 #define PR__KEY(kp, k, j, np, seg0, kvd, hk) \
     ((j) < (np) ? (kp) + (size_t)(j) * (kvd) + (hk) : (k) + (size_t)((seg0) + (j) - (np)) * (kvd) + (hk))
 
-/* Attention forward, one query row at a time with an online softmax (running max m, running sum,
-   output rescaled when m grows): no score matrix and no scratch memory. Query head h reads
-   key/value head h / (NH/NKV) (GQA). lse keeps each row's log-sum-exp so that the backward can
-   rebuild every probability. Parallel over (segment, head): no two tasks write the same output. */
+/* The CPU attention takes the query rows of one head PR__ATT_BQ at a time, the lanes of a block,
+   against PR__ATT_BK keys at a time, in stack memory only (tiles of PR__ATT_DC x PR__ATT_BQ and
+   PR__ATT_BK x PR__ATT_BQ reals). Every product runs across the lanes or across the head dim, in
+   loops of fixed length that vectorise with no horizontal sum: the lanes' queries (and output
+   gradients) are copied transposed, so that a key's scores with the lanes are independent sums,
+   and the lanes' outputs (and dq) are summed in a transposed tile too. A head dim of at most
+   PR__ATT_DC stays in those tiles through all the key blocks of its lanes (resident); a larger one
+   passes through them a chunk at a time, the same sums in the same order. A lane's arithmetic never
+   depends on the other lanes of its block, and every sum into a row of dq, dk or dv adds in a fixed
+   order (keys ascending for a query row; segments, query heads, query rows ascending for a key
+   row), so results do not depend on the threads. */
+#define PR__ATT_BQ 16
+#define PR__ATT_BK 64
+#define PR__ATT_DC 128
+#define PR__ATT_T 4     /* keys, or head-dim values, a kernel keeps in registers at once */
+
+#ifdef PR_DOUBLE
+typedef uint64_t pr__real_bits;
+#else
+typedef uint32_t pr__real_bits;
+#endif
+
+/* y[i] = exp(x[i]) for the PR__ATT_BQ lanes, in loops that vectorise (over local arrays, which
+   cannot alias): x = k ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to the degree whose
+   first dropped term is under a tenth of an ulp, 2^k written into the exponent bits. Adding
+   1.5 * 2^(mantissa bits) rounds x/ln2 to the nearest integer k and leaves k in the low bits of the
+   sum, so no float-to-integer conversion is needed. x below lo gives 0 (exp(-inf) among them), above
+   hi infinity: there e^x nears the smallest and the largest normal number. NaN stays NaN. */
+static void pr__exp_lanes(pr_real *y, const pr_real *x) {
+#ifdef PR_DOUBLE
+    const double lo = -708, hi = 709, magic = 6755399441055744.0 /* 1.5 * 2^52 */, log2e = 1.4426950408889634,
+                 ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
+    const pr_real inv_fact[] = { 1, 1, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320,
+                                 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800 };
+    const int degree = 13, mant = 52;
+    const pr__real_bits bias = 1023;
+#else
+    const float lo = -87, hi = 88, magic = 12582912.0f /* 1.5 * 2^23 */, log2e = 1.44269504f,
+                ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;   /* ln2_hi has 9 bits: k ln2_hi is exact */
+    const pr_real inv_fact[] = { 1, 1, 1.0f / 2, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720, 1.0f / 5040 };
+    const int degree = 7, mant = 23;
+    const pr__real_bits bias = 127;
+#endif
+    pr_real xs[PR__ATT_BQ], z[PR__ATT_BQ], r[PR__ATT_BQ], p[PR__ATT_BQ], e[PR__ATT_BQ];
+    memcpy(xs, x, sizeof xs);
+    for (int i = 0; i < PR__ATT_BQ; i++) {
+        const pr_real c = xs[i] > lo ? (xs[i] < hi ? xs[i] : hi) : lo, kf = (z[i] = c * log2e + magic) - magic;
+        r[i] = (c - kf * ln2_hi) - kf * ln2_lo;
+        p[i] = inv_fact[degree];
+    }
+    for (int n = degree - 1; n >= 0; n--)    /* Horner */
+        for (int i = 0; i < PR__ATT_BQ; i++) p[i] = p[i] * r[i] + inv_fact[n];
+    for (int i = 0; i < PR__ATT_BQ; i++) {
+        pr__real_bits zb;
+        pr_real two_k;
+        memcpy(&zb, &z[i], sizeof zb);
+        zb = (zb + bias) << mant;
+        memcpy(&two_k, &zb, sizeof two_k);
+        e[i] = xs[i] < lo ? 0 : xs[i] <= hi ? p[i] * two_k : xs[i] > hi ? (pr_real)INFINITY : xs[i];
+    }
+    memcpy(y, e, sizeof e);
+}
+
+/* tile[d][i] = x_i[c0 + d], x_i = x + i ldx, for lanes i < nr and d < dc; zero elsewhere in the
+   PR__ATT_DC x PR__ATT_BQ tile. */
+static void pr__att_gather(pr_real *tile, const pr_real *x, size_t ldx, int nr, int c0, int dc) {
+    memset(tile, 0, sizeof(pr_real) * PR__ATT_DC * PR__ATT_BQ);
+    for (int i = 0; i < nr; i++)
+        for (int d = 0; d < dc; d++) tile[d * PR__ATT_BQ + i] = x[i * ldx + c0 + d];
+}
+/* x_i[c0 + d] = tile[d][i] / div[i] (div NULL: 1) for lanes i < nr and d < dc. */
+static void pr__att_scatter(pr_real *x, size_t ldx, int nr, const pr_real *tile, int c0, int dc, const pr_real *div) {
+    for (int i = 0; i < nr; i++)
+        for (int d = 0; d < dc; d++) x[i * ldx + c0 + d] = div ? tile[d * PR__ATT_BQ + i] / div[i] : tile[d * PR__ATT_BQ + i];
+}
+
+/* t[j][i] += sum over d < dc of xt[d][i] y_j[c0 + d], for keys j < nj (rows y[j]) and all lanes:
+   the score dots of a block against one head-dim chunk of the lanes, transposed in xt, PR__ATT_T
+   keys at a time so that their sums run side by side. Rows of t past nj get key nj - 1's sums (t
+   holds PR__ATT_BK rows). */
+PR__FUSED static void pr__att_dots(pr_real *t, const pr_real *xt, const pr_real *const *y, int nj, int c0, int dc) {
+    for (int j = 0; j < nj; j += PR__ATT_T) {
+        const pr_real *yj[PR__ATT_T];
+        for (int u = 0; u < PR__ATT_T; u++) yj[u] = y[j + u < nj ? j + u : nj - 1] + c0;
+        pr_real acc[PR__ATT_T][PR__ATT_BQ];
+        memcpy(acc, t + (size_t)j * PR__ATT_BQ, sizeof acc);
+        for (int d = 0; d < dc; d++) {
+            const pr_real *xd = xt + d * PR__ATT_BQ;
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int u = 0; u < PR__ATT_T; u++) {
+                const pr_real yu = yj[u][d];
+                for (int i = 0; i < PR__ATT_BQ; i++) acc[u][i] += xd[i] * yu;
+            }
+        }
+        memcpy(t + (size_t)j * PR__ATT_BQ, acc, sizeof acc);
+    }
+}
+
+/* at[d][i] += sum over keys j < nj (in order) of w[j][i] y_j[c0 + d], for d < dc and all lanes:
+   into one head-dim chunk of the lanes' rows, transposed in at (the output P V of the forward,
+   dq += dS K). PR__ATT_T head-dim values at a time, their sums across the lanes; at's rows past dc
+   are scratch. */
+PR__FUSED static void pr__att_into_lanes(pr_real *at, const pr_real *w, const pr_real *const *y, int nj, int c0, int dc) {
+    for (int d0 = 0; d0 < dc; d0 += PR__ATT_T) {
+        const int nd = dc - d0 < PR__ATT_T ? dc - d0 : PR__ATT_T;
+        pr_real acc[PR__ATT_T][PR__ATT_BQ];
+        memcpy(acc, at + (size_t)d0 * PR__ATT_BQ, sizeof acc);
+        for (int j = 0; j < nj; j++) {
+            const pr_real *wj = w + (size_t)j * PR__ATT_BQ, *yj = y[j] + c0 + d0;
+            pr_real yv[PR__ATT_T];
+            for (int u = 0; u < PR__ATT_T; u++) yv[u] = u < nd ? yj[u] : 0;
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int u = 0; u < PR__ATT_T; u++)
+                for (int i = 0; i < PR__ATT_BQ; i++) acc[u][i] += wj[i] * yv[u];
+        }
+        memcpy(at + (size_t)d0 * PR__ATT_BQ, acc, sizeof acc);
+    }
+}
+
+/* Key row z_j (j < nj) gets, for each d, sum over lanes i < nr (in order) of w[j][i] x_i[d], with
+   x_i = x + i ldx: dv += P^T dO and dk += dS^T Q. PR__ATT_T keys at a time, PR__ATT_BQ head-dim
+   values at a time (a short last pass through zero-padded copies), their sums across the head dim.
+   w's rows past nj are read, never used. */
+PR__FUSED static void pr__att_into_keys(pr_real *const *z, int nj, const pr_real *w, const pr_real *x, size_t ldx,
+                                        int nr, int HS) {
+    enum { W = PR__ATT_BQ };
+    for (int j = 0; j < nj; j += PR__ATT_T) {
+        const int nu = nj - j < PR__ATT_T ? nj - j : PR__ATT_T;
+        const pr_real *wj = w + (size_t)j * PR__ATT_BQ;
+        for (int d0 = 0; d0 < HS; d0 += W) {
+            const int nd = HS - d0 < W ? HS - d0 : W;
+            pr_real acc[PR__ATT_T][W], pad[W] = { 0 };
+            for (int u = 0; u < PR__ATT_T; u++) {
+                if (u < nu && nd == W) memcpy(acc[u], z[j + u] + d0, sizeof acc[u]);
+                else
+                    for (int e = 0; e < W; e++) acc[u][e] = u < nu && e < nd ? z[j + u][d0 + e] : 0;
+            }
+            for (int i = 0; i < nr; i++) {
+                const pr_real *xi = x + i * ldx + d0;
+                if (nd < W) xi = (const pr_real *)memcpy(pad, xi, sizeof(pr_real) * nd);
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+                for (int u = 0; u < PR__ATT_T; u++) {
+                    const pr_real wu = wj[u * PR__ATT_BQ + i];
+                    for (int e = 0; e < W; e++) acc[u][e] += wu * xi[e];
+                }
+            }
+            for (int u = 0; u < nu; u++) memcpy(z[j + u] + d0, acc[u], sizeof(pr_real) * nd);
+        }
+    }
+}
+
+/* t[j][i] = x_i.y_j for keys j < nj and all lanes: pr__att_dots over the head-dim chunks, xt
+   built per chunk here, or (resident: the head dim is one chunk) by the caller once for every key
+   block of the lanes. */
+static void pr__att_products(pr_real *t, pr_real *xt, int resident, const pr_real *x, size_t ldx, int nr,
+                             const pr_real *const *y, int nj, int HS) {
+    memset(t, 0, sizeof(pr_real) * PR__ATT_BK * PR__ATT_BQ);
+    for (int c0 = 0; c0 < HS; c0 += PR__ATT_DC) {
+        const int dc = HS - c0 < PR__ATT_DC ? HS - c0 : PR__ATT_DC;
+        if (!resident) pr__att_gather(xt, x, ldx, nr, c0, dc);
+        pr__att_dots(t, xt, y, nj, c0, dc);
+    }
+}
+
+/* The lanes' rows x_i += sum over keys j of w[j][i] y_j, after x_i *= rescale[i] (rescale NULL:
+   none): pr__att_into_lanes over the head-dim chunks, through at, which holds them transposed:
+   gathered and scattered back per chunk here, or (resident) by the caller around all key blocks. */
+static void pr__att_lanes_update(pr_real *at, int resident, pr_real *x, size_t ldx, int nr, const pr_real *rescale,
+                                 const pr_real *w, const pr_real *const *y, int nj, int HS) {
+    for (int c0 = 0; c0 < HS; c0 += PR__ATT_DC) {
+        const int dc = HS - c0 < PR__ATT_DC ? HS - c0 : PR__ATT_DC;
+        if (!resident) pr__att_gather(at, x, ldx, nr, c0, dc);
+        if (rescale)
+            for (int d = 0; d < dc; d++)
+                for (int i = 0; i < PR__ATT_BQ; i++) at[d * PR__ATT_BQ + i] *= rescale[i];
+        pr__att_into_lanes(at, w, y, nj, c0, dc);
+        if (!resident) pr__att_scatter(x, ldx, nr, at, c0, dc, NULL);
+    }
+}
+
+/* The block's scores against keys j0 .. j0 + nj - 1 (rows krow): t[j][i] = scale q_i.k_j, and -inf
+   where the key lies past lane i's last key, last0 + i. */
+static void pr__att_scores(pr_real *t, pr_real *qt, int resident, const pr_real *q, size_t ldq, int nr,
+                           const pr_real *const *krow, int j0, int nj, int last0, pr_real scale, int HS) {
+    pr__att_products(t, qt, resident, q, ldq, nr, krow, nj, HS);
+    for (int j = 0; j < nj; j++)
+        for (int i = 0; i < PR__ATT_BQ; i++) {
+            pr_real *s = t + (size_t)j * PR__ATT_BQ + i;
+            *s = j0 + j > last0 + i ? (pr_real)-INFINITY : *s * scale;
+        }
+}
+
+/* Attention forward: o = softmax(scale q k^T) v over the keys each query row sees, an online
+   softmax over key blocks (a lane's running maximum m and sum l; its output rescaled when m grows),
+   no score matrix beyond one block's. Query head h reads key/value head h / (NH/NKV) (GQA). lse
+   keeps each row's log-sum-exp so that the backward can rebuild every probability. Parallel over
+   (segment, head): no two tasks write the same output. */
 static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, const void *q_, const void *k_, const void *v_,
                                   const void *kp_, const void *vp_, const pr_seq_layout *lay, int NH, int NKV, int HS) {
     (void)be;
     pr_real *out = PR__R(out_), *lse = PR__R(lse_);
     const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
     const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
-    const double scale = 1.0 / sqrt((double)HS);
+    const pr_real scale = (pr_real)(1.0 / sqrt((double)HS));
     const int tasks = lay->n_seg * NH;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1)
 #endif
-    for (int t = 0; t < tasks; t++) {
-        int s = t / NH, h = t % NH, hk = (h / group) * HS;
-        int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
-        for (int r = seg0; r < seg1; r++) {
-            const pr_real *qr = q + (size_t)r * qd + (size_t)h * HS;
-            pr_real *o = out + (size_t)r * qd + (size_t)h * HS;
-            int nk = np + (r - seg0) + 1;
-            double m = -INFINITY, sum = 0;
-            memset(o, 0, sizeof(pr_real) * HS);
-            for (int j = 0; j < nk; j++) {
-                double sc = pr__dot(qr, PR__KEY(kp, k, j, np, seg0, kvd, hk), HS) * scale;
-                if (sc > m) {   /* new maximum: rescale what was accumulated under the old one */
-                    double c = exp(m - sc);
-                    for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] * c);
-                    sum *= c;
-                    m = sc;
+    for (int task = 0; task < tasks; task++) {
+        const int s = task / NH, h = task % NH, hk = (h / group) * HS;
+        const int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
+        pr_real qt[PR__ATT_DC * PR__ATT_BQ], ot[PR__ATT_DC * PR__ATT_BQ], t[PR__ATT_BK * PR__ATT_BQ];
+        pr_real m[PR__ATT_BQ], l[PR__ATT_BQ], mnew[PR__ATT_BQ], c[PR__ATT_BQ], x[PR__ATT_BQ];
+        const pr_real *krow[PR__ATT_BK], *vrow[PR__ATT_BK];
+        const int resident = HS <= PR__ATT_DC;
+        for (int r0 = seg0; r0 < seg1; r0 += PR__ATT_BQ) {
+            const int nr = seg1 - r0 < PR__ATT_BQ ? seg1 - r0 : PR__ATT_BQ;
+            const int last0 = np + r0 - seg0, nk = last0 + nr;   /* lane i's last key is last0 + i */
+            const pr_real *q0 = q + (size_t)r0 * qd + (size_t)h * HS;
+            pr_real *o0 = out + (size_t)r0 * qd + (size_t)h * HS;
+            for (int i = 0; i < PR__ATT_BQ; i++) m[i] = (pr_real)-INFINITY, l[i] = 0;
+            if (resident) {
+                pr__att_gather(qt, q0, qd, nr, 0, HS);
+                memset(ot, 0, sizeof ot);
+            } else
+                for (int i = 0; i < nr; i++) memset(o0 + (size_t)i * qd, 0, sizeof(pr_real) * HS);
+            for (int j0 = 0; j0 < nk; j0 += PR__ATT_BK) {
+                const int nj = nk - j0 < PR__ATT_BK ? nk - j0 : PR__ATT_BK;
+                for (int j = 0; j < nj; j++) {
+                    krow[j] = PR__KEY(kp, k, j0 + j, np, seg0, kvd, hk);
+                    vrow[j] = PR__KEY(vp, v, j0 + j, np, seg0, kvd, hk);
                 }
-                double pj = PR__EXP((pr_real)(sc - m));
-                sum += pj;
-                pr__axpy(o, (pr_real)pj, PR__KEY(vp, v, j, np, seg0, kvd, hk), HS);
+                pr__att_scores(t, qt, resident, q0, qd, nr, krow, j0, nj, last0, scale, HS);
+                memcpy(mnew, m, sizeof mnew);
+                for (int j = 0; j < nj; j++)
+                    for (int i = 0; i < PR__ATT_BQ; i++) mnew[i] = t[j * PR__ATT_BQ + i] > mnew[i] ? t[j * PR__ATT_BQ + i] : mnew[i];
+                for (int i = 0; i < PR__ATT_BQ; i++) x[i] = m[i] - mnew[i];
+                pr__exp_lanes(c, x);             /* the old sum's and output's rescaling; 0 at the first block */
+                for (int i = 0; i < PR__ATT_BQ; i++) l[i] *= c[i];
+                for (int j = 0; j < nj; j++) {   /* t becomes the block's probabilities under mnew */
+                    pr_real *tj = t + (size_t)j * PR__ATT_BQ;
+                    for (int i = 0; i < PR__ATT_BQ; i++) x[i] = tj[i] - mnew[i];
+                    pr__exp_lanes(tj, x);
+                    for (int i = 0; i < PR__ATT_BQ; i++) l[i] += tj[i];
+                }
+                pr__att_lanes_update(ot, resident, o0, qd, nr, c, t, vrow, nj, HS);
+                memcpy(m, mnew, sizeof m);
             }
-            for (int i = 0; i < HS; i++) o[i] = (pr_real)(o[i] / sum);
-            lse[(size_t)r * NH + h] = (pr_real)(m + log(sum));
+            if (resident) pr__att_scatter(o0, qd, nr, ot, 0, HS, l);
+            else
+                for (int i = 0; i < nr; i++)
+                    for (int d = 0; d < HS; d++) o0[(size_t)i * qd + d] /= l[i];
+            for (int i = 0; i < nr; i++) lse[(size_t)(r0 + i) * NH + h] = m[i] + (pr_real)log(l[i]);
         }
     }
 }
@@ -1679,7 +1903,8 @@ static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, 
      dq += scale ds_j k_j;   dk_j += scale ds_j q.
    Keys in the prefix region send dk/dv to dkp/dvp: summed over every query row of every segment,
    this is the prefix-side gradient the reuse schedule accumulates into gK/gV. Parallel over KV
-   heads only, so that each dk/dv/dkp/dvp row has one writer and a fixed summation order. */
+   heads only, so that each dk/dv/dkp/dvp row has one writer and a fixed summation order: for a
+   key row, segments, then the query heads of its group, then query rows, each ascending. */
 static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, void *dv_, pr_real *dkp, pr_real *dvp,
                                   const void *dout_, const void *out_, const void *lse_, const void *q_, const void *k_,
                                   const void *v_, const void *kp_, const void *vp_, const pr_seq_layout *lay,
@@ -1689,30 +1914,53 @@ static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, vo
     const pr_real *dout = PR__CR(dout_), *out = PR__CR(out_), *lse = PR__CR(lse_);
     const pr_real *q = PR__CR(q_), *k = PR__CR(k_), *v = PR__CR(v_), *kp = PR__CR(kp_), *vp = PR__CR(vp_);
     const int np = lay->n_prefix, qd = NH * HS, kvd = NKV * HS, group = NH / NKV;
-    const double scale = 1.0 / sqrt((double)HS);
+    const pr_real scale = (pr_real)(1.0 / sqrt((double)HS));
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static, 1)
 #endif
     for (int kh = 0; kh < NKV; kh++) {
-        int hk = kh * HS;
+        const int hk = kh * HS, resident = HS <= PR__ATT_DC;
+        pr_real qt[PR__ATT_DC * PR__ATT_BQ], dot[PR__ATT_DC * PR__ATT_BQ], dqt[PR__ATT_DC * PR__ATT_BQ];
+        pr_real p[PR__ATT_BK * PR__ATT_BQ], ds[PR__ATT_BK * PR__ATT_BQ], L[PR__ATT_BQ], D[PR__ATT_BQ], x[PR__ATT_BQ];
+        const pr_real *krow[PR__ATT_BK], *vrow[PR__ATT_BK];
+        pr_real *dkrow[PR__ATT_BK], *dvrow[PR__ATT_BK];
         for (int s = 0; s < lay->n_seg; s++) {
-            int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
+            const int seg0 = lay->seg_off[s], seg1 = lay->seg_off[s + 1];
             for (int h = kh * group; h < (kh + 1) * group; h++)
-                for (int r = seg0; r < seg1; r++) {
-                    size_t qo = (size_t)r * qd + (size_t)h * HS;
-                    const pr_real *qr = q + qo, *dor = dout + qo;
-                    pr_real *dqr = dq + qo;
-                    double D = pr__dot(dor, out + qo, HS), l = lse[(size_t)r * NH + h];
-                    int nk = np + (r - seg0) + 1;
-                    for (int j = 0; j < nk; j++) {
-                        const pr_real *kj = PR__KEY(kp, k, j, np, seg0, kvd, hk);
-                        const pr_real *vj = PR__KEY(vp, v, j, np, seg0, kvd, hk);
-                        double pj = PR__EXP((pr_real)(pr__dot(qr, kj, HS) * scale - l));
-                        double dsj = pj * (pr__dot(dor, vj, HS) - D) * scale;
-                        pr__axpy(PR__KEY(dvp, dv, j, np, seg0, kvd, hk), (pr_real)pj, dor, HS);
-                        pr__axpy(PR__KEY(dkp, dk, j, np, seg0, kvd, hk), (pr_real)dsj, qr, HS);
-                        pr__axpy(dqr, (pr_real)dsj, kj, HS);
+                for (int r0 = seg0; r0 < seg1; r0 += PR__ATT_BQ) {
+                    const int nr = seg1 - r0 < PR__ATT_BQ ? seg1 - r0 : PR__ATT_BQ;
+                    const int last0 = np + r0 - seg0, nk = last0 + nr;
+                    const size_t qo = (size_t)r0 * qd + (size_t)h * HS;
+                    for (int i = 0; i < PR__ATT_BQ; i++) {
+                        L[i] = i < nr ? lse[(size_t)(r0 + i) * NH + h] : 0;
+                        D[i] = i < nr ? pr__dot(dout + qo + (size_t)i * qd, out + qo + (size_t)i * qd, HS) : 0;
                     }
+                    if (resident) {
+                        pr__att_gather(qt, q + qo, qd, nr, 0, HS);
+                        pr__att_gather(dot, dout + qo, qd, nr, 0, HS);
+                        pr__att_gather(dqt, dq + qo, qd, nr, 0, HS);
+                    }
+                    for (int j0 = 0; j0 < nk; j0 += PR__ATT_BK) {
+                        const int nj = nk - j0 < PR__ATT_BK ? nk - j0 : PR__ATT_BK;
+                        for (int j = 0; j < nj; j++) {
+                            krow[j] = PR__KEY(kp, k, j0 + j, np, seg0, kvd, hk);
+                            vrow[j] = PR__KEY(vp, v, j0 + j, np, seg0, kvd, hk);
+                            dkrow[j] = PR__KEY(dkp, dk, j0 + j, np, seg0, kvd, hk);
+                            dvrow[j] = PR__KEY(dvp, dv, j0 + j, np, seg0, kvd, hk);
+                        }
+                        pr__att_scores(p, qt, resident, q + qo, qd, nr, krow, j0, nj, last0, scale, HS);
+                        pr__att_products(ds, dot, resident, dout + qo, qd, nr, vrow, nj, HS);   /* dp = do.v */
+                        for (int j = 0; j < nj; j++) {   /* p, and ds from dp */
+                            pr_real *pj = p + (size_t)j * PR__ATT_BQ, *dsj = ds + (size_t)j * PR__ATT_BQ;
+                            for (int i = 0; i < PR__ATT_BQ; i++) x[i] = pj[i] - L[i];
+                            pr__exp_lanes(pj, x);
+                            for (int i = 0; i < PR__ATT_BQ; i++) dsj[i] = pj[i] * (dsj[i] - D[i]) * scale;
+                        }
+                        pr__att_into_keys(dvrow, nj, p, dout + qo, qd, nr, HS);
+                        pr__att_into_keys(dkrow, nj, ds, q + qo, qd, nr, HS);
+                        pr__att_lanes_update(dqt, resident, dq + qo, qd, nr, NULL, ds, krow, nj, HS);
+                    }
+                    if (resident) pr__att_scatter(dq + qo, qd, nr, dqt, 0, HS, NULL);
                 }
         }
     }
