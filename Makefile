@@ -5,6 +5,7 @@
 #   make NATIVE=0            without -march=native
 #   make asan                the test suite under AddressSanitizer + UBSan
 #   make bench-gemm          the header's GEMM beside OpenBLAS on the model's shapes
+#   make bench-attention     the CPU attention alone, forward and backward, on the model's shapes
 #   make fuzz                the trace and safetensors/config parsers, the config size checks and the training-state
 #                            loader under libFuzzer (clang); then random --check, resume and allocation-failure cases (test/fuzz_check.py)
 #   make cuda                ./train_cuda: the same driver on the CUDA backend (nvcc, cuBLASLt)
@@ -49,7 +50,7 @@ endif
 ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
 HEADER = prefixreuse.h
 
-.PHONY: all test asan bench-gemm bench-cuda fuzz clean info cuda test-gpu sass FORCE
+.PHONY: all test asan bench-gemm bench-attention bench-cuda fuzz clean info cuda test-gpu sass FORCE
 
 all: train
 
@@ -170,6 +171,13 @@ build/asan/test_mma_kernels: test/test_mma_kernels.cc build/asan/gpu_ref_host.o 
 bench-gemm: | build
 	$(CC) $(WARN) -O3 $(ARCH) $(OPENMP) -DPR_BENCH_CBLAS $(LDFLAGS) -o build/bench_gemm test/bench_gemm.c -lm -lopenblas
 	./build/bench_gemm
+
+# the CPU attention alone at model/small's head shapes over the bench's splits (train's flags: CC,
+# PRECISION, CFLAGS)
+bench-attention: build/bench_attention
+	./build/bench_attention
+build/bench_attention: test/bench_attention.c $(HEADER) | build
+	$(CC) $(ALL_CFLAGS) $(LDFLAGS) -o $@ test/bench_attention.c $(LDLIBS)
 
 FUZZ_SECONDS ?= 60
 fuzz: train build/train-double build/train_faults-double | build

@@ -1649,7 +1649,18 @@ static void pr__axpy(pr_real *y, pr_real a, const pr_real *x, int n) {
 #define PR__ATT_BQ 16
 #define PR__ATT_BK 64
 #define PR__ATT_DC 128
-#define PR__ATT_T 4     /* keys, or head-dim values, a kernel keeps in registers at once */
+/* Keys, or head-dim values, a kernel keeps in registers at once: eight independent sums (of a
+   vector of lanes each), enough to hide the latency of the FMA they wait on, with the operands
+   beside them still in registers. The kernels sum a whole group in registers only where they copy
+   its accumulators in and out whole: GCC keeps an array it partly copies in memory, and a group
+   summed through memory runs at the speed of store-to-load forwarding. */
+#define PR__ATT_T 8
+#if defined(__GNUC__)
+#define PR__PRAGMA(x) _Pragma(#x)
+#define PR__UNROLL(n) PR__PRAGMA(GCC unroll n)   /* n expanded first: the pragma itself expands no macro */
+#else
+#define PR__UNROLL(n)
+#endif
 
 #ifdef PR_DOUBLE
 typedef uint64_t pr__real_bits;
@@ -1698,23 +1709,22 @@ static void pr__exp_lanes(pr_real *y, const pr_real *x) {
     memcpy(y, e, sizeof e);
 }
 
-/* tile[d][i] = x_i[c0 + d], x_i = x + i ldx, for lanes i < nr and d < dc; zero elsewhere in the
-   PR__ATT_DC x PR__ATT_BQ tile. */
+/* tile[d][i] = x_i[c0 + d], x_i = x + i ldx, for d < dc and every lane: zero in the lanes i >= nr
+   (the PR__ATT_DC x PR__ATT_BQ tile's rows past dc are never read). */
 static void pr__att_gather(pr_real *tile, const pr_real *x, size_t ldx, int nr, int c0, int dc) {
-    memset(tile, 0, sizeof(pr_real) * PR__ATT_DC * PR__ATT_BQ);
-    for (int i = 0; i < nr; i++)
-        for (int d = 0; d < dc; d++) tile[d * PR__ATT_BQ + i] = x[i * ldx + c0 + d];
+    for (int d = 0; d < dc; d++)
+        for (int i = 0; i < PR__ATT_BQ; i++) tile[d * PR__ATT_BQ + i] = i < nr ? x[i * ldx + c0 + d] : 0;
 }
-/* x_i[c0 + d] = tile[d][i] / div[i] (div NULL: 1) for lanes i < nr and d < dc. */
-static void pr__att_scatter(pr_real *x, size_t ldx, int nr, const pr_real *tile, int c0, int dc, const pr_real *div) {
+/* x_i[c0 + d] = tile[d][i] for lanes i < nr and d < dc. */
+static void pr__att_scatter(pr_real *x, size_t ldx, int nr, const pr_real *tile, int c0, int dc) {
     for (int i = 0; i < nr; i++)
-        for (int d = 0; d < dc; d++) x[i * ldx + c0 + d] = div ? tile[d * PR__ATT_BQ + i] / div[i] : tile[d * PR__ATT_BQ + i];
+        for (int d = 0; d < dc; d++) x[i * ldx + c0 + d] = tile[d * PR__ATT_BQ + i];
 }
 
 /* t[j][i] += sum over d < dc of xt[d][i] y_j[c0 + d], for keys j < nj (rows y[j]) and all lanes:
    the score dots of a block against one head-dim chunk of the lanes, transposed in xt, PR__ATT_T
    keys at a time so that their sums run side by side. Rows of t past nj get key nj - 1's sums (t
-   holds PR__ATT_BK rows). */
+   holds PR__ATT_BK rows, a multiple of PR__ATT_T). */
 PR__FUSED static void pr__att_dots(pr_real *t, const pr_real *xt, const pr_real *const *y, int nj, int c0, int dc) {
     for (int j = 0; j < nj; j += PR__ATT_T) {
         const pr_real *yj[PR__ATT_T];
@@ -1723,9 +1733,7 @@ PR__FUSED static void pr__att_dots(pr_real *t, const pr_real *xt, const pr_real 
         memcpy(acc, t + (size_t)j * PR__ATT_BQ, sizeof acc);
         for (int d = 0; d < dc; d++) {
             const pr_real *xd = xt + d * PR__ATT_BQ;
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
+            PR__UNROLL(PR__ATT_T)
             for (int u = 0; u < PR__ATT_T; u++) {
                 const pr_real yu = yj[u][d];
                 for (int i = 0; i < PR__ATT_BQ; i++) acc[u][i] += xd[i] * yu;
@@ -1735,59 +1743,69 @@ PR__FUSED static void pr__att_dots(pr_real *t, const pr_real *xt, const pr_real 
     }
 }
 
+/* at[u][i] += sum over keys j < nj (in order) of w[j][i] y_j[off + u], for PR__ATT_T head-dim values
+   u and all lanes: pr__att_into_lanes's sums, in registers through the keys. */
+PR__FUSED static void pr__att_lanes_group(pr_real *at, const pr_real *w, const pr_real *const *y, int off, int nj) {
+    pr_real acc[PR__ATT_T][PR__ATT_BQ];
+    memcpy(acc, at, sizeof acc);
+    for (int j = 0; j < nj; j++) {
+        const pr_real *wj = w + (size_t)j * PR__ATT_BQ, *yj = y[j] + off;
+        PR__UNROLL(PR__ATT_T)
+        for (int u = 0; u < PR__ATT_T; u++) {
+            const pr_real yu = yj[u];
+            for (int i = 0; i < PR__ATT_BQ; i++) acc[u][i] += wj[i] * yu;
+        }
+    }
+    memcpy(at, acc, sizeof acc);
+}
 /* at[d][i] += sum over keys j < nj (in order) of w[j][i] y_j[c0 + d], for d < dc and all lanes:
    into one head-dim chunk of the lanes' rows, transposed in at (the output P V of the forward,
-   dq += dS K). PR__ATT_T head-dim values at a time, their sums across the lanes; at's rows past dc
-   are scratch. */
+   dq += dS K). PR__ATT_T head-dim values at a time; a head dim that is not a multiple of it ends
+   one value at a time, by the same sums. */
 PR__FUSED static void pr__att_into_lanes(pr_real *at, const pr_real *w, const pr_real *const *y, int nj, int c0, int dc) {
-    for (int d0 = 0; d0 < dc; d0 += PR__ATT_T) {
-        const int nd = dc - d0 < PR__ATT_T ? dc - d0 : PR__ATT_T;
-        pr_real acc[PR__ATT_T][PR__ATT_BQ];
-        memcpy(acc, at + (size_t)d0 * PR__ATT_BQ, sizeof acc);
-        for (int j = 0; j < nj; j++) {
-            const pr_real *wj = w + (size_t)j * PR__ATT_BQ, *yj = y[j] + c0 + d0;
-            pr_real yv[PR__ATT_T];
-            for (int u = 0; u < PR__ATT_T; u++) yv[u] = u < nd ? yj[u] : 0;
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
-            for (int u = 0; u < PR__ATT_T; u++)
-                for (int i = 0; i < PR__ATT_BQ; i++) acc[u][i] += wj[i] * yv[u];
-        }
-        memcpy(at + (size_t)d0 * PR__ATT_BQ, acc, sizeof acc);
-    }
+    int d = 0;
+    for (; d + PR__ATT_T <= dc; d += PR__ATT_T) pr__att_lanes_group(at + (size_t)d * PR__ATT_BQ, w, y, c0 + d, nj);
+    for (; d < dc; d++)
+        for (int j = 0; j < nj; j++)
+            for (int i = 0; i < PR__ATT_BQ; i++) at[d * PR__ATT_BQ + i] += w[j * PR__ATT_BQ + i] * y[j][c0 + d];
 }
 
+/* rows[u][e] += sum over lanes i < nr (in order) of w[u][i] xs[i][e], for PR__ATT_T rows of
+   PR__ATT_BQ values: pr__att_into_keys's sums, in registers through the lanes. */
+PR__FUSED static void pr__att_keys_group(pr_real *rows, const pr_real *w, const pr_real *xs, int nr) {
+    pr_real acc[PR__ATT_T][PR__ATT_BQ];
+    memcpy(acc, rows, sizeof acc);
+    for (int i = 0; i < nr; i++) {
+        const pr_real *xi = xs + i * PR__ATT_BQ;
+        PR__UNROLL(PR__ATT_T)
+        for (int u = 0; u < PR__ATT_T; u++) {
+            const pr_real wu = w[u * PR__ATT_BQ + i];
+            for (int e = 0; e < PR__ATT_BQ; e++) acc[u][e] += wu * xi[e];
+        }
+    }
+    memcpy(rows, acc, sizeof acc);
+}
+/* dst[e] = src[e] for e < n, zero up to PR__ATT_BQ (n at most that): a whole row by a copy of fixed
+   size, which compiles to vector moves (a copy of n elements may become a slow string move). */
+static void pr__att_copy_row(pr_real *dst, const pr_real *src, int n) {
+    if (n == PR__ATT_BQ) memcpy(dst, src, sizeof(pr_real) * PR__ATT_BQ);
+    else
+        for (int e = 0; e < PR__ATT_BQ; e++) dst[e] = e < n ? src[e] : 0;
+}
 /* Key row z_j (j < nj) gets, for each d, sum over lanes i < nr (in order) of w[j][i] x_i[d], with
-   x_i = x + i ldx: dv += P^T dO and dk += dS^T Q. PR__ATT_T keys at a time, PR__ATT_BQ head-dim
-   values at a time (a short last pass through zero-padded copies), their sums across the head dim.
-   w's rows past nj are read, never used. */
-PR__FUSED static void pr__att_into_keys(pr_real *const *z, int nj, const pr_real *w, const pr_real *x, size_t ldx,
-                                        int nr, int HS) {
-    enum { W = PR__ATT_BQ };
-    for (int j = 0; j < nj; j += PR__ATT_T) {
-        const int nu = nj - j < PR__ATT_T ? nj - j : PR__ATT_T;
-        const pr_real *wj = w + (size_t)j * PR__ATT_BQ;
-        for (int d0 = 0; d0 < HS; d0 += W) {
-            const int nd = HS - d0 < W ? HS - d0 : W;
-            pr_real acc[PR__ATT_T][W], pad[W] = { 0 };
-            for (int u = 0; u < PR__ATT_T; u++) {
-                if (u < nu && nd == W) memcpy(acc[u], z[j + u] + d0, sizeof acc[u]);
-                else
-                    for (int e = 0; e < W; e++) acc[u][e] = u < nu && e < nd ? z[j + u][d0 + e] : 0;
-            }
-            for (int i = 0; i < nr; i++) {
-                const pr_real *xi = x + i * ldx + d0;
-                if (nd < W) xi = (const pr_real *)memcpy(pad, xi, sizeof(pr_real) * nd);
-#if defined(__GNUC__)
-#pragma GCC unroll 4
-#endif
-                for (int u = 0; u < PR__ATT_T; u++) {
-                    const pr_real wu = wj[u * PR__ATT_BQ + i];
-                    for (int e = 0; e < W; e++) acc[u][e] += wu * xi[e];
-                }
-            }
-            for (int u = 0; u < nu; u++) memcpy(z[j + u] + d0, acc[u], sizeof(pr_real) * nd);
+   x_i = x + i ldx: dv += P^T dO and dk += dS^T Q. PR__ATT_BQ head-dim values at a time, the lanes'
+   values copied into xs (zero past the head dim), then PR__ATT_T keys at a time through rows (a
+   short last group repeats key j's row, its sums dropped). w's rows past nj are read, never used. */
+static void pr__att_into_keys(pr_real *const *z, int nj, const pr_real *w, const pr_real *x, size_t ldx, int nr, int HS) {
+    pr_real xs[PR__ATT_BQ][PR__ATT_BQ], rows[PR__ATT_T][PR__ATT_BQ];
+    for (int d0 = 0; d0 < HS; d0 += PR__ATT_BQ) {
+        const int nd = HS - d0 < PR__ATT_BQ ? HS - d0 : PR__ATT_BQ;
+        for (int i = 0; i < nr; i++) pr__att_copy_row(xs[i], x + i * ldx + d0, nd);
+        for (int j = 0; j < nj; j += PR__ATT_T) {
+            const int nu = nj - j < PR__ATT_T ? nj - j : PR__ATT_T;
+            for (int u = 0; u < PR__ATT_T; u++) pr__att_copy_row(rows[u], z[u < nu ? j + u : j] + d0, nd);
+            pr__att_keys_group(rows[0], w + (size_t)j * PR__ATT_BQ, xs[0], nr);
+            for (int u = 0; u < nu; u++) memcpy(z[j + u] + d0, rows[u], sizeof(pr_real) * nd);
         }
     }
 }
@@ -1817,7 +1835,7 @@ static void pr__att_lanes_update(pr_real *at, int resident, pr_real *x, size_t l
             for (int d = 0; d < dc; d++)
                 for (int i = 0; i < PR__ATT_BQ; i++) at[d * PR__ATT_BQ + i] *= rescale[i];
         pr__att_into_lanes(at, w, y, nj, c0, dc);
-        if (!resident) pr__att_scatter(x, ldx, nr, at, c0, dc, NULL);
+        if (!resident) pr__att_scatter(x, ldx, nr, at, c0, dc);
     }
 }
 
@@ -1864,7 +1882,7 @@ static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, 
             for (int i = 0; i < PR__ATT_BQ; i++) m[i] = (pr_real)-INFINITY, l[i] = 0;
             if (resident) {
                 pr__att_gather(qt, q0, qd, nr, 0, HS);
-                memset(ot, 0, sizeof ot);
+                memset(ot, 0, sizeof(pr_real) * HS * PR__ATT_BQ);
             } else
                 for (int i = 0; i < nr; i++) memset(o0 + (size_t)i * qd, 0, sizeof(pr_real) * HS);
             for (int j0 = 0; j0 < nk; j0 += PR__ATT_BK) {
@@ -1889,10 +1907,9 @@ static void pr__cpu_attention_fwd(const pr_backend *be, void *out_, void *lse_, 
                 pr__att_lanes_update(ot, resident, o0, qd, nr, c, t, vrow, nj, HS);
                 memcpy(m, mnew, sizeof m);
             }
-            if (resident) pr__att_scatter(o0, qd, nr, ot, 0, HS, l);
-            else
-                for (int i = 0; i < nr; i++)
-                    for (int d = 0; d < HS; d++) o0[(size_t)i * qd + d] /= l[i];
+            if (resident) pr__att_scatter(o0, qd, nr, ot, 0, HS);
+            for (int i = 0; i < nr; i++)
+                for (int d = 0; d < HS; d++) o0[(size_t)i * qd + d] /= l[i];
             for (int i = 0; i < nr; i++) lse[(size_t)(r0 + i) * NH + h] = m[i] + (pr_real)log(l[i]);
         }
     }
@@ -1960,7 +1977,7 @@ static void pr__cpu_attention_bwd(const pr_backend *be, void *dq_, void *dk_, vo
                         pr__att_into_keys(dkrow, nj, ds, q + qo, qd, nr, HS);
                         pr__att_lanes_update(dqt, resident, dq + qo, qd, nr, NULL, ds, krow, nj, HS);
                     }
-                    if (resident) pr__att_scatter(dq + qo, qd, nr, dqt, 0, HS, NULL);
+                    if (resident) pr__att_scatter(dq + qo, qd, nr, dqt, 0, HS);
                 }
         }
     }
