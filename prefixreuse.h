@@ -1805,7 +1805,10 @@ static void pr__att_into_keys(pr_real *const *z, int nj, const pr_real *w, const
             const int nu = nj - j < PR__ATT_T ? nj - j : PR__ATT_T;
             for (int u = 0; u < PR__ATT_T; u++) pr__att_copy_row(rows[u], z[u < nu ? j + u : j] + d0, nd);
             pr__att_keys_group(rows[0], w + (size_t)j * PR__ATT_BQ, xs[0], nr);
-            for (int u = 0; u < nu; u++) memcpy(z[j + u] + d0, rows[u], sizeof(pr_real) * nd);
+            for (int u = 0; u < nu; u++) {   /* a whole row by a fixed-size copy, as pr__att_copy_row */
+                if (nd == PR__ATT_BQ) memcpy(z[j + u] + d0, rows[u], sizeof rows[u]);
+                else memcpy(z[j + u] + d0, rows[u], sizeof(pr_real) * nd);
+            }
         }
     }
 }
