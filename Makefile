@@ -49,6 +49,8 @@ endif
 
 ALL_CFLAGS = $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(DEFS)
 HEADER = prefixreuse.h
+# what every test program includes: the harness and the random numbers (test/harness.h, test/xorshift.h)
+TEST_H = test/harness.h test/xorshift.h
 
 .PHONY: all test asan bench-gemm bench-attention bench-cuda fuzz clean info cuda test-gpu sass FORCE
 
@@ -67,9 +69,9 @@ train: train.c $(HEADER) build/flags
 	$(CC) $(ALL_CFLAGS) $(LDFLAGS) -o $@ train.c $(LDLIBS)
 
 # The suite: the core tests in both precisions, the parsers' tests, and ./train --check in both.
-build/%-float: test/%.c $(HEADER) test/harness.h | build
+build/%-float: test/%.c $(HEADER) $(TEST_H) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ $< -lm
-build/%-double: test/%.c $(HEADER) test/harness.h | build
+build/%-double: test/%.c $(HEADER) $(TEST_H) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ $< -lm
 build/train-float: train.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ train.c -lm
@@ -77,10 +79,10 @@ build/train-double: train.c $(HEADER) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ train.c -lm
 # The attention tests' comparison (test/attn_check.h, shared with the GPU tests) on the CPU: planted
 # faults in a scalar attention must fail it, the same attention without them must pass.
-build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build
+build/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) $(TEST_H) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) $(LDFLAGS) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
 # The header in a C++ program (C++17 and later, g++ or clang++).
-build/test_cxx: test/test_cxx.cc $(HEADER) test/harness.h | build
+build/test_cxx: test/test_cxx.cc $(HEADER) $(TEST_H) | build
 	$(CXX) $(CXXWARN) $(CFLAGS) $(ARCH) $(OPENMP) -pthread $(LDFLAGS) -o $@ test/test_cxx.cc -lm
 build:
 	mkdir -p build
@@ -94,7 +96,7 @@ build/train_faults-double build/asan/train_faults-double: train.c
 # The tile-level model of the tensor-core attention (test/attn_model.c) against its references: one
 # program, in double, since the library's CPU attention it is also compared with is the double
 # reference (the model computes in bf16/fp32 whatever the build).
-ATTN_MODEL = test/test_attn_model.c test/attn_model.c test/attn_model.h $(HEADER) test/harness.h
+ATTN_MODEL = test/test_attn_model.c test/attn_model.c test/attn_model.h $(HEADER) $(TEST_H)
 build/test_attn_model-double: $(ATTN_MODEL) | build
 	$(CC) $(WARN) $(CFLAGS) $(ARCH) $(OPENMP) -DPR_DOUBLE $(LDFLAGS) -o $@ test/test_attn_model.c test/attn_model.c -lm
 TEST_BINS += build/test_attn_model-double
@@ -106,7 +108,7 @@ TEST_BINS += build/test_cuda_emu build/emu/train_cuda build/emu/test_gpu build/e
 # of ldmatrix and mma.sync (test_mma_emul), and its kernels on an emulated block against the double
 # CPU attention, the FFMA kernels' too (test_mma_kernels; prefixreuse_cuda.cu compiled with
 # PR_CUDA_HOST_EMULATION and PR_CUDA_KERNEL_EMULATION).
-MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h test/harness.h test/gpu_emu.h test/wgmma_emu.h $(HEADER)
+MMA_EMU_DEPS = prefixreuse_cuda.cu test/mma_emu.h $(TEST_H) test/gpu_emu.h test/wgmma_emu.h $(HEADER)
 build/test_mma_emul: test/test_mma_emul.cc $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_mma_emul.cc
 build/gpu_ref_host.o: test/gpu_ref.c test/gpu_ref.h $(HEADER) | build
@@ -137,17 +139,17 @@ asan: | build/asan
 
 build/asan:
 	mkdir -p build/asan
-build/asan/%-float: test/%.c $(HEADER) test/harness.h | build/asan
+build/asan/%-float: test/%.c $(HEADER) $(TEST_H) | build/asan
 	$(SAN_C) -o $@ $< -lm
-build/asan/%-double: test/%.c $(HEADER) test/harness.h | build/asan
+build/asan/%-double: test/%.c $(HEADER) $(TEST_H) | build/asan
 	$(SAN_C) -DPR_DOUBLE -o $@ $< -lm
 build/asan/train-float: train.c $(HEADER) | build/asan
 	$(SAN_C) -o $@ train.c -lm
 build/asan/train-double: train.c $(HEADER) | build/asan
 	$(SAN_C) -DPR_DOUBLE -o $@ train.c -lm
-build/asan/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) test/harness.h | build/asan
+build/asan/test_attn_check: test/test_attn_check.c test/attn_check.h test/gpu_ref.c test/gpu_ref.h $(HEADER) $(TEST_H) | build/asan
 	$(SAN_C) -o $@ test/test_attn_check.c test/gpu_ref.c -lm
-build/asan/test_cxx: test/test_cxx.cc $(HEADER) test/harness.h | build/asan
+build/asan/test_cxx: test/test_cxx.cc $(HEADER) $(TEST_H) | build/asan
 	$(CXX) $(CXXWARN) $(SAN) -pthread $(LDFLAGS) -o $@ test/test_cxx.cc -lm
 build/asan/test_attn_model-double: $(ATTN_MODEL) | build/asan
 	$(SAN_C) -DPR_DOUBLE -o $@ test/test_attn_model.c test/attn_model.c -lm
@@ -176,7 +178,7 @@ bench-gemm: | build
 # PRECISION, CFLAGS)
 bench-attention: build/bench_attention
 	./build/bench_attention
-build/bench_attention: test/bench_attention.c $(HEADER) | build
+build/bench_attention: test/bench_attention.c test/xorshift.h $(HEADER) | build
 	$(CC) $(ALL_CFLAGS) $(LDFLAGS) -o $@ test/bench_attention.c $(LDLIBS)
 
 FUZZ_SECONDS ?= 60
@@ -267,7 +269,7 @@ build/train_cuda.o: train.c $(HEADER) build/flags | build
 train_cuda: build/train_cuda.o build/prefixreuse_cuda.o
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) $(if $(CUDA_HOST_OPENMP),-Xcompiler $(CUDA_HOST_OPENMP)) -o $@ $^ $(CUDA_LIBS)
 
-build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu: test/test_gpu.c test/attn_check.h test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h build/prefixreuse_cuda.o $(HEADER) $(TEST_H) | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu.o test/test_gpu.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref.o test/gpu_ref.c
 	$(NVCC) $(CUDA_ARCH) $(NV_LDFLAGS) -o $@ build/test_gpu.o build/gpu_ref.o build/prefixreuse_cuda.o $(CUDA_LIBS)
@@ -312,7 +314,7 @@ build/check-sass.log: build/prefixreuse_cuda.o test/check_sass.sh test/check_wgm
 
 # The tensor-core attention against the double CPU path and the FFMA kernels (needs a GPU).
 .PHONY: test-gpu-attention
-build/test_gpu_attention: test/test_gpu_attention.c test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) test/harness.h | build
+build/test_gpu_attention: test/test_gpu_attention.c test/gpu_copy.h test/gpu_ref.c test/gpu_ref.h test/attn_model.c test/attn_model.h build/prefixreuse_cuda.o $(HEADER) $(TEST_H) | build
 	$(CC) $(WARN) $(CFLAGS) -c -o build/test_gpu_attention.o test/test_gpu_attention.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/gpu_ref_attention.o test/gpu_ref.c
 	$(CC) $(WARN) $(CFLAGS) -c -o build/attn_model_attention.o test/attn_model.c
@@ -334,7 +336,7 @@ $(EMU_CUDA): test/cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) $(
 # the emulated device's own rules, each shown by the failure it turns a mistake into
 build/test_cuda_emu: test/test_cuda_emu.cc test/cuda_emu.h test/nccl_emu.h $(MMA_EMU_DEPS) | build
 	$(CXX) -std=c++17 -Wall -Wextra $(CFLAGS) $(LDFLAGS) -o $@ test/test_cuda_emu.cc
-build/emu/%.o: test/%.c $(HEADER) test/harness.h test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
+build/emu/%.o: test/%.c $(HEADER) $(TEST_H) test/gpu_copy.h test/gpu_ref.h test/attn_check.h test/attn_model.h | build/emu
 	$(CC) $(WARN) $(CFLAGS) -c -o $@ $<
 build/emu/train_cuda: build/train_cuda.o $(EMU_CUDA)
 	$(CXX) $(CFLAGS) $(CUDA_HOST_OPENMP) $(LDFLAGS) -o $@ $^ -lm

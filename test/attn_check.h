@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "xorshift.h"
 
 #define ATT_TOL 1e-2              /* bf16 outputs, on the output or on its increment */
 #define ATT_TOL_LSE 1e-5          /* fp32 row statistics */
@@ -99,14 +100,10 @@ static int att_parse_cases(const char *list, int *sel) {
 }
 
 /* ---------------------------------------------------------------- one case's problem */
-static double att_uniform(uint64_t *s) {         /* (-1, 1) */
-    *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17;
-    return ((*s >> 11) / 9007199254740992.0) * 2 - 1;
-}
 static double att_round(double x, int bf16) { return bf16 ? pr_bf16_to_f32(pr_f32_to_bf16((float)x)) : (float)x; }
 static double *att_random(uint64_t *s, size_t n, double scale, int bf16) {
     double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = att_round(scale * att_uniform(s), bf16);
+    for (size_t i = 0; i < n; i++) x[i] = att_round(scale * test_uniform(s), bf16);
     return x;
 }
 

@@ -6,6 +6,7 @@
    usage: build/bench_attention [CONFIG (default model/small)] [TOTAL (default 1024)] [G (default 4)] [REPEATS (default 5)] */
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
+#include "xorshift.h"
 #include <time.h>
 
 static double now(void) {
@@ -16,10 +17,7 @@ static double now(void) {
 
 static pr_real *uniform(size_t n, uint64_t *rng) {
     pr_real *x = (pr_real *)malloc(sizeof(pr_real) * (n ? n : 1));
-    for (size_t i = 0; x && i < n; i++) {
-        *rng ^= *rng << 13, *rng ^= *rng >> 7, *rng ^= *rng << 17;
-        x[i] = (pr_real)((*rng >> 11) * (2.0 / 9007199254740992.0) - 1);
-    }
+    for (size_t i = 0; x && i < n; i++) x[i] = (pr_real)test_uniform(rng);
     return x;
 }
 

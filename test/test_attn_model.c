@@ -30,6 +30,7 @@
 #include "../prefixreuse.h"
 #include "attn_model.h"
 #include "harness.h"
+#include "xorshift.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -43,15 +44,10 @@ enum { T_O, T_LSE, T_DQ, T_DK, T_DV, T_DKP, T_DVP, NT };
 static const char *tensor_name[NT] = { "o", "lse", "dq", "dk", "dv", "dkp", "dvp" };
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static uint64_t next_bits(void) {
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return rng;
-}
-static double uniform(void) { return ((next_bits() >> 11) / 9007199254740992.0) * 2 - 1; } /* (-1, 1) */
 /* n bf16 values in (-a, a) */
 static float *random_bf16(size_t n, double a) {
     float *x = malloc(sizeof(float) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = am_bf16_round((float)(a * uniform()));
+    for (size_t i = 0; i < n; i++) x[i] = am_bf16_round((float)(a * test_uniform(&rng)));
     return x;
 }
 static float *copy_f(const float *x, size_t n) {
@@ -192,7 +188,7 @@ static problem *make_problem(const shape *s) {
         p->rtol[t] = t == T_DKP || t == T_DVP ? 2 * U_FP32 : U_BF16;
         if (t >= T_DQ) {
             p->start[t] = random_bf16(p->n[t], 0.5 * p->scale[t]);
-            if (t >= T_DKP) for (size_t e = 0; e < p->n[t]; e++) p->start[t][e] *= (float)(1 + uniform() / 64); /* fp32, not bf16 */
+            if (t >= T_DKP) for (size_t e = 0; e < p->n[t]; e++) p->start[t][e] *= (float)(1 + test_uniform(&rng) / 64); /* fp32, not bf16 */
         }
     }
     p->atol[T_LSE] = U_FP32 * (s->HS * max_abs(p->mag[T_LSE], n[T_LSE]) + p->max_keys + 2 * p->scale[T_LSE]);
@@ -527,7 +523,7 @@ static void test_bf16_round(void) {
     for (size_t i = 0; i < sizeof special / sizeof *special; i++)
         ok &= am_bf16_round(special[i]) == pr_bf16_to_f32(pr_f32_to_bf16(special[i]));
     for (int i = 0; i < 100000; i++) {
-        uint32_t u = (uint32_t)(next_bits() >> 32);
+        uint32_t u = (uint32_t)(test_bits(&rng) >> 32);
         float f;
         memcpy(&f, &u, 4);
         if (f != f) continue;

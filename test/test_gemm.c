@@ -10,6 +10,7 @@ static int fail_alloc;
 #define PR_FREE(p) free(p)
 #define PREFIXREUSE_IMPLEMENTATION
 #include "../prefixreuse.h"
+#include "xorshift.h"
 
 /* The yardstick: the triple loop, summed in long double (on x86, wider than the header's sums;
    at least not the header's own fallback loop over again), rounded once. */
@@ -30,11 +31,8 @@ static void reference_gemm(int ta, int tb, int M, int N, int K,
 
 static int passed, failed;
 
-static unsigned long long rng_state = 88172645463325252ULL;
-static pr_real rnd(void) { /* xorshift64 -> uniform in [-1,1) */
-    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
-    return (pr_real)((double)(rng_state >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
+static uint64_t rng = 88172645463325252ULL;
+static pr_real rnd(void) { return (pr_real)test_uniform(&rng); }
 
 static void check(int ok, const char *what, int ta, int tb, int M, int N, int K, double beta) {
     if (ok) { passed++; return; }

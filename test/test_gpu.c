@@ -18,6 +18,7 @@
 #include "gpu_ref.h"
 #include "attn_check.h"
 #include "harness.h"
+#include "xorshift.h"
 
 #include <arpa/inet.h>
 #include <math.h>
@@ -33,22 +34,17 @@
 
 static const pr_backend *be;
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-
-static double uniform(void) {                 /* (-1, 1) */
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return ((rng >> 11) / 9007199254740992.0) * 2 - 1;
-}
 static uint16_t to_bf16(double x) { return pr_f32_to_bf16((float)x); }
 static double from_bf16(uint16_t b) { return pr_bf16_to_f32(b); }
 /* n values in (-scale, scale), already representable in bf16 */
 static double *random_bf16(size_t n, double scale) {
     double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = from_bf16(to_bf16(scale * uniform()));
+    for (size_t i = 0; i < n; i++) x[i] = from_bf16(to_bf16(scale * test_uniform(&rng)));
     return x;
 }
 static double *random_f32(size_t n, double scale) {
     double *x = malloc(sizeof(double) * (n ? n : 1));
-    for (size_t i = 0; i < n; i++) x[i] = (float)(scale * uniform());
+    for (size_t i = 0; i < n; i++) x[i] = (float)(scale * test_uniform(&rng));
     return x;
 }
 static double *copy_of(const double *x, size_t n) {
@@ -224,7 +220,7 @@ static void test_elementwise(int rows, int F) {
 static void test_embed_rows(int N, int C, int V) {
     int32_t *tok = malloc(sizeof(int32_t) * N);
     for (int i = 0; i < N; i++)     /* repeats on purpose; -1: a token of another TP rank's vocabulary slice */
-        tok[i] = i % 7 == 3 ? -1 : (int32_t)((uniform() + 1) / 2 * (V / 4));
+        tok[i] = i % 7 == 3 ? -1 : (int32_t)((test_uniform(&rng) + 1) / 2 * (V / 4));
     double *emb = random_bf16((size_t)V * C, 1), *dy = random_bf16((size_t)N * C, 1), *demb0 = random_f32((size_t)V * C, 1);
     double *ry = malloc(sizeof(double) * N * C), *rd = copy_of(demb0, (size_t)V * C);
     ref_embed_fwd(ry, tok, emb, N, C);
@@ -297,7 +293,7 @@ static void test_scatter_repeats(int N, int M, int C) {
 static void test_logit_head(int M, int V) {
     double *z = random_bf16((size_t)M * V, 4), *coef = random_f32((size_t)M, 0.1);
     int32_t *tg = malloc(sizeof(int32_t) * M);
-    for (int m = 0; m < M; m++) tg[m] = m % 5 == 4 ? -1 : (int32_t)((uniform() + 1) / 2 * (V - 1));
+    for (int m = 0; m < M; m++) tg[m] = m % 5 == 4 ? -1 : (int32_t)((test_uniform(&rng) + 1) / 2 * (V - 1));
     double *rst = malloc(sizeof(double) * 3 * M), *gst = malloc(sizeof(double) * 3 * M), *lse = malloc(sizeof(double) * M);
     double *rz = copy_of(z, (size_t)M * V);
     ref_logit_stats(rst, z, tg, M, V);

@@ -35,6 +35,7 @@
 #include "gpu_copy.h"
 #include "gpu_ref.h"
 #include "harness.h"
+#include "xorshift.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -48,21 +49,12 @@ static int fused_here;        /* the atomic-dQ backward runs on this GPU (its sh
 static int wgmma_here;        /* the wgmma kernels run here (compute capability 9.0, sm_90a code) */
 static int wgmma_only;        /* --kind wgmma: the MMA kernels once (the comparisons' base), no second run, no fused backward */
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
-
-static double uniform(void) {                 /* (-1, 1) */
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return ((rng >> 11) / 9007199254740992.0) * 2 - 1;
-}
-static double gaussian(void) {
-    double u = 0.5 * (uniform() + 1), v = 0.5 * (uniform() + 1);
-    return sqrt(-2 * log(u > 1e-300 ? u : 1e-300)) * cos(6.283185307179586 * v);
-}
 static double bf16_round(double x) { return pr_bf16_to_f32(pr_f32_to_bf16((float)x)); }
 static double *alloc_d(size_t n) { return calloc(n ? n : 1, sizeof(double)); }
 static double *draw(size_t n, double sd, int normal, int bf16) {
     double *x = alloc_d(n);
     for (size_t i = 0; i < n; i++) {
-        double y = sd * (normal ? gaussian() : uniform());
+        double y = sd * (normal ? test_gaussian(&rng) : test_uniform(&rng));
         x[i] = bf16 ? bf16_round(y) : (float)y;
     }
     return x;

@@ -24,6 +24,7 @@
 #define PR_CUDA_HOST_EMULATION
 #include "../prefixreuse_cuda.cu"
 #include "harness.h"
+#include "xorshift.h"
 #include "wgmma_emu.h"
 
 #include <cmath>
@@ -52,10 +53,6 @@ static const char *fault_name[F_COUNT] = { "none", "A registers 1/2 swapped", "K
                                            "reads unswizzled", "quad mask leaves the group", "B lane rule of .trans" };
 
 static uint64_t rng = 0x243F6A8885A308D3ull;
-static double uniform(void) {   /* (-1, 1) */
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return ((rng >> 11) / 9007199254740992.0) * 2 - 1;
-}
 
 /* A rows x W tile of bf16 values in shared memory, written by the kernels' copy (pr_chunk_*,
    pr_swz) by 128 threads in 16-byte chunks; the copy is checked for bank conflicts and for
@@ -71,7 +68,7 @@ static tile make_tile(int rows, int W) {
     t.val.resize((size_t)rows * W);
     t.smem.assign((size_t)rows * W, 0);
     std::vector<int> written((size_t)rows * W, 0);
-    for (double &x : t.val) x = emu_round_bf16(uniform());
+    for (double &x : t.val) x = emu_round_bf16(test_uniform(&rng));
     const int chunks = rows * W / 8, threads = 128;
     for (int step = 0; step * threads < chunks; step++)
         for (int warp = 0; warp < threads / 32; warp++) {
@@ -174,7 +171,7 @@ static double check_qk(int HS, fault f, bool x2, std::vector<double> *S_out) {
 static double check_pv(int HS, fault f, bool x2) {
     tile V = make_tile(64, HS);
     std::vector<double> P(64 * 64), O(64 * (size_t)HS, NAN), ref(64 * (size_t)HS);
-    for (double &p : P) p = (float)(0.5 * (uniform() + 1));    /* fp32 values, rounded to bf16 by the repacking */
+    for (double &p : P) p = (float)(0.5 * (test_uniform(&rng) + 1));    /* fp32 values, rounded to bf16 by the repacking */
     for (int i = 0; i < 64; i++)
         for (int d = 0; d < HS; d++) {
             double s = 0;
@@ -236,7 +233,7 @@ static double check_pv(int HS, fault f, bool x2) {
 static double check_ds_k(int HS, int at_fault) {
     tile K = make_tile(64, HS);
     std::vector<double> dst(64 * 64), O(64 * (size_t)HS, NAN), ref(64 * (size_t)HS);
-    for (double &x : dst) x = (float)uniform();
+    for (double &x : dst) x = (float)test_uniform(&rng);
     std::vector<uint16_t> dss(64 * 64, 0);
     for (int w = 0; w < 4; w++)
         for (int nt = 0; nt < 8; nt++)
@@ -424,7 +421,7 @@ static void check_wgmma_desc(void) {
 static void check_pack(void) {
     int ok = 1;
     for (int n = 0; n < 100000; n++) {
-        float lo = (float)(uniform() * std::ldexp(1.0, (int)(uniform() * 20))), hi = (float)uniform();
+        float lo = (float)(test_uniform(&rng) * std::ldexp(1.0, (int)(test_uniform(&rng) * 20))), hi = (float)test_uniform(&rng);
         if (n == 0) lo = 1.00390625f, hi = 1.01171875f;           /* exact ties: 1 + 2^-8, 1 + 3*2^-8 */
         uint32_t p = pr_pack_bf16x2(lo, hi);
         ok &= bf16_value((uint16_t)p) == (float)emu_round_bf16(lo) && bf16_value((uint16_t)(p >> 16)) == (float)emu_round_bf16(hi);

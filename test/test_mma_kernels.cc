@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "xorshift.h"
 #include "mma_emu.h"
 extern "C" {
 #include "attn_model.h"
@@ -67,18 +68,10 @@ static int fault_duplicate_tile;
 
 /* ================================================================ the attention on the emulator */
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static double uniform(void) {
-    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
-    return ((rng >> 11) / 9007199254740992.0) * 2 - 1;
-}
-static double gaussian(void) {
-    double u = 0.5 * (uniform() + 1), v = 0.5 * (uniform() + 1);
-    return sqrt(-2 * log(u > 1e-300 ? u : 1e-300)) * cos(6.283185307179586 * v);
-}
 static std::vector<double> draw(size_t n, double sd, bool normal, bool bf16_values) {
     std::vector<double> x(n ? n : 1);
     for (size_t i = 0; i < n; i++) {
-        double y = sd * (normal ? gaussian() : uniform());
+        double y = sd * (normal ? test_gaussian(&rng) : test_uniform(&rng));
         x[i] = bf16_values ? emu_round_bf16(y) : (double)(float)y;
     }
     return x;
