@@ -1235,13 +1235,17 @@ PRDEF const char *pr_status_name(pr_status s) {
     return "unknown status";
 }
 
+/* Formatted into a buffer of its own first: an argument may be err->message itself (a message
+   wrapped in its context), which vsnprintf must not read while it writes it. */
 static pr_status pr__fail(pr_error *err, pr_status code, const char *fmt, ...) {
     if (err) {
+        char m[sizeof err->message];
         va_list ap;
         va_start(ap, fmt);
-        err->status = code;
-        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        vsnprintf(m, sizeof m, fmt, ap);
         va_end(ap);
+        err->status = code;
+        memcpy(err->message, m, sizeof m);
     }
     return code;
 }
@@ -4762,11 +4766,7 @@ static pr_status pr__compute_grads_tree(pr_trainer *tr, const pr_group *groups, 
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_compute_grads_tree: a prefix tree runs the reuse schedule");
     pr_status st = pr__tree_check(tree, groups, n, err);
     for (int k = 0; k < n && !st; k++) {
-        if ((st = pr__validate_step(tr, &groups[k], opt, err))) {
-            char m[sizeof err->message];
-            snprintf(m, sizeof m, "%s", err ? err->message : "");
-            st = pr__fail(err, st, "group %d: %s", k, m);
-        }
+        if ((st = pr__validate_step(tr, &groups[k], opt, err))) st = pr__fail(err, st, "group %d: %s", k, err ? err->message : "");
     }
     if (st) return st;
     const int N = tree->n_nodes;
@@ -5646,9 +5646,12 @@ PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp,
     memset(m, 0, sizeof *m);
     if (dp < 1 || pp < 1 || cp < 1 || tp < 1 || ep < 1)
         return pr__fail(err, PR_ERR_ARG, "mesh sizes must be >= 1 (dp %d, pp %d, cp %d, tp %d, ep %d)", dp, pp, cp, tp, ep);
-    if ((long)dp * pp * cp * tp != world->size)
-        return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d = %ld ranks, the communicator has %d", dp, pp, cp, tp,
-                        (long)dp * pp * cp * tp, world->size);
+    const int dims[4] = { dp, pp, cp, tp };
+    long long ranks = 1;                  /* never past the world's size before a product, so no overflow */
+    for (int i = 0; i < 4 && ranks <= world->size; i++) ranks *= dims[i];
+    if (ranks != world->size)
+        return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d is not the communicator's %d ranks", dp, pp, cp, tp,
+                        world->size);
     if (ep != 1 && ep != tp)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
     const int r = world->rank;
@@ -9622,7 +9625,9 @@ static pr_status pr__checkpoint_save(const char *dir, const pr_st_entry *entries
        checkpoints. Otherwise the new index's rename replaces it at once. */
     if ((!old || pr__old_shards(dir, old, n_shards, 0, &st, err)) && (st = pr__remove_stale(dir, "model.safetensors.index.json", err)))
         goto done;
-    for (; placed < written && !st; placed++) st = pr__atomic_place(&kept[placed], err);
+    /* placed counts only the shards in place: a failed rename has removed its own temporary file,
+       and the file of that name is not this save's */
+    while (placed < written && !(st = pr__atomic_place(&kept[placed], err))) placed++;
     if (st) goto done;
     if ((st = pr__write_file_atomic(file, ix.p, ix.len, err))) goto done;
     indexed = 1;
@@ -10141,7 +10146,9 @@ static void pr__shape_text(char *out, size_t cap, int ndim, const int64_t *shape
 /* The layer index of a name "model.layers.<i>.", or -1. */
 static int pr__layer_of(const char *name) {
     if (strncmp(name, "model.layers.", 13) || name[13] < '0' || name[13] > '9') return -1;
-    return atoi(name + 13);
+    long long v = 0;                      /* a number past int's range is a layer past any model's last */
+    for (const char *c = name + 13; *c >= '0' && *c <= '9' && v <= INT_MAX; c++) v = 10 * v + (*c - '0');
+    return v > INT_MAX ? INT_MAX : (int)v;
 }
 
 /* Checks that ck holds every tensor of the table, named prefix + its name, before any is read. A
@@ -10511,7 +10518,7 @@ static pr_status pr__state_meta(const pr_trainer *tr, const char *tmp, const pr_
 /* The commit: the complete folder into place, then `latest` replaced, then the previous state
    removed. */
 static pr_status pr__state_commit(const char *dir, const pr__state_names *n, pr__progress *progress, pr_error *err) {
-    char path[4100], line[80];
+    char path[4200], line[80];            /* dir (at most 3900 bytes), '/', the old state's name (under 256) */
     snprintf(path, sizeof path, "%s/trainer_state.json", n->tmp);
     pr__io_sync_parent(path);
     if (!pr__io_rename(n->tmp, n->final))
@@ -10738,6 +10745,19 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
     if (tr->mesh && tr->mesh->world->size > 1) return pr__save_state_ranks(tr, dir, state, opts, err);
     return pr__save_state_one(tr, dir, state, opts, err);
 }
+/* n decimal digits (and nothing else) of a value below 2^64 into *out; 0 otherwise. */
+static int pr__u64_decimal(const char *s, size_t n, uint64_t *out) {
+    uint64_t v = 0;
+    if (n == 0 || strlen(s) != n) return 0;
+    for (size_t i = 0; i < n; i++) {
+        const unsigned d = (unsigned)(s[i] - '0');
+        if (d > 9 || v > (UINT64_MAX - d) / 10) return 0;
+        v = 10 * v + d;
+    }
+    *out = v;
+    return 1;
+}
+
 /* trainer_state.json: the format and version first, so that another file or an older state is
    named as such. */
 static pr_status pr__state_parse(const char *path, pr_train_state *s, int *version_out, pr_error *err) {
@@ -10747,6 +10767,7 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
     const pr__json *f = pr__json_get(j, "format"), *a = pr__json_get(j, "adamw"), *seed = pr__json_get(j, "seed");
     const pr__json *real = pr__json_get(j, "real"), *data = pr__json_get(j, "data_fingerprint");
     int64_t version = 0, step = -1, next = -1;
+    uint64_t seed_value = 0;
     if (!f || f->type != PR__JSON_STRING || strcmp(f->str, PR__STATE_FORMAT))
         st = pr__fail(err, PR_ERR_FORMAT, "%s: not a prefixreuse training state (its \"format\" is %s%s%s, expected \"" PR__STATE_FORMAT "\")",
                       path, f && f->type == PR__JSON_STRING ? "\"" : "", f && f->type == PR__JSON_STRING ? f->str : pr__json_type_name(f),
@@ -10756,13 +10777,16 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
     else if (version > PR_TRAIN_STATE_VERSION)
         st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: training state format version %lld is newer; this build reads versions 1 to %d", path,
                       (long long)version, PR_TRAIN_STATE_VERSION);
-    else if (!pr__json_int(pr__json_get(j, "step"), &step) || step < 0 || !pr__json_int(pr__json_get(j, "next_group"), &next) || next < 0)
-        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"step\" and \"next_group\" must be integers >= 0", path);
+    /* both kept in a long (32 bits on some platforms), and the step counted on from there */
+    else if (!pr__json_int(pr__json_get(j, "step"), &step) || step < 0 || step >= LONG_MAX ||
+             !pr__json_int(pr__json_get(j, "next_group"), &next) || next < 0 || next > LONG_MAX)
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"step\" and \"next_group\" must be integers >= 0 that a long holds (step below its largest)",
+                      path);
     else if (!real || real->type != PR__JSON_STRING || strcmp(real->str, sizeof(pr_real) == 8 ? "F64" : "F32"))
         st = pr__fail(err, PR_ERR_UNSUPPORTED, "%s: saved by a %s build; this build is %s (resume in the same precision)", path,
                       real && real->type == PR__JSON_STRING ? real->str : "?", sizeof(pr_real) == 8 ? "F64" : "F32");
-    else if (!seed || seed->type != PR__JSON_STRING || !seed->count || strspn(seed->str, "0123456789") != seed->count)
-        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"seed\" must be a string of decimal digits", path);
+    else if (!seed || seed->type != PR__JSON_STRING || !pr__u64_decimal(seed->str, seed->count, &seed_value))
+        st = pr__fail(err, PR_ERR_FORMAT, "%s: \"seed\" must be a string of decimal digits, at most 2^64 - 1", path);
     else if (!a || a->type != PR__JSON_OBJECT)
         st = pr__fail(err, PR_ERR_FORMAT, "%s: \"adamw\" must be an object", path);
     else if (data && (data->type != PR__JSON_STRING || data->count != 16 || strspn(data->str, "0123456789abcdef") != 16))
@@ -10777,7 +10801,7 @@ static pr_status pr__state_parse(const char *path, pr_train_state *s, int *versi
         }
         s->step = (long)step;
         s->next_group = (long)next;
-        s->seed = strtoull(seed->str, NULL, 10);
+        s->seed = seed_value;
         s->data_fingerprint = data ? strtoull(data->str, NULL, 16) : 0;
         *version_out = (int)version;
     }
@@ -10859,8 +10883,14 @@ static pr_status pr__state_index_open(pr__state_index *ix, const char *folder, c
     for (int k = 0; k < ix->n_files && !st; k++, f = pr__json_next(f)) {     /* every file's header, on every rank */
         if (f->type != PR__JSON_STRING || !pr__st_plain_name(f->str, f->count))
             return pr__fail(err, PR_ERR_FORMAT, "%s: \"files\" entry %d is not a plain file name", path, k);
-        snprintf(file, sizeof file, "%s/%s", folder, f->str);
+        if ((size_t)snprintf(file, sizeof file, "%s/%s", folder, f->str) >= sizeof file)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: \"files\" entry %d is too long a name", path, k);
         st = pr_checkpoint_open(&ix->ck[k], file, err);
+        /* a piece is read from its entry's one file (pr__state_read_run): an index or a folder of
+           shards is not what a state holds */
+        if (!st && ix->ck[k]->n_files != 1)
+            return pr__fail(err, PR_ERR_FORMAT, "%s: \"files\" entry %d (%s) is %d files, not one .safetensors file", path, k, f->str,
+                            ix->ck[k]->n_files);
     }
     if (st) return st;
     size_t n_pieces = 0;

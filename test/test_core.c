@@ -2024,10 +2024,38 @@ static void test_cp_cut(void) {
            worst, contiguous);
 }
 
+/* pr_mesh_init's sizes against a world of one rank: each at least 1, their product the world's
+   (sizes whose product overflows 64 bits to the world's size too), ep 1 or tp. */
+static pr_status mesh_sizes_rank(pr_comm *world, void *user, pr_error *err) {
+    (void)user, (void)err;
+    static const struct { int dp, pp, cp, tp, ep; pr_status want; const char *needle; } cases[] = {
+        { 1, 1, 1, 1, 1, PR_OK, "" },
+        { 0, 1, 1, 1, 1, PR_ERR_ARG, "must be >= 1" },
+        { 2, 1, 1, 1, 1, PR_ERR_ARG, "is not the communicator's 1 ranks" },
+        { 998724481, 1119412321, 33, 1, 1, PR_ERR_ARG, "is not the communicator's 1 ranks" },   /* 1 + 2^65 */
+        { 65536, 65536, 65536, 65536, 1, PR_ERR_ARG, "is not the communicator's 1 ranks" },     /* 2^64 */
+        { 1, 1, 1, 1, 2, PR_ERR_UNSUPPORTED, "ep must be 1 or tp" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        pr_mesh m;
+        pr_error e;
+        e.message[0] = 0;
+        const pr_status st = pr_mesh_init(&m, world, cases[k].dp, cases[k].pp, cases[k].cp, cases[k].tp, cases[k].ep, &e);
+        CHECK(st == cases[k].want && strstr(e.message, cases[k].needle), "mesh %d x %d x %d x %d, ep %d: status %d (%s), want %d", cases[k].dp,
+              cases[k].pp, cases[k].cp, cases[k].tp, cases[k].ep, st, e.message, cases[k].want);
+        if (!st) pr_mesh_free(&m);
+    }
+    return PR_OK;
+}
+
 static void test_mesh(void) {
     const int S[6] = { 5, 1, 8, 3, 6, 2 };
     static test_group tg[3];
     pr_group groups[3];
+    {
+        pr_error e;
+        CHECK(!pr_comm_local_run(1, mesh_sizes_rank, NULL, &e), "mesh sizes: %s", e.message);
+    }
     for (int i = 0; i < 3; i++) {
         make_group(&tg[i], 7 + 2 * i, 3 + i % 2, S + i, 61, 700 + i);
         groups[i] = tg[i].g;
@@ -2813,6 +2841,39 @@ static void test_other_shape(void) {
               pr_status_name(st), err.message, rows[r].needle);
         pr_trainer_destroy(a);
     }
+    {   /* a Hugging Face file's extra tensor: passed over in one of the model's layers (a buffer),
+           refused in a layer past its last, also one whose number is past int's range */
+        const int nt = pr_trainer_tensor_count(b);
+        pr_st_entry *en = calloc((size_t)nt + 1, sizeof *en);
+        static const pr_real extra[2] = { 1, 2 };
+        static const struct { const char *name; pr_status want; } cases[] = {
+            { "model.layers.1.self_attn.rotary_emb.inv_freq", PR_OK },
+            { "model.layers.2.self_attn.rotary_emb.inv_freq", PR_ERR_ARG },
+            { "model.layers.99999999999999999999.self_attn.rotary_emb.inv_freq", PR_ERR_ARG },   /* atoi: -1 here */
+        };
+        for (int i = 0; i < nt; i++) {
+            const pr_tensor_info *ti = pr_trainer_tensor(b, i);
+            en[i].name = ti->name;
+            en[i].data = before + ti->offset;
+            en[i].ndim = ti->ndim;
+            en[i].shape[0] = ti->shape[0];
+            en[i].shape[1] = ti->shape[1];
+        }
+        for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+            pr_error err;
+            char sub[600];
+            snprintf(sub, sizeof sub, "%s/extra-%zu", dir, k);
+            en[nt].name = cases[k].name;
+            en[nt].data = extra;
+            en[nt].ndim = 1;
+            en[nt].shape[0] = 2;
+            CHECK(!pr_checkpoint_save(sub, en, nt + 1, IS_DOUBLE ? PR_DT_F64 : PR_DT_F32, 0, &err), "save with %s: %s", cases[k].name, err.message);
+            const pr_status st = pr_trainer_load(b, sub, &err);
+            CHECK(st == cases[k].want && (!st || strstr(err.message, cases[k].name)), "extra tensor %s: status %s, '%s'", cases[k].name,
+                  pr_status_name(st), st ? err.message : "");
+        }
+        free(en);
+    }
     pr_real *after = params_of(b);
     CHECK(!memcmp(before, after, sizeof(pr_real) * n), "a refused checkpoint left the weights alone");
     free(before); free(after);
@@ -2925,6 +2986,10 @@ static void test_train_state(void) {
         { own, other_real, PR_ERR_UNSUPPORTED, "same precision" },
         { "fedcba9876543210", "FEDCBA9876543210", PR_ERR_FORMAT, "data_fingerprint" },
         { "\"fedcba9876543210\"", "-1.5", PR_ERR_FORMAT, "data_fingerprint" },
+        { "\"step\": 3,", "\"step\": 9223372036854775807,", PR_ERR_FORMAT, "\"step\" and \"next_group\" must be integers >= 0" },
+        { "\"next_group\": 7,", "\"next_group\": -1,", PR_ERR_FORMAT, "\"step\" and \"next_group\" must be integers >= 0" },
+        { "\"seed\": \"1234\"", "\"seed\": \"18446744073709551616\"", PR_ERR_FORMAT, "at most 2^64 - 1" },   /* 2^64 */
+        { "\"seed\": \"1234\"", "\"seed\": \"\"", PR_ERR_FORMAT, "string of decimal digits" },
     };
     for (size_t k = 0; k < sizeof edits / sizeof *edits; k++) {   /* each edit refused, then undone */
         rewrite_file(path, edits[k].from, edits[k].to);
@@ -2933,6 +2998,10 @@ static void test_train_state(void) {
               edits[k].from, st, err.message);
         rewrite_file(path, edits[k].to, edits[k].from);
     }
+    rewrite_file(path, "\"seed\": \"1234\"", "\"seed\": \"18446744073709551615\"");   /* the largest seed */
+    memset(&back, 0, sizeof back);
+    CHECK(!pr_train_state_read(sd, NULL, 0, &back, &err) && back.seed == UINT64_MAX, "a seed of 2^64 - 1 is read: %s", err.message);
+    rewrite_file(path, "\"seed\": \"18446744073709551615\"", "\"seed\": \"1234\"");
     rewrite_file(path, ",\n  \"data_fingerprint\": \"fedcba9876543210\"", "");   /* a state written without one */
     pr_trainer *fresh = make_model(&c, 5);
     memset(&back, 0, sizeof back);
@@ -3775,6 +3844,20 @@ out:
         pr_status st = pr_trainer_load_state(keep, dir, NULL, &err);
         CHECK(st == PR_ERR_IO && strstr(err.message, "rank-1-of-4.safetensors"), "a missing rank file: %s", err.message);
         CHECK(rename(path2, path) == 0, "rename back");
+        {   /* a "files" entry that opens as two files (a folder of shards), whose pieces could be read from the wrong one */
+            static const pr_real w[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+            const pr_st_entry two[2] = { { "a", w, 1, { 8 } }, { "b", w, 1, { 8 } } };
+            snprintf(path2, sizeof path2, "%s/step-00000002/shards", dir);
+            CHECK(!pr_checkpoint_save(path2, two, 2, PR_DT_F32, 40, &err), "two shards: %s", err.message);
+            snprintf(path, sizeof path, "%s/step-00000002/state_index.json", dir);
+            rewrite_file(path, "\"rank-1-of-4.safetensors\"", "\"shards\"");
+            st = pr_trainer_load_state(keep, dir, NULL, &err);
+            CHECK(st == PR_ERR_FORMAT && strstr(err.message, "\"files\" entry 1 (shards) is 2 files, not one .safetensors file") &&
+                      same_state(keep, before),
+                  "a files entry of two shards: %s", err.message);
+            rewrite_file(path, "\"shards\"", "\"rank-1-of-4.safetensors\"");
+            remove_tree(path2, 1);
+        }
         snprintf(path, sizeof path, "%s/step-00000002/state_index.json", dir);
         rewrite_file(path, "\"kind\": \"exp_avg\", \"file\": \"rank-1-of-4", "\"kind\": \"exp_avg_sq\", \"file\": \"rank-1-of-4");
         st = pr_trainer_load_state(keep, dir, NULL, &err);

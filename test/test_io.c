@@ -506,6 +506,12 @@ static void test_sharded(void) {
     EXPECT_FAIL(pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &e_), PR_ERR_IO, "cannot rename", "third rename refused");
     g_renames_left = -1;
     CHECK(checkpoint_holds(dirc, names, data, sizes, NT) == 0, "an interrupted save over its own shard names loads nothing");
+    /* the two shards it placed are removed; the third, whose rename was refused, is the previous
+       save's file, and stays */
+    for (int s = 1; s <= 4; s++) {
+        snprintf(p, sizeof p, "%s/model-%05d-of-00004.safetensors", dirc, s);
+        CHECK(file_exists(p) == (s > 2), "after the refused third rename, shard %d %s", s, s > 2 ? "the previous save's, kept" : "removed");
+    }
     st = pr_checkpoint_save(dirc, en, NT, PR_DT_F32, 100, &err);
     add_to_values(data, NT, -1000);
     CHECK(st == PR_OK && checkpoint_holds(dirc, names, data, sizes, NT) == 2, "saved again whole: %s", st ? err.message : "");
