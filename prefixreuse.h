@@ -1245,7 +1245,7 @@ static pr_status pr__fail(pr_error *err, pr_status code, const char *fmt, ...) {
         vsnprintf(m, sizeof m, fmt, ap);
         va_end(ap);
         err->status = code;
-        memcpy(err->message, m, sizeof m);
+        memcpy(err->message, m, strlen(m) + 1);   /* the message and its end, as vsnprintf wrote it there before */
     }
     return code;
 }
