@@ -585,7 +585,8 @@ void pr_backend_cuda_destroy(const pr_backend *be);
    the Makefile's default: PR_ERR_UNSUPPORTED elsewhere), the same algorithm, bitwise MMA's results.
    PR_CUDA_ATTENTION_AUTO, the default of a new backend, picks the fastest deterministic kind this
    GPU and build run: WGMMA, else MMA, else FFMA. All but FFMA pass test/test_gpu_attention.c and
-   compute-sanitizer's memcheck and racecheck on an H100 (bench/RESULTS.md).
+   compute-sanitizer's memcheck and racecheck on an H100 (bench/RESULTS.md; WGMMA's dK/dV in its
+   present form, two key tiles a block, on the emulated device only so far).
    pr_backend_cuda_attention tells the kind in use (never AUTO; -1 without a backend). */
 #define PR_CUDA_ATTENTION_FFMA 0
 #define PR_CUDA_ATTENTION_MMA 1

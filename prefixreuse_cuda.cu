@@ -646,7 +646,8 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      instead of 7, at the price of dq's bits varying run to run.
    PR_CUDA_ATTENTION_WGMMA runs the same three kernels written for Hopper's warpgroup MMA (wgmma,
      sm_90a): a warpgroup of 4 warps takes the rows the mma.sync kernels' 4 warps take (the
-     forward's 128 queries as two 64-row halves; 64 queries in dQ, 64 keys in dK/dV), reads both
+     forward's 128 queries as two 64-row halves; 64 queries in dQ; in dK/dV two 64-key tiles that
+     take the same query tiles, one a warpgroup, each step's Q and dO loaded once for both), reads both
      operands of S = Q K^T, dP = dO V^T (and their transposes) from shared memory through
      descriptors, and P, dS (and their transposes) from registers for the products that follow; no
      ldmatrix. Each row's algorithm and every sum's order are the same, so on the emulated block
@@ -1294,15 +1295,15 @@ struct pr_dkv_step {
 };
 /* A step's loads (not yet committed): the query tile qt of head h (taken by value: read once from
    global memory), Q and dO into swizzled tiles (PANELS: wgmma's layout), lse and D of its rows a
-   thread a row; rows past the tile read as zeros. Rolled copies: at HS 128 the mma kernel holds
-   255 registers. */
-template <int HS, bool PANELS>
+   thread a row; rows past the tile read as zeros; by a block of THREADS. Rolled copies: at HS 128
+   the mma kernel holds 255 registers. */
+template <int HS, bool PANELS, int THREADS = PR_MMA_THREADS>
 __device__ __forceinline__ void pr_dkv_load(bf16 *qs, bf16 *dos, float *ls, float *ds, const pr_att_tile qt, int h, const bf16 *q,
                                             const bf16 *dout, const float *lse, const float *Dr, size_t qd, int NH) {
     const int n = qt.r1 - qt.r0;
-    pr_mma_copy<HS, true, PR_MMA_THREADS, PANELS>(qs, q, qt.r0, n, qd, h * HS);
-    pr_mma_copy<HS, true, PR_MMA_THREADS, PANELS>(dos, dout, qt.r0, n, qd, h * HS);
-    static_assert(PR_MMA_ROWS <= PR_MMA_THREADS, "a thread a row of lse and D");
+    pr_mma_copy<HS, true, THREADS, PANELS>(qs, q, qt.r0, n, qd, h * HS);
+    pr_mma_copy<HS, true, THREADS, PANELS>(dos, dout, qt.r0, n, qd, h * HS);
+    static_assert(PR_MMA_ROWS <= THREADS, "a thread a row of lse and D");
     const int e = threadIdx.x;
     if (e < PR_MMA_ROWS) {
         const size_t o = (size_t)(qt.r0 + (e < n ? e : 0)) * NH + h;
@@ -1481,85 +1482,104 @@ PR_UNROLL
 }
 
 /* dK/dV on Hopper's wgmma (sm_90a; PR_CUDA_ATTENTION_WGMMA): the kernel above (without FUSED_DQ),
-   each key's algorithm the same, one warpgroup (128 threads) a block, its warp w keys 16w .. 16w +
-   15 of the 64-key tile. A step takes a whole 64-row query tile (no sub-tiles): S^T = K Q^T and
-   dP^T = V dO^T as HS/16 wgmma m64n64k16 each, all four operands K-major in shared memory; then
-   dV += bf16(P^T) dO and dK += bf16(dS^T) Q as 4 wgmma m64nHSk16 each, P^T and dS^T from
-   registers, dO and Q MN-major. K and V are read from shared memory by every step's products,
-   and no ldmatrix remains. Shared memory as the kernel above, in wgmma's panel layout, fenced into
-   the async proxy before the barrier that publishes a step. */
+   each key's algorithm the same. A block is two warpgroups (256 threads) and two key tiles
+   (pr_wg_key_pairs), warpgroup g tile g, its warp w keys 16w .. 16w + 15 of it: the tiles take the
+   same query tiles in the same order, so that each step's Q and dO are loaded once for both. The
+   second tile of an own pair sees the query tiles from its own on: its warpgroup passes over the
+   first's (a branch uniform in the warpgroup, as wgmma needs), so that each tile's steps, and
+   their order, are the one-tile kernel's. A step takes a whole 64-row query tile (no sub-tiles):
+   S^T = K Q^T and dP^T = V dO^T as HS/16 wgmma m64n64k16 each, all four operands K-major in shared
+   memory; then dV += bf16(P^T) dO and dK += bf16(dS^T) Q as 4 wgmma m64nHSk16 each, P^T and dS^T
+   from registers, dO and Q MN-major. K and V are read from shared memory by every step's products,
+   and no ldmatrix remains. Shared memory in wgmma's panel layout: the two tiles' K, then their V,
+   then Q and dO two stages each and lse, D twice, fenced into the async proxy before the barrier
+   that publishes a step. */
 template <int HS>
-__global__ void __launch_bounds__(PR_MMA_THREADS)
+__global__ void __launch_bounds__(PR_WG_THREADS)
 pr_k_attention_bwd_dkv_wgmma(bf16 *dk, bf16 *dv, float *dkp, float *dvp, float *part, int C, float *dq_acc, const bf16 *dout,
                              const float *lse, const float *Dr, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *kp,
-                             const bf16 *vp, const pr_att_ktile *ktiles, const pr_att_tile *qtiles, int n_prefix, int NH, int NKV) {
+                             const bf16 *vp, const pr_att_ktile *pairs, const pr_att_tile *qtiles, int n_prefix, int NH, int NKV) {
     (void)dq_acc;                                     /* the mma kernel's signature: FUSED_DQ's, unused here */
 #if !defined(__CUDACC__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)   /* sm_90a, or the host's emulation */
     constexpr int T = PR_MMA_ROWS * HS;
     extern __shared__ __align__(128) unsigned char pr_dyn_smem[];
     pr_wg_check_base(pr_dyn_smem);
-    bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + T, *qs = vs + T, *dos = qs + 2 * T;
+    bf16 *ks = (bf16 *)pr_dyn_smem, *vs = ks + 2 * T, *qs = vs + 2 * T, *dos = qs + 2 * T;
     float *ls = (float *)(dos + 2 * T), *ds = ls + 2 * PR_MMA_ROWS;
-    const pr_att_ktile kt = ktiles[blockIdx.x];
-    const int hk = blockIdx.y, group = NH / NKV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const bool own = kt.chunk < 0;
-    const int nq = kt.qhi - kt.qlo, steps = group * nq, key0 = kt.j0 + 16 * warp;
+    const pr_att_ktile k0 = pairs[2 * blockIdx.x];
+    /* the warpgroup through a shuffle, and the region from the first tile: ptxas then knows both are
+       the same in every lane of a warp and keeps the wgmma descriptors and the masks' tests uniform
+       (taken from threadIdx.x and the warpgroup's tile, they were per lane: the step loop's SASS
+       929 instructions at HS 128 against 797, 255 registers and a spill against 242) */
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+    const pr_att_ktile kt = pairs[2 * blockIdx.x + wg];
+    pr_att_ktile walk = kt;                           /* the block's steps: its first tile's (the pair's last query tile is the same) */
+    walk.qlo = k0.qlo;
+    const int hk = blockIdx.y, group = NH / NKV, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const bool own = k0.chunk < 0;                   /* both tiles' region */
+    const int nq = kt.qhi - walk.qlo, steps = group * nq, key0 = kt.j0 + 16 * warp;
     const size_t qd = (size_t)NH * HS, kvd = (size_t)NKV * HS;
     const float scale = rsqrtf((float)HS), sl2 = scale * PR_LOG2E;
 
-    pr_mma_copy<HS, true, PR_MMA_THREADS, true>(ks, own ? k : kp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
-    pr_mma_copy<HS, true, PR_MMA_THREADS, true>(vs, own ? v : vp, kt.j0, min(PR_MMA_ROWS, kt.end - kt.j0), kvd, hk * HS);
+PR_UNROLL
+    for (int g = 0; g < 2; g++) {                     /* a tile without keys: zeros, from a row that exists */
+        const pr_att_ktile x = g ? pairs[2 * blockIdx.x + 1] : k0;
+        pr_mma_copy<HS, true, PR_WG_THREADS, true>(ks + g * T, own ? k : kp, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+        pr_mma_copy<HS, true, PR_WG_THREADS, true>(vs + g * T, own ? v : vp, x.j0, min(PR_MMA_ROWS, x.end - x.j0), kvd, hk * HS);
+    }
     pr_cp_async_commit();
-    pr_dkv_step ld = { kt.qlo, hk * group }, at = ld;  /* the loads' step runs one ahead of the products' */
+    pr_dkv_step ld = { walk.qlo, hk * group }, at = ld;  /* the loads' step runs one ahead of the products' */
     auto load_step = [&](int st) {
-        pr_dkv_load<HS, true>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile], ld.head, q, dout,
-                              lse, Dr, qd, NH);
-        ld.next(kt);
+        pr_dkv_load<HS, true, PR_WG_THREADS>(qs + st * T, dos + st * T, ls + st * PR_MMA_ROWS, ds + st * PR_MMA_ROWS, qtiles[ld.tile],
+                                             ld.head, q, dout, lse, Dr, qd, NH);
+        ld.next(walk);
     };
     load_step(0);
     pr_cp_async_commit();
     float gk[HS / 8][4], gv[HS / 8][4];
     pr_mma_zero<HS / 8>(gk);
     pr_mma_zero<HS / 8>(gv);
-    const uint32_t kb = pr_smem_u32(ks), vb = pr_smem_u32(vs);
+    const uint32_t kb = pr_smem_u32(ks + wg * T), vb = pr_smem_u32(vs + wg * T);
     for (int s = 0; s < steps; s++) {
         const int st = s & 1;
         pr_cp_async_wait<0>();                      /* this thread's copies of this step (and K, V) landed, */
         pr_fence_proxy_async();                     /* visible to wgmma, */
         __syncthreads();                            /* and every thread's; the other stage is read no more */
-        const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
-        float p[8][4], dp[8][4];
-        pr_mma_zero<8>(p);
-        pr_mma_zero<8>(dp);
-        pr_wg_hold<32>(&p[0][0]);                   /* zeroed before the fence, not moved past it */
-        pr_wg_hold<32>(&dp[0][0]);
-        pr_wg_fence();
-        pr_wg_scores<HS>(p, kb, qb);
-        pr_wg_scores<HS>(dp, vb, db);
-        if (s + 1 < steps) {                        /* the next step loads into the other stage while they run */
-            load_step(st ^ 1);
-            pr_cp_async_commit();
+        if (s + 1 < steps) {                        /* the next step loads into the other stage while this one computes: */
+            load_step(st ^ 1);                      /* ahead of the products, as wgmma in flight across the loads, */
+            pr_cp_async_commit();                   /* which both warpgroups run, would be serialized (C7518) */
         }
-        const pr_att_tile qt = qtiles[at.tile];
-        const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
-        pr_wg_wait<1>();                            /* S^T is in: P^T, and dV += bf16(P^T) dO, while dP^T is computed */
-        pr_wg_hold<32>(&p[0][0]);
-        pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
-        uint32_t pa[4][4], da[4][4];                /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
-        pr_wg_times<HS>(gv, p, pa, db);             /* dV += bf16(P^T) dO */
-        pr_wg_wait<1>();                            /* dP^T is in (dV may still run): dS^T */
-        pr_wg_hold<32>(&dp[0][0]);
-        pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
-        pr_wg_times<HS>(gk, dp, da, qb);            /* dK += bf16(dS^T) Q */
-        pr_wg_wait<0>();                            /* the stage is read before the next barrier lets it be refilled */
-        pr_wg_hold<HS / 2>(&gv[0][0]);
-        pr_wg_hold<HS / 2>(&gk[0][0]);
-        at.next(kt);
+        if (at.tile >= kt.qlo) {                    /* the one-tile kernel's steps of this tile (none without keys) */
+            const uint32_t qb = pr_smem_u32(qs + st * T), db = pr_smem_u32(dos + st * T);
+            float p[8][4], dp[8][4];
+            pr_mma_zero<8>(p);
+            pr_mma_zero<8>(dp);
+            pr_wg_hold<32>(&p[0][0]);               /* zeroed before the fence, not moved past it */
+            pr_wg_hold<32>(&dp[0][0]);
+            pr_wg_fence();
+            pr_wg_scores<HS>(p, kb, qb);
+            pr_wg_scores<HS>(dp, vb, db);
+            const pr_att_tile qt = qtiles[at.tile];
+            const bool whole = kt.j0 + PR_MMA_ROWS <= kt.end && qt.r1 - qt.r0 == PR_MMA_ROWS && (!own || kt.j0 + PR_MMA_ROWS - 1 <= qt.r0);
+            pr_wg_wait<1>();                        /* S^T is in: P^T, and dV += bf16(P^T) dO, while dP^T is computed */
+            pr_wg_hold<32>(&p[0][0]);
+            pr_dkv_p<8>(p, kt, own, whole, key0, qt, 0, ls + st * PR_MMA_ROWS, lane, sl2);
+            uint32_t pa[4][4], da[4][4];            /* bf16(P^T), bf16(dS^T) as the A fragments of their 4 k16 blocks */
+            pr_wg_times<HS>(gv, p, pa, db);         /* dV += bf16(P^T) dO */
+            pr_wg_wait<1>();                        /* dP^T is in (dV may still run): dS^T */
+            pr_wg_hold<32>(&dp[0][0]);
+            pr_dkv_ds<8>(p, dp, 0, ds + st * PR_MMA_ROWS, lane);
+            pr_wg_times<HS>(gk, dp, da, qb);        /* dK += bf16(dS^T) Q */
+            pr_wg_wait<0>();                        /* the stage is read before the next barrier lets it be refilled */
+            pr_wg_hold<HS / 2>(&gv[0][0]);
+            pr_wg_hold<HS / 2>(&gk[0][0]);
+        }
+        at.next(walk);
     }
     pr_dkv_store<HS>(dk, dv, dkp, dvp, part, C, kt, gk, gv, key0, hk, (size_t)n_prefix * kvd, kvd, lane, scale);
 #else
     (void)dk, (void)dv, (void)dkp, (void)dvp, (void)part, (void)C, (void)dout, (void)lse, (void)Dr, (void)q, (void)k, (void)v, (void)kp,
-        (void)vp, (void)ktiles, (void)qtiles, (void)n_prefix, (void)NH, (void)NKV;
+        (void)vp, (void)pairs, (void)qtiles, (void)n_prefix, (void)NH, (void)NKV;
 #endif
 }
 
@@ -1596,10 +1616,12 @@ static int pr_mma_prefix_chunks(int n_prefix, int NKV, int n_qtiles) {
 }
 
 /* Dynamic shared memory of the kernels: 0 forward (Q of 128 rows, K and V twice), 1 dQ (Q, dO, K and V twice),
-   2 dK/dV (K, V, Q and dO twice, lse and D twice), 3 the fused dK/dV (and the 64 x 64 bf16 dS tile). */
+   2 dK/dV (K, V, Q and dO twice, lse and D twice), 3 the fused dK/dV (and the 64 x 64 bf16 dS tile),
+   4 the wgmma dK/dV (K and V of two key tiles, Q and dO twice, lse and D twice). */
 static size_t pr_mma_smem_bytes(int HS, int kernel) {
     const size_t T = 2 * PR_MMA_ROWS * (size_t)HS, dkv = 6 * T + 4 * PR_MMA_ROWS * sizeof(float);
-    return kernel == 0 ? (PR_MMA_FWD_ROWS / PR_MMA_ROWS + 4) * T : kernel == 1 ? 6 * T : kernel == 2 ? dkv : dkv + 2 * PR_MMA_ROWS * PR_MMA_ROWS;
+    return kernel == 0 ? (PR_MMA_FWD_ROWS / PR_MMA_ROWS + 4) * T : kernel == 1 ? 6 * T : kernel == 2 ? dkv : kernel == 3 ? dkv + 2 * PR_MMA_ROWS * PR_MMA_ROWS
+                                                                                                                        : dkv + 2 * T;
 }
 
 /* The dK/dV blocks' work: each of the prefix's key tiles in C chunks of the nq query tiles qt,
@@ -1624,6 +1646,30 @@ static long long pr_mma_key_tiles(pr_att_ktile *out, const pr_att_tile *qt, int 
             }
     }
     return n;
+}
+
+/* The wgmma dK/dV's blocks, two tiles each, from pr_mma_key_tiles's list kt of n: prefix tiles t
+   and t + 1 of a chunk (the same query tiles), own tiles u and u + 1 of a segment (u + 1 sees the
+   query tiles from its own on, a part of u's). A tile without a partner gets one without keys or
+   query tiles, at its first key (a row that exists). Writes two tiles a block to out (2 n at
+   most); returns the blocks' count. */
+static long long pr_wg_key_pairs(pr_att_ktile *out, const pr_att_ktile *kt, long long n, int n_prefix, int C) {
+    const long long npt = (n_prefix + PR_MMA_ROWS - 1) / PR_MMA_ROWS;
+    long long b = 0;
+    for (long long t = 0; t < npt; t += 2)
+        for (int c = 0; c < C; c++, b++) {
+            const pr_att_ktile first = kt[t * C + c], none = { first.j0, first.j0, first.qhi, first.qhi, first.chunk };
+            out[2 * b] = first;
+            out[2 * b + 1] = t + 1 < npt ? kt[(t + 1) * C + c] : none;
+        }
+    for (long long i = npt * C; i < n; b++) {
+        const pr_att_ktile first = kt[i], none = { first.j0, first.j0, first.qhi, first.qhi, first.chunk };
+        const int paired = i + 1 < n && kt[i + 1].qhi == first.qhi;   /* the same segment */
+        out[2 * b] = first;
+        out[2 * b + 1] = paired ? kt[i + 1] : none;
+        i += 1 + paired;
+    }
+    return b;
 }
 
 #endif /* attention kernels */
@@ -2366,13 +2412,17 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
     const int C = pr_mma_prefix_chunks(np, NKV, nq);
     const long long nk_ll = pr_mma_key_tiles(NULL, qt, nq, np, C);
     if (nk_ll > 0x7fffffffLL) { free(qt); pr_cu_fail(cx, PR_ERR_ARG, "attention: %lld key-tile blocks", nk_ll); return; }
-    const int nk = (int)nk_ll;
-    pr_att_ktile *kt = (pr_att_ktile *)malloc(sizeof(pr_att_ktile) * (size_t)(nk ? nk : 1));
+    const int wg = cx->attention_kind == PR_CUDA_ATTENTION_WGMMA;
+    /* the wgmma kernel's blocks: pairs of the tiles, after them in the same allocation */
+    pr_att_ktile *kt = (pr_att_ktile *)malloc(sizeof(pr_att_ktile) * (size_t)(nk_ll ? nk_ll : 1) * (wg ? 3 : 1));
     if (!kt) { free(qt); pr_cu_fail(cx, PR_ERR_NOMEM, "attention: out of host memory"); return; }
     pr_mma_key_tiles(kt, qt, nq, np, C);
-    int ok = pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nq) + pr_cu_stage_size(sizeof(pr_att_ktile) * (size_t)nk));
+    const int nk = wg ? (int)pr_wg_key_pairs(kt + nk_ll, kt, nk_ll, np, C) : (int)nk_ll;   /* the dK/dV blocks */
+    const pr_att_ktile *blocks = wg ? kt + nk_ll : kt;
+    const size_t kt_bytes = sizeof(pr_att_ktile) * (size_t)nk * (wg ? 2 : 1);
+    int ok = pr_cu_stage_reserve(cx, pr_cu_stage_size(sizeof(pr_att_tile) * (size_t)nq) + pr_cu_stage_size(kt_bytes));
     const pr_att_tile *dqt = ok && nq ? (const pr_att_tile *)pr_cu_stage(cx, qt, sizeof(pr_att_tile) * (size_t)nq) : NULL;
-    const pr_att_ktile *dkt = ok && nk ? (const pr_att_ktile *)pr_cu_stage(cx, kt, sizeof(pr_att_ktile) * (size_t)nk) : NULL;
+    const pr_att_ktile *dkt = ok && nk ? (const pr_att_ktile *)pr_cu_stage(cx, blocks, kt_bytes) : NULL;
     free(qt);
     free(kt);
     if (!dqt || !dkt) return;
@@ -2398,7 +2448,6 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
                                                                                     (const bf16 *)out, N, NH, HS);
     pr_cu_launched(cx, "attention_rowdot");
     size_t smem;
-    const int wg = cx->attention_kind == PR_CUDA_ATTENTION_WGMMA;
     if (fused) {
         if (!pr_cu_ok(cx, cudaMemsetAsync(dq_acc, 0, acc_bytes, cx->stream), "attention: clearing dQ's accumulator")) return;
     } else {
@@ -2413,11 +2462,11 @@ static void pr_cu_attention_bwd_mma(pr_cu *cx, void *dq, void *dk, void *dv, flo
         pr_cu_launched(cx, wg ? "attention_bwd_dq_wgmma" : "attention_bwd_dq_mma");
     }
     auto dkv = wg ? pr_k_attention_bwd_dkv_wgmma<HS> : fused ? pr_k_attention_bwd_dkv_mma<HS, true> : pr_k_attention_bwd_dkv_mma<HS, false>;
-    smem = pr_mma_smem_bytes(HS, fused ? 3 : 2);      /* the wgmma dK/dV's too */
+    smem = pr_mma_smem_bytes(HS, wg ? 4 : fused ? 3 : 2);
     if (!pr_cu_smem_attr(cx, dkv, wg ? PR_CU_ATT_DKV_WGMMA : fused ? PR_CU_ATT_DKV_FUSED : PR_CU_ATT_DKV_MMA, HS, smem,
                          wg ? "attention_bwd_dkv_wgmma shared memory" : "attention_bwd_dkv_mma shared memory"))
         return;
-    PR_LAUNCH(dkv, dim3((unsigned)nk, (unsigned)NKV), PR_MMA_THREADS, smem, cx->stream,
+    PR_LAUNCH(dkv, dim3((unsigned)nk, (unsigned)NKV), wg ? PR_WG_THREADS : PR_MMA_THREADS, smem, cx->stream,
         (bf16 *)dk, (bf16 *)dv, dkp, dvp, part, C, dq_acc, (const bf16 *)dout, (const float *)lse, Dr, (const bf16 *)q,
         (const bf16 *)k, (const bf16 *)v, (const bf16 *)kp, (const bf16 *)vp, dkt, dqt, np, NH, NKV);
     pr_cu_launched(cx, wg ? "attention_bwd_dkv_wgmma" : fused ? "attention_bwd_dkv_mma (fused)" : "attention_bwd_dkv_mma");
@@ -3129,8 +3178,8 @@ static int pr_cu_wgmma_probe(pr_cu *cx) {
 
 /* The tensor-core kernels need compute capability 8.0 and, at head dim 128, the shared memory of
    their largest block: 99,328 bytes (dK/dV), 107,520 with the atomic-dQ backward's dS tile, which
-   GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have. The wgmma forward needs sm_90a code
-   (pr_k_wgmma_probe). AUTO tries the kinds from the fastest down; only PR_ERR_UNSUPPORTED moves
+   GPUs of 99 KiB a block (sm_86, sm_89, sm_120) do not have, 132,096 for the wgmma dK/dV's two key
+   tiles. The wgmma kernels need sm_90a code (pr_k_wgmma_probe). AUTO tries the kinds from the fastest down; only PR_ERR_UNSUPPORTED moves
    it on, so a failing device is reported, not hidden behind slower kernels. */
 pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error *err) {
     if (be && kind == PR_CUDA_ATTENTION_AUTO) {
@@ -3145,7 +3194,7 @@ pr_status pr_backend_cuda_set_attention(const pr_backend *be, int kind, pr_error
     pr_status st = PR_OK;
     char why[sizeof pr_cu_of(be)->message] = "";
     int major = 0, optin = 0, probe = 1;
-    const size_t need = kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? pr_mma_smem_bytes(128, 3) : pr_mma_smem_bytes(128, 2);
+    const size_t need = pr_mma_smem_bytes(128, kind == PR_CUDA_ATTENTION_MMA_ATOMIC ? 3 : kind == PR_CUDA_ATTENTION_WGMMA ? 4 : 2);
     if (!be || kind < PR_CUDA_ATTENTION_FFMA || kind > PR_CUDA_ATTENTION_WGMMA) {
         st = PR_ERR_ARG;
         snprintf(why, sizeof why, "pr_backend_cuda_set_attention: no backend, or an unknown kind");

@@ -69,7 +69,7 @@ __attribute__((aligned(128))) unsigned char pr_dyn_smem[EMU_SMEM_MAX];
 
 enum { T_RUN, T_BAR, T_WARP, T_WG, T_DONE };
 enum { WG_FENCE, WG_MMA, WG_COMMIT, WG_WAIT };
-enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL, OP_VOTE_ANY };
+enum { OP_LDSM, OP_LDSM_T, OP_MMA, OP_SHFL, OP_SHFL_IDX, OP_VOTE_ANY };
 struct emu_copy { uint32_t dst; const void *src; int bytes; bool fill; };
 /* Switching between fibers: on x86-64 a plain switch of the callee-saved registers and the stack
    pointer, without glibc's signal-mask system call (the emulation makes tens of millions of
@@ -336,6 +336,13 @@ template <typename T> static T __shfl_xor_sync(unsigned members, T v, int mask) 
     if (members != 0xffffffffu) emu_error("a shuffle with a partial member mask");
     return emu_shfl_xor(v, mask);
 }
+/* shfl.sync.idx: lane src's value, in every lane */
+template <typename T> static T __shfl_sync(unsigned members, T v, int src) {
+    if (members != 0xffffffffu) emu_error("a shuffle with a partial member mask");
+    emu_cur->op = OP_SHFL_IDX, emu_cur->val = v, emu_cur->mask = src;
+    emu_yield(T_WARP);
+    return (T)emu_cur->val;
+}
 /* vote.any: whether the predicate holds in any lane of the (full) warp, for every lane */
 static inline int __any_sync(unsigned members, int pred) {
     if (members != 0xffffffffu) emu_error("a vote with a partial member mask");
@@ -585,7 +592,7 @@ static void emu_warp_op(emu_thread *lane) {   /* lane[0..31], all arrived at the
     } else {
         double v[32];
         for (int l = 0; l < 32; l++) v[l] = lane[l].val;
-        for (int l = 0; l < 32; l++) lane[l].val = v[l ^ lane[l].mask];   /* shfl.sync.bfly */
+        for (int l = 0; l < 32; l++) lane[l].val = v[op == OP_SHFL ? l ^ lane[l].mask : lane[l].mask & 31];   /* shfl.sync.bfly, .idx */
     }
     for (int l = 0; l < 32; l++) lane[l].state = T_RUN;
 }

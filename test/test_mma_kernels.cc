@@ -308,13 +308,15 @@ static void run_shape(const shape &s, double ratio[NT], double model_ratio[NT], 
             std::vector<bf16> dk_w = to_bf16(init[1]), dv_w = to_bf16(init[2]);
             std::vector<float> dkp_w(npk), dvp_w(npk), part_w(part.size(), NAN);
             for (size_t i = 0; i < npk; i++) dkp_w[i] = (float)init[3][i], dvp_w[i] = (float)init[4][i];
-            launch_counted(ks, K_DKV_WG, nkt, NKV, pr_mma_smem_bytes(HS, 2),
+            std::vector<pr_att_ktile> pairs(2 * (size_t)nkt);   /* two key tiles a block (pr_wg_key_pairs) */
+            const int nkb = (int)pr_wg_key_pairs(pairs.data(), kt.data(), nkt, np, C);
+            launch_counted(ks, K_DKV_WG, nkb, NKV, pr_mma_smem_bytes(HS, 4),
                            { { "dk", dk_w.data(), nk, 2 }, { "dv", dv_w.data(), nk, 2 }, { "dkp", dkp_w.data(), npk, 4 },
                              { "dvp", dvp_w.data(), npk, 4 }, { "partials", part_w.data(), part_w.size(), 4 } }, [&] {
                 pr_k_attention_bwd_dkv_wgmma<HS>(dk_w.data(), dv_w.data(), dkp_w.data(), dvp_w.data(), C > 1 ? part_w.data() : NULL, C, NULL,
                                                  dob.data(), lsef.data(), D.data(), qb.data(), kb.data(), vb.data(), np ? kpb.data() : NULL,
-                                                 np ? vpb.data() : NULL, kt.data(), qt.data(), np, NH, NKV);
-            });
+                                                 np ? vpb.data() : NULL, pairs.data(), qt.data(), np, NH, NKV);
+            }, PR_WG_THREADS);
             if (C > 1)
                 emu_launch(4, 1, 128, 0, { { "dkp", dkp_w.data(), npk, 4 }, { "dvp", dvp_w.data(), npk, 4 } },
                            [&] { pr_k_attention_chunk_sum(dkp_w.data(), dvp_w.data(), part_w.data(), C, (size_t)np * kvd); });
@@ -408,6 +410,17 @@ int main(void) {
     {   /* the bitwise comparisons below see one flipped bit, and a zero's sign */
         const float a[3] = { 1.0f, 2.0f, 0.0f }, b[3] = { 1.0f, nextafterf(2.0f, 3.0f), -0.0f };
         CHECK(count_differing(a, a, 3) == 0 && count_differing(a, b, 3) == 2, "count_differing counts the elements whose bits differ");
+    }
+    {   /* the emulated shfl.sync.idx (the wgmma dK/dV's warpgroup index): each lane gets the value of
+           the lane it names, over two warpgroups */
+        std::vector<int> got(256, -1);
+        emu_launch(1, 1, 256, 0, { { "got", got.data(), got.size(), 4 } }, [&] {
+            const int t = (int)threadIdx.x;
+            got[t] = __shfl_sync(0xffffffffu, 1000 * t, (7 * t) & 31);
+        });
+        int wrong = 0;
+        for (int t = 0; t < 256; t++) wrong += got[t] != 1000 * ((t & ~31) + ((7 * t) & 31));
+        CHECK(wrong == 0, "shfl.sync.idx: %d of 256 lanes read another lane than the one they named", wrong);
     }
     const shape shapes[] = {
         { 0, 1, { 1 }, 2, 2, 64 },                        /* S = 1 */
