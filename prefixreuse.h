@@ -581,8 +581,9 @@ void pr_backend_cuda_destroy(const pr_backend *be);
    dQ with fp32 atomics instead of running a dQ kernel: dq is not bitwise reproducible (dk, dv, dkp,
    dvp are MMA's, bit for bit); it exists to measure what the deterministic backward costs (on an
    H100 and an H200 it is the slower of the two); PR_CUDA_ATTENTION_WGMMA, MMA's kernels (forward,
-   dQ, dK/dV) on Hopper's warpgroup MMA (wgmma; compute capability 9.0 and a build with sm_90a code,
-   the Makefile's default: PR_ERR_UNSUPPORTED elsewhere), the same algorithm, bitwise MMA's results.
+   dQ, dK/dV) on Hopper's warpgroup MMA (wgmma; compute capability 9.0, a build with sm_90a code,
+   the Makefile's default, and 132,096 bytes: PR_ERR_UNSUPPORTED elsewhere), the same algorithm,
+   bitwise MMA's results.
    PR_CUDA_ATTENTION_AUTO, the default of a new backend, picks the fastest deterministic kind this
    GPU and build run: WGMMA, else MMA, else FFMA. All but FFMA pass test/test_gpu_attention.c and
    compute-sanitizer's memcheck and racecheck on an H100 (bench/RESULTS.md; WGMMA's dK/dV in its

@@ -646,14 +646,16 @@ static int pr_att_key_tiles(pr_att_tile *out, const pr_att_tile *qt, int nq, int
      instead of 7, at the price of dq's bits varying run to run.
    PR_CUDA_ATTENTION_WGMMA runs the same three kernels written for Hopper's warpgroup MMA (wgmma,
      sm_90a): a warpgroup of 4 warps takes the rows the mma.sync kernels' 4 warps take (the
-     forward's 128 queries as two 64-row halves; 64 queries in dQ; in dK/dV two 64-key tiles that
-     take the same query tiles, one a warpgroup, each step's Q and dO loaded once for both), reads both
+     forward's 128 queries as two 64-row halves; 64 queries in dQ; in dK/dV two 64-key tiles, one
+     a warpgroup, that walk one list of query tiles (in a segment's pair the second from its own
+     on), each step's Q and dO loaded once for both), reads both
      operands of S = Q K^T, dP = dO V^T (and their transposes) from shared memory through
      descriptors, and P, dS (and their transposes) from registers for the products that follow; no
      ldmatrix. Each row's algorithm and every sum's order are the same, so on the emulated block
      (test/test_mma_kernels.cc, the wgmma layouts read from the PTX ISA in test/wgmma_emu.h) the two
      families give the same bits, and on an H100 too (bench/RESULTS.md: every output of
-     test/test_gpu_attention.c's shapes; racecheck clean), at 1.6-1.7x their speed. */
+     test/test_gpu_attention.c's shapes; racecheck clean), at 1.6-1.7x their speed (the dK/dV of
+     two key tiles a block: on the emulated block only so far). */
 #define PR_MMA_ROWS 64                 /* query rows of a block, keys of a key tile */
 #define PR_MMA_THREADS 128             /* 4 warps of 16 rows */
 #define PR_MMA_FWD_ROWS 128            /* query rows of a forward block: 2 m tiles of 16 rows a warp */
@@ -1286,7 +1288,8 @@ PR_UNROLL
 }
 
 /* dK/dV's pieces shared by its two kernels. A block's step s: query head hk*group + s/nq, query
-   tile kt.qlo + s%nq, counted as (tile, head) pairs that advance a step at a time (no % or /). */
+   tile kt.qlo + s%nq (kt: the block's first key tile), counted as (tile, head) pairs that advance a
+   step at a time (no % or /). */
 struct pr_dkv_step {
     int tile, head;
     __device__ __forceinline__ void next(const pr_att_ktile &kt) {
