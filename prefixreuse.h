@@ -428,7 +428,9 @@ typedef struct {
 
 /* The denominators of a step of n groups (every group of the step, on every DP rank): T and N
    counted, L = norm_len, or with norm_len 0 the step's longest suffix. PR_ERR_ARG for NULL
-   arguments, n < 1, a negative norm_len or a group without its arrays. */
+   arguments, n < 1, a negative norm_len or a group whose shape pr_group_validate refuses (P, G,
+   the suffix lengths and offsets; suffix_len, suffix_off and loss_mask present; the loss mask is
+   the one array read). */
 PRDEF pr_status pr_step_loss_totals(const pr_group *groups, int n, int64_t norm_len, pr_step_norm *out, pr_error *err);
 /* The name of a mode as train and verl spell it ("seq-mean-token-sum-norm"); NULL for an unknown
    value. pr_loss_norm_parse is its inverse: PR_ERR_ARG, naming the four, for an unknown name. */
@@ -859,7 +861,9 @@ typedef struct {
    step-N.tmp.<pid> (rank 0's pid, sent to every rank) and renamed into place once every file is on
    disk; then `latest` is replaced atomically, and only then the previous state folder is removed.
    A process (or one rank) killed at any point leaves `latest` naming a complete state (at worst a
-   stray *.tmp.* folder). Collective over the world on a mesh. */
+   stray *.tmp.* folder). Collective over the world on a mesh. Refused before anything is written:
+   a negative next_group, AdamW settings pr_trainer_adamw_step refuses (a max_grad_norm of infinity,
+   which never clips, is written as 1e999 and reads back as infinity). */
 PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_train_state *state, const pr_save_opts *opts,
                                       pr_error *err);
 /* Loads a state saved by pr_trainer_save_state: dir is the folder given to the save (its `latest`
@@ -927,14 +931,15 @@ PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *opt, 
 PRDEF int pr_step_microbatch(const pr_group *g, const pr_step_opts *opt);
 
 /* Model FLOPs one step of a schedule performs on a group (matmuls, attention, loss head; forward
-   and backward), the measure the speed-up bound is computed from. 0 for a NULL config or group. */
+   and backward), the measure the speed-up bound is computed from. 0 for a NULL config, group or
+   suffix_len. */
 PRDEF double pr_step_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule);
 /* The same FLOPs by the phase that performs them (flops[PR_PHASE_A/B/C], pr_step_stats.seconds'
    phases): with reuse, A is the prefix forward; B the suffixes forward and backward with the loss
    rows they hold (each suffix's rows but the last); C the prefix backward with the loss rows of
    the prefix (the last prefix row, which predicts every suffix's first token, and each trained
    prefix token once for all G trajectories). The baseline's all fall in B. Zeros for a NULL
-   config or group. */
+   config, group or suffix_len; nothing written for a NULL flops. */
 PRDEF void pr_step_phase_flops(const pr_config *cfg, const pr_group *g, pr_schedule schedule, double flops[3]);
 
 /* A step of n groups whose prefixes share tokens, run as their prefix tree (pr_prefix_tree_build
@@ -1001,7 +1006,7 @@ PRDEF pr_status pr_comm_measure(pr_comm **out, pr_comm *inner, pr_error *err);
    `ranks` ranks, largest first onto the least loaded, by the FLOPs of `schedule` (so the reuse
    schedule charges each prefix once): every rank computes the same placement. It reads each
    group's P, G, suffix_len and prefix_mask (groups as pr_group_validate takes them; a group whose
-   lengths make no positive cost counts as none, and every group is placed). owner NULL:
+   lengths make no positive cost counts as none, and every group is placed). owner NULL or n < 1:
    nothing; cfg or groups NULL, or ranks < 1: every group on rank 0. PR_ERR_NOMEM when its
    scratch memory could not be had: owner then holds every group on rank 0, a placement the other
    ranks do not share, which a caller over dp must take as this rank's failure. */
@@ -2891,9 +2896,28 @@ static size_t pr__grad_wire_size(const pr_trainer *tr, int dp) {
     return pr__grad_wire_chunk(tr, dp) * (tr->zero == 2 ? (size_t)(dp + 1) : 1);
 }
 
+/* The first kernel the backend lacks of those a trainer may call (every member but the optional
+   ones); NULL: none. A backend of sizes alone (pr_backend_cuda_sizes) has none of them. */
+static const char *pr__backend_missing(const pr_backend *be) {
+#define PR__NEEDS(f) if (!be->f) return #f;
+    PR__NEEDS(alloc) PR__NEEDS(release) PR__NEEDS(zero) PR__NEEDS(copy) PR__NEEDS(upload_reals) PR__NEEDS(download_reals)
+    PR__NEEDS(sync) PR__NEEDS(matmul_fwd) PR__NEEDS(matmul_bwd) PR__NEEDS(rmsnorm_fwd) PR__NEEDS(rmsnorm_bwd) PR__NEEDS(rope_fwd)
+    PR__NEEDS(rope_bwd) PR__NEEDS(attention_fwd) PR__NEEDS(attention_bwd) PR__NEEDS(swiglu_fwd) PR__NEEDS(swiglu_bwd)
+    PR__NEEDS(embed_fwd) PR__NEEDS(embed_bwd) PR__NEEDS(add) PR__NEEDS(acts_to_reals) PR__NEEDS(reals_to_acts)
+    PR__NEEDS(add_reals) PR__NEEDS(reals_to_bf16) PR__NEEDS(bf16_to_reals) PR__NEEDS(gather_rows) PR__NEEDS(scatter_add_rows)
+    PR__NEEDS(logit_stats) PR__NEEDS(logit_grad) PR__NEEDS(upload_acts) PR__NEEDS(download_acts) PR__NEEDS(row_dots)
+    PR__NEEDS(sum_squares) PR__NEEDS(scale) PR__NEEDS(adamw)
+#undef PR__NEEDS
+    return NULL;
+}
+
 static pr_status pr__trainer_new(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                  pr_error *err) {
     if (!out || !cfg || !be) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: NULL argument");
+    const char *missing = pr__backend_missing(be);
+    if (missing)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create: backend %s has no %s kernel (a backend of sizes only, for "
+                        "pr_backend_measure?)", be->name ? be->name : "(unnamed)", missing);
     pr_config local;
     int layer0 = 0, expert0 = 0, n_experts = 0;     /* set by pr__shard_config when it succeeds */
     pr_status st = pr_config_validate(cfg, err);
@@ -4189,6 +4213,7 @@ PRDEF pr_step_opts pr_step_opts_default(void) {
 }
 
 /* ---- the loss's denominators: a group's own, a step's, the modes' names */
+static pr_status pr__group_shape(const pr_group *g, pr_status code, const char *where, pr_error *err);
 /* One group's totals (its masked tokens, its G, its longest suffix): the step it is alone. */
 static pr_step_norm pr__group_totals(const pr_group *g) {
     pr_step_norm t = { 0, g->G, 0 };
@@ -4208,8 +4233,10 @@ PRDEF pr_status pr_step_loss_totals(const pr_group *groups, int n, int64_t norm_
     pr_step_norm t = { 0, 0, 0 };
     for (int k = 0; k < n; k++) {
         const pr_group *g = &groups[k];
-        if (g->G < 1 || !g->suffix_len || !g->suffix_off || !g->loss_mask)
-            return pr__fail(err, PR_ERR_ARG, "pr_step_loss_totals: group %d has G = %d or no suffix arrays", k, g->G);
+        char where[48];
+        snprintf(where, sizeof where, "pr_step_loss_totals: group %d", k);
+        const pr_status st = pr__group_shape(g, PR_ERR_ARG, where, err);
+        if (st) return st;
         const pr_step_norm own = pr__group_totals(g);
         t.tokens += own.tokens;
         t.trajectories += own.trajectories;
@@ -4595,8 +4622,9 @@ static void pr__flop_rates(const pr_config *c, double *per_token, double *per_pa
 }
 
 PRDEF void pr_step_phase_flops(const pr_config *c, const pr_group *g, pr_schedule schedule, double flops[3]) {
+    if (!flops) return;
     flops[PR_PHASE_A] = flops[PR_PHASE_B] = flops[PR_PHASE_C] = 0;
-    if (!c || !g) return;
+    if (!c || !g || !g->suffix_len) return;
     double C = c->hidden_size, V = c->vocab_size, per_token, per_pair;
     pr__flop_rates(c, &per_token, &per_pair);
     const double head_row = 6 * C * V, P = g->P;
@@ -4949,14 +4977,21 @@ static double pr__grad_sum_squares(pr_trainer *tr) {
     return sq;
 }
 
-PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
-    if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
+/* AdamW's settings in range: what a step runs with and a saved state records. */
+static pr_status pr__adamw_check(const pr_adamw_opts *o, pr_error *err) {
     if (!(o->lr >= 0 && isfinite(o->lr)) || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
         !(o->eps > 0 && isfinite(o->eps)) || !(o->weight_decay >= 0 && isfinite(o->weight_decay)) || !(o->max_grad_norm >= 0))
         return pr__fail(err, PR_ERR_ARG,
                         "AdamW settings out of range (lr %g, betas %g %g, eps %g, weight decay %g, max grad norm %g): lr, eps and "
                         "weight decay finite, betas in [0,1), eps > 0, max grad norm >= 0",
                         o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->max_grad_norm);
+    return PR_OK;
+}
+
+PRDEF pr_status pr_trainer_adamw_step(pr_trainer *tr, const pr_adamw_opts *o, double *grad_norm, pr_error *err) {
+    if (!tr || !o) return pr__fail(err, PR_ERR_ARG, "pr_trainer_adamw_step: NULL argument");
+    const pr_status ost = pr__adamw_check(o, err);
+    if (ost) return ost;
     const pr_backend *be = tr->be;
     const size_t lo = tr->slice_lo, hi = tr->slice_lo + tr->slice_n;
     tr->comm_st = PR_OK;
@@ -5643,19 +5678,25 @@ PRDEF void pr_mesh_free(pr_mesh *m) {
         }
 }
 
+/* The ranks of a mesh of these sizes (each at least 1), multiplied only while the product stays
+   within the world's size (then past it: no overflow). */
+static long long pr__mesh_ranks(int dp, int pp, int cp, int tp, int world_size) {
+    const int dims[4] = { dp, pp, cp, tp };
+    long long ranks = 1;
+    for (int i = 0; i < 4 && ranks <= world_size; i++) ranks *= dims[i];
+    return ranks;
+}
+
 PRDEF pr_status pr_mesh_init(pr_mesh *m, pr_comm *world, int dp, int pp, int cp, int tp, int ep, pr_error *err) {
     if (!m || !world) return pr__fail(err, PR_ERR_ARG, "pr_mesh_init: NULL argument");
-    memset(m, 0, sizeof *m);
     if (dp < 1 || pp < 1 || cp < 1 || tp < 1 || ep < 1)
         return pr__fail(err, PR_ERR_ARG, "mesh sizes must be >= 1 (dp %d, pp %d, cp %d, tp %d, ep %d)", dp, pp, cp, tp, ep);
-    const int dims[4] = { dp, pp, cp, tp };
-    long long ranks = 1;                  /* never past the world's size before a product, so no overflow */
-    for (int i = 0; i < 4 && ranks <= world->size; i++) ranks *= dims[i];
-    if (ranks != world->size)
+    if (pr__mesh_ranks(dp, pp, cp, tp, world->size) != world->size)
         return pr__fail(err, PR_ERR_ARG, "mesh dp %d x pp %d x cp %d x tp %d is not the communicator's %d ranks", dp, pp, cp, tp,
                         world->size);
     if (ep != 1 && ep != tp)
         return pr__fail(err, PR_ERR_UNSUPPORTED, "ep %d: expert parallelism runs inside the TP group, so ep must be 1 or tp (%d)", ep, tp);
+    memset(m, 0, sizeof *m);              /* only now: a refused call leaves the caller's mesh as it was */
     const int r = world->rank;
     m->dp = dp; m->pp = pp; m->cp = cp; m->tp = tp; m->ep = ep;
     m->world = world;
@@ -5695,9 +5736,32 @@ static pr_status pr__create_failed_agree(const pr_backend *be, const pr_mesh *me
     return st;
 }
 
+/* A mesh as pr_mesh_init leaves it: its communicators there, its sizes those of the world, this
+   rank's coordinates inside them and those of its world rank, ep 1 or tp, zero 0..2. Checked before
+   any rank takes part in a collective of it. */
+static pr_status pr__mesh_check(const pr_mesh *m, pr_error *err) {
+    if (!m->world || !m->dp_comm || !m->pp_comm || !m->cp_comm || !m->tp_comm || !m->ends_comm)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: the mesh has no communicators (one pr_mesh_init made, or refused)");
+    if (m->dp < 1 || m->pp < 1 || m->cp < 1 || m->tp < 1 || (m->ep != 1 && m->ep != m->tp) ||
+        pr__mesh_ranks(m->dp, m->pp, m->cp, m->tp, m->world->size) != m->world->size)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: mesh dp %d x pp %d x cp %d x tp %d (ep %d) is not one of the "
+                        "world's %d ranks", m->dp, m->pp, m->cp, m->tp, m->ep, m->world->size);
+    if (m->dp_rank < 0 || m->dp_rank >= m->dp || m->pp_rank < 0 || m->pp_rank >= m->pp || m->cp_rank < 0 || m->cp_rank >= m->cp ||
+        m->tp_rank < 0 || m->tp_rank >= m->tp ||
+        ((m->dp_rank * m->pp + m->pp_rank) * m->cp + m->cp_rank) * m->tp + m->tp_rank != m->world->rank)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: coordinates dp %d pp %d cp %d tp %d are not world rank %d's",
+                        m->dp_rank, m->pp_rank, m->cp_rank, m->tp_rank, m->world->rank);
+    if (m->zero < 0 || m->zero > 2 || (m->bf16_grad_reduce != 0 && m->bf16_grad_reduce != 1))
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: zero %d (0, 1 or 2) or bf16_grad_reduce %d (0 or 1)", m->zero,
+                        m->bf16_grad_reduce);
+    return PR_OK;
+}
+
 PRDEF pr_status pr_trainer_create_mesh(pr_trainer **out, const pr_config *cfg, const pr_backend *be, const pr_mesh *mesh,
                                        pr_error *err) {
     if (!out || !mesh) return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: NULL %s", out ? "mesh" : "argument");
+    pr_status mst = pr__mesh_check(mesh, err);
+    if (mst) return mst;
     pr_trainer *tr = NULL;
     pr_status st = pr__trainer_new(&tr, cfg, be, mesh, err);
     if (st && be && mesh->world->size > 1) return pr__create_failed_agree(be, mesh, st, err);
@@ -5968,6 +6032,8 @@ static pr_status pr__get_full_arena(pr_trainer *tr, const pr_real *arena, pr_rea
 
 PRDEF pr_status pr_trainer_get_full(pr_trainer *tr, pr_arena_kind which, pr_real *dst, size_t n, pr_error *err) {
     if (!tr || !dst) return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: NULL argument");
+    if (which != PR_ARENA_PARAMS && which != PR_ARENA_GRADS)
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_get_full: arena %d is neither PR_ARENA_PARAMS nor PR_ARENA_GRADS", (int)which);
     const pr_real *arena = which == PR_ARENA_GRADS ? tr->grads : tr->params;
     if (!tr->mesh) {
         pr_status st = pr__check_count(tr, dst, n, "pr_trainer_get_full", err);
@@ -6542,7 +6608,7 @@ static void pr__split_reduce_gkv(pr_trainer *tr, pr__step_ctx *cx, const pr__kv_
 
 /* ---------------------------------------------------------------- 7.7 Data parallelism */
 PRDEF pr_status pr_dp_place(const pr_config *cfg, const pr_group *groups, int n, int ranks, pr_schedule schedule, int *owner) {
-    if (!owner) return PR_OK;
+    if (!owner || n < 1) return PR_OK;
     double *load = (double *)PR_MALLOC(sizeof(double) * (size_t)(ranks > 0 ? ranks : 1));
     char *done = (char *)PR_MALLOC((size_t)(n > 0 ? n : 1));
     if (!load || !done || ranks < 1 || !cfg || !groups) {   /* everything on rank 0 */
@@ -9701,21 +9767,20 @@ static pr_status pr__trace_reals(pr_error *err, pr_status code, const char *wher
     return PR_OK;
 }
 
-static pr_status pr__group_check(const pr_group *g, int vocab_size, pr_status code, const char *where,
-                                 pr_error *err) {
+/* A group's shape: P, G and the suffix lengths in range, suffix_off their running sums, P plus the
+   longest suffix an int, and the arrays that hold the shape there (suffix_len, suffix_off,
+   loss_mask): what a reader of the loss mask alone relies on. */
+static pr_status pr__group_shape(const pr_group *g, pr_status code, const char *where, pr_error *err) {
     pr_status st;
-    int i, smax = 0;
+    int smax = 0;
     if (!g) return pr__fail(err, PR_ERR_ARG, "%s: NULL group", where);
-    if (vocab_size < 1) return pr__fail(err, code, "%s: vocab_size = %d (must be >= 1)", where, vocab_size);
     if ((st = pr__trace_count(err, code, where, "P (prefix length)", g->P)) ||
         (st = pr__trace_count(err, code, where, "G (number of suffixes)", g->G)))
         return st;
-    if (!g->prefix || !g->suffix_len || !g->suffix_off || !g->tokens || !g->advantage || !g->old_logp ||
-        !g->loss_mask)
-        return pr__fail(err, code, "%s: NULL array (only ref_logp may be NULL)", where);
+    if (!g->suffix_len || !g->suffix_off || !g->loss_mask) return pr__fail(err, code, "%s: NULL array (only ref_logp may be NULL)", where);
     if (g->suffix_off[0] != 0)
         return pr__fail(err, code, "%s: suffix_off[0] = %lld (must be 0)", where, (long long)g->suffix_off[0]);
-    for (i = 0; i < g->G; i++) {
+    for (int i = 0; i < g->G; i++) {
         char field[32];
         snprintf(field, sizeof field, "suffix_len[%d]", i);
         if ((st = pr__trace_count(err, code, where, field, g->suffix_len[i]))) return st;
@@ -9727,6 +9792,17 @@ static pr_status pr__group_check(const pr_group *g, int vocab_size, pr_status co
     }
     if (g->P > INT_MAX - smax)
         return pr__fail(err, code, "%s: P %d + longest suffix %d does not fit an int", where, g->P, smax);
+    return PR_OK;
+}
+
+static pr_status pr__group_check(const pr_group *g, int vocab_size, pr_status code, const char *where,
+                                 pr_error *err) {
+    pr_status st;
+    int i;
+    if (!g) return pr__fail(err, PR_ERR_ARG, "%s: NULL group", where);
+    if (vocab_size < 1) return pr__fail(err, code, "%s: vocab_size = %d (must be >= 1)", where, vocab_size);
+    if ((st = pr__group_shape(g, code, where, err))) return st;
+    if (!g->prefix || !g->tokens || !g->advantage || !g->old_logp) return pr__fail(err, code, "%s: NULL array (only ref_logp may be NULL)", where);
     if ((st = pr__trace_tokens(err, code, where, -1, g->prefix, g->P, vocab_size)) ||
         (st = pr__trace_reals(err, code, where, -1, "advantage", g->advantage, g->G, 0)))
         return st;
@@ -10416,7 +10492,10 @@ static pr_status pr__state_json(const pr_train_state *s, long step, int version,
     snprintf(line, sizeof line, "  \"adamw\": {\"lr\": %.17g, \"beta1\": %.17g, \"beta2\": %.17g, \"eps\": %.17g,\n", o->lr, o->beta1,
              o->beta2, o->eps);
     pr__buf_str(b, line);
-    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %.17g}%s\n", o->weight_decay, o->max_grad_norm,
+    char clip[32];                        /* infinity (never clips) as a number JSON has: 1e999 reads back as it */
+    if (isinf(o->max_grad_norm)) snprintf(clip, sizeof clip, "1e999");
+    else snprintf(clip, sizeof clip, "%.17g", o->max_grad_norm);
+    snprintf(line, sizeof line, "            \"weight_decay\": %.17g, \"max_grad_norm\": %s}%s\n", o->weight_decay, clip,
              s->data_fingerprint ? "," : "");
     pr__buf_str(b, line);
     if (s->data_fingerprint) {   /* a string: JSON numbers are doubles to most readers */
@@ -10744,6 +10823,10 @@ PRDEF pr_status pr_trainer_save_state(pr_trainer *tr, const char *dir, const pr_
                                       pr_error *err) {
     if (!tr || !dir || !dir[0] || !state) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: NULL argument");
     if (strlen(dir) > 3900) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: path too long");
+    /* what the load would refuse, or trainer_state.json could not hold, refused before anything is written */
+    if (state->next_group < 0) return pr__fail(err, PR_ERR_ARG, "pr_trainer_save_state: next_group %ld (must be >= 0)", state->next_group);
+    const pr_status ast = pr__adamw_check(&state->adamw, err);
+    if (ast) return ast;
     if (tr->mesh && tr->mesh->world->size > 1) return pr__save_state_ranks(tr, dir, state, opts, err);
     return pr__save_state_one(tr, dir, state, opts, err);
 }
@@ -11170,48 +11253,70 @@ static int pr__tree_node(pr__tree_build *b, int parent, int start, int len, int 
    node so far is `parent`. The run is extended as far as they all agree; a run long enough (or
    one group's own) becomes a node, the groups that go on split by their next token. A run too
    short for a node is carried down into each class of the split, which shares it plus its token. */
-static void pr__tree_place(pr__tree_build *b, int lo, int hi, int start, int d, int parent) {
+/* A span of the placement still to place: groups ord[lo..hi) that agree on their first d tokens,
+   the node above them `parent`, which ends at start. */
+typedef struct {
+    int lo, hi, start, d, parent;
+} pr__tree_span;
+/* The groups ord[0..n) placed, a span at a time from a stack of them (spans are disjoint ranges of
+   ord, so at most n wait): each span's run of common tokens becomes a node (or stays in its groups'
+   own when shorter than min_shared), then its classes of the next token are pushed last first, so
+   that each class and everything below it is placed before the next class (depth first, nodes in
+   the order of a recursion, without one deep as the longest chain of nested prefixes). */
+static void pr__tree_place(pr__tree_build *b, pr__tree_span *stack, int n) {
     const pr_group *g = b->groups;
-    int *ord = b->order;
-    for (;;) {                                  /* extend d while every group has the same token there */
-        int same = 1;
-        for (int i = lo; i < hi && same; i++)
-            same = g[ord[i]].P > d && g[ord[i]].prefix[d] == g[ord[lo]].prefix[d];
-        if (!same) break;
-        d++;
-    }
-    if (hi - lo == 1 || d - start >= b->min_shared) {
-        int node = d > start ? pr__tree_node(b, parent, start, d - start, hi - lo) : parent;
-        int k = lo;                             /* the groups that end here first */
-        for (int i = lo; i < hi; i++)
-            if (g[ord[i]].P == d) {
-                b->t->group_node[ord[i]] = node;
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        start = d;
-        parent = node;
-        lo = k;
-    } else {                                    /* too short to share: the groups ending inside it keep their own */
-        int k = lo;
-        for (int i = lo; i < hi; i++)
-            if (g[ord[i]].P == d) {
-                b->t->group_node[ord[i]] = pr__tree_node(b, parent, start, d - start, 1);
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        lo = k;
-    }
-    while (lo < hi) {                           /* each class of the next token */
-        const int32_t tok = g[ord[lo]].prefix[d];
-        int k = lo + 1;
-        for (int i = lo + 1; i < hi; i++)
-            if (g[ord[i]].prefix[d] == tok) {
-                int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
-                k++;
-            }
-        pr__tree_place(b, lo, k, start, d + 1, parent);
-        lo = k;
+    int *ord = b->order, top = 0;
+    stack[top].lo = 0, stack[top].hi = n, stack[top].start = 0, stack[top].d = 0, stack[top].parent = -1;
+    top++;
+    while (top) {
+        const pr__tree_span sp = stack[--top];
+        int lo = sp.lo, start = sp.start, d = sp.d, parent = sp.parent;
+        const int hi = sp.hi;
+        for (;;) {                              /* extend d while every group has the same token there */
+            int same = 1;
+            for (int i = lo; i < hi && same; i++)
+                same = g[ord[i]].P > d && g[ord[i]].prefix[d] == g[ord[lo]].prefix[d];
+            if (!same) break;
+            d++;
+        }
+        if (hi - lo == 1 || d - start >= b->min_shared) {
+            int node = d > start ? pr__tree_node(b, parent, start, d - start, hi - lo) : parent;
+            int k = lo;                         /* the groups that end here first */
+            for (int i = lo; i < hi; i++)
+                if (g[ord[i]].P == d) {
+                    b->t->group_node[ord[i]] = node;
+                    int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                    k++;
+                }
+            start = d;
+            parent = node;
+            lo = k;
+        } else {                                /* too short to share: the groups ending inside it keep their own */
+            int k = lo;
+            for (int i = lo; i < hi; i++)
+                if (g[ord[i]].P == d) {
+                    b->t->group_node[ord[i]] = pr__tree_node(b, parent, start, d - start, 1);
+                    int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                    k++;
+                }
+            lo = k;
+        }
+        const int first = top;
+        while (lo < hi) {                       /* each class of the next token */
+            const int32_t tok = g[ord[lo]].prefix[d];
+            int k = lo + 1;
+            for (int i = lo + 1; i < hi; i++)
+                if (g[ord[i]].prefix[d] == tok) {
+                    int x = ord[k]; ord[k] = ord[i]; ord[i] = x;
+                    k++;
+                }
+            stack[top].lo = lo, stack[top].hi = k, stack[top].start = start, stack[top].d = d + 1, stack[top].parent = parent;
+            top++;
+            lo = k;
+        }
+        for (int i = first, j = top - 1; i < j; i++, j--) {   /* the first class on top */
+            const pr__tree_span x = stack[i]; stack[i] = stack[j]; stack[j] = x;
+        }
     }
 }
 
@@ -11227,10 +11332,12 @@ PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *group
     t.nodes = (pr_prefix_node *)PR_MALLOC(sizeof(pr_prefix_node) * 2 * (size_t)n);
     t.group_node = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
     int *order = (int *)PR_MALLOC(sizeof(int) * (size_t)n);
-    if (!t.nodes || !t.group_node || !order) {
+    pr__tree_span *stack = (pr__tree_span *)PR_MALLOC(sizeof(pr__tree_span) * (size_t)n);
+    if (!t.nodes || !t.group_node || !order || !stack) {
         PR_FREE(t.nodes);
         PR_FREE(t.group_node);
         PR_FREE(order);
+        PR_FREE(stack);
         return pr__fail(err, PR_ERR_NOMEM, "pr_prefix_tree_build: out of memory for %d groups", n);
     }
     t.n_groups = n;
@@ -11240,8 +11347,9 @@ PRDEF pr_status pr_prefix_tree_build(pr_prefix_tree *tree, const pr_group *group
         t.tokens_groups += groups[i].P;
     }
     pr__tree_build b = { groups, order, &t, min_shared };
-    pr__tree_place(&b, 0, n, 0, 0, -1);
+    pr__tree_place(&b, stack, n);
     PR_FREE(order);
+    PR_FREE(stack);
     *tree = t;
     return PR_OK;
 }

@@ -38,6 +38,7 @@ static void *test_realloc(void *p, size_t n) { return alloc_fails(n) ? NULL : re
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <pthread.h>
 #include <unistd.h>
 
 /* Removes a scratch folder made by a test, with its files and folders (two levels suffice here). */
@@ -2046,6 +2047,135 @@ static pr_status mesh_sizes_rank(pr_comm *world, void *user, pr_error *err) {
         if (!st) pr_mesh_free(&m);
     }
     return PR_OK;
+}
+
+/* The public API's refusals of malformed arguments (a probe of every public function found each;
+   each case crashed, or returned PR_OK, before its check). Meshes on a world of one rank: */
+static pr_status api_mesh_rank(pr_comm *world, void *user, pr_error *err) {
+    (void)user, (void)err;
+    pr_config c = small_config(0, 0, 2);
+    pr_trainer *tr = NULL;
+    pr_error e;
+    pr_mesh m;
+    CHECK(!pr_mesh_init(&m, world, 1, 1, 1, 1, 1, &e), "api: a mesh of one rank: %s", e.message);
+    pr_mesh kept = m;
+    CHECK(pr_mesh_init(&m, world, 0, 1, 1, 1, 1, &e) == PR_ERR_ARG && !memcmp(&m, &kept, sizeof m),
+          "api: a refused pr_mesh_init leaves the caller's mesh (and its communicators) as it was");
+    struct { const char *what, *needle; } cases[] = {
+        { "zeroed", "no communicators" }, { "tp 0", "is not one of the world's" }, { "pp 0", "is not one of the world's" },
+        { "tp_rank 5", "are not world rank 0's" }, { "zero 3", "zero 3" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        pr_mesh bad = m;
+        if (k == 0) memset(&bad, 0, sizeof bad);
+        if (k == 1) bad.tp = 0;
+        if (k == 2) bad.pp = 0;
+        if (k == 3) bad.tp_rank = 5;
+        if (k == 4) bad.zero = 3;
+        e.message[0] = 0;
+        const pr_status st = pr_trainer_create_mesh(&tr, &c, pr_backend_cpu(), &bad, &e);
+        CHECK(st == PR_ERR_ARG && !tr && strstr(e.message, cases[k].needle), "api: a mesh %s: status %d (%s)", cases[k].what, st,
+              e.message);
+    }
+    pr_mesh_free(&m);
+    return PR_OK;
+}
+
+typedef struct {
+    const pr_group *groups;
+    int n;
+    pr_status st;
+    pr_prefix_tree tree;
+} api_tree_run;
+static void *api_tree_build(void *user) {
+    api_tree_run *r = user;
+    pr_error e;
+    r->st = pr_prefix_tree_build(&r->tree, r->groups, r->n, 1, &e);
+    return NULL;
+}
+
+static void test_api_refusals(void) {
+    pr_config c = small_config(0, 0, 2);
+    pr_error e;
+    {
+        pr_error me;
+        CHECK(!pr_comm_local_run(1, api_mesh_rank, NULL, &me), "api meshes: %s", me.message);
+    }
+    /* a group's shape, before pr_step_loss_totals reads its loss mask */
+    const int S[3] = { 3, 2, 4 };
+    test_group t;
+    make_group(&t, 5, 3, S, c.vocab_size, 41);
+    pr_step_norm nt;
+    CHECK(!pr_step_loss_totals(&t.g, 1, 0, &nt, &e) && nt.tokens > 0, "api: loss totals of a valid group: %s", e.message);
+    t.off[3] = 4096;                      /* past the loss mask's 9 entries */
+    CHECK(pr_step_loss_totals(&t.g, 1, 0, &nt, &e) == PR_ERR_ARG && strstr(e.message, "suffix_off[3]"),
+          "api: loss totals with suffix_off past the suffixes: %s", e.message);
+    t.off[3] = 9;
+    t.len[0] = -100;
+    CHECK(pr_step_loss_totals(&t.g, 1, 0, &nt, &e) == PR_ERR_ARG, "api: loss totals with a negative suffix length");
+    t.len[0] = 3;
+    /* placements and FLOPs of nothing, or of a group without lengths */
+    int owner[2] = { 7, 7 };
+    CHECK(!pr_dp_place(&c, &t.g, -3, 2, PR_SCHEDULE_REUSE, owner) && owner[0] == 7, "api: pr_dp_place of -3 groups places none");
+    pr_step_phase_flops(&c, &t.g, PR_SCHEDULE_REUSE, NULL);   /* nothing to write */
+    pr_group nolen = t.g;
+    nolen.suffix_len = NULL;
+    double f[3] = { 1, 1, 1 };
+    pr_step_phase_flops(&c, &nolen, PR_SCHEDULE_REUSE, f);
+    CHECK(f[0] == 0 && f[1] == 0 && f[2] == 0 && pr_step_flops(&c, &nolen, PR_SCHEDULE_BASELINE) == 0,
+          "api: FLOPs of a group without suffix lengths are zeros");
+    /* a backend of sizes only: refused, not called */
+    pr_backend sizes;
+    pr_trainer *tr = NULL;
+    CHECK(pr_trainer_create(&tr, &c, pr_backend_cuda_sizes(&sizes), &e) == PR_ERR_ARG && !tr && strstr(e.message, "no alloc kernel"),
+          "api: a trainer on a backend without kernels: %s", e.message);
+    /* an arena that is neither */
+    tr = make_model(&c, 43);
+    const size_t n = pr_trainer_param_count(tr);
+    pr_real *buf = malloc(sizeof(pr_real) * n);
+    CHECK(pr_trainer_get_full(tr, (pr_arena_kind)7, buf, n, &e) == PR_ERR_ARG, "api: pr_trainer_get_full of arena 7");
+    /* a state the load would refuse, or JSON could not hold, is not written; infinity is */
+    char dir[] = "/tmp/pr_api_state_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "api: a temporary folder");
+    pr_train_state st = { 0, 0, 1, pr_adamw_opts_default(), 0 };
+    CHECK(!pr_trainer_save_state(tr, dir, &st, NULL, &e), "api: a valid state: %s", e.message);
+    for (int k = 0; k < 4; k++) {
+        pr_train_state bad = st;
+        if (k == 0) bad.adamw.lr = NAN;
+        if (k == 1) bad.adamw.eps = INFINITY;
+        if (k == 2) bad.adamw.beta1 = -5;
+        if (k == 3) bad.next_group = -1;
+        CHECK(pr_trainer_save_state(tr, dir, &bad, NULL, &e) == PR_ERR_ARG, "api: save_state refuses bad setting %d", k);
+    }
+    pr_train_state back;
+    CHECK(!pr_train_state_read(dir, NULL, 0, &back, &e) && back.adamw.lr == st.adamw.lr, "api: the valid state stays: %s", e.message);
+    st.adamw.max_grad_norm = INFINITY;
+    CHECK(!pr_trainer_save_state(tr, dir, &st, NULL, &e) && !pr_train_state_read(dir, NULL, 0, &back, &e) &&
+          isinf(back.adamw.max_grad_norm) && back.adamw.max_grad_norm > 0, "api: max_grad_norm infinity saved and read back: %s", e.message);
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0, "api: %s", cmd);
+    free(buf);
+    pr_trainer_destroy(tr);
+    /* a chain of nested prefixes (group k's: the first k + 1 tokens of one run) on a small stack:
+       the placement's depth is the chain's, 10,000 */
+    enum { CHAIN = 10000 };
+    pr_group *chain = calloc(CHAIN, sizeof *chain);
+    int32_t *run = malloc(sizeof(int32_t) * CHAIN);
+    for (int k = 0; k < CHAIN; k++) run[k] = k % 50;
+    for (int k = 0; k < CHAIN; k++) chain[k].P = k + 1, chain[k].G = 1, chain[k].prefix = run;
+    api_tree_run r = { chain, CHAIN, PR_ERR_ARG, { 0 } };
+    pthread_attr_t attr;
+    pthread_t th;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 << 10);
+    CHECK(!pthread_create(&th, &attr, api_tree_build, &r) && !pthread_join(th, NULL), "api: the tree's thread");
+    pthread_attr_destroy(&attr);
+    CHECK(r.st == PR_OK && r.tree.n_nodes == CHAIN && r.tree.group_node[CHAIN - 1] == CHAIN - 1,
+          "api: a tree of %d nested prefixes on 256 KiB of stack: status %d, %d nodes", CHAIN, r.st, r.tree.n_nodes);
+    pr_prefix_tree_free(&r.tree);
+    free(run);
+    free(chain);
 }
 
 static void test_mesh(void) {
@@ -4449,6 +4579,7 @@ int main(void) {
     test_prefix_loss();
     test_cp_cut();
     test_mesh();
+    test_api_refusals();
     test_mesh_faults();
     test_create_faults();
     test_load_faults();
