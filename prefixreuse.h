@@ -5741,7 +5741,7 @@ static pr_status pr__create_failed_agree(const pr_backend *be, const pr_mesh *me
    any rank takes part in a collective of it. */
 static pr_status pr__mesh_check(const pr_mesh *m, pr_error *err) {
     if (!m->world || !m->dp_comm || !m->pp_comm || !m->cp_comm || !m->tp_comm || !m->ends_comm)
-        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: the mesh has no communicators (one pr_mesh_init made, or refused)");
+        return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: the mesh has no communicators (not one pr_mesh_init made, or one it refused)");
     if (m->dp < 1 || m->pp < 1 || m->cp < 1 || m->tp < 1 || (m->ep != 1 && m->ep != m->tp) ||
         pr__mesh_ranks(m->dp, m->pp, m->cp, m->tp, m->world->size) != m->world->size)
         return pr__fail(err, PR_ERR_ARG, "pr_trainer_create_mesh: mesh dp %d x pp %d x cp %d x tp %d (ep %d) is not one of the "
@@ -11249,20 +11249,18 @@ static int pr__tree_node(pr__tree_build *b, int parent, int start, int len, int 
     return b->t->n_nodes++;
 }
 
-/* The groups order[lo..hi-1] share prefix positions start .. d-1, which no node holds yet; their
-   node so far is `parent`. The run is extended as far as they all agree; a run long enough (or
-   one group's own) becomes a node, the groups that go on split by their next token. A run too
-   short for a node is carried down into each class of the split, which shares it plus its token. */
-/* A span of the placement still to place: groups ord[lo..hi) that agree on their first d tokens,
-   the node above them `parent`, which ends at start. */
+/* A span still to place: the groups order[lo..hi-1] share prefix positions start .. d-1, which no
+   node holds yet; their node so far is `parent`. */
 typedef struct {
     int lo, hi, start, d, parent;
 } pr__tree_span;
-/* The groups ord[0..n) placed, a span at a time from a stack of them (spans are disjoint ranges of
-   ord, so at most n wait): each span's run of common tokens becomes a node (or stays in its groups'
-   own when shorter than min_shared), then its classes of the next token are pushed last first, so
-   that each class and everything below it is placed before the next class (depth first, nodes in
-   the order of a recursion, without one deep as the longest chain of nested prefixes). */
+/* The groups order[0..n-1] placed, a span at a time from a stack of them (spans are disjoint ranges
+   of order, so at most n wait). A span's run is extended as far as its groups all agree; a run
+   long enough (or one group's own) becomes a node, the groups that go on split by their next
+   token. A run too short for a node is carried down into each class of the split, which shares it
+   plus its token. The classes are pushed last first, so that each class and everything below it
+   is placed before the next (depth first: a recursion's order, without a recursion as deep as the
+   longest chain of nested prefixes). */
 static void pr__tree_place(pr__tree_build *b, pr__tree_span *stack, int n) {
     const pr_group *g = b->groups;
     int *ord = b->order, top = 0;
